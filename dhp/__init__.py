@@ -1,0 +1,1 @@
+"""dhp: disaggregated hybrid parallelism for multimodal training."""

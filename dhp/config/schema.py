@@ -1,0 +1,197 @@
+"""Typed schema of a dhp run.
+
+Hydra composes YAML from ``conf/`` and ``recipes/`` onto these dataclasses in struct mode, so an
+unknown key is an error. ``dhp.config.load`` (see ``loader.py``) validates the result and returns
+a frozen :class:`RunConfig`. Sub-configs are passed keyword-only to the functions that need them;
+nothing reads the root config with ``.get(key, default)``.
+
+Units: sizes in tokens/patches, memory in GiB (float) in YAML, bytes inside the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from omegaconf import MISSING
+
+
+@dataclass
+class VisionArch:
+    """Architecture of the Qwen2.5-VL vision encoder (incl. the patch merger)."""
+
+    depth: int = 32
+    hidden_size: int = 1280
+    num_heads: int = 16
+    intermediate_size: int = 3420
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    in_channels: int = 3
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+
+
+@dataclass
+class LLMArch:
+    """Architecture of the language model (embeddings, decoder layers, norm, lm_head)."""
+
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 128000
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+
+
+@dataclass
+class SpecialTokens:
+    """Token ids the model graph relies on (must agree with the tokenizer in ``model.path``)."""
+
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    bos_token_id: int = 151643
+    eos_token_id: int = 151645
+    pad_token_id: int = 151643
+
+
+@dataclass
+class ModelConfig:
+    """Which model: architecture numbers (used by the planner) and where weights live.
+
+    ``path``: a local HF directory (config.json, safetensors, tokenizer, preprocessor). When it is
+    set, its config.json must agree with ``vision``/``llm``. When it is null, modules are built with
+    random init from the architecture numbers (benchmarks, planning, smoke tests).
+    """
+
+    name: str = MISSING
+    family: str = "qwen2_5_vl"
+    path: str | None = None
+    dtype: str = "bfloat16"  # parameter/compute dtype of the model: float32 | bfloat16
+    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager
+    vision: VisionArch = field(default_factory=VisionArch)
+    llm: LLMArch = field(default_factory=LLMArch)
+    tokens: SpecialTokens = field(default_factory=SpecialTokens)
+
+
+@dataclass
+class ClusterConfig:
+    """The hardware a plan is compiled for. On CPU a "gpu" is one gloo rank (a CPU slot)."""
+
+    name: str = MISSING
+    device: str = "cuda"  # cuda | cpu
+    nodes: int = 1
+    gpus_per_node: int = 8
+    device_memory_gib: float = 80.0
+    peak_bf16_tflops: float = 989.0  # per device, dense
+    intra_node_gbps: float = 450.0  # GB/s per direction (NVLink)
+    inter_node_gbps: float = 50.0  # GB/s per node (IB)
+    cpus_per_rank: float = 1.0  # Ray num_cpus per rank bundle (fractional on small CPU boxes)
+    ray_address: str | None = None  # null: local Ray (or $RAY_ADDRESS); else join this cluster
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of one module's mesh. ``gpus`` of the module must equal dp*fsdp*sp*tp.
+
+    Mesh axis order (outer -> inner): dp, fsdp, sp, tp. sp and tp are mutually exclusive.
+    zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across dp).
+    """
+
+    dp: int = 1
+    fsdp: int = 1
+    sp: int = 1
+    tp: int = 1
+    zero: int = 0
+
+
+@dataclass
+class ModuleConfig:
+    """One module = one Ray actor group with its own torch.distributed world.
+
+    seq_len: for the vision module, the max patches per micro-batch (per DP replica);
+    for the LLM, the max tokens per sample (micro-batch rows are padded to the longest sample).
+    """
+
+    gpus: int = 1
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seq_len: int = 4096
+    activation_checkpointing: bool = False
+    freeze: bool = False
+    mixed_precision: str = "bf16_master_fp32"  # bf16_master_fp32 | bf16 | fp32
+
+
+@dataclass
+class DatasetEntry:
+    """One LLaVA-style dataset (JSON or JSONL) with an image root, mixed by weight."""
+
+    name: str = MISSING
+    path: str = MISSING
+    image_root: str = MISSING
+    weight: float = 1.0
+
+
+@dataclass
+class SyntheticData:
+    """Deterministic fixed-size samples: ``images_per_sample`` images of exactly ``patches`` patches."""
+
+    num_samples: int = 64
+    patches: int = 1024
+    images_per_sample: int = 1
+    text_tokens: int = 128
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from and how they are processed. Owned by ``dhp/data``."""
+
+    kind: str = "llava"  # llava | synthetic
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    synthetic: SyntheticData = field(default_factory=SyntheticData)
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448
+    on_bad_sample: str = "raise"  # raise | skip
+    num_workers: int = 0
+    shuffle: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop: batch sizes, schedule, checkpoints, logging."""
+
+    steps: int = 100
+    global_batch_size: int = 8  # samples per optimizer step, over all DP replicas
+    micro_batch_size: int = 1  # samples per forward, per DP replica
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    seed: int = 0
+    output_dir: str = "runs"
+    log_every: int = 1
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    resume: str | None = None  # null | auto | a checkpoint path
+    save_on_interrupt: bool = True
+    tensorboard: bool = False
+
+
+@dataclass
+class RunConfig:
+    """The root: one training job, composed from conf/ groups by a recipe."""
+
+    name: str = MISSING
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    modules: dict[str, ModuleConfig] = field(default_factory=dict)
+    placement: str = "collocated"  # collocated | disaggregated
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
