@@ -1,0 +1,130 @@
+"""The model-family protocol: a model as a graph of modules that run in different processes.
+
+A family names its modules (each becomes one actor group with its own world and parallelism), the
+hand-offs between them (what tensor flows from which producer to which consumer), and how each
+module is built alone (meta device first) and fed its own checkpoint tensors. Nothing here knows
+about parallelism: ``dhp/parallel`` wraps the modules a family builds.
+
+Adding a family (say LLaVA-OneVision) or a module (say an audio encoder) means writing one more
+:class:`ModelFamily` implementation and registering it with :func:`register_family`; the runtime
+walks ``module_names`` and ``handoffs`` and never names a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from dhp.errors import ConfigError, ConfigIssue
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from dhp.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """One edge of the module graph: ``producer`` emits ``tensor``, ``consumer`` takes it as ``kwarg``.
+
+    ``layout`` says how rows are ordered and where the consumer places them (the runtime moves the
+    rows; the consumer places them). The backward edge is implied: the consumer returns the
+    gradient w.r.t. this tensor and the producer backpropagates it.
+    """
+
+    producer: str
+    consumer: str
+    kwarg: str
+    layout: str
+
+
+@dataclass(frozen=True)
+class LLMOutput:
+    """What an LLM module returns for one micro-batch.
+
+    ``loss_sum``: fp32 scalar, SUM of the shifted token cross-entropies (labels != -100).
+    ``num_tokens``: how many label tokens that sum covers. HF's mean loss == loss_sum / num_tokens.
+    """
+
+    loss_sum: torch.Tensor
+    num_tokens: int
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """A model family as a graph of independently built and loaded modules."""
+
+    name: str
+    module_names: tuple[str, ...]  # producers before consumers
+    handoffs: tuple[HandOff, ...]
+
+    def hf_config(self, model_cfg: ModelConfig) -> PretrainedConfig:
+        """The transformers config for the schema's architecture numbers, dtype and attention."""
+        ...
+
+    def hf_config_from_dir(self, path: str, *, attn_implementation: str = "sdpa") -> PretrainedConfig:
+        """The transformers config of a local HF directory (``config.json``), validated for this family."""
+        ...
+
+    def tiny_model_config(self) -> ModelConfig:
+        """A tiny architecture for tests (seconds on CPU); agrees with ``conf/model/tiny.yaml``."""
+        ...
+
+    def build_module(
+        self, name: str, hf_config: PretrainedConfig, *, device: torch.device | str, dtype: torch.dtype
+    ) -> nn.Module:
+        """Build one module alone. On ``meta`` nothing is allocated; elsewhere it is randomly initialised."""
+        ...
+
+    def init_buffers(self, name: str, module: nn.Module) -> None:
+        """Recompute the module's non-persistent buffers in place (after ``to_empty`` from meta)."""
+        ...
+
+    def checkpoint_keys(self, name: str, fqn: str) -> tuple[str, ...]:
+        """Checkpoint key(s) that may hold module parameter ``fqn``, preferred first."""
+        ...
+
+    def tied_parameters(self, name: str, hf_config: PretrainedConfig) -> dict[str, str]:
+        """``{fqn: source_fqn}`` of parameters that share storage and are not read from the checkpoint."""
+        ...
+
+    def reference_model(self, hf_config: PretrainedConfig) -> nn.Module:
+        """The untouched single-process transformers model (parity, ``dhp verify``)."""
+        ...
+
+    def split_state_dict(self, ref_state_dict: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Cut the reference model's state dict into ``{module_name: {module_fqn: tensor}}``."""
+        ...
+
+
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {}
+
+
+def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
+    """Make ``get_family(name)`` return ``factory()``."""
+    _REGISTRY[name] = factory
+
+
+def family_names() -> Iterable[str]:
+    """Registered family names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family ``name``; a ConfigError lists the known ones otherwise."""
+    if name not in _REGISTRY:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    path="model.family",
+                    value=name,
+                    rule=f"unknown model family; known: {', '.join(family_names())}",
+                    fix="set model.family to one of the known families",
+                )
+            ]
+        )
+    return _REGISTRY[name]()

@@ -1,0 +1,294 @@
+"""Qwen2.5-VL as a :class:`~dhp.models.family.ModelFamily`: modules ``vision`` -> ``llm``.
+
+Checkpoint layout (transformers >= 4.52 / 5.x): ``model.visual.*``, ``model.language_model.*``,
+``lm_head.*``. The hub's older layout (``visual.*``, ``model.*``) is accepted too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2_5_VLTextModel,
+)
+
+from dhp.config.schema import LLMArch, ModelConfig, SpecialTokens, VisionArch
+from dhp.errors import CheckpointError, ConfigError, ConfigIssue
+from dhp.models.family import HandOff
+from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Special token ids of the tiny tokenizer written by make_tiny_checkpoint (specials come first).
+TINY_TOKENS = SpecialTokens(
+    image_token_id=12,
+    video_token_id=13,
+    vision_start_token_id=9,
+    vision_end_token_id=10,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a ConfigError for anything else unknown."""
+    if name not in DTYPES:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "model.dtype", name, f"unknown dtype; known: {sorted(DTYPES)}", "use float32 or bfloat16"
+                )
+            ]
+        )
+    return DTYPES[name]
+
+
+class Qwen25VLFamily:
+    """Qwen2.5-VL: ``vision`` (ViT + merger) feeds ``image_embeds`` to ``llm`` (decoder + lm_head)."""
+
+    name = "qwen2_5_vl"
+    module_names = ("vision", "llm")
+    handoffs = (
+        HandOff(
+            producer="vision",
+            consumer="llm",
+            kwarg="image_embeds",
+            layout="(N_image_tokens, llm_hidden): all images of the micro-batch in order, each in "
+            "original (row-major merged-patch) order; placed at the <|image_pad|> positions",
+        ),
+    )
+
+    # --- configs -------------------------------------------------------------------------------
+    def hf_config(self, model_cfg: ModelConfig) -> Qwen2_5_VLConfig:
+        """Build the transformers config from the schema's numbers (no file is read)."""
+        v, t, tok = model_cfg.vision, model_cfg.llm, model_cfg.tokens
+        return Qwen2_5_VLConfig(
+            vision_config=dict(
+                depth=v.depth,
+                hidden_size=v.hidden_size,
+                num_heads=v.num_heads,
+                intermediate_size=v.intermediate_size,
+                patch_size=v.patch_size,
+                spatial_merge_size=v.spatial_merge_size,
+                temporal_patch_size=v.temporal_patch_size,
+                window_size=v.window_size,
+                in_channels=v.in_channels,
+                fullatt_block_indexes=list(v.fullatt_block_indexes),
+                out_hidden_size=t.hidden_size,
+                hidden_act="silu",
+            ),
+            text_config=dict(
+                vocab_size=t.vocab_size,
+                hidden_size=t.hidden_size,
+                num_hidden_layers=t.num_layers,
+                num_attention_heads=t.num_heads,
+                num_key_value_heads=t.num_kv_heads,
+                intermediate_size=t.intermediate_size,
+                rms_norm_eps=t.rms_norm_eps,
+                max_position_embeddings=t.max_position_embeddings,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": t.rope_theta,
+                    "mrope_section": list(t.mrope_section),
+                },
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            ),
+            image_token_id=tok.image_token_id,
+            video_token_id=tok.video_token_id,
+            vision_start_token_id=tok.vision_start_token_id,
+            vision_end_token_id=tok.vision_end_token_id,
+            tie_word_embeddings=t.tie_word_embeddings,
+            attn_implementation=model_cfg.attn_implementation,
+            dtype=torch_dtype(model_cfg.dtype),
+        )
+
+    def hf_config_from_dir(
+        self, path: str | Path, *, attn_implementation: str = "sdpa"
+    ) -> Qwen2_5_VLConfig | Qwen2_5_VLTextConfig:
+        """Read ``config.json`` of a local HF directory: a Qwen2.5-VL config, or a text-only one."""
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{cfg_file} not found. Fix: point model.path at a HF model directory.")
+        raw = json.loads(cfg_file.read_text())
+        kind = raw.get("model_type")  # file content, not our config: absent is an error below
+        if kind == "qwen2_5_vl":
+            cfg = Qwen2_5_VLConfig.from_pretrained(str(path))
+        elif kind in ("qwen2_5_vl_text", "qwen2"):
+            cfg = Qwen2_5_VLTextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+        else:
+            raise CheckpointError(
+                f"{cfg_file}: model_type {kind!r} is not a {self.name} model (expected 'qwen2_5_vl', or "
+                f"'qwen2_5_vl_text'/'qwen2' for a text-only LLM). Fix: set model.family to match the checkpoint."
+            )
+        cfg._attn_implementation = attn_implementation
+        return cfg
+
+    def tiny_model_config(self) -> ModelConfig:
+        """The tiny test architecture (same numbers as ``conf/model/tiny.yaml``), fp32."""
+        return ModelConfig(
+            name="tiny",
+            family=self.name,
+            path=None,
+            dtype="float32",
+            attn_implementation="sdpa",
+            vision=VisionArch(
+                depth=4,
+                hidden_size=32,
+                num_heads=4,
+                intermediate_size=64,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=112,
+                in_channels=3,
+                fullatt_block_indexes=[1, 3],
+            ),
+            llm=LLMArch(
+                hidden_size=128,
+                num_layers=2,
+                num_heads=8,
+                num_kv_heads=4,
+                intermediate_size=256,
+                vocab_size=1024,
+                tie_word_embeddings=False,
+                rope_theta=1000000.0,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=4096,
+                mrope_section=[2, 3, 3],
+            ),
+            tokens=copy.deepcopy(TINY_TOKENS),
+        )
+
+    # --- modules -------------------------------------------------------------------------------
+    def modules_for(self, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> tuple[str, ...]:
+        """The modules this config has: both, or only ``llm`` for a text-only config."""
+        return self.module_names if isinstance(hf_config, Qwen2_5_VLConfig) else ("llm",)
+
+    def build_module(
+        self,
+        name: str,
+        hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> nn.Module:
+        """Build ``vision`` or ``llm`` alone on ``device``; on ``meta`` no memory is allocated.
+
+        On a real device the weights get transformers' random init (directly on that device).
+        The other module is never built. ``hf_config`` is not mutated.
+        """
+        if name not in self.modules_for(hf_config):
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        path="modules",
+                        value=name,
+                        rule=f"{self.name} config has modules {self.modules_for(hf_config)}"
+                        + (
+                            ""
+                            if isinstance(hf_config, Qwen2_5_VLConfig)
+                            else " (text-only: no vision_config)"
+                        ),
+                        fix="remove this module from modules, or use a vision-language checkpoint",
+                    )
+                ]
+            )
+        cfg = copy.deepcopy(hf_config)
+        with torch.device(device):
+            if name == "vision":
+                return VisionModule(
+                    Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg.vision_config, dtype=dtype)
+                )
+            text_cfg = cfg.text_config if isinstance(cfg, Qwen2_5_VLConfig) else cfg
+            language_model = Qwen2_5_VLTextModel._from_config(text_cfg, dtype=dtype)
+            lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
+            if not str(device).startswith("meta"):
+                nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
+            module = LLMModule(language_model, lm_head, cfg)
+            self.tie(name, module, cfg)
+            return module
+
+    def tied_parameters(
+        self, name: str, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig
+    ) -> dict[str, str]:
+        """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
+        if name == "llm" and hf_config.tie_word_embeddings:
+            return {"lm_head.weight": "language_model.embed_tokens.weight"}
+        return {}
+
+    def tie(self, name: str, module: nn.Module, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> None:
+        """Make tied parameters share storage again (after building or ``to_empty``)."""
+        if self.tied_parameters(name, hf_config):
+            module.lm_head.weight = module.language_model.embed_tokens.weight
+
+    def init_buffers(self, name: str, module: nn.Module) -> None:
+        """Recompute the rotary ``inv_freq`` buffers (non-persistent) as transformers' init does.
+
+        After ``to_empty`` they hold garbage; forgetting this is the classic meta-init bug. Any
+        other non-persistent buffer would be left unset, so it is an error here.
+        """
+        handled = set()
+        with torch.no_grad():
+            for path, sub in module.named_modules():
+                if "RotaryEmbedding" not in type(sub).__name__:
+                    continue
+                rope_fns = {
+                    "axial": getattr(sub, "compute_axial_rope_parameters", None),
+                    "default": getattr(sub, "compute_default_rope_parameters", None),
+                    **ROPE_INIT_FUNCTIONS,
+                }
+                value, _ = rope_fns[sub.rope_type](sub.config)
+                for buf in ("inv_freq", "original_inv_freq"):
+                    getattr(sub, buf).copy_(value)
+                    handled.add(f"{path}.{buf}")
+        persistent = set(module.state_dict())
+        left = [n for n, _ in module.named_buffers() if n not in persistent and n not in handled]
+        if left:
+            raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {self.name}")
+
+    # --- checkpoint keys -----------------------------------------------------------------------
+    def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
+        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
+        for prefix, module, fqn_prefix in (
+            ("model.visual.", "vision", "visual."),
+            ("visual.", "vision", "visual."),
+            ("model.language_model.", "llm", "language_model."),
+            ("lm_head.", "llm", "lm_head."),
+            ("model.", "llm", "language_model."),  # hub's older layout: model.layers.*
+        ):
+            if key.startswith(prefix):
+                return module, fqn_prefix + key[len(prefix) :]
+        return None
+
+    def split_state_dict(self, ref_state_dict: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Reference (or checkpoint) state dict -> ``{"vision": {...}, "llm": {...}}`` keyed by module FQN."""
+        out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.module_names}
+        unowned = []
+        for key, tensor in ref_state_dict.items():
+            owner = self.checkpoint_owner(key)
+            if owner is None:
+                unowned.append(key)
+                continue
+            out[owner[0]][owner[1]] = tensor
+        if unowned:
+            raise CheckpointError(f"keys that belong to no {self.name} module: {sorted(unowned)}")
+        return out
+
+    def reference_model(self, hf_config: Qwen2_5_VLConfig) -> Qwen2_5_VLForConditionalGeneration:
+        """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
+        cfg = copy.deepcopy(hf_config)
+        return Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)

@@ -1,0 +1,224 @@
+"""Qwen2.5-VL cut into two modules: the vision encoder (with merger) and the LLM (with lm_head).
+
+Both wrap transformers' own, unmodified classes. The cut is the one ``Qwen2_5_VLModel.forward``
+makes internally: the encoder's ``pooler_output`` (original token order) is scattered into the
+LLM's input embeddings at the image-token positions; M-RoPE positions come from transformers'
+``get_rope_index``. Neither module keeps state between calls (no ``rope_deltas``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2_5_VLModel,
+    Qwen2_5_VLTextModel,
+)
+
+from dhp.models.family import LLMOutput
+from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_text_only, check_vision_inputs
+
+IGNORE_INDEX = -100
+
+
+class VisionModule(nn.Module):
+    """The vision encoder incl. the patch merger: pixel patches -> LLM-width image embeddings.
+
+    Placement: one actor group. Memory is dominated by activations (patches x hidden per block),
+    which is why ``dhp/parallel`` shards this module by sequence (Ulysses), not by weights.
+    """
+
+    def __init__(self, visual: Qwen2_5_VisionTransformerPretrainedModel) -> None:
+        super().__init__()
+        self.visual = visual
+
+    @property
+    def tokens_per_image_divisor(self) -> int:
+        """Patches per output token (spatial_merge_size ** 2)."""
+        return self.visual.spatial_merge_unit
+
+    def forward(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, **vision_kwargs
+    ) -> torch.Tensor:
+        """``(N_patches, C*T*P*P)`` patches of all images in order -> ``(N_image_tokens, llm_hidden)``.
+
+        Rows come back in the original token order (``pooler_output``), image after image, ready
+        to be scattered at the image-token positions. ``vision_kwargs`` pass through to the
+        transformers forward (precomputed ``window_index``/``cu_seqlens`` for sequence parallelism).
+        """
+        check_vision_inputs(
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, config=self.visual.config
+        )
+        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        return self.visual(pixel_values, grid_thw=image_grid_thw, **vision_kwargs).pooler_output
+
+
+class LLMModule(nn.Module):
+    """Token embeddings, decoder layers, final norm and lm_head, returning the summed token loss.
+
+    Placement: one actor group. Memory is dominated by model states, which is why ``dhp/parallel``
+    shards this module by weights (TP/FSDP). ``config`` is the full Qwen2.5-VL config (images
+    allowed) or a ``Qwen2_5_VLTextConfig`` (a text-only model: any image is an error).
+    """
+
+    def __init__(
+        self,
+        language_model: Qwen2_5_VLTextModel,
+        lm_head: nn.Linear,
+        config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig,
+    ) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.lm_head = lm_head
+        self.vl_config = config if isinstance(config, Qwen2_5_VLConfig) else None
+
+    @property
+    def accepts_images(self) -> bool:
+        """False for a text-only config."""
+        return self.vl_config is not None
+
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        sample_ids: list[str] | None = None,
+    ) -> LLMOutput:
+        """One micro-batch -> ``LLMOutput(loss_sum, num_tokens)``.
+
+        ``image_embeds`` (the vision module's output for all images of the micro-batch, in order)
+        is placed at the image-token positions. Make it a leaf with ``requires_grad`` to receive the
+        gradient for the encoder's backward. Raises DataError when image tokens and embeddings
+        disagree, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D).
+        """
+        sample_ids = (
+            sample_ids if sample_ids is not None else [f"batch[{i}]" for i in range(input_ids.shape[0])]
+        )
+        inputs_embeds = self.embed(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
+            sample_ids=sample_ids,
+        )
+        position_ids = self.positions(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+        )
+        hidden = self.language_model(
+            input_ids=None,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        return self.loss(hidden=hidden, labels=labels)
+
+    def embed(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        image_embeds: torch.Tensor | None,
+        sample_ids: list[str],
+    ) -> torch.Tensor:
+        """Token embeddings ``(B, S, H)`` with the image embeddings scattered at image-token positions."""
+        if not self.accepts_images:
+            check_text_only(
+                input_ids=input_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_embeds=image_embeds,
+                sample_ids=sample_ids,
+            )
+            return self.language_model.embed_tokens(input_ids)
+        check_image_alignment(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
+            config=self.vl_config,
+            sample_ids=sample_ids,
+        )
+        inputs_embeds = self.language_model.embed_tokens(input_ids)
+        if image_embeds is None:
+            return inputs_embeds
+        mask = (input_ids == self.vl_config.image_token_id).unsqueeze(-1).to(inputs_embeds.device)
+        image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
+        return inputs_embeds.masked_scatter(mask, image_embeds)
+
+    def positions(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """M-RoPE positions ``(3, B, S)`` from transformers' own ``get_rope_index`` (no model state)."""
+        if mm_token_type_ids is None:  # text-only config: no image can be present (checked in embed)
+            mm_token_type_ids = torch.zeros_like(input_ids)
+        return mrope_positions(
+            config=self.vl_config,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+        )
+
+    def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
+        """lm_head + fp32 cross-entropy SUM over shifted labels (HF's ForCausalLMLoss, summed).
+
+        Memory: materialises fp32 logits ``(B, S, vocab)``; a vocab-parallel loss replaces this method.
+        """
+        logits = self.lm_head(hidden).float()
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
+        shift_labels = shift_labels.to(logits.device)
+        loss_sum = F.cross_entropy(
+            logits.view(-1, logits.shape[-1]), shift_labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return LLMOutput(loss_sum=loss_sum, num_tokens=int((shift_labels != IGNORE_INDEX).sum()))
+
+
+def mrope_positions(
+    *,
+    config: Qwen2_5_VLConfig | None,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(3, B, S)`` M-RoPE positions computed by ``Qwen2_5_VLModel.get_rope_index`` itself.
+
+    The method only reads ``config.vision_config`` and ``get_vision_position_ids`` from ``self``,
+    so it is called on a stand-in rather than on a full (vision + LLM) model object.
+    """
+    vision = (
+        config.vision_config
+        if config is not None
+        else types.SimpleNamespace(spatial_merge_size=1, tokens_per_second=1)
+    )
+    stand_in = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=vision),
+        get_vision_position_ids=functools.partial(Qwen2_5_VLModel.get_vision_position_ids, None),
+    )
+    position_ids, _ = Qwen2_5_VLModel.get_rope_index(
+        stand_in,
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=image_grid_thw,
+        attention_mask=attention_mask,
+    )
+    return position_ids
