@@ -1,0 +1,41 @@
+"""Checkpoints: DCP per module group, atomic commit, keep-last-K, resume discovery, HF export.
+
+Driver side: :func:`begin_checkpoint`, :func:`commit_checkpoint`, :func:`resolve_resume`,
+:func:`check_resume_compatible`, :class:`CheckpointMeta`. Worker side (collective inside one
+group): :func:`save_module_state`, :func:`load_module_state`. See docs/INTERFACES.md.
+"""
+
+from dhp.checkpoint.compat import check_resume_compatible
+from dhp.checkpoint.layout import (
+    begin_checkpoint,
+    commit_checkpoint,
+    find_latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    resolve_resume,
+    step_dir_name,
+)
+from dhp.checkpoint.meta import CheckpointMeta, ModuleRecord, read_meta, stable_hash, write_meta
+from dhp.checkpoint.module_state import load_module_state, read_module_info, save_module_state
+from dhp.checkpoint.rng import capture_rng_state, restore_rng_state
+
+__all__ = [
+    "CheckpointMeta",
+    "ModuleRecord",
+    "begin_checkpoint",
+    "capture_rng_state",
+    "check_resume_compatible",
+    "commit_checkpoint",
+    "find_latest_checkpoint",
+    "list_checkpoints",
+    "load_module_state",
+    "prune_checkpoints",
+    "read_meta",
+    "read_module_info",
+    "resolve_resume",
+    "restore_rng_state",
+    "save_module_state",
+    "stable_hash",
+    "step_dir_name",
+    "write_meta",
+]
