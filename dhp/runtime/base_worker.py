@@ -1,0 +1,68 @@
+"""The part of every rank actor that is not about a model: identity and its torch.distributed world."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from dhp.runtime.dispatch import Collect, Dispatch, register
+
+
+class DistWorker:
+    """One rank of one actor group. Subclasses add model methods, each with a dispatch contract."""
+
+    def __init__(self, *, module_name: str, rank: int, world_size: int) -> None:
+        self.module_name = module_name
+        self.rank = rank
+        self.world_size = world_size
+        torch.set_num_threads(1)
+
+    def pid(self) -> int:
+        """This actor's OS process id (for failure messages and tests)."""
+        return os.getpid()
+
+    def master_addr_port(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port; called on rank 0 to rendezvous the group's world."""
+        addr = _node_ip()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return addr, s.getsockname()[1]
+
+    def init_dist(self, *, master_addr: str, master_port: int, backend: str, timeout_s: float) -> int:
+        """Join this group's own default world. Blocks until every rank of the group joined."""
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU(s) as CUDA_VISIBLE_DEVICES
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        return dist.get_world_size()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def all_reduce_sum(self, value: float) -> float:
+        """Sum a float over the group (used by tests and health checks)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def destroy_dist(self) -> None:
+        """Barrier, then destroy the world (a peer may abort if one side leaves early)."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray (unit tests that build a worker directly)
+        return "127.0.0.1"

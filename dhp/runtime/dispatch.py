@@ -1,0 +1,125 @@
+"""Explicit dispatch and collect contracts for worker methods (verl-style single controller).
+
+Every worker method the driver calls is declared with :func:`register`: how its arguments are
+split over the group's ranks (``Dispatch``) and whose results count (``Collect``). The
+:class:`~dhp.runtime.actor_group.ActorGroup` reads the contract; the driver never indexes ranks.
+
+Rank layout inside a group is row-major over the mesh axes ``dp, fsdp, sp, tp`` (outer -> inner),
+so ranks of one data replica (same batch, different SP/TP shards) are contiguous.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from dhp.errors import RuntimeFailure
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONTRACT_ATTR = "__dhp_contract__"
+
+
+class Dispatch(enum.Enum):
+    """How a call's positional arguments reach the ranks."""
+
+    ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments (one object-store put each)
+    PER_RANK = "per_rank"  # each argument is a sequence of length world_size; rank r gets item r
+    SHARD_BY_DP = "shard_by_dp"  # each argument has one item per data replica; its ranks share it
+
+
+class Collect(enum.Enum):
+    """Whose results the driver receives."""
+
+    ALL = "all"  # list, one entry per rank
+    RANK0 = "rank0"  # rank 0's result only (e.g. a loss that every TP rank holds identically)
+    DP_LEADERS = "dp_leaders"  # the first rank of each data replica (e.g. TP rank 0 of each replica)
+    NONE = "none"  # results are awaited (errors surface) and dropped
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The declared dispatch and collect modes of one worker method."""
+
+    dispatch: Dispatch
+    collect: Collect
+
+
+def register(*, dispatch: Dispatch, collect: Collect) -> Callable[[F], F]:
+    """Declare a worker method's contract; undecorated methods cannot be called through a group."""
+
+    def wrap(fn: F) -> F:
+        setattr(fn, CONTRACT_ATTR, Contract(dispatch=dispatch, collect=collect))
+        return fn
+
+    return wrap
+
+
+def contract_of(worker_cls: type, method: str) -> Contract:
+    """The contract of ``worker_cls.method``; a method without one is a programming error."""
+    fn = getattr(worker_cls, method, None)
+    contract = getattr(fn, CONTRACT_ATTR, None)
+    if contract is None:
+        raise RuntimeFailure(
+            f"{worker_cls.__name__}.{method} has no dispatch/collect contract; "
+            "decorate it with dhp.runtime.dispatch.register(dispatch=..., collect=...)"
+        )
+    return contract
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where each rank of a group sits in its data-parallel layout."""
+
+    world_size: int
+    ranks_per_replica: int  # sp * tp: ranks that see the same batch
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.ranks_per_replica
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.ranks_per_replica
+
+    def leaders(self) -> list[int]:
+        return [r * self.ranks_per_replica for r in range(self.num_replicas)]
+
+    @classmethod
+    def from_mesh(cls, mesh: dict[str, int]) -> RankLayout:
+        """From the plan's ordered mesh ``{axis: degree}``; ``sp`` and ``tp`` share a batch."""
+        world = 1
+        for degree in mesh.values():
+            world *= degree
+        inner = mesh.get("sp", 1) * mesh.get("tp", 1)
+        return cls(world_size=world, ranks_per_replica=inner)
+
+
+def split_args(
+    contract: Contract, layout: RankLayout, method: str, args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Per-rank ``(args, kwargs)`` for one call under ``contract``. Keyword args go to all ranks."""
+    if contract.dispatch is Dispatch.ONE_TO_ALL:
+        return [(tuple(args), kwargs)] * layout.world_size
+    want = layout.world_size if contract.dispatch is Dispatch.PER_RANK else layout.num_replicas
+    for i, arg in enumerate(args):
+        if not isinstance(arg, Sequence) or len(arg) != want:
+            got = len(arg) if isinstance(arg, Sequence) else type(arg).__name__
+            raise RuntimeFailure(
+                f"{method}: argument {i} must have {want} items ({contract.dispatch.value}), got {got}"
+            )
+    if contract.dispatch is Dispatch.PER_RANK:
+        return [(tuple(a[r] for a in args), kwargs) for r in range(layout.world_size)]
+    return [(tuple(a[layout.replica_of(r)] for a in args), kwargs) for r in range(layout.world_size)]
+
+
+def collect_results(contract: Contract, layout: RankLayout, results: list[Any]) -> Any:
+    """Select the results that count under ``contract`` from one result per rank."""
+    if contract.collect is Collect.ALL:
+        return results
+    if contract.collect is Collect.RANK0:
+        return results[0]
+    if contract.collect is Collect.DP_LEADERS:
+        return [results[r] for r in layout.leaders()]
+    return None

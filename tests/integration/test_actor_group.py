@@ -1,0 +1,84 @@
+"""ActorGroup on a real local Ray with real gloo worlds: placement, concurrent init, contracts, failures."""
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from dhp.errors import PlanError, RuntimeFailure
+from dhp.runtime.actor_group import ActorGroup, GroupSpec, init_groups
+from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.dispatch import Collect, Dispatch, register
+
+pytestmark = pytest.mark.integration
+
+
+class EchoWorker(DistWorker):
+    @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
+    def replica_item(self, item):
+        return (self.rank, item)
+
+    @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
+    def rank_item(self, item):
+        return (self.rank, item)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def sleep(self, seconds):
+        time.sleep(seconds)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    # workers import EchoWorker from this test module: put its folder on their path
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _group(name, mesh, cpus=0.25):
+    n = 1
+    for d in mesh.values():
+        n *= d
+    spec = GroupSpec(name=name, mesh=mesh, bundles=[{"CPU": cpus}] * n, device="cpu")
+    return ActorGroup(spec, worker_cls=EchoWorker, worker_kwargs={}, ready_timeout_s=30)
+
+
+def test_two_groups_own_separate_worlds_and_follow_contracts(ray_local):
+    vision, llm = _group("vision", {"sp": 2}), _group("llm", {"dp": 2, "tp": 2})
+    try:
+        # concurrent init: each group blocks until all its ranks join; neither waits on the other
+        init_groups([vision, llm], timeout_s=60)
+        # each world sums only its own ranks: 2 ranks -> 2.0, 4 ranks -> 4.0
+        assert vision.call("all_reduce_sum", 1.0) == [2.0, 2.0]
+        assert llm.call("all_reduce_sum", 1.0) == [4.0] * 4
+        assert llm.call("replica_item", ["a", "b"]) == [(0, "a"), (2, "b")]
+        assert llm.call("rank_item", [10, 11, 12, 13]) == [(0, 10), (1, 11), (2, 12), (3, 13)]
+        assert len(set(vision.pids + llm.pids)) == 6  # one process per rank
+    finally:
+        vision.shutdown()
+        llm.shutdown()
+
+
+def test_unplaceable_group_fails_fast_with_plan_error(ray_local):
+    spec = GroupSpec(name="llm", mesh={"tp": 2}, bundles=[{"CPU": 3.0}] * 2, device="cpu")
+    t0 = time.monotonic()
+    with pytest.raises(PlanError, match=r"group 'llm': cannot reserve 2 bundles .*total \{'CPU': 6.0\}"):
+        ActorGroup(spec, worker_cls=EchoWorker, worker_kwargs={}, ready_timeout_s=3)
+    assert time.monotonic() - t0 < 15
+
+
+def test_killed_actor_is_named_by_module_and_rank(ray_local):
+    group = _group("vision", {"sp": 2})
+    try:
+        group.init_process_group(timeout_s=60)
+        pending = group.submit("sleep", 30)
+        time.sleep(1.0)
+        os.kill(group.pids[1], signal.SIGKILL)
+        with pytest.raises(RuntimeFailure, match=r"module 'vision' rank 1 \(pid \d+\) died"):
+            group.collect(pending, timeout_s=60)
+    finally:
+        group.shutdown(destroy_dist=False)

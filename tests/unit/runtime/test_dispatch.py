@@ -1,0 +1,57 @@
+"""Dispatch/collect contracts: pure, no processes."""
+
+import pytest
+
+from dhp.errors import RuntimeFailure
+from dhp.runtime.dispatch import (
+    Collect,
+    Contract,
+    Dispatch,
+    RankLayout,
+    collect_results,
+    contract_of,
+    register,
+    split_args,
+)
+
+pytestmark = pytest.mark.unit
+
+
+class _W:
+    @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
+    def fwd(self, batch):
+        return batch
+
+    def undeclared(self):
+        return None
+
+
+def test_layout_from_mesh_groups_sp_and_tp_ranks_into_replicas():
+    layout = RankLayout.from_mesh({"dp": 2, "tp": 2})
+    assert layout.world_size == 4 and layout.num_replicas == 2
+    assert [layout.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert layout.leaders() == [0, 2]
+    assert RankLayout.from_mesh({"fsdp": 3}).num_replicas == 3  # fsdp ranks see different data
+
+
+def test_split_and_collect_follow_the_contract():
+    layout = RankLayout.from_mesh({"dp": 2, "sp": 2})
+    c = contract_of(_W, "fwd")
+    per_rank = split_args(c, layout, "fwd", (["a", "b"],), {"k": 1})
+    assert [a for a, _ in per_rank] == [("a",), ("a",), ("b",), ("b",)]
+    assert all(kw == {"k": 1} for _, kw in per_rank)
+    assert collect_results(c, layout, [10, 11, 12, 13]) == [10, 12]
+    one = Contract(Dispatch.ONE_TO_ALL, Collect.RANK0)
+    assert split_args(one, layout, "m", ("x",), {})[3] == (("x",), {})
+    assert collect_results(one, layout, [7, 8, 9, 10]) == 7
+    per = Contract(Dispatch.PER_RANK, Collect.NONE)
+    assert [a for a, _ in split_args(per, layout, "m", ([0, 1, 2, 3],), {})] == [(0,), (1,), (2,), (3,)]
+    assert collect_results(per, layout, [1, 2, 3, 4]) is None
+
+
+def test_wrong_arity_and_missing_contract_are_errors():
+    layout = RankLayout.from_mesh({"dp": 2})
+    with pytest.raises(RuntimeFailure, match=r"fwd: argument 0 must have 2 items \(shard_by_dp\), got 3"):
+        split_args(contract_of(_W, "fwd"), layout, "fwd", ([1, 2, 3],), {})
+    with pytest.raises(RuntimeFailure, match=r"_W\.undeclared has no dispatch/collect contract"):
+        contract_of(_W, "undeclared")
