@@ -1,0 +1,54 @@
+"""Hand-off routing (pure) and the CPU transport: every image-token row reaches its LLM replica once."""
+
+import pytest
+import torch
+
+from dhp.models import get_family
+from dhp.runtime.handoff import assign_images, route_micro_batch
+from dhp.runtime.transport import CpuTransport
+
+pytestmark = pytest.mark.unit
+
+ARCH = get_family("qwen2_5_vl").tiny_model_config().vision
+ROW = ARCH.in_channels * ARCH.temporal_patch_size * ARCH.patch_size**2
+
+
+def _images(grids):
+    g = torch.tensor(grids, dtype=torch.long)
+    return torch.randn(int(g.prod(dim=1).sum()), ROW), g
+
+
+def test_assign_images_balances_contiguous_blocks():
+    assert assign_images([64, 64, 64, 64], parts=2) == [0, 2, 4]
+    assert assign_images([256, 16, 16], parts=2) == [0, 1, 3]
+    assert assign_images([64], parts=3) == [0, 0, 1, 1]  # fewer images than parts: empty blocks
+
+
+@pytest.mark.parametrize(("vision_replicas", "sp"), [(1, 2), (2, 1), (3, 1), (1, 1)])
+def test_every_row_reaches_its_replica_exactly_once(vision_replicas, sp):
+    batches = [_images([[1, 8, 8], [1, 4, 8]]), _images([[1, 16, 8]]), (None, None)]
+    routing = route_micro_batch(
+        pixel_values=[b[0] for b in batches],
+        image_grid_thw=[b[1] for b in batches],
+        vision_replicas=vision_replicas,
+        sp_size=sp,
+        arch=ARCH,
+    )
+    assert routing.llm_tokens == (16 + 8, 32, 0)  # merge 2x2: patches / 4
+    assert len(routing.vision) == vision_replicas * sp
+    for j, n in enumerate(routing.llm_tokens):
+        got = torch.cat(
+            [r.dst for w in routing.vision for r in w.routes if r.llm_replica == j] or [torch.zeros(0)]
+        )
+        assert sorted(got.tolist()) == list(range(n)), f"replica {j}"
+    for w in routing.vision:  # each local output row goes to exactly one place
+        src = torch.cat([r.src for r in w.routes]) if w.routes else torch.zeros(0, dtype=torch.long)
+        assert sorted(src.tolist()) == list(range(w.num_tokens))
+    assert routing.sources_of(2) == []
+
+
+def test_cpu_transport_is_zero_copy_on_pack():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    packed = CpuTransport().pack(t)
+    assert packed.ctypes.data == t.data_ptr()  # a view, not a copy
+    assert torch.equal(CpuTransport().unpack(packed, device=torch.device("cpu")), t)
