@@ -1,0 +1,56 @@
+"""Model/optimizer state across placements: full tensors for parity/verify, DCP state dicts for checkpoints.
+
+Every function here that touches a DTensor (TP shards, FSDP2 shards) is a collective over the module's
+group: call it on every rank, in the same order. Full tensors are materialised in host memory only for
+the one tensor being gathered plus the returned dict, so use :func:`full_grad_dict` and
+:func:`full_state_dict` for tiny models, parity tests and verify, never at production scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The full logical tensor as a plain fp32 CPU copy (collective when ``t`` is a DTensor)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().to(device="cpu", dtype=torch.float32).clone()
+
+
+def full_grad_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{param FQN: full fp32 CPU gradient} for every parameter that has a gradient (collective)."""
+    return {name: _full(p.grad) for name, p in module.named_parameters() if p.grad is not None}
+
+
+def full_param_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{param FQN: full fp32 CPU parameter} for every parameter (collective)."""
+    return {name: _full(p) for name, p in module.named_parameters()}
+
+
+def model_state_dict(module: nn.Module, optimizer: Optimizer | None = None) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of DTensor shards for DCP; FQNs are the unwrapped module's."""
+    optims = [] if optimizer is None else [optimizer]
+    return get_state_dict(module, optims, options=StateDictOptions(full_state_dict=False))
+
+
+def load_model_state_dict(
+    module: nn.Module, optimizer: Optimizer | None, *, model_sd: dict, optim_sd: dict | None
+) -> None:
+    """Load DCP-shaped state dicts (as returned by :func:`model_state_dict`) into this placement."""
+    optims = [] if optimizer is None else [optimizer]
+    set_state_dict(
+        module,
+        optims,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd if optim_sd is not None else {},
+        options=StateDictOptions(full_state_dict=False),
+    )

@@ -1,0 +1,171 @@
+"""Shared helpers of the LLM-TP / FSDP / DP parity tests: a gloo spawner, tiny modules, comparisons.
+
+``TinyLLM`` mirrors ``dhp.models``' LLMModule contract (attributes ``language_model`` = transformers
+Qwen2_5_VLTextModel, ``lm_head``, ``loss_fn``; forward scatters image embeddings at image-token
+positions and returns the fp32 CE SUM) with unmodified transformers modules.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLVisionConfig,
+)
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2_5_VLTextModel,
+)
+
+from dhp.parallel.llm_tp import shifted_ce_sum
+
+IMAGE_TOKEN = 7
+VOCAB = 1024
+HIDDEN = 128
+
+
+def text_config(**over) -> Qwen2_5_VLTextConfig:
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    kw.update(over)
+    cfg = Qwen2_5_VLTextConfig(**kw)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def vision_config() -> Qwen2_5_VLVisionConfig:
+    cfg = Qwen2_5_VLVisionConfig(
+        depth=4,
+        hidden_size=32,
+        num_heads=4,
+        intermediate_size=64,
+        out_hidden_size=HIDDEN,
+        fullatt_block_indexes=[1, 3],
+        window_size=56,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class TinyLLM(nn.Module):
+    """The LLM module contract of dhp.models on unmodified transformers parts (see module docstring)."""
+
+    def __init__(self, cfg: Qwen2_5_VLTextConfig) -> None:
+        super().__init__()
+        self.language_model = Qwen2_5_VLTextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss_fn = shifted_ce_sum
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, image_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        embeds = self.language_model.embed_tokens(input_ids)
+        mask = (input_ids == IMAGE_TOKEN).unsqueeze(-1).expand_as(embeds)
+        embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+        b, s = input_ids.shape
+        pos = torch.arange(s).view(1, 1, s).expand(3, b, s)
+        hidden = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state
+        return self.loss_fn(self.lm_head(hidden), labels)
+
+
+class TinyVision(nn.Module):
+    """The vision module contract: ``visual`` = transformers' encoder; forward returns pooler_output."""
+
+    def __init__(self, cfg: Qwen2_5_VLVisionConfig) -> None:
+        super().__init__()
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel(cfg)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+
+
+def build_llm(seed: int = 0, **over) -> TinyLLM:
+    torch.manual_seed(seed)
+    return TinyLLM(text_config(**over)).float()
+
+
+def build_vision(seed: int = 0) -> TinyVision:
+    torch.manual_seed(seed)
+    return TinyVision(vision_config()).float()
+
+
+def llm_batch(seed: int, *, batch: int = 2, seq: int = 24, n_img: int = 6) -> dict[str, torch.Tensor]:
+    """Token ids with ``n_img`` image tokens per row, labels with some -100, and leaf image embeddings."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, VOCAB, (batch, seq), generator=g)
+    ids[:, 2 : 2 + n_img] = IMAGE_TOKEN
+    labels = ids.clone()
+    labels[:, : 2 + n_img] = -100
+    labels[0, -3:] = -100
+    embeds = torch.randn(batch * n_img, HIDDEN, generator=g)
+    return {"input_ids": ids, "labels": labels, "image_embeds": embeds}
+
+
+def vision_batch(seed: int, grids: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+    """Random pixel rows for images with the given (t, h, w) patch grids (channels*2*14*14 per row)."""
+    g = torch.Generator().manual_seed(seed)
+    thw = torch.tensor(grids, dtype=torch.long)
+    rows = int(thw.prod(-1).sum())
+    return {"pixel_values": torch.randn(rows, 3 * 2 * 14 * 14, generator=g), "image_grid_thw": thw}
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient (DTensor grads gathered: a collective, call on all ranks)."""
+    from dhp.parallel.state import full_grad_dict
+
+    return full_grad_dict(module)
+
+
+def assert_rel_close(got: torch.Tensor, want: torch.Tensor, *, rtol: float, name: str) -> None:
+    """Relative error in the norm sense: ||got - want|| <= rtol * max(||want||, tiny)."""
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).norm().item()
+    scale = max(want.norm().item(), 1e-12)
+    assert err <= rtol * scale, f"{name}: relative error {err / scale:.3e} > {rtol:.1e}"
+
+
+def assert_grads_match(got: dict, want: dict, *, rtol: float, tag: str) -> None:
+    """Every parameter present in both, every full gradient within ``rtol`` (relative, norm sense)."""
+    assert set(got) == set(want), f"{tag}: parameter sets differ: {set(got) ^ set(want)}"
+    for k in want:
+        assert_rel_close(got[k], want[k], rtol=rtol, name=f"{tag}: grad {k}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; an assertion on any rank fails the test."""
+    with tempfile.TemporaryDirectory():
+        mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
