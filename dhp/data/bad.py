@@ -1,0 +1,96 @@
+"""Bad samples: a typed error per sample, and the log that counts them under ``on_bad_sample=skip``.
+
+Every check in ``dhp/data`` raises :class:`BadSampleError` (a ``DataError``) naming the file, the
+line or record index, the reason and a fix. Under ``raise`` (the default) it propagates; under
+``skip`` the loader records it in a :class:`BadSampleLog` and moves on. Nothing is truncated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dhp.errors import DataError
+
+ON_BAD_SAMPLE = ("raise", "skip")
+
+# Stable reason names (metrics keys ``data/bad/<reason>`` and the check summary).
+MISSING_FILE = "missing_file"
+CORRUPT_IMAGE = "corrupt_image"
+PLACEHOLDER_MISMATCH = "placeholder_mismatch"
+VISION_TOO_LONG = "vision_too_long"
+TEXT_TOO_LONG = "text_too_long"
+BAD_CONVERSATION = "bad_conversation"
+UNKNOWN_KEYS = "unknown_keys"
+MALFORMED_RECORD = "malformed_record"
+REASONS = (
+    MISSING_FILE,
+    CORRUPT_IMAGE,
+    PLACEHOLDER_MISMATCH,
+    VISION_TOO_LONG,
+    TEXT_TOO_LONG,
+    BAD_CONVERSATION,
+    UNKNOWN_KEYS,
+    MALFORMED_RECORD,
+)
+
+
+class BadSampleError(DataError):
+    """One bad sample: ``location`` is ``"<file>:<line or record>"``, ``reason`` one of :data:`REASONS`."""
+
+    def __init__(self, *, location: str, reason: str, detail: str, fix: str) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown bad-sample reason {reason!r}")
+        self.location = location
+        self.reason = reason
+        self.detail = detail
+        self.fix = fix
+        super().__init__(
+            f"bad sample at {location} ({reason}): {detail}. Fix: {fix}; "
+            "or set data.on_bad_sample=skip to skip and count such samples"
+        )
+
+
+@dataclass
+class BadSampleLog:
+    """Counts of skipped samples by reason, with the first ``keep`` locations and details of each."""
+
+    keep: int = 5
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, err: BadSampleError) -> None:
+        """Count ``err`` under its reason and remember its location while fewer than ``keep`` are kept."""
+        self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
+        kept = self.examples.setdefault(err.reason, [])
+        if len(kept) < self.keep:
+            kept.append(f"{err.location}: {err.detail}")
+
+    @property
+    def total(self) -> int:
+        """Number of bad samples seen."""
+        return sum(self.counts.values())
+
+    def metrics(self) -> dict[str, int]:
+        """Flat metrics: ``data/bad/<reason>`` for every reason seen, and ``data/bad/total``."""
+        out = {f"data/bad/{r}": n for r, n in sorted(self.counts.items())}
+        out["data/bad/total"] = self.total
+        return out
+
+    def state_dict(self) -> dict:
+        """JSON-able state (goes into the checkpoint's ``data_state``)."""
+        return {"counts": dict(self.counts), "examples": {k: list(v) for k, v in self.examples.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore counts and examples saved by :meth:`state_dict`."""
+        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+        self.examples = {str(k): list(v) for k, v in state["examples"].items()}
+
+    def summary(self) -> str:
+        """One line per reason, e.g. for the end-of-run summary."""
+        if not self.counts:
+            return "bad samples: none"
+        lines = [f"bad samples skipped: {self.total}"]
+        for reason, n in sorted(self.counts.items()):
+            first = "; ".join(self.examples[reason][:2])
+            lines.append(f"  {reason}: {n} (first: {first})")
+        return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""The unit of data the runtime moves: one processed :class:`Sample` and one micro-batch :class:`VLBatch`.
+
+All tensors are CPU tensors. A ``Sample`` is one conversation after chat-template rendering, image
+processing and image-token expansion; a ``VLBatch`` right-pads ``B`` samples to the longest one and
+concatenates their images in order (contract in docs/INTERFACES.md, "Batch").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+IGNORE_INDEX = -100
+TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
+
+
+@dataclass
+class Sample:
+    """One processed sample (1-D token tensors of equal length ``S``).
+
+    ``pixel_values`` is ``(N_patches, C*T*P*P)`` float32 with the rows of all images in order, or
+    None for a text-only sample; ``image_grid_thw`` is ``(N_images, 3)`` long or None.
+    ``text_chars`` is the length of the rendered conversation without images (for statistics).
+    """
+
+    sample_id: str
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    mm_token_type_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    text_chars: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length of the sample in LLM tokens (image tokens included)."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_patches(self) -> int:
+        """Vision-encoder tokens (patches) of all images of the sample; 0 when text-only."""
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.prod(dim=1).sum())
+
+    @property
+    def num_images(self) -> int:
+        """Number of images of the sample."""
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+    @property
+    def num_image_tokens(self) -> int:
+        """LLM positions that hold image embeddings (after the patch merger)."""
+        return int((self.mm_token_type_ids == IMAGE).sum())
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Label tokens after the causal shift (HF convention: the loss drops ``labels[0]``)."""
+        return int((self.labels[1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class VLBatch:
+    """One micro-batch of one LLM data replica (CPU tensors; see docs/INTERFACES.md "Batch").
+
+    ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids``: ``(B, S)`` long, right-padded.
+    ``pixel_values``: ``(N_patches, C*T*P*P)`` float32 of all images in order, or None.
+    ``image_grid_thw``: ``(N_images, 3)`` long, or None. ``sample_ids``: one per row.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    mm_token_type_ids: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    sample_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Label tokens of the micro-batch after the causal shift (the runtime's loss normaliser part)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
+    def num_patches(self) -> int:
+        """Vision-encoder tokens (patches) of the micro-batch."""
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.prod(dim=1).sum())
+
+
+def collate(samples: list[Sample], *, pad_token_id: int) -> VLBatch:
+    """Right-pad ``samples`` to the longest one and concatenate their images in order.
+
+    Memory: one ``(B, S_max)`` copy of each token tensor; the pixel rows are concatenated once.
+    """
+    if not samples:
+        raise ValueError("collate() needs at least one sample")
+    longest = max(s.num_tokens for s in samples)
+    shape = (len(samples), longest)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    mm_types = torch.zeros(shape, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = s.num_tokens
+        input_ids[row, :n] = s.input_ids
+        attention_mask[row, :n] = 1
+        labels[row, :n] = s.labels
+        mm_types[row, :n] = s.mm_token_type_ids
+    pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
+    grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+    return VLBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        labels=labels,
+        mm_token_type_ids=mm_types,
+        pixel_values=torch.cat(pixels, dim=0) if pixels else None,
+        image_grid_thw=torch.cat(grids, dim=0) if grids else None,
+        sample_ids=[s.sample_id for s in samples],
+    )

@@ -1,0 +1,265 @@
+"""The step loader: per optimizer step, a list of micro-batches for every LLM data replica.
+
+Runs on the driver. Each sample is loaded and processed exactly once and goes to exactly one data
+replica (the runtime ships a replica's micro-batches to that replica's ranks), so DP shards are
+disjoint and, over an epoch, complete. Order is a seeded permutation per epoch (``source.epoch_order``);
+the stream runs on across epochs, so no sample is dropped at an epoch's end. The position in that
+stream is the resumable state: resuming at step k yields the same batches as the unbroken run.
+
+Balance: the ``global_batch_size`` samples of a step are dealt to the ``dp * micro_batches`` slots
+greedily, largest vision patch count first, to the least-loaded slot, so micro-batch ``m`` carries
+about the same vision tokens on every replica.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from dhp.data import bad
+from dhp.data.batch import Sample, VLBatch, collate
+from dhp.data.source import SampleSource, epoch_order
+from dhp.errors import ConfigError, ConfigIssue, DataError
+
+
+@dataclass
+class StepData:
+    """One optimizer step's data: ``micro_batches[m][r]`` is micro-batch ``m`` of data replica ``r``.
+
+    ``num_label_tokens`` is ``T``, the step's global label-token count after the shift (the loss
+    normaliser, see docs/INTERFACES.md "Loss and gradient scaling"). ``bad_samples`` holds the
+    cumulative skip counts by reason (empty under ``on_bad_sample=raise``).
+    """
+
+    step: int
+    micro_batches: list[list[VLBatch]]
+    num_label_tokens: int
+    bad_samples: dict[str, int]
+
+    def replica(self, r: int) -> list[VLBatch]:
+        """All micro-batches of data replica ``r``, in order."""
+        return [mb[r] for mb in self.micro_batches]
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Shape of a step: replicas (llm ``dp*fsdp``), samples per step and per micro-batch, limits."""
+
+    dp_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    vision_seq_len: int  # max patches per micro-batch of one replica (modules.vision.seq_len)
+    pad_token_id: int
+    on_bad_sample: str
+    shuffle: bool
+    seed: int
+    num_workers: int = 0
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // (self.dp_size * self.micro_batch_size)
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` with every problem of the batch shape and policy."""
+        issues = []
+        per_step = self.dp_size * self.micro_batch_size
+        if (
+            min(self.dp_size, self.micro_batch_size, self.global_batch_size) <= 0
+            or self.global_batch_size % per_step
+        ):
+            issues.append(
+                ConfigIssue(
+                    "train.global_batch_size",
+                    self.global_batch_size,
+                    f"must be a positive multiple of dp ({self.dp_size}) * micro_batch_size ({self.micro_batch_size})",
+                    f"use {max(per_step, self.global_batch_size - self.global_batch_size % max(per_step, 1))}",
+                )
+            )
+        if self.on_bad_sample not in bad.ON_BAD_SAMPLE:
+            issues.append(
+                ConfigIssue("data.on_bad_sample", self.on_bad_sample, "must be raise or skip", "pick one")
+            )
+        if self.num_workers < 0:
+            issues.append(
+                ConfigIssue("data.num_workers", self.num_workers, "must be >= 0", "use 0 (inline) or more")
+            )
+        if issues:
+            raise ConfigError(issues)
+
+
+class StepLoader:
+    """Iterator of :class:`StepData`; ``state_dict``/``load_state_dict`` give an exact resume."""
+
+    def __init__(
+        self, *, source: SampleSource, sizes: list[int], weights: list[float], spec: LoaderSpec
+    ) -> None:
+        spec.validate()
+        self.source = source
+        self.sizes = sizes
+        self.weights = weights
+        self.spec = spec
+        self.bad_log = bad.BadSampleLog()
+        self.position = 0  # samples consumed from the epoch stream
+        self.step = 0
+        self._epoch = -1
+        self._order: list[int] = []
+        self.epoch_len = len(self._order_of(0))
+        if self.epoch_len == 0:
+            raise DataError("the configured datasets hold no samples. Fix: check data.datasets")
+
+    def _order_of(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            self._order = epoch_order(
+                sizes=self.sizes,
+                weights=self.weights,
+                seed=self.spec.seed,
+                epoch=epoch,
+                shuffle=self.spec.shuffle,
+            )
+            self._epoch = epoch
+        return self._order
+
+    def _index_at(self, position: int) -> int:
+        return self._order_of(position // self.epoch_len)[position % self.epoch_len]
+
+    def _try_load(self, index: int) -> Sample | bad.BadSampleError:
+        try:
+            return self.source.load(index)
+        except bad.BadSampleError as e:
+            if self.spec.on_bad_sample == "raise":
+                raise
+            return e
+
+    def _take(self, n: int) -> list[Sample]:
+        """The next ``n`` good samples of the stream; bad ones raise or are counted (policy)."""
+        good: list[Sample] = []
+        bad_run = 0
+        pool = ThreadPoolExecutor(self.spec.num_workers) if self.spec.num_workers else None
+        try:
+            while len(good) < n:
+                want = n - len(good)
+                indices = [self._index_at(self.position + k) for k in range(want)]
+                self.position += want
+                results = list(pool.map(self._try_load, indices) if pool else map(self._try_load, indices))
+                for res in results:
+                    if isinstance(res, bad.BadSampleError):
+                        self.bad_log.add(res)
+                        bad_run += 1
+                    else:
+                        good.append(res)
+                        bad_run = 0
+                if bad_run >= self.epoch_len:
+                    raise DataError(f"every sample of an epoch was bad: {self.bad_log.summary()}")
+        finally:
+            if pool:
+                pool.shutdown()
+        return good
+
+    def __iter__(self) -> StepLoader:
+        return self
+
+    def __next__(self) -> StepData:
+        return self.next_step()
+
+    def next_step(self) -> StepData:
+        """Load, balance and collate the next step's samples."""
+        spec = self.spec
+        samples = self._take(spec.global_batch_size)
+        slots = balance(
+            samples, num_slots=spec.num_micro_batches * spec.dp_size, slot_size=spec.micro_batch_size
+        )
+        micro: list[list[VLBatch]] = []
+        for m in range(spec.num_micro_batches):
+            row = []
+            for r in range(spec.dp_size):
+                members = [samples[i] for i in slots[m * spec.dp_size + r]]
+                patches = sum(s.num_patches for s in members)
+                if patches > spec.vision_seq_len:
+                    raise DataError(
+                        f"micro-batch {m} of replica {r} at step {self.step} holds {patches} patches > "
+                        f"modules.vision.seq_len={spec.vision_seq_len} ({[s.sample_id for s in members]}). "
+                        "Fix: lower train.micro_batch_size or data.max_pixels, or raise modules.vision.seq_len"
+                    )
+                row.append(collate(members, pad_token_id=spec.pad_token_id))
+            micro.append(row)
+        self.step += 1
+        return StepData(
+            step=self.step - 1,
+            micro_batches=micro,
+            num_label_tokens=sum(b.num_label_tokens for row in micro for b in row),
+            bad_samples=dict(self.bad_log.counts),
+        )
+
+    def fingerprint(self) -> dict:
+        """What must match for a saved position to mean the same samples."""
+        return {"num_samples": len(self.source), "epoch_len": self.epoch_len, "seed": self.spec.seed}
+
+    def state_dict(self) -> dict:
+        """JSON-able resume state: stream position, step, skip counts, and the data fingerprint."""
+        return {
+            "position": self.position,
+            "step": self.step,
+            "fingerprint": self.fingerprint(),
+            "bad": self.bad_log.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved position; raises ``DataError`` if the datasets or seed changed."""
+        if state["fingerprint"] != self.fingerprint():
+            raise DataError(
+                f"cannot resume the data position: saved for {state['fingerprint']}, the configured data is "
+                f"{self.fingerprint()}. Fix: resume with the same datasets, weights and train.seed"
+            )
+        self.position = int(state["position"])
+        self.step = int(state["step"])
+        self.bad_log.load_state_dict(state["bad"])
+
+
+def balance(samples: list[Sample], *, num_slots: int, slot_size: int) -> list[list[int]]:
+    """Deal sample indices to ``num_slots`` slots of exactly ``slot_size``: largest vision patch count
+    (then token count) first, each to the least-loaded slot with room (ties: lowest slot). Pure;
+    each slot lists its indices in stream order."""
+    if len(samples) != num_slots * slot_size:
+        raise ValueError(f"{len(samples)} samples for {num_slots} slots of {slot_size}")
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_patches, -samples[i].num_tokens, i))
+    slots: list[list[int]] = [[] for _ in range(num_slots)]
+    load = [(0, 0)] * num_slots
+    for i in order:
+        open_slots = [s for s in range(num_slots) if len(slots[s]) < slot_size]
+        s = min(open_slots, key=lambda k: (load[k], k))
+        slots[s].append(i)
+        load[s] = (load[s][0] + samples[i].num_patches, load[s][1] + samples[i].num_tokens)
+    return [sorted(s) for s in slots]
+
+
+def build_loader(
+    *,
+    data,
+    model,
+    train,
+    dp_size: int,
+    vision_seq_len: int,
+    llm_seq_len: int,
+) -> StepLoader:
+    """The step loader for ``data`` (DataConfig), ``model`` (ModelConfig) and ``train`` (TrainConfig).
+
+    ``dp_size`` = LLM data replicas (``dp*fsdp`` of ``modules.llm``); ``vision_seq_len`` and
+    ``llm_seq_len`` = ``modules.vision.seq_len`` / ``modules.llm.seq_len``.
+    """
+    from dhp.data.source import build_source
+
+    source, sizes, weights = build_source(
+        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=train.seed
+    )
+    spec = LoaderSpec(
+        dp_size=dp_size,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        vision_seq_len=vision_seq_len,
+        pad_token_id=model.tokens.pad_token_id,
+        on_bad_sample=data.on_bad_sample,
+        shuffle=data.shuffle,
+        seed=train.seed,
+        num_workers=data.num_workers,
+    )
+    return StepLoader(source=source, sizes=sizes, weights=weights, spec=spec)

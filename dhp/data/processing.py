@@ -1,0 +1,241 @@
+"""Qwen2.5-VL sample processing: images through transformers' image processor, text through the
+model's chat template, labels on assistant turns only, image tokens expanded to their merged count.
+
+Built offline from a local HF model directory (tokenizer files + ``preprocessor_config.json``). The
+image processor is transformers' PIL/numpy one (``Qwen2VLImageProcessorPil``), which needs no
+torchvision; ``data.min_pixels``/``data.max_pixels`` override the directory's values. Every limit is
+checked before the expensive work and never truncates: a sample over a limit is a bad sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from dhp.config.schema import DataConfig, SpecialTokens
+from dhp.data import bad
+from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
+from dhp.data.llava import Record
+from dhp.errors import ConfigError, ConfigIssue, DataError
+
+_TOKEN_NAMES = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-sample limits: encoder patches (``modules.vision.seq_len``), LLM tokens (``modules.llm.seq_len``)."""
+
+    vision_seq_len: int
+    llm_seq_len: int
+
+
+def load_tokenizer(model_path: str, *, tokens: SpecialTokens):
+    """The model directory's tokenizer, with its special-token ids checked against ``model.tokens``."""
+    from transformers import AutoTokenizer
+
+    if not (Path(model_path) / "tokenizer_config.json").is_file():
+        raise DataError(
+            f"model.path {model_path} has no tokenizer_config.json. Fix: point model.path at an HF "
+            "directory with the tokenizer (scripts/make_tiny_checkpoint.py writes one)"
+        )
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.chat_template is None:
+        raise DataError(
+            f"the tokenizer in {model_path} has no chat_template. Fix: add one to tokenizer_config.json"
+        )
+    issues = []
+    for field_name, token in _TOKEN_NAMES.items():
+        got = tok.convert_tokens_to_ids(token)
+        want = getattr(tokens, field_name)
+        if got != want:
+            issues.append(
+                ConfigIssue(
+                    path=f"model.tokens.{field_name}",
+                    value=want,
+                    rule=f"the tokenizer in {model_path} maps {token} to {got}",
+                    fix=f"set model.tokens.{field_name}={got} or use the matching tokenizer",
+                )
+            )
+    if issues:
+        raise ConfigError(issues)
+    return tok
+
+
+def load_image_processor(model_path: str, *, data: DataConfig):
+    """transformers' Qwen2-VL PIL image processor from ``preprocessor_config.json``, with config pixel bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if not (Path(model_path) / "preprocessor_config.json").is_file():
+        raise DataError(
+            f"model.path {model_path} has no preprocessor_config.json. Fix: add the model's image "
+            "processor config (scripts/make_tiny_checkpoint.py writes one)"
+        )
+    if not 0 < data.min_pixels <= data.max_pixels:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "data.min_pixels",
+                    data.min_pixels,
+                    "must satisfy 0 < min_pixels <= max_pixels",
+                    "fix the bounds",
+                )
+            ]
+        )
+    return Qwen2VLImageProcessorPil.from_pretrained(
+        model_path, min_pixels=data.min_pixels, max_pixels=data.max_pixels
+    )
+
+
+def open_image(path: Path, *, loc: str) -> Image.Image:
+    """Open and fully decode ``path`` (a truncated file fails here, not later); RGB conversion is the processor's."""
+    if not path.is_file():
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.MISSING_FILE,
+            detail=f"image {path} does not exist",
+            fix="restore the file or fix the path",
+        )
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy() if im.mode in ("RGB", "L") else im.convert("RGB")
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.CORRUPT_IMAGE,
+            detail=f"image {path} cannot be decoded ({e})",
+            fix="replace the file",
+        ) from e
+
+
+class SampleProcessor:
+    """Turns a :class:`~dhp.data.llava.Record` into a :class:`~dhp.data.batch.Sample`.
+
+    Placement: runs on the driver (or a data worker), once per sample per step; the tensors it
+    returns are CPU tensors that the runtime ships to the sample's DP replica.
+    """
+
+    def __init__(self, *, tokenizer, image_processor, tokens: SpecialTokens, limits: Limits) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.tokens = tokens
+        self.limits = limits
+        self.merge = int(image_processor.merge_size)
+
+    def process(self, record: Record) -> Sample:
+        """Load images, render and tokenize the conversation, expand image tokens, check the limits."""
+        loc = record.location
+        images = [open_image(p, loc=loc) for p in record.images]
+        patches = [self.image_processor.get_number_of_image_patches(im.height, im.width) for im in images]
+        if sum(patches) > self.limits.vision_seq_len:
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.VISION_TOO_LONG,
+                detail=f"{sum(patches)} patches {patches} > modules.vision.seq_len={self.limits.vision_seq_len}",
+                fix="raise modules.vision.seq_len, lower data.max_pixels, or drop images",
+            )
+        ids, labels, text_chars = self._tokenize(record)
+        counts = [p // (self.merge**2) for p in patches]
+        ids, labels, types = self._expand_images(ids, labels, counts, loc=loc)
+        if ids.numel() > self.limits.llm_seq_len:
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.TEXT_TOO_LONG,
+                detail=f"{ids.numel()} tokens ({sum(counts)} image) > modules.llm.seq_len={self.limits.llm_seq_len}",
+                fix="raise modules.llm.seq_len, lower data.max_pixels, or shorten the conversation",
+            )
+        pixel_values = grid = None
+        if images:
+            out = self.image_processor(images=images, return_tensors="pt")
+            pixel_values = out["pixel_values"].to(torch.float32)
+            grid = out["image_grid_thw"].to(torch.long)
+            if grid.prod(dim=1).tolist() != patches:
+                raise DataError(
+                    f"{loc}: image processor gave grids {grid.tolist()}, expected {patches} patches"
+                )
+        return Sample(
+            sample_id=loc,
+            input_ids=ids,
+            labels=labels,
+            mm_token_type_ids=types,
+            pixel_values=pixel_values,
+            image_grid_thw=grid,
+            text_chars=text_chars,
+        )
+
+    def _render(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _tokenize(self, record: Record) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Render with the chat template; label the tokens inside assistant turns (content + end token)."""
+        messages = [_message(role, text) for role, text in record.turns]
+        full = self._render(messages, generation_prompt=False)
+        spans = []
+        for i, (role, _) in enumerate(record.turns):
+            if role != "assistant":
+                continue
+            prefix = self._render(messages[:i], generation_prompt=True)
+            upto = self._render(messages[: i + 1], generation_prompt=False)
+            if not (full.startswith(prefix) and full.startswith(upto) and len(prefix) < len(upto)):
+                raise DataError(
+                    f"{record.location}: the chat template does not render turn prefixes as prefixes, so "
+                    "assistant spans cannot be located. Fix: use a template whose output grows turn by turn"
+                )
+            spans.append((len(prefix), len(upto.rstrip())))
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        for t, (start, end) in enumerate(enc["offset_mapping"]):
+            if any(a <= start < b and end <= b for a, b in spans):
+                labels[t] = ids[t]
+        return ids, labels, len(full)
+
+    def _expand_images(
+        self, ids: torch.Tensor, labels: torch.Tensor, counts: list[int], *, loc: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Repeat the k-th image pad token ``counts[k]`` times; mark those positions IMAGE in the types."""
+        pad = self.tokens.image_token_id
+        where = (ids == pad).nonzero().flatten().tolist()
+        if len(where) != len(counts):
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.PLACEHOLDER_MISMATCH,
+                detail=f"rendered text has {len(where)} image pad tokens for {len(counts)} image(s)",
+                fix="remove literal vision special tokens from the text",
+            )
+        pieces_ids, pieces_lab, pieces_typ, prev = [], [], [], 0
+        for pos, n in zip(where, counts, strict=True):
+            pieces_ids += [ids[prev:pos], torch.full((n,), pad, dtype=torch.long)]
+            pieces_lab += [labels[prev:pos], torch.full((n,), IGNORE_INDEX, dtype=torch.long)]
+            pieces_typ += [
+                torch.full((pos - prev,), TEXT, dtype=torch.long),
+                torch.full((n,), IMAGE, dtype=torch.long),
+            ]
+            prev = pos + 1
+        pieces_ids.append(ids[prev:])
+        pieces_lab.append(labels[prev:])
+        pieces_typ.append(torch.full((ids.numel() - prev,), TEXT, dtype=torch.long))
+        return torch.cat(pieces_ids), torch.cat(pieces_lab), torch.cat(pieces_typ)
+
+
+def _message(role: str, text: str) -> dict:
+    """A chat-template message; ``<image>`` placeholders become ``{"type": "image"}`` content parts."""
+    if "<image>" not in text:
+        return {"role": role, "content": text}
+    parts: list[dict] = []
+    for k, chunk in enumerate(text.split("<image>")):
+        if k:
+            parts.append({"type": "image"})
+        if chunk:
+            parts.append({"type": "text", "text": chunk})
+    return {"role": role, "content": parts}

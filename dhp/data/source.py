@@ -1,0 +1,137 @@
+"""Sample sources: the configured datasets as one indexable stream with a seeded per-epoch order.
+
+``build_source`` reads ``data.kind``: ``llava`` mixes the ``data.datasets`` entries by weight;
+``synthetic`` builds :class:`~dhp.data.synthetic.SyntheticSource`. A source maps a global index to
+a location string (for errors) and to a processed :class:`~dhp.data.batch.Sample`.
+
+Mixing weights: ``weight`` is how many times each record of a dataset is seen per epoch. 1.0 = once;
+2.0 = twice; 0.5 = a seeded half, drawn afresh each epoch. Nothing else drops records.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from dhp.config.schema import DataConfig, ModelConfig
+from dhp.data.batch import Sample
+from dhp.data.llava import LlavaDataset
+from dhp.data.processing import Limits, SampleProcessor, load_image_processor, load_tokenizer
+from dhp.data.synthetic import SyntheticSource
+from dhp.errors import ConfigError, ConfigIssue
+
+
+class SampleSource(Protocol):
+    """What the loader and the check need from a source."""
+
+    def __len__(self) -> int: ...
+
+    def location(self, index: int) -> str: ...
+
+    def load(self, index: int) -> Sample: ...
+
+
+class LlavaSource:
+    """Several LLaVA datasets behind one index ``0..len-1`` (dataset after dataset)."""
+
+    def __init__(
+        self, *, datasets: list[LlavaDataset], weights: list[float], processor: SampleProcessor
+    ) -> None:
+        self.datasets = datasets
+        self.weights = weights
+        self.processor = processor
+        self.offsets = [0]
+        for ds in datasets:
+            self.offsets.append(self.offsets[-1] + len(ds))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def _split(self, index: int) -> tuple[LlavaDataset, int]:
+        for d, ds in enumerate(self.datasets):
+            if index < self.offsets[d + 1]:
+                return ds, index - self.offsets[d]
+        raise IndexError(index)
+
+    def location(self, index: int) -> str:
+        ds, i = self._split(index)
+        return ds.location(i)
+
+    def load(self, index: int) -> Sample:
+        ds, i = self._split(index)
+        return self.processor.process(ds.record(i))
+
+
+def epoch_order(*, sizes: list[int], weights: list[float], seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The global indices of one epoch: each dataset repeated ``floor(w)`` times plus a seeded
+    ``frac(w)`` subset, then shuffled with ``(seed, epoch)`` when ``shuffle``. Pure and deterministic."""
+    gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+    order: list[int] = []
+    offset = 0
+    for size, w in zip(sizes, weights, strict=True):
+        whole, frac = math.floor(w), w - math.floor(w)
+        idx = list(range(offset, offset + size))
+        order += idx * whole
+        extra = round(frac * size)
+        if extra:
+            pick = torch.randperm(size, generator=gen)[:extra].sort().values
+            order += [offset + int(p) for p in pick]
+        offset += size
+    if shuffle:
+        order = [order[int(p)] for p in torch.randperm(len(order), generator=gen)]
+    return order
+
+
+def build_source(
+    *, data: DataConfig, model: ModelConfig, vision_seq_len: int, llm_seq_len: int, seed: int
+) -> tuple[SampleSource, list[int], list[float]]:
+    """The source of ``data`` plus the per-dataset sizes and weights for :func:`epoch_order`.
+
+    ``vision_seq_len``/``llm_seq_len`` are ``modules.vision.seq_len``/``modules.llm.seq_len``:
+    per-sample limits (samples over them are bad, never truncated).
+    """
+    limits = Limits(vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len)
+    if data.kind == "synthetic":
+        src = SyntheticSource(
+            synthetic=data.synthetic,
+            vision=model.vision,
+            tokens=model.tokens,
+            vocab_size=model.llm.vocab_size,
+            limits=limits,
+            seed=seed,
+        )
+        return src, [len(src)], [1.0]
+    if data.kind != "llava":
+        raise ConfigError([ConfigIssue("data.kind", data.kind, "must be llava or synthetic", "pick one")])
+    issues = []
+    if not data.datasets:
+        issues.append(
+            ConfigIssue("data.datasets", [], "data.kind=llava needs at least one dataset", "add one")
+        )
+    for i, entry in enumerate(data.datasets):
+        if not entry.weight > 0:
+            issues.append(
+                ConfigIssue(f"data.datasets[{i}].weight", entry.weight, "must be > 0", "remove the entry")
+            )
+    if model.path is None:
+        issues.append(
+            ConfigIssue(
+                "model.path",
+                None,
+                "data.kind=llava needs the tokenizer and image processor",
+                "set model.path",
+            )
+        )
+    if issues:
+        raise ConfigError(issues)
+    datasets = [LlavaDataset(entry) for entry in data.datasets]
+    processor = SampleProcessor(
+        tokenizer=load_tokenizer(model.path, tokens=model.tokens),
+        image_processor=load_image_processor(model.path, data=data),
+        tokens=model.tokens,
+        limits=limits,
+    )
+    src = LlavaSource(datasets=datasets, weights=[e.weight for e in data.datasets], processor=processor)
+    return src, [len(d) for d in datasets], [e.weight for e in data.datasets]

@@ -1,0 +1,131 @@
+"""Synthetic fixed-size samples for benchmarks and smoke tests.
+
+Sample ``i`` holds ``images_per_sample`` images of exactly ``patches`` encoder patches each (grid
+``(1, h, w)`` with ``h*w == patches``, both multiples of the merge size, as square as possible:
+1024 -> 32x32, the grid of a 448 px image) followed by exactly ``text_tokens`` label tokens. Pixel
+values and token ids come from a generator seeded by ``(seed, i)``, so any sample can be rebuilt
+alone, in any order, on any process. Pixel rows are random normals (benchmarks only; the demo uses
+real images): memory is ``patches * C*T*P*P * 4`` bytes per image (308 MiB at 65,536 patches).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dhp.config.schema import SpecialTokens, SyntheticData, VisionArch
+from dhp.data import bad
+from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
+from dhp.data.processing import Limits
+from dhp.errors import ConfigError, ConfigIssue
+
+
+def synthetic_grid(patches: int, *, merge: int) -> tuple[int, int, int]:
+    """The most square ``(1, h, w)`` with ``h*w == patches`` and ``h, w`` multiples of ``merge``."""
+    unit = merge * merge
+    if patches <= 0 or patches % unit:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "data.synthetic.patches",
+                    patches,
+                    f"must be a positive multiple of spatial_merge_size^2 = {unit}",
+                    f"use e.g. {max(unit, patches - patches % unit)}",
+                )
+            ]
+        )
+    cells = patches // unit
+    best = max(d for d in range(1, math.isqrt(cells) + 1) if cells % d == 0)
+    return 1, best * merge, (cells // best) * merge
+
+
+def patches_for_side(side_px: int, *, patch_size: int = 14) -> int:
+    """Encoder patches of a ``side_px`` x ``side_px`` image (side a multiple of patch*merge): (side/P)^2."""
+    return (side_px // patch_size) ** 2
+
+
+class SyntheticSource:
+    """``num_samples`` deterministic samples (see module docstring); indexable like a dataset."""
+
+    def __init__(
+        self,
+        *,
+        synthetic: SyntheticData,
+        vision: VisionArch,
+        tokens: SpecialTokens,
+        vocab_size: int,
+        limits: Limits,
+        seed: int,
+    ) -> None:
+        self.cfg = synthetic
+        self.vision = vision
+        self.tokens = tokens
+        self.limits = limits
+        self.seed = seed
+        self.grid = synthetic_grid(synthetic.patches, merge=vision.spatial_merge_size)
+        special = {getattr(tokens, f) for f in tokens.__dataclass_fields__}
+        self.text_ids = torch.tensor([t for t in range(vocab_size) if t not in special], dtype=torch.long)
+        if synthetic.num_samples <= 0 or synthetic.text_tokens <= 0 or synthetic.images_per_sample < 0:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "data.synthetic",
+                        synthetic,
+                        "num_samples and text_tokens must be > 0, images_per_sample >= 0",
+                        "fix the counts",
+                    )
+                ]
+            )
+
+    def __len__(self) -> int:
+        return self.cfg.num_samples
+
+    def location(self, index: int) -> str:
+        """``"synthetic:<index>"``."""
+        return f"synthetic:{index}"
+
+    def load(self, index: int) -> Sample:
+        """Build sample ``index`` from the seed; raises ``BadSampleError`` if it exceeds the limits."""
+        loc = self.location(index)
+        n_img, patches = self.cfg.images_per_sample, self.cfg.patches
+        merged = patches // self.vision.spatial_merge_size**2
+        if n_img * patches > self.limits.vision_seq_len:
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.VISION_TOO_LONG,
+                detail=f"{n_img}x{patches} patches > modules.vision.seq_len={self.limits.vision_seq_len}",
+                fix="lower data.synthetic.patches/images_per_sample or raise modules.vision.seq_len",
+            )
+        total = n_img * (merged + 2) + self.cfg.text_tokens
+        if total > self.limits.llm_seq_len:
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.TEXT_TOO_LONG,
+                detail=f"{total} tokens > modules.llm.seq_len={self.limits.llm_seq_len}",
+                fix="lower data.synthetic.text_tokens/patches or raise modules.llm.seq_len",
+            )
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        t = self.tokens
+        image_block = [t.vision_start_token_id] + [t.image_token_id] * merged + [t.vision_end_token_id]
+        text = self.text_ids[torch.randint(len(self.text_ids), (self.cfg.text_tokens,), generator=gen)]
+        ids = torch.cat([torch.tensor(image_block * n_img, dtype=torch.long), text])
+        types = torch.full_like(ids, TEXT)
+        types[: n_img * len(image_block)][torch.tensor(image_block * n_img) == t.image_token_id] = IMAGE
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[n_img * len(image_block) :] = text
+        pixel_values = grid = None
+        if n_img:
+            v = self.vision
+            row = v.in_channels * v.temporal_patch_size * v.patch_size**2
+            pixel_values = torch.randn(n_img * patches, row, generator=gen, dtype=torch.float32)
+            grid = torch.tensor([self.grid] * n_img, dtype=torch.long)
+        return Sample(
+            sample_id=loc,
+            input_ids=ids,
+            labels=labels,
+            mm_token_type_ids=types,
+            pixel_values=pixel_values,
+            image_grid_thw=grid,
+            text_chars=self.cfg.text_tokens,
+        )
