@@ -6,6 +6,7 @@ group): :func:`save_module_state`, :func:`load_module_state`. See docs/INTERFACE
 """
 
 from dhp.checkpoint.compat import check_resume_compatible
+from dhp.checkpoint.export import export_hf
 from dhp.checkpoint.layout import (
     begin_checkpoint,
     commit_checkpoint,
@@ -26,6 +27,7 @@ __all__ = [
     "capture_rng_state",
     "check_resume_compatible",
     "commit_checkpoint",
+    "export_hf",
     "find_latest_checkpoint",
     "list_checkpoints",
     "load_module_state",

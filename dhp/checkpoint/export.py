@@ -1,0 +1,159 @@
+"""Export a dhp checkpoint (DCP per module group) to a Hugging Face model directory.
+
+Runs in one plain process (no torch.distributed). Tensors are read from the DCP shards in batches of
+at most ``max_shard_bytes`` and written as ``model-XXXXX-of-YYYYY.safetensors`` plus an index, so peak
+memory is about one shard, not the whole model. Keys follow the family's reference transformers
+model (``model.visual.*``, ``model.language_model.*``, ``lm_head.*``), loadable with
+``Qwen2_5_VLForConditionalGeneration.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dhp.checkpoint.meta import read_meta
+from dhp.checkpoint.module_state import MODEL_KEY
+from dhp.config.schema import ModelConfig
+from dhp.errors import CheckpointError
+
+# files of a HF model directory that are not weights and are copied from ``model.path`` when set
+_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "generation_config.json",
+)
+
+
+def _hf_key_map(family, hf_config) -> dict[tuple[str, str], str]:
+    """``(module, module_fqn) -> HF key`` from the reference model's state dict (built on meta, no memory)."""
+    with torch.device("meta"):
+        ref = family.reference_model(hf_config)
+    out = {}
+    for key, t in ref.state_dict().items():
+        for module, sub in family.split_state_dict({key: t}).items():
+            for fqn in sub:
+                out[(module, fqn)] = key
+    return out
+
+
+def _saved_tensors(module_dir: Path) -> dict[str, TensorStorageMetadata]:
+    md = dcp.FileSystemReader(str(module_dir)).read_metadata().state_dict_metadata
+    prefix = MODEL_KEY + "."
+    return {
+        k[len(prefix) :]: m
+        for k, m in md.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
+
+
+def _plan_tensors(ckpt_dir: Path, modules: list[str], key_map, tied: set[tuple[str, str]]):
+    """[(hf_key, module, fqn, meta)] for every tensor to export; CheckpointError on any mismatch."""
+    todo, problems = [], []
+    expected = {k: v for k, v in key_map.items() if k not in tied and k[0] in modules}
+    for module in modules:
+        saved = _saved_tensors(ckpt_dir / module)
+        for fqn, meta in sorted(saved.items()):
+            if (module, fqn) in tied:
+                continue
+            key = expected.pop((module, fqn), None)
+            if key is None:
+                problems.append(f"{module}: {fqn} has no place in the HF model")
+            else:
+                todo.append((key, module, fqn, meta))
+    problems += [f"{m}: {f} (HF {k}) missing from the checkpoint" for (m, f), k in sorted(expected.items())]
+    if problems:
+        raise CheckpointError(
+            f"cannot export {ckpt_dir}: {len(problems)} tensor(s) do not match model.* architecture, e.g. "
+            f"{problems[:5]}. Fix: export with the model config the checkpoint was trained with."
+        )
+    return todo
+
+
+def _read(ckpt_dir: Path, batch, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Read one batch of full tensors (all ranks' shards stitched by DCP) into CPU memory."""
+    out = {}
+    for module in sorted({m for _, m, _, _ in batch}):
+        sd = {
+            f"{MODEL_KEY}.{fqn}": torch.empty(meta.size, dtype=meta.properties.dtype)
+            for _, m, fqn, meta in batch
+            if m == module
+        }
+        dcp.load(sd, checkpoint_id=str(ckpt_dir / module), no_dist=True)
+        for key, m, fqn, _ in batch:
+            if m == module:
+                t = sd[f"{MODEL_KEY}.{fqn}"]
+                out[key] = t if dtype is None else t.to(dtype)
+    return out
+
+
+def export_hf(
+    ckpt_dir: Path,
+    *,
+    out_dir: Path,
+    model: ModelConfig,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer/processor side files).
+
+    ``model`` is the run's ModelConfig (architecture; ``path`` for the config and side files).
+    ``dtype`` casts every tensor (None keeps the checkpoint's dtype, e.g. fp32 master weights).
+    """
+    from dhp.models import get_family
+
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    meta = read_meta(ckpt_dir)
+    family = get_family(model.family)
+    if model.path is not None:
+        hf_config = family.hf_config_from_dir(model.path, attn_implementation=model.attn_implementation)
+    else:
+        hf_config = family.hf_config(model)
+    modules = sorted(meta.modules)
+    tied = {(m, f) for m in modules for f in family.tied_parameters(m, hf_config)}
+    todo = _plan_tensors(ckpt_dir, modules, _hf_key_map(family, hf_config), tied)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards, cur, size = [], [], 0
+    for item in todo:
+        nbytes = item[3].size.numel() * (dtype or item[3].properties.dtype).itemsize
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += nbytes
+    shards.append(cur)
+    weight_map, total = {}, 0
+    for i, batch in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = _read(ckpt_dir, batch, dtype)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    index = {
+        "metadata": {"total_size": total, "dhp_step": meta.step},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    if dtype is not None:
+        hf_config.dtype = dtype
+    hf_config.save_pretrained(str(out_dir))
+    if model.path is not None:
+        for f in _SIDE_FILES:
+            if (Path(model.path) / f).is_file():
+                shutil.copy2(Path(model.path) / f, out_dir / f)
+    return out_dir

@@ -1,0 +1,86 @@
+"""DCP checkpoint -> HF directory: ``Qwen2_5_VLForConditionalGeneration.from_pretrained`` loads it exactly."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from dhp.checkpoint import (
+    CheckpointMeta,
+    ModuleRecord,
+    begin_checkpoint,
+    commit_checkpoint,
+    save_module_state,
+)
+from dhp.checkpoint.export import export_hf
+from dhp.config.schema import ModelConfig
+from dhp.errors import CheckpointError
+from dhp.models import get_family
+
+pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def _checkpoint(root: Path, model_cfg: ModelConfig) -> tuple[Path, dict[str, torch.nn.Module]]:
+    family = get_family(model_cfg.family)
+    hf = family.hf_config(model_cfg)
+    torch.manual_seed(0)
+    mods = {n: family.build_module(n, hf, device="cpu", dtype=torch.float32) for n in family.module_names}
+    tmp = begin_checkpoint(root, step=7)
+    for name, m in mods.items():
+        opt = None if name == "vision" else torch.optim.AdamW(m.parameters())  # vision saved frozen
+        save_module_state(tmp / name, model=m, optimizer=opt)
+    meta = CheckpointMeta(
+        step=7,
+        data_state={},
+        driver_rng={},
+        plan={"groups": []},
+        config_hash="c",
+        model_hash="m",
+        modules={"vision": ModuleRecord(1, True, False), "llm": ModuleRecord(1, False, True)},
+    )
+    return commit_checkpoint(tmp, meta=meta, keep_last=1), mods
+
+
+def _assert_loads_exactly(out: Path, mods: dict[str, torch.nn.Module], dtype: torch.dtype) -> None:
+    family = get_family("qwen2_5_vl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(out), dtype=dtype)
+    split = family.split_state_dict(ref.state_dict())
+    for name, m in mods.items():
+        sd = m.state_dict()
+        assert set(sd) == set(split[name])
+        bad = [k for k in sd if not torch.equal(sd[k].to(dtype), split[name][k])]
+        assert not bad, f"{name}: exported tensors differ: {bad[:5]}"
+
+
+def test_export_sharded_fp32_roundtrips_exactly(tmp_path: Path) -> None:
+    model_cfg = get_family("qwen2_5_vl").tiny_model_config()
+    ckpt, mods = _checkpoint(tmp_path / "ckpts", model_cfg)
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, max_shard_bytes=256 * 1024)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1  # the shard limit was honoured
+    assert (out / "config.json").is_file()
+    _assert_loads_exactly(out, mods, torch.float32)
+
+
+def test_export_bf16_and_tied_embeddings(tmp_path: Path) -> None:
+    model_cfg = copy.deepcopy(get_family("qwen2_5_vl").tiny_model_config())
+    model_cfg.llm.tie_word_embeddings = True
+    ckpt, mods = _checkpoint(tmp_path / "ckpts", model_cfg)
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, dtype=torch.bfloat16)
+    _assert_loads_exactly(out, mods, torch.bfloat16)
+
+
+def test_export_under_other_architecture_is_refused(tmp_path: Path) -> None:
+    model_cfg = get_family("qwen2_5_vl").tiny_model_config()
+    ckpt, _ = _checkpoint(tmp_path / "ckpts", model_cfg)
+    other = copy.deepcopy(model_cfg)
+    other.llm.num_layers = 3
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint"):
+        export_hf(ckpt, out_dir=tmp_path / "hf", model=other)
