@@ -1,0 +1,44 @@
+"""FLOPs formula and the fixed-name metrics writer."""
+
+import pytest
+
+from dhp.errors import RuntimeFailure
+from dhp.metrics import METRIC_KEYS, MetricsWriter, llm_flops_per_step, vision_flops_per_step
+from dhp.metrics.writer import read_metrics
+from dhp.models import get_family
+
+pytestmark = pytest.mark.unit
+
+TINY = get_family("qwen2_5_vl").tiny_model_config()
+
+
+def test_llm_flops_follow_palm_formula():
+    a = TINY.llm
+    n = a.num_layers * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 128 * 1024
+    assert llm_flops_per_step(arch=a, seq_lens=[10], frozen=False) == 10 * (6 * n + 12 * 2 * 128 * 10)
+    assert llm_flops_per_step(arch=a, seq_lens=[10, 10], frozen=True) == pytest.approx(
+        2 * llm_flops_per_step(arch=a, seq_lens=[10], frozen=False) / 3
+    )
+
+
+def test_vision_flops_grow_with_patches_and_drop_when_frozen():
+    v = TINY.vision
+    small = vision_flops_per_step(arch=v, llm_hidden=128, image_patches=[64], frozen=False)
+    big = vision_flops_per_step(arch=v, llm_hidden=128, image_patches=[256], frozen=False)
+    assert big > 4 * small  # linear part x4, full-attention part x16
+    assert vision_flops_per_step(arch=v, llm_hidden=128, image_patches=[64], frozen=True) == pytest.approx(
+        small / 3
+    )
+
+
+def test_writer_enforces_fixed_keys(tmp_path):
+    w = MetricsWriter(tmp_path / "m.jsonl", modules=["vision", "llm"], tensorboard_dir=None)
+    rec = dict.fromkeys(METRIC_KEYS, 1.0) | {
+        f"{m}_{p}_s": 0.5 for m in ("vision", "llm") for p in ("fwd", "bwd", "step")
+    }
+    rec["peak_mem_bytes"] = {"llm/0": 10}
+    w.write(rec)
+    with pytest.raises(RuntimeFailure, match=r"missing \['mfu'\]"):
+        w.write({k: v for k, v in rec.items() if k != "mfu"})
+    w.close()
+    assert read_metrics(tmp_path / "m.jsonl") == [rec]
