@@ -84,8 +84,16 @@ class ModelFamily(Protocol):
         """Recompute the module's non-persistent buffers in place (after ``to_empty`` from meta)."""
         ...
 
-    def checkpoint_keys(self, name: str, fqn: str) -> tuple[str, ...]:
-        """Checkpoint key(s) that may hold module parameter ``fqn``, preferred first."""
+    def modules_for(self, hf_config: PretrainedConfig) -> tuple[str, ...]:
+        """The modules a given config has (e.g. only ``llm`` for a text-only config)."""
+        ...
+
+    def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
+        """Checkpoint key -> ``(module_name, module_fqn)``; None when no module owns it."""
+        ...
+
+    def tie(self, name: str, module: nn.Module, hf_config: PretrainedConfig) -> None:
+        """Re-share tied parameters (after building or ``to_empty``)."""
         ...
 
     def tied_parameters(self, name: str, hf_config: PretrainedConfig) -> dict[str, str]:

@@ -1,0 +1,176 @@
+"""Load one module's weights from a local HF directory, reading only that module's tensors.
+
+The module is built on ``meta`` (no memory), then ``to_empty`` on the target device, then each of
+its tensors is read with ``safetensors.safe_open`` straight from the file that holds it (single
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``). The other modules'
+tensors are never read. A TP rank passes ``shard_fn`` to pull only its slice from the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from dhp.errors import CheckpointError
+from dhp.models.family import ModelFamily
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# shard_fn(fqn, param, full) -> the tensor this rank keeps for ``fqn``. ``full`` is safetensors'
+# lazy slice (``full[a:b]``, ``full.get_shape()``) so only the kept rows/columns are read.
+ShardFn = Callable[[str, torch.Tensor, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load read: checkpoint keys (sorted) and the files opened."""
+
+    keys_read: tuple[str, ...]
+    files_opened: tuple[str, ...]
+
+
+def checkpoint_index(model_dir: str | Path) -> dict[str, str]:
+    """``{checkpoint_key: file_name}`` of a HF directory (single file or sharded), headers only."""
+    root = Path(model_dir)
+    if (root / INDEX_FILE).is_file():
+        weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{root / INDEX_FILE} lists shard files that do not exist: {missing}")
+        return dict(weight_map)
+    if (root / SINGLE_FILE).is_file():
+        with safe_open(str(root / SINGLE_FILE), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    present = sorted(p.name for p in root.iterdir()) if root.is_dir() else "directory missing"
+    raise CheckpointError(
+        f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found (present: {present}). "
+        f"Fix: point model.path at a HF directory saved with safetensors."
+    )
+
+
+def module_key_map(
+    family: ModelFamily, module_name: str, index: dict[str, str], model_dir: str | Path
+) -> dict[str, str]:
+    """``{module_fqn: checkpoint_key}`` of the keys this module owns; a key owned by no module is an error."""
+    owned: dict[str, str] = {}
+    unowned = []
+    for key in index:
+        owner = family.checkpoint_owner(key)
+        if owner is None:
+            unowned.append(key)
+        elif owner[0] == module_name:
+            if owner[1] in owned:
+                raise CheckpointError(
+                    f"{model_dir}: {owned[owner[1]]!r} and {key!r} both hold {module_name}.{owner[1]} "
+                    f"(old and new key layouts mixed). Fix: keep one layout."
+                )
+            owned[owner[1]] = key
+    if unowned:
+        raise CheckpointError(
+            f"{model_dir}: unexpected keys that belong to no module of {family.name}: {sorted(unowned)}. "
+            f"Fix: check that model.family matches the checkpoint."
+        )
+    return owned
+
+
+def load_module_weights(
+    module: nn.Module,
+    model_dir: str | Path,
+    *,
+    family: ModelFamily,
+    module_name: str,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard_fn: ShardFn | None = None,
+) -> LoadReport:
+    """Materialise a meta-built ``module`` on ``device`` and fill it from ``model_dir``.
+
+    Reads only the checkpoint keys this module owns. Missing or unexpected keys raise a
+    CheckpointError listing all of them. Floating tensors are cast to ``dtype`` (from the config).
+    Non-persistent buffers are recomputed by the family; tied parameters are re-tied.
+    """
+    index = checkpoint_index(model_dir)
+    key_of = module_key_map(family, module_name, index, model_dir)
+    tied = family.tied_parameters(module_name, hf_config)
+    expected = {k for k in module.state_dict() if k not in tied}
+    for fqn in tied:  # a tied checkpoint may still store the copy: it is ignored, not unexpected
+        key_of.pop(fqn, None)
+    missing, unexpected = sorted(expected - key_of.keys()), sorted(key_of.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{model_dir}: module {module_name!r} of {family.name} does not match the checkpoint. "
+            f"missing keys ({len(missing)}): {missing}; unexpected keys ({len(unexpected)}): "
+            f"{[key_of[k] for k in unexpected]}. Fix: the config.json architecture must match the weights."
+        )
+    module.to_empty(device=device)
+    targets = dict(module.state_dict(keep_vars=True))
+    files = _read_into(targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn)
+    family.tie(module_name, module, hf_config)
+    family.init_buffers(module_name, module)
+    return LoadReport(keys_read=tuple(sorted(key_of.values())), files_opened=tuple(sorted(files)))
+
+
+def _read_into(
+    targets: dict[str, torch.Tensor],
+    key_of: dict[str, str],
+    index: dict[str, str],
+    root: Path,
+    *,
+    dtype: torch.dtype,
+    shard_fn: ShardFn | None,
+) -> set[str]:
+    """Copy each needed tensor from its file into ``targets``; returns the files opened."""
+    by_file: dict[str, list[str]] = {}
+    for fqn, key in key_of.items():
+        by_file.setdefault(index[key], []).append(fqn)
+    with torch.no_grad():
+        for file_name, fqns in sorted(by_file.items()):
+            with safe_open(str(root / file_name), framework="pt") as f:
+                for fqn in fqns:
+                    target = targets[fqn]
+                    full = f.get_slice(key_of[fqn])
+                    value = shard_fn(fqn, target, full) if shard_fn is not None else full[:]
+                    local = target.to_local() if hasattr(target, "to_local") else target
+                    if tuple(value.shape) != tuple(local.shape):
+                        raise CheckpointError(
+                            f"{root / file_name}: {key_of[fqn]} has shape {tuple(value.shape)} but "
+                            f"{fqn} expects {tuple(local.shape)}. Fix: config.json must match the weights."
+                        )
+                    cast = dtype if value.is_floating_point() else value.dtype
+                    local.copy_(value.to(cast))
+    return set(by_file)
+
+
+def build_and_load(
+    family: ModelFamily,
+    module_name: str,
+    model_dir: str | Path,
+    *,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[nn.Module, LoadReport]:
+    """Build ``module_name`` on meta and load only its tensors from ``model_dir`` onto ``device``.
+
+    Peak memory: this module's weights once, on ``device``; the other modules are never touched.
+    """
+    module = family.build_module(module_name, hf_config, device="meta", dtype=dtype)
+    report = load_module_weights(
+        module,
+        model_dir,
+        family=family,
+        module_name=module_name,
+        hf_config=hf_config,
+        dtype=dtype,
+        device=device,
+    )
+    return module, report

@@ -1,0 +1,144 @@
+"""Tiny, complete HF directories for tests and the demo, made offline in about a second.
+
+``make_tiny_checkpoint(out_dir)`` writes what a real Qwen2.5-VL directory holds: ``config.json``,
+``model.safetensors`` (or shards + ``model.safetensors.index.json``), a byte-level BPE tokenizer
+trained here with the ``tokenizers`` library (Qwen's special tokens first, so their ids are
+fixed: see ``TINY_TOKENS``), a Qwen-style chat template and ``preprocessor_config.json``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import Qwen2Tokenizer
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from dhp.config.schema import ModelConfig
+from dhp.models.family import get_family
+from dhp.models.qwen2_5_vl.processor import QWEN_CHAT_TEMPLATE, Qwen2_5_VLImageTextProcessor
+
+# Qwen2.5-VL's special tokens, in this order: ids 0..13 in the tiny tokenizer.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+TINY_MIN_PIXELS = 56 * 56
+TINY_MAX_PIXELS = 448 * 448
+SHARD_SIZE = "600KB"  # the tiny fp32 model (~2.7 MB) becomes 5+ shards
+
+_SUBJECTS = ("a cat", "an astronaut", "a rocket", "two coins", "a cup of coffee", "the moon", "a motorcycle")
+_VERBS = ("sits on", "floats above", "rests near", "is shown beside", "appears in front of", "lies under")
+_PLACES = ("a red sofa", "the earth", "a wooden table", "the launch pad", "a dark sky", "green grass")
+_EXTRA = ("The photo is sharp.", "Colors are warm.", "What is in the image?", "Describe the picture.")
+
+
+def tiny_corpus() -> list[str]:
+    """A few hundred deterministic caption-like lines (plus chat turns) to train the tiny BPE."""
+    lines = [f"{s.capitalize()} {v} {p}." for s, v, p in itertools.product(_SUBJECTS, _VERBS, _PLACES)]
+    lines += [f"{e} {s.capitalize()}, 0123456789." for e, s in itertools.product(_EXTRA, _SUBJECTS)]
+    return lines
+
+
+def train_tiny_tokenizer(*, vocab_size: int) -> Qwen2Tokenizer:
+    """Byte-level BPE with Qwen2's pre-tokenizer, trained on :func:`tiny_corpus`; specials get ids 0..13."""
+    bpe = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(tiny_corpus(), trainer=trainer)
+    merges = [tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
+    return Qwen2Tokenizer(
+        vocab=bpe.get_vocab(),
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        model_max_length=4096,
+    )
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path, *, sharded: bool = False, seed: int = 0, model_cfg: ModelConfig | None = None
+) -> Path:
+    """Write a complete tiny Qwen2.5-VL HF directory to ``out_dir`` and return its path.
+
+    Weights: transformers' own random init under ``seed`` (the caller's RNG is left untouched),
+    saved by ``save_pretrained`` in ``model_cfg.dtype``; ``sharded`` writes several
+    ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``.
+    """
+    family = get_family("qwen2_5_vl")
+    model_cfg = model_cfg if model_cfg is not None else family.tiny_model_config()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = family.hf_config(model_cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = family.reference_model(hf_config)
+    model.save_pretrained(out, max_shard_size=SHARD_SIZE if sharded else "50GB")
+    tokenizer = train_tiny_tokenizer(vocab_size=model_cfg.llm.vocab_size)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=model_cfg.vision.patch_size,
+        merge_size=model_cfg.vision.spatial_merge_size,
+        temporal_patch_size=model_cfg.vision.temporal_patch_size,
+        min_pixels=TINY_MIN_PIXELS,
+        max_pixels=TINY_MAX_PIXELS,
+    )
+    processor = Qwen2_5_VLImageTextProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE
+    )
+    processor.save_pretrained(out)
+    image_processor.save_pretrained(out)  # preprocessor_config.json, for tools that read it alone
+    # A standard HF directory: AutoProcessor resolves the stock class (it needs torchvision for
+    # its video part); dhp.models.load_processor needs nothing more than what is written here.
+    proc_file = out / "processor_config.json"
+    proc_cfg = json.loads(proc_file.read_text())
+    proc_cfg["processor_class"] = "Qwen2_5_VLProcessor"
+    proc_file.write_text(json.dumps(proc_cfg, indent=2) + "\n")
+    _check_token_ids(tokenizer, model_cfg)
+    return out
+
+
+def _check_token_ids(tokenizer: Qwen2Tokenizer, model_cfg: ModelConfig) -> None:
+    """The tokenizer's special ids must equal ``model_cfg.tokens`` (which the model graph uses)."""
+    tok = model_cfg.tokens
+    expected = {
+        "<|image_pad|>": tok.image_token_id,
+        "<|video_pad|>": tok.video_token_id,
+        "<|vision_start|>": tok.vision_start_token_id,
+        "<|vision_end|>": tok.vision_end_token_id,
+        "<|im_end|>": tok.eos_token_id,
+        "<|endoftext|>": tok.pad_token_id,
+    }
+    got = {t: tokenizer.convert_tokens_to_ids(t) for t in expected}
+    if got != expected:
+        raise ValueError(f"tiny tokenizer ids {got} disagree with model.tokens {expected}")
