@@ -167,7 +167,7 @@ class Qwen25VLFamily:
                 tie_word_embeddings=False,
                 rope_theta=1000000.0,
                 rms_norm_eps=1e-6,
-                max_position_embeddings=4096,
+                max_position_embeddings=128000,
                 mrope_section=[2, 3, 3],
             ),
             tokens=copy.deepcopy(TINY_TOKENS),
