@@ -1,0 +1,134 @@
+"""The ``dhp`` command line. Each command parses its arguments and calls one library function.
+
+Arguments look like Hydra's: ``dhp plan conf=qwen_vl_32b modules.vision.parallel.sp=4 --dry-run``.
+``conf=`` picks a recipe (or a YAML path), ``smoke=true`` shrinks it to a tiny CPU run, and every
+other ``key=value`` is a Hydra override. A user error (:class:`dhp.errors.DhpError`) prints a short
+message and exits with status 2, never a traceback.
+
+To add a command: a thin function decorated with ``@app.command()`` (or on a sub-typer added with
+``app.add_typer(sub, name="data")``) that calls ``parse_hydra_args(ctx.args)`` and ``load_config``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from dhp.errors import DhpError
+
+HYDRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+app = typer.Typer(
+    name="dhp",
+    help="Train multimodal models with disaggregated hybrid parallelism (one Ray group per module).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
+    """Split ``conf=NAME``, ``smoke=true|false`` and the Hydra overrides out of the extra args.
+
+    Raises ConfigError when ``conf=`` is missing or an argument is not ``key=value``.
+    """
+    from dhp.errors import ConfigError, ConfigIssue
+
+    conf, smoke, overrides, bad = "", False, [], []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if key == "conf":
+            conf = value
+        elif key == "smoke":
+            smoke = value.lower() in ("1", "true", "yes")
+        elif eq and key:
+            overrides.append(arg)
+        else:
+            bad.append(arg)
+    issues = [
+        ConfigIssue(
+            path=arg,
+            value=arg,
+            rule="not a key=value override or a known option",
+            fix="write overrides as key=value; see `dhp plan --help`",
+        )
+        for arg in bad
+    ]
+    if not conf:
+        issues.append(
+            ConfigIssue(
+                path="conf",
+                value=None,
+                rule="conf= is required",
+                fix="pass conf=RECIPE (see `dhp recipes`) or conf=path/to/run.yaml",
+            )
+        )
+    if issues:
+        raise ConfigError(issues)
+    return conf, overrides, smoke
+
+
+@app.command(context_settings=HYDRA_ARGS)
+def plan(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; do not contact Ray."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
+) -> None:
+    """Compile a run's plan: groups, placement, routing and per-rank memory.
+
+    Usage: dhp plan conf=RECIPE|PATH [key=value ...] [smoke=true] [--dry-run] [--json].
+    Without --dry-run the placement groups are also reserved on the Ray cluster, then released.
+    """
+    from dhp.config import load_config
+    from dhp.plan import compile_plan, render_plan
+    from dhp.plan.reserve import reserve_plan
+
+    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    cfg = load_config(conf, overrides, smoke=smoke)
+    compiled = compile_plan(cfg)
+    if not dry_run:
+        reserve_plan(compiled, cluster=cfg.cluster)
+    if as_json:
+        print(compiled.to_json_str())
+    else:
+        render_plan(compiled, console=console, reserved=not dry_run)
+
+
+@app.command()
+def recipes() -> None:
+    """List the ready-made recipes in recipes/ with a one-line description each."""
+    from rich.table import Table
+
+    from dhp.config import list_recipes
+
+    table = Table(title="recipes (use: dhp plan conf=NAME)")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for name, desc in list_recipes():
+        table.add_row(name, desc)
+    console.print(table)
+
+
+def print_error(err: DhpError) -> None:
+    """Print a user error as one short screen: its type and the message (no traceback)."""
+    from rich.panel import Panel
+
+    title = type(err).__name__
+    err_console.print(Panel(str(err), title=f"[bold red]{title}", border_style="red", expand=False))
+
+
+def main() -> None:
+    """Console entry point: run the app; a DhpError exits with status 2 and a short message."""
+    try:
+        app()
+    except DhpError as err:
+        print_error(err)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

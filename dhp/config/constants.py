@@ -1,0 +1,15 @@
+"""Allowed names for string-valued config fields (one place, so validation and docs agree)."""
+
+from __future__ import annotations
+
+FAMILIES = ("qwen2_5_vl",)
+DTYPES = ("float32", "bfloat16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+DEVICES = ("cuda", "cpu")
+MIXED_PRECISIONS = ("bf16_master_fp32", "bf16", "fp32")
+PLACEMENTS = ("collocated", "disaggregated")
+MODULE_NAMES = ("vision", "llm")
+REQUIRED_MODULES = ("vision", "llm")
+PARALLEL_AXES = ("dp", "fsdp", "sp", "tp")  # mesh order, outer -> inner
+DATA_KINDS = ("llava", "synthetic")
+BAD_SAMPLE_POLICIES = ("raise", "skip")

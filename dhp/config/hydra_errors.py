@@ -1,0 +1,127 @@
+"""Turn Hydra/OmegaConf composition failures into a ConfigError that names the key path.
+
+Hydra raises a handful of types (override parse errors, unknown keys in struct mode, missing group
+options, type mismatches) wrapped in one another. Users must never see those tracebacks: each is
+mapped to one :class:`~dhp.errors.ConfigIssue` with the path, the value, the rule and a fix.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hydra.errors import MissingConfigException, OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+from dhp.errors import ConfigError, ConfigIssue
+
+_OVERRIDE_KEY = re.compile(r"Could not (?:override|append to config\.) '([^']+)'")
+_MISSING_OPTION = re.compile(r"Could not find '([^']+)'")
+_AVAILABLE = re.compile(r"Available options in '[^']+':\n((?:\t.+\n?)+)")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _omegaconf_issue(err: OmegaConfBaseException, overrides: list[str]) -> ConfigIssue | None:
+    full_key = getattr(err, "full_key", None)
+    if not full_key:
+        return None
+    msg = str(err).splitlines()[0]
+    value = getattr(err, "value", None)
+    if value is None:
+        value = _override_value(str(full_key), overrides)
+    if "not in" in msg or "Key '" in msg:
+        rule = f"unknown key ({msg})"
+        fix = "check the spelling against dhp/config/schema.py; unknown keys are errors in struct mode"
+    else:
+        rule = msg
+        fix = "give a value of the type declared in dhp/config/schema.py"
+    return ConfigIssue(path=str(full_key), value=value, rule=rule, fix=fix)
+
+
+def _override_value(key: str, overrides: list[str]) -> object:
+    for ov in overrides:
+        lhs, _, rhs = ov.lstrip("+~").partition("=")
+        if lhs == key:
+            return rhs
+    return None
+
+
+def _missing_option_issue(msg: str, conf: str) -> ConfigIssue:
+    match = _MISSING_OPTION.search(msg)
+    missing = match.group(1) if match else "?"
+    group, _, option = missing.rpartition("/")
+    avail = _AVAILABLE.search(msg)
+    options = ", ".join(x.strip() for x in avail.group(1).splitlines()) if avail else ""
+    if not group:
+        return ConfigIssue(
+            path="defaults",
+            value=missing,
+            rule=f"config '{missing}' named in the defaults of {conf} does not exist",
+            fix="name an existing recipe or group option",
+        )
+    return ConfigIssue(
+        path=group.strip("/").replace("/", "."),
+        value=option,
+        rule=f"no option '{option}' in config group '{group}'",
+        fix=f"choose one of: {options}" if options else f"add conf/{group}/{option}.yaml",
+    )
+
+
+def to_config_error(exc: BaseException, *, conf: str, overrides: list[str]) -> ConfigError:
+    """Map any composition failure to a ConfigError (keeps an existing ConfigError as is)."""
+    if isinstance(exc, ConfigError):
+        return exc
+    chain = _chain(exc)
+    for err in chain:
+        if isinstance(err, OverrideParseException):
+            bad = str(err).splitlines()[0].removeprefix("Error parsing override ").strip("'")
+            return ConfigError(
+                [
+                    ConfigIssue(
+                        path=bad.partition("=")[0] or "<override>",
+                        value=bad,
+                        rule="not a valid Hydra override",
+                        fix="write overrides as key=value, e.g. modules.vision.parallel.sp=4",
+                    )
+                ]
+            )
+        if isinstance(err, MissingConfigException):
+            return ConfigError([_missing_option_issue(str(err), conf)])
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException):
+            issue = _omegaconf_issue(err, overrides)
+            if issue is not None:
+                return ConfigError([issue])
+    msg = str(exc)
+    match = _OVERRIDE_KEY.search(msg)
+    if match:
+        key = match.group(1)
+        return ConfigError(
+            [
+                ConfigIssue(
+                    path=key,
+                    value=_override_value(key, overrides),
+                    rule="this key is not in the config (struct mode)",
+                    fix="check the spelling against dhp/config/schema.py; "
+                    f"to add a new entry use +{key}=VALUE",
+                )
+            ]
+        )
+    first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
+    return ConfigError(
+        [
+            ConfigIssue(
+                path="<compose>",
+                value=conf,
+                rule=f"Hydra could not compose the config: {first}",
+                fix="check the recipe's defaults list and the overrides",
+            )
+        ]
+    )

@@ -1,0 +1,136 @@
+"""Compose a run config with Hydra, validate it, and return it frozen.
+
+``conf=`` names a recipe in ``recipes/`` or a path to a user's YAML. ``conf/`` (the config groups
+``model/``, ``cluster/``, ``parallel/``, ``data/``, ``train/``) is on the search path, so a recipe's
+defaults list picks group options (``- /model: qwen_vl_32b``) and every other CLI argument is a
+Hydra override (``modules.vision.parallel.sp=4``, ``model=qwen_vl_7b``).
+
+The composed config is typed by :class:`~dhp.config.schema.RunConfig` in struct mode: an unknown
+key, a wrong type or an unknown recipe/group option becomes a :class:`~dhp.errors.ConfigError`
+naming the key path, never a Hydra traceback. Nothing here starts a process or touches a device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from dhp.config.hydra_errors import to_config_error
+from dhp.config.schema import RunConfig
+from dhp.config.smoke import smoke_config
+from dhp.config.validate import raise_if_invalid
+from dhp.errors import ConfigError, ConfigIssue
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+_SCHEMA_NAME = "_dhp_schema"
+_PRIMARY_NAME = "_dhp_primary"
+
+
+def list_recipes() -> list[tuple[str, str]]:
+    """Return ``(name, description)`` for every recipe in ``recipes/``, sorted by name."""
+    out = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        raw = OmegaConf.load(path)
+        desc = OmegaConf.select(raw, "description", default="")  # a recipe may omit it
+        out.append((path.stem, str(desc)))
+    return out
+
+
+def resolve_conf(conf: str) -> tuple[Path, str]:
+    """Map ``conf=`` to ``(directory to search, config name)``.
+
+    A bare name is a recipe in ``recipes/``; anything ending in ``.yaml``/``.yml`` or containing a
+    path separator is a user's file. Raises ConfigError (key ``conf``) when neither exists.
+    """
+    if not conf:
+        raise ConfigError([_conf_issue(conf, "conf= is required")])
+    is_path = conf.endswith((".yaml", ".yml")) or "/" in conf
+    if is_path:
+        path = Path(conf).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError([_conf_issue(conf, f"file {path} does not exist")])
+        return path.parent, path.stem
+    if not (RECIPES_DIR / f"{conf}.yaml").is_file():
+        raise ConfigError([_conf_issue(conf, "no such recipe in recipes/")])
+    return RECIPES_DIR, conf
+
+
+def _conf_issue(conf: str, rule: str) -> ConfigIssue:
+    names = ", ".join(name for name, _ in list_recipes())
+    return ConfigIssue(
+        path="conf",
+        value=conf,
+        rule=rule,
+        fix=f"pass a recipe name ({names}) or a path to a YAML file; `dhp recipes` lists them",
+    )
+
+
+def compose_config(conf: str, overrides: list[str]) -> DictConfig:
+    """Compose ``conf`` + ``overrides`` onto the RunConfig schema; no validation, not frozen.
+
+    Missing mandatory values (``???``) are left in place for :func:`validate` to report.
+    """
+    search_dir, name = resolve_conf(conf)
+    store = ConfigStore.instance()
+    store.store(name=_SCHEMA_NAME, node=RunConfig)
+    store.store(
+        name=_PRIMARY_NAME,
+        node={
+            "defaults": [_SCHEMA_NAME, name, "_self_"],
+            "hydra": {"searchpath": [f"file://{search_dir}"]},
+        },
+    )
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=_PRIMARY_NAME, overrides=list(overrides))
+    except Exception as exc:  # Hydra/OmegaConf raise many types; all become ConfigError
+        raise to_config_error(exc, conf=conf, overrides=overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+    if "hydra" in cfg:
+        with _writable(cfg):
+            del cfg["hydra"]
+    return cfg
+
+
+class _writable:
+    """Context manager: temporarily lift struct mode to delete Hydra's own node."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    def __enter__(self) -> DictConfig:
+        OmegaConf.set_struct(self.cfg, False)
+        return self.cfg
+
+    def __exit__(self, *exc: object) -> None:
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = False) -> RunConfig:
+    """Compose, (optionally) shrink to a smoke run, validate, and freeze a run config.
+
+    Returns an OmegaConf DictConfig typed as RunConfig: attribute access like the dataclass,
+    struct mode (unknown keys raise) and read-only. ``smoke=True`` applies
+    :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2)
+    before validation. Raises ConfigError listing every problem found.
+    """
+    cfg = compose_config(conf, list(overrides or []))
+    if smoke:
+        cfg = smoke_config(
+            cfg,
+            tiny_model=OmegaConf.load(CONF_DIR / "model" / "tiny.yaml"),
+            local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
+        )
+    raise_if_invalid(cfg)
+    OmegaConf.resolve(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg  # type: ignore[return-value]  # a DictConfig typed by RunConfig

@@ -1,0 +1,114 @@
+"""Rich tables for ``dhp plan --dry-run``: groups, placement, and per-rank memory by component."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from dhp.plan.types import Plan
+
+GIB = float(1 << 30)
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _ranges(values: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+def groups_table(plan: Plan) -> Table:
+    table = Table(title=f"plan '{plan.name}': {plan.placement} on {plan.device}")
+    for col in ("group", "world", "mesh", "params", "nodes", "GPUs (global)", "GPU fraction"):
+        table.add_column(col)
+    for g in plan.groups:
+        mesh = " x ".join(f"{a}={d}" for a, d in g.mesh.items())
+        nodes = sorted({r.node for r in g.ranks})
+        gpus = _ranges([r.global_gpu for r in g.ranks])
+        fracs = sorted({r.gpu_fraction for r in g.ranks})
+        table.add_row(
+            g.name,
+            str(g.world_size),
+            mesh,
+            f"{g.param_count / 1e9:.2f}B",
+            _ranges(nodes),
+            gpus,
+            ",".join(f"{f:g}" for f in fracs),
+        )
+    return table
+
+
+def placement_table(plan: Plan) -> Table:
+    table = Table(title="Ray placement groups (one per node)")
+    for col in ("pg", "node", "strategy", "bundles", "bundle", "GPUs (global)"):
+        table.add_column(col)
+    for i, pg in enumerate(plan.placement_groups):
+        kinds = sorted({tuple(sorted(b.items())) for b in pg.bundles})
+        bundle = "; ".join(", ".join(f"{k}: {v:g}" for k, v in kind) for kind in kinds)
+        table.add_row(
+            str(i), str(pg.node), pg.strategy, str(len(pg.bundles)), bundle, _ranges(list(pg.global_gpus))
+        )
+    if plan.routing:
+        table.caption = "routing (LLM replica <- encoder ranks): " + "; ".join(
+            f"llm {r.llm_replica} [ranks {_ranges(list(r.llm_ranks))}] <- vision ranks "
+            f"{_ranges(list(r.vision_ranks))}"
+            for r in plan.routing
+        )
+    return table
+
+
+def memory_table(plan: Plan) -> Table:
+    table = Table(title="memory per rank by module (GiB; every rank of a group is alike)")
+    for col in ("group", "ranks", "params", "grads", "optimizer", "activations", "total"):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    notes = []
+    for g in plan.groups:
+        m = g.ranks[0].memory
+        table.add_row(
+            g.name,
+            _ranges([r.rank for r in g.ranks]),
+            gib(m.params),
+            gib(m.grads),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.total),
+        )
+        notes.append(f"{g.name} activations: " + ", ".join(f"{k} {gib(v)}" for k, v in m.detail.items() if v))
+    table.caption = "\n".join(notes)
+    return table
+
+
+def device_table(plan: Plan) -> Table:
+    budget = plan.devices[0].budget if plan.devices else 0
+    table = Table(
+        title=f"per GPU: device {gib(plan.device_memory_bytes)} GiB - reserve "
+        f"{gib(plan.reserve_bytes)} GiB = usable {gib(budget)} GiB"
+    )
+    for col in ("node", "GPUs", "groups", "total GiB", "margin GiB", "verdict"):
+        table.add_column(col)
+    rows: dict[tuple, list[int]] = {}
+    for d in plan.devices:
+        rows.setdefault((d.node, d.groups, d.total, d.margin, d.fits), []).append(d.gpu)
+    for (node, groups, total, margin, fits), gpus in rows.items():
+        verdict = "[green]fits" if fits else "[bold red]OOM"
+        table.add_row(str(node), _ranges(gpus), "+".join(groups), gib(total), gib(margin), verdict)
+    return table
+
+
+def render_plan(plan: Plan, *, console: Console, reserved: bool = False) -> None:
+    """Print the plan's tables and a one-line verdict to ``console``."""
+    for table in (groups_table(plan), placement_table(plan), memory_table(plan), device_table(plan)):
+        console.print(table)
+    verdict = "[green]fits" if plan.fits else "[bold red]does NOT fit (OOM)"
+    console.print(f"verdict: {verdict}; smallest margin {gib(plan.min_margin)} GiB")
+    if reserved:
+        console.print("[green]placement groups reserved on the Ray cluster and released")

@@ -1,0 +1,180 @@
+"""The Plan: plain frozen dataclasses, serialised by :meth:`Plan.to_json`.
+
+A Plan is data only (no Ray, no process groups). The runtime reads it to create placement groups
+(``placement_groups``), to give each actor its (group, rank, node, GPU, bundle) and to route the
+encoder's outputs to the LLM ranks (``routing``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank of one module holds at its peak (see ``dhp/plan/memory.py`` for formulas)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    detail: dict[str, int] = field(default_factory=dict)  # activations by component
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def to_json(self) -> dict:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+            "activation_detail": dict(self.detail),
+        }
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Where one rank of a group runs: node, GPU on that node, and its share of the GPU."""
+
+    rank: int
+    coords: dict[str, int]  # mesh coordinate per axis, e.g. {"dp": 0, "sp": 3}
+    node: int
+    gpu: int  # GPU index inside the node
+    global_gpu: int  # node * gpus_per_node + gpu
+    gpu_fraction: float
+    placement_group: int  # index into Plan.placement_groups
+    bundle_index: int  # bundle inside that placement group
+    memory: MemoryEstimate
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["memory"] = self.memory.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One module = one actor group with its own torch.distributed world and mesh."""
+
+    name: str
+    world_size: int
+    mesh: dict[str, int]  # ordered axis -> degree (dp, fsdp, sp, tp; axes > 1, at least one)
+    param_count: int  # full (unsharded) parameters of the module
+    ranks: tuple[RankPlan, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "world_size": self.world_size,
+            "mesh": dict(self.mesh),
+            "param_count": self.param_count,
+            "ranks": [r.to_json() for r in self.ranks],
+        }
+
+
+@dataclass(frozen=True)
+class PlacementGroupSpec:
+    """One Ray placement group: the bundles of one node, reserved with ``strategy``."""
+
+    node: int
+    strategy: str
+    bundles: tuple[dict[str, float], ...]
+    global_gpus: tuple[int, ...]  # the planned GPU behind each bundle
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node,
+            "strategy": self.strategy,
+            "bundles": [dict(b) for b in self.bundles],
+            "global_gpus": list(self.global_gpus),
+        }
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which encoder ranks feed one LLM data-parallel replica (every LLM rank of it needs them)."""
+
+    llm_replica: int
+    llm_ranks: tuple[int, ...]
+    vision_replicas: tuple[int, ...]
+    vision_ranks: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """The sum over the groups sharing one GPU, against the usable device memory."""
+
+    global_gpu: int
+    node: int
+    gpu: int
+    groups: tuple[str, ...]
+    total: int
+    budget: int
+
+    @property
+    def margin(self) -> int:
+        return self.budget - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.margin >= 0
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.update(margin=self.margin, fits=self.fits)
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The compiled plan of a run: groups, Ray placement, routing and the memory verdict."""
+
+    name: str
+    placement: str  # collocated | disaggregated
+    device: str  # cuda | cpu
+    device_memory_bytes: int
+    reserve_bytes: int  # held back from device memory (CUDA context, NCCL, fragmentation)
+    groups: tuple[GroupPlan, ...]
+    placement_groups: tuple[PlacementGroupSpec, ...]
+    routing: tuple[Route, ...]
+    devices: tuple[DeviceUsage, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    @property
+    def min_margin(self) -> int:
+        return min(d.margin for d in self.devices)
+
+    def group(self, name: str) -> GroupPlan:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def to_json(self) -> dict:
+        """One JSON-able dict: the ``dhp plan --json`` document and ``runs/.../plan.json``."""
+        return {
+            "name": self.name,
+            "placement": self.placement,
+            "device": self.device,
+            "device_memory_bytes": self.device_memory_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "fits": self.fits,
+            "min_margin_bytes": self.min_margin,
+            "groups": [g.to_json() for g in self.groups],
+            "bundles": [pg.to_json() for pg in self.placement_groups],
+            "routing": [r.to_json() for r in self.routing],
+            "devices": [d.to_json() for d in self.devices],
+        }
+
+    def to_json_str(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
