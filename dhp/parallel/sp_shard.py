@@ -94,8 +94,8 @@ def balance_cuts(window_patches: Sequence[int], parts: int) -> list[int]:
     """Cut a sequence of window sizes into ``parts`` contiguous slices, balanced by patch count.
 
     Returns ``parts + 1`` window boundaries ``0 = c_0 <= ... <= c_parts = n``; slice k is windows
-    ``[c_k, c_{k+1})`` and may be empty only when there are fewer windows than parts. The largest
-    slice is the smallest possible (optimal bottleneck); among such cuttings each cut is placed as
+    ``[c_k, c_{k+1})`` and is empty only when there are fewer windows than parts. The largest slice is
+    the smallest possible (optimal bottleneck); among such cuttings each cut is placed, in order, as
     close as possible to its ideal prefix ``k * total / parts`` (ties go to the later window).
     """
     if parts < 1:
@@ -110,11 +110,13 @@ def balance_cuts(window_patches: Sequence[int], parts: int) -> list[int]:
     total = prefix[-1]
     cap = _min_bottleneck(sizes, parts)
     need = _segments_needed(prefix, cap)
+    nonempty = n >= parts  # then every slice gets at least one window
     cuts = [0]
     for k in range(1, parts):
         prev = cuts[-1]
+        lo, hi = (prev + 1, n - (parts - k)) if nonempty else (prev, n)
         candidates = [
-            p for p in range(prev, n + 1) if prefix[p] - prefix[prev] <= cap and need[p] <= parts - k
+            p for p in range(lo, hi + 1) if prefix[p] - prefix[prev] <= cap and need[p] <= parts - k
         ]
         cuts.append(min(candidates, key=lambda p: (abs(prefix[p] * parts - k * total), -p)))
     cuts.append(n)
