@@ -1,8 +1,13 @@
 # dhp developer commands. Each creates the environment itself if needed.
+#   make install        .venv with torch pinned first (CPU wheel without CUDA), then dhp[dev]
+#   make install GPU=1  on a CUDA machine, also the [gpu] extra (flash-attn; compiles for long)
+#   make test           the whole suite (what CI runs through .ci/run)
+#   make demo           the tiny VLM on this machine
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+GPU ?= 0
 STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast demo lint clean
@@ -12,14 +17,17 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@if command -v nvidia-smi >/dev/null 2>&1; then \
-	  echo "CUDA machine: installing torch with its default (CUDA) build"; \
-	  $(BIN)/python -m pip install -q torch; \
-	  $(BIN)/python -m pip install -q -e '.[dev,gpu]'; \
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+	  echo "CUDA machine: installing torch==$(TORCH_VERSION) (default CUDA build) first"; \
+	  $(BIN)/python -m pip install -q torch==$(TORCH_VERSION); \
 	else \
 	  echo "CPU machine: installing torch==$(TORCH_VERSION) (CPU wheel) first"; \
 	  $(BIN)/python -m pip install -q torch==$(TORCH_VERSION); \
-	  $(BIN)/python -m pip install -q -e '.[dev]'; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@if [ "$(GPU)" = "1" ]; then \
+	  echo "GPU=1: installing the [gpu] extra (flash-attn)"; \
+	  $(BIN)/python -m pip install -q --no-build-isolation -e '.[dev,gpu]'; \
 	fi
 	touch $(STAMP)
 
@@ -29,8 +37,9 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Until `dhp train` lands (issue #6), the demo compiles and prints the tiny recipe's plan.
 demo: install
-	$(BIN)/dhp train conf=tiny_vlm
+	$(BIN)/dhp plan conf=tiny_vlm --dry-run
 
 lint: install
 	$(BIN)/ruff check dhp tests scripts
