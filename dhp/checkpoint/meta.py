@@ -56,8 +56,12 @@ def _dhp_version() -> str:
 
 
 def stable_hash(obj: Any) -> str:
-    """A short sha256 of ``obj`` serialised as sorted JSON (dicts, lists, scalars; dataclasses allowed)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    """A short sha256 of ``obj`` as sorted JSON (dicts, lists, scalars, dataclasses, OmegaConf configs)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(obj, DictConfig | ListConfig):
+        obj = OmegaConf.to_container(obj, resolve=True)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = dataclasses.asdict(obj)
     blob = json.dumps(obj, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,112 @@
+"""The reference side of ``dhp verify`` (no Ray): loss normalisation, grads, clip, frozen modules, diffs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dhp.config import load_config
+from dhp.data import build_loader
+from dhp.errors import ConfigError
+from dhp.models import get_family
+from dhp.runtime.verify import ReferenceModel, StepDiff, VerifyReport, check_verifiable, compare_grads
+
+pytestmark = pytest.mark.unit
+
+
+def _setup(overrides: list[str]):
+    cfg = OmegaConf.to_object(load_config("tiny_vlm", overrides))
+    loader = build_loader(
+        data=cfg.data,
+        model=cfg.model,
+        train=cfg.train,
+        dp_size=1,
+        vision_seq_len=cfg.modules["vision"].seq_len,
+        llm_seq_len=cfg.modules["llm"].seq_len,
+    )
+    family = get_family(cfg.model.family)
+    hf = family.hf_config(cfg.model)
+    torch.manual_seed(0)
+    init = {
+        n: {
+            k: v.clone()
+            for k, v in family.build_module(n, hf, device="cpu", dtype=torch.float32).state_dict().items()
+        }
+        for n in family.module_names
+    }
+    return cfg, loader, init
+
+
+def test_reference_loss_is_hf_mean_loss_and_grads_cover_every_param() -> None:
+    cfg, loader, init = _setup(["train.global_batch_size=2", "train.micro_batch_size=2", "train.grad_clip=0"])
+    data = next(loader)
+    assert len(data.micro_batches) == 1 and len(data.micro_batches[0]) == 1
+    ref = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    b = data.micro_batches[0][0]
+    with torch.no_grad():  # HF's own mean loss on the same weights, before the step
+        hf_loss = ref.model(
+            input_ids=b.input_ids,
+            attention_mask=b.attention_mask,
+            pixel_values=b.pixel_values,
+            image_grid_thw=b.image_grid_thw,
+            mm_token_type_ids=b.mm_token_type_ids,
+            labels=b.labels,
+        ).loss
+    loss, norm, grads = ref.step(data, lr=1e-3)
+    assert loss == pytest.approx(float(hf_loss), rel=1e-6)  # fp32 sum/T vs HF mean: same tokens
+    assert set(grads) == {"vision", "llm"}
+    assert set(grads["vision"]) == {k for k in init["vision"]}
+    assert set(grads["llm"]) == {k for k in init["llm"]}
+    direct = math.sqrt(sum(float(g.double().pow(2).sum()) for m in grads.values() for g in m.values()))
+    assert norm == pytest.approx(direct, rel=1e-9)
+
+
+def test_frozen_vision_gets_no_grads_and_no_optimizer_state() -> None:
+    cfg, loader, init = _setup(["modules.vision.freeze=true"])
+    ref = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    before = {k: v.clone() for k, v in ref.model.state_dict().items()}
+    _, _, grads = ref.step(next(loader), lr=1e-3)
+    assert set(grads) == {"llm"}
+    after = ref.model.state_dict()
+    visual = [k for k in before if ".visual." in k or k.startswith("visual.")]
+    assert visual and all(torch.equal(before[k], after[k]) for k in visual)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)
+
+
+def test_reference_starts_from_the_given_weights() -> None:
+    cfg, _, init = _setup([])
+    ref = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    split = get_family("qwen2_5_vl").split_state_dict(ref.model.state_dict())
+    for module, sd in init.items():
+        assert all(torch.equal(sd[k], split[module][k]) for k in sd)
+
+
+def test_compare_grads_missing_or_misshaped_is_infinite() -> None:
+    a = {"llm": {"w": torch.zeros(2), "v": torch.ones(3)}}
+    b = {"llm": {"w": torch.full((2,), 0.5), "v": torch.ones(3)}}
+    diffs, worst = compare_grads(a, b)
+    assert diffs == {"llm": 0.5} and worst == {"llm": "w"}
+    diffs, worst = compare_grads(a, {"llm": {"w": torch.zeros(2)}})
+    assert diffs["llm"] == math.inf and worst["llm"] == "v"
+    diffs, _ = compare_grads(a, {"llm": {"w": torch.zeros(3), "v": torch.ones(3)}, "vision": {}})
+    assert diffs["llm"] == math.inf and "vision" in diffs
+
+
+def test_report_tolerances() -> None:
+    ok = StepDiff(1, 2.0, 2.0 * (1 + 5e-6), 1.0, 1.0, {"llm": 5e-5}, {"llm": "w"})
+    bad_loss = StepDiff(2, 2.0, 2.0 * (1 + 5e-5), 1.0, 1.0, {"llm": 0.0}, {"llm": "w"})
+    bad_grad = StepDiff(3, 2.0, 2.0, 1.0, 1.0, {"llm": 2e-4}, {"llm": "w"})
+    assert VerifyReport(steps=[ok]).passed
+    assert not VerifyReport(steps=[ok, bad_loss]).passed
+    assert not VerifyReport(steps=[bad_grad]).passed
+    assert not VerifyReport(steps=[]).passed  # nothing compared proves nothing
+
+
+def test_verify_refuses_bf16() -> None:
+    cfg = load_config("tiny_vlm", ["model.dtype=bfloat16", "modules.llm.mixed_precision=bf16"])
+    with pytest.raises(ConfigError) as e:
+        check_verifiable(cfg)
+    assert "model.dtype" in str(e.value) and "modules.llm.mixed_precision" in str(e.value)
