@@ -1,0 +1,159 @@
+"""``dhp data check``: scan every configured sample once, without training, and summarise it.
+
+Each record of each dataset is processed exactly as the loader would (images decoded and
+processed, conversation rendered and tokenized, limits checked), one at a time, so memory stays
+at one sample. Bad samples are collected whatever ``on_bad_sample`` says; the report says whether
+the run would fail under the configured policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+from dhp.config.schema import DataConfig, ModelConfig
+from dhp.data import bad
+from dhp.data.source import build_source
+
+PATCH_BINS = (0, 256, 1024, 4096, 16384, 65536)  # histogram edges of encoder patches per sample
+PERCENTILES = (0, 50, 90, 99, 100)
+
+
+@dataclass
+class DataReport:
+    """What the check found. ``failed`` is True when a bad sample would stop a run (policy raise)."""
+
+    num_records: int
+    num_good: int
+    on_bad_sample: str
+    patch_histogram: dict[str, int]
+    text_tokens_percentiles: dict[str, int]
+    tokens_percentiles: dict[str, int]
+    images_per_sample: dict[str, int]
+    total_patches: int
+    bad_counts: dict[str, int] = field(default_factory=dict)
+    bad_examples: dict[str, list[str]] = field(default_factory=dict)
+    seconds_per_sample: float = 0.0
+
+    @property
+    def num_bad(self) -> int:
+        return sum(self.bad_counts.values())
+
+    @property
+    def failed(self) -> bool:
+        return self.num_bad > 0 and self.on_bad_sample == "raise"
+
+    def to_json(self) -> dict:
+        """The report as a JSON-able dict (what ``--json`` prints)."""
+        out = asdict(self)
+        out.update(num_bad=self.num_bad, failed=self.failed)
+        return out
+
+
+def _bin_label(lo: int, hi: int | None) -> str:
+    if hi is None:
+        return f">{lo}"
+    return "0 (text-only)" if hi == 0 else f"{lo + 1}-{hi}"
+
+
+def patch_histogram(patches: list[int]) -> dict[str, int]:
+    """Counts of samples per patch bin: ``0 (text-only)``, ``1-256``, ..., ``>65536``."""
+    edges = [*PATCH_BINS, None]
+    bins = {_bin_label(PATCH_BINS[i - 1] if i else 0, edges[i]): 0 for i in range(len(edges))}
+    for p in patches:
+        for i, hi in enumerate(edges):
+            if hi is None or p <= hi:
+                bins[_bin_label(PATCH_BINS[i - 1] if i else 0, hi)] += 1
+                break
+    return bins
+
+
+def percentiles(values: list[int]) -> dict[str, int]:
+    """Nearest-rank percentiles ``p0, p50, p90, p99, p100`` (empty input: empty dict)."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    out = {}
+    for q in PERCENTILES:
+        rank = max(1, -(-q * len(ordered) // 100))  # ceil(q/100 * n), at least 1
+        out[f"p{q}"] = ordered[rank - 1]
+    return out
+
+
+def check_data(
+    *, data: DataConfig, model: ModelConfig, vision_seq_len: int, llm_seq_len: int, seed: int = 0
+) -> DataReport:
+    """Process every record of the configured data once and return a :class:`DataReport`."""
+    source, _, _ = build_source(
+        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
+    )
+    log = bad.BadSampleLog(keep=5)
+    patches, text_tokens, tokens, images = [], [], [], {}
+    start = time.perf_counter()
+    for index in range(len(source)):
+        try:
+            sample = source.load(index)
+        except bad.BadSampleError as err:
+            log.add(err)
+            continue
+        patches.append(sample.num_patches)
+        tokens.append(sample.num_tokens)
+        text_tokens.append(sample.num_tokens - sample.num_image_tokens)
+        images[str(sample.num_images)] = images.get(str(sample.num_images), 0) + 1
+    elapsed = time.perf_counter() - start
+    return DataReport(
+        num_records=len(source),
+        num_good=len(patches),
+        on_bad_sample=data.on_bad_sample,
+        patch_histogram=patch_histogram(patches),
+        text_tokens_percentiles=percentiles(text_tokens),
+        tokens_percentiles=percentiles(tokens),
+        images_per_sample=dict(sorted(images.items(), key=lambda kv: int(kv[0]))),
+        total_patches=sum(patches),
+        bad_counts=dict(sorted(log.counts.items())),
+        bad_examples={k: log.examples[k] for k in sorted(log.examples)},
+        seconds_per_sample=elapsed / max(1, len(source)),
+    )
+
+
+def render_report(report: DataReport, *, console: Console) -> None:
+    """Print the report as rich tables: counts, patch histogram, length percentiles, bad samples."""
+    console.print(
+        f"[bold]{report.num_records}[/] samples: [green]{report.num_good} good[/], "
+        f"[{'red' if report.num_bad else 'green'}]{report.num_bad} bad[/] "
+        f"(on_bad_sample={report.on_bad_sample}); {report.total_patches} encoder patches in all; "
+        f"{report.seconds_per_sample * 1e3:.1f} ms/sample to load and process"
+    )
+    hist = Table(title="encoder patches per sample (vision tokens before the 2x2 merge)")
+    hist.add_column("patches")
+    hist.add_column("samples", justify="right")
+    hist.add_column("")
+    peak = max(report.patch_histogram.values(), default=0) or 1
+    for label, n in report.patch_histogram.items():
+        hist.add_row(label, str(n), "#" * round(30 * n / peak))
+    console.print(hist)
+    pct = Table(title="sequence lengths (LLM tokens) percentiles")
+    pct.add_column("")
+    for q in report.tokens_percentiles:
+        pct.add_column(q, justify="right")
+    pct.add_row("text tokens", *map(str, report.text_tokens_percentiles.values()))
+    pct.add_row("total tokens", *map(str, report.tokens_percentiles.values()))
+    console.print(pct)
+    imgs = ", ".join(f"{k} image(s): {v}" for k, v in report.images_per_sample.items())
+    console.print(f"images per sample: {imgs}")
+    if report.num_bad:
+        table = Table(title="bad samples by reason", title_style="bold red")
+        table.add_column("reason", style="red")
+        table.add_column("count", justify="right")
+        table.add_column("first locations")
+        for reason, n in report.bad_counts.items():
+            table.add_row(reason, str(n), "\n".join(report.bad_examples[reason]))
+        console.print(table)
+    if report.failed:
+        console.print(
+            "[bold red]FAILED[/]: a run with data.on_bad_sample=raise would stop at the first bad sample. "
+            "Fix the samples above, or set data.on_bad_sample=skip to skip and count them."
+        )

@@ -1,0 +1,134 @@
+"""LLaVA record validation: every malformed-record case raises a BadSampleError with file, line, reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dhp.config.schema import DatasetEntry
+from dhp.data import bad
+from dhp.data.llava import LlavaDataset, resolve_path
+from dhp.errors import DataError
+
+pytestmark = pytest.mark.unit
+
+GOOD = {
+    "id": "x",
+    "image": "cat.jpg",
+    "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}],
+}
+
+
+def _dataset(tmp_path, records: list) -> LlavaDataset:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    (tmp_path / "img").mkdir(exist_ok=True)
+    return LlavaDataset(DatasetEntry(name="t", path=str(path), image_root=str(tmp_path / "img")))
+
+
+@pytest.mark.parametrize(
+    ("record", "reason", "needle"),
+    [
+        ({**GOOD, "extra": 1}, bad.UNKNOWN_KEYS, "extra"),
+        ({**GOOD, "conversations": []}, bad.BAD_CONVERSATION, "empty"),
+        (
+            {**GOOD, "conversations": [{"from": "human", "value": "<image> hi"}]},
+            bad.BAD_CONVERSATION,
+            "alternate",
+        ),
+        (
+            {**GOOD, "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "<image>"}]},
+            bad.BAD_CONVERSATION,
+            "alternate",
+        ),
+        ({**GOOD, "conversations": [{"from": "bot", "value": "<image>"}]}, bad.BAD_CONVERSATION, "bot"),
+        (
+            {
+                **GOOD,
+                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "  "}],
+            },
+            bad.BAD_CONVERSATION,
+            "empty value",
+        ),
+        (
+            {**GOOD, "conversations": [{"from": "human", "text": "<image>"}]},
+            bad.BAD_CONVERSATION,
+            "from, value",
+        ),
+        (
+            {**GOOD, "image": ["cat.jpg", "dog.jpg"]},
+            bad.PLACEHOLDER_MISMATCH,
+            "1 <image> placeholder(s) but 2",
+        ),
+        ({"conversations": GOOD["conversations"]}, bad.PLACEHOLDER_MISMATCH, "but 0 image"),
+        (
+            {
+                **GOOD,
+                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "<image>"}],
+            },
+            bad.PLACEHOLDER_MISMATCH,
+            "human turns only",
+        ),
+        ({**GOOD, "image": 7}, bad.MALFORMED_RECORD, "image = 7"),
+        ([1, 2], bad.MALFORMED_RECORD, "not an object"),
+        ("{not json", bad.MALFORMED_RECORD, "invalid JSON"),
+    ],
+)
+def test_bad_record_names_file_line_and_reason(tmp_path, record, reason, needle):
+    ds = _dataset(tmp_path, [GOOD, record])
+    ds.record(0)  # the good line is fine
+    with pytest.raises(bad.BadSampleError) as info:
+        ds.record(1)
+    err = info.value
+    assert err.reason == reason
+    assert err.location == f"{tmp_path / 'd.jsonl'}:2"  # 1-based line of the JSONL file
+    assert needle in str(err)
+    assert "Fix:" in str(err) and "on_bad_sample=skip" in str(err)
+
+
+def test_multi_image_and_text_only_records(tmp_path):
+    multi = {
+        "image": ["a.jpg", "b.jpg"],
+        "conversations": [
+            {"from": "human", "value": "<image> and <image>?"},
+            {"from": "gpt", "value": "Two."},
+        ],
+    }
+    text = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello."},
+        ]
+    }
+    ds = _dataset(tmp_path, [multi, text])
+    r0, r1 = ds.record(0), ds.record(1)
+    assert [p.name for p in r0.images] == ["a.jpg", "b.jpg"]
+    assert r0.images[0].parent == tmp_path / "img"
+    assert r1.images == () and [t for t, _ in r1.turns] == ["system", "user", "assistant"]
+
+
+def test_json_record_location_is_the_record_index(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([GOOD, {**GOOD, "bogus": 1}]))
+    ds = LlavaDataset(DatasetEntry(name="t", path=str(path), image_root=str(tmp_path)))
+    with pytest.raises(bad.BadSampleError, match=rf"{path}:1 \(unknown_keys\)"):
+        ds.record(1)
+
+
+def test_dataset_level_errors_are_data_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        LlavaDataset(DatasetEntry(name="t", path=str(tmp_path / "nope.json"), image_root=str(tmp_path)))
+    (tmp_path / "d.json").write_text("[{")
+    with pytest.raises(DataError, match="line 1 col 3 is not valid JSON"):
+        LlavaDataset(DatasetEntry(name="t", path=str(tmp_path / "d.json"), image_root=str(tmp_path)))
+    with pytest.raises(DataError, match="is not a directory"):
+        LlavaDataset(DatasetEntry(name="t", path=str(tmp_path / "d.json"), image_root=str(tmp_path / "x")))
+
+
+def test_pkg_paths_resolve_inside_installed_packages():
+    root = resolve_path("pkg://dhp.data_assets/demo/images", key="k")
+    assert (root / "cat.jpg").is_file()
+    with pytest.raises(DataError, match="not installed"):
+        resolve_path("pkg://no_such_pkg_xyz/a", key="k")
