@@ -113,6 +113,48 @@ def recipes() -> None:
     console.print(table)
 
 
+@app.command(context_settings=HYDRA_ARGS)
+def verify(
+    ctx: typer.Context,
+    steps: int = typer.Option(10, "--steps", help="Optimizer steps to compare (also accepted as steps=N)."),
+) -> None:
+    """Run a plan and the unsplit single-process transformers model side by side; exit 1 beyond tolerance.
+
+    Usage: dhp verify conf=RECIPE|PATH, then optional steps=N and key=value overrides. Same initial weights, batches,
+    AdamW and LR schedule; prints per-step loss differences and the max gradient difference per
+    module (tolerance: loss 1e-5 relative, every gradient 1e-4 absolute; fp32 only).
+    """
+    from dhp.config import load_config
+    from dhp.runtime.verify import render_report, render_step, verify_plan
+
+    args = [a for a in ctx.args if not a.startswith("steps=")]
+    steps = next((int(a.partition("=")[2]) for a in ctx.args if a.startswith("steps=")), steps)
+    conf, overrides, smoke = parse_hydra_args(args)
+    cfg = load_config(conf, overrides, smoke=smoke)
+    report = verify_plan(cfg, steps=steps, on_step=lambda s, rep: render_step(s, rep, console=console))
+    render_report(report, console=console)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
+def export(
+    checkpoint: str = typer.Argument(
+        ..., help="A step_XXXXXX checkpoint directory (or a run dir: its newest)."
+    ),
+    out: str = typer.Argument(..., help="Output HF model directory."),
+    dtype: str = typer.Option("", "--dtype", help="Cast weights: float32 | bfloat16 (default: as saved)."),
+) -> None:
+    """Export a dhp checkpoint to a Hugging Face directory (config.json + safetensors shards).
+
+    The result loads with ``Qwen2_5_VLForConditionalGeneration.from_pretrained(out)``. The model
+    architecture is read from the run's ``config.yaml`` next to ``checkpoints/``.
+    """
+    from dhp.checkpoint.export import export_checkpoint
+
+    path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None)
+    console.print(f"exported {checkpoint} -> [bold]{path}[/]")
+
+
 def print_error(err: DhpError) -> None:
     """Print a user error as one short screen: its type and the message (no traceback)."""
     from rich.panel import Panel

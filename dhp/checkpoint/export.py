@@ -157,3 +157,24 @@ def export_hf(
             if (Path(model.path) / f).is_file():
                 shutil.copy2(Path(model.path) / f, out_dir / f)
     return out_dir
+
+
+def export_checkpoint(checkpoint: str | Path, *, out_dir: str | Path, dtype: str | None) -> Path:
+    """CLI entry: resolve ``checkpoint`` (a step dir or a run dir), read the run's config.yaml, export.
+
+    The run's resolved ``config.yaml`` sits at ``<run>/config.yaml`` for ``<run>/checkpoints/step_X``.
+    """
+    from dhp.checkpoint.layout import resolve_resume
+    from dhp.config import load_config
+    from dhp.models.qwen2_5_vl.family import torch_dtype
+
+    ckpt = resolve_resume(str(checkpoint), output_dir=".", name="")
+    run_config = Path(ckpt).resolve().parent.parent / "config.yaml"
+    if not run_config.is_file():
+        raise CheckpointError(
+            f"{run_config} not found: export reads the model architecture from the run's config.yaml. "
+            "Fix: export a checkpoint inside its run directory (runs/<name>/<ts>/checkpoints/step_X)."
+        )
+    cfg = load_config(str(run_config), [])
+    cast = None if dtype is None else torch_dtype(dtype)
+    return export_hf(Path(ckpt), out_dir=Path(out_dir), model=cfg.model, dtype=cast)

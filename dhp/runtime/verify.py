@@ -230,7 +230,7 @@ def verify_plan(
 ) -> VerifyReport:
     """Run ``steps`` steps of the plan and of the reference; return the per-step comparison.
 
-    ``on_step(StepDiff)`` is called after each step (live console output). Ray actors are shut down
+    ``on_step(StepDiff, VerifyReport)`` is called after each step (live console output). Ray actors are shut down
     before returning, also on error.
     """
     from dhp.data import build_loader
@@ -254,7 +254,10 @@ def verify_plan(
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio
     )
-    report = VerifyReport(loss_rtol=loss_rtol, grad_atol=grad_atol)
+    meshes = ", ".join(f"{g['name']} {g['mesh']}" for g in plan.to_json()["groups"])
+    report = VerifyReport(
+        loss_rtol=loss_rtol, grad_atol=grad_atol, plan_summary=f"{meshes}, {config.placement}"
+    )
     trainer = Trainer(config, plan)
     try:
         ref = ReferenceModel(
@@ -269,7 +272,42 @@ def verify_plan(
             s = StepDiff(i + 1, float(res.loss), ref_loss, float(res.grad_norm), ref_norm, diffs, worst)
             report.steps.append(s)
             if on_step is not None:
-                on_step(s)
+                on_step(s, report)
     finally:
         trainer.close()
     return report
+
+
+def render_step(s: StepDiff, report: VerifyReport, *, console) -> None:
+    """One console line per step: losses, relative loss diff, grad norms, max grad diff per module."""
+    ok = "[green]ok[/]" if report.step_ok(s) else "[bold red]FAIL[/]"
+    grads = "  ".join(f"{m} {d:.2e} ({s.worst_param[m]})" for m, d in s.grad_max_abs_diff.items())
+    console.print(
+        f"step {s.step:>3}  loss {s.loss:.6f} ref {s.ref_loss:.6f} rel {s.loss_rel_diff:.1e}  "
+        f"|g| {s.grad_norm:.4f} ref {s.ref_grad_norm:.4f}  max|dg| {grads}  {ok}"
+    )
+
+
+def render_report(report: VerifyReport, *, console) -> None:
+    """A rich table of every step and a one-line verdict naming the tolerances."""
+    from rich.table import Table
+
+    modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
+    table = Table(title=f"dhp verify: plan vs single-process transformers ({report.plan_summary})")
+    for col in ("step", "loss (plan)", "loss (ref)", "rel diff", "grad norm (plan/ref)"):
+        table.add_column(col, justify="right")
+    for m in modules:
+        table.add_column(f"max |dgrad| {m}", justify="right")
+    table.add_column("")
+    for s in report.steps:
+        cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.2e}"]
+        cells.append(f"{s.grad_norm:.5f} / {s.ref_grad_norm:.5f}")
+        cells += [f"{s.grad_max_abs_diff[m]:.2e}" if m in s.grad_max_abs_diff else "-" for m in modules]
+        cells.append("[green]ok" if report.step_ok(s) else "[bold red]FAIL")
+        table.add_row(*cells)
+    console.print(table)
+    verdict = "[bold green]PASS" if report.passed else "[bold red]FAIL"
+    console.print(
+        f"{verdict}[/]: loss within {report.loss_rtol:g} relative and every parameter's gradient within "
+        f"{report.grad_atol:g} absolute, over {len(report.steps)} step(s)"
+    )
