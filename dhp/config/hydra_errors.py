@@ -32,10 +32,11 @@ def _omegaconf_issue(err: OmegaConfBaseException, overrides: list[str]) -> Confi
     full_key = getattr(err, "full_key", None)
     if not full_key:
         return None
+    full_key = _qualify(str(full_key), overrides)
     msg = str(err).splitlines()[0]
     value = getattr(err, "value", None)
     if value is None:
-        value = _override_value(str(full_key), overrides)
+        value = _override_value(full_key, overrides)
     if "not in" in msg or "Key '" in msg:
         rule = f"unknown key ({msg})"
         fix = "check the spelling against dhp/config/schema.py; unknown keys are errors in struct mode"
@@ -43,6 +44,16 @@ def _omegaconf_issue(err: OmegaConfBaseException, overrides: list[str]) -> Confi
         rule = msg
         fix = "give a value of the type declared in dhp/config/schema.py"
     return ConfigIssue(path=str(full_key), value=value, rule=rule, fix=fix)
+
+
+def _qualify(key: str, overrides: list[str]) -> str:
+    """OmegaConf names a new dict entry by its last key only; recover the full path from the override."""
+    for ov in overrides:
+        lhs = ov.lstrip("+~").partition("=")[0]
+        parts = lhs.split(".")
+        if key in parts and "." not in key:
+            return ".".join(parts[: parts.index(key) + 1])
+    return key
 
 
 def _override_value(key: str, overrides: list[str]) -> object:

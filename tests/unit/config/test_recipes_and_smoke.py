@@ -1,0 +1,94 @@
+"""Every recipe composes and validates; smoke mode turns each into a valid 4-rank CPU run."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from dhp.config import list_recipes, load_config
+from dhp.config.constants import PARALLEL_AXES
+from dhp.config.loader import CONF_DIR, compose_config
+from dhp.config.smoke import smoke_config
+from dhp.plan import compile_plan
+
+pytestmark = pytest.mark.unit
+
+RECIPES = [name for name, _ in list_recipes()]
+REQUIRED = {"qwen_vl_32b", "qwen_vl_32b_tp", "qwen_vl_32b_zero3", "qwen_vl_7b", "qwen_vl_72b", "tiny_vlm"}
+
+
+def test_required_recipes_exist_with_descriptions() -> None:
+    assert set(RECIPES) >= REQUIRED
+    assert all(desc for _, desc in list_recipes())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_loads_frozen(recipe: str) -> None:
+    cfg = load_config(recipe, [])
+    assert cfg.name == recipe
+    assert OmegaConf.is_readonly(cfg)
+    with pytest.raises(Exception, match="read-only"):
+        cfg.train.steps = 3
+
+
+def test_headline_recipe_shape() -> None:
+    cfg = load_config("qwen_vl_32b", [])
+    assert (cfg.modules.vision.parallel.sp, cfg.modules.llm.parallel.tp) == (8, 8)
+    assert cfg.placement == "collocated" and cfg.cluster.gpus_per_node == 8
+    tiny = load_config("tiny_vlm", [])
+    assert (tiny.modules.vision.parallel.sp, tiny.modules.llm.parallel.tp) == (2, 2)
+    assert tiny.cluster.device == "cpu"
+
+
+def test_overrides_apply() -> None:
+    cfg = load_config(
+        "qwen_vl_32b",
+        [
+            "modules.vision.parallel.sp=4",
+            "modules.vision.parallel.dp=2",
+            "model=qwen_vl_7b",
+            "modules.llm.parallel.tp=4",
+            "modules.llm.parallel.dp=2",
+        ],
+    )
+    assert cfg.modules.vision.parallel.sp == 4 and cfg.model.name == "qwen_vl_7b"
+
+
+def _axes(cfg) -> dict[str, set[str]]:
+    return {str(n): {a for a in PARALLEL_AXES if m.parallel[a] > 1} for n, m in cfg.modules.items()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
+    full = load_config(recipe, [])
+    smoke = load_config(recipe, [], smoke=True)  # validates
+    assert smoke.cluster.name == "local_cpu" and smoke.cluster.device == "cpu"
+    assert smoke.model.name == "tiny" and smoke.model.family == full.model.family
+    assert smoke.train.steps == 2
+    for name, axes in _axes(smoke).items():
+        full_axes = _axes(full)[name]
+        assert axes - {"dp"} == full_axes - {"dp"}, (name, axes, full_axes)  # SP stays SP, TP stays TP...
+        mod = smoke.modules[name]
+        assert all(mod.parallel[a] in (1, 2) for a in PARALLEL_AXES)
+        assert mod.gpus == mod.parallel.dp * mod.parallel.fsdp * mod.parallel.sp * mod.parallel.tp
+    plan = compile_plan(smoke)
+    assert {d.global_gpu for d in plan.devices} <= set(range(4))
+    assert plan.fits
+
+
+def test_smoke_is_pure() -> None:
+    cfg = compose_config("qwen_vl_32b", [])
+    before = OmegaConf.to_yaml(cfg)
+    smoke_config(
+        cfg,
+        tiny_model=OmegaConf.load(CONF_DIR / "model" / "tiny.yaml"),
+        local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
+    )
+    assert OmegaConf.to_yaml(cfg) == before
+
+
+def test_smoke_drops_dp_first_when_too_wide() -> None:
+    cfg = load_config("qwen_vl_72b", ["placement=disaggregated", "cluster.nodes=4"], smoke=True)
+    par = cfg.modules.llm.parallel
+    assert (par.tp, par.fsdp) == (2, 2) or (par.tp, par.fsdp, cfg.modules.vision.parallel.dp) == (2, 1, 1)
+    assert cfg.modules.vision.gpus + cfg.modules.llm.gpus <= 4
