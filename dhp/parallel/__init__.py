@@ -1,0 +1,51 @@
+"""Parallel strategies applied from outside to a single-device module (see docs/INTERFACES.md).
+
+Each strategy is ``apply_<x>(module, mesh, spec)``; :func:`parallelize` composes them from data.
+After backward, every rank of a module group runs ``finalize_grads`` -> ``grad_norm_sq`` ->
+``clip_grads_`` -> ``optimizer.step()``. ``CommCounter`` counts collective bytes per step.
+"""
+
+from dhp.parallel.ac import AcSpec, apply_ac
+from dhp.parallel.comm import CommCounter, CommStats
+from dhp.parallel.compose import MODULE_PLANS, STEPS, ModulePlan, parallelize
+from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, partition_params
+from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
+from dhp.parallel.llm_tp import apply_tp, llm_tp_plan, shifted_ce_sum, vocab_parallel_loss_sum
+from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
+from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
+from dhp.parallel.state import full_grad_dict, full_param_dict, load_model_state_dict, model_state_dict
+from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
+
+__all__ = [
+    "MODULE_PLANS",
+    "STEPS",
+    "AcSpec",
+    "CommCounter",
+    "CommStats",
+    "FsdpSpec",
+    "ModulePlan",
+    "UlyssesSpec",
+    "VisionShard",
+    "Zero1AdamW",
+    "allreduce_grads_",
+    "apply_ac",
+    "apply_fsdp",
+    "apply_tp",
+    "apply_ulysses_sp",
+    "build_optimizer",
+    "clip_grads_",
+    "finalize_grads",
+    "full_grad_dict",
+    "full_param_dict",
+    "gather_vision_output",
+    "grad_norm_sq",
+    "llm_tp_plan",
+    "load_model_state_dict",
+    "model_state_dict",
+    "parallelize",
+    "partition_params",
+    "reduce_sp_grads",
+    "shard_vision_batch",
+    "shifted_ce_sum",
+    "vocab_parallel_loss_sum",
+]

@@ -1,0 +1,94 @@
+"""Data parallelism across replicas of an SP/TP group: gradient SUM over ``dp`` and ZeRO-1.
+
+Placement: with mesh (dp, tp) or (dp, sp) each dp replica holds the same parameters (a TP shard or the
+full replicated module) and sees different samples. Gradients are SUMMED over dp (never averaged):
+every loss is already divided by the step's global label-token count. ZeRO-1 keeps the AdamW states
+(2 x fp32 per element) of ~1/dp of the parameters on each rank; after the step each owner broadcasts
+its updated parameters (one coalesced broadcast per owner). Gradients stay all-reduced in full on every
+rank, so the global grad norm and clipping need no extra communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's storage of ``t`` (the local shard of a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _coalesced(tensors: list[torch.Tensor], fn) -> None:
+    """Apply the collective ``fn`` to ``tensors`` flattened into one buffer per dtype, then copy back."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        fn(flat)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def allreduce_grads_(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """SUM the (local) gradients of ``params`` over ``group`` in place; a missing grad counts as zeros."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(local(p.grad))
+    _coalesced(grads, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group))
+
+
+def partition_params(sizes: list[int], parts: int) -> list[int]:
+    """Pure: owner rank of each parameter, greedy largest-first onto the least-loaded rank (ties: lowest)."""
+    load = [0] * parts
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(parts), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class Zero1AdamW(torch.optim.AdamW):
+    """AdamW whose states live only on each parameter's owner in the dp group (ZeRO-1).
+
+    It is a plain ``AdamW`` over this rank's owned parameters (so LR schedulers and DCP state dicts work);
+    ``step`` updates the owned parameters, then every owner broadcasts its parameters to the dp group.
+    ``zero_grad`` clears the gradients of all parameters, owned or not.
+    """
+
+    def __init__(self, params: list[nn.Parameter], *, dp_group: dist.ProcessGroup, **adamw) -> None:
+        self._all = list(params)
+        self._group = dp_group
+        self._dp = dist.get_world_size(dp_group)
+        self._rank = dist.get_rank(dp_group)
+        self._owner = partition_params([local(p).numel() for p in self._all], self._dp)
+        owned = [p for p, o in zip(self._all, self._owner, strict=True) if o == self._rank]
+        super().__init__([{"params": owned}], **adamw)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = super().step(closure)
+        for owner in range(self._dp):
+            mine = [local(p) for p, o in zip(self._all, self._owner, strict=True) if o == owner]
+            if mine:
+                _coalesced(
+                    mine, lambda flat, src=owner: dist.broadcast(flat, group=self._group, group_src=src)
+                )
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._all:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()

@@ -1,0 +1,79 @@
+"""FSDP2 (ZeRO-3 style) for any module: ``fully_shard`` per block, then the root.
+
+Placement: every parameter becomes a DTensor sharded on dim 0 over the ``fsdp`` axis (replicated over
+``dp`` when the mesh also has one: HSDP), so each rank keeps 1/fsdp of the parameters, gradients and
+(through the optimizer) optimizer states. A block's full parameters exist only between its all-gather
+and its reshard. Gradients are reduce-scattered as SUMS (divide factor 1): the loss is already divided
+by the step's global label-token count (see INTERFACES "Loss and gradient scaling").
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from dhp.errors import PlanError
+from dhp.parallel.meshutil import axes
+
+#: ``modules.<name>.mixed_precision`` -> FSDP2 policy (None: compute in the parameters' dtype)
+MIXED_PRECISION: dict[str, MixedPrecisionPolicy | None] = {
+    "fp32": None,
+    "bf16_master_fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+}
+
+
+@dataclass(frozen=True)
+class FsdpSpec:
+    """Which submodules are FSDP units (FQN globs, one atom per ``*``) and the mixed-precision policy."""
+
+    block_globs: tuple[str, ...]
+    mixed_precision: str = "fp32"
+    reshard_after_forward: bool = True
+
+
+def mixed_precision_policy(name: str) -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy for a ``mixed_precision`` config value; PlanError names the valid ones."""
+    if name not in MIXED_PRECISION:
+        raise PlanError(
+            f"mixed_precision={name!r} is not one of {sorted(MIXED_PRECISION)}. Fix: pick one of them."
+        )
+    return MIXED_PRECISION[name]
+
+
+def _match(fqn: str, glob: str) -> bool:
+    a, b = fqn.split("."), glob.split(".")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b, strict=True))
+
+
+def fsdp_blocks(module: nn.Module, globs: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The (FQN, submodule) FSDP units of ``module``, in module order; PlanError when none match."""
+    blocks = [(fqn, m) for fqn, m in module.named_modules() if fqn and any(_match(fqn, g) for g in globs)]
+    if not blocks:
+        raise PlanError(f"no submodule of {type(module).__name__} matches the FSDP block globs {globs}.")
+    return blocks
+
+
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh, spec: FsdpSpec) -> nn.Module:
+    """Shard ``module`` in place with FSDP2 over ``mesh``'s (dp, fsdp) axes (HSDP when dp > 1).
+
+    Each block of ``spec.block_globs`` is one unit (all-gathered just before its forward and backward),
+    the remaining parameters (embeddings, norms, heads, patch embed) form the root unit.
+    """
+    shard_mesh = axes(mesh, ("dp", "fsdp"))
+    if shard_mesh is None:
+        raise PlanError(f"apply_fsdp needs an fsdp axis of degree > 1; mesh axes are {mesh.mesh_dim_names}.")
+    policy = mixed_precision_policy(spec.mixed_precision)
+    kw = {"mesh": shard_mesh} if policy is None else {"mesh": shard_mesh, "mp_policy": policy}
+    for _, block in fsdp_blocks(module, spec.block_globs):
+        fully_shard(block, reshard_after_forward=spec.reshard_after_forward, **kw)
+    fully_shard(module, reshard_after_forward=False, **kw)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # SUM: losses are pre-normalised by the global token count
+    return module

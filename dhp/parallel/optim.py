@@ -1,0 +1,101 @@
+"""Optimizer construction and the gradient pipeline one module runs after backward.
+
+Order per step on every rank of a module group (all collectives over the group's own world)::
+
+    finalize_grads(module, mesh, parallel=...)      # SUM over sp, then over dp (FSDP already reduced)
+    sq = grad_norm_sq(module, mesh)                 # full-module ||g||^2, same value on every rank
+    clip_grads_(module, coef)                       # coef from the driver (norm over all modules)
+    optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.errors import PlanError
+from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
+from dhp.parallel.meshutil import axis, group_world
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def build_optimizer(
+    module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig, train: TrainConfig
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (DTensor shards stay shards); ZeRO-1 over dp when ``zero=1``.
+
+    Memory: 2 fp32 states per local parameter element; with ZeRO-1 only for the ~1/dp owned here.
+    """
+    if parallel.zero not in (0, 1):
+        raise PlanError(
+            f"parallel.zero={parallel.zero}: only 0 (plain DP) and 1 (ZeRO-1) exist. Fix: use fsdp for ZeRO-3."
+        )
+    adamw = {"lr": train.lr, "betas": tuple(train.betas), "weight_decay": train.weight_decay}
+    params = _trainable(module)
+    dp = axis(mesh, "dp")
+    if parallel.zero == 1 and dp is not None:
+        return Zero1AdamW(params, dp_group=dp.get_group(), **adamw)
+    return torch.optim.AdamW(params, **adamw)
+
+
+def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig) -> None:
+    """Every cross-rank gradient reduction of one step, in place: SUM over ``sp`` then over ``dp``.
+
+    TP needs none (DTensor grads are complete per shard); FSDP2 reduced (and, with dp, all-reduced)
+    in backward. The result on every rank: the gradient of sum_r(loss_sum_r / T) for its placement.
+    """
+    sp = axis(mesh, "sp")
+    if sp is not None:
+        from dhp.parallel.ulysses import reduce_sp_grads
+
+        reduce_sp_grads(module, sp.get_group())
+    dp = axis(mesh, "dp")
+    if dp is not None and parallel.fsdp == 1:
+        allreduce_grads_(_trainable(module), dp.get_group())
+
+
+def _shard_fraction(t: torch.Tensor, world: int) -> float:
+    """1 / (number of ranks holding an identical copy of this rank's piece of ``t``)."""
+    if not isinstance(t, DTensor):
+        return 1.0 / world
+    distinct = 1
+    for dim, p in enumerate(t.placements):
+        if p.is_partial():
+            raise PlanError("grad_norm_sq on a Partial gradient: call finalize_grads first.")
+        if p.is_shard():
+            distinct *= t.device_mesh.size(dim)
+    return distinct / world
+
+
+def grad_norm_sq(module: nn.Module, mesh: DeviceMesh) -> float:
+    """Squared L2 norm of the FULL module's gradient, identical on every rank (one all-reduce).
+
+    Each logical element counts once: a rank adds its local ||g||^2 weighted by 1/(copies of that
+    piece in the world) (TP/FSDP shards, params replicated over dp/sp/tp), in float64.
+    """
+    world = dist.get_world_size(group_world(mesh))
+    total = torch.zeros((), dtype=torch.float64)
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        g = local(p.grad)
+        total += g.detach().double().pow(2).sum().cpu() * _shard_fraction(p.grad, world)
+    device = mesh.device_type
+    total = total.to(device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total.item())
+
+
+@torch.no_grad()
+def clip_grads_(module: nn.Module, coef: float) -> None:
+    """Multiply every gradient (DTensor: its local shard) by ``coef`` in place; the driver computes ``coef``."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
