@@ -10,7 +10,6 @@ only object refs.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,22 +26,55 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 
 
 @dataclass(frozen=True)
+class RankSlot:
+    """Where one rank's actor runs: a bundle of a reserved placement group, and what it takes from it.
+
+    Collocated groups share a bundle: each rank takes ``num_gpus = gpu_fraction`` of the GPU and
+    ``num_cpus = cpus_per_rank``.
+    """
+
+    pg_index: int
+    bundle_index: int
+    num_cpus: float
+    num_gpus: float = 0.0
+
+
+@dataclass(frozen=True)
 class GroupSpec:
-    """What the runtime needs from one plan group: its name, mesh, bundles and device."""
+    """What the runtime needs from one plan group: its name, mesh, rank slots and device."""
 
     name: str
     mesh: dict[str, int]  # ordered axis -> degree (dp, fsdp, sp, tp)
-    bundles: list[dict[str, float]]  # one Ray bundle per rank, e.g. {"CPU": 0.5} or {"GPU": 0.5, "CPU": 1}
-    strategy: str = "PACK"
+    slots: tuple[RankSlot, ...]
     device: str = "cpu"  # cpu | cuda (from the cluster config)
 
     @property
     def world_size(self) -> int:
-        return len(self.bundles)
+        return len(self.slots)
 
     @property
     def layout(self) -> RankLayout:
         return RankLayout.from_mesh(self.mesh)
+
+
+def specs_from_plan(
+    plan: Any, *, cpus_per_rank: float
+) -> tuple[list[tuple[list[dict], str]], dict[str, GroupSpec]]:
+    """The plan's placement groups (bundles, strategy) and one GroupSpec per module group."""
+    pgs = [([dict(b) for b in pg.bundles], pg.strategy) for pg in plan.placement_groups]
+    specs = {}
+    for g in plan.groups:
+        slots = tuple(
+            RankSlot(
+                pg_index=r.placement_group,
+                bundle_index=r.bundle_index,
+                num_cpus=cpus_per_rank,
+                num_gpus=r.gpu_fraction if plan.device == "cuda" else 0.0,
+            )
+            for r in g.ranks
+        )
+        specs[g.name] = GroupSpec(name=g.name, mesh=dict(g.mesh), slots=slots, device=plan.device)
+    return pgs, specs
 
 
 @dataclass
@@ -59,33 +91,24 @@ class ActorGroup:
     """Reserve, start and address one module's ranks. ``call`` applies each method's contract."""
 
     def __init__(
-        self,
-        spec: GroupSpec,
-        *,
-        worker_cls: type,
-        worker_kwargs: dict[str, Any],
-        ready_timeout_s: float = 60.0,
-        init_timeout_s: float = 120.0,
+        self, spec: GroupSpec, *, pgs: Sequence[Any], worker_cls: type, worker_kwargs: dict[str, Any]
     ) -> None:
         self.spec = spec
         self.name = spec.name
         self.layout = spec.layout
         self.worker_cls = worker_cls
-        self.init_timeout_s = init_timeout_s
         self.pids: list[int] = []
-        self._pg = _reserve(spec, timeout_s=ready_timeout_s)
         remote_cls = ray.remote(worker_cls)
         self.actors = [
             remote_cls.options(
-                num_cpus=bundle.get("CPU", 0),
-                num_gpus=bundle.get("GPU", 0),
+                num_cpus=slot.num_cpus,
+                num_gpus=slot.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank
+                    placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
                 ),
                 runtime_env={"env_vars": WORKER_ENV},
-                name=None,
             ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
-            for rank, bundle in enumerate(spec.bundles)
+            for rank, slot in enumerate(spec.slots)
         ]
         self.pids = self.get(self._submit_raw("pid", [((), {})] * spec.world_size), what="start")
 
@@ -203,14 +226,13 @@ class ActorGroup:
         return out
 
     def shutdown(self, *, destroy_dist: bool = True) -> None:
-        """Barrier and destroy the world (best effort), kill the actors, free the bundles."""
+        """Barrier and destroy the world (best effort), then kill the actors."""
         if destroy_dist:
             # a dead rank: the others' worlds die with their processes below
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get([a.destroy_dist.remote() for a in self.actors], timeout=30)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(self._pg)
 
 
 def init_groups(groups: Sequence[ActorGroup], *, timeout_s: float) -> None:
@@ -220,24 +242,31 @@ def init_groups(groups: Sequence[ActorGroup], *, timeout_s: float) -> None:
         g.finish_init(p, timeout_s=timeout_s + 10)
 
 
-def _reserve(spec: GroupSpec, *, timeout_s: float) -> Any:
-    """Reserve the group's bundles; if Ray cannot place them in time, raise PlanError naming what is missing."""
-    pg = placement_group(spec.bundles, strategy=spec.strategy, name=f"dhp-{spec.name}-{os.getpid()}")
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        remove_placement_group(pg)
-        need: dict[str, float] = {}
-        for b in spec.bundles:
+def reserve(pgs: Sequence[tuple[list[dict[str, float]], str]], *, timeout_s: float) -> list[Any]:
+    """Reserve placement groups ``(bundles, strategy)``; if Ray cannot place them in time, free
+    what was reserved and raise PlanError naming the bundles and what the cluster has."""
+    reserved = [placement_group(b, strategy=st) for b, st in pgs]
+    ready, _ = ray.wait([pg.ready() for pg in reserved], num_returns=len(reserved), timeout=timeout_s)
+    if len(ready) == len(reserved):
+        return reserved
+    release(reserved)
+    need: dict[str, float] = {}
+    for bundles, _ in pgs:
+        for b in bundles:
             for k, v in b.items():
-                need[k] = need.get(k, 0.0) + v
-        raise PlanError(
-            f"group '{spec.name}': cannot reserve {spec.world_size} bundles {spec.bundles} "
-            f"(strategy {spec.strategy}, total {need}) within {timeout_s:.0f}s; the Ray cluster has "
-            f"{ray.available_resources()} available of {ray.cluster_resources()}. Fix: lower the "
-            "module's degrees, set cluster.cpus_per_rank lower, or join a larger cluster (RAY_ADDRESS)."
-        ) from e
-    return pg
+                need[k] = round(need.get(k, 0.0) + v, 6)
+    raise PlanError(
+        f"cannot place the plan: placement groups {[(len(b), b[0], st) for b, st in pgs]} (total {need}) "
+        f"were not reserved within {timeout_s:.0f}s; the Ray cluster has {ray.available_resources()} "
+        f"available of {ray.cluster_resources()}. Fix: lower the degrees, lower cluster.cpus_per_rank, "
+        "or join a larger cluster (cluster.ray_address / RAY_ADDRESS)."
+    )
+
+
+def release(pgs: Sequence[Any]) -> None:
+    """Free reserved placement groups."""
+    for pg in pgs:
+        remove_placement_group(pg)
 
 
 def _first_line(e: BaseException) -> str:

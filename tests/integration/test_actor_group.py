@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from dhp.errors import PlanError, RuntimeFailure
-from dhp.runtime.actor_group import ActorGroup, GroupSpec, init_groups
+from dhp.runtime.actor_group import ActorGroup, GroupSpec, RankSlot, init_groups, release, reserve
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.dispatch import Collect, Dispatch, register
 
@@ -40,15 +40,17 @@ def ray_local():
 
 
 def _group(name, mesh, cpus=0.25):
+    """A group on its own placement group (one CPU bundle per rank); returns (group, pgs)."""
     n = 1
     for d in mesh.values():
         n *= d
-    spec = GroupSpec(name=name, mesh=mesh, bundles=[{"CPU": cpus}] * n, device="cpu")
-    return ActorGroup(spec, worker_cls=EchoWorker, worker_kwargs={}, ready_timeout_s=30)
+    pgs = reserve([([{"CPU": cpus}] * n, "PACK")], timeout_s=30)
+    spec = GroupSpec(name=name, mesh=mesh, slots=tuple(RankSlot(0, r, num_cpus=cpus) for r in range(n)))
+    return ActorGroup(spec, pgs=pgs, worker_cls=EchoWorker, worker_kwargs={}), pgs
 
 
 def test_two_groups_own_separate_worlds_and_follow_contracts(ray_local):
-    vision, llm = _group("vision", {"sp": 2}), _group("llm", {"dp": 2, "tp": 2})
+    (vision, pg_v), (llm, pg_l) = _group("vision", {"sp": 2}), _group("llm", {"dp": 2, "tp": 2})
     try:
         # concurrent init: each group blocks until all its ranks join; neither waits on the other
         init_groups([vision, llm], timeout_s=60)
@@ -61,18 +63,19 @@ def test_two_groups_own_separate_worlds_and_follow_contracts(ray_local):
     finally:
         vision.shutdown()
         llm.shutdown()
+        release(pg_v + pg_l)
 
 
 def test_unplaceable_group_fails_fast_with_plan_error(ray_local):
-    spec = GroupSpec(name="llm", mesh={"tp": 2}, bundles=[{"CPU": 3.0}] * 2, device="cpu")
     t0 = time.monotonic()
-    with pytest.raises(PlanError, match=r"group 'llm': cannot reserve 2 bundles .*total \{'CPU': 6.0\}"):
-        ActorGroup(spec, worker_cls=EchoWorker, worker_kwargs={}, ready_timeout_s=3)
+    with pytest.raises(PlanError, match=r"cannot place the plan: .*total \{'CPU': 6.0\}.*Fix: "):
+        reserve([([{"CPU": 3.0}] * 2, "STRICT_PACK")], timeout_s=3)
+    assert ray.available_resources()["CPU"] == 4.0  # nothing left reserved
     assert time.monotonic() - t0 < 15
 
 
 def test_killed_actor_is_named_by_module_and_rank(ray_local):
-    group = _group("vision", {"sp": 2})
+    group, pgs = _group("vision", {"sp": 2})
     try:
         group.init_process_group(timeout_s=60)
         pending = group.submit("sleep", 30)
@@ -82,3 +85,4 @@ def test_killed_actor_is_named_by_module_and_rank(ray_local):
             group.collect(pending, timeout_s=60)
     finally:
         group.shutdown(destroy_dist=False)
+        release(pgs)
