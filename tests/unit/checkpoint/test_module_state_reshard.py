@@ -23,7 +23,7 @@ from ckpt_tiny import (
 from dhp.checkpoint import load_module_state, save_module_state
 from dhp.errors import CheckpointError
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 def _new(tp: int, *, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
