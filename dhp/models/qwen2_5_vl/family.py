@@ -226,7 +226,8 @@ class Qwen25VLFamily:
         self, name: str, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig
     ) -> dict[str, str]:
         """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
-        if name == "llm" and hf_config.tie_word_embeddings:
+        # a transformers config attribute (absent on a bare text config means "not tied")
+        if name == "llm" and getattr(hf_config, "tie_word_embeddings", False):
             return {"lm_head.weight": "language_model.embed_tokens.weight"}
         return {}
 
