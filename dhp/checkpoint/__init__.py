@@ -5,7 +5,7 @@ Driver side: :func:`begin_checkpoint`, :func:`commit_checkpoint`, :func:`resolve
 group): :func:`save_module_state`, :func:`load_module_state`. See docs/INTERFACES.md.
 """
 
-from dhp.checkpoint.compat import check_resume_compatible
+from dhp.checkpoint.compat import check_resume_compatible, model_arch_hash, module_records
 from dhp.checkpoint.export import export_hf
 from dhp.checkpoint.layout import (
     begin_checkpoint,
@@ -31,6 +31,8 @@ __all__ = [
     "find_latest_checkpoint",
     "list_checkpoints",
     "load_module_state",
+    "model_arch_hash",
+    "module_records",
     "prune_checkpoints",
     "read_meta",
     "read_module_info",

@@ -7,7 +7,7 @@ refused with a CheckpointError that names the difference.
 
 from __future__ import annotations
 
-from dhp.checkpoint.meta import CheckpointMeta
+from dhp.checkpoint.meta import CheckpointMeta, ModuleRecord, stable_hash
 from dhp.config.schema import ModuleConfig
 from dhp.errors import CheckpointError
 
@@ -59,3 +59,22 @@ def check_resume_compatible(
                 f"{name}: resharding mesh {old.get(name)} -> {new.get(name)} (RNG not restored exactly)"
             )
     return notes
+
+
+def model_arch_hash(model) -> str:
+    """``stable_hash`` of what fixes the tensors' names and shapes: family, vision/llm numbers, tokens.
+
+    ``model`` is the run's ModelConfig (dataclass or OmegaConf); dtype, attention kernel and weight
+    path are left out on purpose: a run may resume in another dtype or from a copied directory.
+    """
+    return stable_hash(
+        {"family": model.family, "vision": model.vision, "llm": model.llm, "tokens": model.tokens}
+    )
+
+
+def module_records(modules, *, world_sizes: dict[str, int]) -> dict[str, ModuleRecord]:
+    """``meta.modules`` for ``RunConfig.modules`` and each group's world size (from the plan)."""
+    return {
+        name: ModuleRecord(world_size=world_sizes[name], frozen=m.freeze, has_optimizer=not m.freeze)
+        for name, m in modules.items()
+    }

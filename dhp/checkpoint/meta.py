@@ -59,11 +59,18 @@ def stable_hash(obj: Any) -> str:
     """A short sha256 of ``obj`` as sorted JSON (dicts, lists, scalars, dataclasses, OmegaConf configs)."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
-    if isinstance(obj, DictConfig | ListConfig):
-        obj = OmegaConf.to_container(obj, resolve=True)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    def plain(o: Any) -> Any:
+        if isinstance(o, DictConfig | ListConfig):
+            return OmegaConf.to_container(o, resolve=True)
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return dataclasses.asdict(o)
+        if isinstance(o, dict):
+            return {k: plain(v) for k, v in o.items()}
+        if isinstance(o, list | tuple):
+            return [plain(v) for v in o]
+        return o
+
+    blob = json.dumps(plain(obj), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

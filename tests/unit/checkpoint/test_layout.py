@@ -169,3 +169,26 @@ def test_compat_refusals_name_every_difference() -> None:
     check_resume_compatible(frozen, plan=PLAN, modules=_modules(vision_freeze=True), model_hash="m")
     with pytest.raises(CheckpointError, match="module groups differ"):
         check_resume_compatible(_meta(5), plan=PLAN, modules={"llm": ModuleConfig()}, model_hash="m")
+
+
+def test_model_arch_hash_ignores_dtype_and_path_but_not_shapes() -> None:
+    from dhp.checkpoint import model_arch_hash
+    from dhp.config import load_config
+
+    base = load_config("tiny_vlm", [])
+    assert model_arch_hash(base.model) == model_arch_hash(
+        load_config("tiny_vlm", ["model.dtype=bfloat16"]).model
+    )
+    assert model_arch_hash(base.model) != model_arch_hash(
+        load_config("tiny_vlm", ["model.llm.num_layers=3"]).model
+    )
+    from omegaconf import OmegaConf
+
+    assert model_arch_hash(OmegaConf.to_object(base).model) == model_arch_hash(base.model)
+
+
+def test_module_records_from_config() -> None:
+    from dhp.checkpoint import module_records
+
+    recs = module_records(_modules(vision_freeze=True), world_sizes={"vision": 2, "llm": 4})
+    assert recs == {"vision": ModuleRecord(2, True, False), "llm": ModuleRecord(4, False, True)}
