@@ -1,0 +1,152 @@
+"""Planner layout: groups, GPU assignment, Ray bundles and routing, from real recipes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dhp.config import load_config
+from dhp.errors import PlanError
+from dhp.plan import compile_plan
+from dhp.plan.placement import GroupLayout, assign_gpus, routing
+
+pytestmark = pytest.mark.unit
+
+
+def _tp_groups_in_one_node(group) -> bool:
+    tp = group.mesh.get("tp", 1)
+    for start in range(0, group.world_size, tp):
+        if len({r.node for r in group.ranks[start : start + tp]}) != 1:
+            return False
+    return True
+
+
+def test_planner_imports_no_ray_or_process_groups() -> None:
+    code = (
+        "import sys; from dhp.config import load_config; from dhp.plan import compile_plan;"
+        "compile_plan(load_config('qwen_vl_72b', []));"
+        "bad = [m for m in ('ray', 'torch.distributed', 'torch') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_collocated_headline() -> None:
+    plan = compile_plan(load_config("qwen_vl_32b", []))
+    assert [g.name for g in plan.groups] == ["vision", "llm"]
+    vision, llm = plan.groups
+    assert (vision.world_size, vision.mesh) == (8, {"sp": 8})
+    assert (llm.world_size, llm.mesh) == (8, {"tp": 8})
+    for g in plan.groups:
+        assert [r.global_gpu for r in g.ranks] == list(range(8))
+        assert all(r.gpu_fraction == 0.5 and r.node == 0 for r in g.ranks)
+    (pg,) = plan.placement_groups
+    assert pg.strategy == "STRICT_PACK" and len(pg.bundles) == 8
+    assert all(b == {"GPU": 1.0, "CPU": 8.0} for b in pg.bundles)  # 4 CPUs per rank, 2 ranks per GPU
+    assert [d.groups for d in plan.devices] == [("vision", "llm")] * 8
+    (route,) = plan.routing
+    assert route.llm_ranks == tuple(range(8)) and route.vision_ranks == tuple(range(8))
+
+
+def test_disaggregated_unequal_gpu_counts() -> None:
+    overrides = [
+        "placement=disaggregated",
+        "modules.vision.gpus=2",
+        "modules.vision.parallel.sp=2",
+        "modules.llm.gpus=6",
+        "modules.llm.parallel.tp=2",
+        "modules.llm.parallel.dp=3",
+        "train.global_batch_size=6",
+    ]
+    plan = compile_plan(load_config("qwen_vl_7b", [*overrides, "modules.vision.parallel.dp=1"]))
+    vision, llm = plan.group("vision"), plan.group("llm")
+    assert [r.global_gpu for r in vision.ranks] == [0, 1]
+    assert [r.global_gpu for r in llm.ranks] == [2, 3, 4, 5, 6, 7]
+    assert all(r.gpu_fraction == 1.0 for g in plan.groups for r in g.ranks)
+    assert llm.mesh == {"dp": 3, "tp": 2}
+    assert [r.coords for r in llm.ranks[:3]] == [
+        {"dp": 0, "fsdp": 0, "sp": 0, "tp": 0},
+        {"dp": 0, "fsdp": 0, "sp": 0, "tp": 1},
+        {"dp": 1, "fsdp": 0, "sp": 0, "tp": 0},
+    ]
+    assert len(plan.placement_groups[0].bundles) == 8
+    assert all(b == {"GPU": 1.0, "CPU": 4.0} for b in plan.placement_groups[0].bundles)
+    # one encoder replica (2 SP ranks) feeds all three LLM replicas (N:M = 2:6)
+    assert [(r.llm_ranks, r.vision_ranks) for r in plan.routing] == [
+        ((0, 1), (0, 1)),
+        ((2, 3), (0, 1)),
+        ((4, 5), (0, 1)),
+    ]
+
+
+def test_two_nodes() -> None:
+    plan = compile_plan(load_config("qwen_vl_72b", []))
+    vision, llm = plan.group("vision"), plan.group("llm")
+    assert vision.mesh == {"dp": 2, "sp": 8} and llm.mesh == {"fsdp": 2, "tp": 8}
+    assert [r.node for r in llm.ranks] == [0] * 8 + [1] * 8
+    assert _tp_groups_in_one_node(llm)
+    assert [(pg.node, len(pg.bundles)) for pg in plan.placement_groups] == [(0, 8), (1, 8)]
+    assert {(r.placement_group, r.bundle_index) for r in llm.ranks} == {
+        (p, b) for p in (0, 1) for b in range(8)
+    }
+    assert [(r.llm_ranks, r.vision_ranks) for r in plan.routing] == [
+        (tuple(range(8)), tuple(range(8))),
+        (tuple(range(8, 16)), tuple(range(8, 16))),
+    ]
+
+
+def test_tp_group_moved_to_next_node_instead_of_crossing() -> None:
+    # vision on GPUs 0-1 of node 0; a TP=8 LLM placed naively on GPUs 2-9 would cross into node 1
+    overrides = [
+        "cluster=h100_2x8",
+        "placement=disaggregated",
+        "modules.vision.gpus=2",
+        "modules.vision.parallel.sp=2",
+        "modules.vision.parallel.zero=0",
+    ]
+    plan = compile_plan(load_config("qwen_vl_32b", overrides))
+    llm = plan.group("llm")
+    assert [r.global_gpu for r in llm.ranks] == list(range(8, 16))
+    assert _tp_groups_in_one_node(llm)
+
+
+def test_tp_that_cannot_stay_in_a_node_is_a_plan_error() -> None:
+    groups = [
+        GroupLayout("vision", {"dp": 5, "fsdp": 1, "sp": 1, "tp": 1}),
+        GroupLayout("llm", {"dp": 3, "fsdp": 1, "sp": 1, "tp": 4}),
+    ]
+    with pytest.raises(PlanError, match="must stay inside one node"):
+        assign_gpus(groups, placement="disaggregated", nodes=2, gpus_per_node=8)
+
+
+def test_routing_more_encoder_replicas_than_llm() -> None:
+    vision = GroupLayout("vision", {"dp": 4, "fsdp": 1, "sp": 2, "tp": 1})
+    llm = GroupLayout("llm", {"dp": 2, "fsdp": 1, "sp": 1, "tp": 4})
+    routes = routing(vision, llm)
+    assert [r.vision_replicas for r in routes] == [(0, 1), (2, 3)]
+    assert routes[1].vision_ranks == (4, 5, 6, 7) and routes[1].llm_ranks == (4, 5, 6, 7)
+
+
+def test_cpu_cluster_bundles_are_fractional_cpus() -> None:
+    plan = compile_plan(load_config("tiny_vlm", []))
+    (pg,) = plan.placement_groups
+    assert [dict(b) for b in pg.bundles] == [{"CPU": 0.5}, {"CPU": 0.5}]
+
+
+def test_json_document_keys() -> None:
+    doc = json.loads(compile_plan(load_config("qwen_vl_32b", [])).to_json_str())
+    assert {"groups", "placement", "device_memory_bytes", "fits", "bundles", "routing"} <= doc.keys()
+    for group in doc["groups"]:
+        assert {"name", "world_size", "mesh", "ranks"} <= group.keys()
+        for rank in group["ranks"]:
+            assert {"rank", "node", "gpu", "gpu_fraction", "memory"} <= rank.keys()
+            mem = rank["memory"]
+            assert mem["total"] == mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+
+
+def test_compile_is_deterministic() -> None:
+    cfg = load_config("qwen_vl_72b", [])
+    assert compile_plan(cfg).to_json() == compile_plan(cfg).to_json()
