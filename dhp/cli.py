@@ -117,6 +117,10 @@ def recipes() -> None:
 def verify(
     ctx: typer.Context,
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to compare (also accepted as steps=N)."),
+    loss_rtol: float = typer.Option(1e-5, "--loss-rtol", help="Max relative loss difference per step."),
+    grad_atol: float = typer.Option(
+        1e-4, "--grad-atol", help="Max absolute difference of any gradient element."
+    ),
 ) -> None:
     """Run a plan and the unsplit single-process transformers model side by side; exit 1 beyond tolerance.
 
@@ -131,7 +135,13 @@ def verify(
     steps = next((int(a.partition("=")[2]) for a in ctx.args if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    report = verify_plan(cfg, steps=steps, on_step=lambda s, rep: render_step(s, rep, console=console))
+    report = verify_plan(
+        cfg,
+        steps=steps,
+        loss_rtol=loss_rtol,
+        grad_atol=grad_atol,
+        on_step=lambda s, rep: render_step(s, rep, console=console),
+    )
     render_report(report, console=console)
     raise typer.Exit(0 if report.passed else 1)
 
