@@ -76,4 +76,5 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, spec: FsdpSpec) -> nn.Module
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # SUM: losses are pre-normalised by the global token count
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM op (gloo has no PREMUL_SUM), same on NCCL
     return module

@@ -41,6 +41,8 @@ def text_config(**over) -> Qwen2_5_VLTextConfig:
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )
     kw.update(over)

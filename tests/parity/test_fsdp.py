@@ -1,0 +1,123 @@
+"""FSDP2 (fully_shard per block, then the root) for the LLM and the vision module, against the
+single-process module on the whole batch, through ``parallelize``.
+
+Each FSDP rank runs a different part of the batch with the loss pre-divided by the GLOBAL label-token
+count, so the reduce-scattered gradients must be SUMS; the check covers the summed loss, every
+parameter's full gradient, the input-embedding gradient of each rank's rows, and grad_norm_sq.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from parallel_harness import (
+    assert_grads_match,
+    assert_rel_close,
+    build_llm,
+    build_vision,
+    full_grads,
+    llm_batch,
+    spawn,
+    vision_batch,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from dhp.config.schema import ParallelConfig
+from dhp.parallel import finalize_grads, grad_norm_sq, parallelize
+
+# fp32 on CPU: only the reduction order differs (all-gathered weights are exact copies); the contract
+# is <= 1e-5 relative (norm sense) for the loss and every tensor.
+RTOL = 1e-5
+
+pytestmark = pytest.mark.parity
+
+
+def _split_llm(batch: dict, rank: int, world: int) -> dict:
+    rows = batch["input_ids"].shape[0] // world
+    per_row = batch["image_embeds"].shape[0] // batch["input_ids"].shape[0]
+    sl, el = slice(rank * rows, (rank + 1) * rows), slice(rank * rows * per_row, (rank + 1) * rows * per_row)
+    return {
+        "input_ids": batch["input_ids"][sl],
+        "labels": batch["labels"][sl],
+        "image_embeds": batch["image_embeds"][el],
+    }
+
+
+def _llm_step(model, batch: dict, num_tokens: int):
+    embeds = batch["image_embeds"].clone().requires_grad_(True)
+    loss = model(batch["input_ids"], batch["labels"], embeds) / num_tokens
+    loss.backward()
+    return loss.detach(), embeds.grad
+
+
+def _ref_norm_sq(grads: dict) -> float:
+    return sum(float(g.double().pow(2).sum()) for g in grads.values())
+
+
+def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
+    batch = llm_batch(seed=2, batch=4)
+    num_tokens = int((batch["labels"][:, 1:] != -100).sum())
+    ref = build_llm()
+    ref_loss, ref_gin = _llm_step(ref, batch, num_tokens)
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+
+    model = parallelize(
+        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+    )
+    assert isinstance(model.language_model.layers[0].mlp.up_proj.weight, DTensor)
+    loss, gin = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
+    finalize_grads(model, mesh, parallel=parallel)
+    dist.all_reduce(loss)
+    assert_rel_close(loss, ref_loss, rtol=RTOL, name="fsdp llm loss")
+    assert_rel_close(
+        gin,
+        _split_llm({**batch, "image_embeds": ref_gin}, rank, world)["image_embeds"],
+        rtol=RTOL,
+        name="fsdp llm d/d embeds",
+    )
+    assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp llm")
+    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+
+
+def _vision_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
+    grids = [(1, 8, 8), (1, 4, 8), (1, 4, 4)]  # 16 + 8 + 4 merged tokens
+    per_rank = [[0], [1, 2]]
+    w = torch.randn(28, 128, generator=torch.Generator().manual_seed(9))
+    ref = build_vision()
+    (ref(**vision_batch(3, grids)) * w).sum().backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+
+    full = vision_batch(3, grids)
+    rows = torch.tensor(grids).prod(-1).cumsum(0).tolist()
+    starts = [0, *rows[:-1]]
+    mine = per_rank[rank]
+    pix = torch.cat([full["pixel_values"][starts[i] : rows[i]] for i in mine])
+    tok0 = [0, 16, 24][mine[0]]
+    toks = sum(torch.tensor(grids[i]).prod().item() // 4 for i in mine)
+    # AC on top of FSDP: recomputation inside FSDP units must not change the math either
+    model = parallelize(
+        "vision",
+        build_vision(),
+        mesh,
+        parallel=parallel,
+        activation_checkpointing=True,
+        mixed_precision="fp32",
+    )
+    out = model(pix, full["image_grid_thw"][mine])
+    (out * w[tok0 : tok0 + toks]).sum().backward()
+    finalize_grads(model, mesh, parallel=parallel)
+    assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp+ac vision")
+    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+
+
+def _fsdp_cases(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    parallel = ParallelConfig(fsdp=world)
+    _llm_case(rank, world, mesh, parallel)
+    _vision_case(rank, world, mesh, parallel)
+
+
+def test_fsdp2_llm_and_vision_match_single_process() -> None:
+    spawn(_fsdp_cases, 2)
