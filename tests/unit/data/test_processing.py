@@ -113,13 +113,16 @@ def test_missing_and_corrupt_images(tiny_model, demo_copy):
     raw = (demo_copy / "images" / "rocket.jpg").read_bytes()
     (demo_copy / "images" / "rocket.jpg").write_bytes(raw[: len(raw) // 2])  # truncated JPEG
     (demo_copy / "images" / "coins.jpg").write_bytes(b"not an image at all")
-    rec = lambda name: {
-        "image": name,
-        "conversations": [  # noqa: E731
-            {"from": "human", "value": "<image>"},
-            {"from": "gpt", "value": "x"},
-        ],
-    }
+
+    def rec(name):
+        return {
+            "image": name,
+            "conversations": [
+                {"from": "human", "value": "<image>"},
+                {"from": "gpt", "value": "x"},
+            ],
+        }
+
     path = _write(demo_copy, [rec("cat.jpg"), rec("rocket.jpg"), rec("coins.jpg"), rec("astronaut.jpg")])
     src = _source(tiny_model, jsonl_data(path, demo_copy / "images"))
     expected = [

@@ -1,0 +1,254 @@
+"""The step loader: DP shards disjoint and complete, seeded order, exact resume, balance, bad-sample policy."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import demo_data, jsonl_data
+
+from dhp.config.schema import DataConfig, SyntheticData, TrainConfig
+from dhp.data import bad
+from dhp.data.batch import Sample, collate
+from dhp.data.loader import balance, build_loader
+from dhp.data.source import epoch_order
+from dhp.errors import ConfigError, DataError
+
+pytestmark = pytest.mark.unit
+N_DEMO = 25  # 18 records in captions.json + 7 in mixed.jsonl
+
+
+def _loader(model, data, *, dp=2, gbs=6, mbs=1, seed=0, vision=1 << 20):
+    train = TrainConfig(global_batch_size=gbs, micro_batch_size=mbs, seed=seed)
+    return build_loader(
+        data=data, model=model, train=train, dp_size=dp, vision_seq_len=vision, llm_seq_len=1 << 20
+    )
+
+
+def _ids(step) -> list[list[str]]:
+    """Sample ids per replica for one step."""
+    return [[sid for b in step.replica(r) for sid in b.sample_ids] for r in range(len(step.micro_batches[0]))]
+
+
+def _same(a, b) -> bool:
+    return all(
+        torch.equal(x.input_ids, y.input_ids)
+        and x.sample_ids == y.sample_ids
+        and (x.pixel_values is None or torch.equal(x.pixel_values, y.pixel_values))
+        for ra, rb in zip(a.micro_batches, b.micro_batches, strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
+
+
+def test_dp_shards_are_disjoint_and_complete_over_an_epoch(tiny_model):
+    loader = _loader(tiny_model, demo_data(), dp=2, gbs=6)
+    assert loader.epoch_len == N_DEMO
+    seen: list[str] = []
+    for _ in range(5):  # 30 samples: all 25 of epoch 0, then the first 5 of epoch 1
+        step = next(loader)
+        per_replica = _ids(step)
+        assert [len(r) for r in per_replica] == [3, 3]
+        assert not set(per_replica[0]) & set(per_replica[1])  # no overlap between DP replicas
+        seen += per_replica[0] + per_replica[1]
+    src = loader.source
+    everything = Counter(src.location(i) for i in range(len(src)))
+    extra = Counter(seen) - everything
+    assert set(everything) <= set(seen)  # no loss: every sample of epoch 0 was served
+    assert sum(extra.values()) == 5
+    expected_extra = [
+        src.location(i)
+        for i in epoch_order(sizes=[18, 7], weights=[1.0, 1.0], seed=0, epoch=1, shuffle=True)[:5]
+    ]
+    assert extra == Counter(expected_extra)  # and the overflow is exactly the head of epoch 1
+
+
+def test_order_is_deterministic_from_the_seed(tiny_model):
+    a, b, c = (_loader(tiny_model, demo_data(), seed=s) for s in (0, 0, 1))
+    sa, sb, sc = next(a), next(b), next(c)
+    assert _same(sa, sb)
+    assert _ids(sa) != _ids(sc)
+    unshuffled = _loader(tiny_model, demo_data(shuffle=False), dp=1, gbs=3)
+    assert [sid.rsplit(":", 1)[1] for sid in sorted(_ids(next(unshuffled))[0])] == ["0", "1", "2"]
+
+
+def test_resume_yields_the_same_batches(tiny_model):
+    """Save after step 3 (crossing into epoch 1 at step 4), JSON round-trip, resume: steps 4-5 identical."""
+    full = _loader(tiny_model, demo_data(), dp=2, gbs=6)
+    steps = [next(full) for _ in range(6)]
+    first = _loader(tiny_model, demo_data(), dp=2, gbs=6)
+    for _ in range(4):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = _loader(tiny_model, demo_data(), dp=2, gbs=6)
+    resumed.load_state_dict(state)
+    assert state["position"] == 24 and state["step"] == 4
+    for k in (4, 5):
+        again = next(resumed)
+        assert again.step == k and _same(again, steps[k])
+    other = _loader(tiny_model, demo_data(), seed=1)
+    with pytest.raises(DataError, match="cannot resume the data position"):
+        other.load_state_dict(state)
+
+
+def _sample(patches: int, tokens: int = 10) -> Sample:
+    side = int(patches**0.5)
+    grid = torch.tensor([[1, side, side]]) if patches else None
+    ids = torch.zeros(tokens, dtype=torch.long)
+    return Sample(
+        sample_id=f"s{patches}",
+        input_ids=ids,
+        labels=ids.clone(),
+        mm_token_type_ids=ids.clone(),
+        pixel_values=None,
+        image_grid_thw=grid,
+    )
+
+
+def test_balance_equalises_vision_tokens_across_slots():
+    samples = [_sample(p) for p in (4096, 1024, 0, 1024, 0, 1024, 0, 1024)]
+    slots = balance(samples, num_slots=2, slot_size=4)
+    loads = [sum(samples[i].num_patches for i in s) for s in slots]
+    assert loads == [4096, 4096]  # a contiguous split would give 6144 / 2048
+    assert sorted(i for s in slots for i in s) == list(range(8))  # a partition: nothing lost or doubled
+    samples = [_sample(p) for p in (1024, 1024, 256, 256, 64, 64, 16, 16)]
+    loads = [sum(samples[i].num_patches for i in s) for s in balance(samples, num_slots=4, slot_size=2)]
+    assert max(loads) - min(loads) <= 1024 - 256  # greedy bound: at most one item apart
+
+
+def test_loader_balances_real_micro_batches(tiny_model):
+    """Across steps, per micro-batch index the replicas' vision tokens differ less than a naive deal."""
+    loader = _loader(tiny_model, demo_data(), dp=2, gbs=8, mbs=2)
+    for _ in range(3):
+        step = next(loader)
+        assert len(step.micro_batches) == 2 and all(len(row) == 2 for row in step.micro_batches)
+        for row in step.micro_batches:
+            loads = [b.num_patches for b in row]
+            biggest = max(
+                int(g.prod()) for b in row if b.image_grid_thw is not None for g in b.image_grid_thw
+            )
+            assert max(loads) - min(loads) <= 2 * biggest
+
+
+def test_num_label_tokens_is_the_global_count(tiny_model):
+    step = next(_loader(tiny_model, demo_data(), dp=2, gbs=4, mbs=2))
+    expected = sum(int((b.labels[:, 1:] != -100).sum()) for row in step.micro_batches for b in row)
+    assert step.num_label_tokens == expected > 0
+
+
+def test_micro_batch_over_vision_seq_len_raises(tiny_model):
+    loader = _loader(tiny_model, demo_data(), dp=1, gbs=4, mbs=4, vision=2048)
+    with pytest.raises(
+        DataError,
+        match=r"micro-batch 0 of replica 0 at step 0 holds \d+ patches > modules.vision.seq_len=2048",
+    ):
+        for _ in range(7):
+            next(loader)
+
+
+def _broken_demo(demo_copy):
+    """The demo JSONL plus bad lines: a missing image, a truncated JPEG, an unknown key, bad JSON."""
+    (demo_copy / "images" / "grass.jpg").unlink()
+    raw = (demo_copy / "images" / "clock_motion_blur.jpg").read_bytes()
+    (demo_copy / "images" / "clock_motion_blur.jpg").write_bytes(raw[: len(raw) // 3])
+    lines = (demo_copy / "mixed.jsonl").read_text().splitlines()  # line 2 uses grass.jpg
+    lines.append(
+        json.dumps(
+            {
+                "image": "clock_motion_blur.jpg",
+                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "moon"}],
+            }
+        )
+    )
+    lines.append(json.dumps({"oops": 1, "conversations": []}))
+    lines.append("{truncated")
+    path = demo_copy / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_default_policy_raises_naming_file_line_reason(tiny_model, demo_copy):
+    path = _broken_demo(demo_copy)
+    loader = _loader(tiny_model, jsonl_data(path, demo_copy / "images", shuffle=False), dp=1, gbs=2)
+    with pytest.raises(
+        bad.BadSampleError, match=rf"bad sample at {path}:2 \(missing_file\): image .*grass.jpg"
+    ):
+        next(loader)
+
+
+def test_skip_policy_counts_by_reason_and_loses_nothing_else(tiny_model, demo_copy):
+    path = _broken_demo(demo_copy)
+    data = jsonl_data(path, demo_copy / "images", on_bad_sample="skip", shuffle=False)
+    loader = _loader(tiny_model, data, dp=2, gbs=2)
+    served = []
+    for _ in range(4):  # 8 good samples: lines 1,3-7 (epoch 0; 2 and 8-10 are bad), then 1,3 of epoch 1
+        step = next(loader)
+        served += [sid for r in _ids(step) for sid in r]
+    assert sorted(int(s.rsplit(":", 1)[1]) for s in served) == [1, 1, 3, 3, 4, 5, 6, 7]
+    assert step.bad_samples == {
+        "missing_file": 2,
+        "corrupt_image": 1,
+        "unknown_keys": 1,
+        "malformed_record": 1,
+    }
+    metrics = loader.bad_log.metrics()
+    assert metrics["data/bad/total"] == 5 and metrics["data/bad/corrupt_image"] == 1
+    assert f"{path}:8" in loader.bad_log.examples["corrupt_image"][0]
+    assert "missing_file: 2" in loader.bad_log.summary()
+    state = loader.state_dict()
+    assert state["bad"]["counts"]["unknown_keys"] == 1
+
+
+def test_all_bad_under_skip_is_an_error_not_a_hang(tiny_model, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"x": 1}\n{"y": 2}\n')
+    loader = _loader(tiny_model, jsonl_data(path, tmp_path, on_bad_sample="skip"), dp=1, gbs=1)
+    with pytest.raises(DataError, match="every sample of an epoch was bad"):
+        next(loader)
+
+
+def test_workers_give_the_same_batches(tiny_model):
+    a = _loader(tiny_model, demo_data(), dp=2, gbs=4)
+    b = _loader(tiny_model, demo_data(num_workers=2), dp=2, gbs=4)
+    for _ in range(2):
+        assert _same(next(a), next(b))
+
+
+def test_synthetic_loader_and_mixing_weights(tiny_model):
+    data = DataConfig(kind="synthetic", synthetic=SyntheticData(num_samples=8, patches=64, text_tokens=8))
+    step = next(_loader(tiny_model, data, dp=2, gbs=4, mbs=2))
+    assert all(
+        b.num_patches == 128 and b.input_ids.shape == (2, 16 + 2 + 8)
+        for row in step.micro_batches
+        for b in row
+    )
+    order = epoch_order(sizes=[4, 10], weights=[2.0, 0.5], seed=3, epoch=0, shuffle=True)
+    counts = Counter(order)
+    assert (
+        len(order) == 8 + 5
+        and all(counts[i] == 2 for i in range(4))
+        and sum(counts[i] for i in range(4, 14)) == 5
+    )
+    weighted = demo_data()
+    weighted = replace(weighted, datasets=[replace(weighted.datasets[0], weight=2.0), weighted.datasets[1]])
+    assert _loader(tiny_model, weighted).epoch_len == 2 * 18 + 7
+
+
+def test_bad_batch_shape_is_a_config_error(tiny_model):
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size"):
+        _loader(tiny_model, demo_data(), dp=2, gbs=5)
+    with pytest.raises(ConfigError, match=r"data\.on_bad_sample"):
+        _loader(tiny_model, demo_data(on_bad_sample="ignore"))
+
+
+def test_collate_pads_right_and_concatenates_images_in_order():
+    a, b = _sample(64, tokens=5), _sample(0, tokens=3)
+    a.pixel_values = torch.ones(64, 4)
+    batch = collate([b, a], pad_token_id=7)
+    assert batch.input_ids.shape == (2, 5) and batch.input_ids[0, 3:].tolist() == [7, 7]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert batch.labels[0, 3:].tolist() == [-100, -100]
+    assert batch.pixel_values.shape == (64, 4) and batch.image_grid_thw.tolist() == [[1, 8, 8]]
+    assert batch.sample_ids == ["s0", "s64"]
