@@ -1,0 +1,119 @@
+"""`dhp plan` and `dhp recipes` through the real CLI (a subprocess, as a user runs them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def dhp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dhp.cli", *args], capture_output=True, text=True, timeout=timeout, env=None
+    )
+
+
+def test_dry_run_headline_tables() -> None:
+    out = dhp("plan", "conf=qwen_vl_32b", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for needle in ("vision", "llm", "sp=8", "tp=8", "0-7", "STRICT_PACK", "optimizer", "activations", "fits"):
+        assert needle in text, needle
+
+
+def test_json_parses_with_required_keys() -> None:
+    out = dhp("plan", "conf=qwen_vl_32b", "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [(g["name"], g["world_size"], len(g["ranks"])) for g in doc["groups"]] == [
+        ("vision", 8, 8),
+        ("llm", 8, 8),
+    ]
+    assert doc["placement"] == "collocated" and doc["fits"] is True
+    assert doc["device_memory_bytes"] == int(79.6 * (1 << 30))
+    gpus = [[r["gpu"] for r in g["ranks"]] for g in doc["groups"]]
+    assert gpus[0] == gpus[1] == list(range(8))
+    mem = doc["groups"][1]["ranks"][3]["memory"]
+    assert set(mem) >= {"params", "grads", "optimizer", "activations", "total"}
+
+
+def test_overrides_reach_the_plan() -> None:
+    out = dhp(
+        "plan",
+        "conf=qwen_vl_32b",
+        "modules.vision.parallel.sp=4",
+        "modules.vision.parallel.dp=2",
+        "modules.vision.parallel.zero=1",
+        "train.micro_batch_size=2",
+        "modules.vision.seq_len=32768",
+        "--dry-run",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["groups"][0]["mesh"] == {"dp": 2, "sp": 4}
+
+
+def test_bad_config_is_one_screen_without_traceback() -> None:
+    out = dhp(
+        "plan", "conf=qwen_vl_32b", "modules.vision.parallel.sp=3", "modules.llm.parallel.tp=16", "--dry-run"
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr + out.stdout
+    assert "ConfigError" in out.stderr
+    assert "modules.vision.parallel.sp" in out.stderr and "modules.llm.parallel.tp" in out.stderr
+    assert len(out.stderr.splitlines()) < 40
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["conf=does_not_exist"], "conf"),
+        (["conf=qwen_vl_32b", "modules.vision.parallel.spp=2"], "modules.vision.parallel.spp"),
+        (["conf=qwen_vl_32b", "model=qwen_vl_1000b"], "qwen_vl_1000b"),
+        (["modules.vision.parallel.sp=2"], "conf= is required"),
+        (["conf=qwen_vl_32b", "stray"], "stray"),
+    ],
+)
+def test_user_errors_exit_2(args: list[str], needle: str) -> None:
+    out = dhp("plan", *args, "--dry-run")
+    assert out.returncode == 2, out.stdout
+    assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_recipes_lists_every_recipe() -> None:
+    out = dhp("recipes")
+    assert out.returncode == 0
+    for name in (
+        "qwen_vl_32b",
+        "qwen_vl_32b_tp",
+        "qwen_vl_32b_zero3",
+        "qwen_vl_7b",
+        "qwen_vl_72b",
+        "tiny_vlm",
+    ):
+        assert name in out.stdout
+
+
+def test_smoke_flag_shrinks_to_cpu() -> None:
+    out = dhp("plan", "conf=qwen_vl_72b", "smoke=true", "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["device"] == "cpu" and doc["fits"]
+    assert [g["mesh"] for g in doc["groups"]] == [{"dp": 2, "sp": 2}, {"fsdp": 2, "tp": 2}]
+
+
+def test_reserve_on_local_ray_then_release() -> None:
+    out = dhp("plan", "conf=tiny_vlm", timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "reserved on the Ray cluster and released" in out.stdout
+
+
+def test_unplaceable_plan_names_missing_resources() -> None:
+    # the tiny model planned for 8 GPUs: this CPU box's local Ray has no GPU at all
+    out = dhp("plan", "conf=tiny_vlm", "cluster=h100_8x", timeout=180)
+    assert out.returncode == 2, out.stdout
+    assert "PlanError" in out.stderr and "GPU" in out.stderr and "Traceback" not in out.stderr
