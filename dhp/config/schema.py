@@ -100,7 +100,8 @@ class ParallelConfig:
     """Degrees of one module's mesh. ``gpus`` of the module must equal dp*fsdp*sp*tp.
 
     Mesh axis order (outer -> inner): dp, fsdp, sp, tp. sp and tp are mutually exclusive.
-    zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across dp).
+    zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across the ranks
+    that hold identical parameters: dp x sp).
     """
 
     dp: int = 1
