@@ -20,6 +20,7 @@ from dhp.config.constants import (
     REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
+from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.errors import ConfigError, ConfigIssue
 
@@ -155,6 +156,9 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     if "model" not in roots:
         device = cfg.cluster.device if "cluster" not in roots else "cuda"
         _validate_model(cfg.model, device, issues)
+        if cfg.model.llm.vocab_size > 0:
+            validate_tokens(cfg.model, issues)
+        validate_model_dir(cfg.model, issues)
     if "cluster" not in roots:
         _validate_cluster(cfg.cluster, issues)
     names = list(cfg.modules.keys())

@@ -31,6 +31,9 @@ per layer for a pre-norm transformer with SwiGLU MLP, h hidden, m MLP, kv the K/
     no activation checkpointing: tokens * L * per_layer * a
     activation checkpointing (full, per layer): tokens * (L * h + per_layer) * a
         (each layer's input is kept; one layer is recomputed at a time in backward)
+    no backward (a frozen vision encoder: nothing upstream of it trains): tokens * per_layer * a
+        (forward without autograd keeps one layer's working set at a time). A frozen LLM still
+        runs backward, to give the encoder the gradient of its outputs.
 
 Tokens per rank: vision ``seq_len / sp`` (patches of one micro-batch, cut by Ulysses SP); LLM
 ``micro_batch * seq_len`` (TP, FSDP and DP do not cut the sequence). Module extras:
@@ -81,6 +84,7 @@ class ModuleShape:
     micro_batch: int
     activation_checkpointing: bool
     freeze: bool
+    backward: bool  # False only for a frozen module that feeds nothing trainable upstream
     mixed_precision: str
     attn_implementation: str
 
@@ -108,6 +112,8 @@ def _per_layer_elems(layer: LayerShape, tp: int) -> float:
 def _layers_bytes(shape: ModuleShape, tokens: float, a: int) -> int:
     layer, tp = shape.layer, shape.parallel.tp
     per_layer = _per_layer_elems(layer, tp)
+    if not shape.backward:
+        return int(tokens * per_layer * a)
     if shape.activation_checkpointing:
         return int(tokens * (layer.layers * layer.hidden + per_layer) * a)
     return int(tokens * layer.layers * per_layer * a)
@@ -169,6 +175,7 @@ def module_shape(name: str, *, model: DictConfig, module: DictConfig, micro_batc
         micro_batch=micro_batch,
         activation_checkpointing=module.activation_checkpointing,
         freeze=module.freeze,
+        backward=not (module.freeze and name == "vision"),
         mixed_precision=module.mixed_precision,
         attn_implementation=model.attn_implementation,
     )

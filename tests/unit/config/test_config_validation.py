@@ -205,3 +205,31 @@ def test_unknown_module_name_in_user_yaml(tmp_path) -> None:
         load_config(str(user), [])
     issue = next(i for i in info.value.issues if i.path == "modules.audio")
     assert "unknown module" in issue.rule
+
+
+def test_token_ids_inside_vocab() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_vlm", ["model.tokens.image_token_id=151655"])
+    assert [i.path for i in info.value.issues] == ["model.tokens.image_token_id"]
+
+
+def test_model_path_checked_against_config_json(tmp_path) -> None:
+    from dhp.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    assert load_config("tiny_vlm", [f"model.path={ckpt}"]).model.path == str(ckpt)
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "tiny_vlm",
+            [
+                f"model.path={ckpt}",
+                "model.llm.hidden_size=64",
+                "model.llm.mrope_section=[1,1,2]",
+                "model.vision.depth=5",
+                "model.vision.fullatt_block_indexes=[1]",
+            ],
+        )
+    assert sorted(i.path for i in info.value.issues) == ["model.llm.hidden_size", "model.vision.depth"]
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_vlm", [f"model.path={tmp_path / 'missing'}"])
+    assert [i.path for i in info.value.issues] == ["model.path"]

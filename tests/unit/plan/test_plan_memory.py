@@ -179,3 +179,13 @@ def test_collocated_totals_add_up_per_gpu() -> None:
     want = sum(g.ranks[0].memory.total for g in plan.groups)
     assert all(d.total == want for d in plan.devices)
     assert plan.devices[0].budget == plan.device_memory_bytes - plan.reserve_bytes
+
+
+def test_frozen_encoder_keeps_no_grads_or_activations_frozen_llm_still_backprops() -> None:
+    train, _ = _estimate("qwen_vl_32b", [], "vision")
+    frozen, _ = _estimate("qwen_vl_32b", ["modules.vision.freeze=true"], "vision")
+    assert (frozen.grads, frozen.optimizer) == (0, 0) and frozen.params == train.params
+    assert frozen.detail["layers"] * 8 < train.detail["layers"]  # one block's working set, not 32
+    llm_frozen, _ = _estimate("qwen_vl_32b", ["modules.llm.freeze=true"], "llm")
+    llm_train, _ = _estimate("qwen_vl_32b", [], "llm")
+    assert llm_frozen.optimizer == 0 and llm_frozen.activations == llm_train.activations

@@ -1,0 +1,95 @@
+"""Checks that need the model's files or token ids: ``model.path`` and ``model.tokens``.
+
+``model.path`` must be a directory with a ``config.json`` whose architecture numbers agree with
+``model.vision`` / ``model.llm`` (the planner and the module builders read the YAML numbers, the
+weights come from the directory; a mismatch would plan one model and load another). Both the
+hub's layout (text fields at the top level) and transformers 5's (``text_config``) are read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from dhp.config.issues import Issues
+
+# schema key -> config.json key
+_LLM_KEYS = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+}
+_VISION_KEYS = {
+    "depth": "depth",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_heads",
+    "intermediate_size": "intermediate_size",
+    "patch_size": "patch_size",
+    "spatial_merge_size": "spatial_merge_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "window_size": "window_size",
+}
+
+
+def validate_tokens(model: DictConfig, issues: Issues) -> None:
+    """Every special token id must be a row of the embedding table."""
+    vocab = model.llm.vocab_size
+    for key, value in model.tokens.items():
+        issues.check(
+            0 <= value < vocab,
+            f"model.tokens.{key}",
+            value,
+            f"outside the vocabulary [0, model.llm.vocab_size={vocab})",
+            "use the id the model's tokenizer assigns to this token",
+        )
+
+
+def _read_config_json(path: Path, issues: Issues) -> dict | None:
+    if not path.is_dir():
+        issues.add(
+            "model.path", str(path), "not a directory", "point model.path at a local HF model directory"
+        )
+        return None
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        issues.add("model.path", str(path), "has no config.json", "save the model with save_pretrained")
+        return None
+    try:
+        return json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        issues.add("model.path", str(cfg_file), f"config.json is unreadable ({err})", "re-save the model")
+        return None
+
+
+def _compare(node: DictConfig, prefix: str, raw: dict, keys: dict[str, str], issues: Issues) -> None:
+    for ours, theirs in keys.items():
+        if theirs not in raw:
+            continue  # transformers fills a default; nothing to compare
+        issues.check(
+            node[ours] == raw[theirs],
+            f"{prefix}.{ours}",
+            node[ours],
+            f"model.path's config.json has {theirs}={raw[theirs]}",
+            "pick the conf/model entry of this checkpoint, or override the number to match",
+        )
+
+
+def validate_model_dir(model: DictConfig, issues: Issues) -> None:
+    """``model.path`` exists and its config.json agrees with the architecture numbers."""
+    if model.path is None:
+        return
+    raw = _read_config_json(Path(model.path).expanduser(), issues)
+    if raw is None:
+        return
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    _compare(model.llm, "model.llm", text, _LLM_KEYS, issues)
+    if "tie_word_embeddings" in raw:
+        _compare(model.llm, "model.llm", raw, {"tie_word_embeddings": "tie_word_embeddings"}, issues)
+    vision = raw.get("vision_config")
+    if isinstance(vision, dict):
+        _compare(model.vision, "model.vision", vision, _VISION_KEYS, issues)
