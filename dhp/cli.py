@@ -11,6 +11,7 @@ To add a command: a thin function decorated with ``@app.command()`` (or on a sub
 
 from __future__ import annotations
 
+import json
 import sys
 
 import typer
@@ -161,8 +162,41 @@ def export(
     """
     from dhp.checkpoint.export import export_checkpoint
 
-    path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None)
-    console.print(f"exported {checkpoint} -> [bold]{path}[/]")
+    ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None)
+    console.print(f"exported {ckpt} -> [bold]{path}[/]")
+
+
+data_app = typer.Typer(help="Inspect the configured datasets without training.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("check", context_settings=HYDRA_ARGS)
+def data_check(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+) -> None:
+    """Scan every configured sample once: counts, vision tokens, text lengths, bad samples.
+
+    Usage: dhp data check conf=RECIPE|PATH [key=value ...] [--json]. Exits 1 when a sample is bad
+    and data.on_bad_sample=raise (a run would stop there).
+    """
+    from dhp.config import load_config
+    from dhp.data.check import check_data, render_report
+
+    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    cfg = load_config(conf, overrides, smoke=smoke)
+    report = check_data(
+        data=cfg.data,
+        model=cfg.model,
+        vision_seq_len=cfg.modules["vision"].seq_len,
+        llm_seq_len=cfg.modules["llm"].seq_len,
+        seed=cfg.train.seed,
+    )
+    if as_json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        render_report(report, console=console)
+    raise typer.Exit(1 if report.failed else 0)
 
 
 def print_error(err: DhpError) -> None:

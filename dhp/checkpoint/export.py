@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dhp.checkpoint.meta import read_meta
-from dhp.checkpoint.module_state import MODEL_KEY
+from dhp.checkpoint.module_state import MODEL_KEY, single_process_quiet
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError
 
@@ -94,7 +94,8 @@ def _read(ckpt_dir: Path, batch, dtype: torch.dtype | None) -> dict[str, torch.T
             for _, m, fqn, meta in batch
             if m == module
         }
-        dcp.load(sd, checkpoint_id=str(ckpt_dir / module), no_dist=True)
+        with single_process_quiet():
+            dcp.load(sd, checkpoint_id=str(ckpt_dir / module), no_dist=True)
         for key, m, fqn, _ in batch:
             if m == module:
                 t = sd[f"{MODEL_KEY}.{fqn}"]
@@ -159,8 +160,10 @@ def export_hf(
     return out_dir
 
 
-def export_checkpoint(checkpoint: str | Path, *, out_dir: str | Path, dtype: str | None) -> Path:
+def export_checkpoint(checkpoint: str | Path, *, out_dir: str | Path, dtype: str | None) -> tuple[Path, Path]:
     """CLI entry: resolve ``checkpoint`` (a step dir or a run dir), read the run's config.yaml, export.
+
+    Returns (the checkpoint dir exported, the HF dir written).
 
     The run's resolved ``config.yaml`` sits at ``<run>/config.yaml`` for ``<run>/checkpoints/step_X``.
     """
@@ -177,4 +180,4 @@ def export_checkpoint(checkpoint: str | Path, *, out_dir: str | Path, dtype: str
         )
     cfg = load_config(str(run_config), [])
     cast = None if dtype is None else torch_dtype(dtype)
-    return export_hf(Path(ckpt), out_dir=Path(out_dir), model=cfg.model, dtype=cast)
+    return Path(ckpt), export_hf(Path(ckpt), out_dir=Path(out_dir), model=cfg.model, dtype=cast)

@@ -10,7 +10,9 @@ ever materialises the full module; loading reshards to whatever placement the li
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,14 @@ OPTIM_KEY = "optim"
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """Silence DCP's warning for a deliberate single-process save/load (no process group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
 
 
 def _rank_world() -> tuple[int, int]:
@@ -67,7 +77,8 @@ def save_module_state(
     if rank == 0:
         info = {"world_size": world, "has_optimizer": optimizer is not None}
         (path / MODULE_FILE).write_text(json.dumps(info))
-    dcp.save(_state(model, optimizer), checkpoint_id=str(path), no_dist=not _distributed())
+    with single_process_quiet():
+        dcp.save(_state(model, optimizer), checkpoint_id=str(path), no_dist=not _distributed())
 
 
 def _logical_shapes(flat: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -136,7 +147,8 @@ def load_module_state(
     state = _state(model, optimizer)
     flat, _ = flatten_state_dict(state)
     _compare(path, _logical_shapes(flat))
-    dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state[MODEL_KEY], optim_state_dict={})
     else:

@@ -84,3 +84,24 @@ def test_export_under_other_architecture_is_refused(tmp_path: Path) -> None:
     other.llm.num_layers = 3
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint"):
         export_hf(ckpt, out_dir=tmp_path / "hf", model=other)
+
+
+def test_cli_export_reads_the_run_config(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from dhp.config import load_config
+
+    cfg = load_config("tiny_vlm", [])
+    run = tmp_path / "runs" / "tiny_vlm" / "20260101-000000"
+    ckpt, mods = _checkpoint(run / "checkpoints", get_family("qwen2_5_vl").tiny_model_config())
+    cli = [sys.executable, "-m", "dhp.cli", "export", str(run), str(tmp_path / "hf")]
+    proc = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "config.yaml" in proc.stderr  # no run config yet: typed error
+    OmegaConf.save(cfg, run / "config.yaml")
+    proc = subprocess.run([*cli, "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ckpt.name in proc.stdout.replace("\n", "")
+    _assert_loads_exactly(tmp_path / "hf", mods, torch.float32)
