@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,8 @@ class LLMModule(nn.Module):
         self.language_model = language_model
         self.lm_head = lm_head
         self.vl_config = config if isinstance(config, Qwen2_5_VLConfig) else None
+        # a plain attribute, not a submodule: dhp.parallel swaps it for a vocab-parallel loss
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = shifted_ce_sum
 
     @property
     def accepts_images(self) -> bool:
@@ -179,17 +182,30 @@ class LLMModule(nn.Module):
         )
 
     def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
-        """lm_head + fp32 cross-entropy SUM over shifted labels (HF's ForCausalLMLoss, summed).
+        """``loss_fn(lm_head(hidden), labels)`` and the number of label tokens after the shift.
 
-        Memory: materialises fp32 logits ``(B, S, vocab)``; a vocab-parallel loss replaces this method.
+        The logits go to ``self.loss_fn`` untouched: under TP, ``dhp.parallel`` makes ``lm_head``
+        return the local vocab shard and swaps ``loss_fn`` for a vocab-parallel one (INTERFACES.md).
         """
-        logits = self.lm_head(hidden).float()
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
-        shift_labels = shift_labels.to(logits.device)
-        loss_sum = F.cross_entropy(
-            logits.view(-1, logits.shape[-1]), shift_labels, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        return LLMOutput(loss_sum=loss_sum, num_tokens=int((shift_labels != IGNORE_INDEX).sum()))
+        loss_sum = self.loss_fn(self.lm_head(hidden), labels)
+        num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        return LLMOutput(loss_sum=loss_sum, num_tokens=num_tokens)
+
+
+def shifted_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The default ``LLMModule.loss_fn``: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
+
+    The same ops as transformers' ``ForCausalLMLoss`` (pad the labels with -100, shift, fp32
+    logits), with ``reduction="sum"``. Memory: fp32 logits (B, S, vocab).
+    """
+    logits = logits.float()
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
+    return F.cross_entropy(
+        logits.view(-1, logits.shape[-1]),
+        shift_labels.to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def mrope_positions(
