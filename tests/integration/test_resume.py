@@ -112,3 +112,76 @@ def test_resume_other_architecture_is_refused(full_run) -> None:
     assert proc.returncode == 2
     assert "CheckpointError" in proc.stderr + proc.stdout
     assert "model architecture differs" in proc.stderr + proc.stdout
+
+
+def _descendants(root: int) -> list[int]:
+    """Pids below ``root`` in the process tree (Ray's raylet and its actors are the driver's descendants)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _actor_pid(root: int) -> int | None:
+    for pid in _descendants(root):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("ray::ModuleWorker"):
+            return pid
+    return None
+
+
+def test_killed_actor_names_rank_and_checkpoint_then_resume_auto(full_run, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    _, a, _ = full_run
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "dhp.cli", "train", "conf=tiny_vlm", "name=k", f"train.output_dir={out}"]
+    cmd += [f"train.steps={STEPS}", "train.checkpoint_every=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not list(out.glob("k/*/checkpoints/step_000002/meta.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the run ended before its first checkpoint"
+            )
+            time.sleep(0.5)
+        pid = _actor_pid(proc.pid)
+        assert pid is not None, "no ray::ModuleWorker actor below the driver"
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = stdout + stderr
+    assert proc.returncode == 2, text[-3000:]
+    assert "RuntimeFailure" in text and "rank" in text, text[-3000:]
+    assert "step_0000" in text, "the error must name the last good checkpoint"
+    resumed = dhp(
+        "train",
+        "conf=tiny_vlm",
+        "name=k",
+        f"train.output_dir={out}",
+        f"train.steps={STEPS}",
+        "train.resume=auto",
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    runs = sorted((out / "k").iterdir())
+    rows = [json.loads(x) for x in (runs[-1] / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    k = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert k and max(k) == STEPS and min(k) > 2
+    assert {s: a[s] for s in k} == k  # resumed after a crash: still bit-identical to the uninterrupted run
