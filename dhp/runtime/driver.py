@@ -1,0 +1,246 @@
+"""The driver step, reading like DESIGN.md's algorithm, across the vision and LLM actor groups.
+
+Per micro-batch ``m`` (gradient accumulation over ``m``):
+
+    work   = route(micro_batch m)                # driver: N:M image routing + SP cut (pure)
+    enc    = vision.vision_forward(work)         # each rank puts its embedding rows once
+    loss   = llm.llm_forward_backward(batch, enc)  # backprops loss_sum / T; returns d/d(embeds)
+    vision.vision_backward(g_enc)
+
+then ``norm = sqrt(sum of both groups' grad_norm_sq)``, clip, AdamW at the scheduled lr.
+Nothing blocks between the calls: Ray orders them by their data dependencies. The encoder's
+forward of micro-batch m+1 is issued before the LLM's work on m, so when the groups sit on
+different devices they overlap (each actor runs its calls in issue order: F0 F1 B0 F2 B1 ...).
+Memory on the driver: the routing tensors of one step and object refs; embeddings never pass
+through the driver.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dhp.config.schema import ModelConfig, ModuleConfig, TrainConfig
+from dhp.data import StepData
+from dhp.errors import RuntimeFailure
+from dhp.runtime.actor_group import ActorGroup, GroupSpec, init_groups, release, reserve
+from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch
+from dhp.runtime.worker import ModuleWorker
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as the driver saw it (``grads`` only when asked, before clipping)."""
+
+    loss: float
+    grad_norm: float
+    num_label_tokens: int
+    step_s: float
+    driver_s: float  # driver-side routing and bookkeeping
+    llm_wait_s: float  # LLM ranks waiting for embeddings (max over replica leaders, summed over m)
+    stats: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per module, per rank
+    grads: dict[str, dict[str, torch.Tensor]] | None = None
+
+
+class Trainer:
+    """The actor groups of one run and the step across them. ``close()`` frees everything."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        modules: dict[str, ModuleConfig],
+        train: TrainConfig,
+        placement: str,
+        pgs: list[tuple[list[dict[str, float]], str]],
+        specs: dict[str, GroupSpec],
+        ready_timeout_s: float = 60.0,
+        init_timeout_s: float = 300.0,
+    ) -> None:
+        self.model_cfg, self.modules_cfg, self.train_cfg = model, modules, train
+        self.groups: dict[str, ActorGroup] = {}
+        self._vision_bwd: list[Any] = []
+        self._pgs: list[Any] = []
+        self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
+        try:
+            llm_replicas = specs["llm"].layout.num_replicas
+            vision_ranks = specs["vision"].world_size if "vision" in specs else 0
+            for name, spec in specs.items():
+                kwargs = {
+                    "model": model,
+                    "module": modules[name],
+                    "train": train,
+                    "mesh": spec.mesh,
+                    "device": spec.device,
+                    "placement": placement,
+                    "num_llm_replicas": llm_replicas,
+                    "num_vision_ranks": vision_ranks,
+                }
+                self.groups[name] = ActorGroup(
+                    spec, pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs=kwargs
+                )
+            init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
+            pending = {n: g.submit("build") for n, g in self.groups.items()}
+            self.param_counts = {
+                n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
+            }
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def vision(self) -> ActorGroup | None:
+        return self.groups.get("vision")
+
+    @property
+    def llm(self) -> ActorGroup:
+        return self.groups["llm"]
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, data: StepData, *, lr: float, collect_grads: bool = False) -> StepResult:
+        """Run one optimizer step on ``data``; a non-finite loss or grad norm stops before the update."""
+        t0 = time.perf_counter()
+        driver_s = 0.0
+        vision_grads = self.vision is not None and not self.modules_cfg["vision"].freeze
+        llm_out, enc_next = [], None
+        for m in range(len(data.micro_batches)):
+            td = time.perf_counter()
+            enc = enc_next if enc_next is not None else self._encode(data, m)
+            driver_s += time.perf_counter() - td
+            if m + 1 < len(data.micro_batches):
+                td = time.perf_counter()
+                enc_next = self._encode(data, m + 1)  # overlaps the LLM's work on m
+                driver_s += time.perf_counter() - td
+            else:
+                enc_next = None
+            llm_out.append(self._llm_forward_backward(data, m, enc, vision_grads=vision_grads))
+            if vision_grads and enc is not None:
+                self._vision_backward(m, llm_out[-1])
+        leaders = self.llm.layout.leaders()
+        stats = [
+            self.llm.get([_as_list(p.refs[r])[0] for r in leaders], what="llm_forward_backward")
+            for p in llm_out
+        ]
+        loss_sum = sum(s["loss_sum"] for per_m in stats for s in per_m)
+        wait_s = sum(max(s["wait_s"] for s in per_m) for per_m in stats)
+        loss = loss_sum / data.num_label_tokens
+        norm_sq = self._finalize_grads()
+        norm = math.sqrt(norm_sq) if norm_sq >= 0 else float("nan")
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            for g in self.groups.values():
+                g.call("zero_grads")
+            raise RuntimeFailure(
+                f"step {data.step}: non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} "
+                f"(loss={loss}, grad_norm={norm}); the update was not applied. Samples: "
+                f"{[sid for mb in data.micro_batches for b in mb for sid in b.sample_ids]}. Fix: lower "
+                "train.lr, check the data, or use fp32 (model.dtype=float32) to find the overflow."
+            )
+        grads = {n: g.call("full_grads") for n, g in self.groups.items()} if collect_grads else None
+        clip = self.train_cfg.grad_clip
+        coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        pend = [g.submit("optimizer_step", lr=lr, clip_coef=coef) for g in self.groups.values()]
+        for g, p in zip(self.groups.values(), pend, strict=True):
+            g.collect(p)
+        step_stats = {n: g.call("take_stats") for n, g in self.groups.items()}
+        return StepResult(
+            loss=loss,
+            grad_norm=norm,
+            num_label_tokens=data.num_label_tokens,
+            step_s=time.perf_counter() - t0,
+            driver_s=driver_s,
+            llm_wait_s=wait_s,
+            stats=step_stats,
+            grads=grads,
+        )
+
+    def _encode(self, data: StepData, m: int) -> tuple[MicroBatchRouting, Any] | None:
+        """Route micro-batch ``m`` and issue the encoder's forward on every vision rank (no wait)."""
+        if self.vision is None:
+            return None
+        batches = data.micro_batches[m]
+        if all(b.image_grid_thw is None for b in batches):
+            return None
+        layout = self.vision.layout
+        routing = route_micro_batch(
+            pixel_values=[b.pixel_values for b in batches],
+            image_grid_thw=[b.image_grid_thw for b in batches],
+            vision_replicas=layout.num_replicas,
+            sp_size=layout.ranks_per_replica,
+            arch=self.model_cfg.vision,
+        )
+        pending = self.vision.submit(
+            "vision_forward",
+            list(routing.vision),
+            [m] * layout.world_size,
+            num_returns=self.llm.layout.num_replicas,
+        )
+        return routing, pending
+
+    def _llm_forward_backward(self, data: StepData, m: int, enc: Any, *, vision_grads: bool) -> Any:
+        """Issue the LLM's forward+backward of micro-batch ``m``; each replica gets its senders' refs."""
+        n_rep = self.llm.layout.num_replicas
+        chunk_refs: list[list[Any]] = [[] for _ in range(n_rep)]
+        if enc is not None:
+            routing, pending = enc
+            for j in range(n_rep):
+                srcs = set(routing.sources_of(j))
+                chunk_refs[j] = [
+                    (_as_list(pending.refs[s])[j] if s in srcs else None)
+                    for s in range(self.vision.spec.world_size)
+                ]
+        with_grads = vision_grads and enc is not None
+        return self.llm.submit(
+            "llm_forward_backward",
+            data.micro_batches[m],
+            chunk_refs,
+            num_label_tokens=data.num_label_tokens,
+            vision_grads=with_grads,
+            num_returns=1 + self.vision.spec.world_size if with_grads else 1,
+        )
+
+    def _vision_backward(self, m: int, llm_pending: Any) -> None:
+        """Issue the encoder's backward of ``m`` with the gradient rows each vision rank needs."""
+        leaders = self.llm.layout.leaders()
+        world = self.vision.spec.world_size
+        grad_refs = [[llm_pending.refs[leader][1 + s] for leader in leaders] for s in range(world)]
+        self._vision_bwd.append(self.vision.submit("vision_backward", [m] * world, grad_refs))
+
+    def _finalize_grads(self) -> float:
+        """Wait for every backward, reduce grads in each group (concurrently), sum the squared norms."""
+        for p in self._vision_bwd:
+            self.vision.collect(p)
+        self._vision_bwd = []
+        pend = {n: g.submit("finalize_grads") for n, g in self.groups.items()}
+        return sum(g.collect(pend[n]) for n, g in self.groups.items())
+
+    # ---- whole-module views and checkpoints --------------------------------------------------
+    def full_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{module: {fqn: full fp32 CPU tensor}}`` (tiny models: verify and parity)."""
+        return {n: g.call("full_state_dict") for n, g in self.groups.items()}
+
+    def save_modules(self, root: str) -> None:
+        """Every group writes ``<root>/<module>`` collectively, all groups at once."""
+        pend = {n: g.submit("save_checkpoint", f"{root}/{n}") for n, g in self.groups.items()}
+        for n, g in self.groups.items():
+            g.collect(pend[n])
+
+    def load_modules(self, root: str) -> dict[str, bool]:
+        """Every group loads ``<root>/<module>``; per module, whether rank RNG was restored."""
+        pend = {n: g.submit("load_checkpoint", f"{root}/{n}") for n, g in self.groups.items()}
+        return {n: g.collect(pend[n]) for n, g in self.groups.items()}
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Destroy each group's world (when ``graceful``), kill the actors, release the bundles."""
+        for g in self.groups.values():
+            g.shutdown(destroy_dist=graceful)
+        self.groups = {}
+        release(self._pgs)
+        self._pgs = []
+
+
+def _as_list(refs: Any) -> list[Any]:
+    return refs if isinstance(refs, list) else [refs]

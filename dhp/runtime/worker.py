@@ -1,0 +1,323 @@
+"""ModuleWorker: one rank of one module (vision encoder or LLM) inside its actor group.
+
+Placement and memory per rank: the module's shard after ``dhp.parallel.parallelize`` (TP: 1/tp of
+the LLM's matrices; SP: a full encoder copy with 1/sp of the activations), its gradients and
+optimizer state (none when ``freeze``), and the activations of at most two micro-batches in
+flight (the encoder runs micro-batch i+1 while the LLM works on i). Every public method declares
+its dispatch/collect contract; the driver (``dhp.runtime.driver``) is the only caller.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import torch
+from torch import nn
+
+from dhp import parallel as par
+from dhp.config.schema import ModelConfig, ModuleConfig, TrainConfig
+from dhp.data.batch import VLBatch
+from dhp.errors import RuntimeFailure
+from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
+from dhp.models import get_family
+from dhp.models.loading import load_module_weights
+from dhp.models.qwen2_5_vl.family import torch_dtype
+from dhp.parallel.ulysses import vision_shard_forward
+from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.handoff import VisionWork
+from dhp.runtime.transport import make_transport
+
+#: seed offset per module so vision and llm draw different random inits from one train.seed
+_SEED_STRIDE = 1_000_003
+
+
+class ModuleWorker(DistWorker):
+    """Build, run and update one module's shard on this rank (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        module_name: str,
+        rank: int,
+        world_size: int,
+        model: ModelConfig,
+        module: ModuleConfig,
+        train: TrainConfig,
+        mesh: dict[str, int],
+        device: str,
+        placement: str,
+        num_llm_replicas: int,
+        num_vision_ranks: int,
+    ) -> None:
+        super().__init__(module_name=module_name, rank=rank, world_size=world_size)
+        self.model_cfg, self.module_cfg, self.train_cfg = model, module, train
+        self.mesh_shape = dict(mesh)
+        self.device_type = device
+        self.transport = make_transport(device=device, placement=placement)
+        self.num_llm_replicas = num_llm_replicas
+        self.num_vision_ranks = num_vision_ranks
+        self.frozen = module.freeze
+        self._inflight: dict[int, tuple[torch.Tensor, VisionWork]] = {}
+        self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0}
+
+    # ---- build -----------------------------------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def build(self) -> int:
+        """Mesh over this group's world, the module (loaded or seeded init), parallelism, optimizer.
+
+        Random init (``model.path`` null) builds the full module on every rank from ``train.seed``
+        before sharding, so every plan starts from identical weights; weights from ``model.path``
+        are read module-only (``dhp.models.loading``). Returns the number of parameters.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.device = torch.device(self.device_type, 0) if self.device_type == "cuda" else torch.device("cpu")
+        self.mesh = init_device_mesh(
+            self.device_type, tuple(self.mesh_shape.values()), mesh_dim_names=tuple(self.mesh_shape)
+        )
+        family = get_family(self.model_cfg.family)
+        dtype = torch_dtype(self.model_cfg.dtype)
+        if self.model_cfg.path is None:
+            hf_config = family.hf_config(self.model_cfg)
+            torch.manual_seed(
+                self.train_cfg.seed + _SEED_STRIDE * family.module_names.index(self.module_name)
+            )
+            module = family.build_module(self.module_name, hf_config, device=self.device, dtype=dtype)
+        else:
+            hf_config = family.hf_config_from_dir(
+                self.model_cfg.path, attn_implementation=self.model_cfg.attn_implementation
+            )
+            module = family.build_module(self.module_name, hf_config, device="meta", dtype=dtype)
+            load_module_weights(
+                module,
+                self.model_cfg.path,
+                family=family,
+                module_name=self.module_name,
+                hf_config=hf_config,
+                dtype=dtype,
+                device=self.device,
+            )
+        if self.frozen:
+            module.requires_grad_(False)
+        self.module: nn.Module = par.parallelize(
+            self.module_name,
+            module,
+            self.mesh,
+            parallel=self.module_cfg.parallel,
+            activation_checkpointing=self.module_cfg.activation_checkpointing,
+            mixed_precision=self.module_cfg.mixed_precision,
+        )
+        self.optimizer = (
+            None
+            if self.frozen
+            else par.build_optimizer(
+                self.module, self.mesh, parallel=self.module_cfg.parallel, train=self.train_cfg
+            )
+        )
+        torch.manual_seed(self.train_cfg.seed + self.rank)  # per-rank stream for dropout & co.
+        return sum(p.numel() for p in module.parameters())
+
+    # ---- vision ----------------------------------------------------------------------------
+    @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
+    def vision_forward(self, work: VisionWork, micro_batch: int) -> Any:
+        """Encode this rank's SP shard; return one payload per LLM replica (``num_returns``).
+
+        A payload is ``(rows, dst_index)`` (zero-copy views for the object store) or None when no
+        row of this rank goes to that replica. Activations stay here until ``vision_backward``.
+        """
+        t0 = time.perf_counter()
+        payloads: list[Any] = [None] * self.num_llm_replicas
+        if work.shard is not None:
+            with torch.set_grad_enabled(not self.frozen):
+                out = vision_shard_forward(self.module, _shard_to(work.shard, self.device))
+            if not self.frozen:
+                self._inflight[micro_batch] = (out, work)
+            for route in work.routes:
+                rows = out.detach()[route.src.to(self.device)]
+                payloads[route.llm_replica] = (self.transport.pack(rows), route.dst.numpy())
+        self._timers["fwd_s"] += time.perf_counter() - t0
+        return payloads[0] if self.num_llm_replicas == 1 else tuple(payloads)
+
+    @register(dispatch=Dispatch.PER_RANK, collect=Collect.NONE)
+    def vision_backward(self, micro_batch: int, grad_refs: list[Any]) -> None:
+        """Backpropagate the LLM's gradient rows for this rank's output (one ref per LLM replica)."""
+        entry = self._inflight.pop(micro_batch, None)
+        if entry is None or self.frozen:
+            return
+        out, work = entry
+        t0 = time.perf_counter()
+        grads = ray.get(grad_refs) if grad_refs else []
+        self._timers["wait_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        grad = torch.zeros_like(out)
+        by_replica = {r.llm_replica: r for r in work.routes}
+        for j, payload in enumerate(grads):
+            if payload is not None:
+                grad[by_replica[j].src.to(self.device)] = self.transport.unpack(payload, device=self.device)
+        out.backward(grad)
+        self._timers["bwd_s"] += time.perf_counter() - t1
+
+    # ---- llm -------------------------------------------------------------------------------
+    @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
+    def llm_forward_backward(
+        self, batch: VLBatch, chunk_refs: list[Any], *, num_label_tokens: int, vision_grads: bool
+    ) -> Any:
+        """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
+
+        ``chunk_refs``: one ref per vision rank (None where it sends nothing). Returns
+        ``(stats, grad_0, ..., grad_{V-1})`` with ``num_returns = 1 + V`` when ``vision_grads``,
+        else ``stats``. Only the replica's leader sends gradient rows (TP ranks hold identical ones).
+        """
+        t0 = time.perf_counter()
+        got = ray.get([ref for ref in chunk_refs if ref is not None])
+        sources = [r for r, ref in enumerate(chunk_refs) if ref is not None]
+        chunks = [(r, p) for r, p in zip(sources, got, strict=True) if p is not None]
+        wait = time.perf_counter() - t0
+        self._timers["wait_s"] += wait
+        t1 = time.perf_counter()
+        embeds = self._assemble(batch, chunks)
+        with torch.set_grad_enabled(True):
+            out = self.module(
+                input_ids=batch.input_ids.to(self.device),
+                attention_mask=batch.attention_mask.to(self.device),
+                labels=batch.labels.to(self.device),
+                mm_token_type_ids=batch.mm_token_type_ids.to(self.device),
+                image_grid_thw=None if batch.image_grid_thw is None else batch.image_grid_thw.to(self.device),
+                image_embeds=embeds,
+                sample_ids=batch.sample_ids,
+            )
+        t2 = time.perf_counter()
+        self._timers["fwd_s"] += t2 - t1
+        loss = out.loss_sum / num_label_tokens
+        if loss.requires_grad:
+            loss.backward()
+        self._timers["bwd_s"] += time.perf_counter() - t2
+        stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait}
+        if not vision_grads:
+            return stats
+        leader = self.rank % (self.mesh_shape.get("sp", 1) * self.mesh_shape.get("tp", 1)) == 0
+        grads: list[Any] = [None] * self.num_vision_ranks
+        if leader and embeds is not None:
+            for r, (_, dst) in chunks:
+                grads[r] = self.transport.pack(embeds.grad[torch.from_numpy(dst).to(self.device)])
+        return (stats, *grads)
+
+    def _assemble(self, batch: VLBatch, chunks: list[tuple[int, Any]]) -> torch.Tensor | None:
+        """Place the received rows at their token positions; a leaf that collects the embeds' grad."""
+        if batch.image_grid_thw is None:
+            return None
+        merge = self.model_cfg.vision.spatial_merge_size**2
+        n = int(batch.image_grid_thw.prod(dim=1).sum()) // merge
+        embeds = torch.zeros(
+            n, self.model_cfg.llm.hidden_size, dtype=torch_dtype(self.model_cfg.dtype), device=self.device
+        )
+        filled = 0
+        for _, (rows, dst) in chunks:
+            embeds[torch.from_numpy(dst).to(self.device)] = self.transport.unpack(
+                rows, device=self.device
+            ).to(embeds.dtype)
+            filled += len(dst)
+        if filled != n:
+            raise RuntimeFailure(
+                f"module 'llm' rank {self.rank}: hand-off delivered {filled} image-embedding rows, "
+                f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
+            )
+        return embeds.requires_grad_(True)
+
+    # ---- optimizer -------------------------------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def finalize_grads(self) -> float:
+        """Reduce grads over SP/DP (sums) and return the module's squared grad norm (same on all ranks)."""
+        if self.frozen:
+            return 0.0
+        t0 = time.perf_counter()
+        par.finalize_grads(self.module, self.mesh, parallel=self.module_cfg.parallel)
+        norm_sq = float(par.grad_norm_sq(self.module, self.mesh))
+        self._timers["step_s"] += time.perf_counter() - t0
+        return norm_sq
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def optimizer_step(self, *, lr: float, clip_coef: float) -> None:
+        """Scale grads by ``clip_coef`` (< 1 when clipping), AdamW step at ``lr``, zero the grads."""
+        self.transport.release()
+        if self.optimizer is None:
+            return
+        t0 = time.perf_counter()
+        if clip_coef < 1.0:
+            par.clip_grads_(self.module, clip_coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._timers["step_s"] += time.perf_counter() - t0
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def zero_grads(self) -> None:
+        """Drop this step's gradients and in-flight activations (a step refused before the update)."""
+        self._inflight.clear()
+        self.transport.release()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+
+    # ---- observation -----------------------------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def take_stats(self) -> dict[str, Any]:
+        """This rank's timers and peak memory since the last call; resets both."""
+        stats = dict(self._timers) | {"peak_mem_bytes": peak_memory_bytes(self.device)}
+        self._timers = dict.fromkeys(self._timers, 0.0)
+        reset_peak_memory(self.device)
+        return stats
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """``{fqn: full fp32 CPU grad}`` (collective; verify/parity only, tiny models)."""
+        return par.full_grad_dict(self.module)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{fqn: full fp32 CPU parameter}`` (collective; verify/parity only, tiny models)."""
+        return par.full_param_dict(self.module)
+
+    # ---- checkpoints (dhp.checkpoint does the I/O, collectively) ------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def save_checkpoint(self, path: str) -> None:
+        from pathlib import Path
+
+        from dhp.checkpoint import capture_rng_state, save_module_state
+
+        save_module_state(
+            Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
+        )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def load_checkpoint(self, path: str) -> bool:
+        """Load model+optimizer (resharding if the plan changed); True if this rank's RNG was restored."""
+        from pathlib import Path
+
+        from dhp.checkpoint import load_module_state, restore_rng_state
+
+        extra = load_module_state(Path(path), model=self.module, optimizer=self.optimizer)
+        if extra is not None and "rng" in extra:
+            restore_rng_state(extra["rng"])
+            return True
+        return False
+
+
+def _shard_to(shard: Any, device: torch.device) -> Any:
+    """The shard with its tensors on ``device`` (a no-op on cpu)."""
+    if device.type == "cpu":
+        return shard
+    import dataclasses
+
+    return dataclasses.replace(
+        shard,
+        **{
+            f.name: getattr(shard, f.name).to(device)
+            for f in dataclasses.fields(shard)
+            if isinstance(getattr(shard, f.name), torch.Tensor)
+        },
+    )
