@@ -20,7 +20,7 @@ all-gathers the rows in original order with a slicing backward, for parity and w
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,43 +40,37 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from dhp.errors import ConfigError, ConfigIssue, RuntimeFailure
 from dhp.parallel.sp_shard import SPLIT_SIZES_KWARG, VisionShard
 
-#: ``counter(kind, nbytes)``: called with the bytes this rank sends per collective (CommCounter hook).
-CommHook = Callable[[str, int], None]
-
 
 @dataclass(frozen=True)
 class UlyssesSpec:
-    """How to apply Ulysses SP: the mesh axis name, and an optional per-collective byte counter."""
+    """How to apply Ulysses SP: the mesh axis to shard the sequence over.
+
+    Collective bytes are counted by ``dhp.parallel.comm.CommCounter`` (it sees the all-to-alls)."""
 
     mesh_dim: str = "sp"
-    comm_hook: CommHook | None = None
 
 
 class _AllToAll(torch.autograd.Function):
     """Sequence-sharded <-> head-sharded all-to-all along dim 0/1; the backward is the opposite one."""
 
     @staticmethod
-    def forward(ctx, x, split_sizes, group, to_heads: bool, hook):  # type: ignore[override]
-        ctx.split_sizes, ctx.group, ctx.to_heads, ctx.hook = split_sizes, group, to_heads, hook
-        return _all_to_all(x, split_sizes, group, to_heads=to_heads, hook=hook)
+    def forward(ctx, x, split_sizes, group, to_heads: bool):  # type: ignore[override]
+        ctx.split_sizes, ctx.group, ctx.to_heads = split_sizes, group, to_heads
+        return _all_to_all(x, split_sizes, group, to_heads=to_heads)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        dx = _all_to_all(
-            grad.contiguous(), ctx.split_sizes, ctx.group, to_heads=not ctx.to_heads, hook=ctx.hook
-        )
-        return dx, None, None, None, None
+        dx = _all_to_all(grad.contiguous(), ctx.split_sizes, ctx.group, to_heads=not ctx.to_heads)
+        return dx, None, None, None
 
 
 def _all_to_all(
-    x: torch.Tensor,
-    split_sizes: Sequence[int],
-    group: dist.ProcessGroup,
-    *,
-    to_heads: bool,
-    hook: CommHook | None,
+    x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup, *, to_heads: bool
 ) -> torch.Tensor:
-    """to_heads: (L_r, H, ...) -> (L_total, H/N, ...); else (L_total, H/N, ...) -> (L_r, H, ...)."""
+    """to_heads: (L_r, H, ...) -> (L_total, H/N, ...); else (L_total, H/N, ...) -> (L_r, H, ...).
+
+    Uneven ``split_sizes`` (patches per rank, zeros allowed) go straight to ``all_to_all_single``.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     sizes = [int(s) for s in split_sizes]
     if to_heads:
@@ -84,35 +78,23 @@ def _all_to_all(
         send = x.reshape(local, world, heads // world, *x.shape[2:]).transpose(0, 1).contiguous()
         send = send.reshape(world * local, heads // world, *x.shape[2:])
         recv = x.new_empty((sum(sizes), heads // world, *x.shape[2:]))
-        in_splits, out_splits = [local] * world, sizes
-    else:
-        local = sizes[rank]
-        send = x.contiguous()
-        recv = x.new_empty((world * local, *x.shape[1:]))
-        in_splits, out_splits = sizes, [local] * world
-    if hook is not None:
-        row_bytes = send[0:1].numel() * send.element_size() if send.shape[0] else 0
-        hook("all_to_all", (send.shape[0] - in_splits[rank]) * row_bytes)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
-    if to_heads:
+        dist.all_to_all_single(recv, send, sizes, [local] * world, group=group)
         return recv
-    heads_local = x.shape[1]
+    local, heads_local = sizes[rank], x.shape[1]
+    recv = x.new_empty((world * local, *x.shape[1:]))
+    dist.all_to_all_single(recv, x.contiguous(), [local] * world, sizes, group=group)
     out = recv.reshape(world, local, heads_local, *x.shape[2:]).transpose(0, 1)
     return out.reshape(local, world * heads_local, *x.shape[2:])
 
 
-def seq_to_head(
-    x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup, hook: CommHook | None = None
-):
+def seq_to_head(x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
     """(L_r, H, ...) rows of this rank -> (L_total, H/N, ...) all rows of this rank's head group."""
-    return _AllToAll.apply(x, tuple(split_sizes), group, True, hook)
+    return _AllToAll.apply(x, tuple(split_sizes), group, True)
 
 
-def head_to_seq(
-    x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup, hook: CommHook | None = None
-):
+def head_to_seq(x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
     """(L_total, H/N, ...) of this rank's head group -> (L_r, H, ...) of this rank's rows."""
-    return _AllToAll.apply(x, tuple(split_sizes), group, False, hook)
+    return _AllToAll.apply(x, tuple(split_sizes), group, False)
 
 
 def _attend(
@@ -169,16 +151,16 @@ def ulysses_attention_forward(
             "the Ulysses-SP vision encoder was called without 'ulysses_split_sizes'. Fix: call it with "
             "VisionShard.forward_kwargs() from dhp.parallel.sp_shard.shard_vision_batch(..., sp_size=N>1)."
         )
-    group, hook = self._dhp_sp_group, self._dhp_comm_hook
+    group = self._dhp_sp_group
     length, heads = hidden_states.shape[0], self.num_heads
     qkv = self.qkv(hidden_states).reshape(length, 3, heads, self.head_dim)
     q, k, v = qkv.unbind(1)
     cos, sin = position_embeddings
     q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-    qkv = seq_to_head(torch.stack((q, k, v), dim=2), split_sizes, group, hook)  # (L_total, H/N, 3, d)
+    qkv = seq_to_head(torch.stack((q, k, v), dim=2), split_sizes, group)  # (L_total, H/N, 3, d)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in qkv.unbind(2))
     out = _attend(self, q, k, v, cu_seqlens, max_seqlen, kwargs)  # (L_total, H/N, d)
-    out = head_to_seq(out, split_sizes, group, hook)  # (L_r, H, d)
+    out = head_to_seq(out, split_sizes, group)  # (L_r, H, d)
     return self.proj(out.reshape(length, heads * self.head_dim))
 
 
@@ -263,7 +245,7 @@ def apply_ulysses_sp(module: nn.Module, mesh: DeviceMesh, spec: UlyssesSpec) -> 
     visual.forward = types.MethodType(sp_vision_forward, visual)
     for index in visual.fullatt_block_indexes:
         attn = visual.blocks[index].attn
-        attn._dhp_sp_group, attn._dhp_comm_hook = group, spec.comm_hook
+        attn._dhp_sp_group = group
         attn.forward = types.MethodType(ulysses_attention_forward, attn)
     return module
 

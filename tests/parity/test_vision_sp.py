@@ -18,6 +18,8 @@ from parallel_harness import assert_grads_match, assert_rel_close, spawn, vision
 from torch.distributed.device_mesh import init_device_mesh
 
 from dhp.models import get_family
+from dhp.parallel.ac import AcSpec, apply_ac
+from dhp.parallel.comm import CommCounter
 from dhp.parallel.sp_shard import shard_vision_batch
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -54,44 +56,67 @@ def _grads(module) -> dict[str, torch.Tensor]:
     return {k: p.grad.detach().clone() for k, p in module.named_parameters()}
 
 
+def _check_case(module, ref, group, rank: int, world: int, case: str, *, gathered: bool = True) -> None:
+    batch = vision_batch(seed=len(case), grids=CASES[case])
+    pixels, thw = batch["pixel_values"], batch["image_grid_thw"]
+    arch = get_family("qwen2_5_vl").tiny_model_config().vision
+    ref.zero_grad(set_to_none=True)
+    ref_out = ref(pixels, thw)
+    weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(7))
+    ref_loss = (ref_out * weights).sum()
+    ref_loss.backward()
+    want = _grads(ref)
+
+    shard = shard_vision_batch(pixels, thw, sp_size=world, arch=arch)[rank]
+    tag = f"{case} sp={world} rank={rank} ({shard.num_patches} patches, training={module.training})"
+    # (a) training path: loss on this rank's own rows only, grads summed over SP
+    module.zero_grad(set_to_none=True)
+    local = vision_shard_forward(module, shard)
+    assert local.shape == (shard.token_index.numel(), ref_out.shape[1]), tag
+    loss = (local * weights[shard.token_index]).sum()
+    loss.backward()
+    reduce_sp_grads(module, group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    assert_rel_close(total, ref_loss, rtol=RTOL, name=f"{tag}: loss")
+    out = gather_vision_output(local.detach(), shard, group)
+    assert_rel_close(out, ref_out, rtol=RTOL, name=f"{tag}: out")
+    assert_grads_match(_grads(module), want, rtol=RTOL, tag=f"{tag} local-loss")
+    if not gathered:
+        return
+    # (b) replicated loss on the gathered output
+    module.zero_grad(set_to_none=True)
+    full = gather_vision_output(vision_shard_forward(module, shard), shard, group)
+    (full * weights).sum().backward()
+    reduce_sp_grads(module, group)
+    assert_grads_match(_grads(module), want, rtol=RTOL, tag=f"{tag} gathered-loss")
+
+
 def _sp_cases(rank: int, world: int) -> None:
-    module, arch = _tiny_vision()
+    module, _ = _tiny_vision()
     ref = copy.deepcopy(module)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     group = mesh.get_group("sp")
     apply_ulysses_sp(module, mesh, UlyssesSpec())
-    for case, grids in CASES.items():
-        batch = vision_batch(seed=len(case), grids=grids)
-        pixels, thw = batch["pixel_values"], batch["image_grid_thw"]
-        ref.zero_grad(set_to_none=True)
-        ref_out = ref(pixels, thw)
-        weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(7))
-        ref_loss = (ref_out * weights).sum()
-        ref_loss.backward()
-        want = _grads(ref)
+    for case in CASES:
+        _check_case(module, ref, group, rank, world, case)
 
-        shard = shard_vision_batch(pixels, thw, sp_size=world, arch=arch)[rank]
-        tag = f"{case} sp={world} rank={rank} ({shard.num_patches} patches)"
-        # (a) training path: loss on this rank's own rows only, grads summed over SP
-        module.zero_grad(set_to_none=True)
-        local = vision_shard_forward(module, shard)
-        assert local.shape == (shard.token_index.numel(), ref_out.shape[1]), tag
-        loss = (local * weights[shard.token_index]).sum()
-        loss.backward()
-        reduce_sp_grads(module, group)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        assert_rel_close(total, ref_loss, rtol=RTOL, name=f"{tag}: loss")
-        assert_rel_close(
-            gather_vision_output(local.detach(), shard, group), ref_out, rtol=RTOL, name=f"{tag}: out"
-        )
-        assert_grads_match(_grads(module), want, rtol=RTOL, tag=f"{tag} local-loss")
-        # (b) replicated loss on the gathered output
-        module.zero_grad(set_to_none=True)
-        full = gather_vision_output(vision_shard_forward(module, shard), shard, group)
-        (full * weights).sum().backward()
-        reduce_sp_grads(module, group)
-        assert_grads_match(_grads(module), want, rtol=RTOL, tag=f"{tag} gathered-loss")
+    # CommCounter sees the all-to-alls: 2 per full-attention block in forward, 2 in backward
+    shard = shard_vision_batch(**vision_batch(seed=3, grids=CASES["fewer_windows_than_ranks"]), sp_size=world,
+                               arch=get_family("qwen2_5_vl").tiny_model_config().vision)[rank]  # fmt: skip
+    counter = CommCounter("vision")
+    with counter:
+        vision_shard_forward(module, shard).sum().backward()
+    stats = counter.step()
+    assert stats["vision/all_to_all"].calls == 2 * 2 * 2, stats
+
+    # activation checkpointing (transformers' own) recomputes the blocks, all-to-alls included, in
+    # backward; a rank with no tokens must recompute in step with the others
+    module.train()
+    ref.train()
+    apply_ac(module, mesh, AcSpec())
+    for case in ("two_unequal_images", "fewer_windows_than_ranks"):
+        _check_case(module, ref, group, rank, world, case, gathered=False)
 
 
 def test_vision_sp2_matches_single_process() -> None:
