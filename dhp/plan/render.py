@@ -59,10 +59,28 @@ def placement_table(plan: Plan) -> Table:
         )
     if plan.routing:
         table.caption = "routing (LLM replica <- encoder ranks): " + "; ".join(
-            f"llm {r.llm_replica} [ranks {_ranges(list(r.llm_ranks))}] <- vision ranks "
+            f"llm replica {r.llm_replica} (ranks {_ranges(list(r.llm_ranks))}) <- vision ranks "
             f"{_ranges(list(r.vision_ranks))}"
             for r in plan.routing
         )
+    return table
+
+
+def rank_table(plan: Plan) -> Table:
+    """One row per GPU: which rank of each group sits there, with its mesh coordinates."""
+    table = Table(title="ranks per GPU (rank: mesh coordinates)")
+    for col in ("node", "gpu", "pg/bundle", *(g.name for g in plan.groups)):
+        table.add_column(col)
+    cells: dict[int, dict[str, str]] = {}
+    where: dict[int, tuple[int, int, str]] = {}
+    for g in plan.groups:
+        for r in g.ranks:
+            coords = " ".join(f"{a}{r.coords[a]}" for a in g.mesh if g.mesh[a] > 1)
+            cells.setdefault(r.global_gpu, {})[g.name] = f"{r.rank}: {coords}" if coords else str(r.rank)
+            where[r.global_gpu] = (r.node, r.gpu, f"{r.placement_group}/{r.bundle_index}")
+    for gpu in sorted(cells):
+        node, local, bundle = where[gpu]
+        table.add_row(str(node), str(local), bundle, *(cells[gpu].get(g.name, "-") for g in plan.groups))
     return table
 
 
@@ -90,8 +108,8 @@ def memory_table(plan: Plan) -> Table:
 def device_table(plan: Plan) -> Table:
     budget = plan.devices[0].budget if plan.devices else 0
     table = Table(
-        title=f"per GPU: device {gib(plan.device_memory_bytes)} GiB - reserve "
-        f"{gib(plan.reserve_bytes)} GiB = usable {gib(budget)} GiB"
+        title=f"per GPU (GiB): device {gib(plan.device_memory_bytes)} - reserve "
+        f"{gib(plan.reserve_bytes)} = usable {gib(budget)}"
     )
     for col in ("node", "GPUs", "groups", "total GiB", "margin GiB", "verdict"):
         table.add_column(col)
@@ -106,7 +124,14 @@ def device_table(plan: Plan) -> Table:
 
 def render_plan(plan: Plan, *, console: Console, reserved: bool = False) -> None:
     """Print the plan's tables and a one-line verdict to ``console``."""
-    for table in (groups_table(plan), placement_table(plan), memory_table(plan), device_table(plan)):
+    tables = (
+        groups_table(plan),
+        placement_table(plan),
+        rank_table(plan),
+        memory_table(plan),
+        device_table(plan),
+    )
+    for table in tables:
         console.print(table)
     verdict = "[green]fits" if plan.fits else "[bold red]does NOT fit (OOM)"
     console.print(f"verdict: {verdict}; smallest margin {gib(plan.min_margin)} GiB")
