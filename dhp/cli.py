@@ -199,12 +199,30 @@ def data_check(
     raise typer.Exit(1 if report.failed else 0)
 
 
+MAX_ISSUES_SHOWN = 15  # keeps a ConfigError on one screen
+
+
+def error_text(err: DhpError) -> str:
+    """The message of ``err``; a ConfigError with many issues shows the first MAX_ISSUES_SHOWN."""
+    from dhp.errors import ConfigError
+
+    if not isinstance(err, ConfigError) or len(err.issues) <= MAX_ISSUES_SHOWN:
+        return str(err)
+    lines = [f"{len(err.issues)} config error(s), the first {MAX_ISSUES_SHOWN}:"]
+    lines += [f"  - {i}" for i in err.issues[:MAX_ISSUES_SHOWN]]
+    lines.append(f"  ... and {len(err.issues) - MAX_ISSUES_SHOWN} more; fix these and run again")
+    return "\n".join(lines)
+
+
 def print_error(err: DhpError) -> None:
-    """Print a user error as one short screen: its type and the message (no traceback)."""
+    """Print a user error as one short screen: its type and the message (no traceback, no markup)."""
     from rich.panel import Panel
+    from rich.text import Text
 
     title = type(err).__name__
-    err_console.print(Panel(str(err), title=f"[bold red]{title}", border_style="red", expand=False))
+    err_console.print(
+        Panel(Text(error_text(err)), title=f"[bold red]{title}", border_style="red", expand=False)
+    )
 
 
 def main() -> None:

@@ -21,7 +21,19 @@ def test_dry_run_headline_tables() -> None:
     out = dhp("plan", "conf=qwen_vl_32b", "--dry-run")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for needle in ("vision", "llm", "sp=8", "tp=8", "0-7", "STRICT_PACK", "optimizer", "activations", "fits"):
+    needles = (
+        "vision",
+        "llm",
+        "sp=8",
+        "tp=8",
+        "0-7",
+        "STRICT_PACK",
+        "optimizer",
+        "activations",
+        "fits",
+        "7: sp7",
+    )
+    for needle in needles:
         assert needle in text, needle
 
 
@@ -117,3 +129,13 @@ def test_unplaceable_plan_names_missing_resources() -> None:
     out = dhp("plan", "conf=tiny_vlm", "cluster=h100_8x", timeout=180)
     assert out.returncode == 2, out.stdout
     assert "PlanError" in out.stderr and "GPU" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_many_errors_stay_on_one_screen() -> None:
+    from dhp.cli import MAX_ISSUES_SHOWN, error_text
+    from dhp.errors import ConfigError, ConfigIssue
+
+    err = ConfigError([ConfigIssue(path=f"k{i}", value=i, rule="bad", fix="fix") for i in range(40)])
+    text = error_text(err)
+    assert len(text.splitlines()) == MAX_ISSUES_SHOWN + 2
+    assert "40 config error(s)" in text and "25 more" in text
