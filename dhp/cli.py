@@ -81,7 +81,7 @@ def plan(
 ) -> None:
     """Compile a run's plan: groups, placement, routing and per-rank memory.
 
-    Usage: dhp plan conf=RECIPE|PATH [key=value ...] [smoke=true] [--dry-run] [--json].
+    Usage: dhp plan conf=RECIPE|PATH key=value... smoke=true --dry-run --json (all but conf= optional).
     Without --dry-run the placement groups are also reserved on the Ray cluster, then released.
     """
     from dhp.config import load_config
