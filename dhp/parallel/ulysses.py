@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     ALL_ATTENTION_FUNCTIONS,
@@ -37,7 +38,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     is_flash_attention_requested,
 )
 
-from dhp.errors import ConfigError, ConfigIssue, RuntimeFailure
+from dhp.errors import ConfigError, ConfigIssue, PlanError, RuntimeFailure
 from dhp.parallel.sp_shard import SPLIT_SIZES_KWARG, VisionShard
 
 
@@ -318,10 +319,19 @@ def gather_vision_output(
 def vision_shard_forward(module: nn.Module, shard: VisionShard) -> torch.Tensor:
     """This rank's merged embeddings for ``shard``: rows aligned with ``shard.token_index``.
 
-    Calls the transformers vision model inside ``module`` with the shard's precomputed metadata (the
-    path ``VisionModule.forward(**shard.forward_kwargs())`` takes once its input check counts the
-    shard's rows; see docs/INTERFACES.md, Parallel).
+    ``sp_size == 1``: ``module(**shard.forward_kwargs())``, through the vision module's own forward (and
+    so through any FSDP root hooks). ``sp_size > 1``: the transformers vision model inside ``module`` is
+    called directly with the shard's rows and metadata, because ``VisionModule.forward`` checks
+    ``rows == sum(t*h*w)`` of the whole batch (see docs/INTERFACES.md, Parallel); FSDP on the vision
+    module together with SP is therefore refused here with a PlanError.
     """
+    if shard.sp_size == 1:
+        return module(**shard.forward_kwargs())
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise PlanError(
+            "the vision module has both Ulysses SP and FSDP; SP shards bypass the module's FSDP root. "
+            "Fix: use modules.vision.parallel {sp, dp, zero} (ZeRO-1 across dp), not fsdp, with sp > 1."
+        )
     visual = find_vision_model(module)
     kwargs = shard.forward_kwargs()
     pixel_values = kwargs.pop("pixel_values").to(visual.patch_embed.proj.weight.dtype)
