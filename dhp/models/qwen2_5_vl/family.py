@@ -55,6 +55,19 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _text_only_config(raw: dict) -> Qwen2_5_VLTextConfig:
+    """A text-only LLM (``qwen2`` or ``qwen2_5_vl_text`` config.json) as the Qwen2.5-VL text config.
+
+    Text positions are the same in M-RoPE's 3 rows, so any section split is plain 1D RoPE; a
+    ``qwen2`` config has none, so all rotary pairs go to the first row: ``[head_dim // 2, 0, 0]``.
+    """
+    cfg = Qwen2_5_VLTextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    if "mrope_section" not in cfg.rope_parameters:
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        cfg.rope_parameters["mrope_section"] = [head_dim // 2, 0, 0]
+    return cfg
+
+
 class Qwen25VLFamily:
     """Qwen2.5-VL: ``vision`` (ViT + merger) feeds ``image_embeds`` to ``llm`` (decoder + lm_head)."""
 
@@ -128,7 +141,7 @@ class Qwen25VLFamily:
         if kind == "qwen2_5_vl":
             cfg = Qwen2_5_VLConfig.from_pretrained(str(path))
         elif kind in ("qwen2_5_vl_text", "qwen2"):
-            cfg = Qwen2_5_VLTextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+            cfg = _text_only_config(raw)
         else:
             raise CheckpointError(
                 f"{cfg_file}: model_type {kind!r} is not a {self.name} model (expected 'qwen2_5_vl', or "

@@ -161,3 +161,36 @@ def test_shard_fn_reads_only_a_slice(family, tiny_sharded_dir):
     assert torch.equal(q.weight, full_q[: full_q.shape[0] // 2])
     assert seen["language_model.layers.0.self_attn.q_proj.weight"] == tuple(full_q.shape)
     assert set(seen) == set(module.state_dict())
+
+
+def test_text_only_qwen2_checkpoint_is_an_llm_only_graph(family, tmp_path):
+    """A plain Qwen2 LLM directory loads as the ``llm`` module alone and matches Qwen2ForCausalLM exactly."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(cfg)
+    ref.save_pretrained(tmp_path)
+    hf_config = family.hf_config_from_dir(tmp_path)
+    assert family.modules_for(hf_config) == ("llm",)
+    llm, report = build_and_load(
+        family, "llm", tmp_path, hf_config=hf_config, dtype=torch.float32, device="cpu"
+    )
+    assert set(report.keys_read) == set(checkpoint_index(tmp_path))
+    ids = torch.randint(2, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    expected = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    out = llm(input_ids=ids, attention_mask=mask, labels=labels, mm_token_type_ids=None)
+    assert torch.equal(out.loss_sum / out.num_tokens, expected)
