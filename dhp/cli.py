@@ -115,6 +115,23 @@ def recipes() -> None:
 
 
 @app.command(context_settings=HYDRA_ARGS)
+def train(ctx: typer.Context) -> None:
+    """Train a recipe: one Ray actor group per module, the driver step, metrics and checkpoints.
+
+    Usage: dhp train conf=RECIPE|PATH [smoke=true] [key=value ...]. Writes
+    <train.output_dir>/<name>/<timestamp>/ (config.yaml, plan.json, metrics.jsonl, checkpoints/).
+    train.resume=auto continues the newest checkpoint of this run name. Ctrl-C saves a checkpoint
+    when train.save_on_interrupt and exits 130.
+    """
+    from dhp.config import load_config
+    from dhp.runtime.train import train as run_training
+
+    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    result = run_training(load_config(conf, overrides, smoke=smoke), console=console)
+    raise typer.Exit(130 if result.interrupted else 0)
+
+
+@app.command(context_settings=HYDRA_ARGS)
 def verify(
     ctx: typer.Context,
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to compare (also accepted as steps=N)."),

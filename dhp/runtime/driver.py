@@ -17,17 +17,20 @@ through the driver.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from dhp.config.schema import ModelConfig, ModuleConfig, TrainConfig
+from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
 from dhp.data import StepData
 from dhp.errors import RuntimeFailure
-from dhp.runtime.actor_group import ActorGroup, GroupSpec, init_groups, release, reserve
+from dhp.plan import Plan
+from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch
 from dhp.runtime.worker import ModuleWorker
 
@@ -50,33 +53,31 @@ class Trainer:
     """The actor groups of one run and the step across them. ``close()`` frees everything."""
 
     def __init__(
-        self,
-        *,
-        model: ModelConfig,
-        modules: dict[str, ModuleConfig],
-        train: TrainConfig,
-        placement: str,
-        pgs: list[tuple[list[dict[str, float]], str]],
-        specs: dict[str, GroupSpec],
-        ready_timeout_s: float = 60.0,
-        init_timeout_s: float = 300.0,
+        self, config: RunConfig, plan: Plan, *, ready_timeout_s: float = 60.0, init_timeout_s: float = 300.0
     ) -> None:
-        self.model_cfg, self.modules_cfg, self.train_cfg = model, modules, train
+        """Connect Ray (``cluster.ray_address``, ``$RAY_ADDRESS`` or a local one), reserve the plan's
+        placement groups (PlanError if they cannot be placed in ``ready_timeout_s``), start one actor
+        per rank, init every group's world concurrently, and build the modules."""
+        self.model_cfg, self.train_cfg = config.model, config.train
+        self.modules_cfg: dict[str, ModuleConfig] = dict(config.modules)
         self.groups: dict[str, ActorGroup] = {}
         self._vision_bwd: list[Any] = []
+        self._update: list[Any] = []
         self._pgs: list[Any] = []
-        self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
+        self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
         try:
+            pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
+            self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             llm_replicas = specs["llm"].layout.num_replicas
             vision_ranks = specs["vision"].world_size if "vision" in specs else 0
             for name, spec in specs.items():
                 kwargs = {
-                    "model": model,
-                    "module": modules[name],
-                    "train": train,
+                    "model": config.model,
+                    "module": self.modules_cfg[name],
+                    "train": config.train,
                     "mesh": spec.mesh,
                     "device": spec.device,
-                    "placement": placement,
+                    "placement": config.placement,
                     "num_llm_replicas": llm_replicas,
                     "num_vision_ranks": vision_ranks,
                 }
@@ -89,7 +90,7 @@ class Trainer:
                 n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
             }
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     @property
@@ -142,9 +143,8 @@ class Trainer:
         grads = {n: g.call("full_grads") for n, g in self.groups.items()} if collect_grads else None
         clip = self.train_cfg.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-        pend = [g.submit("optimizer_step", lr=lr, clip_coef=coef) for g in self.groups.values()]
-        for g, p in zip(self.groups.values(), pend, strict=True):
-            g.collect(p)
+        self._update = [g.submit("optimizer_step", lr=lr, clip_coef=coef) for g in self.groups.values()]
+        self.finish_update()
         step_stats = {n: g.call("take_stats") for n, g in self.groups.items()}
         return StepResult(
             loss=loss,
@@ -156,6 +156,22 @@ class Trainer:
             stats=step_stats,
             grads=grads,
         )
+
+    def finish_update(self) -> bool:
+        """Wait for an optimizer update already issued; True if there was one (it is now applied)."""
+        pend, self._update = self._update, []
+        for p in pend:
+            p.group.collect(p)
+        return bool(pend)
+
+    def abort_step(self) -> None:
+        """Drop a half-run step: wait for its calls, then zero grads and in-flight state everywhere."""
+        for p in self._vision_bwd:
+            with contextlib.suppress(RuntimeFailure):
+                p.group.collect(p)
+        self._vision_bwd = []
+        for g in self.groups.values():
+            g.call("zero_grads")
 
     def _encode(self, data: StepData, m: int) -> tuple[MicroBatchRouting, Any] | None:
         """Route micro-batch ``m`` and issue the encoder's forward on every vision rank (no wait)."""
@@ -234,12 +250,43 @@ class Trainer:
         return {n: g.collect(pend[n]) for n, g in self.groups.items()}
 
     def close(self, *, graceful: bool = True) -> None:
-        """Destroy each group's world (when ``graceful``), kill the actors, release the bundles."""
-        for g in self.groups.values():
-            g.shutdown(destroy_dist=graceful)
-        self.groups = {}
-        release(self._pgs)
-        self._pgs = []
+        """Destroy each group's world (when ``graceful``), kill the actors, release the bundles,
+        and shut Ray down if this trainer started it (no orphan processes)."""
+        import ray
+
+        try:
+            for g in self.groups.values():
+                g.shutdown(destroy_dist=graceful)
+            if self._pgs:
+                release(self._pgs)
+        finally:
+            self.groups, self._pgs = {}, []
+            if self._owns_ray and ray.is_initialized():
+                ray.shutdown()
+            self._owns_ray = False
+
+
+def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
+    """Join ``cluster.ray_address`` or ``$RAY_ADDRESS`` if set, else start a local Ray sized to the
+    plan's bundles. Returns True when this call started (and so owns) the Ray instance."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return True
+    need = {}
+    for pg in plan.placement_groups:
+        for b in pg.bundles:
+            for k, v in b.items():
+                need[k] = need.get(k, 0.0) + v
+    cpus = max(1, math.ceil(need.get("CPU", 1.0) - 1e-9))
+    gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
+    kwargs = {"num_gpus": gpus} if gpus else {}
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    return True
 
 
 def _as_list(refs: Any) -> list[Any]:

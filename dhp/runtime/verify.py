@@ -235,7 +235,6 @@ def verify_plan(
     """
     from dhp.data import build_loader
     from dhp.plan import compile_plan
-    from dhp.runtime import Trainer
     from dhp.runtime.schedule import WarmupCosine
 
     check_verifiable(config)
@@ -254,11 +253,13 @@ def verify_plan(
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio
     )
-    meshes = ", ".join(f"{g['name']} {g['mesh']}" for g in plan.to_json()["groups"])
+    meshes = ", ".join(f"{g.name} {dict(g.mesh)}" for g in plan.groups)
     report = VerifyReport(
         loss_rtol=loss_rtol, grad_atol=grad_atol, plan_summary=f"{meshes}, {config.placement}"
     )
-    trainer = Trainer(config, plan)
+    from dhp.runtime.driver import Trainer
+
+    trainer = Trainer(config, plan)  # connects Ray, reserves the plan, builds the groups
     try:
         ref = ReferenceModel(
             model=config.model, modules=dict(config.modules), train=t, initial=trainer.full_state_dict()

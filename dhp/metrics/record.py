@@ -1,0 +1,68 @@
+"""Build one ``metrics.jsonl`` record from a driver StepResult (fixed names, honest throughput)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dhp.config.schema import ClusterConfig, ModelConfig, ModuleConfig
+from dhp.metrics.flops import llm_flops_per_step, vision_flops_per_step
+
+
+def step_tokens(data: Any, *, merge: int) -> tuple[list[int], list[int]]:
+    """(patches per image, real tokens per sample) of a StepData, over all replicas and micro-batches."""
+    patches, seqs = [], []
+    for micro in data.micro_batches:
+        for b in micro:
+            if b.image_grid_thw is not None:
+                patches += [int(g.prod()) for g in b.image_grid_thw]
+            seqs += [int(n) for n in b.attention_mask.sum(dim=1)]
+    return patches, seqs
+
+
+def build_record(
+    *,
+    step: int,
+    result: Any,
+    data: Any,
+    lr: float,
+    model: ModelConfig,
+    modules: dict[str, ModuleConfig],
+    cluster: ClusterConfig,
+    world_devices: int,
+) -> dict[str, Any]:
+    """The fixed-name record (see ``dhp.metrics.METRIC_KEYS``).
+
+    tokens/s: vision = encoder patches, text = LLM tokens (attention mask), per step wall time.
+    MFU = (encoder + LLM model FLOPs) / step_s / (cluster.peak_bf16_tflops * devices), PaLM formula.
+    Per-module seconds are the max over that module's ranks; ``wait_s`` is the LLM waiting on the
+    hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS peak).
+    """
+    patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
+    flops = llm_flops_per_step(arch=model.llm, seq_lens=seqs, frozen=modules["llm"].freeze)
+    if "vision" in modules and patches:
+        flops += vision_flops_per_step(
+            arch=model.vision,
+            llm_hidden=model.llm.hidden_size,
+            image_patches=patches,
+            frozen=modules["vision"].freeze,
+        )
+    dt = max(result.step_s, 1e-9)
+    rec: dict[str, Any] = {
+        "step": step,
+        "loss": result.loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "tokens_per_s_vision": sum(patches) / dt,
+        "tokens_per_s_text": sum(seqs) / dt,
+        "step_s": result.step_s,
+        "wait_s": result.llm_wait_s,
+        "handoff_s": max((s["wait_s"] for ranks in result.stats.values() for s in ranks), default=0.0),
+        "peak_mem_bytes": {
+            f"{m}/{r}": s["peak_mem_bytes"] for m, ranks in result.stats.items() for r, s in enumerate(ranks)
+        },
+        "mfu": flops / dt / (cluster.peak_bf16_tflops * 1e12 * world_devices),
+    }
+    for m, ranks in result.stats.items():
+        for part in ("fwd", "bwd", "step"):
+            rec[f"{m}_{part}_s"] = max(s[f"{part}_s"] for s in ranks)
+    return rec
