@@ -5,9 +5,24 @@ hand-offs between them (what tensor flows from which producer to which consumer)
 module is built alone (meta device first) and fed its own checkpoint tensors. Nothing here knows
 about parallelism: ``dhp/parallel`` wraps the modules a family builds.
 
-Adding a family (say LLaVA-OneVision) or a module (say an audio encoder) means writing one more
-:class:`ModelFamily` implementation and registering it with :func:`register_family`; the runtime
-walks ``module_names`` and ``handoffs`` and never names a family.
+Shape of a family (see :class:`ModelFamily`):
+
+- graph: ``module_names`` (producers first) and ``handoffs`` (``HandOff(producer, consumer,
+  kwarg, layout)``); the consumer takes the tensor as a keyword argument and its backward yields
+  the gradient the producer backpropagates;
+- configs: ``hf_config(model_cfg)`` from the schema, ``hf_config_from_dir(path)`` from a HF
+  directory, ``tiny_model_config()`` for tests, ``modules_for(hf_config)``;
+- modules: ``build_module(name, hf_config, device=, dtype=)`` (meta allocates nothing),
+  ``init_buffers`` (non-persistent buffers after ``to_empty``), ``tied_parameters`` / ``tie``;
+- checkpoint: ``checkpoint_owner(key) -> (module, fqn)``; ``dhp.models.loading`` does the rest
+  (only this module's keys are read, missing/unexpected keys are listed);
+- reference: ``reference_model(hf_config)`` and ``split_state_dict`` for parity.
+
+A second family (say LLaVA-OneVision) is one more class with these members, registered with
+:func:`register_family`; its modules wrap the transformers classes as ``VisionModule`` /
+``LLMModule`` do. An audio encoder is one more module name (``audio``) and one more hand-off
+(``HandOff("audio", "llm", "audio_embeds", ...)``); the LLM module takes ``audio_embeds`` and
+places them at its audio-token positions. The runtime walks ``module_names`` and ``handoffs``.
 """
 
 from __future__ import annotations
