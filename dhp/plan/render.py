@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from dhp.plan.advice import oom_advice
 from dhp.plan.types import Plan
 
 GIB = float(1 << 30)
@@ -135,5 +137,7 @@ def render_plan(plan: Plan, *, console: Console, reserved: bool = False) -> None
         console.print(table)
     verdict = "[green]fits" if plan.fits else "[bold red]does NOT fit (OOM)"
     console.print(f"verdict: {verdict}; smallest margin {gib(plan.min_margin)} GiB")
+    for line in oom_advice(plan):
+        console.print(Text(line))
     if reserved:
         console.print("[green]placement groups reserved on the Ray cluster and released")

@@ -150,3 +150,18 @@ def test_json_document_keys() -> None:
 def test_compile_is_deterministic() -> None:
     cfg = load_config("qwen_vl_72b", [])
     assert compile_plan(cfg).to_json() == compile_plan(cfg).to_json()
+
+
+def test_oom_advice_names_the_biggest_consumer() -> None:
+    from dhp.plan.advice import oom_advice
+
+    assert oom_advice(compile_plan(load_config("qwen_vl_32b", []))) == []
+    lines = oom_advice(compile_plan(load_config("qwen_vl_32b_zero3", [])))
+    assert "over by" in lines[0]
+    assert "llm optimizer" in lines[1] and "vision activations" in lines[2]
+    _, line, _ = oom_advice(
+        compile_plan(
+            load_config("qwen_vl_32b_zero3", ["modules.vision.seq_len=65536", "data.synthetic.patches=1024"])
+        )
+    )
+    assert "vision activations" in line and "modules.vision.parallel.sp" in line

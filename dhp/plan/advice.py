@@ -1,0 +1,39 @@
+"""What to change when a plan does not fit: the biggest consumer on the fullest GPU, and the knobs
+that shrink it. Pure; used by ``dhp plan`` output."""
+
+from __future__ import annotations
+
+from dhp.plan.types import Plan
+
+_KNOBS = {
+    (
+        "vision",
+        "activations",
+    ): "raise modules.vision.parallel.sp, set modules.vision.activation_checkpointing=true, "
+    "or lower modules.vision.seq_len",
+    ("llm", "activations"): "set modules.llm.activation_checkpointing=true, or lower modules.llm.seq_len / "
+    "train.micro_batch_size",
+    "optimizer": "shard it: parallel.zero=1 with dp*sp > 1, parallel.fsdp, a larger tp, or mixed_precision=bf16",
+    "params": "shard them: a larger parallel.tp or parallel.fsdp",
+    "grads": "shard them: a larger parallel.tp or parallel.fsdp",
+}
+
+
+def oom_advice(plan: Plan) -> list[str]:
+    """Empty when the plan fits; else lines naming the fullest GPU's two largest consumers and fixes."""
+    if plan.fits:
+        return []
+    worst = min(plan.devices, key=lambda d: d.margin)
+    parts: list[tuple[int, str, str]] = []
+    for name in worst.groups:
+        mem = plan.group(name).ranks[0].memory
+        for component in ("params", "grads", "optimizer", "activations"):
+            parts.append((getattr(mem, component), name, component))
+    parts.sort(reverse=True)
+    lines = [
+        f"GPU {worst.global_gpu} is over by {-worst.margin / 2**30:.2f} GiB; its largest consumers per rank:"
+    ]
+    for size, name, component in parts[:2]:
+        knob = _KNOBS.get((name, component)) or _KNOBS.get(component, "use more GPUs")
+        lines.append(f"  {name} {component} {size / 2**30:.2f} GiB. Fix: {knob}")
+    return lines
