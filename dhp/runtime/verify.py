@@ -295,14 +295,14 @@ def render_report(report: VerifyReport, *, console) -> None:
 
     modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
     table = Table(title=f"dhp verify: plan vs single-process transformers ({report.plan_summary})")
-    for col in ("step", "loss (plan)", "loss (ref)", "rel diff", "grad norm (plan/ref)"):
+    for col in ("step", "loss (plan)", "loss (ref)", "rel diff", "grad norm", "ref norm"):
         table.add_column(col, justify="right")
     for m in modules:
         table.add_column(f"max |dgrad| {m}", justify="right")
     table.add_column("")
     for s in report.steps:
         cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.2e}"]
-        cells.append(f"{s.grad_norm:.5f} / {s.ref_grad_norm:.5f}")
+        cells += [f"{s.grad_norm:.5f}", f"{s.ref_grad_norm:.5f}"]
         cells += [f"{s.grad_max_abs_diff[m]:.2e}" if m in s.grad_max_abs_diff else "-" for m in modules]
         cells.append("[green]ok" if report.step_ok(s) else "[bold red]FAIL")
         table.add_row(*cells)
