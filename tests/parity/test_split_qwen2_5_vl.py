@@ -112,3 +112,23 @@ def test_dropping_mm_token_type_ids_changes_positions(setup):
             image_embeds=leaf,
             sample_ids=batch["sample_ids"],
         )
+
+
+def test_split_matches_reference_with_tied_embeddings():
+    """lm_head tied to embed_tokens: the shared weight's gradient sums both uses, as in transformers."""
+    family = get_family("qwen2_5_vl")
+    model_cfg = family.tiny_model_config()
+    model_cfg.llm.tie_word_embeddings = True
+    hf_config = family.hf_config(model_cfg)
+    torch.manual_seed(1)
+    ref = family.reference_model(hf_config)
+    assert ref.lm_head.weight is ref.model.language_model.embed_tokens.weight
+    modules = modules_from_reference(family, ref, hf_config)
+    assert modules["llm"].lm_head.weight is modules["llm"].language_model.embed_tokens.weight
+    batch = tiny_vl_batch(hf_config, images=[[(8, 6)], [(4, 4)]], text_lens=[3, 7], seed=3)
+    ref_loss, ref_grads = reference_step(ref, batch)
+    loss, grads = split_step(family, modules["vision"], modules["llm"], batch)
+    assert relative_error(loss, ref_loss) <= RTOL
+    for ref_name, ref_grad in ref_grads.items():
+        module_name, fqn = family.checkpoint_owner(ref_name)
+        assert relative_error(grads[module_name][fqn], ref_grad) <= RTOL, ref_name
