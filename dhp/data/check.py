@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dhp.config.schema import DataConfig, ModelConfig
@@ -127,7 +128,7 @@ def render_report(report: DataReport, *, console: Console) -> None:
         f"(on_bad_sample={report.on_bad_sample}); {report.total_patches} encoder patches in all; "
         f"{report.seconds_per_sample * 1e3:.1f} ms/sample to load and process"
     )
-    hist = Table(title="encoder patches per sample (vision tokens before the 2x2 merge)")
+    hist = Table(title="encoder patches per sample")
     hist.add_column("patches")
     hist.add_column("samples", justify="right")
     hist.add_column("")
@@ -135,23 +136,22 @@ def render_report(report: DataReport, *, console: Console) -> None:
     for label, n in report.patch_histogram.items():
         hist.add_row(label, str(n), "#" * round(30 * n / peak))
     console.print(hist)
-    pct = Table(title="sequence lengths (LLM tokens) percentiles")
-    pct.add_column("")
-    for q in report.tokens_percentiles:
-        pct.add_column(q, justify="right")
-    pct.add_row("text tokens", *map(str, report.text_tokens_percentiles.values()))
-    pct.add_row("total tokens", *map(str, report.tokens_percentiles.values()))
-    console.print(pct)
+    if report.num_good:
+        pct = Table(title="LLM tokens per sample, percentiles")
+        pct.add_column("")
+        for q in report.tokens_percentiles:
+            pct.add_column(q, justify="right")
+        pct.add_row("text", *map(str, report.text_tokens_percentiles.values()))
+        pct.add_row("text + image", *map(str, report.tokens_percentiles.values()))
+        console.print(pct)
     imgs = ", ".join(f"{k} image(s): {v}" for k, v in report.images_per_sample.items())
     console.print(f"images per sample: {imgs}")
     if report.num_bad:
-        table = Table(title="bad samples by reason", title_style="bold red")
-        table.add_column("reason", style="red")
-        table.add_column("count", justify="right")
-        table.add_column("first locations")
+        console.print("[bold red]bad samples by reason[/] (first locations):")
         for reason, n in report.bad_counts.items():
-            table.add_row(reason, str(n), "\n".join(report.bad_examples[reason]))
-        console.print(table)
+            console.print(f"  [red]{reason}[/]: {n}")
+            for example in report.bad_examples[reason]:
+                console.print(f"    - {escape(example)}", soft_wrap=True)
     if report.failed:
         console.print(
             "[bold red]FAILED[/]: a run with data.on_bad_sample=raise would stop at the first bad sample. "

@@ -92,8 +92,8 @@ class LlavaDataset:
         return len(self._raw)
 
     def location(self, index: int) -> str:
-        """``"<file>:<line>"`` (1-based line) for JSONL, ``"<file>:<record>"`` (0-based) for JSON."""
-        return f"{self.path}:{index + 1}" if self._jsonl else f"{self.path}:{index}"
+        """``"<file>:<line>"`` (1-based line) for JSONL, ``"<file>[<index>]"`` (0-based record) for JSON."""
+        return f"{self.path}:{index + 1}" if self._jsonl else f"{self.path}[{index}]"
 
     def record(self, index: int) -> Record:
         """Parse and validate record ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""

@@ -94,11 +94,15 @@ def build_source(
     """
     limits = Limits(vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len)
     if data.kind == "synthetic":
+        # Text ids come from the tokenizer's vocabulary when there is one, else from the model's.
+        vocab = model.llm.vocab_size
+        if model.path is not None:
+            vocab = min(vocab, len(load_tokenizer(model.path, tokens=model.tokens)))
         src = SyntheticSource(
             synthetic=data.synthetic,
             vision=model.vision,
             tokens=model.tokens,
-            vocab_size=model.llm.vocab_size,
+            vocab_size=vocab,
             limits=limits,
             seed=seed,
         )

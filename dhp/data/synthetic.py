@@ -11,6 +11,7 @@ real images): memory is ``patches * C*T*P*P * 4`` bytes per image (308 MiB at 65
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import torch
 
@@ -64,7 +65,7 @@ class SyntheticSource:
         self.limits = limits
         self.seed = seed
         self.grid = synthetic_grid(synthetic.patches, merge=vision.spatial_merge_size)
-        special = {getattr(tokens, f) for f in tokens.__dataclass_fields__}
+        special = {getattr(tokens, f.name) for f in fields(SpecialTokens)}
         self.text_ids = torch.tensor([t for t in range(vocab_size) if t not in special], dtype=torch.long)
         if synthetic.num_samples <= 0 or synthetic.text_tokens <= 0 or synthetic.images_per_sample < 0:
             raise ConfigError(

@@ -7,7 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tiny_processor import make_tiny_processor_dir
 
 from dhp.config.schema import DataConfig, DatasetEntry, ModelConfig
 
@@ -16,8 +15,12 @@ DEMO = Path(__file__).resolve().parents[3] / "dhp" / "data_assets" / "demo"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> ModelConfig:
-    """A ModelConfig whose ``path`` holds a tiny Qwen-style tokenizer and preprocessor config."""
-    return make_tiny_processor_dir(tmp_path_factory.mktemp("tiny_processor"))
+    """The tiny model config with ``path`` = a complete tiny HF directory (tokenizer, chat template,
+    preprocessor config) written by the models layer's ``make_tiny_checkpoint``."""
+    from dhp.models import get_family, make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
+    return replace(get_family("qwen2_5_vl").tiny_model_config(), path=str(out))
 
 
 def demo_data(**overrides) -> DataConfig:

@@ -71,7 +71,11 @@ def test_order_is_deterministic_from_the_seed(tiny_model):
     assert _same(sa, sb)
     assert _ids(sa) != _ids(sc)
     unshuffled = _loader(tiny_model, demo_data(shuffle=False), dp=1, gbs=3)
-    assert [sid.rsplit(":", 1)[1] for sid in sorted(_ids(next(unshuffled))[0])] == ["0", "1", "2"]
+    assert [sid.rsplit("/", 1)[1] for sid in sorted(_ids(next(unshuffled))[0])] == [
+        "captions.json[0]",
+        "captions.json[1]",
+        "captions.json[2]",
+    ]
 
 
 def test_resume_yields_the_same_batches(tiny_model):

@@ -66,7 +66,7 @@ def test_labels_cover_assistant_turns_only(tiny_model):
     src = _source(tiny_model, demo_data())
     tok = src.processor.tokenizer
     for suffix, answers in [
-        ("captions.json:16", ["It is a tabby cat.", "Its eyes are yellow-green."]),
+        ("captions.json[16]", ["It is a tabby cat.", "Its eyes are yellow-green."]),
         ("mixed.jsonl:7", ["Gravel.", "Grass, or a brick pavement."]),  # text-only with a system turn
     ]:
         s = src.load(_find(src, suffix))
@@ -78,7 +78,7 @@ def test_labels_cover_assistant_turns_only(tiny_model):
 
 def test_image_tokens_expand_to_merged_patch_count(tiny_model):
     src = _source(tiny_model, demo_data())
-    s = src.load(_find(src, "captions.json:0"))  # astronaut, 448x448
+    s = src.load(_find(src, "captions.json[0]"))  # astronaut, 448x448
     assert s.image_grid_thw.tolist() == [[1, 32, 32]]  # 448 px, patch 14 -> 1024 patches
     assert s.pixel_values.shape == (1024, 3 * 2 * 14 * 14)
     assert s.num_image_tokens == 256 == int((s.input_ids == tiny_model.tokens.image_token_id).sum())
@@ -104,7 +104,7 @@ def test_text_only_sample_has_no_pixels(tiny_model):
 )
 def test_min_max_pixels_from_config(tiny_model, min_px, max_px, grid):
     src = _source(tiny_model, demo_data(min_pixels=min_px, max_pixels=max_px))
-    s = src.load(_find(src, "captions.json:0"))
+    s = src.load(_find(src, "captions.json[0]"))
     assert s.image_grid_thw.tolist() == [grid]
 
 
@@ -140,7 +140,7 @@ def test_missing_and_corrupt_images(tiny_model, demo_copy):
 
 def test_vision_and_text_limits_raise_never_truncate(tiny_model):
     src = _source(tiny_model, demo_data(), vision=1023, llm=BIG)
-    i = _find(src, "captions.json:0")
+    i = _find(src, "captions.json[0]")
     with pytest.raises(
         bad.BadSampleError, match=r"vision_too_long.*1024 patches \[1024\] > modules.vision.seq_len=1023"
     ):

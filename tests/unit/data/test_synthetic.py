@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 from PIL import Image
@@ -71,7 +73,7 @@ def test_deterministic_from_seed_and_index():
     assert not torch.equal(a.pixel_values, c.pixel_values) and not torch.equal(a.input_ids, c.input_ids)
     assert a.num_images == 2 and int((a.mm_token_type_ids == IMAGE).sum()) == 2 * 64
     text = a.input_ids[a.labels != IGNORE_INDEX]
-    specials = torch.tensor([getattr(TOKENS, f) for f in TOKENS.__dataclass_fields__])
+    specials = torch.tensor([getattr(TOKENS, f.name) for f in fields(SpecialTokens)])
     assert not torch.isin(text, specials).any() and int(text.max()) < 152064
 
 
