@@ -17,7 +17,9 @@ import torch.distributed as dist
 from parallel_harness import assert_grads_match, assert_rel_close, spawn, vision_batch
 from torch.distributed.device_mesh import init_device_mesh
 
+from dhp.config.schema import ParallelConfig
 from dhp.models import get_family
+from dhp.parallel import finalize_grads, parallelize
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter
 from dhp.parallel.sp_shard import shard_vision_batch
@@ -126,3 +128,41 @@ def test_vision_sp2_matches_single_process() -> None:
 @pytest.mark.slow
 def test_vision_sp4_matches_single_process() -> None:
     spawn(_sp_cases, 4)
+
+
+def _dp_sp_cases(rank: int, world: int) -> None:
+    """DP x SP = 2 x 2 through ``parallelize`` + ``finalize_grads``: each replica its own micro-batch."""
+    module, arch = _tiny_vision()
+    ref = copy.deepcopy(module)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    parallel = ParallelConfig(dp=2, sp=2)
+    module = parallelize(
+        "vision", module, mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+    )
+    replicas = [
+        vision_batch(seed=11, grids=[(1, 16, 24)]),
+        vision_batch(seed=12, grids=[(1, 8, 12), (1, 8, 8)]),
+    ]
+    weights, ref_loss = [], torch.zeros(())
+    for batch in replicas:  # the reference sees both micro-batches in one process
+        out = ref(batch["pixel_values"], batch["image_grid_thw"])
+        weights.append(torch.randn(out.shape, generator=torch.Generator().manual_seed(out.shape[0])))
+        ref_loss = ref_loss + (out * weights[-1]).sum()
+    ref_loss.backward()
+    dp_rank, sp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
+    batch = replicas[dp_rank]
+    shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], sp_size=2, arch=arch)[sp_rank]
+    local = vision_shard_forward(module, shard)
+    loss = (local * weights[dp_rank][shard.token_index]).sum()
+    loss.backward()
+    finalize_grads(module, mesh, parallel=parallel)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    tag = f"dp x sp = 2 x 2, rank {rank} (dp {dp_rank}, sp {sp_rank})"
+    assert_rel_close(total, ref_loss, rtol=RTOL, name=f"{tag}: loss")
+    assert_grads_match(_grads(module), _grads(ref), rtol=RTOL, tag=tag)
+
+
+@pytest.mark.slow
+def test_vision_dp2_x_sp2_matches_single_process() -> None:
+    spawn(_dp_sp_cases, 4)
