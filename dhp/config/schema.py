@@ -11,6 +11,7 @@ Units: sizes in tokens/patches, memory in GiB (float) in YAML, bytes inside the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from omegaconf import MISSING
 
 

@@ -60,27 +60,25 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
             "flash_attention_2 needs CUDA but cluster.device is cpu",
             "use model.attn_implementation=sdpa on CPU",
         )
-    v, lm = model.vision, model.llm
-    issues.positive(
-        v,
-        "model.vision",
-        [
-            "depth",
-            "hidden_size",
-            "num_heads",
-            "intermediate_size",
-            "patch_size",
-            "spatial_merge_size",
-            "temporal_patch_size",
-            "window_size",
-            "in_channels",
-        ],
-    )
-    issues.positive(
-        lm,
-        "model.llm",
-        ["hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"],
-    )
+    _validate_vision_arch(model.vision, issues)
+    _validate_llm_arch(model.llm, issues)
+
+
+_VISION_SIZES = [
+    "depth",
+    "hidden_size",
+    "num_heads",
+    "intermediate_size",
+    "patch_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "window_size",
+    "in_channels",
+]
+
+
+def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
+    issues.positive(v, "model.vision", _VISION_SIZES)
     if v.num_heads > 0:
         issues.check(
             v.hidden_size % v.num_heads == 0,
@@ -105,6 +103,14 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
         list(v.fullatt_block_indexes),
         f"indexes {bad} outside [0, depth={v.depth})",
         "list block indexes smaller than model.vision.depth",
+    )
+
+
+def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
+    issues.positive(
+        lm,
+        "model.llm",
+        ["hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"],
     )
     if lm.num_heads > 0 and lm.num_kv_heads > 0:
         ok_h = issues.check(

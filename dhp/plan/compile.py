@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 from dhp.config.constants import PARALLEL_AXES
 from dhp.plan.memory import estimate_module, module_shape, reserve_bytes
 from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
-from dhp.plan.types import DeviceUsage, GroupPlan, Plan, RankPlan
+from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
 
 GIB = 1 << 30
 
@@ -19,6 +19,42 @@ def _layouts(modules: DictConfig) -> list[GroupLayout]:
     ]
 
 
+def _group_plan(
+    layout: GroupLayout,
+    memory: MemoryEstimate,
+    *,
+    param_count: int,
+    gpus: list[int],
+    sharers: dict[int, list[str]],
+    where: dict[int, tuple[int, int]],
+    gpus_per_node: int,
+) -> GroupPlan:
+    """One group's ranks: node/GPU from ``gpus``, fraction from the sharers, bundle from ``where``."""
+    ranks = []
+    for rank, gpu in enumerate(gpus):
+        pg, bundle = where[gpu]
+        ranks.append(
+            RankPlan(
+                rank=rank,
+                coords=layout.coords(rank),
+                node=gpu // gpus_per_node,
+                gpu=gpu % gpus_per_node,
+                global_gpu=gpu,
+                gpu_fraction=1.0 / len(sharers[gpu]),
+                placement_group=pg,
+                bundle_index=bundle,
+                memory=memory,
+            )
+        )
+    return GroupPlan(
+        name=layout.name,
+        world_size=layout.world_size,
+        mesh=layout.mesh(),
+        param_count=param_count,
+        ranks=tuple(ranks),
+    )
+
+
 def compile_plan(config: DictConfig, cluster: DictConfig | None = None) -> Plan:
     """Compile the plan of a validated run config (``load_config``'s result).
 
@@ -26,10 +62,9 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None) -> Plan:
     on different hardware. Raises PlanError when the groups cannot be laid out.
     """
     cluster = config.cluster if cluster is None else cluster
+    gpn = cluster.gpus_per_node
     layouts = _layouts(config.modules)
-    gpus = assign_gpus(
-        layouts, placement=config.placement, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node
-    )
+    gpus = assign_gpus(layouts, placement=config.placement, nodes=cluster.nodes, gpus_per_node=gpn)
     sharers: dict[int, list[str]] = {}
     for layout in layouts:
         for gpu in gpus[layout.name]:
@@ -37,52 +72,37 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None) -> Plan:
     pgs, where = placement_groups(
         {g: len(n) for g, n in sharers.items()},
         device=cluster.device,
-        gpus_per_node=cluster.gpus_per_node,
+        gpus_per_node=gpn,
         cpus_per_rank=cluster.cpus_per_rank,
     )
     groups = []
     per_gpu: dict[int, int] = dict.fromkeys(sharers, 0)
     for layout in layouts:
+        module = config.modules[layout.name]
         shape = module_shape(
-            layout.name,
-            model=config.model,
-            module=config.modules[layout.name],
-            micro_batch=config.train.micro_batch_size,
+            layout.name, model=config.model, module=module, micro_batch=config.train.micro_batch_size
         )
         memory = estimate_module(shape, model=config.model)
-        ranks = []
-        for rank, gpu in enumerate(gpus[layout.name]):
-            pg, bundle = where[gpu]
-            ranks.append(
-                RankPlan(
-                    rank=rank,
-                    coords=layout.coords(rank),
-                    node=gpu // cluster.gpus_per_node,
-                    gpu=gpu % cluster.gpus_per_node,
-                    global_gpu=gpu,
-                    gpu_fraction=1.0 / len(sharers[gpu]),
-                    placement_group=pg,
-                    bundle_index=bundle,
-                    memory=memory,
-                )
-            )
-            per_gpu[gpu] += memory.total
         groups.append(
-            GroupPlan(
-                name=layout.name,
-                world_size=layout.world_size,
-                mesh=layout.mesh(),
+            _group_plan(
+                layout,
+                memory,
                 param_count=shape.params.total,
-                ranks=tuple(ranks),
+                gpus=gpus[layout.name],
+                sharers=sharers,
+                where=where,
+                gpus_per_node=gpn,
             )
         )
+        for gpu in gpus[layout.name]:
+            per_gpu[gpu] += memory.total
     device_bytes = int(cluster.device_memory_gib * GIB)
     reserve = reserve_bytes(device_bytes)
     devices = tuple(
         DeviceUsage(
             global_gpu=g,
-            node=g // cluster.gpus_per_node,
-            gpu=g % cluster.gpus_per_node,
+            node=g // gpn,
+            gpu=g % gpn,
             groups=tuple(sharers[g]),
             total=per_gpu[g],
             budget=device_bytes - reserve,
