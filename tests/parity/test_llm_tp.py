@@ -58,6 +58,8 @@ def _tp_cases(rank: int, world: int) -> None:
     dist.all_gather(gathered, gin.contiguous())
     for r, g in enumerate(gathered):
         assert torch.equal(g, gin), f"input-embedding grad differs between TP ranks {rank} and {r}"
+    for name, p in tp.named_parameters():  # grads are sharded like their params (no replicated (V, H) grad)
+        assert getattr(p.grad, "placements", None) == getattr(p, "placements", None), name
     assert_grads_match(full_grads(tp), ref_grads, rtol=RTOL, tag=f"tp={world}")
     if world == 4:  # 4 KV heads split 4 ways is fine; 2 KV heads are refused before any forward
         with pytest.raises(PlanError, match="num_key_value_heads=2"):
