@@ -205,7 +205,7 @@ def data_check(
     report = check_data(
         data=cfg.data,
         model=cfg.model,
-        vision_seq_len=cfg.modules["vision"].seq_len,
+        vision_seq_len=cfg.modules["vision"].seq_len if "vision" in cfg.modules else 0,
         llm_seq_len=cfg.modules["llm"].seq_len,
         seed=cfg.train.seed,
     )

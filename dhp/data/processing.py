@@ -95,7 +95,10 @@ def load_image_processor(model_path: str, *, data: DataConfig):
 
 
 def open_image(path: Path, *, loc: str) -> Image.Image:
-    """Open and fully decode ``path`` (a truncated file fails here, not later); RGB conversion is the processor's."""
+    """Open and fully decode ``path`` (a truncated file fails here, not later).
+
+    The mode is left as stored: the image processor converts to RGB (transparency onto white).
+    """
     if not path.is_file():
         raise bad.BadSampleError(
             location=loc,
@@ -106,7 +109,7 @@ def open_image(path: Path, *, loc: str) -> Image.Image:
     try:
         with Image.open(path) as im:
             im.load()
-            return im.copy() if im.mode in ("RGB", "L") else im.convert("RGB")
+            return im.copy()
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
         raise bad.BadSampleError(
             location=loc,
@@ -154,7 +157,15 @@ class SampleProcessor:
             )
         pixel_values = grid = None
         if images:
-            out = self.image_processor(images=images, return_tensors="pt")
+            try:
+                out = self.image_processor(images=images, return_tensors="pt")
+            except (ValueError, OSError, TypeError) as e:
+                raise bad.BadSampleError(
+                    location=loc,
+                    reason=bad.CORRUPT_IMAGE,
+                    detail=f"the image processor rejects {[str(p) for p in record.images]} ({e})",
+                    fix="re-encode the images as RGB JPEG or PNG",
+                ) from e
             pixel_values = out["pixel_values"].to(torch.float32)
             grid = out["image_grid_thw"].to(torch.long)
             if grid.prod(dim=1).tolist() != patches:

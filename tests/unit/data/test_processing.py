@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +183,27 @@ def test_token_ids_must_match_the_tokenizer(tiny_model):
 def test_llava_needs_a_model_path(tiny_model):
     with pytest.raises(ConfigError, match=r"model\.path"):
         _source(replace(tiny_model, path=None), demo_data())
+
+
+def test_transparent_png_is_composited_like_transformers(tiny_model, tmp_path):
+    """skimage's horse.png is RGBA: pixels must equal HF's processor on the original file (exact)."""
+    import skimage
+
+    horse = Path(skimage.__file__).parent / "data" / "horse.png"
+    assert Image.open(horse).mode == "RGBA"
+    shutil.copy(horse, tmp_path / "horse.png")
+    path = _write(
+        tmp_path,
+        [
+            {
+                "image": "horse.png",
+                "conversations": [
+                    {"from": "human", "value": "<image>What is it?"},
+                    {"from": "gpt", "value": "A horse."},
+                ],
+            }
+        ],
+    )
+    src = _source(tiny_model, jsonl_data(path, tmp_path))
+    ref = src.processor.image_processor(images=[Image.open(horse)], return_tensors="pt")
+    assert torch.equal(src.load(0).pixel_values, ref["pixel_values"])

@@ -9,7 +9,7 @@ import pytest
 
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
-from dhp.data.llava import LlavaDataset, resolve_path
+from dhp.data.llava import LlavaDataset, resolve_path, validate_record
 from dhp.errors import DataError
 
 pytestmark = pytest.mark.unit
@@ -133,3 +133,20 @@ def test_pkg_paths_resolve_inside_installed_packages():
     assert (root / "cat.jpg").is_file()
     with pytest.raises(DataError, match="not installed"):
         resolve_path("pkg://no_such_pkg_xyz/a", key="k")
+
+
+def test_shipped_demo_set_is_complete():
+    """>= 12 real photographs, each referenced and captioned; multi-image and text-only samples present."""
+    root = resolve_path("pkg://dhp.data_assets/demo", key="demo")
+    photos = sorted(p.name for p in (root / "images").glob("*.jpg"))
+    captions = json.loads((root / "captions.json").read_text())
+    mixed = [json.loads(line) for line in (root / "mixed.jsonl").read_text().splitlines()]
+    single = {r["image"]: r["conversations"][-1]["value"] for r in captions if r["id"].startswith("caption-")}
+    assert len(photos) >= 12 and sorted(single) == photos  # one written caption per photograph
+    assert all(len(c.split()) >= 20 for c in single.values())  # real sentences, not labels
+    image_lists = [r.get("image") for r in mixed]
+    assert sum(isinstance(i, list) and len(i) >= 2 for i in image_lists) >= 3
+    assert sum(i is None for i in image_lists) >= 3
+    for name, records in (("captions.json", captions), ("mixed.jsonl", mixed)):
+        for i, r in enumerate(records):
+            validate_record(r, location=f"{name}:{i}", image_root=root / "images")
