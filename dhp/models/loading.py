@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dhp.errors import CheckpointError
 from dhp.models.family import ModelFamily
@@ -25,7 +27,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # shard_fn(fqn, param, full) -> the tensor this rank keeps for ``fqn``. ``full`` is safetensors'
-# lazy slice (``full[a:b]``, ``full.get_shape()``) so only the kept rows/columns are read.
+# lazy slice (``full[a:b]``, ``full.get_shape()``) so only the kept rows/columns are read. Without
+# one, ``own_slice`` is used: whole tensors, or a DTensor parameter's local shard.
 ShardFn = Callable[[str, torch.Tensor, Any], torch.Tensor]
 
 
@@ -35,6 +38,19 @@ class LoadReport:
 
     keys_read: tuple[str, ...]
     files_opened: tuple[str, ...]
+
+
+def own_slice(target: torch.Tensor, full: Any) -> torch.Tensor:
+    """Read from the lazy safetensors slice only what ``target`` holds on this rank.
+
+    A plain tensor takes the whole tensor. A DTensor (parameters already distributed, e.g. by TP on
+    the meta device) takes its local shard, located from its mesh and placements: a TP rank reads
+    1/tp of each sharded weight from disk and never materialises the full tensor.
+    """
+    if not isinstance(target, DTensor):
+        return full[:]
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, str]:
@@ -96,7 +112,8 @@ def load_module_weights(
 
     Reads only the checkpoint keys this module owns. Missing or unexpected keys raise a
     CheckpointError listing all of them. Floating tensors are cast to ``dtype`` (from the config).
-    Non-persistent buffers are recomputed by the family; tied parameters are re-tied.
+    Non-persistent buffers are recomputed by the family; tied parameters are re-tied. Parameters that
+    are already DTensors (TP applied on meta) receive only their local shard (see ``own_slice``).
     """
     index = checkpoint_index(model_dir)
     key_of = module_key_map(family, module_name, index, model_dir)
@@ -138,8 +155,8 @@ def _read_into(
                 for fqn in fqns:
                     target = targets[fqn]
                     full = f.get_slice(key_of[fqn])
-                    value = shard_fn(fqn, target, full) if shard_fn is not None else full[:]
-                    local = target.to_local() if hasattr(target, "to_local") else target
+                    value = shard_fn(fqn, target, full) if shard_fn is not None else own_slice(target, full)
+                    local = target._local_tensor if isinstance(target, DTensor) else target
                     if tuple(value.shape) != tuple(local.shape):
                         raise CheckpointError(
                             f"{root / file_name}: {key_of[fqn]} has shape {tuple(value.shape)} but "
