@@ -54,3 +54,34 @@ def load_model_state_dict(
         optim_state_dict=optim_sd if optim_sd is not None else {},
         options=StateDictOptions(full_state_dict=False),
     )
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(module: nn.Module, optimizer: Optimizer | None = None) -> dict[str, int]:
+    """Live bytes THIS rank holds for model states: parameters, gradients, optimizer states (local shards).
+
+    Counts tensor storage only (not allocator caches or RSS); a tensor shared by two parameters counts once.
+    """
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+
+    def add(key: str, t: torch.Tensor) -> None:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[key] += _local_bytes(t)
+
+    for p in module.parameters():
+        add("params", p)
+        if p.grad is not None:
+            add("grads", p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    add("optimizer", v)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out

@@ -28,6 +28,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from dhp.parallel.llm_tp import shifted_ce_sum
 
 IMAGE_TOKEN = 7
+PAD = 0
 VOCAB = 1024
 HIDDEN = 128
 
@@ -43,6 +44,7 @@ def text_config(**over) -> Qwen2_5_VLTextConfig:
         max_position_embeddings=512,
         bos_token_id=None,
         eos_token_id=None,
+        pad_token_id=PAD,  # embed_tokens gets padding_idx=PAD: its row must get no gradient
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )
     kw.update(over)
@@ -115,6 +117,9 @@ def llm_batch(seed: int, *, batch: int = 2, seq: int = 24, n_img: int = 6) -> di
     labels = ids.clone()
     labels[:, : 2 + n_img] = -100
     labels[0, -3:] = -100
+    ids[1, -4:] = PAD  # right padding (labels -100)
+    labels[1, -4:] = -100
+    ids[0, 0] = PAD + 1  # an id in rank 0's vocab range next to the padding row
     embeds = torch.randn(batch * n_img, HIDDEN, generator=g)
     return {"input_ids": ids, "labels": labels, "image_embeds": embeds}
 

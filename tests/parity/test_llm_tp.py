@@ -20,8 +20,11 @@ from parallel_harness import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from dhp.config.schema import ParallelConfig, TrainConfig
 from dhp.errors import PlanError
 from dhp.parallel.llm_tp import apply_tp
+from dhp.parallel.optim import build_optimizer
+from dhp.parallel.state import model_state_bytes
 
 # fp32 on CPU: sharded matmuls and the all-reduces change the summation order only; measured
 # differences are ~1e-7 relative, the contract is <= 1e-5 relative (norm sense) for every tensor.
@@ -35,6 +38,18 @@ def _loss_and_grads(model, batch):
     loss = model(batch["input_ids"], batch["labels"], embeds)
     loss.backward()
     return loss.detach(), embeds.grad
+
+
+def _check_model_state_bytes(ref, tp, world: int) -> None:
+    """Per-rank params + grads + AdamW states at TP=N <= 1.10 x (TP=1) / N (live local tensor bytes)."""
+    train, single = TrainConfig(lr=1e-3), ParallelConfig()
+    mesh = tp.lm_head.weight.device_mesh
+    ref_opt = build_optimizer(ref, mesh, parallel=single, train=train)
+    tp_opt = build_optimizer(tp, mesh, parallel=ParallelConfig(tp=world), train=train)
+    ref_opt.step()
+    tp_opt.step()
+    full, mine = model_state_bytes(ref, ref_opt)["total"], model_state_bytes(tp, tp_opt)["total"]
+    assert mine <= 1.10 * full / world, f"tp={world}: {mine} B per rank vs {full} B at TP=1"
 
 
 def _tp_cases(rank: int, world: int) -> None:
@@ -61,6 +76,7 @@ def _tp_cases(rank: int, world: int) -> None:
     for name, p in tp.named_parameters():  # grads are sharded like their params (no replicated (V, H) grad)
         assert getattr(p.grad, "placements", None) == getattr(p, "placements", None), name
     assert_grads_match(full_grads(tp), ref_grads, rtol=RTOL, tag=f"tp={world}")
+    _check_model_state_bytes(ref, tp, world)
     if world == 4:  # 4 KV heads split 4 ways is fine; 2 KV heads are refused before any forward
         with pytest.raises(PlanError, match="num_key_value_heads=2"):
             apply_tp(build_llm(num_key_value_heads=2), mesh)
