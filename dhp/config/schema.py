@@ -158,8 +158,9 @@ class DataConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
     on_bad_sample: str = "raise"  # raise | skip
-    num_workers: int = 0
+    num_workers: int = 0  # threads that load/process the samples of a step (0: inline)
     shuffle: bool = True
+    prefetch: bool = True  # build step k+1 in a background thread while step k trains
 
 
 @dataclass

@@ -13,7 +13,8 @@ about the same vision tokens on every replica.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dhp.data import bad
@@ -54,6 +55,7 @@ class LoaderSpec:
     shuffle: bool
     seed: int
     num_workers: int = 0
+    prefetch: bool = False
 
     @property
     def num_micro_batches(self) -> int:
@@ -106,6 +108,9 @@ class StepLoader:
         self.epoch_len = len(self._order_of(0))
         if self.epoch_len == 0:
             raise DataError("the configured datasets hold no samples. Fix: check data.datasets")
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dhp-data") if spec.prefetch else None
+        self._pending: Future | None = None
+        self._served = self._snapshot()  # state after the last step handed out
 
     def _order_of(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -162,7 +167,45 @@ class StepLoader:
         return self.next_step()
 
     def next_step(self) -> StepData:
-        """Load, balance and collate the next step's samples."""
+        """The next step's data. With ``prefetch`` it was built in the background during the previous
+        step, and the step after it starts building now (errors surface when their step is asked for).
+        """
+        if self._prefetcher is None:
+            data, self._served = self._produce()
+            return data
+        if self._pending is None:
+            self._pending = self._prefetcher.submit(self._produce)
+        try:
+            data, self._served = self._pending.result()
+        finally:
+            self._pending = None
+        self._pending = self._prefetcher.submit(self._produce)
+        return data
+
+    def _produce(self) -> tuple[StepData, dict]:
+        data = self._build_step()
+        return data, self._snapshot()
+
+    def _drain(self) -> None:
+        """Wait for and drop a step being prefetched, and rewind the stream to the last step served,
+        so the dropped step is built again when asked for (nothing is skipped)."""
+        if self._pending is None:
+            return
+        self._pending.exception()  # waits; its error (if any) belongs to a step never asked for
+        self._pending = None
+        self.position = int(self._served["position"])
+        self.step = int(self._served["step"])
+        self.bad_log.load_state_dict(self._served["bad"])
+
+    def close(self) -> None:
+        """Stop prefetching (waits for a step in flight). The loader can still be used inline after."""
+        self._drain()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown()
+            self._prefetcher = None
+
+    def _build_step(self) -> StepData:
+        """Load, balance and collate the next step's samples (advances the stream)."""
         spec = self.spec
         samples = self._take(spec.global_batch_size)
         slots = balance(
@@ -194,14 +237,25 @@ class StepLoader:
         """What must match for a saved position to mean the same samples."""
         return {"num_samples": len(self.source), "epoch_len": self.epoch_len, "seed": self.spec.seed}
 
-    def state_dict(self) -> dict:
-        """JSON-able resume state: stream position, step, skip counts, and the data fingerprint."""
+    def served_bad_log(self) -> bad.BadSampleLog:
+        """Skipped samples up to the last step handed out (not counting a step being prefetched):
+        ``.metrics()`` for metrics.jsonl, ``.summary()`` for the end-of-run summary."""
+        log = bad.BadSampleLog()
+        log.load_state_dict(self._served["bad"])
+        return log
+
+    def _snapshot(self) -> dict:
         return {
             "position": self.position,
             "step": self.step,
             "fingerprint": self.fingerprint(),
             "bad": self.bad_log.state_dict(),
         }
+
+    def state_dict(self) -> dict:
+        """JSON-able resume state after the last step handed out (a prefetched step is not counted):
+        stream position, step, skip counts, and the data fingerprint."""
+        return copy.deepcopy(self._served)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved position; raises ``DataError`` if the datasets or seed changed."""
@@ -210,9 +264,11 @@ class StepLoader:
                 f"cannot resume the data position: saved for {state['fingerprint']}, the configured data is "
                 f"{self.fingerprint()}. Fix: resume with the same datasets, weights and train.seed"
             )
+        self._drain()
         self.position = int(state["position"])
         self.step = int(state["step"])
         self.bad_log.load_state_dict(state["bad"])
+        self._served = self._snapshot()
 
 
 def balance(samples: list[Sample], *, num_slots: int, slot_size: int) -> list[list[int]]:
@@ -261,5 +317,6 @@ def build_loader(
         shuffle=data.shuffle,
         seed=train.seed,
         num_workers=data.num_workers,
+        prefetch=data.prefetch,
     )
     return StepLoader(source=source, sizes=sizes, weights=weights, spec=spec)

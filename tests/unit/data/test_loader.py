@@ -197,10 +197,11 @@ def test_skip_policy_counts_by_reason_and_loses_nothing_else(tiny_model, demo_co
         "unknown_keys": 1,
         "malformed_record": 1,
     }
-    metrics = loader.bad_log.metrics()
+    log = loader.served_bad_log()  # up to step 3, whatever the prefetch thread has read since
+    metrics = log.metrics()
     assert metrics["data/bad/total"] == 5 and metrics["data/bad/corrupt_image"] == 1
-    assert f"{path}:8" in loader.bad_log.examples["corrupt_image"][0]
-    assert "missing_file: 2" in loader.bad_log.summary()
+    assert f"{path}:8" in log.examples["corrupt_image"][0]
+    assert "missing_file: 2" in log.summary()
     state = loader.state_dict()
     assert state["bad"]["counts"]["unknown_keys"] == 1
 
@@ -213,11 +214,15 @@ def test_all_bad_under_skip_is_an_error_not_a_hang(tiny_model, tmp_path):
         next(loader)
 
 
-def test_workers_give_the_same_batches(tiny_model):
-    a = _loader(tiny_model, demo_data(), dp=2, gbs=4)
-    b = _loader(tiny_model, demo_data(num_workers=2), dp=2, gbs=4)
+def test_workers_and_prefetch_give_the_same_batches_and_state(tiny_model):
+    a = _loader(tiny_model, demo_data(prefetch=False), dp=2, gbs=4)
+    b = _loader(tiny_model, demo_data(num_workers=2, prefetch=True), dp=2, gbs=4)
     for _ in range(2):
         assert _same(next(a), next(b))
+        assert a.state_dict() == b.state_dict()  # the prefetched step is not in the saved position
+    assert b.state_dict()["position"] == 8 and b.position == 12  # one step built ahead
+    b.close()
+    assert _same(next(a), next(b))  # after close(): inline, same stream
 
 
 def test_synthetic_loader_and_mixing_weights(tiny_model):
