@@ -21,11 +21,13 @@ Sharding of model states on one rank, with P the module's parameters (``params.p
 Activations (bytes of the compute dtype ``a``: 2 for bf16 policies, 4 for fp32), per token and
 per layer for a pre-norm transformer with SwiGLU MLP, h hidden, m MLP, kv the K/V width:
 
-    per_layer = 4h + (3h + 3kv)/tp + 4m/tp
+    per_layer = 4h + (4h + 3kv)/tp + 4m/tp
       4h:   inputs and outputs of the two RMSNorms (kept for their backward), not TP-sharded
-      3h/tp + 3kv/tp: q, k, v after projection and after rotary (q, k), and the attention
-            output that feeds o_proj; sdpa/flash keep only O(S) softmax statistics
+      (4h + 3kv)/tp: q, k, v and the rotary q, k that attention keeps, its output, and the
+            contiguous copy of it that feeds o_proj; sdpa/flash keep only O(S) softmax statistics
       4m/tp: gate, up, act(gate), act(gate)*up (the input of down_proj)
+    Calibrated against the tensors autograd actually saves in transformers' Qwen2.5-VL on CPU
+    (tests/unit/plan/test_activation_calibration.py: within 10% for the LLM and the encoder).
     eager attention adds 2 * heads/(tp*sp) * S_attn^2 per sequence (scores and probabilities)
 
     no activation checkpointing: tokens * L * per_layer * a
@@ -106,7 +108,7 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
 
 def _per_layer_elems(layer: LayerShape, tp: int) -> float:
     h, m, kv = layer.hidden, layer.mlp, layer.kv_dim
-    return 4 * h + (3 * h + 3 * kv) / tp + 4 * m / tp
+    return 4 * h + (4 * h + 3 * kv) / tp + 4 * m / tp
 
 
 def _layers_bytes(shape: ModuleShape, tokens: float, a: int) -> int:

@@ -171,7 +171,7 @@ def test_sp_trains_longer_images_than_zero3() -> None:
         return compile_plan(load_config(recipe, ov)).fits
 
     assert fits("qwen_vl_32b", 16384) and not fits("qwen_vl_32b_zero3", 16384)
-    assert fits("qwen_vl_32b_zero3", 4096)
+    assert fits("qwen_vl_32b_zero3", 2048)  # ZeRO-3 only trains short images
 
 
 def test_collocated_totals_add_up_per_gpu() -> None:

@@ -1,0 +1,129 @@
+"""Calibrate the activation formulas against what autograd really saves in transformers' model.
+
+A ``saved_tensors_hooks`` pack hook records every tensor autograd keeps for backward during one
+forward of the real Qwen2.5-VL modules (fp32, sdpa, CPU); parameters are excluded and storages
+are counted once. The planner's estimate for the same shapes must agree within 10%: it is a
+planning model, so a tighter bound would pin incidental details of transformers' code.
+"""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from dhp.plan.memory import llm_activations, module_shape, vision_activations
+
+pytestmark = pytest.mark.unit
+
+TOLERANCE = 0.10  # relative; see the module docstring
+ARCH = {
+    "vision": {
+        "depth": 4,
+        "hidden_size": 128,
+        "num_heads": 4,
+        "intermediate_size": 344,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "in_channels": 3,
+        "fullatt_block_indexes": [1, 3],
+    },
+    "llm": {
+        "hidden_size": 256,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 688,
+        "vocab_size": 1024,
+        "tie_word_embeddings": False,
+        "mrope_section": [8, 12, 12],
+        "max_position_embeddings": 4096,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    v, t = ARCH["vision"], ARCH["llm"]
+    cfg = Qwen2_5_VLConfig(
+        vision_config={**v, "out_hidden_size": t["hidden_size"]},
+        text_config={
+            "hidden_size": t["hidden_size"],
+            "num_hidden_layers": t["num_layers"],
+            "num_attention_heads": t["num_heads"],
+            "num_key_value_heads": t["num_kv_heads"],
+            "intermediate_size": t["intermediate_size"],
+            "vocab_size": t["vocab_size"],
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": t["mrope_section"],
+                "rope_theta": 1e6,
+            },
+        },
+        attn_implementation="sdpa",
+    )
+    return Qwen2_5_VLForConditionalGeneration(cfg).float()
+
+
+def _saved_bytes(model, run) -> int:
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def _shape(name: str, seq_len: int):
+    model = OmegaConf.create({"attn_implementation": "sdpa", "vision": ARCH["vision"], "llm": ARCH["llm"]})
+    module = OmegaConf.create(
+        {
+            "parallel": {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0},
+            "seq_len": seq_len,
+            "activation_checkpointing": False,
+            "freeze": False,
+            "mixed_precision": "fp32",
+        }
+    )
+    return model, module_shape(name, model=model, module=module, micro_batch=1)
+
+
+def test_llm_layers_match_saved_tensors(hf_model) -> None:
+    import torch
+
+    seq = 512
+    lm = hf_model.model.language_model
+    embeds = torch.randn(1, seq, ARCH["llm"]["hidden_size"], requires_grad=True)
+    positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
+    measured = _saved_bytes(hf_model, lambda: lm(inputs_embeds=embeds, position_ids=positions))
+    model, shape = _shape("llm", seq)
+    detail = llm_activations(shape, model.llm)
+    estimate = detail["layers"] + detail["final_norm"]
+    assert estimate == pytest.approx(measured, rel=TOLERANCE)
+
+
+def test_vision_encoder_matches_saved_tensors(hf_model) -> None:
+    import torch
+
+    grid = torch.tensor([[1, 32, 32]])  # one 448x448 image: 1024 patches, 16 windows of 64
+    pixels = torch.randn(1024, 3 * 2 * 14 * 14)
+    measured = _saved_bytes(hf_model, lambda: hf_model.model.visual(pixels, grid_thw=grid))
+    model, shape = _shape("vision", 1024)
+    estimate = sum(vision_activations(shape, model.vision, out_hidden=ARCH["llm"]["hidden_size"]).values())
+    assert estimate == pytest.approx(measured, rel=TOLERANCE)
