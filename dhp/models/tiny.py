@@ -120,10 +120,12 @@ def make_tiny_checkpoint(
     image_processor.save_pretrained(out)  # preprocessor_config.json, for tools that read it alone
     # A standard HF directory: AutoProcessor resolves the stock class (it needs torchvision for
     # its video part); dhp.models.load_processor needs nothing more than what is written here.
-    proc_file = out / "processor_config.json"
-    proc_cfg = json.loads(proc_file.read_text())
-    proc_cfg["processor_class"] = "Qwen2_5_VLProcessor"
-    proc_file.write_text(json.dumps(proc_cfg, indent=2) + "\n")
+    for name in ("processor_config.json", "tokenizer_config.json", "preprocessor_config.json"):
+        cfg_file = out / name
+        cfg = json.loads(cfg_file.read_text())
+        if "processor_class" in cfg:
+            cfg["processor_class"] = "Qwen2_5_VLProcessor"
+            cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
     _check_token_ids(tokenizer, model_cfg)
     return out
 

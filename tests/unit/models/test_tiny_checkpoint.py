@@ -45,6 +45,8 @@ def test_directory_is_complete(tiny_dir, tiny_sharded_dir):
     assert len(set(index["weight_map"].values())) >= 3
     assert not (tiny_sharded_dir / "model.safetensors").exists()
     assert AutoConfig.from_pretrained(tiny_dir).model_type == "qwen2_5_vl"
+    for f in tiny_dir.glob("*.json"):  # a standard HF directory: only stock transformers class names
+        assert "ImageTextProcessor" not in f.read_text(), f.name
 
 
 def test_same_seed_same_weights_and_sharding_does_not_change_them(tiny_dir, tiny_sharded_dir):
