@@ -135,7 +135,7 @@ class Trainer:
             for g in self.groups.values():
                 g.call("zero_grads")
             raise RuntimeFailure(
-                f"step {data.step}: non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} "
+                f"step {data.step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} "
                 f"(loss={loss}, grad_norm={norm}); the update was not applied. Samples: "
                 f"{[sid for mb in data.micro_batches for b in mb for sid in b.sample_ids]}. Fix: lower "
                 "train.lr, check the data, or use fp32 (model.dtype=float32) to find the overflow."
