@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import Qwen2_5_VLConfig
 
+from dhp.models.family import ModelFamily
 from dhp.models.qwen2_5_vl.checks import image_token_counts
 
 IGNORE_INDEX = -100
 
 
 def tiny_vl_batch(
-    hf_config,
+    hf_config: Qwen2_5_VLConfig,
     *,
     images: list[list[tuple[int, int]]],
     text_lens: list[int],
@@ -77,7 +79,7 @@ def reference_step(ref: nn.Module, batch: dict[str, object]) -> tuple[torch.Tens
 
 
 def split_step(
-    family, vision: nn.Module | None, llm: nn.Module, batch: dict[str, object]
+    family: ModelFamily, vision: nn.Module | None, llm: nn.Module, batch: dict[str, object]
 ) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
     """loss_sum/num_tokens and ``{module: {fqn: grad}}`` through the cut, as the runtime runs it.
 
@@ -110,7 +112,9 @@ def split_step(
     return loss.detach(), grads
 
 
-def modules_from_reference(family, ref: nn.Module, hf_config, *, device: str = "cpu") -> dict[str, nn.Module]:
+def modules_from_reference(
+    family: ModelFamily, ref: nn.Module, hf_config: Qwen2_5_VLConfig, *, device: str = "cpu"
+) -> dict[str, nn.Module]:
     """Build each module on meta and copy the reference's weights into it (strict): ``{name: module}``."""
     parts = family.split_state_dict(ref.state_dict())
     modules = {}
