@@ -316,11 +316,12 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
             f"set it >= {need}",
         )
     if "llm" in mods:
-        need = syn.patches // unit * syn.images_per_sample + syn.text_tokens
+        # each image: its merged tokens between <|vision_start|> and <|vision_end|>
+        need = (syn.patches // unit + 2) * syn.images_per_sample + syn.text_tokens
         issues.check(
             need <= mods.llm.seq_len,
             "modules.llm.seq_len",
             mods.llm.seq_len,
-            f"a synthetic sample has {need} tokens",
+            f"a synthetic sample has {need} tokens (image tokens + 2 markers per image + text)",
             f"set it >= {need}",
         )
