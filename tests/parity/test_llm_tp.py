@@ -77,9 +77,42 @@ def _tp_cases(rank: int, world: int) -> None:
         assert getattr(p.grad, "placements", None) == getattr(p, "placements", None), name
     assert_grads_match(full_grads(tp), ref_grads, rtol=RTOL, tag=f"tp={world}")
     _check_model_state_bytes(ref, tp, world)
+    if world == 2:
+        _real_module_case(world, mesh)
     if world == 4:  # 4 KV heads split 4 ways is fine; 2 KV heads are refused before any forward
         with pytest.raises(PlanError, match="num_key_value_heads=2"):
             apply_tp(build_llm(num_key_value_heads=2), mesh)
+
+
+def _real_module_case(world: int, mesh) -> None:
+    """dhp.models' own LLMModule (M-RoPE from mm_token_type_ids, attention mask, right padding) under TP."""
+    from dhp.models import get_family
+    from dhp.models.testing import tiny_vl_batch
+
+    family = get_family("qwen2_5_vl")
+    hf = family.hf_config(family.tiny_model_config())
+    batch = tiny_vl_batch(hf, images=[[(4, 8)], [(4, 4), (2, 4)]], text_lens=[5, 9], seed=3)
+    del batch["pixel_values"]
+    n_img = int((batch["input_ids"] == hf.image_token_id).sum())
+    embeds = torch.randn(n_img, hf.text_config.hidden_size, generator=torch.Generator().manual_seed(4))
+
+    def run(module):
+        leaf = embeds.clone().requires_grad_(True)
+        out = module(**batch, image_embeds=leaf)
+        out.loss_sum.backward()
+        return out.loss_sum.detach(), leaf.grad
+
+    torch.manual_seed(0)
+    ref = family.build_module("llm", hf, device="cpu", dtype=torch.float32)
+    torch.manual_seed(0)
+    tp = apply_tp(family.build_module("llm", hf, device="cpu", dtype=torch.float32), mesh)
+    ref_loss, ref_gin = run(ref)
+    loss, gin = run(tp)
+    assert_rel_close(loss, ref_loss, rtol=RTOL, name=f"LLMModule tp={world} loss")
+    assert_rel_close(gin, ref_gin, rtol=RTOL, name=f"LLMModule tp={world} d/d image_embeds")
+    assert_grads_match(
+        full_grads(tp), {k: p.grad for k, p in ref.named_parameters()}, rtol=RTOL, tag="LLMModule"
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
