@@ -17,6 +17,7 @@ import copy
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dhp.config.schema import DataConfig, ModelConfig, TrainConfig
 from dhp.data import bad
 from dhp.data.batch import Sample, VLBatch, collate
 from dhp.data.source import SampleSource, epoch_order
@@ -290,9 +291,9 @@ def balance(samples: list[Sample], *, num_slots: int, slot_size: int) -> list[li
 
 def build_loader(
     *,
-    data,
-    model,
-    train,
+    data: DataConfig,
+    model: ModelConfig,
+    train: TrainConfig,
     dp_size: int,
     vision_seq_len: int,
     llm_seq_len: int,
