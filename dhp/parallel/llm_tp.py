@@ -191,9 +191,9 @@ def apply_tp(
 ) -> nn.Module:
     """Shard the LLM module in place over the 1-D TP ``mesh`` by ``spec`` (default :func:`llm_tp_plan`).
 
-    Checks divisibility (and refuses tied embeddings) first with PlanError, distributes the matched
-    weights as DTensors (each rank keeps 1/N of them) and swaps ``module.loss_fn`` for the
-    vocab-parallel loss.
+    Checks divisibility first (PlanError), distributes the matched weights as DTensors (each rank keeps
+    1/N of them), swaps ``module.loss_fn`` for the vocab-parallel loss, and re-ties ``lm_head.weight``
+    to ``embed_tokens.weight`` when they were tied (both ``Shard(0)`` of the one (V, H) table).
     """
     cfg = _text_config(module)
     tp = mesh.size()
@@ -204,11 +204,9 @@ def apply_tp(
         intermediate_size=cfg.intermediate_size,
         tp=tp,
     )
-    if module.lm_head.weight is module.language_model.embed_tokens.weight:
-        raise PlanError(
-            "LLM TP with tie_word_embeddings=true is not supported yet (the tied (V, H) table would be "
-            "sharded twice). Fix: untie the lm_head, or use fsdp for this model."
-        )
+    tied = module.lm_head.weight is module.language_model.embed_tokens.weight
     parallelize_module(module, mesh, dict(spec) if spec is not None else llm_tp_plan())
+    if tied:  # both styles shard the (V, H) table as Shard(0): share the one DTensor parameter again
+        module.lm_head.weight = module.language_model.embed_tokens.weight
     module.loss_fn = partial(vocab_parallel_loss_sum, mesh=mesh)
     return module

@@ -7,6 +7,8 @@ image embeddings, which must also be identical on every TP rank (the lm_head/emb
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,19 +80,23 @@ def _tp_cases(rank: int, world: int) -> None:
     assert_grads_match(full_grads(tp), ref_grads, rtol=RTOL, tag=f"tp={world}")
     _check_model_state_bytes(ref, tp, world)
     if world == 2:
-        _real_module_case(world, mesh)
+        _real_module_case(world, mesh, tied=False)
+        _real_module_case(world, mesh, tied=True)
     if world == 4:  # 4 KV heads split 4 ways is fine; 2 KV heads are refused before any forward
         with pytest.raises(PlanError, match="num_key_value_heads=2"):
             apply_tp(build_llm(num_key_value_heads=2), mesh)
 
 
-def _real_module_case(world: int, mesh) -> None:
-    """dhp.models' own LLMModule (M-RoPE from mm_token_type_ids, attention mask, right padding) under TP."""
+def _real_module_case(world: int, mesh, *, tied: bool) -> None:
+    """dhp.models' own LLMModule (M-RoPE from mm_token_type_ids, attention mask, right padding) under TP;
+    ``tied``: tie_word_embeddings (Qwen2.5-VL-3B), one (V, H) table used by embed_tokens and lm_head."""
     from dhp.models import get_family
     from dhp.models.testing import tiny_vl_batch
 
     family = get_family("qwen2_5_vl")
-    hf = family.hf_config(family.tiny_model_config())
+    cfg = family.tiny_model_config()
+    cfg = dataclasses.replace(cfg, llm=dataclasses.replace(cfg.llm, tie_word_embeddings=tied))
+    hf = family.hf_config(cfg)
     batch = tiny_vl_batch(hf, images=[[(4, 8)], [(4, 4), (2, 4)]], text_lens=[5, 9], seed=3)
     del batch["pixel_values"]
     n_img = int((batch["input_ids"] == hf.image_token_id).sum())
@@ -106,6 +112,7 @@ def _real_module_case(world: int, mesh) -> None:
     ref = family.build_module("llm", hf, device="cpu", dtype=torch.float32)
     torch.manual_seed(0)
     tp = apply_tp(family.build_module("llm", hf, device="cpu", dtype=torch.float32), mesh)
+    assert (tp.lm_head.weight is tp.language_model.embed_tokens.weight) == tied
     ref_loss, ref_gin = run(ref)
     loss, gin = run(tp)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name=f"LLMModule tp={world} loss")
