@@ -13,7 +13,7 @@ from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import apply_tp, llm_tp_plan, shifted_ce_sum, vocab_parallel_loss_sum
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
-from dhp.parallel.state import full_grad_dict, full_param_dict, load_model_state_dict, model_state_dict
+from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
 
 __all__ = [
@@ -40,8 +40,7 @@ __all__ = [
     "gather_vision_output",
     "grad_norm_sq",
     "llm_tp_plan",
-    "load_model_state_dict",
-    "model_state_dict",
+    "model_state_bytes",
     "parallelize",
     "partition_params",
     "reduce_sp_grads",

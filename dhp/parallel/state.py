@@ -1,4 +1,7 @@
-"""Model/optimizer state across placements: full tensors for parity/verify, DCP state dicts for checkpoints.
+"""Model/optimizer state across placements: full tensors for parity/verify, and live model-state bytes.
+
+DCP save/load (``get_state_dict``/``set_state_dict``, resharding across TP/FSDP/ZeRO-1) lives in
+``dhp.checkpoint.module_state``; it works on the modules and optimizers built here unchanged.
 
 Every function here that touches a DTensor (TP shards, FSDP2 shards) is a collective over the module's
 group: call it on every rank, in the same order. Full tensors are materialised in host memory only for
@@ -10,11 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -34,26 +32,6 @@ def full_grad_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def full_param_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """{param FQN: full fp32 CPU parameter} for every parameter (collective)."""
     return {name: _full(p) for name, p in module.named_parameters()}
-
-
-def model_state_dict(module: nn.Module, optimizer: Optimizer | None = None) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts of DTensor shards for DCP; FQNs are the unwrapped module's."""
-    optims = [] if optimizer is None else [optimizer]
-    return get_state_dict(module, optims, options=StateDictOptions(full_state_dict=False))
-
-
-def load_model_state_dict(
-    module: nn.Module, optimizer: Optimizer | None, *, model_sd: dict, optim_sd: dict | None
-) -> None:
-    """Load DCP-shaped state dicts (as returned by :func:`model_state_dict`) into this placement."""
-    optims = [] if optimizer is None else [optimizer]
-    set_state_dict(
-        module,
-        optims,
-        model_state_dict=model_sd,
-        optim_state_dict=optim_sd if optim_sd is not None else {},
-        options=StateDictOptions(full_state_dict=False),
-    )
 
 
 def _local_bytes(t: torch.Tensor) -> int:

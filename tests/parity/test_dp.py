@@ -6,6 +6,8 @@ different halves of a batch must give exactly the single-process gradients of th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -81,9 +83,34 @@ def _check_zero1(mesh, parallel: ParallelConfig, model) -> None:
     assert held <= 0.6 * total, f"ZeRO-1 rank holds {held:.0f} of {total} state elements (want ~1/2)"
     zero.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    return zero
 
 
-def _dp2_cases(rank: int, world: int) -> None:
+def _check_zero1_checkpoint(mesh, parallel: ParallelConfig, model, zero, path: Path) -> None:
+    """The checkpoint layer's DCP save/load round-trips a ZeRO-1 optimizer: each rank gets its own states."""
+    from dhp.checkpoint.module_state import load_module_state, save_module_state
+
+    save_module_state(path, model=model, optimizer=zero, extra=None)
+    zparallel = ParallelConfig(**{**parallel.__dict__, "zero": 1})
+    fresh = parallelize(
+        "llm",
+        build_llm(seed=7),
+        mesh,
+        parallel=zparallel,
+        activation_checkpointing=False,
+        mixed_precision="fp32",
+    )
+    opt = build_optimizer(fresh, mesh, parallel=zparallel, train=TRAIN)
+    load_module_state(path, model=fresh, optimizer=opt)
+    by_name = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(local(p), local(by_name[name])), name
+        if p in zero.state:
+            assert torch.equal(zero.state[p]["exp_avg"], opt.state[by_name[name]]["exp_avg"]), name
+    assert len(opt.state) == len(zero.state)
+
+
+def _dp2_cases(rank: int, world: int, path: str) -> None:
     batch = llm_batch(seed=4, batch=4)
     ref_loss, ref_gin, ref_grads = _reference(batch, int((batch["labels"][:, 1:] != -100).sum()))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
@@ -98,11 +125,12 @@ def _dp2_cases(rank: int, world: int) -> None:
     nbytes = 4 * sum(p.numel() for p in model.parameters())
     assert comm["llm/all_reduce"].payload_bytes == nbytes, comm
     assert comm["llm/all_reduce"].wire_bytes == pytest.approx(nbytes * 2 * (2 - 1) / 2)
-    _check_zero1(mesh, parallel, model)
+    zero = _check_zero1(mesh, parallel, model)
+    _check_zero1_checkpoint(mesh, parallel, model, zero, Path(path))
 
 
-def test_dp2_halves_equal_whole_batch_and_zero1() -> None:
-    spawn(_dp2_cases, 2)
+def test_dp2_halves_equal_whole_batch_and_zero1(tmp_path: Path) -> None:
+    spawn(_dp2_cases, 2, str(tmp_path / "ckpt"))
 
 
 def _dp_tp_cases(rank: int, world: int) -> None:
