@@ -15,6 +15,7 @@ from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, gra
 from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
+from dhp.parallel.vision_tp import apply_vision_tp, vision_tp_plan
 
 __all__ = [
     "MODULE_PLANS",
@@ -32,6 +33,7 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "apply_ulysses_sp",
+    "apply_vision_tp",
     "build_optimizer",
     "clip_grads_",
     "finalize_grads",
@@ -46,5 +48,6 @@ __all__ = [
     "reduce_sp_grads",
     "shard_vision_batch",
     "shifted_ce_sum",
+    "vision_tp_plan",
     "vocab_parallel_loss_sum",
 ]
