@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dhp.config.schema import ParallelConfig, TrainConfig
 from dhp.errors import PlanError
+from dhp.parallel.comm import CommCounter
 from dhp.parallel.llm_tp import apply_tp
 from dhp.parallel.optim import build_optimizer
 from dhp.parallel.state import model_state_bytes
@@ -67,7 +68,14 @@ def _tp_cases(rank: int, world: int) -> None:
     assert local.shape[0] == 256 // world
     widths = []
     tp.lm_head.register_forward_hook(lambda m, i, o: widths.append(o.shape[-1]))
-    loss, gin = _loss_and_grads(tp, batch)
+    counter = CommCounter("llm")
+    with counter:
+        loss, gin = _loss_and_grads(tp, batch)
+    comm = counter.step()
+    # TP only all-reduces (hidden states, input grads, loss_parallel's max/sum-exp/target terms):
+    # nothing is all-gathered, in particular never the (B, S, V) logits
+    assert set(comm) == {"llm/all_reduce"}, comm
+    assert comm["llm/all_reduce"].calls >= 2 * 2 + 1, comm  # >= o_proj + down_proj per layer + embedding
     assert widths == [1024 // world], f"lm_head output is not the local vocab shard: {widths}"
     assert_rel_close(loss, ref_loss, rtol=RTOL, name=f"tp={world} loss")
     assert_rel_close(gin, ref_gin, rtol=RTOL, name=f"tp={world} d loss / d image_embeds")
