@@ -52,7 +52,11 @@ def validate_tokens(model: DictConfig, issues: Issues) -> None:
 def _read_config_json(path: Path, issues: Issues) -> dict | None:
     if not path.is_dir():
         issues.add(
-            "model.path", str(path), "not a directory", "point model.path at a local HF model directory"
+            "model.path",
+            str(path),
+            "not a directory",
+            "point model.path at a local HF model directory (the tiny one: "
+            "python scripts/make_tiny_checkpoint.py --out DIR, as `make demo` does), or model.path=null",
         )
         return None
     cfg_file = path / "config.json"

@@ -287,10 +287,27 @@ def validate_data(cfg: DictConfig, issues: Issues) -> None:
         )
         for i, ds in enumerate(data.datasets):
             issues.check(ds.weight > 0, f"data.datasets.{i}.weight", ds.weight, "must be > 0", "e.g. 1.0")
+        _validate_image_fits(cfg, issues)
         return
     syn = data.synthetic
     issues.positive(syn, "data.synthetic", ["num_samples", "patches", "images_per_sample", "text_tokens"])
     _validate_synthetic_lengths(cfg, issues)
+
+
+def _validate_image_fits(cfg: DictConfig, issues: Issues) -> None:
+    """One image at data.max_pixels must fit the encoder's micro-batch, or every large image fails."""
+    v = cfg.model.vision
+    if "vision" not in cfg.modules or v.patch_size <= 0 or cfg.data.max_pixels <= 0:
+        return
+    patches = cfg.data.max_pixels // (v.patch_size**2)
+    seq = cfg.modules.vision.seq_len
+    issues.check(
+        patches <= seq,
+        "modules.vision.seq_len",
+        seq,
+        f"one image at data.max_pixels={cfg.data.max_pixels} has about {patches} patches",
+        f"raise it to at least {patches} (times images per micro-batch), or lower data.max_pixels",
+    )
 
 
 def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:

@@ -105,6 +105,7 @@ MALFORMED = [
     ),
     ("qwen_vl_32b", ["model.llm.mrope_section=[16,24,16]"], "model.llm.mrope_section", "head_dim/2"),
     ("qwen_vl_32b", ["data.kind=llava"], "data.datasets", "at least one dataset"),
+    ("tiny_vlm", ["data=demo"], "modules.vision.seq_len", "data.max_pixels"),
     ("qwen_vl_32b", ["data.kind=webdataset"], "data.kind", "unknown value"),
     ("qwen_vl_32b", ["data.synthetic.patches=5000"], "modules.vision.seq_len", "patches"),
     ("qwen_vl_32b", ["train.betas=[0.9]"], "train.betas", "two numbers"),

@@ -24,7 +24,7 @@ def test_required_recipes_exist_with_descriptions() -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_loads_frozen(recipe: str) -> None:
-    cfg = load_config(recipe, [])
+    cfg = load_config(recipe, ["model.path=null"])  # tiny_vlm_demo's weights are written by `make demo`
     assert cfg.name == recipe
     assert OmegaConf.is_readonly(cfg)
     with pytest.raises(Exception, match="read-only"):
@@ -60,7 +60,7 @@ def _axes(cfg) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
-    full = load_config(recipe, [])
+    full = load_config(recipe, ["model.path=null"])
     smoke = load_config(recipe, [], smoke=True)  # validates
     assert smoke.cluster.name == "local_cpu" and smoke.cluster.device == "cpu"
     assert smoke.model.name == "tiny" and smoke.model.family == full.model.family
