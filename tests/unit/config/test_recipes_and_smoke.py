@@ -89,6 +89,7 @@ def test_smoke_is_pure() -> None:
 
 def test_smoke_drops_dp_first_when_too_wide() -> None:
     cfg = load_config("qwen_vl_72b", ["placement=disaggregated", "cluster.nodes=4"], smoke=True)
-    par = cfg.modules.llm.parallel
-    assert (par.tp, par.fsdp) == (2, 2) or (par.tp, par.fsdp, cfg.modules.vision.parallel.dp) == (2, 1, 1)
-    assert cfg.modules.vision.gpus + cfg.modules.llm.gpus <= 4
+    # vision dp2 x sp2 (4) + llm fsdp2 x tp2 (4) = 8 ranks > 4: dp goes first, then fsdp
+    vision, llm = cfg.modules.vision.parallel, cfg.modules.llm.parallel
+    assert (vision.dp, vision.sp, llm.fsdp, llm.tp) == (1, 2, 1, 2)
+    assert cfg.modules.vision.gpus + cfg.modules.llm.gpus == 4
