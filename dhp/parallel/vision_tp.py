@@ -8,7 +8,8 @@ Placement after :func:`apply_vision_tp` on a TP group of N ranks:
   runs unchanged on the local heads;
 - ``blocks.*.attn.proj``, ``blocks.*.mlp.down_proj``, ``merger.mlp.2``: row-parallel (``Shard(1)``), output
   all-reduced to a replicated hidden state;
-- ``blocks.*.mlp.{gate,up}_proj``, ``merger.mlp.0``: column-parallel (``Shard(0)``);
+- ``blocks.*.mlp.{gate,up}_proj``, ``merger.mlp.0``: column-parallel (``Shard(0)``); the MLP width may be
+  uneven across ranks (torch.chunk sizes), e.g. Qwen2.5-VL's 3420 at TP=8, see :class:`UnevenRowwiseParallel`;
 - ``patch_embed`` (a Conv3d), norms and ``merger.ln_q``: replicated; their inputs' gradients are
   all-reduced by the column-parallel styles, so their grads are complete and identical on every rank.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -66,6 +68,24 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local()
 
 
+class UnevenRowwiseParallel(RowwiseParallel):
+    """Row-parallel Linear whose input features may not divide by N (torch.chunk sizes: ceil, last smaller).
+
+    The stock style infers the input's global width as ``local * N``, which is wrong for uneven shards;
+    here the global shape comes from the (already distributed) weight, so e.g. the encoder MLP width
+    3420 runs at TP=8 (seven ranks 428, one 424). Output: all-reduced, replicated.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return x
+        shape = torch.Size((*x.shape[:-1], mod.weight.shape[1]))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=shape, stride=stride)
+
+
 def vision_tp_plan() -> dict[str, ParallelStyle]:
     """The encoder TP plan: module FQN glob -> DTensor style (one FQN atom per ``*``).
 
@@ -77,17 +97,19 @@ def vision_tp_plan() -> dict[str, ParallelStyle]:
         "visual.blocks.*.attn.proj": RowwiseParallel(),
         "visual.blocks.*.mlp.gate_proj": ColwiseParallel(),
         "visual.blocks.*.mlp.up_proj": ColwiseParallel(),
-        "visual.blocks.*.mlp.down_proj": RowwiseParallel(),
+        "visual.blocks.*.mlp.down_proj": UnevenRowwiseParallel(),
         "visual.merger.mlp.0": ColwiseParallel(),
         "visual.merger.mlp.2": RowwiseParallel(),
     }
 
 
-def check_vision_tp_divisibility(
-    *, num_heads: int, intermediate_size: int, merger_hidden: int, tp: int
-) -> None:
-    """Raise ConfigError (before any forward) when ``tp`` does not divide a sharded encoder dimension."""
-    dims = {"num_heads": num_heads, "intermediate_size": intermediate_size, "merger hidden": merger_hidden}
+def check_vision_tp_divisibility(*, num_heads: int, merger_hidden: int, tp: int) -> None:
+    """Raise ConfigError (before any forward) when ``tp`` does not divide a sharded encoder dimension.
+
+    The MLP width need not divide (uneven shards, :class:`UnevenRowwiseParallel`); heads and the merger
+    width must.
+    """
+    dims = {"num_heads": num_heads, "merger hidden": merger_hidden}
     issues = [
         ConfigIssue(
             "modules.vision.parallel.tp", tp, f"must divide the vision encoder's {dim}={size}",
@@ -122,7 +144,7 @@ def apply_vision_tp(
     """Shard the vision module in place over the TP axis of ``mesh`` by ``spec`` (default :func:`vision_tp_plan`).
 
     FQNs are unchanged; planned weights become DTensors (1/N per rank), and each attention's
-    ``num_heads`` becomes H/N. Raises ConfigError when N does not divide heads, MLP or merger widths.
+    ``num_heads`` becomes H/N. Raises ConfigError when N does not divide the heads or the merger width.
     """
     tp_mesh = _tp_mesh(mesh)
     tp = tp_mesh.size()
@@ -130,7 +152,6 @@ def apply_vision_tp(
     cfg = visual.config
     check_vision_tp_divisibility(
         num_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
         merger_hidden=visual.merger.hidden_size,
         tp=tp,
     )

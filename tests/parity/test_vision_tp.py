@@ -8,6 +8,7 @@ gathered), plus that each weight is really sharded and its logical full tensor i
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -29,11 +30,15 @@ RTOL = 1e-5
 CASES = {"one_image": [(1, 16, 24)], "two_unequal_images": [(1, 16, 24), (1, 8, 12)]}
 
 
-def _tiny_vision():
+def _tiny_vision(intermediate_size: int | None = None):
     family = get_family("qwen2_5_vl")
+    cfg = family.tiny_model_config()
+    if intermediate_size is not None:
+        cfg = dataclasses.replace(
+            cfg, vision=dataclasses.replace(cfg.vision, intermediate_size=intermediate_size)
+        )
     torch.manual_seed(0)
-    hf = family.hf_config(family.tiny_model_config())
-    return family.build_module("vision", hf, device="cpu", dtype=torch.float32)
+    return family.build_module("vision", family.hf_config(cfg), device="cpu", dtype=torch.float32)
 
 
 @pytest.mark.unit
@@ -50,13 +55,16 @@ def test_every_encoder_linear_matches_exactly_one_glob() -> None:
 @pytest.mark.unit
 def test_divisibility_errors_name_every_dimension() -> None:
     with pytest.raises(ConfigError) as err:
-        check_vision_tp_divisibility(num_heads=16, intermediate_size=3420, merger_hidden=5120, tp=8)
-    assert [i.rule for i in err.value.issues] == ["must divide the vision encoder's intermediate_size=3420"]
-    check_vision_tp_divisibility(num_heads=16, intermediate_size=3456, merger_hidden=5120, tp=8)
+        check_vision_tp_divisibility(num_heads=16, merger_hidden=5120, tp=3)
+    assert [i.rule for i in err.value.issues] == [
+        "must divide the vision encoder's num_heads=16",
+        "must divide the vision encoder's merger hidden=5120",
+    ]
+    check_vision_tp_divisibility(num_heads=16, merger_hidden=5120, tp=8)  # MLP width 3420 may be uneven
 
 
-def _tp_cases(rank: int, world: int) -> None:
-    module = _tiny_vision()
+def _check_model(rank: int, world: int, intermediate_size: int | None) -> None:
+    module = _tiny_vision(intermediate_size)
     ref = copy.deepcopy(module)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     apply_vision_tp(module, mesh)
@@ -69,6 +77,9 @@ def _tp_cases(rank: int, world: int) -> None:
     # rank r's local qkv rows are [q_r; k_r; v_r]
     want_local = ref.visual.blocks[0].attn.qkv.weight.detach().view(3, world, -1, 32)[:, rank].reshape(-1, 32)
     assert torch.equal(qkv.to_local(), want_local)
+    width = ref.visual.blocks[0].mlp.down_proj.weight.shape[1]
+    want_cols = torch.arange(width).chunk(world)[rank].numel()  # uneven widths: torch.chunk sizes
+    assert module.visual.blocks[0].mlp.down_proj.weight.to_local().shape == (32, want_cols)
     for case, grids in CASES.items():
         batch = vision_batch(seed=len(case), grids=grids)
         ref.zero_grad(set_to_none=True)
@@ -82,10 +93,15 @@ def _tp_cases(rank: int, world: int) -> None:
         out = module(batch["pixel_values"], batch["image_grid_thw"])
         loss = (out * weights).sum()
         loss.backward()
-        tag = f"{case} tp={world} rank={rank}"
+        tag = f"{case} tp={world} mlp={width} rank={rank}"
         assert_rel_close(out, ref_out, rtol=RTOL, name=f"{tag}: out")
         assert_rel_close(loss, ref_loss, rtol=RTOL, name=f"{tag}: loss")
         assert_grads_match(full_grads(module), want, rtol=RTOL, tag=tag)
+
+
+def _tp_cases(rank: int, world: int) -> None:
+    _check_model(rank, world, None)  # tiny MLP width 64: even shards
+    _check_model(rank, world, 63)  # 63 = uneven at TP=2 and TP=4 (like 3420 at TP=8)
 
 
 @pytest.mark.parity
