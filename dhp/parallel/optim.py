@@ -69,7 +69,7 @@ def _shard_fraction(t: torch.Tensor, world: int) -> float:
     for dim, p in enumerate(t.placements):
         if p.is_partial():
             raise PlanError("grad_norm_sq on a Partial gradient: call finalize_grads first.")
-        if p.is_shard():
+        if not p.is_replicate():  # Shard, _StridedShard (FSDP over TP), ...: each rank holds other elements
             distinct *= t.device_mesh.size(dim)
     return distinct / world
 

@@ -121,3 +121,29 @@ def _fsdp_cases(rank: int, world: int) -> None:
 
 def test_fsdp2_llm_and_vision_match_single_process() -> None:
     spawn(_fsdp_cases, 2)
+
+
+def _fsdp_tp_case(rank: int, world: int) -> None:
+    """2-D LLM: FSDP2 over TP DTensors (fsdp x tp = 2 x 2, _StridedShard placements) plus AC."""
+    batch = llm_batch(seed=8, batch=4)
+    num_tokens = int((batch["labels"][:, 1:] != -100).sum())
+    ref = build_llm()
+    ref_loss, _ = _llm_step(ref, batch, num_tokens)
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    parallel = ParallelConfig(fsdp=2, tp=2)
+    model = parallelize(
+        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=True, mixed_precision="fp32"
+    )
+    loss, _ = _llm_step(model, _split_llm(batch, mesh["fsdp"].get_local_rank(), 2), num_tokens)
+    finalize_grads(model, mesh, parallel=parallel)
+    dist.all_reduce(loss, group=mesh["fsdp"].get_group())
+    assert_rel_close(loss, ref_loss, rtol=RTOL, name="fsdp x tp loss")
+    assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp x tp + ac")
+    # grad_norm_sq counts each logical element once across both shardings
+    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+
+
+@pytest.mark.slow
+def test_fsdp2_over_tp_2x2_with_ac_matches_single_process() -> None:
+    spawn(_fsdp_tp_case, 4)
