@@ -46,7 +46,7 @@ def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
             conf = value
         elif key == "smoke":
             smoke = value.lower() in ("1", "true", "yes")
-        elif eq and key:
+        elif (eq and key) or arg.startswith("~"):  # ~key deletes, as in Hydra
             overrides.append(arg)
         else:
             bad.append(arg)

@@ -12,6 +12,7 @@ naming the key path, never a Hydra traceback. Nothing here starts a process or t
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -98,7 +99,40 @@ def compose_config(conf: str, overrides: list[str]) -> DictConfig:
     if "hydra" in cfg:
         with _writable(cfg):
             del cfg["hydra"]
+    return _retype(cfg, conf=conf, overrides=overrides)
+
+
+def _retype(cfg: DictConfig, *, conf: str, overrides: list[str]) -> DictConfig:
+    """Reject keys the schema does not know. Hydra's ``+key=value`` appends even in struct mode,
+    so an unknown key added that way is caught here, with its key path, not carried silently."""
+    unknown = sorted(_unknown_keys(cfg, prefix=""))
+    if unknown:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    path=path,
+                    value=OmegaConf.select(cfg, path),
+                    rule="this key is not in the schema (dhp/config/schema.py)",
+                    fix="remove it or fix its spelling; `+key=value` cannot add new settings",
+                )
+                for path in unknown
+            ]
+        )
     return cfg
+
+
+def _unknown_keys(node: DictConfig, *, prefix: str) -> list[str]:
+    """Dotted paths of keys under ``node`` that its dataclass type does not declare."""
+    typ = OmegaConf.get_type(node)
+    allowed = {f.name for f in fields(typ)} if is_dataclass(typ) else None
+    out = []
+    for key in node:
+        path = f"{prefix}{key}"
+        if allowed is not None and key not in allowed:
+            out.append(path)
+        elif not OmegaConf.is_missing(node, key) and isinstance(node[key], DictConfig):
+            out += _unknown_keys(node[key], prefix=f"{path}.")
+    return out
 
 
 class _writable:
