@@ -91,7 +91,9 @@ def test_resume_same_plan_is_bit_exact(full_run) -> None:
 
 def test_resume_llm_tp2_to_tp1_reshards(full_run) -> None:
     out, a, ckpt = full_run
-    train(out, "c", f"train.resume={ckpt}", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
+    # LLM TP=2 -> TP=1 (1 rank, so the groups move to disjoint devices: collocated -> disaggregated)
+    reshard = ("placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
+    train(out, "c", f"train.resume={ckpt}", *reshard)
     c = losses(out, "c")
     assert sorted(c) == list(range(EVERY + 1, STEPS + 1))
     for s, loss in c.items():
