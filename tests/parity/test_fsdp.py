@@ -144,6 +144,32 @@ def _fsdp_tp_case(rank: int, world: int) -> None:
     assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
 
 
+def _hsdp_case(rank: int, world: int) -> None:
+    """HSDP: dp x fsdp = 2 x 2, replicated over dp and sharded over fsdp; each of 4 ranks its own rows."""
+    batch = llm_batch(seed=10, batch=4)
+    num_tokens = int((batch["labels"][:, 1:] != -100).sum())
+    ref = build_llm()
+    ref_loss, _ = _llm_step(ref, batch, num_tokens)
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
+    parallel = ParallelConfig(dp=2, fsdp=2)
+    model = parallelize(
+        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+    )
+    loss, _ = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
+    finalize_grads(model, mesh, parallel=parallel)  # must not all-reduce over dp again
+    dist.all_reduce(loss)
+    assert_rel_close(loss, ref_loss, rtol=RTOL, name="hsdp loss")
+    assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="hsdp")
+    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+
+
+def _fsdp_2d_cases(rank: int, world: int) -> None:
+    _fsdp_tp_case(rank, world)
+    _hsdp_case(rank, world)
+
+
 @pytest.mark.slow
-def test_fsdp2_over_tp_2x2_with_ac_matches_single_process() -> None:
-    spawn(_fsdp_tp_case, 4)
+def test_fsdp2_2d_meshes_match_single_process() -> None:
+    """FSDP x TP = 2x2 with AC, and HSDP dp x fsdp = 2x2 (one 4-rank spawn)."""
+    spawn(_fsdp_2d_cases, 4)
