@@ -3,8 +3,9 @@
 The counts follow transformers' modeling code exactly (a unit test instantiates the real model on
 the meta device and compares). ``tp_sharded`` parameters are divided by the TP degree (attention
 and MLP projections, and for the LLM the vocab-parallel ``embed_tokens``/``lm_head``);
-``replicated`` ones are held whole by every TP rank (norms, the patch embedding, the merger, the
-bias of row-parallel projections).
+``replicated`` ones are held whole by every TP rank (norms, the patch embedding, the bias of
+row-parallel projections). The merger's MLP is column- then row-parallel, as in
+``dhp/parallel/vision_tp.py``.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def vision_params(vision: DictConfig, *, out_hidden: int) -> ParamCount:
     block_sharded = 3 * h * h + 3 * h + h * h + 2 * (h * m + m) + m * h
     block_replicated = 2 * h + h + h  # norm1, norm2, bias of proj and down (row-parallel)
     merge_h = h * vision.spatial_merge_size**2
-    merger = h + merge_h * merge_h + merge_h + merge_h * out_hidden + out_hidden
+    merger_sharded = merge_h * merge_h + merge_h + merge_h * out_hidden  # mlp.0 column-, mlp.2 row-parallel
+    merger_replicated = h + out_hidden  # ln_q, bias of mlp.2
     return ParamCount(
-        tp_sharded=vision.depth * block_sharded,
-        replicated=vision.depth * block_replicated + patch + merger,
+        tp_sharded=vision.depth * block_sharded + merger_sharded,
+        replicated=vision.depth * block_replicated + patch + merger_replicated,
     )
 
 
