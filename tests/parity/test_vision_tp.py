@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 from parallel_harness import assert_grads_match, assert_rel_close, full_grads, spawn, vision_batch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dhp.errors import ConfigError
 from dhp.models import get_family
 from dhp.parallel.llm_tp import match_plan
 from dhp.parallel.state import full_param_dict
-from dhp.parallel.vision_tp import apply_vision_tp, check_vision_tp_divisibility, vision_tp_plan
+from dhp.parallel.vision_tp import apply_vision_tp, check_vision_tp_divisibility, fused_moves, vision_tp_plan
 
 # fp32 on CPU: TP changes only the summation order (row-parallel all-reduce, sharded matmuls);
 # measured ~1e-7 relative. Contract: <= 1e-5 relative (norm sense) for every tensor.
@@ -63,6 +64,22 @@ def test_divisibility_errors_name_every_dimension() -> None:
     check_vision_tp_divisibility(num_heads=16, merger_hidden=5120, tp=8)  # MLP width 3420 may be uneven
 
 
+@pytest.mark.unit
+def test_fused_moves_give_each_rank_its_heads_of_q_k_and_v() -> None:
+    for world in (1, 2, 3, 4, 8):
+        hidden = 4 * world
+        rows = torch.arange(3 * hidden)  # HF fused layout q|k|v, row ids
+        shards = list(rows.chunk(world))  # Shard(0): rank s holds blocks 3s..3s+2
+        block = hidden // world
+        got = {r: {} for r in range(world)}
+        for m in fused_moves(world, 3):
+            got[m.dst][m.dst_pos] = shards[m.src][m.src_pos * block : (m.src_pos + 1) * block]
+        for r in range(world):
+            local = torch.cat([got[r][p] for p in range(3)])
+            want = rows.view(3, world, block)[:, r].reshape(-1)
+            assert torch.equal(local, want), (world, r)
+
+
 def _check_model(rank: int, world: int, intermediate_size: int | None) -> None:
     module = _tiny_vision(intermediate_size)
     ref = copy.deepcopy(module)
@@ -74,9 +91,9 @@ def _check_model(rank: int, world: int, intermediate_size: int | None) -> None:
     ref_params = dict(ref.named_parameters())
     for name, full in full_param_dict(module).items():
         assert torch.equal(full, ref_params[name].detach()), f"rank {rank}: full param {name} differs"
-    # rank r's local qkv rows are [q_r; k_r; v_r]
-    want_local = ref.visual.blocks[0].attn.qkv.weight.detach().view(3, world, -1, 32)[:, rank].reshape(-1, 32)
-    assert torch.equal(qkv.to_local(), want_local)
+    # storage is a plain Shard(0) of transformers' q|k|v rows (DCP-friendly); compute uses [q_r; k_r; v_r]
+    assert qkv.placements == (Shard(0),)
+    assert torch.equal(qkv.to_local(), ref.visual.blocks[0].attn.qkv.weight.detach().chunk(world)[rank])
     width = ref.visual.blocks[0].mlp.down_proj.weight.shape[1]
     want_cols = torch.arange(width).chunk(world)[rank].numel()  # uneven widths: torch.chunk sizes
     assert module.visual.blocks[0].mlp.down_proj.weight.to_local().shape == (32, want_cols)
@@ -113,3 +130,35 @@ def test_vision_tp2_matches_single_process() -> None:
 @pytest.mark.slow
 def test_vision_tp4_matches_single_process() -> None:
     spawn(_tp_cases, 4)
+
+
+def _dcp_ranks(rank: int, world: int, root: str) -> None:
+    from dhp.checkpoint.module_state import load_module_state, save_module_state
+
+    want = dict(_tiny_vision().named_parameters())  # seed 0: what the plain process saved
+    module = apply_vision_tp(_other_seed(), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    load_module_state(Path(root, "plain"), model=module, optimizer=None)
+    for name, full in full_param_dict(module).items():
+        assert torch.equal(full, want[name].detach()), f"plain -> tp={world}: {name}"
+    save_module_state(Path(root, "tp"), model=module, optimizer=None)
+
+
+def _other_seed():
+    family = get_family("qwen2_5_vl")
+    torch.manual_seed(123)
+    return family.build_module(
+        "vision", family.hf_config(family.tiny_model_config()), device="cpu", dtype=torch.float32
+    )
+
+
+@pytest.mark.parity
+def test_vision_tp2_checkpoint_reshards_to_and_from_a_plain_process(tmp_path) -> None:
+    from dhp.checkpoint.module_state import load_module_state, save_module_state
+
+    save_module_state(tmp_path / "plain", model=_tiny_vision(), optimizer=None)
+    spawn(_dcp_ranks, 2, str(tmp_path))
+    plain = _other_seed()
+    load_module_state(tmp_path / "tp", model=plain, optimizer=None)
+    want = dict(_tiny_vision().named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), want[name].detach()), f"tp=2 -> plain: {name}"
