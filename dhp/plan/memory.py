@@ -48,6 +48,7 @@ Tokens per rank: vision ``seq_len / sp`` (patches of one micro-batch, cut by Uly
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -62,6 +63,8 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),
 }
 ACT_BYTES: dict[str, int] = {"bf16_master_fp32": 2, "bf16": 2, "fp32": 4}
+# ZeRO-1 shards the optimizer over the ranks holding identical parameters (docs/INTERFACES.md).
+ZERO1_AXES = ("dp", "sp")
 FSDP_LAYERS_IN_FLIGHT = 2  # the layer being computed and the prefetched next one
 # Held back from device memory: CUDA context + NCCL/gloo buffers (1 GiB) and allocator
 # fragmentation (5% of the device).
@@ -102,7 +105,7 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
         params += FSDP_LAYERS_IN_FLIGHT * layer_full * b_param
     if shape.freeze:
         return int(params), 0, 0
-    opt_shards = par.dp * par.sp if par.zero == 1 else 1
+    opt_shards = math.prod(par[a] for a in ZERO1_AXES) if par.zero == 1 else 1
     return int(params), int(p_rank * b_grad), int(p_rank * b_opt / opt_shards)
 
 
