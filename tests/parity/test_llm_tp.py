@@ -130,7 +130,7 @@ def _real_module_case(world: int, mesh, *, tied: bool) -> None:
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_llm_tp_matches_single_process(world: int) -> None:
     """TP=2 and TP=4: loss, every full param grad, image-embedding grad (same on all ranks); TP=4 also
     checks that num_key_value_heads % tp != 0 is a PlanError."""
