@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dhp.config.schema import ParallelConfig
-from dhp.parallel import finalize_grads, grad_norm_sq, parallelize
+from dhp.parallel import CommCounter, finalize_grads, grad_norm_sq, parallelize
 
 # fp32 on CPU: only the reduction order differs (all-gathered weights are exact copies); the contract
 # is <= 1e-5 relative (norm sense) for the loss and every tensor.
@@ -67,10 +67,18 @@ def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
         "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
     assert isinstance(model.language_model.layers[0].mlp.up_proj.weight, DTensor)
-    loss, gin = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
-    finalize_grads(model, mesh, parallel=parallel)
+    counter = CommCounter("llm")
+    with counter:
+        loss, gin = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
+        finalize_grads(model, mesh, parallel=parallel)
+    comm = counter.step()
     dist.all_reduce(loss)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="fsdp llm loss")
+    # FSDP2 only all-gathers shards and reduce-scatters full fp32 grads (dim-0 padding aside)
+    full_bytes = 4 * sum(p.numel() for p in ref.parameters())
+    assert set(comm) == {"llm/all_gather", "llm/reduce_scatter"}, comm
+    assert full_bytes <= comm["llm/reduce_scatter"].payload_bytes <= 1.02 * full_bytes, comm
+    assert comm["llm/all_gather"].payload_bytes >= full_bytes / world, comm
     assert_rel_close(
         gin,
         _split_llm({**batch, "image_embeds": ref_gin}, rank, world)["image_embeds"],
