@@ -7,8 +7,8 @@ Placement after :func:`apply_tp` on a TP group of N ranks:
   hidden state;
 - ``embed_tokens``: vocab-parallel (``Shard(0)`` of the (V, H) table) by :class:`VocabParallelEmbedding`:
   each rank looks up only its vocab range and the output is all-reduced (replicated); its weight grad
-  is the local (V/N, H) shard. (DTensor's ``RowwiseParallel`` on an Embedding computes a replicated
-  dense (V, H) weight grad on every rank: measured here, 5 GB fp32 per rank at 152K x 8192.)
+  is the local (V/N, H) shard. (DTensor's ``RowwiseParallel`` on an Embedding was found to leave a
+  ``Replicate`` dense (V, H) weight grad on every rank here; at 152K x 8192 that is 5 GB fp32 per rank.)
 - ``lm_head``: vocab-parallel (``Shard(0)``), its output stays a local (B, S, V/N) shard, never gathered;
 - norms: replicated (their grads are identical on every rank, no reduction needed).
 
