@@ -3,23 +3,21 @@ matches something, and the divisibility checks name the offending dimension."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+import torch
 from torch import nn
 
 from dhp.errors import PlanError
+from dhp.models import get_family
 from dhp.parallel.llm_tp import check_tp_divisibility, llm_tp_plan, match_plan
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "parity"))
-from parallel_harness import build_llm
 
 pytestmark = pytest.mark.unit
 
 
 def test_every_linear_and_embedding_matches_exactly_one_glob() -> None:
-    model = build_llm()
+    family = get_family("qwen2_5_vl")
+    hf = family.hf_config(family.tiny_model_config())  # conf/model/tiny.yaml: 2 layers
+    model = family.build_module("llm", hf, device="meta", dtype=torch.float32)  # dhp.models' LLMModule
     plan = llm_tp_plan()
     matches = match_plan(model, plan)
     sharded = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
