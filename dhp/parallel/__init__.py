@@ -6,7 +6,7 @@ After backward, every rank of a module group runs ``finalize_grads`` -> ``grad_n
 """
 
 from dhp.parallel.ac import AcSpec, apply_ac
-from dhp.parallel.comm import CommCounter, CommStats
+from dhp.parallel.comm import CommCounter, CommStats, comm_metrics
 from dhp.parallel.compose import MODULE_PLANS, STEPS, ModulePlan, parallelize
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, partition_params
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
@@ -36,6 +36,7 @@ __all__ = [
     "apply_vision_tp",
     "build_optimizer",
     "clip_grads_",
+    "comm_metrics",
     "finalize_grads",
     "full_grad_dict",
     "full_param_dict",

@@ -137,3 +137,13 @@ class CommCounter(TorchDispatchMode):
     def peek(self) -> dict[str, CommStats]:
         """Like :meth:`step` without resetting."""
         return {f"{self.module_name}/{k}": v for k, v in sorted(self._stats.items())}
+
+
+def comm_metrics(stats: dict[str, CommStats]) -> dict[str, float]:
+    """Flatten :meth:`CommCounter.step` output for a metrics record: ``"comm/<module>/<kind>/<field>"``."""
+    out: dict[str, float] = {}
+    for key, st in stats.items():
+        out[f"comm/{key}/calls"] = st.calls
+        out[f"comm/{key}/payload_bytes"] = st.payload_bytes
+        out[f"comm/{key}/wire_bytes"] = st.wire_bytes
+    return out
