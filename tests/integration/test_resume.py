@@ -187,3 +187,28 @@ def test_killed_actor_names_rank_and_checkpoint_then_resume_auto(full_run, tmp_p
     k = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert k and max(k) == STEPS and min(k) > 2
     assert {s: a[s] for s in k} == k  # resumed after a crash: still bit-identical to the uninterrupted run
+
+
+def test_export_of_a_trained_tp_checkpoint_loads_in_transformers(full_run, tmp_path: Path) -> None:
+    """`dhp export` of run A's last checkpoint (LLM saved TP=2, vocab-parallel) -> from_pretrained, exact."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from dhp.checkpoint import load_module_state
+    from dhp.config import load_config
+    from dhp.models import get_family
+
+    out, _, _ = full_run
+    (run_a,) = (out / "a").iterdir()
+    proc = dhp("export", str(run_a), str(tmp_path / "hf"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "hf"))
+    exported = get_family("qwen2_5_vl").split_state_dict(hf.state_dict())
+    cfg = load_config(str(run_a / "config.yaml"), [])
+    family = get_family(cfg.model.family)
+    for name in ("vision", "llm"):
+        module = family.build_module(name, family.hf_config(cfg.model), device="cpu", dtype=torch.float32)
+        load_module_state(run_a / "checkpoints" / "step_000010" / name, model=module, optimizer=None)
+        sd = module.state_dict()
+        assert set(sd) == set(exported[name])
+        assert all(torch.equal(sd[k], exported[name][k]) for k in sd), name
