@@ -155,6 +155,31 @@ def assert_grads_match(got: dict, want: dict, *, rtol: float, tag: str) -> None:
         assert_rel_close(got[k], want[k], rtol=rtol, name=f"{tag}: grad {k}")
 
 
+def split_llm(batch: dict, rank: int, world: int) -> dict:
+    """Replica ``rank``'s contiguous rows of an :func:`llm_batch` (and their image embeddings)."""
+    rows = batch["input_ids"].shape[0] // world
+    per_row = batch["image_embeds"].shape[0] // batch["input_ids"].shape[0]
+    sl, el = slice(rank * rows, (rank + 1) * rows), slice(rank * rows * per_row, (rank + 1) * rows * per_row)
+    return {
+        "input_ids": batch["input_ids"][sl],
+        "labels": batch["labels"][sl],
+        "image_embeds": batch["image_embeds"][el],
+    }
+
+
+def llm_step(model, batch: dict, num_tokens: int):
+    """Forward + backward of ``loss_sum / num_tokens`` (the GLOBAL token count); returns (loss, d/d embeds)."""
+    embeds = batch["image_embeds"].clone().requires_grad_(True)
+    loss = model(batch["input_ids"], batch["labels"], embeds) / num_tokens
+    loss.backward()
+    return loss.detach(), embeds.grad
+
+
+def ref_norm_sq(grads: dict) -> float:
+    """Squared L2 norm over a dict of full gradients (float64)."""
+    return sum(float(g.double().pow(2).sum()) for g in grads.values())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from parallel_harness import assert_rel_close, build_llm, full_grads, llm_batch, spawn
-from test_fsdp import _llm_step, _split_llm
+from parallel_harness import assert_rel_close, build_llm, full_grads, llm_batch, llm_step, spawn, split_llm
 from torch.distributed.device_mesh import init_device_mesh
 
 from dhp.config.schema import ParallelConfig
@@ -26,7 +25,7 @@ def _bf16_case(rank: int, world: int) -> None:
     batch = llm_batch(seed=6, batch=4)
     num_tokens = int((batch["labels"][:, 1:] != -100).sum())
     ref = build_llm()
-    ref_loss, ref_gin = _llm_step(ref, batch, num_tokens)
+    ref_loss, ref_gin = llm_step(ref, batch, num_tokens)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
@@ -39,13 +38,13 @@ def _bf16_case(rank: int, world: int) -> None:
         activation_checkpointing=False,
         mixed_precision="bf16_master_fp32",
     )
-    loss, gin = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
+    loss, gin = llm_step(model, split_llm(batch, rank, world), num_tokens)
     finalize_grads(model, mesh, parallel=parallel)
     dist.all_reduce(loss)
     assert all(p.dtype == torch.float32 for p in model.parameters()), "master params must stay fp32"
     assert all(p.grad.dtype == torch.float32 for p in model.parameters()), "reduced grads must be fp32"
     assert_rel_close(loss, ref_loss, rtol=LOSS_RTOL, name="bf16 loss")
-    want_gin = _split_llm({**batch, "image_embeds": ref_gin}, rank, world)["image_embeds"]
+    want_gin = split_llm({**batch, "image_embeds": ref_gin}, rank, world)["image_embeds"]
     assert_rel_close(gin.float(), want_gin, rtol=GRAD_RTOL, name="bf16 d/d embeds")
     got = full_grads(model)
     worst = max(((got[k] - g).norm() / g.norm()).item() for k, g in ref_grads.items())

@@ -17,9 +17,11 @@ from parallel_harness import (
     build_llm,
     full_grads,
     llm_batch,
+    llm_step,
+    ref_norm_sq,
     spawn,
+    split_llm,
 )
-from test_fsdp import _llm_step, _ref_norm_sq, _split_llm
 from torch.distributed.device_mesh import init_device_mesh
 
 from dhp.config.schema import ParallelConfig, TrainConfig
@@ -38,7 +40,7 @@ pytestmark = pytest.mark.parity
 
 def _reference(batch: dict, num_tokens: int):
     ref = build_llm()
-    loss, gin = _llm_step(ref, batch, num_tokens)
+    loss, gin = llm_step(ref, batch, num_tokens)
     return loss, gin, {k: p.grad for k, p in ref.named_parameters()}
 
 
@@ -48,7 +50,7 @@ def _dp_replica(mesh, parallel: ParallelConfig, batch: dict, dp_rank: int, dp: i
     model = parallelize(
         "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
-    loss, gin = _llm_step(model, _split_llm(batch, dp_rank, dp), num_tokens)
+    loss, gin = llm_step(model, split_llm(batch, dp_rank, dp), num_tokens)
     counter = CommCounter("llm")
     with counter:
         finalize_grads(model, mesh, parallel=parallel)
@@ -117,10 +119,10 @@ def _dp2_cases(rank: int, world: int, path: str) -> None:
     parallel = ParallelConfig(dp=2)
     model, loss, gin, comm = _dp_replica(mesh, parallel, batch, rank, 2)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="dp=2 loss")
-    ref_half = _split_llm({**batch, "image_embeds": ref_gin}, rank, 2)["image_embeds"]
+    ref_half = split_llm({**batch, "image_embeds": ref_gin}, rank, 2)["image_embeds"]
     assert_rel_close(gin, ref_half, rtol=RTOL, name="dp=2 d/d embeds")
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="dp=2")
-    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+    assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
     # the byte counter saw exactly one fp32 copy of every gradient in finalize_grads' all-reduce
     nbytes = 4 * sum(p.numel() for p in model.parameters())
     assert comm["llm/all_reduce"].payload_bytes == nbytes, comm
@@ -142,10 +144,10 @@ def _dp_tp_cases(rank: int, world: int) -> None:
     model, loss, gin, comm = _dp_replica(mesh, parallel, batch, dp_rank, 2)
     assert local(model.lm_head.weight).shape[0] == 1024 // 2
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="dp x tp loss")
-    ref_half = _split_llm({**batch, "image_embeds": ref_gin}, dp_rank, 2)["image_embeds"]
+    ref_half = split_llm({**batch, "image_embeds": ref_gin}, dp_rank, 2)["image_embeds"]
     assert_rel_close(gin, ref_half, rtol=RTOL, name="dp x tp d/d embeds")
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="dp x tp")
-    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+    assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
     # over dp each rank all-reduces its TP shard of every gradient: 4 bytes x local elements
     assert comm["llm/all_reduce"].payload_bytes == 4 * sum(local(p).numel() for p in model.parameters()), (
         comm,

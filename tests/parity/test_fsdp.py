@@ -18,7 +18,10 @@ from parallel_harness import (
     build_vision,
     full_grads,
     llm_batch,
+    llm_step,
+    ref_norm_sq,
     spawn,
+    split_llm,
     vision_batch,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -34,33 +37,11 @@ RTOL = 1e-5
 pytestmark = pytest.mark.parity
 
 
-def _split_llm(batch: dict, rank: int, world: int) -> dict:
-    rows = batch["input_ids"].shape[0] // world
-    per_row = batch["image_embeds"].shape[0] // batch["input_ids"].shape[0]
-    sl, el = slice(rank * rows, (rank + 1) * rows), slice(rank * rows * per_row, (rank + 1) * rows * per_row)
-    return {
-        "input_ids": batch["input_ids"][sl],
-        "labels": batch["labels"][sl],
-        "image_embeds": batch["image_embeds"][el],
-    }
-
-
-def _llm_step(model, batch: dict, num_tokens: int):
-    embeds = batch["image_embeds"].clone().requires_grad_(True)
-    loss = model(batch["input_ids"], batch["labels"], embeds) / num_tokens
-    loss.backward()
-    return loss.detach(), embeds.grad
-
-
-def _ref_norm_sq(grads: dict) -> float:
-    return sum(float(g.double().pow(2).sum()) for g in grads.values())
-
-
 def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
     batch = llm_batch(seed=2, batch=4)
     num_tokens = int((batch["labels"][:, 1:] != -100).sum())
     ref = build_llm()
-    ref_loss, ref_gin = _llm_step(ref, batch, num_tokens)
+    ref_loss, ref_gin = llm_step(ref, batch, num_tokens)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
 
     model = parallelize(
@@ -69,7 +50,7 @@ def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
     assert isinstance(model.language_model.layers[0].mlp.up_proj.weight, DTensor)
     counter = CommCounter("llm")
     with counter:
-        loss, gin = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
+        loss, gin = llm_step(model, split_llm(batch, rank, world), num_tokens)
         finalize_grads(model, mesh, parallel=parallel)
     comm = counter.step()
     dist.all_reduce(loss)
@@ -81,12 +62,12 @@ def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
     assert comm["llm/all_gather"].payload_bytes >= full_bytes / world, comm
     assert_rel_close(
         gin,
-        _split_llm({**batch, "image_embeds": ref_gin}, rank, world)["image_embeds"],
+        split_llm({**batch, "image_embeds": ref_gin}, rank, world)["image_embeds"],
         rtol=RTOL,
         name="fsdp llm d/d embeds",
     )
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp llm")
-    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+    assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
 
 
 def _vision_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
@@ -117,7 +98,7 @@ def _vision_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
     (out * w[tok0 : tok0 + toks]).sum().backward()
     finalize_grads(model, mesh, parallel=parallel)
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp+ac vision")
-    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+    assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
 
 
 def _fsdp_cases(rank: int, world: int) -> None:
@@ -136,20 +117,20 @@ def _fsdp_tp_case(rank: int, world: int) -> None:
     batch = llm_batch(seed=8, batch=4)
     num_tokens = int((batch["labels"][:, 1:] != -100).sum())
     ref = build_llm()
-    ref_loss, _ = _llm_step(ref, batch, num_tokens)
+    ref_loss, _ = llm_step(ref, batch, num_tokens)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     parallel = ParallelConfig(fsdp=2, tp=2)
     model = parallelize(
         "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=True, mixed_precision="fp32"
     )
-    loss, _ = _llm_step(model, _split_llm(batch, mesh["fsdp"].get_local_rank(), 2), num_tokens)
+    loss, _ = llm_step(model, split_llm(batch, mesh["fsdp"].get_local_rank(), 2), num_tokens)
     finalize_grads(model, mesh, parallel=parallel)
     dist.all_reduce(loss, group=mesh["fsdp"].get_group())
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="fsdp x tp loss")
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp x tp + ac")
     # grad_norm_sq counts each logical element once across both shardings
-    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+    assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
 
 
 def _hsdp_case(rank: int, world: int) -> None:
@@ -157,19 +138,19 @@ def _hsdp_case(rank: int, world: int) -> None:
     batch = llm_batch(seed=10, batch=4)
     num_tokens = int((batch["labels"][:, 1:] != -100).sum())
     ref = build_llm()
-    ref_loss, _ = _llm_step(ref, batch, num_tokens)
+    ref_loss, _ = llm_step(ref, batch, num_tokens)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
     parallel = ParallelConfig(dp=2, fsdp=2)
     model = parallelize(
         "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
-    loss, _ = _llm_step(model, _split_llm(batch, rank, world), num_tokens)
+    loss, _ = llm_step(model, split_llm(batch, rank, world), num_tokens)
     finalize_grads(model, mesh, parallel=parallel)  # must not all-reduce over dp again
     dist.all_reduce(loss)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="hsdp loss")
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="hsdp")
-    assert abs(grad_norm_sq(model, mesh) - _ref_norm_sq(ref_grads)) <= RTOL * _ref_norm_sq(ref_grads)
+    assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
 
 
 def _fsdp_2d_cases(rank: int, world: int) -> None:
