@@ -13,6 +13,9 @@ What it counts, per call on this rank (``payload`` bytes, the tensor sizes given
 ``wire`` bytes estimate what a bandwidth-optimal ring sends per rank: all_reduce 2(n-1)/n * S,
 all_gather (n-1) * S_shard, reduce_scatter (n-1)/n * S_in, all_to_all (n-1)/n * S_in, broadcast S.
 Device-to-host copies and Ray hand-offs are not collectives and are not counted here.
+
+Cost: while active, every aten op of the rank passes through one Python check (a few microseconds
+each), so time steps without the counter, or count on dedicated steps, when timing matters.
 """
 
 from __future__ import annotations
