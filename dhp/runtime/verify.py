@@ -291,19 +291,25 @@ def render_step(s: StepDiff, report: VerifyReport, *, console) -> None:
 
 def render_report(report: VerifyReport, *, console) -> None:
     """A rich table of every step and a one-line verdict naming the tolerances."""
+    from rich import box
     from rich.table import Table
 
     modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
-    table = Table(title=f"dhp verify: plan vs single-process transformers ({report.plan_summary})")
-    for col in ("step", "loss (plan)", "loss (ref)", "rel diff", "grad norm", "ref norm"):
-        table.add_column(col, justify="right")
+    table = Table(
+        title=f"dhp verify vs unsplit transformers: {report.plan_summary}",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+    )
+    for col in ("step", "loss", "ref loss", "rel", "|g|", "ref |g|"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
     for m in modules:
-        table.add_column(f"max |dgrad| {m}", justify="right")
-    table.add_column("")
+        table.add_column(f"max|dg|\n{m}", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True, min_width=4)
     for s in report.steps:
-        cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.2e}"]
-        cells += [f"{s.grad_norm:.5f}", f"{s.ref_grad_norm:.5f}"]
-        cells += [f"{s.grad_max_abs_diff[m]:.2e}" if m in s.grad_max_abs_diff else "-" for m in modules]
+        cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.1e}"]
+        cells += [f"{s.grad_norm:.4f}", f"{s.ref_grad_norm:.4f}"]
+        cells += [f"{s.grad_max_abs_diff[m]:.1e}" if m in s.grad_max_abs_diff else "-" for m in modules]
         cells.append("[green]ok" if report.step_ok(s) else "[bold red]FAIL")
         table.add_row(*cells)
     console.print(table)
