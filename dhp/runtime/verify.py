@@ -302,16 +302,16 @@ def render_report(report: VerifyReport, *, console) -> None:
         pad_edge=False,
     )
     for col in ("step", "loss", "ref loss", "rel", "|g|", "ref |g|"):
-        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
+        table.add_column(
+            col, justify="right", no_wrap=True, min_width={"step": 4, "loss": 8, "ref loss": 8}.get(col, 7)
+        )
     for m in modules:
-        table.add_column(f"max|dg|\n{m}", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True, min_width=4)
+        table.add_column(f"max|dg|\n{m}", justify="right", no_wrap=True, min_width=7)
     for s in report.steps:
         cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.1e}"]
         cells += [f"{s.grad_norm:.4f}", f"{s.ref_grad_norm:.4f}"]
         cells += [f"{s.grad_max_abs_diff[m]:.1e}" if m in s.grad_max_abs_diff else "-" for m in modules]
-        cells.append("[green]ok" if report.step_ok(s) else "[bold red]FAIL")
-        table.add_row(*cells)
+        table.add_row(*cells, style=None if report.step_ok(s) else "bold red")  # a failing step in red
     console.print(table)
     verdict = "[bold green]PASS" if report.passed else "[bold red]FAIL"
     console.print(
