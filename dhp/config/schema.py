@@ -183,6 +183,7 @@ class TrainConfig:
     keep_last: int = 2
     resume: str | None = None  # null | auto | a checkpoint path
     save_on_interrupt: bool = True
+    step_timeout_s: float = 900.0  # a driver step (or a group's call) taking longer is a hang -> RuntimeFailure
     tensorboard: bool = False
 
 

@@ -112,9 +112,18 @@ class ActorGroup:
         ]
         self.pids = self.get(self._submit_raw("pid", [((), {})] * spec.world_size), what="start")
 
-    def begin_init(self, *, timeout_s: float) -> Pending:
+    def master_address(self, *, avoid: set[int]) -> tuple[str, int]:
+        """Rank 0's node IP and a free port not in ``avoid`` (ports already given to other groups:
+        a port is free only until its store binds it, so two groups could otherwise draw the same)."""
+        for _ in range(20):
+            addr, port = self.get([self.actors[0].master_addr_port.remote()], what="master address")[0]
+            if port not in avoid:
+                return addr, port
+        raise RuntimeFailure(f"group '{self.name}': no free rendezvous port distinct from {sorted(avoid)}")
+
+    def begin_init(self, *, timeout_s: float, addr_port: tuple[str, int] | None = None) -> Pending:
         """Issue this group's torch.distributed init on all ranks (gloo on cpu, nccl on cuda); do not wait."""
-        addr, port = self.get([self.actors[0].master_addr_port.remote()], what="master address")[0]
+        addr, port = addr_port or self.master_address(avoid=set())
         backend = "nccl" if self.spec.device == "cuda" else "gloo"
         kwargs = {"master_addr": addr, "master_port": port, "backend": backend, "timeout_s": timeout_s}
         refs = self._submit_raw("init_dist", [((), kwargs)] * self.spec.world_size)
@@ -237,7 +246,15 @@ class ActorGroup:
 
 def init_groups(groups: Sequence[ActorGroup], *, timeout_s: float) -> None:
     """Initialise every group's own world concurrently (each init blocks until its ranks join)."""
-    pendings = [g.begin_init(timeout_s=timeout_s) for g in groups]
+    taken: set[int] = set()
+    addresses = []
+    for g in groups:  # distinct ports first, then all inits at once
+        addr, port = g.master_address(avoid=taken)
+        taken.add(port)
+        addresses.append((addr, port))
+    pendings = [
+        g.begin_init(timeout_s=timeout_s, addr_port=a) for g, a in zip(groups, addresses, strict=True)
+    ]
     for g, p in zip(groups, pendings, strict=True):
         g.finish_init(p, timeout_s=timeout_s + 10)
 

@@ -64,6 +64,7 @@ class Trainer:
         self._vision_bwd: list[Any] = []
         self._update: list[Any] = []
         self._pgs: list[Any] = []
+        self._timeout = config.train.step_timeout_s
         self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
         try:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
@@ -161,7 +162,7 @@ class Trainer:
         """Wait for an optimizer update already issued; True if there was one (it is now applied)."""
         pend, self._update = self._update, []
         for p in pend:
-            p.group.collect(p)
+            p.group.collect(p, timeout_s=self._timeout)
         return bool(pend)
 
     def abort_step(self) -> None:
@@ -228,10 +229,10 @@ class Trainer:
     def _finalize_grads(self) -> float:
         """Wait for every backward, reduce grads in each group (concurrently), sum the squared norms."""
         for p in self._vision_bwd:
-            self.vision.collect(p)
+            self.vision.collect(p, timeout_s=self._timeout)
         self._vision_bwd = []
         pend = {n: g.submit("finalize_grads") for n, g in self.groups.items()}
-        return sum(g.collect(pend[n]) for n, g in self.groups.items())
+        return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
 
     # ---- whole-module views and checkpoints --------------------------------------------------
     def full_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
