@@ -1,0 +1,84 @@
+"""Ctrl-C (SIGINT to the driver) during `dhp train`: a checkpoint is saved (train.save_on_interrupt),
+Ray is shut down, the exit status is 130 and no process of the run is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.cli",
+        "train",
+        "conf=tiny_vlm",
+        "name=int",
+        f"train.output_dir={tmp_path}",
+    ]
+    cmd += ["train.steps=200", "train.checkpoint_every=0", *("placement=disaggregated", "modules.llm.gpus=1")]
+    cmd += ["modules.llm.parallel.tp=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            seen |= _descendants(proc.pid)
+            rows = list(tmp_path.glob("int/*/metrics.jsonl"))
+            if rows and rows[0].read_text().count("\n") >= 2:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
+            time.sleep(0.5)
+        seen |= _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out[-3000:]
+    (run_dir,) = (tmp_path / "int").iterdir()
+    (ckpt,) = (run_dir / "checkpoints").iterdir()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert meta["step"] >= max(logged) >= 2 and ckpt.name == f"step_{meta['step']:06d}"
+    time.sleep(5)  # Ray's processes exit asynchronously after shutdown
+    left = sorted(p for p in seen if _alive(p))
+    assert not left, f"orphans: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()[:80]) for p in left]}"
