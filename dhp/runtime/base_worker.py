@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
 import socket
 
 import torch
@@ -20,6 +22,8 @@ class DistWorker:
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(1)
+        # `kill -USR1 <pid>` dumps every thread's Python stack to the worker's log: find a hang's collective
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def pid(self) -> int:
         """This actor's OS process id (for failure messages and tests)."""

@@ -134,9 +134,5 @@ def _route_replica(block, *, sp_size: int, merge: int, arch: VisionArch) -> list
         for j in torch.unique(rep[idx]).tolist():
             mask = rep[idx] == j
             routes.append(Route(llm_replica=j, src=torch.nonzero(mask).flatten(), dst=row[idx[mask]]))
-        out.append(
-            VisionWork(
-                shard=shard if shard.num_patches else None, routes=tuple(routes), num_tokens=idx.numel()
-            )
-        )
+        out.append(VisionWork(shard=shard, routes=tuple(routes), num_tokens=idx.numel()))
     return out

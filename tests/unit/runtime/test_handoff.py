@@ -52,3 +52,14 @@ def test_cpu_transport_is_zero_copy_on_pack():
     packed = CpuTransport().pack(t)
     assert packed.ctypes.data == t.data_ptr()  # a view, not a copy
     assert torch.equal(CpuTransport().unpack(packed, device=torch.device("cpu")), t)
+
+
+def test_a_rank_without_tokens_still_gets_its_shard():
+    # one 8x8 image = one 64-patch window: SP rank 1 has no tokens but must still run the
+    # full-attention all-to-alls with its peer, so it gets an (empty) shard, never None
+    pv, g = _images([[1, 8, 8]])
+    routing = route_micro_batch(
+        pixel_values=[pv], image_grid_thw=[g], vision_replicas=1, sp_size=2, arch=ARCH
+    )
+    assert [w.shard is not None for w in routing.vision] == [True, True]
+    assert [w.num_tokens for w in routing.vision] == [16, 0] and routing.vision[1].routes == ()
