@@ -212,3 +212,14 @@ def test_export_of_a_trained_tp_checkpoint_loads_in_transformers(full_run, tmp_p
         sd = module.state_dict()
         assert set(sd) == set(exported[name])
         assert all(torch.equal(sd[k], exported[name][k]) for k in sd), name
+
+
+def test_resume_into_llm_zero1_dp2(full_run) -> None:
+    """TP=2 AdamW state -> ZeRO-1 over dp=2 (each rank loads only the states it owns)."""
+    out, a, ckpt = full_run
+    zero1 = ("modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2", "modules.llm.parallel.zero=1")
+    train(out, "z", f"train.resume={ckpt}", *zero1)
+    z = losses(out, "z")
+    assert sorted(z) == list(range(EVERY + 1, STEPS + 1))
+    for s, loss in z.items():
+        assert loss == pytest.approx(a[s], rel=1e-5), (s, loss, a[s])  # fp32 reduction order only

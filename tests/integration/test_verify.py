@@ -60,3 +60,8 @@ def test_verify_fails_beyond_tolerance() -> None:
     proc = verify("steps=1", "--grad-atol", "1e-12")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
     assert "FAIL" in proc.stdout
+
+
+def test_frozen_vision() -> None:
+    # no grads and no optimizer state for the encoder on either side; the LLM still trains
+    _passed(verify("steps=2", "modules.vision.freeze=true"), 2)
