@@ -3,9 +3,8 @@
 Builds the encoder on the ``meta`` device (no memory), applies :func:`dhp.parallel.vision_tp.apply_vision_tp`
 on real gloo ranks, and sums the bytes of each rank's local parameter shards (DTensor ``to_local()``,
 replicated tensors in full). Gradients and Adam states follow the parameters' placement, so the ratio
-holds for all model states. Default architecture: the Qwen2.5-VL-32B encoder (hidden 1280, 32 blocks, MLP
-3420 (uneven at TP=8),
-merger to 5120), bf16.
+holds for all model states. Default architecture: the Qwen2.5-VL-32B encoder (hidden 1280, 32 blocks,
+MLP width 3420, uneven at TP=8, merger to 5120), bf16.
 
     .venv/bin/python scripts/measure_vision_tp_params.py --tp 1 2 4 8
 
