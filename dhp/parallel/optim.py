@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from dhp.config.schema import ParallelConfig, TrainConfig
 from dhp.errors import PlanError
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
-from dhp.parallel.meshutil import axis, group_world
+from dhp.parallel.meshutil import axes, axis, group_world
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -29,9 +29,13 @@ def _trainable(module: nn.Module) -> list[nn.Parameter]:
 def build_optimizer(
     module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig, train: TrainConfig
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (DTensor shards stay shards); ZeRO-1 over dp when ``zero=1``.
+    """AdamW over the trainable parameters (DTensor shards stay shards); ZeRO-1 when ``zero=1``.
 
-    Memory: 2 fp32 states per local parameter element; with ZeRO-1 only for the ~1/dp owned here.
+    ZeRO-1 shards the optimizer over every rank that holds the same parameters after
+    ``finalize_grads``: the ``dp`` and ``sp`` axes (SP ranks replicate the encoder's weights and hold
+    identical summed grads), flattened into one group. TP/FSDP shards are already distinct per rank.
+    Memory: 2 fp32 states per local parameter element; with ZeRO-1 only for the ~1/(dp*sp) owned here
+    (the planner's ``dhp.plan.memory.ZERO1_AXES`` uses the same axes).
     """
     if parallel.zero not in (0, 1):
         raise PlanError(
@@ -39,10 +43,23 @@ def build_optimizer(
         )
     adamw = {"lr": train.lr, "betas": tuple(train.betas), "weight_decay": train.weight_decay}
     params = _trainable(module)
-    dp = axis(mesh, "dp")
-    if parallel.zero == 1 and dp is not None:
-        return Zero1AdamW(params, dp_group=dp.get_group(), **adamw)
+    group = _zero1_group(mesh) if parallel.zero == 1 else None
+    if group is not None:
+        return Zero1AdamW(params, dp_group=group, **adamw)
     return torch.optim.AdamW(params, **adamw)
+
+
+ZERO1_AXES = ("dp", "sp")
+
+
+def _zero1_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group ZeRO-1 shards over: the present ``ZERO1_AXES``, flattened; None if degree 1."""
+    sub = axes(mesh, ZERO1_AXES)
+    if sub is None:
+        return None
+    if sub.ndim > 1:
+        sub = sub._flatten("zero1")
+    return sub.get_group()
 
 
 def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig) -> None:

@@ -17,11 +17,12 @@ import torch.distributed as dist
 from parallel_harness import assert_grads_match, assert_rel_close, spawn, vision_batch
 from torch.distributed.device_mesh import init_device_mesh
 
-from dhp.config.schema import ParallelConfig
+from dhp.config.schema import ParallelConfig, TrainConfig
 from dhp.models import get_family
-from dhp.parallel import finalize_grads, parallelize
+from dhp.parallel import build_optimizer, finalize_grads, parallelize
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter
+from dhp.parallel.dp import Zero1AdamW
 from dhp.parallel.sp_shard import shard_vision_batch
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -161,6 +162,29 @@ def _dp_sp_cases(rank: int, world: int) -> None:
     tag = f"dp x sp = 2 x 2, rank {rank} (dp {dp_rank}, sp {sp_rank})"
     assert_rel_close(total, ref_loss, rtol=RTOL, name=f"{tag}: loss")
     assert_grads_match(_grads(module), _grads(ref), rtol=RTOL, tag=tag)
+    _check_zero1_over_dp_sp(module, mesh, parallel, tag)
+
+
+def _check_zero1_over_dp_sp(module, mesh, parallel: ParallelConfig, tag: str) -> None:
+    """ZeRO-1 shards the encoder's optimizer over dp x sp (all 4 ranks hold the same summed grads).
+
+    After one step its params equal plain AdamW's on the same grads (same arithmetic: <= 1e-6), and
+    this rank holds about 1/4 of the optimizer state elements.
+    """
+    train = TrainConfig(lr=1e-2, weight_decay=0.1)
+    twins = [p.detach().clone().requires_grad_() for p in module.parameters()]
+    for p, q in zip(module.parameters(), twins, strict=True):
+        q.grad = p.grad.detach().clone()
+    zero = build_optimizer(module, mesh, parallel=ParallelConfig(dp=2, sp=2, zero=1), train=train)
+    plain = torch.optim.AdamW(twins, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
+    assert isinstance(zero, Zero1AdamW) and dist.get_world_size(zero._group) == 4, tag
+    zero.step()
+    plain.step()
+    for (k, p), q in zip(module.named_parameters(), twins, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6, msg=f"{tag}: zero-1 {k}")
+    held = sum(s["exp_avg"].numel() for s in zero.state.values())
+    total = sum(p.numel() for p in module.parameters())
+    assert held < 0.4 * total, f"{tag}: ZeRO-1 over dp x sp (4 ranks) holds {held}/{total} state elements"
 
 
 @pytest.mark.slow
