@@ -70,7 +70,8 @@ class Trainer:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             llm_replicas = specs["llm"].layout.num_replicas
-            vision_ranks = specs["vision"].world_size if "vision" in specs else 0
+            self._vision_tp = specs["vision"].mesh.get("tp", 1) if "vision" in specs else 1
+            self._vision_units = specs["vision"].world_size // self._vision_tp if "vision" in specs else 0
             for name, spec in specs.items():
                 kwargs = {
                     "model": config.model,
@@ -80,7 +81,7 @@ class Trainer:
                     "device": spec.device,
                     "placement": config.placement,
                     "num_llm_replicas": llm_replicas,
-                    "num_vision_ranks": vision_ranks,
+                    "num_vision_units": self._vision_units,
                 }
                 self.groups[name] = ActorGroup(
                     spec, pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs=kwargs
@@ -181,18 +182,19 @@ class Trainer:
         batches = data.micro_batches[m]
         if all(b.image_grid_thw is None for b in batches):
             return None
-        layout = self.vision.layout
-        routing = route_micro_batch(
+        world, tp = self.vision.spec.world_size, self._vision_tp
+        routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
             pixel_values=[b.pixel_values for b in batches],
             image_grid_thw=[b.image_grid_thw for b in batches],
-            vision_replicas=layout.num_replicas,
-            sp_size=layout.ranks_per_replica,
+            vision_replicas=self.vision.layout.num_replicas,
+            sp_size=self.vision.spec.mesh.get("sp", 1),
             arch=self.model_cfg.vision,
         )
         pending = self.vision.submit(
             "vision_forward",
-            list(routing.vision),
-            [m] * layout.world_size,
+            [routing.vision[r // tp] for r in range(world)],
+            [m] * world,
+            [r % tp == 0 for r in range(world)],  # only a unit's TP rank 0 sends its rows
             num_returns=self.llm.layout.num_replicas,
         )
         return routing, pending
@@ -216,14 +218,15 @@ class Trainer:
             chunk_refs,
             num_label_tokens=data.num_label_tokens,
             vision_grads=with_grads,
-            num_returns=1 + self.vision.spec.world_size if with_grads else 1,
+            num_returns=1 + self._vision_units if with_grads else 1,
         )
 
     def _vision_backward(self, m: int, llm_pending: Any) -> None:
         """Issue the encoder's backward of ``m`` with the gradient rows each vision rank needs."""
         leaders = self.llm.layout.leaders()
         world = self.vision.spec.world_size
-        grad_refs = [[llm_pending.refs[leader][1 + s] for leader in leaders] for s in range(world)]
+        tp = self._vision_tp
+        grad_refs = [[llm_pending.refs[leader][1 + r // tp] for leader in leaders] for r in range(world)]
         self._vision_bwd.append(self.vision.submit("vision_backward", [m] * world, grad_refs))
 
     def _finalize_grads(self) -> float:

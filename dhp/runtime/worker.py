@@ -50,7 +50,7 @@ class ModuleWorker(DistWorker):
         device: str,
         placement: str,
         num_llm_replicas: int,
-        num_vision_ranks: int,
+        num_vision_units: int,
     ) -> None:
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
         self.model_cfg, self.module_cfg, self.train_cfg = model, module, train
@@ -58,7 +58,7 @@ class ModuleWorker(DistWorker):
         self.device_type = device
         self.transport = make_transport(device=device, placement=placement)
         self.num_llm_replicas = num_llm_replicas
-        self.num_vision_ranks = num_vision_ranks
+        self.num_vision_units = num_vision_units
         self.frozen = module.freeze
         self._inflight: dict[int, tuple[torch.Tensor, VisionWork]] = {}
         self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0}
@@ -122,11 +122,12 @@ class ModuleWorker(DistWorker):
 
     # ---- vision ----------------------------------------------------------------------------
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
-    def vision_forward(self, work: VisionWork, micro_batch: int) -> Any:
+    def vision_forward(self, work: VisionWork, micro_batch: int, send: bool) -> Any:
         """Encode this rank's SP shard; return one payload per LLM replica (``num_returns``).
 
         A payload is ``(rows, dst_index)`` (zero-copy views for the object store) or None when no
-        row of this rank goes to that replica. Activations stay here until ``vision_backward``.
+        row of this rank goes to that replica, or when ``send`` is False (TP ranks > 0 of a vision
+        unit hold the same rows as its rank 0). Activations stay here until ``vision_backward``.
         """
         t0 = time.perf_counter()
         payloads: list[Any] = [None] * self.num_llm_replicas
@@ -135,7 +136,7 @@ class ModuleWorker(DistWorker):
                 out = vision_shard_forward(self.module, _shard_to(work.shard, self.device))
             if not self.frozen:
                 self._inflight[micro_batch] = (out, work)
-            for route in work.routes:
+            for route in work.routes if send else ():
                 rows = out.detach()[route.src.to(self.device)]
                 payloads[route.llm_replica] = (self.transport.pack(rows), route.dst.numpy())
         self._timers["fwd_s"] += time.perf_counter() - t0
@@ -167,8 +168,8 @@ class ModuleWorker(DistWorker):
     ) -> Any:
         """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
 
-        ``chunk_refs``: one ref per vision rank (None where it sends nothing). Returns
-        ``(stats, grad_0, ..., grad_{V-1})`` with ``num_returns = 1 + V`` when ``vision_grads``,
+        ``chunk_refs``: one ref per vision unit (None where it sends nothing). Returns
+        ``(stats, grad_0, ..., grad_{U-1})`` with ``num_returns = 1 + U`` when ``vision_grads``,
         else ``stats``. Only the replica's leader sends gradient rows (TP ranks hold identical ones).
         """
         t0 = time.perf_counter()
@@ -199,7 +200,7 @@ class ModuleWorker(DistWorker):
         if not vision_grads:
             return stats
         leader = self.rank % (self.mesh_shape.get("sp", 1) * self.mesh_shape.get("tp", 1)) == 0
-        grads: list[Any] = [None] * self.num_vision_ranks
+        grads: list[Any] = [None] * self.num_vision_units
         if leader and embeds is not None:
             for r, (_, dst) in chunks:
                 grads[r] = self.transport.pack(embeds.grad[torch.from_numpy(dst).to(self.device)])

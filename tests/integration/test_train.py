@@ -80,6 +80,10 @@ def test_run_directory_and_fixed_metric_names(reference):
             ["placement=disaggregated", "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2"],
             id="disaggregated-vision_sp2-llm_dp2",
         ),
+        pytest.param(
+            ["modules.vision.parallel.sp=1", "modules.vision.parallel.tp=2"],
+            id="collocated-vision_tp2-llm_tp2",
+        ),
     ],
 )
 def test_every_plan_matches_all_degrees_one(reference, tmp_path, plan):
@@ -93,5 +97,7 @@ def test_every_plan_matches_all_degrees_one(reference, tmp_path, plan):
 
 def test_non_finite_loss_stops_before_the_update(ray_local, tmp_path):
     # lr=1e30: AdamW's first update (~lr * sign(g)) overflows the weights, so step 2's loss is not finite
-    with pytest.raises(RuntimeFailure, match=r"step 2: non-finite (loss|grad norm) .*the update was not applied"):
+    with pytest.raises(
+        RuntimeFailure, match=r"step 2: non-finite (loss|grad norm) .*the update was not applied"
+    ):
         _run(tmp_path, "nan", *ALL_ONE, "train.lr=1e30", "train.warmup_steps=0")
