@@ -179,7 +179,7 @@ class ModuleWorker(DistWorker):
         wait = time.perf_counter() - t0
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
-        embeds = self._assemble(batch, chunks)
+        embeds = self._assemble(batch, chunks, requires_grad=vision_grads)
         with torch.set_grad_enabled(True):
             out = self.module(
                 input_ids=batch.input_ids.to(self.device),
@@ -206,7 +206,9 @@ class ModuleWorker(DistWorker):
                 grads[r] = self.transport.pack(embeds.grad[torch.from_numpy(dst).to(self.device)])
         return (stats, *grads)
 
-    def _assemble(self, batch: VLBatch, chunks: list[tuple[int, Any]]) -> torch.Tensor | None:
+    def _assemble(
+        self, batch: VLBatch, chunks: list[tuple[int, Any]], *, requires_grad: bool
+    ) -> torch.Tensor | None:
         """Place the received rows at their token positions; a leaf that collects the embeds' grad."""
         if batch.image_grid_thw is None:
             return None
@@ -226,7 +228,7 @@ class ModuleWorker(DistWorker):
                 f"module 'llm' rank {self.rank}: hand-off delivered {filled} image-embedding rows, "
                 f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
             )
-        return embeds.requires_grad_(True)
+        return embeds.requires_grad_(requires_grad)
 
     # ---- optimizer -------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
@@ -268,7 +270,10 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def take_stats(self) -> dict[str, Any]:
         """This rank's timers and peak memory since the last call; resets both."""
-        stats = dict(self._timers) | {"peak_mem_bytes": peak_memory_bytes(self.device)}
+        stats = dict(self._timers) | {
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "optim_state_bytes": _optim_state_bytes(self.optimizer),
+        }
         self._timers = dict.fromkeys(self._timers, 0.0)
         reset_peak_memory(self.device)
         return stats
@@ -306,6 +311,19 @@ class ModuleWorker(DistWorker):
             restore_rng_state(extra["rng"])
             return True
         return False
+
+
+def _optim_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of this rank's optimizer state tensors (local shards); 0 without an optimizer."""
+    if optimizer is None:
+        return 0
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
+    return total
 
 
 def _shard_to(shard: Any, device: torch.device) -> Any:

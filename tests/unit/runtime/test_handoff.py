@@ -63,3 +63,13 @@ def test_a_rank_without_tokens_still_gets_its_shard():
     )
     assert [w.shard is not None for w in routing.vision] == [True, True]
     assert [w.num_tokens for w in routing.vision] == [16, 0] and routing.vision[1].routes == ()
+
+
+def test_transport_follows_device_and_placement():
+    from dhp.errors import PlanError
+    from dhp.runtime.transport import CudaIpcTransport, make_transport
+
+    assert isinstance(make_transport(device="cpu", placement="disaggregated"), CpuTransport)
+    assert isinstance(make_transport(device="cuda", placement="collocated"), CudaIpcTransport)
+    with pytest.raises(PlanError, match="GPU-object .* not implement"):  # never a silent host-memory detour
+        make_transport(device="cuda", placement="disaggregated")
