@@ -105,3 +105,20 @@ def test_cli_export_reads_the_run_config(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ckpt.name in proc.stdout.replace("\n", "")
     _assert_loads_exactly(tmp_path / "hf", mods, torch.float32)
+
+
+def test_export_with_model_path_copies_tokenizer_and_processor(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from dhp.models.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src")
+    model_cfg = copy.deepcopy(get_family("qwen2_5_vl").tiny_model_config())
+    model_cfg.path = str(src)
+    ckpt, mods = _checkpoint(tmp_path / "ckpts", model_cfg)
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg)
+    copied = {p.name for p in src.iterdir() if not p.name.startswith("model") and p.name != "config.json"}
+    assert copied and copied <= {p.name for p in out.iterdir()}
+    _assert_loads_exactly(out, mods, torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.decode(tok("a cat")["input_ids"]).strip() == "a cat"
