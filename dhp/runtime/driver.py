@@ -216,6 +216,7 @@ class Trainer:
             "llm_forward_backward",
             data.micro_batches[m],
             chunk_refs,
+            micro_batch=m,
             num_label_tokens=data.num_label_tokens,
             vision_grads=with_grads,
             num_returns=1 + self._vision_units if with_grads else 1,

@@ -62,6 +62,7 @@ class ModuleWorker(DistWorker):
         self.frozen = module.freeze
         self._inflight: dict[int, tuple[torch.Tensor, VisionWork]] = {}
         self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0}
+        self._events: list[tuple[str, int, float, float]] = []  # (method, micro-batch, start, end) wall clock
 
     # ---- build -----------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
@@ -129,7 +130,7 @@ class ModuleWorker(DistWorker):
         row of this rank goes to that replica, or when ``send`` is False (TP ranks > 0 of a vision
         unit hold the same rows as its rank 0). Activations stay here until ``vision_backward``.
         """
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         payloads: list[Any] = [None] * self.num_llm_replicas
         if work.shard is not None:
             with torch.set_grad_enabled(not self.frozen):
@@ -140,6 +141,7 @@ class ModuleWorker(DistWorker):
                 rows = out.detach()[route.src.to(self.device)]
                 payloads[route.llm_replica] = (self.transport.pack(rows), route.dst.numpy())
         self._timers["fwd_s"] += time.perf_counter() - t0
+        self._events.append(("vision_forward", micro_batch, wall, time.time()))
         return payloads[0] if self.num_llm_replicas == 1 else tuple(payloads)
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.NONE)
@@ -164,7 +166,13 @@ class ModuleWorker(DistWorker):
     # ---- llm -------------------------------------------------------------------------------
     @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
     def llm_forward_backward(
-        self, batch: VLBatch, chunk_refs: list[Any], *, num_label_tokens: int, vision_grads: bool
+        self,
+        batch: VLBatch,
+        chunk_refs: list[Any],
+        *,
+        micro_batch: int,
+        num_label_tokens: int,
+        vision_grads: bool,
     ) -> Any:
         """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
 
@@ -172,11 +180,11 @@ class ModuleWorker(DistWorker):
         ``(stats, grad_0, ..., grad_{U-1})`` with ``num_returns = 1 + U`` when ``vision_grads``,
         else ``stats``. Only the replica's leader sends gradient rows (TP ranks hold identical ones).
         """
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         got = ray.get([ref for ref in chunk_refs if ref is not None])
         sources = [r for r, ref in enumerate(chunk_refs) if ref is not None]
         chunks = [(r, p) for r, p in zip(sources, got, strict=True) if p is not None]
-        wait = time.perf_counter() - t0
+        wait, wall = time.perf_counter() - t0, time.time()  # the LLM event starts after its inputs arrived
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
         embeds = self._assemble(batch, chunks, requires_grad=vision_grads)
@@ -196,6 +204,7 @@ class ModuleWorker(DistWorker):
         if loss.requires_grad:
             loss.backward()
         self._timers["bwd_s"] += time.perf_counter() - t2
+        self._events.append(("llm_forward_backward", micro_batch, wall, time.time()))
         stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait}
         if not vision_grads:
             return stats
@@ -273,7 +282,9 @@ class ModuleWorker(DistWorker):
         stats = dict(self._timers) | {
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "optim_state_bytes": _optim_state_bytes(self.optimizer),
+            "events": list(self._events),
         }
+        self._events.clear()
         self._timers = dict.fromkeys(self._timers, 0.0)
         reset_peak_memory(self.device)
         return stats
