@@ -42,3 +42,18 @@ def test_writer_enforces_fixed_keys(tmp_path):
         w.write({k: v for k, v in rec.items() if k != "mfu"})
     w.close()
     assert read_metrics(tmp_path / "m.jsonl") == [rec]
+
+
+def test_tensorboard_events_are_written_when_enabled(tmp_path):
+    pytest.importorskip("tensorboard")
+    w = MetricsWriter(tmp_path / "m.jsonl", modules=["llm"], tensorboard_dir=tmp_path / "tb")
+    rec = dict.fromkeys(METRIC_KEYS, 1.0) | {f"llm_{p}_s": 0.5 for p in ("fwd", "bwd", "step")}
+    rec |= {"step": 1, "peak_mem_bytes": {"llm/0": 10}}
+    w.write(rec)
+    w.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"loss", "mfu", "peak_mem_bytes/llm/0"} <= set(acc.Tags()["scalars"])
+    assert [e.value for e in acc.Scalars("loss")] == [1.0]

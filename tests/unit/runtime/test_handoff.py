@@ -71,5 +71,5 @@ def test_transport_follows_device_and_placement():
 
     assert isinstance(make_transport(device="cpu", placement="disaggregated"), CpuTransport)
     assert isinstance(make_transport(device="cuda", placement="collocated"), CudaIpcTransport)
-    with pytest.raises(PlanError, match="GPU-object .* not implement"):  # never a silent host-memory detour
+    with pytest.raises(PlanError, match=r"GPU-object .* not implement"):  # never a silent host-memory detour
         make_transport(device="cuda", placement="disaggregated")
