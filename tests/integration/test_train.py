@@ -84,6 +84,15 @@ def test_run_directory_and_fixed_metric_names(reference):
             ["modules.vision.parallel.sp=1", "modules.vision.parallel.tp=2"],
             id="collocated-vision_tp2-llm_tp2",
         ),
+        pytest.param(
+            [
+                "placement=disaggregated",
+                "modules.vision.parallel.sp=1",
+                "modules.vision.parallel.dp=2",
+                *ALL_ONE[3:],
+            ],
+            id="disaggregated-vision_dp2-llm1",
+        ),
     ],
 )
 def test_every_plan_matches_all_degrees_one(reference, tmp_path, plan):
