@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the one prepared check of dhp on a lent GPU machine (one H200; see
+# /work/.library/device/README.md). Each check runs in its own process under its own timeout
+# (scripts/gpu/checks.py CHECK), one failing does not stop the others, the whole run ends within
+# ~7.5 min; the exit status is non-zero if any check failed.
+#   env    torch/CUDA/GPU, packages, bf16 8192^3 matmul TFLOP/s
+#   flash  is flash_attn importable; else dhp must refuse flash_attention_2 (no silent fallback)
+#   bf16   tiny and 7B-width (2 layers) VisionModule+LLMModule fwd/bwd, bf16 vs fp32 on the GPU
+#   ipc    2 processes on one GPU: image embeddings through dhp's CudaIpcTransport vs a host copy
+#   nccl   NCCL world of 1 through dhp.parallel (TP, Ulysses SP, DP all-reduce, ZeRO-1), and an
+#          honest 2-rank NCCL attempt on the one GPU (NCCL normally refuses a duplicate GPU)
+#   mfu    one training step (fwd+bwd+AdamW) of the 7B-width encoder + 8-layer LLM, 4096 patches,
+#          bf16, sdpa: tokens/s and MFU by dhp.metrics against conf/cluster/h200_1x peak
+#   train  `dhp plan` of a 1-GPU recipe; `dhp train` only where Ray is importable (too big to carry)
+# Results: $OUT/gpu_check.json (all checks) and $OUT/gpu_check.log (OUT unset: runs/gpu_check).
+# Usage:
+#   bash scripts/gpu_check.sh          # on the GPU machine (installs .whl/*.whl first if present)
+#   bash scripts/gpu_check.sh --cpu    # dry run of the same logic on a CPU box (tiny sizes, ~1-2 min)
+# Device tool: first `bash scripts/gpu_wheels.sh` here, then
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# Env: GPU_CHECK_MFU_ARGS (e.g. "--llm-layers 4"), GPU_CHECK_DEADLINE_S (default 450; cpu 170).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+MODE=gpu
+CPUFLAG=()
+for a in "$@"; do
+  case "$a" in
+    --cpu) MODE=cpu; CPUFLAG=(--cpu) ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $a (use --cpu or nothing)" >&2; exit 2 ;;
+  esac
+done
+
+OUTDIR="${OUT:-$ROOT/runs/gpu_check}"
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu_check.log"
+: >"$LOG"
+PARTS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+START=$SECONDS
+if [[ $MODE == cpu ]]; then DEADLINE=${GPU_CHECK_DEADLINE_S:-170}; else DEADLINE=${GPU_CHECK_DEADLINE_S:-450}; fi
+PY=python3
+[[ $MODE == cpu && -x .venv/bin/python ]] && PY=.venv/bin/python
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+# Wheels carried in .whl/ (hydra-core, omegaconf, antlr4: see scripts/gpu_wheels.sh).
+if [[ $MODE == gpu ]] && compgen -G ".whl/*.whl" >/dev/null; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$LOG" 2>&1; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    log "installed $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
+  else
+    log "WARNING: installing .whl/*.whl failed (see log); checks that need hydra/omegaconf will fail"
+  fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+log "== gpu_check ($MODE) $(date -u +%FT%TZ) python=$($PY -c 'import sys; print(sys.version.split()[0])') out=$OUTDIR"
+
+# run_check NAME LIMIT_S [extra args]: bounded by its own limit and by the global deadline.
+run_check() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE - (SECONDS - START) - 15))
+  if ((left < 20)); then
+    echo skip >"$PARTS/$name.rc"
+    log "== $name: skipped: global deadline"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  timeout -k 10 "$limit" "$PY" -W ignore::FutureWarning scripts/gpu/checks.py "$name" \
+    --out "$PARTS/$name.json" "${CPUFLAG[@]}" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "$rc" >"$PARTS/$name.rc"
+  ((rc == 124 || rc == 137)) && log "== $name: TIMED OUT after ${limit}s"
+}
+
+ORDER=env,flash,bf16,ipc,nccl,mfu,train
+run_check env 60
+run_check flash 45
+run_check bf16 90
+run_check ipc 75
+run_check nccl 90 --nccl2-timeout 40
+# shellcheck disable=SC2086  # word splitting of the extra args is intended
+run_check mfu 150 ${GPU_CHECK_MFU_ARGS:-}
+run_check train 150 --train-timeout 120
+
+"$PY" scripts/gpu/summary.py "$PARTS" --out "$OUTDIR/gpu_check.json" --order "$ORDER" --mode "$MODE" 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+log "total $((SECONDS - START)) s; results in $OUTDIR/gpu_check.json"
+rm -rf "$PARTS"
+exit "$rc"
