@@ -28,7 +28,7 @@ CPUFLAG=()
 for a in "$@"; do
   case "$a" in
     --cpu) MODE=cpu; CPUFLAG=(--cpu) ;;
-    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (use --cpu or nothing)" >&2; exit 2 ;;
   esac
 done
