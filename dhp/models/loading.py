@@ -34,10 +34,15 @@ ShardFn = Callable[[str, torch.Tensor, Any], torch.Tensor]
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What a load read: checkpoint keys (sorted) and the files opened."""
+    """What a load read: checkpoint keys (sorted), the files opened, and the tensor bytes read.
+
+    ``bytes_read`` counts only the slices taken from the files (in the checkpoint's dtype), so a TP or
+    FSDP rank that loads its local shards reports about ``1/degree`` of the sharded tensors' bytes.
+    """
 
     keys_read: tuple[str, ...]
     files_opened: tuple[str, ...]
+    bytes_read: int = 0
 
 
 def own_slice(target: torch.Tensor, full: Any) -> torch.Tensor:
@@ -130,10 +135,12 @@ def load_module_weights(
         )
     module.to_empty(device=device)
     targets = dict(module.state_dict(keep_vars=True))
-    files = _read_into(targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn)
+    files, nbytes = _read_into(targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn)
     family.tie(module_name, module, hf_config)
     family.init_buffers(module_name, module)
-    return LoadReport(keys_read=tuple(sorted(key_of.values())), files_opened=tuple(sorted(files)))
+    return LoadReport(
+        keys_read=tuple(sorted(key_of.values())), files_opened=tuple(sorted(files)), bytes_read=nbytes
+    )
 
 
 def _read_into(
@@ -144,8 +151,9 @@ def _read_into(
     *,
     dtype: torch.dtype,
     shard_fn: ShardFn | None,
-) -> set[str]:
-    """Copy each needed tensor from its file into ``targets``; returns the files opened."""
+) -> tuple[set[str], int]:
+    """Copy each needed tensor from its file into ``targets``; returns the files opened and bytes read."""
+    nbytes = 0
     by_file: dict[str, list[str]] = {}
     for fqn, key in key_of.items():
         by_file.setdefault(index[key], []).append(fqn)
@@ -162,9 +170,10 @@ def _read_into(
                             f"{root / file_name}: {key_of[fqn]} has shape {tuple(value.shape)} but "
                             f"{fqn} expects {tuple(local.shape)}. Fix: config.json must match the weights."
                         )
+                    nbytes += value.numel() * value.element_size()
                     cast = dtype if value.is_floating_point() else value.dtype
                     local.copy_(value.to(cast))
-    return set(by_file)
+    return set(by_file), nbytes
 
 
 def build_and_load(
