@@ -22,7 +22,7 @@ from dhp.data.batch import VLBatch
 from dhp.errors import RuntimeFailure
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.models import get_family
-from dhp.models.loading import load_module_weights
+from dhp.models.loading import LoadReport, load_module_weights
 from dhp.models.qwen2_5_vl.family import torch_dtype
 from dhp.parallel.ulysses import vision_shard_forward
 from dhp.runtime.base_worker import DistWorker
@@ -69,9 +69,18 @@ class ModuleWorker(DistWorker):
     def build(self) -> int:
         """Mesh over this group's world, the module (loaded or seeded init), parallelism, optimizer.
 
-        Random init (``model.path`` null) builds the full module on every rank from ``train.seed``
-        before sharding, so every plan starts from identical weights; weights from ``model.path``
-        are read module-only (``dhp.models.loading``). Returns the number of parameters.
+        ``model.path`` set: the module is built on ``meta`` (no memory), parallelized there (TP/SP
+        swap styles and forwards, AC, FSDP2's ``fully_shard``), then only this rank's storage is
+        materialised on its device (``to_empty``) and filled from the safetensors files with this
+        rank's slices (a TP or FSDP rank reads ~1/degree of the sharded tensors, see
+        :attr:`load_report`); the rotary ``inv_freq`` buffers are recomputed by the family. Peak
+        memory: this rank's shard, never the full module.
+
+        ``model.path`` null: random init builds the FULL module on every rank's device from
+        ``train.seed`` and only then shards it, so every plan starts from identical weights. That
+        costs the whole module's parameters (in ``model.dtype``) on each rank until ``parallelize``
+        frees the non-local parts: fine for tiny/benchmark models, not for real sizes (use a path).
+        Returns the number of parameters.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -81,19 +90,22 @@ class ModuleWorker(DistWorker):
         )
         family = get_family(self.model_cfg.family)
         dtype = torch_dtype(self.model_cfg.dtype)
+        self.load_report: LoadReport | None = None
         if self.model_cfg.path is None:
             hf_config = family.hf_config(self.model_cfg)
             torch.manual_seed(
                 self.train_cfg.seed + _SEED_STRIDE * family.module_names.index(self.module_name)
             )
             module = family.build_module(self.module_name, hf_config, device=self.device, dtype=dtype)
+            self.module: nn.Module = self._parallelize(module)
         else:
             hf_config = family.hf_config_from_dir(
                 self.model_cfg.path, attn_implementation=self.model_cfg.attn_implementation
             )
             module = family.build_module(self.module_name, hf_config, device="meta", dtype=dtype)
-            load_module_weights(
-                module,
+            self.module = self._parallelize(module)  # on meta: DTensor shards know their local slice
+            self.load_report = load_module_weights(
+                self.module,
                 self.model_cfg.path,
                 family=family,
                 module_name=self.module_name,
@@ -101,16 +113,6 @@ class ModuleWorker(DistWorker):
                 dtype=dtype,
                 device=self.device,
             )
-        if self.frozen:
-            module.requires_grad_(False)
-        self.module: nn.Module = par.parallelize(
-            self.module_name,
-            module,
-            self.mesh,
-            parallel=self.module_cfg.parallel,
-            activation_checkpointing=self.module_cfg.activation_checkpointing,
-            mixed_precision=self.module_cfg.mixed_precision,
-        )
         self.optimizer = (
             None
             if self.frozen
@@ -119,7 +121,32 @@ class ModuleWorker(DistWorker):
             )
         )
         torch.manual_seed(self.train_cfg.seed + self.rank)  # per-rank stream for dropout & co.
-        return sum(p.numel() for p in module.parameters())
+        return sum(p.numel() for p in self.module.parameters())
+
+    def _parallelize(self, module: nn.Module) -> nn.Module:
+        """Freeze when configured, then apply this module's strategies (real or meta parameters)."""
+        if self.frozen:
+            module.requires_grad_(False)
+        return par.parallelize(
+            self.module_name,
+            module,
+            self.mesh,
+            parallel=self.module_cfg.parallel,
+            activation_checkpointing=self.module_cfg.activation_checkpointing,
+            mixed_precision=self.module_cfg.mixed_precision,
+        )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def load_stats(self) -> dict[str, Any] | None:
+        """This rank's weight load from ``model.path`` (keys, files, bytes read); None for random init."""
+        r = self.load_report
+        if r is None:
+            return None
+        return {
+            "keys_read": list(r.keys_read),
+            "files_opened": list(r.files_opened),
+            "bytes_read": r.bytes_read,
+        }
 
     # ---- vision ----------------------------------------------------------------------------
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
