@@ -35,7 +35,8 @@ def build_record(
     tokens/s: vision = encoder patches, text = LLM tokens (attention mask), per step wall time.
     MFU = (encoder + LLM model FLOPs) / step_s / (cluster.peak_bf16_tflops * devices), PaLM formula.
     Per-module seconds are the max over that module's ranks; ``wait_s`` is the LLM waiting on the
-    hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS peak).
+    hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS peak);
+    ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``).
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
     flops = llm_flops_per_step(arch=model.llm, seq_lens=seqs, frozen=modules["llm"].freeze)
@@ -61,6 +62,7 @@ def build_record(
             f"{m}/{r}": s["peak_mem_bytes"] for m, ranks in result.stats.items() for r, s in enumerate(ranks)
         },
         "mfu": flops / dt / (cluster.peak_bf16_tflops * 1e12 * world_devices),
+        "bad_samples": dict(data.bad_samples),
     }
     for m, ranks in result.stats.items():
         for part in ("fwd", "bwd", "step"):

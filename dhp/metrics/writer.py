@@ -21,6 +21,7 @@ METRIC_KEYS = (
     "handoff_s",
     "peak_mem_bytes",
     "mfu",
+    "bad_samples",  # cumulative skipped samples by reason (data.on_bad_sample=skip); {} when none
 )
 
 
@@ -50,8 +51,10 @@ class MetricsWriter:
             for k, v in record.items():
                 if isinstance(v, int | float) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
-            for k, v in record["peak_mem_bytes"].items():
-                self._tb.add_scalar(f"peak_mem_bytes/{k}", v, record["step"])
+            for group in ("peak_mem_bytes", "bad_samples"):
+                if isinstance(record[group], dict):
+                    for k, v in record[group].items():
+                        self._tb.add_scalar(f"{group}/{k}", v, record["step"])
 
     def close(self) -> None:
         self._file.close()

@@ -66,5 +66,9 @@ class TrainProgress:
         table.add_row("MFU (median)", f"{med('mfu'):.2e}")
         peak = max(v for r in records for v in r["peak_mem_bytes"].values())
         table.add_row("peak memory (max rank)", f"{peak / 2**20:.0f} MiB")
+        bad = records[-1]["bad_samples"]
+        if bad:
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(bad.items()))
+            table.add_row("bad samples skipped", f"{sum(bad.values())} ({reasons})")
         table.add_row("last checkpoint", str(result.last_checkpoint))
         self.console.print(table)

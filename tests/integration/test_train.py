@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import ray
@@ -110,3 +111,50 @@ def test_non_finite_loss_stops_before_the_update(ray_local, tmp_path):
         RuntimeFailure, match=r"step 2: non-finite (loss|grad norm) .*the update was not applied"
     ):
         _run(tmp_path, "nan", *ALL_ONE, "train.lr=1e30", "train.warmup_steps=0")
+
+
+def test_skipped_bad_samples_reach_metrics(ray_local, tmp_path):
+    """data.on_bad_sample=skip: a record whose image is missing is skipped, counted by reason in
+    metrics.jsonl (``bad_samples``), and the step still gets its full batch of good samples."""
+    import dhp.data_assets
+    from dhp.models import make_tiny_checkpoint
+
+    images = Path(dhp.data_assets.__file__).parent / "demo" / "images"
+    records = [("missing", "no_such_photo.jpg")] + [
+        (name, f"{name}.jpg") for name in ("cat", "coins", "rocket", "espresso", "astronaut")
+    ]
+    lines = [
+        json.dumps(
+            {
+                "id": rid,
+                "image": image,
+                "conversations": [
+                    {"from": "human", "value": "<image>\nWhat is this?"},
+                    {"from": "gpt", "value": f"A photograph: {rid}."},
+                ],
+            }
+        )
+        for rid, image in records
+    ]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny")
+    cfg = load_config(
+        "tiny_vlm_demo",
+        [
+            "name=bad",
+            f"train.output_dir={tmp_path / 'runs'}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            f"model.path={model_dir}",
+            f"data.datasets=[{{name:bad,path:'{data}',image_root:'{images}',weight:1.0}}]",
+            "data.shuffle=false",
+            "data.on_bad_sample=skip",
+            *ALL_ONE,
+        ],
+    )
+    train(cfg)
+    (run_dir,) = (tmp_path / "runs" / "bad").iterdir()
+    (row,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["bad_samples"] == {"missing_file": 1}
+    assert math.isfinite(row["loss"])
