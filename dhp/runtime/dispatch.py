@@ -75,6 +75,7 @@ class RankLayout:
 
     world_size: int
     ranks_per_replica: int  # sp * tp: ranks that see the same batch
+    tp_size: int = 1  # innermost axis: the TP ranks of one unit hold the same output rows
 
     @property
     def num_replicas(self) -> int:
@@ -86,6 +87,19 @@ class RankLayout:
     def leaders(self) -> list[int]:
         return [r * self.ranks_per_replica for r in range(self.num_replicas)]
 
+    @property
+    def num_units(self) -> int:
+        """Units: one per (data replica, SP rank), i.e. per TP group (the hand-off's endpoints)."""
+        return self.world_size // self.tp_size
+
+    def unit_of(self, rank: int) -> int:
+        """The unit (TP group) of ``rank``: its TP ranks are contiguous, so ``rank // tp``."""
+        return rank // self.tp_size
+
+    def unit_leader(self, unit: int) -> int:
+        """TP rank 0 of ``unit``: the one rank of it that sends or receives hand-off rows."""
+        return unit * self.tp_size
+
     @classmethod
     def from_mesh(cls, mesh: dict[str, int]) -> RankLayout:
         """From the plan's ordered mesh ``{axis: degree}``; ``sp`` and ``tp`` share a batch."""
@@ -93,7 +107,7 @@ class RankLayout:
         for degree in mesh.values():
             world *= degree
         inner = mesh.get("sp", 1) * mesh.get("tp", 1)
-        return cls(world_size=world, ranks_per_replica=inner)
+        return cls(world_size=world, ranks_per_replica=inner, tp_size=mesh.get("tp", 1))
 
 
 def split_args(

@@ -31,7 +31,7 @@ from dhp.data import StepData
 from dhp.errors import RuntimeFailure
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
-from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch
+from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch, unit_senders
 from dhp.runtime.worker import ModuleWorker
 
 
@@ -70,8 +70,7 @@ class Trainer:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             llm_replicas = specs["llm"].layout.num_replicas
-            self._vision_tp = specs["vision"].mesh.get("tp", 1) if "vision" in specs else 1
-            self._vision_units = specs["vision"].world_size // self._vision_tp if "vision" in specs else 0
+            self._vision_units = specs["vision"].layout.num_units if "vision" in specs else 0
             for name, spec in specs.items():
                 kwargs = {
                     "model": config.model,
@@ -182,7 +181,8 @@ class Trainer:
         batches = data.micro_batches[m]
         if all(b.image_grid_thw is None for b in batches):
             return None
-        world, tp = self.vision.spec.world_size, self._vision_tp
+        layout = self.vision.layout
+        world = layout.world_size
         routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
             pixel_values=[b.pixel_values for b in batches],
             image_grid_thw=[b.image_grid_thw for b in batches],
@@ -192,9 +192,9 @@ class Trainer:
         )
         pending = self.vision.submit(
             "vision_forward",
-            [routing.vision[r // tp] for r in range(world)],
+            [routing.vision[layout.unit_of(r)] for r in range(world)],
             [m] * world,
-            [r % tp == 0 for r in range(world)],  # only a unit's TP rank 0 sends its rows
+            [layout.unit_leader(layout.unit_of(r)) == r for r in range(world)],  # only TP rank 0 sends
             num_returns=self.llm.layout.num_replicas,
         )
         return routing, pending
@@ -205,11 +205,10 @@ class Trainer:
         chunk_refs: list[list[Any]] = [[] for _ in range(n_rep)]
         if enc is not None:
             routing, pending = enc
-            for j in range(n_rep):
-                srcs = set(routing.sources_of(j))
+            for j in range(n_rep):  # one entry per vision unit, read from the unit's sending rank
                 chunk_refs[j] = [
-                    (_as_list(pending.refs[s])[j] if s in srcs else None)
-                    for s in range(self.vision.spec.world_size)
+                    None if s is None else _as_list(pending.refs[s])[j]
+                    for s in unit_senders(routing, j, self.vision.layout)
                 ]
         with_grads = vision_grads and enc is not None
         return self.llm.submit(
@@ -225,9 +224,11 @@ class Trainer:
     def _vision_backward(self, m: int, llm_pending: Any) -> None:
         """Issue the encoder's backward of ``m`` with the gradient rows each vision rank needs."""
         leaders = self.llm.layout.leaders()
-        world = self.vision.spec.world_size
-        tp = self._vision_tp
-        grad_refs = [[llm_pending.refs[leader][1 + r // tp] for leader in leaders] for r in range(world)]
+        layout = self.vision.layout
+        world = layout.world_size
+        grad_refs = [
+            [llm_pending.refs[leader][1 + layout.unit_of(r)] for leader in leaders] for r in range(world)
+        ]
         self._vision_bwd.append(self.vision.submit("vision_backward", [m] * world, grad_refs))
 
     def _finalize_grads(self) -> float:

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from dhp.config.schema import VisionArch
+from dhp.errors import RuntimeFailure
 from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
+from dhp.runtime.dispatch import RankLayout
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,22 @@ class MicroBatchRouting:
     def sources_of(self, llm_replica: int) -> list[int]:
         """Vision ranks that send rows to ``llm_replica`` (in rank order)."""
         return [r for r, w in enumerate(self.vision) if any(x.llm_replica == llm_replica for x in w.routes)]
+
+
+def unit_senders(routing: MicroBatchRouting, llm_replica: int, layout: RankLayout) -> list[int | None]:
+    """Per vision unit, the vision rank whose payload ``llm_replica`` reads, or None (sends nothing).
+
+    ``routing.vision`` has one entry per unit (data replica x SP rank); the unit's TP ranks hold
+    the same rows and only its TP rank 0 (``layout.unit_leader``) sends them. A unit index is a rank
+    only when TP = 1, so the two must never be mixed.
+    """
+    if len(routing.vision) != layout.num_units:
+        raise RuntimeFailure(
+            f"hand-off: routing has {len(routing.vision)} vision units, the vision group has "
+            f"{layout.num_units} (world {layout.world_size} / tp {layout.tp_size}) (a routing bug)"
+        )
+    srcs = set(routing.sources_of(llm_replica))
+    return [layout.unit_leader(u) if u in srcs else None for u in range(layout.num_units)]
 
 
 def assign_images(patches: list[int], *, parts: int) -> list[int]:

@@ -94,6 +94,18 @@ def test_run_directory_and_fixed_metric_names(reference):
             ],
             id="disaggregated-vision_dp2-llm1",
         ),
+        pytest.param(
+            [
+                "modules.vision.parallel.sp=1",
+                "modules.vision.parallel.tp=2",
+                "modules.vision.parallel.dp=2",
+                "modules.vision.gpus=4",
+                "modules.llm.parallel.tp=2",
+                "modules.llm.parallel.fsdp=2",
+                "modules.llm.gpus=4",
+            ],
+            id="collocated-vision_tp2dp2-llm_tp2fsdp2",  # vision unit 1 sends from rank 2, not 1
+        ),
     ],
 )
 def test_every_plan_matches_all_degrees_one(reference, tmp_path, plan):

@@ -34,6 +34,14 @@ def test_layout_from_mesh_groups_sp_and_tp_ranks_into_replicas():
     assert RankLayout.from_mesh({"fsdp": 3}).num_replicas == 3  # fsdp ranks see different data
 
 
+def test_units_are_tp_groups_and_their_leader_is_tp_rank_0():
+    layout = RankLayout.from_mesh({"dp": 2, "sp": 2, "tp": 2})  # 8 ranks, 4 units (dp x sp)
+    assert layout.num_units == 4 and layout.num_replicas == 2
+    assert [layout.unit_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [layout.unit_leader(u) for u in range(4)] == [0, 2, 4, 6]
+    assert RankLayout.from_mesh({"dp": 2, "sp": 2}).num_units == 4  # tp 1: a unit is a rank
+
+
 def test_split_and_collect_follow_the_contract():
     layout = RankLayout.from_mesh({"dp": 2, "sp": 2})
     c = contract_of(_W, "fwd")

@@ -3,8 +3,11 @@
 import pytest
 import torch
 
+from dhp.errors import RuntimeFailure
 from dhp.models import get_family
-from dhp.runtime.handoff import assign_images, route_micro_batch
+from dhp.plan.placement import GroupLayout, routing
+from dhp.runtime.dispatch import RankLayout
+from dhp.runtime.handoff import assign_images, route_micro_batch, unit_senders
 from dhp.runtime.transport import CpuTransport
 
 pytestmark = pytest.mark.unit
@@ -45,6 +48,50 @@ def test_every_row_reaches_its_replica_exactly_once(vision_replicas, sp):
         src = torch.cat([r.src for r in w.routes]) if w.routes else torch.zeros(0, dtype=torch.long)
         assert sorted(src.tolist()) == list(range(w.num_tokens))
     assert routing.sources_of(2) == []
+
+
+@pytest.mark.parametrize(
+    ("vision", "llm"),
+    [
+        ({"dp": 2, "tp": 2}, {"fsdp": 2, "tp": 2}),  # vision units 0, 1 sit on ranks 0 and 2
+        ({"dp": 2, "sp": 2}, {"fsdp": 2, "tp": 2}),
+        ({"dp": 2, "sp": 2, "tp": 2}, {"dp": 2}),
+        ({"tp": 2}, {"tp": 2}),
+    ],
+)
+def test_each_llm_replica_reads_every_row_once_from_tp_rank_0_of_its_units(vision, llm):
+    v_layout, l_layout = RankLayout.from_mesh(vision), RankLayout.from_mesh(llm)
+    batches = [_images([[1, 8, 8], [1, 8, 8]]) for _ in range(l_layout.num_replicas)]  # equal shares
+    r = route_micro_batch(
+        pixel_values=[b[0] for b in batches],
+        image_grid_thw=[b[1] for b in batches],
+        vision_replicas=v_layout.num_replicas,
+        sp_size=vision.get("sp", 1),
+        arch=ARCH,
+    )
+    degrees = lambda m: {a: m.get(a, 1) for a in ("dp", "fsdp", "sp", "tp")}  # noqa: E731
+    planned = routing(GroupLayout("vision", degrees(vision)), GroupLayout("llm", degrees(llm)))
+    for j in range(l_layout.num_replicas):
+        senders = unit_senders(r, j, v_layout)
+        assert len(senders) == v_layout.num_units
+        rows = []
+        for u, rank in enumerate(senders):
+            if rank is None:
+                continue
+            assert v_layout.unit_of(rank) == u and rank % vision.get("tp", 1) == 0  # TP rank 0 sends
+            rows += [x for w in r.vision[u].routes if w.llm_replica == j for x in w.dst.tolist()]
+        assert sorted(rows) == list(range(r.llm_tokens[j])), f"replica {j}"
+        # the planner's routing names the same encoder ranks for this replica (equal shares)
+        plan_ranks = set(planned[j].vision_ranks)
+        assert {s for s in senders if s is not None} <= plan_ranks
+        assert {v_layout.replica_of(s) for s in senders if s is not None} == set(planned[j].vision_replicas)
+
+
+def test_unit_count_mismatch_is_a_routing_error():
+    pv, g = _images([[1, 8, 8]])
+    r = route_micro_batch(pixel_values=[pv], image_grid_thw=[g], vision_replicas=2, sp_size=1, arch=ARCH)
+    with pytest.raises(RuntimeFailure, match="2 vision units, the vision group has 4"):
+        unit_senders(r, 0, RankLayout.from_mesh({"dp": 2, "sp": 2}))
 
 
 def test_cpu_transport_is_zero_copy_on_pack():
