@@ -39,13 +39,15 @@ def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
     """
     from dhp.errors import ConfigError, ConfigIssue
 
-    conf, smoke, overrides, bad = "", False, [], []
+    conf, smoke, overrides, bad, bad_smoke = "", False, [], [], []
     for arg in args:
         key, eq, value = arg.partition("=")
         if key == "conf":
             conf = value
-        elif key == "smoke":
+        elif key == "smoke" and value.lower() in ("1", "true", "yes", "0", "false", "no"):
             smoke = value.lower() in ("1", "true", "yes")
+        elif key == "smoke":  # a typo such as smoke=ture must not silently mean false
+            bad_smoke.append(value)
         elif (eq and key) or arg.startswith("~"):  # ~key deletes, as in Hydra
             overrides.append(arg)
         else:
@@ -58,6 +60,12 @@ def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
             fix="write overrides as key=value; see `dhp plan --help`",
         )
         for arg in bad
+    ]
+    issues += [
+        ConfigIssue(
+            path="smoke", value=v, rule="must be true or false", fix="write smoke=true or smoke=false"
+        )
+        for v in bad_smoke
     ]
     if not conf:
         issues.append(

@@ -139,3 +139,13 @@ def test_many_errors_stay_on_one_screen() -> None:
     text = error_text(err)
     assert len(text.splitlines()) == MAX_ISSUES_SHOWN + 2
     assert "40 config error(s)" in text and "25 more" in text
+
+
+def test_smoke_typo_is_an_error_not_false() -> None:
+    """``smoke=ture`` must not silently run the full-size recipe."""
+    from dhp.cli import parse_hydra_args
+    from dhp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"smoke = 'ture': must be true or false"):
+        parse_hydra_args(["conf=tiny_vlm", "smoke=ture"])
+    assert parse_hydra_args(["conf=tiny_vlm", "smoke=false"]) == ("tiny_vlm", [], False)
