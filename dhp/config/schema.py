@@ -183,7 +183,8 @@ class TrainConfig:
     keep_last: int = 2
     resume: str | None = None  # null | auto | a checkpoint path
     save_on_interrupt: bool = True
-    step_timeout_s: float = 900.0  # a driver step (or a group's call) taking longer is a hang -> RuntimeFailure
+    # a driver step (or a group's call) taking longer is a hang -> RuntimeFailure naming the ranks
+    step_timeout_s: float = 900.0
     tensorboard: bool = False
 
 
