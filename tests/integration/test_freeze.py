@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from plans import ALL_ONE
 
 from dhp.config import load_config
 from dhp.data import build_loader
@@ -21,11 +22,7 @@ def test_frozen_encoder_gets_no_grads_no_optimizer_state_and_stays_put():
         cfg = load_config(
             "tiny_vlm",
             [
-                "placement=disaggregated",
-                "modules.vision.gpus=1",
-                "modules.vision.parallel.sp=1",
-                "modules.llm.gpus=1",
-                "modules.llm.parallel.tp=1",
+                *ALL_ONE,
                 "modules.vision.freeze=true",
             ],
         )

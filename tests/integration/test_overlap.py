@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+from plans import ALL_ONE
 
 from dhp.config import load_config
 from dhp.data import build_loader
@@ -20,11 +21,7 @@ def test_encoder_forward_of_next_micro_batch_overlaps_llm_work():
         cfg = load_config(
             "tiny_vlm",
             [
-                "placement=disaggregated",
-                "modules.vision.gpus=1",
-                "modules.vision.parallel.sp=1",
-                "modules.llm.gpus=1",
-                "modules.llm.parallel.tp=1",
+                *ALL_ONE,
                 "train.micro_batch_size=1",
             ],
         )  # global batch 4 -> 4 micro-batches

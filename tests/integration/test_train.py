@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from plans import ALL_ONE
 
 from dhp.config import load_config
 from dhp.errors import RuntimeFailure
@@ -22,13 +23,6 @@ from dhp.runtime.train import train
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 3
-ALL_ONE = [
-    "placement=disaggregated",
-    "modules.vision.gpus=1",
-    "modules.vision.parallel.sp=1",
-    "modules.llm.gpus=1",
-    "modules.llm.parallel.tp=1",
-]
 
 
 @pytest.fixture(scope="module")
