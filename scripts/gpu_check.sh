@@ -6,7 +6,8 @@
 #   env    torch/CUDA/GPU, packages, bf16 8192^3 matmul TFLOP/s
 #   flash  is flash_attn importable; else dhp must refuse flash_attention_2 (no silent fallback)
 #   bf16   tiny and 7B-width (2 layers) VisionModule+LLMModule fwd/bwd, bf16 vs fp32 on the GPU
-#   ipc    2 processes on one GPU: image embeddings through dhp's CudaIpcTransport vs a host copy
+#   ipc    2 processes on one GPU: image embeddings through dhp's CudaIpcTransport vs a host copy;
+#          a hand-off packed while the GPU still writes is ordered by the interprocess event alone
 #   nccl   NCCL world of 1 through dhp.parallel (TP, Ulysses SP, DP all-reduce, ZeRO-1), and an
 #          honest 2-rank NCCL attempt on the one GPU (NCCL normally refuses a duplicate GPU)
 #   mfu    one training step (fwd+bwd+AdamW) of the 7B-width encoder + 8-layer LLM, 4096 patches,
@@ -28,7 +29,7 @@ CPUFLAG=()
 for a in "$@"; do
   case "$a" in
     --cpu) MODE=cpu; CPUFLAG=(--cpu) ;;
-    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (use --cpu or nothing)" >&2; exit 2 ;;
   esac
 done

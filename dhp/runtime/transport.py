@@ -3,10 +3,11 @@
 - ``cpu``: Ray object store. ``pack`` gives a numpy *view* of the tensor (no copy); Ray writes it
   once into shared memory, and every reader on the node maps the same bytes (``unpack`` is a
   zero-copy ``torch.from_numpy`` of the read-only buffer). Memory: one copy in the object store.
-- ``cuda_ipc`` (collocated groups on the same GPUs): ``pack`` gives a CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``) after synchronising the producer's stream;
-  the producer keeps the tensor alive until ``release()``; ``unpack`` maps the same device memory.
-  No bytes move at all.
+- ``cuda_ipc`` (collocated groups on the same GPUs): ``pack`` gives a CUDA IPC memory handle
+  (``torch.multiprocessing.reductions.reduce_tensor``) plus the IPC handle of an interprocess CUDA
+  event recorded on the producer's current stream after the tensor was written; the producer's CPU
+  never blocks. ``unpack`` maps the same device memory and makes the consumer's stream wait on that
+  event. The producer keeps tensor and event alive until ``release()``. No bytes move at all.
 - disaggregated GPU groups need Ray's GPU-object (NCCL) transport; it is not implemented yet and
   asking for it raises (never a silent detour through host memory).
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,29 +53,73 @@ class CpuTransport:
         return None
 
 
+IpcPayload = tuple[tuple[Callable[..., torch.Tensor], tuple[Any, ...]], bytes | None, int | None]
+"""What ``CudaIpcTransport.pack`` ships: ``(reduce_tensor(t), event IPC handle, CUDA device index)``.
+
+A plain tuple on purpose: it pickles through Ray, ``torch.multiprocessing`` queues and a transport
+module loaded by path (``scripts/gpu``) alike. For a CPU tensor the event and device are ``None``.
+"""
+
+
 class CudaIpcTransport:
-    """CUDA IPC handles for groups that share GPUs (collocated)."""
+    """CUDA IPC handles plus an interprocess event, for groups that share GPUs (collocated).
+
+    ``pack`` records a ``torch.cuda.Event(interprocess=True)`` on the producer's current stream of the
+    tensor's device, instead of synchronising that stream: the CPU goes on while the kernels that
+    write the tensor may still be running. The consumer's ``unpack`` opens the event and makes its
+    current stream on that device wait for it, so every kernel it enqueues there afterwards (the
+    copy into its own buffer included) reads the finished bytes. Work on *another* consumer stream
+    needs its own ``wait_stream``.
+
+    Memory: nothing is copied. The producer holds a reference to each packed tensor (and its event)
+    until ``release()``, so the caching allocator cannot hand those blocks out again while a consumer
+    may read them; call ``release()`` only after every consumer finished with the step's payloads.
+    The device index in the payload is the producer's; like ``torch.multiprocessing`` itself, this
+    assumes both processes number the shared GPU the same way (same ``CUDA_VISIBLE_DEVICES``).
+
+    torch's own sharing (``_share_cuda_``) also records an event, but a consumer that still maps
+    the same storage skips it (``rebuild_cuda_tensor``'s cache hit), and past 1000 live events it
+    synchronises the producer's stream instead: the per-``pack`` event here orders every hand-off
+    either way. CPU tensors (the ``--cpu`` dry runs) travel as a plain ``reduce_tensor``, no event.
+    """
 
     name = "cuda_ipc"
 
     def __init__(self) -> None:
-        self._alive: list[torch.Tensor] = []
+        self._alive: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> IpcPayload:
+        """IPC handles for ``t`` (contiguous; a copy only if it was not) and an event after its writes.
+
+        Does not block the CPU. Keeps ``t`` and the event alive until ``release()``.
+        """
         from torch.multiprocessing.reductions import reduce_tensor
 
         t = t.detach().contiguous()
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()  # consumer may read right away
-        self._alive.append(t)
-        return reduce_tensor(t)
+        if not t.is_cuda:
+            self._alive.append((t, None))
+            return reduce_tensor(t), None, None
+        event = torch.cuda.Event(interprocess=True)  # interprocess implies no timing
+        event.record(torch.cuda.current_stream(t.device))  # after every kernel enqueued so far
+        self._alive.append((t, event))
+        return reduce_tensor(t), event.ipc_handle(), t.device.index
 
-    def unpack(self, payload: Any, *, device: torch.device) -> torch.Tensor:
-        rebuild, args = payload
+    def unpack(self, payload: IpcPayload, *, device: torch.device) -> torch.Tensor:
+        """Map the producer's memory (no copy) after ordering this process's stream behind its event.
+
+        The wait goes on the current stream of the producer's device index: the stream a same-device
+        consumer computes on, and the one a cross-device or device-to-host ``.to(device)`` copies on.
+        Returns the mapped tensor itself when it already lives on ``device``, else a copy there.
+        """
+        (rebuild, args), event_handle, index = payload
+        if event_handle is not None:
+            src = torch.device("cuda", index)
+            event = torch.cuda.Event.from_ipc_handle(src, event_handle)
+            torch.cuda.current_stream(src).wait_event(event)  # enqueued; the CPU does not block
         return rebuild(*args).to(device)
 
     def release(self) -> None:
-        """Drop the producer's references once every consumer finished the step."""
+        """Drop the producer's references (tensors and events) once every consumer finished the step."""
         self._alive.clear()
 
 

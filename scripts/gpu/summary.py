@@ -17,7 +17,7 @@ KEY_FIGURES = {
     "env": ["gpu", "torch", "torch_cuda", "matmul_bf16_tflops"],
     "bf16": ["tiny.loss_rel_diff", "mid_7b_widths_2l.loss_rel_diff", "mid_7b_widths_2l.grad_norm_rel_diff"],
     "nccl": ["world1.backend", "tp1.ok", "sp1.ok", "zero1.ok", "nccl2.verdict"],
-    "ipc": ["transport_module", "bytes_equal"],
+    "ipc": ["transport_module", "bytes_equal", "event_order.ok", "event_order.pack_nonblocking"],
     "flash": ["flash_attn"],
     "mfu": ["step_s", "tokens_per_s_text", "achieved_tflops", "mfu", "peak_mem_gib"],
     "train": ["plan_rc", "train_rc"],
