@@ -8,6 +8,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 DEVICES = ("cuda", "cpu")
 MIXED_PRECISIONS = ("bf16_master_fp32", "bf16", "fp32")
 PLACEMENTS = ("collocated", "disaggregated")
+HANDOFFS = ("auto", "object_store", "cuda_ipc", "p2p")
 MODULE_NAMES = ("vision", "llm")
 REQUIRED_MODULES = ("vision", "llm")
 PARALLEL_AXES = ("dp", "fsdp", "sp", "tp")  # mesh order, outer -> inner

@@ -198,5 +198,8 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
     placement: str = "collocated"  # collocated | disaggregated
+    # how image embeddings and their grads cross groups: auto | object_store | cuda_ipc | p2p
+    # (auto: cpu -> object_store, cuda collocated -> cuda_ipc, cuda disaggregated -> p2p over NCCL)
+    handoff: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

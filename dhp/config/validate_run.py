@@ -11,10 +11,12 @@ from omegaconf import DictConfig
 from dhp.config.constants import (
     BAD_SAMPLE_POLICIES,
     DATA_KINDS,
+    HANDOFFS,
     MIXED_PRECISIONS,
     PARALLEL_AXES,
     PLACEMENTS,
 )
+from dhp.config.handoff import resolve_handoff
 from dhp.config.issues import Issues
 
 
@@ -209,6 +211,17 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 "make one replica count a multiple of the other",
             )
             _validate_batch(cfg.train, rv, rl, issues)
+        if issues.one_of(cfg.handoff, "handoff", HANDOFFS):
+            _, problem = resolve_handoff(
+                device=cfg.cluster.device, placement=cfg.placement, handoff=cfg.handoff
+            )
+            issues.check(
+                problem is None,
+                "handoff",
+                cfg.handoff,
+                f"{problem} (cluster.device={cfg.cluster.device}, placement={cfg.placement})",
+                "use handoff=auto",
+            )
     _validate_train(cfg.train, issues)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from dhp.config.constants import PARALLEL_AXES
+from dhp.config.handoff import resolve_handoff
 from dhp.plan.memory import estimate_module, module_shape, reserve_bytes
 from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
@@ -121,4 +122,5 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None) -> Plan:
         placement_groups=tuple(pgs),
         routing=tuple(routes),
         devices=devices,
+        handoff=resolve_handoff(device=cluster.device, placement=config.placement, handoff=config.handoff)[0],
     )

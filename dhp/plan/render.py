@@ -29,7 +29,7 @@ def _ranges(values: list[int]) -> str:
 
 
 def groups_table(plan: Plan) -> Table:
-    table = Table(title=f"plan '{plan.name}': {plan.placement} on {plan.device}")
+    table = Table(title=f"plan '{plan.name}': {plan.placement} on {plan.device}, hand-off {plan.handoff}")
     for col in ("group", "world", "mesh", "params", "nodes", "GPUs (global)", "GPU fraction"):
         table.add_column(col)
     for g in plan.groups:

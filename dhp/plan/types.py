@@ -145,6 +145,7 @@ class Plan:
     placement_groups: tuple[PlacementGroupSpec, ...]
     routing: tuple[Route, ...]
     devices: tuple[DeviceUsage, ...]
+    handoff: str = "object_store"  # resolved: object_store | cuda_ipc | p2p (dhp.config.handoff)
 
     @property
     def fits(self) -> bool:
@@ -165,6 +166,7 @@ class Plan:
         return {
             "name": self.name,
             "placement": self.placement,
+            "handoff": self.handoff,
             "device": self.device,
             "device_memory_bytes": self.device_memory_bytes,
             "reserve_bytes": self.reserve_bytes,

@@ -31,6 +31,7 @@ from dhp.data import StepData
 from dhp.errors import RuntimeFailure
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
+from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch, unit_senders
 from dhp.runtime.worker import ModuleWorker
 
@@ -71,6 +72,17 @@ class Trainer:
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             llm_replicas = specs["llm"].layout.num_replicas
             self._vision_units = specs["vision"].layout.num_units if "vision" in specs else 0
+            self.p2p = plan.handoff == "p2p" and "vision" in specs
+            bridge = (
+                BridgeLayout(
+                    vision_world=specs["vision"].world_size,
+                    llm_world=specs["llm"].world_size,
+                    vision_tp=specs["vision"].layout.tp_size,
+                    llm_ranks_per_replica=specs["llm"].layout.ranks_per_replica,
+                )
+                if self.p2p
+                else None
+            )
             for name, spec in specs.items():
                 kwargs = {
                     "model": config.model,
@@ -78,14 +90,17 @@ class Trainer:
                     "train": config.train,
                     "mesh": spec.mesh,
                     "device": spec.device,
-                    "placement": config.placement,
+                    "handoff": plan.handoff,
                     "num_llm_replicas": llm_replicas,
                     "num_vision_units": self._vision_units,
+                    "bridge_layout": bridge,
                 }
                 self.groups[name] = ActorGroup(
                     spec, pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs=kwargs
                 )
             init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
+            if self.p2p:
+                self._init_bridge(timeout_s=init_timeout_s)
             pending = {n: g.submit("build") for n, g in self.groups.items()}
             self.param_counts = {
                 n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
@@ -93,6 +108,21 @@ class Trainer:
         except BaseException:
             self.close(graceful=False)
             raise
+
+    def _init_bridge(self, *, timeout_s: float) -> None:
+        """Every rank of both groups joins the p2p bridge (store on vision rank 0), concurrently."""
+        addr, port = self.vision.master_address(avoid=set())
+        backend = "nccl" if self.vision.spec.device == "cuda" else "gloo"
+        kw = {"host": addr, "port": port, "backend": backend, "timeout_s": timeout_s}
+        pend = [g.submit("init_bridge", **kw) for g in (self.vision, self.llm)]
+        try:
+            for p in pend:
+                p.group.collect(p, timeout_s=timeout_s + 10)
+        except RuntimeFailure as e:
+            raise RuntimeFailure(
+                f"p2p hand-off bridge ({backend} {addr}:{port}, vision+llm ranks) failed to start: {e}. "
+                "Fix: check that the port is reachable between the groups' nodes, or use handoff=auto."
+            ) from e
 
     @property
     def vision(self) -> ActorGroup | None:
@@ -124,7 +154,11 @@ class Trainer:
                 self._vision_backward(m, llm_out[-1])
         leaders = self.llm.layout.leaders()
         stats = [
-            self.llm.get([_as_list(p.refs[r])[0] for r in leaders], what="llm_forward_backward")
+            self.llm.get(
+                [_as_list(p.refs[r])[0] for r in leaders],
+                what="llm_forward_backward",
+                timeout_s=self._timeout,
+            )
             for p in llm_out
         ]
         loss_sum = sum(s["loss_sum"] for per_m in stats for s in per_m)
@@ -189,6 +223,7 @@ class Trainer:
             vision_replicas=self.vision.layout.num_replicas,
             sp_size=self.vision.spec.mesh.get("sp", 1),
             arch=self.model_cfg.vision,
+            pad_empty=self.vision.spec.mesh.get("fsdp", 1) > 1,  # FSDP collectives span replicas
         )
         pending = self.vision.submit(
             "vision_forward",
@@ -203,7 +238,15 @@ class Trainer:
         """Issue the LLM's forward+backward of micro-batch ``m``; each replica gets its senders' refs."""
         n_rep = self.llm.layout.num_replicas
         chunk_refs: list[list[Any]] = [[] for _ in range(n_rep)]
-        if enc is not None:
+        recv_from: list[list[tuple[int, Any]]] = [[] for _ in range(n_rep)]
+        if enc is not None and self.p2p:  # each replica leader receives from its units' leaders
+            routing, _ = enc
+            for u, work in enumerate(routing.vision):
+                for route in work.routes:
+                    recv_from[route.llm_replica].append(
+                        (self.vision.layout.unit_leader(u), route.dst.numpy())
+                    )
+        elif enc is not None:
             routing, pending = enc
             for j in range(n_rep):  # one entry per vision unit, read from the unit's sending rank
                 chunk_refs[j] = [
@@ -215,10 +258,11 @@ class Trainer:
             "llm_forward_backward",
             data.micro_batches[m],
             chunk_refs,
+            recv_from,
             micro_batch=m,
             num_label_tokens=data.num_label_tokens,
             vision_grads=with_grads,
-            num_returns=1 + self._vision_units if with_grads else 1,
+            num_returns=1 + self._vision_units if with_grads and not self.p2p else 1,
         )
 
     def _vision_backward(self, m: int, llm_pending: Any) -> None:
@@ -227,7 +271,8 @@ class Trainer:
         layout = self.vision.layout
         world = layout.world_size
         grad_refs = [
-            [llm_pending.refs[leader][1 + layout.unit_of(r)] for leader in leaders] for r in range(world)
+            [] if self.p2p else [llm_pending.refs[leader][1 + layout.unit_of(r)] for leader in leaders]
+            for r in range(world)
         ]
         self._vision_bwd.append(self.vision.submit("vision_backward", [m] * world, grad_refs))
 
@@ -274,14 +319,40 @@ class Trainer:
 
 def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
     """Join ``cluster.ray_address`` or ``$RAY_ADDRESS`` if set, else start a local Ray sized to the
-    plan's bundles. Returns True when this call started (and so owns) the Ray instance."""
+    plan's bundles. Reserves nothing: the placement groups are taken later (``reserve``).
+
+    Returns True when this call initialised Ray in this process, so ``Trainer.close()`` calls
+    ``ray.shutdown()``: that stops a local instance, but for a joined cluster it only disconnects
+    this driver (the job's actors and placement groups end with it; the cluster and its other jobs
+    stay up). False when Ray was already initialised (the caller's, left alone).
+
+    Joining a cluster that uses token authentication (Ray >= 2.60 turns it on for a new local
+    cluster) needs ``RAY_AUTH_MODE=token`` and the token (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
+    or ``~/.ray/auth_token``) in this process's environment: Ray switches auth on by itself only
+    for a cluster it finds on its own, never for an explicit address. A join Ray refuses raises
+    PlanError naming the address, where it came from, Ray's reason and the fix.
+    """
     import ray
+
+    from dhp.errors import PlanError
 
     if ray.is_initialized():
         return False
     address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        source = "cluster.ray_address" if cluster.ray_address else "$RAY_ADDRESS"
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            lines = str(e.__cause__ or e).strip().splitlines() or [str(e)]
+            reason = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1]).strip()
+            raise PlanError(  # Ray's cause is a traceback; its last error line, first sentence
+                f"cannot join the Ray cluster at {address!r} (from {source}): {e}: "
+                f"{reason.split('. ')[0].rstrip('.')}. Fix: check the address (the head's host:port "
+                "from `ray start --head`) and that the head is up; for a cluster with token "
+                "authentication, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH "
+                "(default ~/.ray/auth_token) in dhp's environment."
+            ) from e
         return True
     need = {}
     for pg in plan.placement_groups:

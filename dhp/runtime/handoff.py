@@ -103,8 +103,15 @@ def route_micro_batch(
     vision_replicas: int,
     sp_size: int,
     arch: VisionArch,
+    pad_empty: bool = False,
 ) -> MicroBatchRouting:
     """Route one micro-batch (one entry per LLM replica) onto ``vision_replicas x sp_size`` ranks.
+
+    ``pad_empty``: a vision replica that gets no image (fewer images than replicas, e.g. text-only
+    samples) runs a one-merge-unit blank image whose output goes nowhere and whose gradient is zero.
+    Needed when the encoder is FSDP-sharded across replicas: every replica must then take part in
+    each forward's all-gathers and each backward's reduce-scatters, or its peers hang. The gradient
+    is unchanged (exactly zero is added). Memory: one tiny image's activations on that replica.
 
     Memory: builds each vision replica's pixel rows once (a concatenation of its images' rows);
     the SP cut copies only each rank's rows.
@@ -124,8 +131,21 @@ def route_micro_batch(
     vision: list[VisionWork] = []
     for v in range(vision_replicas):
         block = images[cuts[v] : cuts[v + 1]]
-        vision.extend(_route_replica(block, sp_size=sp_size, merge=merge, arch=arch))
+        if not block and pad_empty and llm_tokens and any(llm_tokens):
+            vision.extend(_blank_replica(sp_size=sp_size, arch=arch))
+        else:
+            vision.extend(_route_replica(block, sp_size=sp_size, merge=merge, arch=arch))
     return MicroBatchRouting(vision=tuple(vision), llm_tokens=tuple(llm_tokens))
+
+
+def _blank_replica(*, sp_size: int, arch: VisionArch) -> list[VisionWork]:
+    """SP shards of a blank image of one merge unit (``spatial_merge_size**2`` patches), no routes."""
+    m = arch.spatial_merge_size
+    patch_dim = arch.in_channels * arch.temporal_patch_size * arch.patch_size**2
+    shards = shard_vision_batch(
+        torch.zeros(m * m, patch_dim), torch.tensor([[1, m, m]]), sp_size=sp_size, arch=arch
+    )
+    return [VisionWork(shard=sh, routes=(), num_tokens=sh.token_index.numel()) for sh in shards]
 
 
 def _route_replica(block, *, sp_size: int, merge: int, arch: VisionArch) -> list[VisionWork]:

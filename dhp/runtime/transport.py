@@ -8,8 +8,8 @@
   event recorded on the producer's current stream after the tensor was written; the producer's CPU
   never blocks. ``unpack`` maps the same device memory and makes the consumer's stream wait on that
   event. The producer keeps tensor and event alive until ``release()``. No bytes move at all.
-- disaggregated GPU groups need Ray's GPU-object (NCCL) transport; it is not implemented yet and
-  asking for it raises (never a silent detour through host memory).
+- ``p2p`` (disaggregated GPU groups, or on request on cpu) is not an object transport: rows go
+  over point-to-point process groups between the two groups, see ``dhp.runtime.bridge``.
 """
 
 from __future__ import annotations
@@ -123,13 +123,13 @@ class CudaIpcTransport:
         self._alive.clear()
 
 
-def make_transport(*, device: str, placement: str) -> Transport:
-    """The transport for a cluster device and placement (cpu -> object store, cuda -> IPC or NCCL)."""
-    if device == "cpu":
+def make_transport(handoff: str) -> Transport | None:
+    """The object-passing transport for a resolved hand-off (``dhp.config.handoff``); None for
+    ``p2p``, whose rows go over the bridge process groups (``dhp.runtime.bridge``), not Ray."""
+    if handoff == "object_store":
         return CpuTransport()
-    if placement == "collocated":
+    if handoff == "cuda_ipc":
         return CudaIpcTransport()
-    raise PlanError(
-        "placement=disaggregated on cuda needs Ray's GPU-object (NCCL) hand-off, which dhp does not "
-        "implement yet. Fix: use placement=collocated on GPUs, or cluster.device=cpu."
-    )
+    if handoff == "p2p":
+        return None
+    raise PlanError(f"unknown hand-off {handoff!r}: expected object_store, cuda_ipc or p2p")

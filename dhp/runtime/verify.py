@@ -255,7 +255,9 @@ def verify_plan(
     )
     meshes = ", ".join(f"{g.name} {dict(g.mesh)}" for g in plan.groups)
     report = VerifyReport(
-        loss_rtol=loss_rtol, grad_atol=grad_atol, plan_summary=f"{meshes}, {config.placement}"
+        loss_rtol=loss_rtol,
+        grad_atol=grad_atol,
+        plan_summary=f"{meshes}, {config.placement}, hand-off {plan.handoff}",
     )
     from dhp.runtime.driver import Trainer
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dhp import parallel as par
@@ -26,6 +27,7 @@ from dhp.models.loading import LoadReport, load_module_weights
 from dhp.models.qwen2_5_vl.family import torch_dtype
 from dhp.parallel.ulysses import vision_shard_forward
 from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.bridge import Bridge, BridgeLayout
 from dhp.runtime.dispatch import Collect, Dispatch, register
 from dhp.runtime.handoff import VisionWork
 from dhp.runtime.transport import make_transport
@@ -48,15 +50,19 @@ class ModuleWorker(DistWorker):
         train: TrainConfig,
         mesh: dict[str, int],
         device: str,
-        placement: str,
+        handoff: str,
         num_llm_replicas: int,
         num_vision_units: int,
+        bridge_layout: BridgeLayout | None = None,
     ) -> None:
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
         self.model_cfg, self.module_cfg, self.train_cfg = model, module, train
         self.mesh_shape = dict(mesh)
         self.device_type = device
-        self.transport = make_transport(device=device, placement=placement)
+        self.handoff = handoff
+        self.transport = make_transport(handoff)
+        self.bridge_layout = bridge_layout
+        self.bridge: Bridge | None = None  # p2p only, after init_bridge
         self.num_llm_replicas = num_llm_replicas
         self.num_vision_units = num_vision_units
         self.frozen = module.freeze
@@ -148,6 +154,19 @@ class ModuleWorker(DistWorker):
             "bytes_read": r.bytes_read,
         }
 
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def init_bridge(self, *, host: str, port: int, backend: str, timeout_s: float) -> None:
+        """Join the p2p hand-off bridge (both groups' ranks; blocks until all joined)."""
+        assert self.bridge_layout is not None
+        self.bridge = Bridge(
+            host=host,
+            port=port,
+            rank=self.bridge_layout.bridge_rank(self.module_name, self.rank),
+            world_size=self.bridge_layout.world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
     # ---- vision ----------------------------------------------------------------------------
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
     def vision_forward(self, work: VisionWork, micro_batch: int, send: bool) -> Any:
@@ -166,7 +185,12 @@ class ModuleWorker(DistWorker):
                 self._inflight[micro_batch] = (out, work)
             for route in work.routes if send else ():
                 rows = out.detach()[route.src.to(self.device)]
-                payloads[route.llm_replica] = (self.transport.pack(rows), route.dst.numpy())
+                if self.bridge is not None:  # p2p: straight to the LLM replica's leader
+                    dst = self.bridge_layout.llm_leader(route.llm_replica)
+                    rows = rows.to(torch_dtype(self.model_cfg.dtype))
+                    self.bridge.send(rows, dst=dst, direction="fwd", tag=micro_batch)
+                else:
+                    payloads[route.llm_replica] = (self.transport.pack(rows), route.dst.numpy())
         self._timers["fwd_s"] += time.perf_counter() - t0
         self._events.append(("vision_forward", micro_batch, wall, time.time()))
         return payloads[0] if self.num_llm_replicas == 1 else tuple(payloads)
@@ -179,16 +203,43 @@ class ModuleWorker(DistWorker):
             return
         out, work = entry
         t0 = time.perf_counter()
-        grads = ray.get(grad_refs) if grad_refs else []
-        self._timers["wait_s"] += time.perf_counter() - t0
-        t1 = time.perf_counter()
-        grad = torch.zeros_like(out)
-        by_replica = {r.llm_replica: r for r in work.routes}
-        for j, payload in enumerate(grads):
-            if payload is not None:
-                grad[by_replica[j].src.to(self.device)] = self.transport.unpack(payload, device=self.device)
+        if self.bridge is not None:
+            grad = self._recv_vision_grad(out, work, micro_batch)
+            self._timers["wait_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+        else:
+            grads = ray.get(grad_refs) if grad_refs else []
+            self._timers["wait_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            grad = torch.zeros_like(out)
+            by_replica = {r.llm_replica: r for r in work.routes}
+            for j, payload in enumerate(grads):
+                if payload is not None:
+                    grad[by_replica[j].src.to(self.device)] = self.transport.unpack(
+                        payload, device=self.device
+                    )
         out.backward(grad)
         self._timers["bwd_s"] += time.perf_counter() - t1
+
+    def _recv_vision_grad(self, out: torch.Tensor, work: VisionWork, micro_batch: int) -> torch.Tensor:
+        """p2p: the unit leader receives its rows' gradients from each LLM replica leader it fed,
+        then (vision TP) broadcasts the whole gradient to the unit's other TP ranks."""
+        grad = torch.zeros_like(out)
+        tp_group = _inner_group(self.mesh, self.mesh_shape, ("tp",))
+        if tp_group is None or dist.get_rank(tp_group) == 0:
+            for route in work.routes:
+                g = self.bridge.recv(
+                    (route.src.numel(), out.shape[1]),
+                    dtype=torch_dtype(self.model_cfg.dtype),
+                    device=self.device,
+                    src=self.bridge_layout.llm_leader(route.llm_replica),
+                    direction="bwd",
+                    tag=micro_batch,
+                )
+                grad[route.src.to(self.device)] = g.to(grad.dtype)
+        if tp_group is not None and work.routes:
+            dist.broadcast(grad, group=tp_group, group_src=0)
+        return grad
 
     # ---- llm -------------------------------------------------------------------------------
     @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
@@ -196,6 +247,7 @@ class ModuleWorker(DistWorker):
         self,
         batch: VLBatch,
         chunk_refs: list[Any],
+        recv_from: list[tuple[int, Any]],
         *,
         micro_batch: int,
         num_label_tokens: int,
@@ -203,18 +255,24 @@ class ModuleWorker(DistWorker):
     ) -> Any:
         """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
 
-        ``chunk_refs``: one ref per vision unit (None where it sends nothing). Returns
+        ``chunk_refs``: one ref per vision unit (None where it sends nothing); with the p2p hand-off
+        it is empty and ``recv_from`` lists ``(vision bridge rank, dst rows)`` to receive. Returns
         ``(stats, grad_0, ..., grad_{U-1})`` with ``num_returns = 1 + U`` when ``vision_grads``,
-        else ``stats``. Only the replica's leader sends gradient rows (TP ranks hold identical ones).
+        else ``stats`` (always ``stats`` with p2p: the grads go back over the bridge). Only the
+        replica's leader sends gradient rows (TP ranks hold identical ones).
         """
         t0, wall = time.perf_counter(), time.time()
-        got = ray.get([ref for ref in chunk_refs if ref is not None])
-        sources = [r for r, ref in enumerate(chunk_refs) if ref is not None]
-        chunks = [(r, p) for r, p in zip(sources, got, strict=True) if p is not None]
+        if self.bridge is not None:
+            embeds = self._recv_embeds(batch, recv_from, micro_batch, requires_grad=vision_grads)
+        else:
+            got = ray.get([ref for ref in chunk_refs if ref is not None])
+            sources = [r for r, ref in enumerate(chunk_refs) if ref is not None]
+            chunks = [(r, p) for r, p in zip(sources, got, strict=True) if p is not None]
         wait, wall = time.perf_counter() - t0, time.time()  # the LLM event starts after its inputs arrived
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
-        embeds = self._assemble(batch, chunks, requires_grad=vision_grads)
+        if self.bridge is None:
+            embeds = self._assemble(batch, chunks, requires_grad=vision_grads)
         with torch.set_grad_enabled(True):
             out = self.module(
                 input_ids=batch.input_ids.to(self.device),
@@ -236,11 +294,49 @@ class ModuleWorker(DistWorker):
         if not vision_grads:
             return stats
         leader = self.rank % (self.mesh_shape.get("sp", 1) * self.mesh_shape.get("tp", 1)) == 0
+        if self.bridge is not None:  # p2p: the leader sends each source its rows' grads; stats only
+            for src, dst in recv_from if leader and embeds is not None else ():
+                rows = embeds.grad[torch.from_numpy(dst).to(self.device)]
+                self.bridge.send(rows, dst=src, direction="bwd", tag=micro_batch)
+            return stats
         grads: list[Any] = [None] * self.num_vision_units
         if leader and embeds is not None:
             for r, (_, dst) in chunks:
                 grads[r] = self.transport.pack(embeds.grad[torch.from_numpy(dst).to(self.device)])
         return (stats, *grads)
+
+    def _recv_embeds(
+        self, batch: VLBatch, recv_from: list[tuple[int, Any]], micro_batch: int, *, requires_grad: bool
+    ) -> torch.Tensor | None:
+        """p2p: the replica leader receives every source's rows into place, then broadcasts the
+        assembled embeddings inside the replica (TP/SP ranks); a leaf that collects the grad."""
+        if batch.image_grid_thw is None:
+            return None
+        n = int(batch.image_grid_thw.prod(dim=1).sum()) // self.model_cfg.vision.spatial_merge_size**2
+        dtype = torch_dtype(self.model_cfg.dtype)
+        embeds = torch.zeros(n, self.model_cfg.llm.hidden_size, dtype=dtype, device=self.device)
+        group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))
+        if group is None or dist.get_rank(group) == 0:
+            filled = 0
+            for src, dst in recv_from:
+                rows = self.bridge.recv(
+                    (len(dst), embeds.shape[1]),
+                    dtype=dtype,
+                    device=self.device,
+                    src=src,
+                    direction="fwd",
+                    tag=micro_batch,
+                )
+                embeds[torch.from_numpy(dst).to(self.device)] = rows
+                filled += len(dst)
+            if filled != n:
+                raise RuntimeFailure(
+                    f"module 'llm' rank {self.rank}: p2p hand-off delivered {filled} image-embedding rows, "
+                    f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
+                )
+        if group is not None:
+            dist.broadcast(embeds, group=group, group_src=0)
+        return embeds.requires_grad_(requires_grad)
 
     def _assemble(
         self, batch: VLBatch, chunks: list[tuple[int, Any]], *, requires_grad: bool
@@ -270,6 +366,8 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def finalize_grads(self) -> float:
         """Reduce grads over SP/DP (sums) and return the module's squared grad norm (same on all ranks)."""
+        if self.bridge is not None:
+            self.bridge.drain()  # every backward ran: each send has been received
         if self.frozen:
             return 0.0
         t0 = time.perf_counter()
@@ -281,7 +379,8 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def optimizer_step(self, *, lr: float, clip_coef: float) -> None:
         """Scale grads by ``clip_coef`` (< 1 when clipping), AdamW step at ``lr``, zero the grads."""
-        self.transport.release()
+        if self.transport is not None:
+            self.transport.release()
         if self.optimizer is None:
             return
         t0 = time.perf_counter()
@@ -297,7 +396,10 @@ class ModuleWorker(DistWorker):
     def zero_grads(self) -> None:
         """Drop this step's gradients and in-flight activations (a step refused before the update)."""
         self._inflight.clear()
-        self.transport.release()
+        if self.transport is not None:
+            self.transport.release()
+        if self.bridge is not None:
+            self.bridge.abandon()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
@@ -349,6 +451,18 @@ class ModuleWorker(DistWorker):
             restore_rng_state(extra["rng"])
             return True
         return False
+
+
+def _inner_group(mesh: Any, shape: dict[str, int], axes: tuple[str, ...]) -> Any:
+    """The process group of the one axis in ``axes`` with degree > 1 (ranks sharing a batch), or None."""
+    live = [a for a in axes if shape.get(a, 1) > 1]
+    if not live:
+        return None
+    if len(live) > 1:
+        raise RuntimeFailure(
+            f"p2p hand-off: axes {live} both > 1 inside one replica (sp and tp exclude each other)"
+        )
+    return mesh[live[0]].get_group()
 
 
 def _optim_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:

@@ -119,32 +119,45 @@ def test_non_finite_loss_stops_before_the_update(ray_local, tmp_path):
         _run(tmp_path, "nan", *ALL_ONE, "train.lr=1e30", "train.warmup_steps=0")
 
 
-def test_skipped_bad_samples_reach_metrics(ray_local, tmp_path):
-    """data.on_bad_sample=skip: a record whose image is missing is skipped, counted by reason in
-    metrics.jsonl (``bad_samples``), and the step still gets its full batch of good samples."""
-    import dhp.data_assets
+def _llava_jsonl(path: Path, records: list[tuple[str, str | None]]) -> Path:
+    """A LLaVA JSONL file: ``(id, image file or None for a text-only sample)`` per record."""
+    lines = []
+    for rid, image in records:
+        rec: dict = {
+            "id": rid,
+            "conversations": [
+                {"from": "human", "value": ("<image>\n" if image else "") + "What is this?"},
+                {"from": "gpt", "value": f"A photograph: {rid}."},
+            ],
+        }
+        if image:
+            rec["image"] = image
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny HF checkpoint (its tokenizer handles real photos)."""
     from dhp.models import make_tiny_checkpoint
 
-    images = Path(dhp.data_assets.__file__).parent / "demo" / "images"
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+def _demo_images() -> Path:
+    import dhp.data_assets
+
+    return Path(dhp.data_assets.__file__).parent / "demo" / "images"
+
+
+def test_skipped_bad_samples_reach_metrics(ray_local, tmp_path, tiny_dir):
+    """data.on_bad_sample=skip: a record whose image is missing is skipped, counted by reason in
+    metrics.jsonl (``bad_samples``), and the step still gets its full batch of good samples."""
     records = [("missing", "no_such_photo.jpg")] + [
         (name, f"{name}.jpg") for name in ("cat", "coins", "rocket", "espresso", "astronaut")
     ]
-    lines = [
-        json.dumps(
-            {
-                "id": rid,
-                "image": image,
-                "conversations": [
-                    {"from": "human", "value": "<image>\nWhat is this?"},
-                    {"from": "gpt", "value": f"A photograph: {rid}."},
-                ],
-            }
-        )
-        for rid, image in records
-    ]
-    data = tmp_path / "bad.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    model_dir = make_tiny_checkpoint(tmp_path / "tiny")
+    data = _llava_jsonl(tmp_path / "bad.jsonl", records)
     cfg = load_config(
         "tiny_vlm_demo",
         [
@@ -152,8 +165,8 @@ def test_skipped_bad_samples_reach_metrics(ray_local, tmp_path):
             f"train.output_dir={tmp_path / 'runs'}",
             "train.steps=1",
             "train.warmup_steps=0",
-            f"model.path={model_dir}",
-            f"data.datasets=[{{name:bad,path:'{data}',image_root:'{images}',weight:1.0}}]",
+            f"model.path={tiny_dir}",
+            f"data.datasets=[{{name:bad,path:'{data}',image_root:'{_demo_images()}',weight:1.0}}]",
             "data.shuffle=false",
             "data.on_bad_sample=skip",
             *ALL_ONE,
@@ -164,3 +177,27 @@ def test_skipped_bad_samples_reach_metrics(ray_local, tmp_path):
     (row,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["bad_samples"] == {"missing_file": 1}
     assert math.isfinite(row["loss"])
+
+
+def test_vision_fsdp_replica_without_images_matches(ray_local, tmp_path, tiny_dir):
+    """Vision FSDP=2 over micro-batches holding one image each (the other sample is text-only):
+    one vision replica gets no image, runs a blank one so FSDP's collectives match (otherwise its
+    peer hangs), and adds exactly zero gradient: losses equal every-degree-1 within 1e-5."""
+    records = [("cat", "cat.jpg"), ("chat1", None), ("coins", "coins.jpg"), ("chat2", None)]
+    data = _llava_jsonl(tmp_path / "mixed.jsonl", records)
+    common = [
+        "train.steps=2",
+        "train.warmup_steps=0",
+        "train.step_timeout_s=120",  # a hang fails in 2 minutes, not 15
+        f"model.path={tiny_dir}",
+        f"data.datasets=[{{name:mixed,path:'{data}',image_root:'{_demo_images()}',weight:1.0}}]",
+        "data.shuffle=false",
+    ]
+    losses = {}
+    for name, plan in {
+        "ones": ALL_ONE,
+        "fsdp": [*ALL_ONE, "modules.vision.gpus=2", "modules.vision.parallel.fsdp=2"],
+    }.items():
+        cfg = load_config("tiny_vlm_demo", [f"name={name}", f"train.output_dir={tmp_path}", *common, *plan])
+        losses[name] = train(cfg).losses
+    assert losses["fsdp"] == pytest.approx(losses["ones"], rel=1e-5)

@@ -112,11 +112,45 @@ def test_a_rank_without_tokens_still_gets_its_shard():
     assert [w.num_tokens for w in routing.vision] == [16, 0] and routing.vision[1].routes == ()
 
 
-def test_transport_follows_device_and_placement():
+def test_handoff_resolves_by_device_and_placement():
+    from dhp.config.handoff import resolve_handoff
     from dhp.errors import PlanError
     from dhp.runtime.transport import CudaIpcTransport, make_transport
 
-    assert isinstance(make_transport(device="cpu", placement="disaggregated"), CpuTransport)
-    assert isinstance(make_transport(device="cuda", placement="collocated"), CudaIpcTransport)
-    with pytest.raises(PlanError, match=r"GPU-object .* not implement"):  # never a silent host-memory detour
-        make_transport(device="cuda", placement="disaggregated")
+    def resolve(device: str, placement: str, handoff: str = "auto") -> tuple[str, str | None]:
+        return resolve_handoff(device=device, placement=placement, handoff=handoff)
+
+    assert resolve("cpu", "collocated") == ("object_store", None)
+    assert resolve("cpu", "disaggregated") == ("object_store", None)
+    assert resolve("cuda", "collocated") == ("cuda_ipc", None)
+    assert resolve("cuda", "disaggregated") == ("p2p", None)  # the NCCL bridge, never host memory
+    assert resolve("cpu", "collocated", "p2p") == ("p2p", None)  # gloo bridge: how CPU tests cover it
+    assert "disjoint GPUs" in resolve("cuda", "collocated", "p2p")[1]
+    assert "host memory" in resolve("cuda", "disaggregated", "object_store")[1]
+    assert "collocated" in resolve("cuda", "disaggregated", "cuda_ipc")[1]
+    assert isinstance(make_transport("object_store"), CpuTransport)
+    assert isinstance(make_transport("cuda_ipc"), CudaIpcTransport)
+    assert make_transport("p2p") is None
+    with pytest.raises(PlanError, match="unknown hand-off"):
+        make_transport("auto")  # only resolved names reach the workers
+
+
+def test_fsdp_pads_a_vision_replica_without_images():
+    """Two vision replicas, one image: with pad_empty the idle replica gets a blank one-merge-unit
+    image on every SP rank and sends nothing (FSDP's collectives must run on every replica)."""
+    pv, g = _images([[1, 8, 8]])
+    kw = {"pixel_values": [pv], "image_grid_thw": [g], "vision_replicas": 2, "sp_size": 2, "arch": ARCH}
+    plain = route_micro_batch(**kw)
+    idle = [u for u, w in enumerate(plain.vision) if w.shard is None]
+    assert len(idle) == 2  # one replica's 2 SP ranks
+    padded = route_micro_batch(**kw, pad_empty=True)
+    busy = [u for u in range(4) if u not in idle]
+    assert all(
+        padded.vision[u] is plain.vision[u] or padded.vision[u].num_tokens == plain.vision[u].num_tokens
+        for u in busy
+    )
+    blank = [padded.vision[u] for u in idle]
+    assert all(w.shard is not None and w.routes == () for w in blank)
+    assert sum(w.shard.num_patches for w in blank) == ARCH.spatial_merge_size**2
+    assert all(float(w.shard.pixel_values.abs().sum()) == 0.0 for w in blank)
+    assert padded.sources_of(0) == plain.sources_of(0)
