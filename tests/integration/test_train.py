@@ -85,8 +85,9 @@ def test_run_directory_and_fixed_metric_names(reference):
                 "modules.vision.parallel.sp=1",
                 "modules.vision.parallel.dp=2",
                 *ALL_ONE[3:],
+                "handoff=p2p",  # two sources into one replica over the gloo bridge, F0 F1 B0 pipelining
             ],
-            id="disaggregated-vision_dp2-llm1",
+            id="p2p-disaggregated-vision_dp2-llm1",
         ),
         pytest.param(
             [

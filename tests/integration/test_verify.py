@@ -51,6 +51,21 @@ def test_disaggregated_vision1_llm_tp2() -> None:
     )
 
 
+def test_p2p_bridge_vision_tp2_llm_tp2() -> None:
+    # handoff=p2p over gloo (the NCCL path on GPUs): rows go vision unit leader -> LLM leader once and
+    # are broadcast in the LLM TP group; their grads come back and are broadcast in the vision TP group
+    _passed(
+        verify(
+            "steps=3",
+            "handoff=p2p",
+            "placement=disaggregated",
+            "modules.vision.parallel.sp=1",
+            "modules.vision.parallel.tp=2",
+        ),
+        3,
+    )
+
+
 def test_llm_dp2_sums_over_replicas() -> None:
     # the reference sees the union of both replicas' micro-batches, normalised by the global T
     _passed(verify("steps=3", "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2"), 3)
