@@ -35,7 +35,7 @@ def build_record(
     tokens/s: vision = encoder patches, text = LLM tokens (attention mask), per step wall time.
     MFU = (encoder + LLM model FLOPs) / step_s / (cluster.peak_bf16_tflops * devices), PaLM formula.
     Per-module seconds are the max over that module's ranks; ``wait_s`` is the LLM waiting on the
-    hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS peak);
+    hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS high-water mark, reset per window on Linux);
     ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``).
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)

@@ -1,6 +1,9 @@
 """FLOPs formula and the fixed-name metrics writer."""
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from dhp.errors import RuntimeFailure
 from dhp.metrics import METRIC_KEYS, MetricsWriter, llm_flops_per_step, vision_flops_per_step
@@ -57,3 +60,20 @@ def test_tensorboard_events_are_written_when_enabled(tmp_path):
     acc.Reload()
     assert {"loss", "mfu", "peak_mem_bytes/llm/0"} <= set(acc.Tags()["scalars"])
     assert [e.value for e in acc.Scalars("loss")] == [1.0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_cpu_peak_memory_is_per_window() -> None:
+    """A 256 MiB touch raises the CPU peak; after it is freed and the window reset, the peak drops."""
+    from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    assert reset_peak_memory(cpu)
+    before = peak_memory_bytes(cpu)
+    big = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MiB, every page written
+    during = peak_memory_bytes(cpu)
+    del big
+    assert reset_peak_memory(cpu)
+    after = peak_memory_bytes(cpu)
+    assert during - before >= 250 * 2**20, (before, during)
+    assert during - after >= 200 * 2**20, (during, after)  # the window restarted at the current RSS
