@@ -38,8 +38,10 @@ class DistWorker:
 
     def init_dist(self, *, master_addr: str, master_port: int, backend: str, timeout_s: float) -> int:
         """Join this group's own default world. Blocks until every rank of the group joined."""
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU(s) as CUDA_VISIBLE_DEVICES
+        if backend == "nccl":  # every GPU of the node is visible: pick Ray's (dhp.runtime.devices)
+            from dhp.runtime.devices import assigned_cuda_index
+
+            torch.cuda.set_device(assigned_cuda_index())
         dist.init_process_group(
             backend,
             init_method=f"tcp://{master_addr}:{master_port}",

@@ -75,7 +75,9 @@ class CudaIpcTransport:
     until ``release()``, so the caching allocator cannot hand those blocks out again while a consumer
     may read them; call ``release()`` only after every consumer finished with the step's payloads.
     The device index in the payload is the producer's; like ``torch.multiprocessing`` itself, this
-    assumes both processes number the shared GPU the same way (same ``CUDA_VISIBLE_DEVICES``).
+    assumes both processes number the GPUs the same way. dhp's actors do: each sees every GPU of
+    its node (``dhp.runtime.devices``), which also lets an LLM rank read rows from a vision rank on
+    another GPU of the node (collocated SP/TP groups exchange rows across GPUs, copied over NVLink).
 
     torch's own sharing (``_share_cuda_``) also records an event, but a consumer that still maps
     the same storage skips it (``rebuild_cuda_tensor``'s cache hit), and past 1000 live events it

@@ -90,7 +90,8 @@ class ModuleWorker(DistWorker):
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.device = torch.device(self.device_type, 0) if self.device_type == "cuda" else torch.device("cpu")
+        cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.mesh = init_device_mesh(
             self.device_type, tuple(self.mesh_shape.values()), mesh_dim_names=tuple(self.mesh_shape)
         )
