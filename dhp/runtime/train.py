@@ -54,6 +54,7 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     t = config.train
     plan = compile_plan(config)
     resume = resolve_resume(t.resume, output_dir=t.output_dir, name=config.name)
+    checked = _check_resume(resume, config=config, plan=plan)  # refuse before any actor or run dir
     run_dir = make_run_dir(output_dir=t.output_dir, name=config.name)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
@@ -75,9 +76,7 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     loop: _Loop | None = None
     graceful = True
     try:
-        start = _resume(
-            trainer, resume, config=config, plan=plan, loader=loader, schedule=schedule, console=console
-        )
+        start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
         loop = _Loop(
             config=config,
             plan=plan,
@@ -122,17 +121,29 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     return result
 
 
-def _resume(trainer, resume, *, config, plan, loader, schedule, console) -> int:
-    """Load ``resume`` (if any) into the groups, the loader, the LR schedule and the driver RNG."""
+def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
+    """``(meta, notes)`` of a compatible checkpoint, CheckpointError naming every difference
+    otherwise; pure (reads meta.json only), so a refused resume starts no Ray and writes nothing."""
     if resume is None:
-        return 0
-    from dhp.checkpoint import check_resume_compatible, read_meta, restore_rng_state
+        return None
+    from dhp.checkpoint import check_resume_compatible, read_meta
     from dhp.checkpoint.compat import model_arch_hash
 
     meta = read_meta(resume)
     notes = check_resume_compatible(
         meta, plan=plan.to_json(), modules=dict(config.modules), model_hash=model_arch_hash(config.model)
     )
+    return meta, notes
+
+
+def _resume(trainer, resume, checked, *, loader, schedule, console) -> int:
+    """Load ``resume`` (if any, checked by ``_check_resume``) into the groups, the loader, the LR
+    schedule and the driver RNG."""
+    if resume is None:
+        return 0
+    from dhp.checkpoint import restore_rng_state
+
+    meta, notes = checked
     trainer.load_modules(str(resume))
     loader.load_state_dict(meta.data_state)
     if meta.scheduler_state is not None:

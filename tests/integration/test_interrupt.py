@@ -55,7 +55,16 @@ def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
     ]
     cmd += ["train.steps=200", "train.checkpoint_every=0", *("placement=disaggregated", "modules.llm.gpus=1")]
     cmd += ["modules.llm.parallel.tp=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # a suite started in the background (`cmd &`) inherits SIGINT ignored, and Python keeps an
+        # ignored SIGINT ignored: give the run a terminal's default so Ctrl-C is what it receives
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 400

@@ -114,6 +114,8 @@ def test_resume_other_architecture_is_refused(full_run) -> None:
     assert proc.returncode == 2
     assert "CheckpointError" in proc.stderr + proc.stdout
     assert "model architecture differs" in proc.stderr + proc.stdout
+    assert not (out / "d").exists()  # refused from meta.json alone: no run dir, no Ray, no actors
+    assert "Started a local Ray" not in proc.stderr + proc.stdout
 
 
 def _descendants(root: int) -> list[int]:
