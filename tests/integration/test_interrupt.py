@@ -12,35 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive, descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
@@ -69,13 +45,13 @@ def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
     try:
         deadline = time.monotonic() + 400
         while True:
-            seen |= _descendants(proc.pid)
+            seen.update(descendants(proc.pid))
             rows = list(tmp_path.glob("int/*/metrics.jsonl"))
             if rows and rows[0].read_text().count("\n") >= 2:
                 break
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
             time.sleep(0.5)
-        seen |= _descendants(proc.pid)
+        seen.update(descendants(proc.pid))
         os.kill(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -89,5 +65,5 @@ def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
     logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert meta["step"] >= max(logged) >= 2 and ckpt.name == f"step_{meta['step']:06d}"
     time.sleep(5)  # Ray's processes exit asynchronously after shutdown
-    left = sorted(p for p in seen if _alive(p))
+    left = sorted(p for p in seen if alive(p))
     assert not left, f"orphans: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()[:80]) for p in left]}"

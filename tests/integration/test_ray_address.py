@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 from plans import ALL_ONE
+from procs import alive, descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -81,30 +82,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @dataclass
 class Head:
     """A running head node: its ``ray start`` process, GCS address and token file."""
@@ -147,7 +124,7 @@ def head() -> Iterator[Head]:
             time.sleep(0.25)
         yield Head(proc=proc, address=f"127.0.0.1:{port}", token_path=token_path)
     finally:
-        family = _descendants(proc.pid)
+        family = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         try:
             proc.wait(timeout=30)
@@ -155,7 +132,7 @@ def head() -> Iterator[Head]:
             proc.kill()
             proc.wait()
         deadline = time.monotonic() + 10
-        while (left := [p for p in family if _alive(p)]) and time.monotonic() < deadline:
+        while (left := [p for p in family if alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         for p in left:  # only this head's own processes, by pid
             with contextlib.suppress(ProcessLookupError):

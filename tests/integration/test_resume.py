@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -118,26 +119,8 @@ def test_resume_other_architecture_is_refused(full_run) -> None:
     assert "Started a local Ray" not in proc.stderr + proc.stdout
 
 
-def _descendants(root: int) -> list[int]:
-    """Pids below ``root`` in the process tree (Ray's raylet and its actors are the driver's descendants)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _actor_pid(root: int) -> int | None:
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
