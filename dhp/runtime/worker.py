@@ -10,6 +10,7 @@ its dispatch/collect contract; the driver (``dhp.runtime.driver``) is the only c
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ray
@@ -59,7 +60,6 @@ class ModuleWorker(DistWorker):
         self.model_cfg, self.module_cfg, self.train_cfg = model, module, train
         self.mesh_shape = dict(mesh)
         self.device_type = device
-        self.handoff = handoff
         self.transport = make_transport(handoff)
         self.bridge_layout = bridge_layout
         self.bridge: Bridge | None = None  # p2p only, after init_bridge
@@ -227,7 +227,7 @@ class ModuleWorker(DistWorker):
         then (vision TP) broadcasts the whole gradient to the unit's other TP ranks."""
         grad = torch.zeros_like(out)
         tp_group = _inner_group(self.mesh, self.mesh_shape, ("tp",))
-        if tp_group is None or dist.get_rank(tp_group) == 0:
+        if _is_root(tp_group):
             for route in work.routes:
                 g = self.bridge.recv(
                     (route.src.numel(), out.shape[1]),
@@ -264,7 +264,9 @@ class ModuleWorker(DistWorker):
         """
         t0, wall = time.perf_counter(), time.time()
         if self.bridge is not None:
-            embeds = self._recv_embeds(batch, recv_from, micro_batch, requires_grad=vision_grads)
+            group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))  # the replica's other ranks
+            arrivals = self._bridge_arrivals(recv_from, micro_batch) if _is_root(group) else None
+            embeds = self._assemble(batch, arrivals, requires_grad=vision_grads, broadcast_in=group)
         else:
             got = ray.get([ref for ref in chunk_refs if ref is not None])
             sources = [r for r, ref in enumerate(chunk_refs) if ref is not None]
@@ -273,7 +275,8 @@ class ModuleWorker(DistWorker):
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
         if self.bridge is None:
-            embeds = self._assemble(batch, chunks, requires_grad=vision_grads)
+            arrivals = ((dst, self.transport.unpack(rows, device=self.device)) for _, (rows, dst) in chunks)
+            embeds = self._assemble(batch, arrivals, requires_grad=vision_grads)
         with torch.set_grad_enabled(True):
             out = self.module(
                 input_ids=batch.input_ids.to(self.device),
@@ -306,61 +309,49 @@ class ModuleWorker(DistWorker):
                 grads[r] = self.transport.pack(embeds.grad[torch.from_numpy(dst).to(self.device)])
         return (stats, *grads)
 
-    def _recv_embeds(
-        self, batch: VLBatch, recv_from: list[tuple[int, Any]], micro_batch: int, *, requires_grad: bool
+    def _bridge_arrivals(
+        self, recv_from: list[tuple[int, Any]], micro_batch: int
+    ) -> Iterator[tuple[Any, torch.Tensor]]:
+        """p2p: ``(dst rows, received rows)`` from each source in ``recv_from`` order, received lazily."""
+        dtype = torch_dtype(self.model_cfg.dtype)
+        for src, dst in recv_from:
+            shape = (len(dst), self.model_cfg.llm.hidden_size)
+            yield (
+                dst,
+                self.bridge.recv(
+                    shape, dtype=dtype, device=self.device, src=src, direction="fwd", tag=micro_batch
+                ),
+            )
+
+    def _assemble(
+        self,
+        batch: VLBatch,
+        arrivals: Iterable[tuple[Any, torch.Tensor]] | None,
+        *,
+        requires_grad: bool,
+        broadcast_in: Any = None,
     ) -> torch.Tensor | None:
-        """p2p: the replica leader receives every source's rows into place, then broadcasts the
-        assembled embeddings inside the replica (TP/SP ranks); a leaf that collects the grad."""
+        """Place the arriving ``(dst rows, rows)`` at their token positions; a leaf that collects the
+        embeds' grad. ``arrivals`` None: this rank receives the whole tensor by a broadcast from rank
+        0 of ``broadcast_in`` (p2p: only the replica leader talks to the bridge)."""
         if batch.image_grid_thw is None:
             return None
         n = int(batch.image_grid_thw.prod(dim=1).sum()) // self.model_cfg.vision.spatial_merge_size**2
-        dtype = torch_dtype(self.model_cfg.dtype)
-        embeds = torch.zeros(n, self.model_cfg.llm.hidden_size, dtype=dtype, device=self.device)
-        group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))
-        if group is None or dist.get_rank(group) == 0:
-            filled = 0
-            for src, dst in recv_from:
-                rows = self.bridge.recv(
-                    (len(dst), embeds.shape[1]),
-                    dtype=dtype,
-                    device=self.device,
-                    src=src,
-                    direction="fwd",
-                    tag=micro_batch,
-                )
-                embeds[torch.from_numpy(dst).to(self.device)] = rows
-                filled += len(dst)
-            if filled != n:
-                raise RuntimeFailure(
-                    f"module 'llm' rank {self.rank}: p2p hand-off delivered {filled} image-embedding rows, "
-                    f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
-                )
-        if group is not None:
-            dist.broadcast(embeds, group=group, group_src=0)
-        return embeds.requires_grad_(requires_grad)
-
-    def _assemble(
-        self, batch: VLBatch, chunks: list[tuple[int, Any]], *, requires_grad: bool
-    ) -> torch.Tensor | None:
-        """Place the received rows at their token positions; a leaf that collects the embeds' grad."""
-        if batch.image_grid_thw is None:
-            return None
-        merge = self.model_cfg.vision.spatial_merge_size**2
-        n = int(batch.image_grid_thw.prod(dim=1).sum()) // merge
         embeds = torch.zeros(
             n, self.model_cfg.llm.hidden_size, dtype=torch_dtype(self.model_cfg.dtype), device=self.device
         )
-        filled = 0
-        for _, (rows, dst) in chunks:
-            embeds[torch.from_numpy(dst).to(self.device)] = self.transport.unpack(
-                rows, device=self.device
-            ).to(embeds.dtype)
-            filled += len(dst)
-        if filled != n:
-            raise RuntimeFailure(
-                f"module 'llm' rank {self.rank}: hand-off delivered {filled} image-embedding rows, "
-                f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
-            )
+        if arrivals is not None:
+            filled = 0
+            for dst, rows in arrivals:
+                embeds[torch.from_numpy(dst).to(self.device)] = rows.to(embeds.dtype)
+                filled += len(dst)
+            if filled != n:
+                raise RuntimeFailure(
+                    f"module 'llm' rank {self.rank}: hand-off delivered {filled} image-embedding rows, "
+                    f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
+                )
+        if broadcast_in is not None:
+            dist.broadcast(embeds, group=broadcast_in, group_src=0)
         return embeds.requires_grad_(requires_grad)
 
     # ---- optimizer -------------------------------------------------------------------------
@@ -464,6 +455,11 @@ def _inner_group(mesh: Any, shape: dict[str, int], axes: tuple[str, ...]) -> Any
             f"p2p hand-off: axes {live} both > 1 inside one replica (sp and tp exclude each other)"
         )
     return mesh[live[0]].get_group()
+
+
+def _is_root(group: Any) -> bool:
+    """True without a group, or on the group's rank 0 (the one that talks to the bridge)."""
+    return group is None or dist.get_rank(group) == 0
 
 
 def _optim_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
