@@ -24,7 +24,7 @@ import time
 
 def main(argv: list[str]) -> dict:
     from dhp.config import load_config
-    from dhp.data import build_loader
+    from dhp.data import build_run_loader
     from dhp.plan import compile_plan
     from dhp.runtime import Trainer
     from dhp.runtime.schedule import WarmupCosine
@@ -41,15 +41,7 @@ def main(argv: list[str]) -> dict:
     steps, warmup = int(opts["steps"]), int(opts["warmup"])
     cfg = load_config(opts["conf"], [*overrides, f"train.steps={steps + warmup}"])
     plan = compile_plan(cfg)
-    llm = cfg.modules["llm"].parallel
-    loader = build_loader(
-        data=cfg.data,
-        model=cfg.model,
-        train=cfg.train,
-        dp_size=llm.dp * llm.fsdp,
-        vision_seq_len=cfg.modules["vision"].seq_len,
-        llm_seq_len=cfg.modules["llm"].seq_len,
-    )
+    loader = build_run_loader(cfg)
     t = cfg.train
     sched = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps + warmup, min_lr_ratio=t.min_lr_ratio

@@ -3,14 +3,15 @@
 Public API:
 - :class:`~dhp.data.batch.VLBatch`, :class:`~dhp.data.batch.Sample`, :func:`~dhp.data.batch.collate`
 - :func:`~dhp.data.loader.build_loader` -> :class:`~dhp.data.loader.StepLoader` yielding
-  :class:`~dhp.data.loader.StepData` (``micro_batches[m][r]``, ``num_label_tokens``)
+  :class:`~dhp.data.loader.StepData` (``micro_batches[m][r]``, ``num_label_tokens``);
+  :func:`~dhp.data.loader.build_run_loader` derives its arguments from a whole ``RunConfig``
 - :func:`~dhp.data.check.check_data` -> :class:`~dhp.data.check.DataReport` (``dhp data check``)
 - :class:`~dhp.data.bad.BadSampleError`, :class:`~dhp.data.bad.BadSampleLog`
 """
 
 from dhp.data.bad import BadSampleError, BadSampleLog
 from dhp.data.batch import Sample, VLBatch, collate
-from dhp.data.loader import LoaderSpec, StepData, StepLoader, build_loader
+from dhp.data.loader import LoaderSpec, StepData, StepLoader, build_loader, build_run_loader
 
 __all__ = [
     "BadSampleError",
@@ -21,5 +22,6 @@ __all__ = [
     "StepLoader",
     "VLBatch",
     "build_loader",
+    "build_run_loader",
     "collate",
 ]

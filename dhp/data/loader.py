@@ -17,7 +17,7 @@ import copy
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from dhp.config.schema import DataConfig, ModelConfig, TrainConfig
+from dhp.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
 from dhp.data import bad
 from dhp.data.batch import Sample, VLBatch, collate
 from dhp.data.source import SampleSource, epoch_order
@@ -321,3 +321,18 @@ def build_loader(
         prefetch=data.prefetch,
     )
     return StepLoader(source=source, sizes=sizes, weights=weights, spec=spec)
+
+
+def build_run_loader(config: RunConfig) -> StepLoader:
+    """:func:`build_loader` for a whole run: one batch per LLM data replica (``dp*fsdp`` of
+    ``modules.llm``), ``seq_len`` of each module (vision 0 when the run has no encoder)."""
+    mods = config.modules
+    llm = mods["llm"]
+    return build_loader(
+        data=config.data,
+        model=config.model,
+        train=config.train,
+        dp_size=llm.parallel.dp * llm.parallel.fsdp,
+        vision_seq_len=mods["vision"].seq_len if "vision" in mods else 0,
+        llm_seq_len=llm.seq_len,
+    )

@@ -45,7 +45,7 @@ def make_run_dir(*, output_dir: str, name: str) -> Path:
 def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     """Train ``config`` to ``train.steps`` (resuming per ``train.resume``); returns the RunResult."""
     from dhp.checkpoint import resolve_resume
-    from dhp.data import build_loader
+    from dhp.data import build_run_loader
     from dhp.plan import compile_plan
     from dhp.runtime.driver import Trainer
     from dhp.runtime.progress import TrainProgress
@@ -58,15 +58,7 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     run_dir = make_run_dir(output_dir=t.output_dir, name=config.name)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
-    llm = config.modules["llm"]
-    loader = build_loader(
-        data=config.data,
-        model=config.model,
-        train=t,
-        dp_size=llm.parallel.dp * llm.parallel.fsdp,
-        vision_seq_len=config.modules["vision"].seq_len if "vision" in config.modules else 0,
-        llm_seq_len=llm.seq_len,
-    )
+    loader = build_run_loader(config)
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
     )

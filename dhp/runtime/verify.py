@@ -233,22 +233,13 @@ def verify_plan(
     ``on_step(StepDiff, VerifyReport)`` is called after each step (live console output). Ray actors are shut down
     before returning, also on error.
     """
-    from dhp.data import build_loader
+    from dhp.data import build_run_loader
     from dhp.plan import compile_plan
     from dhp.runtime.schedule import WarmupCosine
 
     check_verifiable(config)
     plan = compile_plan(config)
-    llm = config.modules["llm"].parallel
-    vision_seq = config.modules["vision"].seq_len if "vision" in config.modules else 0
-    loader = build_loader(
-        data=config.data,
-        model=config.model,
-        train=config.train,
-        dp_size=llm.dp * llm.fsdp,
-        vision_seq_len=vision_seq,
-        llm_seq_len=config.modules["llm"].seq_len,
-    )
+    loader = build_run_loader(config)
     t = config.train
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio

@@ -9,7 +9,7 @@ import torch
 from plans import ALL_ONE
 
 from dhp.config import load_config
-from dhp.data import build_loader
+from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.runtime import Trainer
 
@@ -28,14 +28,7 @@ def test_frozen_encoder_gets_no_grads_no_optimizer_state_and_stays_put():
         )
         trainer = Trainer(cfg, compile_plan(cfg))
         try:
-            loader = build_loader(
-                data=cfg.data,
-                model=cfg.model,
-                train=cfg.train,
-                dp_size=1,
-                vision_seq_len=cfg.modules.vision.seq_len,
-                llm_seq_len=cfg.modules.llm.seq_len,
-            )
+            loader = build_run_loader(cfg)
             before = trainer.full_state_dict()
             res = trainer.step(next(loader), lr=1e-3, collect_grads=True)
             res = trainer.step(next(loader), lr=1e-3, collect_grads=True)

@@ -8,7 +8,7 @@ import ray
 from plans import ALL_ONE
 
 from dhp.config import load_config
-from dhp.data import build_loader
+from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.runtime import Trainer
 
@@ -27,14 +27,7 @@ def test_encoder_forward_of_next_micro_batch_overlaps_llm_work():
         )  # global batch 4 -> 4 micro-batches
         trainer = Trainer(cfg, compile_plan(cfg))
         try:
-            loader = build_loader(
-                data=cfg.data,
-                model=cfg.model,
-                train=cfg.train,
-                dp_size=1,
-                vision_seq_len=cfg.modules.vision.seq_len,
-                llm_seq_len=cfg.modules.llm.seq_len,
-            )
+            loader = build_run_loader(cfg)
             trainer.step(next(loader), lr=1e-3)  # warm-up (first calls import and allocate)
             res = trainer.step(next(loader), lr=1e-3)
         finally:

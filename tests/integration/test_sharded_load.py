@@ -40,20 +40,12 @@ def _first_step(tiny_dir, *overrides):
     """(plan loss, reference loss, grad diffs by module, per-rank LLM load stats) of step 1."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from dhp.data import build_loader
+    from dhp.data import build_run_loader
     from dhp.plan import compile_plan
     from dhp.runtime.driver import Trainer
 
     cfg = load_config("tiny_vlm", [f"model.path={tiny_dir}", *overrides])
-    llm = cfg.modules["llm"].parallel
-    loader = build_loader(
-        data=cfg.data,
-        model=cfg.model,
-        train=cfg.train,
-        dp_size=llm.dp * llm.fsdp,
-        vision_seq_len=cfg.modules["vision"].seq_len,
-        llm_seq_len=cfg.modules["llm"].seq_len,
-    )
+    loader = build_run_loader(cfg)
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
     initial = get_family(cfg.model.family).split_state_dict(hf.state_dict())
     ref = ReferenceModel(model=cfg.model, modules=dict(cfg.modules), train=cfg.train, initial=initial)

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dhp.config import load_config
-from dhp.data import build_loader
+from dhp.data import build_run_loader
 from dhp.errors import ConfigError
 from dhp.models import get_family
 from dhp.runtime.verify import ReferenceModel, StepDiff, VerifyReport, check_verifiable, compare_grads
@@ -19,14 +19,7 @@ pytestmark = pytest.mark.unit
 
 def _setup(overrides: list[str]):
     cfg = OmegaConf.to_object(load_config("tiny_vlm", overrides))
-    loader = build_loader(
-        data=cfg.data,
-        model=cfg.model,
-        train=cfg.train,
-        dp_size=1,
-        vision_seq_len=cfg.modules["vision"].seq_len,
-        llm_seq_len=cfg.modules["llm"].seq_len,
-    )
+    loader = build_run_loader(cfg)
     family = get_family(cfg.model.family)
     hf = family.hf_config(cfg.model)
     torch.manual_seed(0)
