@@ -90,16 +90,20 @@ def test_resume_same_plan_is_bit_exact(full_run) -> None:
     assert {s: a[s] for s in b} == b  # exact: CPU fp32, same plan, same data position and RNG
 
 
-def test_resume_llm_tp2_to_tp1_reshards(full_run) -> None:
+def _resume_under(full_run, name: str, *plan: str) -> None:
+    """Resume A's step-5 checkpoint under another ``plan``: steps 6-10 equal A's within 1e-5 relative."""
     out, a, ckpt = full_run
-    # LLM TP=2 -> TP=1 (1 rank, so the groups move to disjoint devices: collocated -> disaggregated)
-    reshard = ("placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
-    train(out, "c", f"train.resume={ckpt}", *reshard)
-    c = losses(out, "c")
-    assert sorted(c) == list(range(EVERY + 1, STEPS + 1))
-    for s, loss in c.items():
-        # TP=1 sums the matmuls in another order than TP=2: fp32 rounding only (observed ~1e-7)
+    train(out, name, f"train.resume={ckpt}", *plan)
+    got = losses(out, name)
+    assert sorted(got) == list(range(EVERY + 1, STEPS + 1))
+    for s, loss in got.items():
+        # another plan sums in another order (TP matmul splits, DP sums): fp32 rounding only (~1e-7)
         assert loss == pytest.approx(a[s], rel=1e-5), (s, loss, a[s])
+
+
+def test_resume_llm_tp2_to_tp1_reshards(full_run) -> None:
+    # LLM TP=2 -> TP=1 (1 rank, so the groups move to disjoint devices: collocated -> disaggregated)
+    _resume_under(full_run, "c", "placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
 
 
 def test_resume_other_architecture_is_refused(full_run) -> None:
@@ -201,10 +205,6 @@ def test_export_of_a_trained_tp_checkpoint_loads_in_transformers(full_run, tmp_p
 
 def test_resume_into_llm_zero1_dp2(full_run) -> None:
     """TP=2 AdamW state -> ZeRO-1 over dp=2 (each rank loads only the states it owns)."""
-    out, a, ckpt = full_run
-    zero1 = ("modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2", "modules.llm.parallel.zero=1")
-    train(out, "z", f"train.resume={ckpt}", *zero1)
-    z = losses(out, "z")
-    assert sorted(z) == list(range(EVERY + 1, STEPS + 1))
-    for s, loss in z.items():
-        assert loss == pytest.approx(a[s], rel=1e-5), (s, loss, a[s])  # fp32 reduction order only
+    _resume_under(
+        full_run, "z", "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2", "modules.llm.parallel.zero=1"
+    )
