@@ -123,7 +123,7 @@ class ModuleConfig:
     gpus: int = 1
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seq_len: int = 4096
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "off"  # off | full | every_n:K (dhp.config.ac)
     freeze: bool = False
     mixed_precision: str = "bf16_master_fp32"  # bf16_master_fp32 | bf16 | fp32
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from dhp.config.ac import parse_ac_mode
 from dhp.config.constants import (
     BAD_SAMPLE_POLICIES,
     DATA_KINDS,
@@ -85,6 +86,11 @@ def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues
     par = mod.parallel
     issues.check(mod.seq_len > 0, f"{prefix}.seq_len", mod.seq_len, "must be > 0", "set a positive length")
     issues.one_of(mod.mixed_precision, f"{prefix}.mixed_precision", MIXED_PRECISIONS)
+    try:
+        parse_ac_mode(mod.activation_checkpointing)
+    except ValueError as e:
+        issues.add(f"{prefix}.activation_checkpointing", mod.activation_checkpointing, str(e),
+                   f"set {prefix}.activation_checkpointing=full (or off, every_n:2)")
     if not _validate_degrees(name, mod, issues):
         return  # a degree < 1: divisibility checks would divide by zero
     gpn = cfg.cluster.gpus_per_node

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dhp.config.ac import parse_ac_mode
 from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
 from dhp.parallel.ac import AcSpec, apply_ac
@@ -62,7 +63,7 @@ class _Ctx:
     name: str
     plan: ModulePlan
     parallel: ParallelConfig
-    activation_checkpointing: bool
+    activation_checkpointing: str  # a dhp.config.ac mode (bools accepted)
     mixed_precision: str
 
 
@@ -89,7 +90,13 @@ STEPS: tuple[Step, ...] = (
         "tp", lambda c: c.parallel.tp > 1, lambda m, mesh, c: _need(c.plan.tp, "tp", c)(m, axis(mesh, "tp"))
     ),
     Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _need(c.plan.sp, "sp", c)(m, mesh)),
-    Step("ac", lambda c: c.activation_checkpointing, lambda m, mesh, c: apply_ac(m, mesh, AcSpec())),
+    Step(
+        "ac",
+        lambda c: parse_ac_mode(c.activation_checkpointing).enabled,
+        lambda m, mesh, c: apply_ac(
+            m, mesh, AcSpec(every_n_layers=parse_ac_mode(c.activation_checkpointing).every_n)
+        ),
+    ),
     Step(
         "fsdp",
         lambda c: c.parallel.fsdp > 1,
@@ -121,7 +128,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     parallel: ParallelConfig,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | bool,
     mixed_precision: str,
 ) -> nn.Module:
     """Apply ``module_name``'s strategies to ``module`` in place over ``mesh`` and return it.

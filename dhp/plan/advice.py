@@ -9,9 +9,9 @@ _KNOBS = {
     (
         "vision",
         "activations",
-    ): "raise modules.vision.parallel.sp, set modules.vision.activation_checkpointing=true, "
+    ): "raise modules.vision.parallel.sp, set modules.vision.activation_checkpointing=full, "
     "or lower modules.vision.seq_len",
-    ("llm", "activations"): "set modules.llm.activation_checkpointing=true, or lower modules.llm.seq_len / "
+    ("llm", "activations"): "set modules.llm.activation_checkpointing=full, or lower modules.llm.seq_len / "
     "train.micro_batch_size",
     "optimizer": "shard it: parallel.zero=1 with dp*sp > 1, parallel.fsdp, a larger tp, or mixed_precision=bf16",
     "params": "shard them: a larger parallel.tp or parallel.fsdp",

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from dhp.config.ac import parse_ac_mode
 from dhp.plan.params import LayerShape, ParamCount, llm_layer, module_params, vision_layer
 from dhp.plan.types import MemoryEstimate
 
@@ -178,7 +179,7 @@ def module_shape(name: str, *, model: DictConfig, module: DictConfig, micro_batc
         parallel=module.parallel,
         seq_len=module.seq_len,
         micro_batch=micro_batch,
-        activation_checkpointing=module.activation_checkpointing,
+        activation_checkpointing=parse_ac_mode(module.activation_checkpointing).enabled,
         freeze=module.freeze,
         backward=not (module.freeze and name == "vision"),
         mixed_precision=module.mixed_precision,
