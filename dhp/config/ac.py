@@ -4,6 +4,7 @@
 
 - ``off``: every layer keeps its saved activations for backward.
 - ``full``: every block keeps only its input; its activations are recomputed in backward.
+- ``selective``: op-level: matmul outputs are kept, the cheap ops between them are recomputed.
 - ``every_n:K``: only every K-th block is checkpointed (K=1 is ``full``).
 
 YAML booleans from older recipes are accepted: ``true`` means ``full``, ``false`` means ``off``
@@ -15,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-AC_MODES = ("off", "full", "every_n:K")
+AC_MODES = ("off", "full", "selective", "every_n:K")
 
 
 @dataclass(frozen=True)
 class AcMode:
     """A parsed mode. ``every_n`` is the checkpoint stride for ``full`` (1) and ``every_n`` (K)."""
 
-    kind: str  # off | full | every_n
+    kind: str  # off | full | selective | every_n
     every_n: int = 1
 
     @property
@@ -40,6 +41,8 @@ def parse_ac_mode(value: Any) -> AcMode:
         return AcMode("off")
     if text in ("full", "true"):
         return AcMode("full")
+    if text == "selective":
+        return AcMode("selective")
     if text.startswith("every_n:"):
         k = text.split(":", 1)[1].strip()
         if k.isdigit() and int(k) >= 1:

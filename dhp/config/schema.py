@@ -110,6 +110,8 @@ class ParallelConfig:
     sp: int = 1
     tp: int = 1
     zero: int = 0
+    # Megatron-style sequence parallelism inside the TP group (norms/residual sharded by sequence)
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -123,7 +125,9 @@ class ModuleConfig:
     gpus: int = 1
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seq_len: int = 4096
-    activation_checkpointing: str = "off"  # off | full | every_n:K (dhp.config.ac)
+    activation_checkpointing: str = "off"  # off | full | selective | every_n:K (dhp.config.ac)
+    # tokens per chunk of the (vocab-parallel) cross-entropy; 0 = the planner's choice
+    loss_chunk_tokens: int = 0
     freeze: bool = False
     mixed_precision: str = "bf16_master_fp32"  # bf16_master_fp32 | bf16 | fp32
 

@@ -120,6 +120,11 @@ def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
             f"modules.{ctx.name}.parallel: sp and tp are mutually exclusive. Fix: set one of them to 1."
         )
     mixed_precision_policy(ctx.mixed_precision)
+    if parse_ac_mode(ctx.activation_checkpointing).kind == "selective":
+        raise PlanError(
+            f"modules.{ctx.name}.activation_checkpointing=selective is not implemented yet. "
+            "Fix: use full or every_n:K."
+        )
 
 
 def parallelize(

@@ -18,6 +18,7 @@ from dhp.errors import ConfigError
         (True, AcMode("full")),
         ("every_n:1", AcMode("full")),
         ("every_n:3", AcMode("every_n", 3)),
+        ("selective", AcMode("selective")),
     ],
 )
 def test_parse_ac_mode(value, want) -> None:
