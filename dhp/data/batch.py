@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-IGNORE_INDEX = -100
+from dhp.ops.cross_entropy import IGNORE_INDEX  # the one definition (re-exported here)
 TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
 
 

@@ -15,8 +15,7 @@ from transformers import Qwen2_5_VLConfig
 
 from dhp.models.family import ModelFamily
 from dhp.models.qwen2_5_vl.checks import image_token_counts
-
-IGNORE_INDEX = -100
+from dhp.ops.cross_entropy import IGNORE_INDEX
 
 
 def tiny_vl_batch(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,40 +23,8 @@ from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp, mixed_precision_policy
-from dhp.parallel.llm_tp import apply_tp, llm_tp_plan
+from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axis, axis_size
-
-
-def _llm_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    return apply_tp(module, mesh, llm_tp_plan())
-
-
-def _vision_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    from dhp.parallel.vision_tp import apply_vision_tp  # issue #4 part 1
-
-    return apply_vision_tp(module, mesh)
-
-
-def _vision_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp  # issue #4 part 1
-
-    return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
-
-
-@dataclass(frozen=True)
-class ModulePlan:
-    """What the strategies need to know about one module: its TP/SP appliers (None: unsupported) and
-    the FQN globs of its repeated blocks (FSDP units)."""
-
-    tp: Callable[[nn.Module, DeviceMesh], nn.Module] | None
-    sp: Callable[[nn.Module, DeviceMesh], nn.Module] | None
-    blocks: tuple[str, ...]
-
-
-MODULE_PLANS: dict[str, ModulePlan] = {
-    "llm": ModulePlan(tp=_llm_tp, sp=None, blocks=("language_model.layers.*",)),
-    "vision": ModulePlan(tp=_vision_tp, sp=_vision_sp, blocks=("visual.blocks.*",)),
-}
 
 
 @dataclass(frozen=True)
@@ -65,6 +34,55 @@ class _Ctx:
     parallel: ParallelConfig
     activation_checkpointing: str  # a dhp.config.ac mode (bools accepted)
     mixed_precision: str
+    loss_chunk_tokens: int  # 0 = dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS
+
+
+def _llm_tp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+    return apply_tp(
+        module,
+        mesh,
+        sequence_parallel=ctx.parallel.sequence_parallel,
+        loss_chunk_tokens=ctx.loss_chunk_tokens,
+    )
+
+
+def _llm_loss(module: nn.Module, ctx: _Ctx) -> nn.Module:
+    """Without TP: the chunked single-process loss with the configured chunk size."""
+    module.loss_fn = partial(local_loss_sum, chunk_tokens=ctx.loss_chunk_tokens)
+    return module
+
+
+def _vision_tp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+    from dhp.parallel.vision_tp import apply_vision_tp
+
+    return apply_vision_tp(module, mesh)
+
+
+def _vision_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp
+
+    return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What the strategies need to know about one module: its TP/SP appliers (None: unsupported),
+    whether its TP supports sequence parallelism inside the TP group, its single-process loss setter
+    (None: the module has no loss) and the FQN globs of its repeated blocks (FSDP units)."""
+
+    tp: Callable[[nn.Module, DeviceMesh, _Ctx], nn.Module] | None
+    sp: Callable[[nn.Module, DeviceMesh], nn.Module] | None
+    blocks: tuple[str, ...]
+    tp_sequence_parallel: bool = False
+    loss: Callable[[nn.Module, _Ctx], nn.Module] | None = None
+
+
+MODULE_PLANS: dict[str, ModulePlan] = {
+    "llm": ModulePlan(
+        tp=_llm_tp, sp=None, blocks=("language_model.layers.*",), tp_sequence_parallel=True, loss=_llm_loss
+    ),
+    "vision": ModulePlan(tp=_vision_tp, sp=_vision_sp, blocks=("visual.blocks.*",)),
+}
 
 
 @dataclass(frozen=True)
@@ -85,17 +103,23 @@ def _need(fn, what: str, ctx: _Ctx):
     return fn
 
 
+def _ac_spec(value: str) -> AcSpec:
+    mode = parse_ac_mode(value)
+    return AcSpec(kind=mode.kind, every_n_layers=mode.every_n)
+
+
 STEPS: tuple[Step, ...] = (
     Step(
-        "tp", lambda c: c.parallel.tp > 1, lambda m, mesh, c: _need(c.plan.tp, "tp", c)(m, axis(mesh, "tp"))
+        "tp",
+        lambda c: c.parallel.tp > 1,
+        lambda m, mesh, c: _need(c.plan.tp, "tp", c)(m, axis(mesh, "tp"), c),
     ),
+    Step("loss", lambda c: c.plan.loss is not None and c.parallel.tp == 1, lambda m, mesh, c: c.plan.loss(m, c)),
     Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _need(c.plan.sp, "sp", c)(m, mesh)),
     Step(
         "ac",
         lambda c: parse_ac_mode(c.activation_checkpointing).enabled,
-        lambda m, mesh, c: apply_ac(
-            m, mesh, AcSpec(every_n_layers=parse_ac_mode(c.activation_checkpointing).every_n)
-        ),
+        lambda m, mesh, c: apply_ac(m, mesh, _ac_spec(c.activation_checkpointing)),
     ),
     Step(
         "fsdp",
@@ -119,12 +143,13 @@ def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
         raise PlanError(
             f"modules.{ctx.name}.parallel: sp and tp are mutually exclusive. Fix: set one of them to 1."
         )
-    mixed_precision_policy(ctx.mixed_precision)
-    if parse_ac_mode(ctx.activation_checkpointing).kind == "selective":
+    if ctx.parallel.sequence_parallel and not ctx.plan.tp_sequence_parallel:
         raise PlanError(
-            f"modules.{ctx.name}.activation_checkpointing=selective is not implemented yet. "
-            "Fix: use full or every_n:K."
+            f"modules.{ctx.name}.parallel.sequence_parallel=true: module {ctx.name!r} has no sequence "
+            "parallelism inside TP. Fix: set it to false (the vision encoder shards sequences with sp)."
         )
+    mixed_precision_policy(ctx.mixed_precision)
+    parse_ac_mode(ctx.activation_checkpointing)
 
 
 def parallelize(
@@ -135,17 +160,27 @@ def parallelize(
     parallel: ParallelConfig,
     activation_checkpointing: str | bool,
     mixed_precision: str,
+    loss_chunk_tokens: int = 0,
 ) -> nn.Module:
     """Apply ``module_name``'s strategies to ``module`` in place over ``mesh`` and return it.
 
     ``mesh`` is the group's mesh (axes dp, fsdp, sp, tp with degree > 1). ``mixed_precision`` is the
     FSDP2 policy (fp32 | bf16_master_fp32 | bf16); without FSDP parameters keep their dtype and the
-    caller chooses the compute dtype. Raises PlanError before touching the module when the plan is
-    inconsistent or unsupported.
+    caller chooses the compute dtype. ``loss_chunk_tokens``: tokens per chunk of the LLM's
+    cross-entropy (0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``). ``parallel.sequence_parallel`` turns on
+    sequence parallelism inside the LLM's TP group (nothing to shard at tp=1: a no-op there). Raises
+    PlanError before touching the module when the plan is inconsistent or unsupported.
     """
     if module_name not in MODULE_PLANS:
         raise PlanError(f"no parallel plan for module {module_name!r}; known: {sorted(MODULE_PLANS)}.")
-    ctx = _Ctx(module_name, MODULE_PLANS[module_name], parallel, activation_checkpointing, mixed_precision)
+    ctx = _Ctx(
+        module_name,
+        MODULE_PLANS[module_name],
+        parallel,
+        activation_checkpointing,
+        mixed_precision,
+        loss_chunk_tokens,
+    )
     _check(ctx, mesh)
     for step in STEPS:
         if step.enabled(ctx):

@@ -1,22 +1,36 @@
-"""Tensor parallelism for the LLM module, as a plan (FQN glob -> DTensor style) plus a vocab-parallel loss.
+"""Tensor parallelism for the LLM module, as a plan (FQN glob -> DTensor style), optional Megatron-style
+sequence parallelism inside the TP group, and the vocab-parallel chunked loss.
 
 Placement after :func:`apply_tp` on a TP group of N ranks:
 - ``q/k/v_proj``, ``gate/up_proj`` (and their biases): ``Shard(0)`` (column-parallel), each rank holds
   1/N of the heads / intermediate features;
-- ``o_proj``, ``down_proj``: ``Shard(1)`` (row-parallel); their output is all-reduced to a replicated
-  hidden state;
+- ``o_proj``, ``down_proj``: ``Shard(1)`` (row-parallel); without SP their output is all-reduced to a
+  replicated hidden state, with SP it is reduce-scattered into sequence shards;
 - ``embed_tokens``: vocab-parallel (``Shard(0)`` of the (V, H) table) by :class:`VocabParallelEmbedding`:
   each rank looks up only its vocab range and the output is all-reduced (replicated); its weight grad
   is the local (V/N, H) shard. (DTensor's ``RowwiseParallel`` on an Embedding was found to leave a
   ``Replicate`` dense (V, H) weight grad on every rank here; at 152K x 8192 that is 5 GB fp32 per rank.)
-- ``lm_head``: vocab-parallel (``Shard(0)``), its output stays a local (B, S, V/N) shard, never gathered;
-- norms: replicated (their grads are identical on every rank, no reduction needed).
+- ``lm_head``: vocab-parallel (``Shard(0)``); the loss reads its local rows chunk by chunk;
+- norms: replicated.
 
-The loss is computed by ``module.loss_fn(logits, labels)``; apply_tp swaps it for
-:func:`vocab_parallel_loss_sum`, which runs ``torch.distributed.tensor.parallel.loss_parallel`` on the
-local logits shard: per-rank logits memory is B*S*V/N and full logits are never materialised.
-Input gradients (to ``inputs_embeds`` and so to the image embeddings) are all-reduced by the DTensor
-styles (Colwise input is Replicate), so they are complete and identical on every TP rank.
+Sequence parallelism (``sequence_parallel=True``, torch's DTensor styles only): the decoder input is
+cut into ``Shard(1)`` (sequence) shards by ``PrepareModuleInput`` on ``language_model`` (a local slice,
+no communication); norms and the residual stream stay ``Shard(1)`` (``SequenceParallel``); the
+attention and MLP inputs are all-gathered to the full sequence (``PrepareModuleInput`` ->
+``Replicate``), and ``o_proj``/``down_proj`` reduce-scatter back to ``Shard(1)``. The rotary tables
+(from the full (3, B, S) M-RoPE position ids) and the attention mask are built for the full sequence
+by transformers' own forward (the DTensor input has the global shape), and attention sees the full
+sequence after the all-gather. Per rank, everything saved outside attention/MLP (norm inputs, the
+residual stream, the layer inputs kept by activation checkpointing) is 1/N of the sequence.
+The sequence is right-padded to a multiple of N first (:func:`pad_to_multiple`: pad id, attention
+mask 0, label ``IGNORE_INDEX``), so padding never reaches the loss.
+
+The loss is ``module.loss_fn(hidden, lm_head, labels)``; :func:`apply_tp` swaps it for
+:func:`vocab_parallel_loss_sum` (the chunked CE of ``dhp.ops.cross_entropy`` over the TP group): per
+rank at most one chunk of fp32 logits ``(chunk, V/N)`` exists, never the full sequence's. The input
+gradient of the vocab-sharded ``lm_head`` is a partial sum per rank and is always reduced over the TP
+group (all-reduce without SP, reduce-scatter with SP), so the gradient to ``inputs_embeds`` and the
+image embeddings is complete and identical on every TP rank.
 """
 
 from __future__ import annotations
@@ -31,18 +45,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
-    loss_parallel,
+    SequenceParallel,
     parallelize_module,
 )
 
 from dhp.errors import PlanError
-
-IGNORE_INDEX = -100
+from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -90,19 +111,95 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def llm_tp_plan() -> dict[str, ParallelStyle]:
-    """The LLM TP plan: module FQN glob -> DTensor parallel style (globs match one FQN atom per ``*``)."""
+def llm_tp_plan(*, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The LLM TP plan: module FQN glob -> DTensor parallel style (globs match one FQN atom per ``*``).
+
+    ``sequence_parallel``: Megatron-style SP inside the TP group (see the module docstring); every
+    style is torch's own, the only collectives are the ones DTensor issues for the layout changes.
+    """
+    layer = "language_model.layers.*"
+    if not sequence_parallel:
+        return {
+            "language_model.embed_tokens": VocabParallelEmbedding(),
+            f"{layer}.self_attn.q_proj": ColwiseParallel(),
+            f"{layer}.self_attn.k_proj": ColwiseParallel(),
+            f"{layer}.self_attn.v_proj": ColwiseParallel(),
+            f"{layer}.self_attn.o_proj": RowwiseParallel(),
+            f"{layer}.mlp.gate_proj": ColwiseParallel(),
+            f"{layer}.mlp.up_proj": ColwiseParallel(),
+            f"{layer}.mlp.down_proj": RowwiseParallel(),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+        }
+    seq, full = Shard(1), Replicate()
     return {
         "language_model.embed_tokens": VocabParallelEmbedding(),
-        "language_model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "language_model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "language_model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "language_model.layers.*.self_attn.o_proj": RowwiseParallel(),
-        "language_model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "language_model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "language_model.layers.*.mlp.down_proj": RowwiseParallel(),
+        # the merged (text + image) embeddings enter replicated and are cut into sequence shards
+        "language_model": PrepareModuleInput(
+            input_kwarg_layouts={"inputs_embeds": full},
+            desired_input_kwarg_layouts={"inputs_embeds": seq},
+            use_local_output=False,
+        ),
+        f"{layer}.input_layernorm": SequenceParallel(),
+        f"{layer}.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": full},
+            use_local_output=True,
+        ),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        f"{layer}.post_attention_layernorm": SequenceParallel(),
+        f"{layer}.mlp": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True
+        ),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        "language_model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
     }
+
+
+def padded_length(seq_len: int, tp: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``tp`` (the sequence length every SP rank shards)."""
+    return -(-seq_len // tp) * tp
+
+
+def sequence_shard_bounds(seq_len: int, *, tp: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)`` token positions of TP rank ``rank``'s sequence shard of a ``seq_len`` sequence
+    (after padding to a multiple of ``tp``; ``Shard(1)`` cuts equal contiguous pieces)."""
+    step = padded_length(seq_len, tp) // tp
+    return rank * step, (rank + 1) * step
+
+
+def sequence_shard_rows(input_ids: torch.Tensor, image_token_id: int, *, tp: int, rank: int) -> torch.Tensor:
+    """Bool mask over the micro-batch's image-embedding rows (row-major image-token order, as
+    ``masked_scatter`` consumes them): True where the token lies in TP rank ``rank``'s sequence shard.
+    Under SP a rank needs only these rows of the hand-off; the others are cut away before layer 0."""
+    lo, hi = sequence_shard_bounds(input_ids.shape[1], tp=tp, rank=rank)
+    is_img = input_ids == image_token_id
+    pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return ((pos >= lo) & (pos < hi))[is_img]
+
+
+#: the LLM forward's per-token (B, S) inputs and their padding values (``attention_mask`` 0 masks the
+#: padding out of attention; ``labels`` ``IGNORE_INDEX`` masks it out of the loss)
+_PAD_FIELDS = {"attention_mask": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+
+
+def pad_to_multiple(kwargs: dict, *, multiple: int, pad_id: int) -> dict:
+    """Right-pad the (B, S) token inputs of an LLM forward's kwargs to a multiple of ``multiple``."""
+    seq = kwargs["input_ids"].shape[1]
+    extra = padded_length(seq, multiple) - seq
+    if extra == 0:
+        return kwargs
+    out = dict(kwargs)
+    out["input_ids"] = F.pad(kwargs["input_ids"], (0, extra), value=pad_id)
+    for name, value in _PAD_FIELDS.items():
+        if kwargs.get(name) is not None:  # forward kwargs, not config: optional fields may be absent
+            out[name] = F.pad(kwargs[name], (0, extra), value=value)
+    return out
 
 
 def _glob_match(fqn: str, glob: str) -> bool:
@@ -134,46 +231,42 @@ def check_tp_divisibility(
         )
 
 
-def shifted_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Single-device loss: fp32 SUM of next-token CEs; ``labels`` (B, S) unshifted, -100 ignored."""
-    flat = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
-    return F.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+def local_loss_sum(
+    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int
+) -> torch.Tensor:
+    """One process (or FSDP/DP): the chunked shifted CE SUM over the whole vocab (``dhp.ops``)."""
+    return shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias, chunk_tokens=chunk_tokens)
 
 
-class _LossParallelSum(torch.autograd.Function):
-    """fp32 CE SUM over vocab-sharded logits, forward and backward both under ``loss_parallel``.
+def vocab_parallel_loss_sum(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    *,
+    mesh: DeviceMesh,
+    chunk_tokens: int = 0,
+) -> torch.Tensor:
+    """fp32 SUM of next-token CEs with ``lm_head`` sharded by vocab rows (``Shard(0)``) over ``mesh``.
 
-    The inner DTensor graph is kept on ``ctx`` so a plain ``loss.backward()`` outside the context (the
-    runtime's) still runs the parallel backward; memory: one (tokens, V/N) fp32 shard per rank.
+    Chunked over tokens (``dhp.ops.cross_entropy``): per rank at most one chunk's fp32 logits
+    ``(chunk, V/N)`` (and its gradient) exist; the loss is the full sum on every TP rank.
+    ``hidden`` plain (replicated over TP): the input gradient is all-reduced over the TP group inside
+    the op. ``hidden`` a ``Shard(1)`` DTensor (sequence parallel): it is all-gathered over the
+    sequence here and its gradient leaves as a partial sum that DTensor reduce-scatters back into
+    sequence shards.
     """
-
-    @staticmethod
-    def forward(ctx, local_logits: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        with torch.enable_grad():
-            leaf = local_logits.detach().requires_grad_(True)
-            dt = DTensor.from_local(leaf, mesh, [Shard(1)], run_check=False)
-            with loss_parallel():
-                loss = F.cross_entropy(dt, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        ctx.leaf, ctx.loss = leaf, loss
-        return loss.to_local().detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        with loss_parallel():
-            g_out = DTensor.from_local(grad.reshape(()), ctx.loss.device_mesh, [Replicate()], run_check=False)
-            ctx.loss.backward(g_out)
-        g = ctx.leaf.grad
-        ctx.leaf = ctx.loss = None
-        return g, None, None
-
-
-def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
-    """fp32 SUM of next-token CEs from the local vocab shard (B, S, V/N) of the logits.
-
-    Same contract as :func:`shifted_ce_sum`; the result is the full (replicated) sum on every TP rank.
-    """
-    flat = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
-    return _LossParallelSum.apply(flat, labels[:, 1:].reshape(-1), mesh)
+    weight = lm_head.weight.to_local()
+    bias = lm_head.bias.to_local() if lm_head.bias is not None else None
+    kw = dict(
+        bias=bias,
+        chunk_tokens=chunk_tokens,
+        group=mesh.get_group(),
+        vocab_start=mesh.get_local_rank() * weight.shape[0],
+    )
+    if isinstance(hidden, DTensor):
+        full = hidden.redistribute(hidden.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return shifted_ce_sum(full, weight, labels, reduce_input_grad=False, **kw)
+    return shifted_ce_sum(hidden, weight, labels, reduce_input_grad=True, **kw)
 
 
 def _text_config(module: nn.Module):
@@ -187,13 +280,21 @@ def _text_config(module: nn.Module):
 
 
 def apply_tp(
-    module: nn.Module, mesh: DeviceMesh, spec: Mapping[str, ParallelStyle] | None = None
+    module: nn.Module,
+    mesh: DeviceMesh,
+    spec: Mapping[str, ParallelStyle] | None = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_chunk_tokens: int = 0,
 ) -> nn.Module:
     """Shard the LLM module in place over the 1-D TP ``mesh`` by ``spec`` (default :func:`llm_tp_plan`).
 
     Checks divisibility first (PlanError), distributes the matched weights as DTensors (each rank keeps
-    1/N of them), swaps ``module.loss_fn`` for the vocab-parallel loss, and re-ties ``lm_head.weight``
-    to ``embed_tokens.weight`` when they were tied (both ``Shard(0)`` of the one (V, H) table).
+    1/N of them), swaps ``module.loss_fn`` for the chunked vocab-parallel loss (``loss_chunk_tokens``
+    per chunk, 0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``), and re-ties ``lm_head.weight`` to
+    ``embed_tokens.weight`` when they were tied (both ``Shard(0)`` of the one (V, H) table).
+    ``sequence_parallel``: the SP plan, plus a forward pre-hook that right-pads the token inputs to a
+    multiple of N (pad id, attention mask 0, labels ignored).
     """
     cfg = _text_config(module)
     tp = mesh.size()
@@ -205,8 +306,15 @@ def apply_tp(
         tp=tp,
     )
     tied = module.lm_head.weight is module.language_model.embed_tokens.weight
-    parallelize_module(module, mesh, dict(spec) if spec is not None else llm_tp_plan())
+    plan = dict(spec) if spec is not None else llm_tp_plan(sequence_parallel=sequence_parallel)
+    parallelize_module(module, mesh, plan)
     if tied:  # both styles shard the (V, H) table as Shard(0): share the one DTensor parameter again
         module.lm_head.weight = module.language_model.embed_tokens.weight
-    module.loss_fn = partial(vocab_parallel_loss_sum, mesh=mesh)
+    module.loss_fn = partial(vocab_parallel_loss_sum, mesh=mesh, chunk_tokens=loss_chunk_tokens)
+    if sequence_parallel:
+        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: (args, pad_to_multiple(kwargs, multiple=tp, pad_id=pad_id)),
+            with_kwargs=True,
+        )
     return module

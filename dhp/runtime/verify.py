@@ -15,12 +15,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.errors import ConfigError, ConfigIssue
-
-IGNORE_INDEX = -100
+from dhp.ops.cross_entropy import shifted_ce_sum
 CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's clip_grad_norm_
 
 
@@ -61,16 +59,6 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return bool(self.steps) and all(self.step_ok(s) for s in self.steps)
-
-
-def shifted_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 SUM of next-token cross-entropies: logits[:, t] predicts labels[:, t+1]; -100 ignored."""
-    return F.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1),
-        labels[:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 class ReferenceModel:
@@ -147,15 +135,16 @@ class ReferenceModel:
         total = 0.0
         for micro in data.micro_batches:
             for b in micro:
-                logits = self.model(
+                hidden = self.model.base_model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
                     pixel_values=b.pixel_values,
                     image_grid_thw=b.image_grid_thw,
                     mm_token_type_ids=b.mm_token_type_ids,
                     use_cache=False,
-                ).logits
-                loss_sum = shifted_ce_sum(logits, b.labels)
+                ).last_hidden_state
+                head = self.model.get_output_embeddings()
+                loss_sum = shifted_ce_sum(hidden, head.weight, b.labels, bias=head.bias)
                 (loss_sum / data.num_label_tokens).backward()
                 total += float(loss_sum.detach())
         grads: dict[str, dict[str, torch.Tensor]] = {}

@@ -141,6 +141,7 @@ class ModuleWorker(DistWorker):
             parallel=self.module_cfg.parallel,
             activation_checkpointing=self.module_cfg.activation_checkpointing,
             mixed_precision=self.module_cfg.mixed_precision,
+            loss_chunk_tokens=self.module_cfg.loss_chunk_tokens,
         )
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)

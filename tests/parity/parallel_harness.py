@@ -11,6 +11,7 @@ import os
 import socket
 import tempfile
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
-from dhp.parallel.llm_tp import shifted_ce_sum
+from dhp.parallel.llm_tp import local_loss_sum
 
 IMAGE_TOKEN = 7
 PAD = 0
@@ -74,7 +75,7 @@ class TinyLLM(nn.Module):
         super().__init__()
         self.language_model = Qwen2_5_VLTextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.loss_fn = shifted_ce_sum
+        self.loss_fn = partial(local_loss_sum, chunk_tokens=0)
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, image_embeds: torch.Tensor
@@ -85,7 +86,7 @@ class TinyLLM(nn.Module):
         b, s = input_ids.shape
         pos = torch.arange(s).view(1, 1, s).expand(3, b, s)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state
-        return self.loss_fn(self.lm_head(hidden), labels)
+        return self.loss_fn(hidden, self.lm_head, labels)
 
 
 class TinyVision(nn.Module):

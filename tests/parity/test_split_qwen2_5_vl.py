@@ -1,7 +1,9 @@
 """The Qwen2.5-VL module cut (vision -> image_embeds -> llm) against the untouched transformers model.
 
-fp32 on CPU. Tolerance: loss and every parameter's gradient within 1e-6 relative
-(max|split - ref| / max|ref|); in practice the cut is bit-exact (the same ops in the same order).
+fp32 on CPU. Tolerance: loss and every parameter's gradient within 5e-6 relative
+(max|split - ref| / max|ref|). The cut itself is bit-exact (the same ops in the same order); the
+split side's loss is dhp's chunked cross-entropy (softmax gradient as exp(logit - lse), summed per
+chunk), which differs from HF's log-softmax in the last bits: measured up to ~1.4e-6.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dhp.models.testing import (
 )
 
 pytestmark = pytest.mark.parity
-RTOL = 1e-6  # relative, fp32; see the module docstring
+RTOL = 5e-6  # relative, fp32; see the module docstring
 
 
 @pytest.fixture(scope="module")

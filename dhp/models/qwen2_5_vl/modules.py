@@ -13,7 +13,6 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -24,8 +23,11 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_text_only, check_vision_inputs
+from dhp.ops.cross_entropy import IGNORE_INDEX
+from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 
-IGNORE_INDEX = -100
+#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
+LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]
 
 
 class VisionModule(nn.Module):
@@ -79,7 +81,7 @@ class LLMModule(nn.Module):
         self.lm_head = lm_head
         self.vl_config = config if isinstance(config, Qwen2_5_VLConfig) else None
         # a plain attribute, not a submodule: dhp.parallel swaps it for a vocab-parallel loss
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = shifted_ce_sum
+        self.loss_fn: LossFn = shifted_ce_sum
 
     @property
     def accepts_images(self) -> bool:
@@ -182,30 +184,24 @@ class LLMModule(nn.Module):
         )
 
     def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
-        """``loss_fn(lm_head(hidden), labels)`` and the number of label tokens after the shift.
+        """``loss_fn(hidden, lm_head, labels)`` and the number of label tokens after the shift.
 
-        The logits go to ``self.loss_fn`` untouched: under TP, ``dhp.parallel`` makes ``lm_head``
-        return the local vocab shard and swaps ``loss_fn`` for a vocab-parallel one (INTERFACES.md).
+        The loss reads ``lm_head``'s weight itself, chunk by chunk, so full-sequence logits never
+        exist; under TP/SP ``dhp.parallel`` swaps ``loss_fn`` for the vocab-parallel variant of the
+        same op (``dhp.ops.cross_entropy``, INTERFACES.md).
         """
-        loss_sum = self.loss_fn(self.lm_head(hidden), labels)
+        loss_sum = self.loss_fn(hidden, self.lm_head, labels)
         num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
         return LLMOutput(loss_sum=loss_sum, num_tokens=num_tokens)
 
 
-def shifted_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def shifted_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
     """The default ``LLMModule.loss_fn``: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
 
-    The same ops as transformers' ``ForCausalLMLoss`` (pad the labels with -100, shift, fp32
-    logits), with ``reduction="sum"``. Memory: fp32 logits (B, S, vocab).
+    One process, the whole vocab, chunked over tokens (``dhp.ops.cross_entropy``, default chunk):
+    equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"``.
     """
-    logits = logits.float()
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
-    return F.cross_entropy(
-        logits.view(-1, logits.shape[-1]),
-        shift_labels.to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias)
 
 
 def mrope_positions(

@@ -55,7 +55,8 @@ def test_each_module_reads_only_its_tensors_and_matches_from_pretrained(family, 
     batch = tiny_vl_batch(hf_config, images=[[(8, 6)], [(4, 4)]], text_lens=[4, 6])
     ref_loss, _ = reference_step(ref, batch)
     loss, _ = split_step(family, vision, llm, batch)
-    assert torch.equal(loss, ref_loss)  # the same weights and the same ops: exact
+    # the same weights and ops up to the loss; the chunked CE (dhp.ops) sums in another order: ~1e-7
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
 
 
 def test_new_key_layout_loads_too(family, tiny_dir, tmp_path):
@@ -193,4 +194,5 @@ def test_text_only_qwen2_checkpoint_is_an_llm_only_graph(family, tmp_path):
     labels = ids.masked_fill(mask == 0, -100)
     expected = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
     out = llm(input_ids=ids, attention_mask=mask, labels=labels, mm_token_type_ids=None)
-    assert torch.equal(out.loss_sum / out.num_tokens, expected)
+    # the chunked CE (dhp.ops) sums in another order than HF's loss: ~1e-7 relative
+    torch.testing.assert_close(out.loss_sum / out.num_tokens, expected, rtol=1e-6, atol=0)
