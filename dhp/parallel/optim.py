@@ -65,9 +65,12 @@ def _zero1_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig) -> None:
     """Every cross-rank gradient reduction of one step, in place: SUM over ``sp`` then over ``dp``.
 
-    TP needs none (DTensor grads are complete per shard); FSDP2 reduced (and, with dp, all-reduced)
-    in backward. The result on every rank: the gradient of sum_r(loss_sum_r / T) for its placement.
+    TP needs none (DTensor grads are complete per shard), except that with sequence parallelism inside
+    TP the replicated norm weights collect ``Partial`` (per-sequence-shard) grads: DTensor reduces them
+    to their parameter's placement here. FSDP2 reduced (and, with dp, all-reduced) in backward. The
+    result on every rank: the gradient of sum_r(loss_sum_r / T) for its placement.
     """
+    _reduce_partial_grads_(module)
     sp = axis(mesh, "sp")
     if sp is not None:
         from dhp.parallel.ulysses import reduce_sp_grads
@@ -76,6 +79,15 @@ def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelCon
     dp = axis(mesh, "dp")
     if dp is not None and parallel.fsdp == 1:
         allreduce_grads_(_trainable(module), dp.get_group())
+
+
+@torch.no_grad()
+def _reduce_partial_grads_(module: nn.Module) -> None:
+    """DTensor grads with a ``Partial`` placement (SP-in-TP norms) -> their parameter's placements."""
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
 
 
 def _shard_fraction(t: torch.Tensor, world: int) -> float:
