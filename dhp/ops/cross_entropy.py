@@ -73,7 +73,8 @@ class _ChunkedCE(torch.autograd.Function):
             local = targets[s : s + chunk] - vocab_start
             inside = (local >= 0) & (local < rows)
             picked = logits.gather(1, local.clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
-            stats = torch.stack([(logits - m.unsqueeze(1)).exp().sum(-1), picked.masked_fill(~inside, 0.0)])
+            sum_exp = logits.sub_(m.unsqueeze(1)).exp_().sum(-1)  # in place: one chunk buffer only
+            stats = torch.stack([sum_exp, picked.masked_fill(~inside, 0.0)])
             del logits
             _all_reduce(stats, dist.ReduceOp.SUM, group)
             lse[s : s + chunk] = m + stats[0].log()
@@ -91,7 +92,7 @@ class _ChunkedCE(torch.autograd.Function):
         gb = torch.zeros(rows, dtype=torch.float32, device=h.device) if bias is not None else None
         for s in range(0, h.shape[0], chunk):
             hc = h[s : s + chunk]
-            d = (_logits(hc, weight, bias) - lse[s : s + chunk].unsqueeze(1)).exp_()  # softmax
+            d = _logits(hc, weight, bias).sub_(lse[s : s + chunk].unsqueeze(1)).exp_()  # softmax, in place
             local = targets[s : s + chunk] - ctx.vocab_start
             inside = ((local >= 0) & (local < rows)).nonzero().squeeze(1)
             d[inside, local[inside]] -= 1.0

@@ -10,7 +10,13 @@ from dhp.parallel.comm import CommCounter, CommStats, comm_metrics
 from dhp.parallel.compose import MODULE_PLANS, STEPS, ModulePlan, parallelize
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, partition_params
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
-from dhp.parallel.llm_tp import apply_tp, llm_tp_plan, local_loss_sum, vocab_parallel_loss_sum
+from dhp.parallel.llm_tp import (
+    apply_tp,
+    llm_tp_plan,
+    local_loss_sum,
+    sequence_shard_rows,
+    vocab_parallel_loss_sum,
+)
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
@@ -48,6 +54,7 @@ __all__ = [
     "parallelize",
     "partition_params",
     "reduce_sp_grads",
+    "sequence_shard_rows",
     "shard_vision_batch",
     "vision_tp_plan",
     "vocab_parallel_loss_sum",

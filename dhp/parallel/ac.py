@@ -83,7 +83,9 @@ def _outermost_pretrained(module: nn.Module) -> list[PreTrainedModel]:
 def checkpoint_kwargs(spec: AcSpec) -> dict:
     """The keyword arguments every checkpointed layer passes to ``torch.utils.checkpoint.checkpoint``."""
     if spec.kind not in ("full", "every_n", "selective"):
-        raise PlanError(f"activation checkpointing kind {spec.kind!r} is not one of full, every_n, selective.")
+        raise PlanError(
+            f"activation checkpointing kind {spec.kind!r} is not one of full, every_n, selective."
+        )
     kwargs: dict = {"use_reentrant": False}
     if spec.kind == "selective":
         kwargs["context_fn"] = functools.partial(selective_context)

@@ -114,7 +114,9 @@ STEPS: tuple[Step, ...] = (
         lambda c: c.parallel.tp > 1,
         lambda m, mesh, c: _need(c.plan.tp, "tp", c)(m, axis(mesh, "tp"), c),
     ),
-    Step("loss", lambda c: c.plan.loss is not None and c.parallel.tp == 1, lambda m, mesh, c: c.plan.loss(m, c)),
+    Step(
+        "loss", lambda c: c.plan.loss is not None and c.parallel.tp == 1, lambda m, mesh, c: c.plan.loss(m, c)
+    ),
     Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _need(c.plan.sp, "sp", c)(m, mesh)),
     Step(
         "ac",

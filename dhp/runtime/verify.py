@@ -19,6 +19,7 @@ import torch
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.ops.cross_entropy import shifted_ce_sum
+
 CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's clip_grad_norm_
 
 

@@ -67,7 +67,8 @@ class ModuleWorker(DistWorker):
         self.num_vision_units = num_vision_units
         self.frozen = module.freeze
         self._inflight: dict[int, tuple[torch.Tensor, VisionWork]] = {}
-        self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0}
+        # handoff_bytes: image-embedding bytes this rank copied out of the hand-off (LLM ranks)
+        self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0, "handoff_bytes": 0.0}
         self._events: list[tuple[str, int, float, float]] = []  # (method, micro-batch, start, end) wall clock
 
     # ---- build -----------------------------------------------------------------------------
@@ -343,9 +344,16 @@ class ModuleWorker(DistWorker):
         )
         if arrivals is not None:
             filled = 0
+            # p2p: the replica leader receives every row and broadcasts them to its TP peers
+            own = self._own_rows(batch) if broadcast_in is None else None
             for dst, rows in arrivals:
-                embeds[torch.from_numpy(dst).to(self.device)] = rows.to(embeds.dtype)
                 filled += len(dst)
+                dst = torch.from_numpy(dst)
+                if own is not None:  # sequence parallel: copy only the rows of this rank's shard
+                    keep = own[dst]
+                    dst, rows = dst[keep], rows[keep.to(rows.device)]
+                embeds[dst.to(self.device)] = rows.to(embeds.dtype)
+                self._timers["handoff_bytes"] += rows.numel() * rows.element_size()
             if filled != n:
                 raise RuntimeFailure(
                     f"module 'llm' rank {self.rank}: hand-off delivered {filled} image-embedding rows, "
@@ -354,6 +362,20 @@ class ModuleWorker(DistWorker):
         if broadcast_in is not None:
             dist.broadcast(embeds, group=broadcast_in, group_src=0)
         return embeds.requires_grad_(requires_grad)
+
+    def _own_rows(self, batch: VLBatch) -> torch.Tensor | None:
+        """Sequence parallelism inside TP: a bool mask over the micro-batch's image-embedding rows, True
+        for the rows whose tokens fall into this TP rank's sequence shard (the only rows the LLM reads
+        here; the rest are cut away before layer 0). None without SP: every row is needed."""
+        par_cfg = self.module_cfg.parallel
+        if not (par_cfg.sequence_parallel and par_cfg.tp > 1):
+            return None
+        return par.sequence_shard_rows(
+            batch.input_ids,
+            self.model_cfg.tokens.image_token_id,
+            tp=par_cfg.tp,
+            rank=self.mesh["tp"].get_local_rank(),
+        )
 
     # ---- optimizer -------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)

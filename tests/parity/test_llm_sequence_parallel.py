@@ -72,7 +72,9 @@ def _sp_cases(rank: int, world: int) -> None:
         n_img = int((batch["input_ids"] == hf.image_token_id).sum())
         embeds = None
         if n_img:
-            embeds = torch.randn(n_img, hf.text_config.hidden_size, generator=torch.Generator().manual_seed(4))
+            embeds = torch.randn(
+                n_img, hf.text_config.hidden_size, generator=torch.Generator().manual_seed(4)
+            )
         ref_loss, ref_gin, n_tok = _run(ref, batch, embeds)
         mine = None
         if embeds is not None:  # the hand-off delivers only this rank's sequence shard of the rows

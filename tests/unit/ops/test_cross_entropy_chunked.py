@@ -73,7 +73,9 @@ def test_chunked_ce_all_ignored_chunks_and_batch() -> None:
         _close(g, w, "grad")
     assert torch.count_nonzero(got[0][:, 4:29]) == 0  # hidden rows whose next label is ignored
     none = torch.full_like(labels, IGNORE_INDEX)
-    loss, grads = _run(lambda h, w, b, y: shifted_ce_sum(h, w, y, bias=b, chunk_tokens=3), hidden, weight, bias, none)
+    loss, grads = _run(
+        lambda h, w, b, y: shifted_ce_sum(h, w, y, bias=b, chunk_tokens=3), hidden, weight, bias, none
+    )
     assert float(loss) == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads)
 
 
