@@ -39,7 +39,24 @@ def _passed(proc: subprocess.CompletedProcess, steps: int) -> None:
 
 
 def test_collocated_sp2_tp2_ten_steps() -> None:
-    _passed(verify("steps=10"), 10)
+    # the recipe already turns sequence parallelism on inside the LLM's TP group; say it explicitly
+    _passed(verify("steps=10", "modules.llm.parallel.sequence_parallel=true"), 10)
+
+
+def test_disaggregated_sequence_parallel_selective_ac_mode_chunked() -> None:
+    # vision SP=2 beside LLM TP=2 + SP on disjoint ranks, op-level (selective) AC in both modules, and
+    # a 7-token loss chunk that divides no micro-batch's label count
+    _passed(
+        verify(
+            "steps=2",
+            "placement=disaggregated",
+            "modules.llm.parallel.sequence_parallel=true",
+            "modules.llm.activation_checkpointing=selective",
+            "modules.vision.activation_checkpointing=selective",
+            "modules.llm.loss_chunk_tokens=7",
+        ),
+        2,
+    )
 
 
 def test_disaggregated_vision1_llm_tp2() -> None:
