@@ -1,7 +1,8 @@
 """``parallelize``: apply a module's strategies in a fixed order from data, with no strategy if/elif chains.
 
-Order (torchtitan's): TP -> Ulysses SP -> activation checkpointing -> FSDP2. TP and SP change what a
-rank computes; AC wraps the (already parallel) layers; FSDP shards whatever parameters are left last,
+Order (torchtitan's): TP (with sequence parallelism inside TP when configured) -> the LLM's loss
+(chunked; the single-process one when there is no TP) -> Ulysses SP -> activation checkpointing ->
+FSDP2. TP and SP change what a rank computes; AC wraps the (already parallel) layers; FSDP shards whatever parameters are left last,
 so it sees TP DTensors as 2-D. DP needs nothing at this point: its gradient SUM is
 :func:`dhp.parallel.optim.finalize_grads` and ZeRO-1 is :func:`dhp.parallel.optim.build_optimizer`.
 
@@ -149,6 +150,11 @@ def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
         raise PlanError(
             f"modules.{ctx.name}.parallel.sequence_parallel=true: module {ctx.name!r} has no sequence "
             "parallelism inside TP. Fix: set it to false (the vision encoder shards sequences with sp)."
+        )
+    if ctx.loss_chunk_tokens < 0:
+        raise PlanError(
+            f"modules.{ctx.name}.loss_chunk_tokens={ctx.loss_chunk_tokens}: must be >= 0 tokens per "
+            "cross-entropy chunk. Fix: 0 (the default, 4096) or a positive token count."
         )
     mixed_precision_policy(ctx.mixed_precision)
     parse_ac_mode(ctx.activation_checkpointing)
