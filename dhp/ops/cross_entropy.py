@@ -8,9 +8,11 @@ from the last hidden states and the lm_head weight, never from materialised logi
 - they are processed ``chunk_tokens`` at a time: per chunk, fp32 logits ``(chunk, V_local)`` on this
   rank's vocab shard, the vocab-wide max, sum-exp and target logit (three numbers per token, reduced
   over ``group`` when the vocab is sharded), then the chunk's logits are dropped;
-- backward recomputes each chunk's logits from the saved hidden rows and the per-token log-sum-exp, so
-  the peak is one chunk's logits and its gradient, ``2 * chunk * V_local * 4`` bytes, whatever the
-  sequence length. Unchunked, fp32 logits and their gradient cost ``2 * tokens * V_local * 4``.
+- backward recomputes each chunk's logits from the saved hidden rows and the per-token log-sum-exp
+  (softmax and its gradient in place), so the peak is about one chunk's fp32 logits,
+  ``chunk * V_local * 4`` bytes, whatever the sequence length, plus the weight gradient accumulated in
+  fp32 (``V_local * H * 4``, cast to the weight's dtype once). Unchunked, fp32 logits, their
+  log-softmax and their gradient cost about ``3 * tokens * V_local * 4``.
 
 Vocab-parallel: ``weight`` is this rank's ``(V / tp, H)`` row block starting at ``vocab_start``; the loss
 is the full sum on every rank. The gradient w.r.t. ``hidden`` is a partial sum per rank (each rank sees
