@@ -91,7 +91,9 @@ def _saved_bytes(model, run) -> int:
 
 
 def _shape(name: str, seq_len: int):
-    model = OmegaConf.create({"attn_implementation": "sdpa", "vision": ARCH["vision"], "llm": ARCH["llm"]})
+    model = OmegaConf.create(
+        {"dtype": "float32", "attn_implementation": "sdpa", "vision": ARCH["vision"], "llm": ARCH["llm"]}
+    )
     module = OmegaConf.create(
         {
             "parallel": {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0},
