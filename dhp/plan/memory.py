@@ -40,7 +40,7 @@ reduce-scatter, the loss's logits chunk, the flat DP/SP gradient all-reduce buff
 squares of the grad norm, and AdamW's foreach temporaries.
 
 The loss (vocab-parallel, fp32 log-softmax): with ``c`` tokens per chunk (``loss_chunk_tokens``;
-0 = ``default_loss_chunk``), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and
+0 = ``default_loss_chunk``, never above the micro-batch's tokens), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and
 backward ``c * V/tp * (a + 8)`` (recomputed logits, log-softmax, fp32 grad). Unchunked (c >= the
 micro-batch's tokens) the logits and log-softmax are saved from forward to backward instead.
 """
@@ -137,7 +137,7 @@ def default_loss_chunk(vocab: int, tp: int, tokens: int) -> int:
     vocab shard stay under LOSS_CHUNK_TARGET_BYTES, clamped to [LOSS_CHUNK_MIN, LOSS_CHUNK_MAX]."""
     fit = LOSS_CHUNK_TARGET_BYTES / max(vocab / tp * 4, 1)
     chunk = 1 << max(int(math.log2(max(fit, 1))), 0)
-    return max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, chunk, max(tokens, 1)))
+    return min(max(tokens, 1), max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, chunk)))
 
 
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:

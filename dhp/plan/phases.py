@@ -84,10 +84,7 @@ class ModuleTerms:
         mine_fwd, mine_bwd = f"{self.name}_fwd", f"{self.name}_bwd"
         order = PHASES.index
         has_grads = self.grads > 0 and (self.accumulates or order(phase) >= order(mine_bwd))
-        if self.name == "vision":
-            acts = order(phase) <= order("vision_bwd")
-        else:
-            acts = phase in (mine_fwd, mine_bwd)
+        acts = order(phase) <= order("vision_bwd") if self.name == "vision" else phase in (mine_fwd, mine_bwd)
         out = {
             "params": self.params,
             "optimizer": self.optimizer,
