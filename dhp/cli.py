@@ -86,8 +86,12 @@ def plan(
     ctx: typer.Context,
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; do not contact Ray."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
+    auto: bool = typer.Option(
+        False, "--auto", help="Search for the fastest plan that fits; keeps key=value settings."
+    ),
+    save: str = typer.Option("", "--save", help="With --auto: write the chosen run as a recipe YAML."),
 ) -> None:
-    """Compile a run's plan: groups, placement, routing and per-rank memory.
+    """Compile a run's plan: groups, placement, routing, memory by phase and a step-time estimate.
 
     Usage: dhp plan conf=RECIPE|PATH key=value... smoke=true --dry-run --json (all but conf= optional).
     Without --dry-run the placement groups are also reserved on the Ray cluster, then released.
@@ -98,12 +102,19 @@ def plan(
 
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    compiled = compile_plan(cfg)
+    if auto:
+        from dhp.plan.auto import render_auto, run_auto
+
+        compiled, ranked, why = run_auto(cfg, {o.partition("=")[0] for o in overrides}, save=save or None)
+        if not as_json:
+            render_auto(ranked, why, compiled, console)
+    else:
+        compiled = compile_plan(cfg)
     if not dry_run:
         reserve_plan(compiled, cluster=cfg.cluster)
     if as_json:
         print(compiled.to_json_str())
-    else:
+    elif not auto:
         render_plan(compiled, console=console, reserved=not dry_run)
 
 
