@@ -119,6 +119,38 @@ def plan(
 
 
 @app.command()
+def calibrate(
+    run_dirs: list[str] = typer.Argument(
+        ..., help="Run directories (runs/<name>/<timestamp>) of one cluster."
+    ),
+    out: str = typer.Option(..., "--out", help="Profile YAML to write, e.g. conf/cluster/my_cluster.yaml."),
+) -> None:
+    """Fit the step-time model's efficiencies to measured runs and write a cluster profile.
+
+    Reads each run's config.yaml and metrics.jsonl (per-module fwd/bwd/step seconds), fits the
+    matmul/attention/communication/memory efficiencies and overheads by least squares, and writes
+    a cluster profile. Saved as conf/cluster/NAME.yaml, ``cluster=NAME`` uses it; `dhp plan`
+    prints the profile its estimate used.
+    """
+    from dhp.plan.calibrate import calibrate as fit_profile
+
+    report = fit_profile(run_dirs, out=out)
+    prof = report["profile"]
+    console.print(f"wrote [bold]{out}[/] ({prof['profile']})")
+    for key in (
+        "matmul_efficiency",
+        "attention_efficiency",
+        "comm_efficiency",
+        "memory_efficiency",
+        "call_overhead_s",
+        "dispatch_overhead_s",
+    ):
+        console.print(f"  {key}: {prof[key]:.4g}")
+    for o in report["observations"]:
+        console.print(f"  {o['observation']}: measured {o['measured_s']:.4f} s, fitted {o['fitted_s']:.4f} s")
+
+
+@app.command()
 def recipes() -> None:
     """List the ready-made recipes in recipes/ with a one-line description each."""
     from rich.table import Table

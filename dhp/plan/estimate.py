@@ -148,7 +148,7 @@ def estimate_step(
         }
         if name == "vision":
             hand = handoff_s(config, plan, shape, tokens * shape.parallel.sp, cluster)
-    step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand)
+    step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s)
     text = config.train.global_batch_size * config.modules["llm"].seq_len
     images: list[int] = []
     if "vision" in shapes:

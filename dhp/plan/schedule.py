@@ -13,8 +13,16 @@ class Schedule:
     idle_s: dict[str, float]
 
 
-def schedule(placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float) -> Schedule:
-    """Step seconds from per-micro-batch ``fwd_s``/``bwd_s`` and per-step ``grad_sync_s``/``optim_s``."""
+def schedule(
+    placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float, dispatch: float = 0.0
+) -> Schedule:
+    """Step seconds from per-micro-batch ``fwd_s``/``bwd_s`` and per-step ``grad_sync_s``/``optim_s``;
+    ``dispatch`` is the driver's own time per micro-batch (Ray calls, routing), added serially."""
+    sched = _schedule(placement, per, n_mb=n_mb, handoff=handoff)
+    return Schedule(sched.step_s + n_mb * dispatch, sched.bottleneck, sched.idle_s)
+
+
+def _schedule(placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float) -> Schedule:
     fin = {n: p["grad_sync_s"] + p["optim_s"] for n, p in per.items()}
     if "vision" not in per:
         llm = per["llm"]

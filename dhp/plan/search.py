@@ -290,7 +290,7 @@ class Search:
             return None
         per = {"vision": vc.time, "llm": lc.time}
         hand = 0.0
-        sch = schedule(placement, per, n_mb=n_mb, handoff=hand)
+        sch = schedule(placement, per, n_mb=n_mb, handoff=hand, dispatch=self.cluster.dispatch_overhead_s)
         return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
 
 
