@@ -120,9 +120,7 @@ def plan(
 
 @app.command()
 def calibrate(
-    run_dirs: list[str] = typer.Argument(
-        ..., help="Run directories (runs/<name>/<timestamp>) of one cluster."
-    ),
+    run_dirs: list[str] = typer.Argument(..., help="Run dirs (runs/<name>/<timestamp>), one cluster."),  # noqa: B008
     out: str = typer.Option(..., "--out", help="Profile YAML to write, e.g. conf/cluster/my_cluster.yaml."),
 ) -> None:
     """Fit the step-time model's efficiencies to measured runs and write a cluster profile.
