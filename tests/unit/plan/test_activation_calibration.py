@@ -149,7 +149,7 @@ def test_flops_match_torch_flop_counter(hf_model) -> None:
     positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         lm(inputs_embeds=embeds, position_ids=positions)
-    model, shape = _shape("llm", seq)
+    _, shape = _shape("llm", seq)
     fl = module_flops(shape, seq)
     h, v = ARCH["llm"]["hidden_size"], ARCH["llm"]["vocab_size"]
     assert counter.get_total_flops() == pytest.approx(fl.matmul_fwd - 2 * seq * h * v, rel=1e-9)
