@@ -16,7 +16,6 @@ from dhp.plan.memory import ModuleShape
 from dhp.plan.schedule import StepEstimate, schedule
 from dhp.plan.timing import (
     ATTN_HALF_SPAN,
-    GEMM_HALF_FLOPS,
     grad_sync_s,
     link_of,
     module_comm,
@@ -72,7 +71,7 @@ def module_features(shape: ModuleShape, tokens: float, cluster: DictConfig, worl
     fl = module_flops(shape, tokens)
     h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.parallel.tp
     g = 2.0 * tokens * h * m / tp
-    mm_rate = peak * g / (g + GEMM_HALF_FLOPS)
+    mm_rate = peak * g / (g + cluster.gemm_half_flops)
     at_rate = peak * fl.attn_span / (fl.attn_span + ATTN_HALF_SPAN)
     keys = ("intra_node_gbps", "inter_node_gbps", "gpus_per_node", "latency_us")
     link = link_of(OmegaConf.create({**{k: cluster[k] for k in keys}, "comm_efficiency": 1.0}))

@@ -11,10 +11,11 @@ token, h hidden, span = attention span per query):
     recompute    = the checkpointed blocks' forward again (full, every_n); selective recomputes
                    only elementwise ops (no matmul FLOPs)
 
-    compute_s = matmul / (peak * matmul_efficiency * g/(g + GEMM_HALF_FLOPS))
+    compute_s = matmul / (peak * matmul_efficiency * g/(g + gemm_half_flops))
               + attention / (peak * attention_efficiency * span/(span + ATTN_HALF_SPAN))
       g = one MLP up-projection GEMM of the rank (2 * T * h * m/tp): small GEMMs (narrow TP shards,
-      few tokens) do not fill the device; span/(span + 128): a 64-patch window fills half a tile.
+      few tokens) do not fill the device (``cluster.gemm_half_flops``: 2 GFLOP on an H100, about a
+      1024^3 GEMM; tiny on a CPU); span/(span + 128): a 64-patch window fills half a tile.
 
 Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency, lat per hop):
 
@@ -51,7 +52,6 @@ from omegaconf import DictConfig
 
 from dhp.plan.memory import ModuleShape, checkpointed_blocks
 
-GEMM_HALF_FLOPS = 2.0**31  # a GEMM this size reaches half the achievable rate
 ATTN_HALF_SPAN = 128.0
 ATTN_BWD_FACTOR = 2.5
 
