@@ -96,7 +96,7 @@ class ClusterConfig:
     ray_address: str | None = None  # null: local Ray (or $RAY_ADDRESS); else join this cluster
     # Step-time model (dhp.plan.timing): achieved fractions of the peaks above, fitted by `dhp calibrate`.
     hbm_gbps: float = 3350.0  # device memory bandwidth, GB/s (optimizer step, copies)
-    latency_us: float = 10.0  # per collective hop
+    latency_us: float = 5.0  # per collective hop (NCCL ring step over NVLink: a few us)
     matmul_efficiency: float = 0.7  # large-GEMM fraction of peak_bf16_tflops
     attention_efficiency: float = 0.4  # flash/sdpa attention fraction of peak at long spans
     comm_efficiency: float = 0.7  # achieved fraction of the link bandwidths
