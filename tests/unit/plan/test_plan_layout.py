@@ -28,6 +28,8 @@ def test_planner_imports_no_ray_or_process_groups() -> None:
     code = (
         "import sys; from dhp.config import load_config; from dhp.plan import compile_plan;"
         "compile_plan(load_config('qwen_vl_72b', []));"
+        "import dhp.plan.search, dhp.plan.calibrate, dhp.plan.auto;"
+        "dhp.plan.search.auto_plan(load_config('qwen_vl_7b', []), set(), top=1);"
         "bad = [m for m in ('ray', 'torch.distributed', 'torch') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
