@@ -179,3 +179,20 @@ def test_comm_formulas() -> None:
     hbm = OmegaConf.create({"hbm_gbps": 1.0, "memory_efficiency": 1.0})
     # AdamW reads p, g, m, v and writes p, m, v; the norm reads and the clip reads + writes the grads
     assert optimizer_s(_shape("llm"), hbm) == pytest.approx(P_LLM * (2 * 4 + 4 + 2 * 8 + 3 * 4) / 1e9)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adamw_states_bytes_equal_the_planners(dtype: str) -> None:
+    """torch's AdamW (what build_optimizer returns without ZeRO-1) allocates what precision() says."""
+    import torch
+
+    from dhp.plan.memory import precision
+
+    p = torch.nn.Parameter(torch.zeros(64, 8, dtype=getattr(torch, dtype)))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    state = [t for t in opt.state[p].values() if t.dim() > 0]
+    want = precision(dtype, "bf16", fsdp=1)
+    assert sum(t.numel() * t.element_size() for t in state) == want.optimizer * p.numel()
+    assert p.grad.element_size() == want.grad and p.element_size() == want.param
