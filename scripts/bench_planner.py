@@ -5,8 +5,8 @@ and compares what ``dhp plan`` predicts with what the run measured:
 
 - step time: median ``step_s`` of the logged steps after the first (metrics.jsonl);
 - memory: the max over ranks of ``peak_mem_bytes`` (on CPU: the process's VmHWM per log window,
-  reset through /proc/self/clear_refs), against the planner's per-GPU peak plus a per-process
-  baseline (the Python + torch + Ray worker resident set, which the planner's CPU profile does not
+  reset through /proc/self/clear_refs: one process), against the planner's peak of one module's
+  rank alone (``memory.total``) plus a per-process baseline (the Python + torch + Ray worker resident set, which the planner's CPU profile does not
   model): the median over the calibration plans of (measured - planned). The tiny model's own bytes
   are a few MB, so on CPU this comparison is dominated by that baseline; ``model_peak_bytes`` shows
   the planner's part alone.
@@ -137,15 +137,13 @@ def main() -> None:
             cfg = _config(name, ov, out=tmp, steps=args.steps)
             plan = compile_plan(cfg)
             run_dir, step, peak = _train(cfg, tmp)
-            procs = max(len(d.groups) for d in plan.devices)
             rows.append(
                 {
                     "name": name,
                     "overrides": ov,
                     "calibration": i % 2 == 0,
                     "run_dir": str(run_dir),
-                    "model_peak_bytes": max(d.total for d in plan.devices),
-                    "procs": procs,
+                    "model_peak_bytes": max(g.ranks[0].memory.total for g in plan.groups),
                     "measured_peak_bytes": peak,
                     "measured_step_s": step,
                     "uncalibrated_step_s": plan.estimate["step_time_s"],
@@ -153,11 +151,9 @@ def main() -> None:
             )
             print(f"{name}: measured {step:.3f} s/step, peak {peak / 2**20:.0f} MiB", flush=True)
         cal = [r for r in rows if r["calibration"]]
-        baseline = statistics.median(
-            (r["measured_peak_bytes"] - r["model_peak_bytes"]) / r["procs"] for r in cal
-        )
+        baseline = statistics.median(r["measured_peak_bytes"] - r["model_peak_bytes"] for r in cal)
         for r in rows:
-            r["predicted_peak_bytes"] = int(r["model_peak_bytes"] + r["procs"] * baseline)
+            r["predicted_peak_bytes"] = int(r["model_peak_bytes"] + baseline)
         profile_path = tmp / "cluster" / "bench_cpu.yaml"
         report = calibrate([r["run_dir"] for r in rows if r["calibration"]], out=str(profile_path))
         for r, (name, ov) in zip(rows, plans, strict=True):

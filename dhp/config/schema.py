@@ -102,6 +102,7 @@ class ClusterConfig:
     comm_efficiency: float = 0.7  # achieved fraction of the link bandwidths
     memory_efficiency: float = 0.8  # achieved fraction of hbm_gbps
     gemm_half_flops: float = 2.0e9  # a GEMM of this many FLOPs reaches half the achievable rate
+    host_cores: int = 0  # CPU clusters: physical cores per node shared by the ranks (0: not shared)
     call_overhead_s: float = 0.002  # per module call (dispatch, Python), per micro-batch phase
     dispatch_overhead_s: float = 0.002  # per micro-batch, driver side (Ray calls, routing)
     profile: str = "defaults"  # where the efficiencies come from (defaults | calibrated: runs)

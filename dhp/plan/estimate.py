@@ -25,7 +25,7 @@ from dhp.plan.timing import (
 )
 from dhp.plan.types import Plan
 
-FEATURES = ("matmul", "attention", "comm", "memory", "calls")
+FEATURES = ("matmul", "attention", "comm", "memory", "calls", "dispatch")
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,13 @@ def coefficients(cluster: DictConfig) -> dict[str, float]:
         "comm": 1.0 / cluster.comm_efficiency,
         "memory": 1.0 / cluster.memory_efficiency,
         "calls": cluster.call_overhead_s,
+        "dispatch": cluster.dispatch_overhead_s,
     }
 
 
 def seconds(features: dict[str, float], coef: dict[str, float]) -> float:
-    return sum(features[k] * coef[k] for k in FEATURES)
+    """Feature-seconds times coefficients; a feature a row does not have counts 0."""
+    return sum(features.get(k, 0.0) * coef[k] for k in FEATURES)
 
 
 def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
@@ -65,8 +67,19 @@ def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     return shape.seq_len / v.sp
 
 
-def module_features(shape: ModuleShape, tokens: float, cluster: DictConfig, world: int) -> ModuleFeatures:
-    """Features of one rank of ``shape``'s module when its layers see ``tokens`` tokens."""
+def oversubscription(cluster: DictConfig, processes: int) -> float:
+    """How much slower each rank runs when ``processes`` rank processes time-share
+    ``cluster.host_cores`` cores (CPU clusters; 1 on GPUs, where host_cores is 0)."""
+    cores = cluster.host_cores
+    return max(1.0, processes / cores) if cores > 0 and processes > 0 else 1.0
+
+
+def module_features(
+    shape: ModuleShape, tokens: float, cluster: DictConfig, world: int, processes: int = 0
+) -> ModuleFeatures:
+    """Features of one rank of ``shape``'s module when its layers see ``tokens`` tokens;
+    ``processes``: rank processes of the whole plan (for ``oversubscription``)."""
+    slow = oversubscription(cluster, processes)
     peak = cluster.peak_bf16_tflops * 1e12
     fl = module_flops(shape, tokens)
     h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.parallel.tp
@@ -80,10 +93,14 @@ def module_features(shape: ModuleShape, tokens: float, cluster: DictConfig, worl
     bwd_mm = (2 * fl.matmul_fwd + fl.recompute_matmul) / mm_rate if shape.backward else 0.0
     bwd_at = (fl.bwd - 2 * fl.matmul_fwd - fl.recompute_matmul) / at_rate if shape.backward else 0.0
     compute = fwd_mm + fwd_at + bwd_mm + bwd_at
-    # FSDP prefetch hides its collectives behind compute except the first block's
-    fsdp = max(comm["fsdp"] - compute * cluster.comm_efficiency, comm["fsdp"] / shape.layer.layers)
+    # FSDP prefetch hides its collectives behind compute except the first block's, where a
+    # separate engine moves the bytes (NCCL on a GPU); gloo on a CPU runs them on the same cores
+    if cluster.device == "cuda":
+        fsdp = max(comm["fsdp"] - compute * cluster.comm_efficiency, comm["fsdp"] / shape.layer.layers)
+    else:
+        fsdp = comm["fsdp"]
     raw_mem = OmegaConf.create({"hbm_gbps": cluster.hbm_gbps, "memory_efficiency": 1.0})
-    return ModuleFeatures(
+    feats = ModuleFeatures(
         fwd={
             "matmul": fwd_mm,
             "attention": fwd_at,
@@ -107,6 +124,12 @@ def module_features(shape: ModuleShape, tokens: float, cluster: DictConfig, worl
         },
         recompute_flops=fl.recompute_matmul + fl.recompute_attn,
         flops=fl.fwd + (fl.bwd if shape.backward else 0.0),
+    )
+    if slow == 1.0:
+        return feats
+    scale = lambda d: {k: v * slow for k, v in d.items()}  # noqa: E731
+    return ModuleFeatures(
+        scale(feats.fwd), scale(feats.bwd), scale(feats.step), feats.recompute_flops, feats.flops
     )
 
 
@@ -135,7 +158,8 @@ def estimate_step(
     for name, shape in shapes.items():
         world = plan.group(name).world_size
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
-        f = module_features(shape, tokens, cluster, world)
+        procs = sum(g.world_size for g in plan.groups)
+        f = module_features(shape, tokens, cluster, world, procs)
         per[name] = {
             "fwd_s": seconds(f.fwd, coef),
             "bwd_s": seconds(f.bwd, coef),

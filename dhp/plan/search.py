@@ -148,6 +148,7 @@ class Search:
         share0 = mb0 * (l0.parallel.dp * l0.parallel.fsdp) / (v0.parallel.dp * v0.parallel.fsdp)
         self.patches_per_sample = v0.seq_len / share0
         self._cache: dict[tuple, ModuleChoice | None] = {}
+        self._procs = 0
 
     # ---- what the user fixed ------------------------------------------------------------------
     def _keep(self, name: str, world: int, d: Degrees, ac: str) -> bool:
@@ -196,7 +197,7 @@ class Search:
     def module(
         self, name: str, world: int, d: Degrees, ac: str, mb: int, n_mb: int, seq: int, tokens: float
     ) -> ModuleChoice | None:
-        key = (name, world, d, ac, mb, n_mb, seq, tokens)
+        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs)
         if key in self._cache:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
@@ -207,7 +208,8 @@ class Search:
             name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
         )
         terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
-        f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world)
+        procs = self._procs
+        f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
         time = {
             "fwd_s": seconds(f.fwd, self.coef),
             "bwd_s": seconds(f.bwd, self.coef),
@@ -231,6 +233,7 @@ class Search:
         worst = math.inf
         model = self.cfg.model
         for placement, vw, lw in self.placements():
+            self._procs = vw + lw
             procs = 2 if placement == "collocated" else 1
             budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
             solo = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
