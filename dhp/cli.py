@@ -86,8 +86,12 @@ def plan(
     ctx: typer.Context,
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; do not contact Ray."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
+    auto: bool = typer.Option(
+        False, "--auto", help="Search for the fastest plan that fits; keeps key=value settings."
+    ),
+    save: str = typer.Option("", "--save", help="With --auto: write the chosen run as a recipe YAML."),
 ) -> None:
-    """Compile a run's plan: groups, placement, routing and per-rank memory.
+    """Compile a run's plan: groups, placement, routing, memory by phase and a step-time estimate.
 
     Usage: dhp plan conf=RECIPE|PATH key=value... smoke=true --dry-run --json (all but conf= optional).
     Without --dry-run the placement groups are also reserved on the Ray cluster, then released.
@@ -98,13 +102,50 @@ def plan(
 
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    compiled = compile_plan(cfg)
+    if auto:
+        from dhp.plan.auto import render_auto, run_auto
+
+        compiled, ranked, why = run_auto(cfg, {o.partition("=")[0] for o in overrides}, save=save or None)
+        if not as_json:
+            render_auto(ranked, why, compiled, console)
+    else:
+        compiled = compile_plan(cfg)
     if not dry_run:
         reserve_plan(compiled, cluster=cfg.cluster)
     if as_json:
         print(compiled.to_json_str())
-    else:
+    elif not auto:
         render_plan(compiled, console=console, reserved=not dry_run)
+
+
+@app.command()
+def calibrate(
+    run_dirs: list[str] = typer.Argument(..., help="Run dirs (runs/<name>/<timestamp>), one cluster."),  # noqa: B008
+    out: str = typer.Option(..., "--out", help="Profile YAML to write, e.g. conf/cluster/my_cluster.yaml."),
+) -> None:
+    """Fit the step-time model's efficiencies to measured runs and write a cluster profile.
+
+    Reads each run's config.yaml and metrics.jsonl (per-module fwd/bwd/step seconds), fits the
+    matmul/attention/communication/memory efficiencies and overheads by least squares, and writes
+    a cluster profile. Saved as conf/cluster/NAME.yaml, ``cluster=NAME`` uses it; `dhp plan`
+    prints the profile its estimate used.
+    """
+    from dhp.plan.calibrate import calibrate as fit_profile
+
+    report = fit_profile(run_dirs, out=out)
+    prof = report["profile"]
+    console.print(f"wrote [bold]{out}[/] ({prof['profile']})")
+    for key in (
+        "matmul_efficiency",
+        "attention_efficiency",
+        "comm_efficiency",
+        "memory_efficiency",
+        "call_overhead_s",
+        "dispatch_overhead_s",
+    ):
+        console.print(f"  {key}: {prof[key]:.4g}")
+    for o in report["observations"]:
+        console.print(f"  {o['observation']}: measured {o['measured_s']:.4f} s, fitted {o['fitted_s']:.4f} s")
 
 
 @app.command()

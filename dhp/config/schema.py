@@ -94,6 +94,18 @@ class ClusterConfig:
     inter_node_gbps: float = 50.0  # GB/s per node (IB)
     cpus_per_rank: float = 1.0  # Ray num_cpus per rank bundle (fractional on small CPU boxes)
     ray_address: str | None = None  # null: local Ray (or $RAY_ADDRESS); else join this cluster
+    # Step-time model (dhp.plan.timing): achieved fractions of the peaks above, fitted by `dhp calibrate`.
+    hbm_gbps: float = 3350.0  # device memory bandwidth, GB/s (optimizer step, copies)
+    latency_us: float = 5.0  # per collective hop (NCCL ring step over NVLink: a few us)
+    matmul_efficiency: float = 0.7  # large-GEMM fraction of peak_bf16_tflops
+    attention_efficiency: float = 0.4  # flash/sdpa attention fraction of peak at long spans
+    comm_efficiency: float = 0.7  # achieved fraction of the link bandwidths
+    memory_efficiency: float = 0.8  # achieved fraction of hbm_gbps
+    gemm_half_flops: float = 2.0e9  # a GEMM of this many FLOPs reaches half the achievable rate
+    host_cores: int = 0  # CPU clusters: physical cores per node shared by the ranks (0: not shared)
+    call_overhead_s: float = 0.002  # per module call (dispatch, Python), per micro-batch phase
+    dispatch_overhead_s: float = 0.002  # per micro-batch, driver side (Ray calls, routing)
+    profile: str = "defaults"  # where the efficiencies come from (defaults | calibrated: runs)
 
 
 @dataclass

@@ -34,8 +34,10 @@ def build_optimizer(
     ZeRO-1 shards the optimizer over every rank that holds the same parameters after
     ``finalize_grads``: the ``dp`` and ``sp`` axes (SP ranks replicate the encoder's weights and hold
     identical summed grads), flattened into one group. TP/FSDP shards are already distinct per rank.
-    Memory: 2 fp32 states per local parameter element; with ZeRO-1 only for the ~1/(dp*sp) owned here
-    (the planner's ``dhp.plan.memory.ZERO1_AXES`` uses the same axes).
+    Memory: 2 states per local parameter element, in the parameter's dtype (torch's AdamW allocates
+    them like the parameter: bf16 states for a ``model.dtype=bfloat16`` module, fp32 for fp32; the
+    planner's ``dhp.plan.memory.precision`` counts the same); with ZeRO-1 only for the ~1/(dp*sp)
+    owned here (the planner's ``dhp.plan.memory.ZERO1_AXES`` uses the same axes).
     """
     if parallel.zero not in (0, 1):
         raise PlanError(

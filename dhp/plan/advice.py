@@ -25,13 +25,14 @@ def oom_advice(plan: Plan) -> list[str]:
         return []
     worst = min(plan.devices, key=lambda d: d.margin)
     parts: list[tuple[int, str, str]] = []
-    for name in worst.groups:
-        mem = plan.group(name).ranks[0].memory
-        for component in ("params", "grads", "optimizer", "activations"):
-            parts.append((getattr(mem, component), name, component))
+    for key, size in worst.peak_terms.items():
+        name, _, term = key.partition(".")
+        component = term if term in ("params", "grads", "optimizer") else "activations"
+        parts.append((size, name, component))
     parts.sort(reverse=True)
     lines = [
-        f"GPU {worst.global_gpu} is over by {-worst.margin / 2**30:.2f} GiB; its largest consumers per rank:"
+        f"GPU {worst.global_gpu} is over by {-worst.margin / 2**30:.2f} GiB at its peak phase "
+        f"({worst.peak_phase}); its largest consumers there:"
     ]
     for size, name, component in parts[:2]:
         knob = _KNOBS.get((name, component)) or _KNOBS.get(component, "use more GPUs")

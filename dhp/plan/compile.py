@@ -6,7 +6,8 @@ from omegaconf import DictConfig
 
 from dhp.config.constants import PARALLEL_AXES
 from dhp.config.handoff import resolve_handoff
-from dhp.plan.memory import estimate_module, module_shape, reserve_bytes
+from dhp.plan.memory import ModuleShape, module_shape
+from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
 
@@ -56,11 +57,71 @@ def _group_plan(
     )
 
 
-def compile_plan(config: DictConfig, cluster: DictConfig | None = None) -> Plan:
+def image_patches(config: DictConfig) -> int:
+    """Patches of one image (the span of the encoder's full-attention blocks); 0 when unknown."""
+    if config.data.kind == "synthetic":
+        return int(config.data.synthetic.patches)
+    return 0
+
+
+def micro_batches_per_step(config: DictConfig) -> int:
+    """Micro-batches each LLM replica runs per optimizer step (gradient accumulation)."""
+    par = config.modules["llm"].parallel
+    per = config.train.micro_batch_size * par.dp * par.fsdp
+    return max(1, config.train.global_batch_size // per)
+
+
+def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
+    """The ModuleShape of every module of ``config`` (what memory and time read)."""
+    return {
+        str(name): module_shape(
+            str(name),
+            model=config.model,
+            module=mod,
+            micro_batch=config.train.micro_batch_size,
+            image_patches=image_patches(config),
+        )
+        for name, mod in config.modules.items()
+    }
+
+
+def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:
+    """The per-rank MemoryEstimate of one module from its terms (its own timeline alone)."""
+    alone = gpu_timeline([terms])
+    pr = shape.precision
+    mbs = terms.live_micro_batches if terms.name == "vision" else 1
+    return MemoryEstimate(
+        params=terms.params,
+        grads=terms.grads,
+        optimizer=terms.optimizer,
+        activations=terms.saved_total * mbs,
+        detail=dict(terms.saved),
+        work={
+            f"{terms.name}_fwd": dict(terms.fwd_work),
+            f"{terms.name}_bwd": dict(terms.bwd_work),
+            "handoff": {"payload": terms.handoff},
+            "grad_sync": {"allreduce_buffer": terms.sync},
+            "grad_norm": {"norm_squares": terms.norm},
+            "optimizer": {"optimizer_temp": terms.optim},
+        },
+        phases=dict(alone.by_phase),
+        peak_phase=alone.peak_phase,
+        bytes_per_param={
+            "params": pr.param,
+            "grads": pr.grad if terms.grads else 0,
+            "optimizer": pr.optimizer if terms.optimizer else 0,
+            "activations": pr.act,
+        },
+        loss_chunk_tokens=shape.loss_chunk_tokens,
+    )
+
+
+def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estimate: bool = True) -> Plan:
     """Compile the plan of a validated run config (``load_config``'s result).
 
     ``cluster`` defaults to ``config.cluster``; pass another ClusterConfig to re-plan the same run
-    on different hardware. Raises PlanError when the groups cannot be laid out.
+    on different hardware. ``estimate=False`` skips the step-time model. Raises PlanError when the
+    groups cannot be laid out.
     """
     cluster = config.cluster if cluster is None else cluster
     gpn = cluster.gpus_per_node
@@ -76,51 +137,60 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None) -> Plan:
         gpus_per_node=gpn,
         cpus_per_rank=cluster.cpus_per_rank,
     )
+    shapes = module_shapes(config)
+    n_mb = micro_batches_per_step(config)
+    terms = {n: module_terms(s, micro_batches=n_mb, device=cluster.device) for n, s in shapes.items()}
     groups = []
-    per_gpu: dict[int, int] = dict.fromkeys(sharers, 0)
     for layout in layouts:
-        module = config.modules[layout.name]
-        shape = module_shape(
-            layout.name, model=config.model, module=module, micro_batch=config.train.micro_batch_size
-        )
-        memory = estimate_module(shape, model=config.model)
         groups.append(
             _group_plan(
                 layout,
-                memory,
-                param_count=shape.params.total,
+                memory_estimate(terms[layout.name], shapes[layout.name]),
+                param_count=shapes[layout.name].params.total,
                 gpus=gpus[layout.name],
                 sharers=sharers,
                 where=where,
                 gpus_per_node=gpn,
             )
         )
-        for gpu in gpus[layout.name]:
-            per_gpu[gpu] += memory.total
     device_bytes = int(cluster.device_memory_gib * GIB)
-    reserve = reserve_bytes(device_bytes)
-    devices = tuple(
-        DeviceUsage(
-            global_gpu=g,
-            node=g // gpn,
-            gpu=g % gpn,
-            groups=tuple(sharers[g]),
-            total=per_gpu[g],
-            budget=device_bytes - reserve,
+    devices = []
+    for g in sorted(sharers):
+        line = gpu_timeline([terms[n] for n in sharers[g]])
+        reserve = reserve_bytes(device_bytes, processes=len(sharers[g]))
+        devices.append(
+            DeviceUsage(
+                global_gpu=g,
+                node=g // gpn,
+                gpu=g % gpn,
+                groups=tuple(sharers[g]),
+                total=line.peak,
+                budget=device_bytes - reserve,
+                peak_phase=line.peak_phase,
+                peak_terms=line.peak_terms,
+                by_phase=line.by_phase,
+                reserve=reserve,
+            )
         )
-        for g in sorted(sharers)
-    )
     by_name = {lay.name: lay for lay in layouts}
     routes = routing(by_name["vision"], by_name["llm"]) if {"vision", "llm"} <= by_name.keys() else []
-    return Plan(
+    plan = Plan(
         name=config.name,
         placement=config.placement,
         device=cluster.device,
         device_memory_bytes=device_bytes,
-        reserve_bytes=reserve,
+        reserve_bytes=max(d.reserve for d in devices),
         groups=tuple(groups),
         placement_groups=tuple(pgs),
         routing=tuple(routes),
-        devices=devices,
+        devices=tuple(devices),
         handoff=resolve_handoff(device=cluster.device, placement=config.placement, handoff=config.handoff)[0],
+        loss_chunk_tokens={n: s.loss_chunk_tokens for n, s in shapes.items() if n == "llm"},
     )
+    if not estimate:
+        return plan
+    from dataclasses import replace
+
+    from dhp.plan.estimate import estimate_step
+
+    return replace(plan, estimate=estimate_step(config, plan, shapes, cluster=cluster).to_json())

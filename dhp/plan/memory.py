@@ -1,49 +1,48 @@
-"""Per-rank memory estimate of one module: model states and activations, in bytes.
+"""Per-rank memory terms of one module, in bytes. ``dhp/plan/phases.py`` lays them on a timeline.
 
-Model states (ZeRO paper accounting, bytes per parameter):
+Bytes per parameter are what the runtime allocates (``dhp/runtime/worker.py`` builds every module
+in ``model.dtype``; torch's AdamW keeps ``exp_avg``/``exp_avg_sq`` in the parameter's dtype; FSDP2
+casts the reduced gradient back to the parameter's dtype):
 
-    policy             params  grads  optimizer (AdamW)
-    bf16_master_fp32     2       2     12  (fp32 master 4 + exp_avg 4 + exp_avg_sq 4)
-    bf16                 2       2      4  (bf16 exp_avg + exp_avg_sq)
-    fp32                 4       4      8
+    model.dtype   params  grads  optimizer (AdamW: 2 states)
+    bfloat16        2       2      4        -> 8 B/param  (``mixed_precision: bf16``)
+    float32         4       4      8        -> 16 B/param (``bf16_master_fp32`` with fsdp>1: fp32
+                                               master shards, bf16 compute; ``fp32`` otherwise)
 
-Sharding of model states on one rank, with P the module's parameters (``params.py``):
+Compute (activation) bytes ``a``: 2 under FSDP with a bf16 policy (FSDP2 gathers the parameters in
+bf16), else the parameters' dtype.
 
-    P_rank = (P_tp_sharded / tp + P_replicated) / fsdp      TP splits projections and vocab;
-                                                            FSDP (ZeRO-3) splits everything.
-    params    = P_rank * B_param  (+ FSDP: 2 unsharded layers in flight for all-gather/prefetch)
-    grads     = P_rank * B_grad                              (0 when the module is frozen)
-    optimizer = P_rank * B_opt / (dp * sp)  if zero == 1     ZeRO-1 shards the optimizer over the
-              = P_rank * B_opt              otherwise        ranks that hold identical parameters
-                                                            (data and sequence parallel replicas).
-    SP and DP never shard parameters; SP shards activations.
+Sharding of the model states (P = the module's parameters, ``params.py``):
 
-Activations (bytes of the compute dtype ``a``: 2 for bf16 policies, 4 for fp32), per token and
-per layer for a pre-norm transformer with SwiGLU MLP, h hidden, m MLP, kv the K/V width:
+    P_rank = (P_tp_sharded / tp + P_replicated) / fsdp
+    params = P_rank * b_param;  grads = P_rank * b_grad (0 when frozen)
+    optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt
 
-    per_layer = 4h + (4h + 3kv)/tp + 4m/tp
-      4h:   inputs and outputs of the two RMSNorms (kept for their backward), not TP-sharded
-      (4h + 3kv)/tp: q, k, v and the rotary q, k that attention keeps, its output, and the
-            contiguous copy of it that feeds o_proj; sdpa/flash keep only O(S) softmax statistics
-      4m/tp: gate, up, act(gate), act(gate)*up (the input of down_proj)
-    Calibrated against the tensors autograd actually saves in transformers' Qwen2.5-VL on CPU
-    (tests/unit/plan/test_activation_calibration.py: within 10% for the LLM and the encoder).
-    eager attention adds 2 * heads/(tp*sp) * S_attn^2 per sequence (scores and probabilities)
+Saved activations of one micro-batch (per token and layer, pre-norm SwiGLU block; h hidden, m MLP,
+kv the K/V width; calibrated against autograd's saved tensors in
+tests/unit/plan/test_activation_calibration.py)::
 
-    no activation checkpointing: tokens * L * per_layer * a
-    activation checkpointing (full, per layer): tokens * (L * h + per_layer) * a
-        (each layer's input is kept; one layer is recomputed at a time in backward)
-    no backward (a frozen vision encoder: nothing upstream of it trains): tokens * per_layer * a
-        (forward without autograd keeps one layer's working set at a time). A frozen LLM still
-        runs backward, to give the encoder the gradient of its outputs.
+    per_layer = 4h/s + (4h + 3kv)/tp + 4m/tp      s = tp under LLM sequence_parallel, else 1
+    selective = 2h/s + (2h + 2kv)/tp + 2m/tp      matmul outputs kept (q, k, v, attention out,
+                                                  gate, up); norms, rotary, SiLU recomputed
+    off:        L * per_layer
+    full:       L * h/s  (block inputs)           + one block recomputed in backward (working set)
+    every_n:K:  ceil(L/K) * h/s + (L - ceil(L/K)) * per_layer
+    selective:  L * selective
+    frozen encoder (no backward): nothing saved; one block's working set in forward
 
-Tokens per rank: vision ``seq_len / sp`` (patches of one micro-batch, cut by Ulysses SP); LLM
-``micro_batch * seq_len`` (TP, FSDP and DP do not cut the sequence). Module extras:
+Transients (the working set of the phase that allocates them, never summed across phases):
+one recomputed block (``per_layer``) under AC, the gradient of the hidden state (2h/s per token),
+eager attention scores, Ulysses all-to-all send/receive buffers (q, k, v: 2 * 3h/tp per local
+token, full-attention blocks only), FSDP's all-gathered blocks (2 in flight with prefetch), the
+root unit it keeps gathered from forward to backward, one block's unsharded gradient before its
+reduce-scatter, the loss's logits chunk, the flat DP/SP gradient all-reduce buffer, the fp64
+squares of the grad norm, and AdamW's foreach temporaries.
 
-    vision: pixel rows (fp32, C*T*P*P each) + merger (RMSNorm in/out 2h, MLP in/GELU in/out 3h per
-            patch, output out_hidden per merged token)
-    llm:    logits of the lm_head (a) + their fp32 log-softmax kept by the loss (4) + its gradient
-            (4), vocab-parallel under TP: tokens * V/tp * (a + 8); plus the final norm (2h)
+The loss (vocab-parallel, fp32 log-softmax): with ``c`` tokens per chunk (``loss_chunk_tokens``;
+0 = ``default_loss_chunk``, never above the micro-batch's tokens), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and
+backward ``c * V/tp * (a + 8)`` (recomputed logits, log-softmax, fp32 grad). Unchunked (c >= the
+micro-batch's tokens) the logits and log-softmax are saved from forward to backward instead.
 """
 
 from __future__ import annotations
@@ -53,29 +52,47 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from dhp.config.ac import parse_ac_mode
-from dhp.plan.params import LayerShape, ParamCount, llm_layer, module_params, vision_layer
-from dhp.plan.types import MemoryEstimate
+from dhp.config.ac import AcMode, parse_ac_mode
+from dhp.plan.params import (
+    LayerShape,
+    ParamCount,
+    largest_param,
+    layer_params,
+    llm_layer,
+    module_params,
+    vision_layer,
+)
 
-# bytes per parameter: (params, grads, optimizer states)
-STATE_BYTES: dict[str, tuple[int, int, int]] = {
-    "bf16_master_fp32": (2, 2, 12),
-    "bf16": (2, 2, 4),
-    "fp32": (4, 4, 8),
-}
-ACT_BYTES: dict[str, int] = {"bf16_master_fp32": 2, "bf16": 2, "fp32": 4}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 # ZeRO-1 shards the optimizer over the ranks holding identical parameters (docs/INTERFACES.md).
 ZERO1_AXES = ("dp", "sp")
-FSDP_LAYERS_IN_FLIGHT = 2  # the layer being computed and the prefetched next one
-# Held back from device memory: CUDA context + NCCL/gloo buffers (1 GiB) and allocator
-# fragmentation (5% of the device).
-RESERVE_FIXED_BYTES = 1 << 30
-RESERVE_FRACTION = 0.05
+FSDP_LAYERS_IN_FLIGHT = 2  # the block being computed and the prefetched next one
+# Loss chunk chosen when ``loss_chunk_tokens`` is 0: fp32 logits of one chunk <= this many bytes.
+LOSS_CHUNK_TARGET_BYTES = 256 << 20
+LOSS_CHUNK_MIN, LOSS_CHUNK_MAX = 256, 8192
 
 
-def reserve_bytes(device_memory_bytes: int) -> int:
-    """Bytes of a device that the plan never counts as usable (see RESERVE_* above)."""
-    return RESERVE_FIXED_BYTES + int(RESERVE_FRACTION * device_memory_bytes)
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per activation element."""
+
+    param: int
+    grad: int
+    optimizer: int
+    act: int
+    reduce: int  # bytes per element of FSDP's reduce-scatter of gradients
+
+    @property
+    def per_param(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+def precision(model_dtype: str, mixed_precision: str, fsdp: int) -> Precision:
+    """What the runtime allocates (see the module docstring)."""
+    p = DTYPE_BYTES[model_dtype]
+    bf16_policy = fsdp > 1 and mixed_precision != "fp32"
+    reduce = 4 if (mixed_precision == "bf16_master_fp32" or (mixed_precision == "fp32" and p == 4)) else 2
+    return Precision(param=p, grad=p, optimizer=2 * p, act=2 if bf16_policy else p, reduce=reduce)
 
 
 @dataclass(frozen=True)
@@ -84,116 +101,191 @@ class ModuleShape:
 
     name: str
     params: ParamCount
+    layer_params: ParamCount
+    largest_param: int
     layer: LayerShape
     parallel: DictConfig
     seq_len: int
     micro_batch: int
-    activation_checkpointing: bool
+    ac: AcMode
     freeze: bool
     backward: bool  # False only for a frozen module that feeds nothing trainable upstream
-    mixed_precision: str
+    precision: Precision
     attn_implementation: str
+    sequence_parallel: bool = False
+    loss_chunk_tokens: int = 0  # resolved (never 0 for the LLM)
+    image_patches: int = 0  # vision: the span of a full-attention block (patches of one image)
+    vocab: int = 0
+    out_hidden: int = 0  # vision: the merger's output width (the LLM hidden)
+    arch: DictConfig | None = None  # model.vision or model.llm
+
+    @property
+    def tokens(self) -> float:
+        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms)."""
+        if self.name == "vision":
+            return self.seq_len / self.parallel.sp
+        return self.micro_batch * self.seq_len
+
+    @property
+    def seq_split(self) -> int:
+        """s: how many ways the tensors between TP regions are cut by sequence."""
+        return self.parallel.tp if self.sequence_parallel else 1
+
+
+def default_loss_chunk(vocab: int, tp: int, tokens: int) -> int:
+    """The loss chunk for ``loss_chunk_tokens=0``: the largest power of two whose fp32 logits on one
+    vocab shard stay under LOSS_CHUNK_TARGET_BYTES, clamped to [LOSS_CHUNK_MIN, LOSS_CHUNK_MAX]."""
+    fit = LOSS_CHUNK_TARGET_BYTES / max(vocab / tp * 4, 1)
+    chunk = 1 << max(int(math.log2(max(fit, 1))), 0)
+    return min(max(tokens, 1), max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, chunk)))
 
 
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes on one rank; formulas in the module docstring."""
-    par = shape.parallel
-    b_param, b_grad, b_opt = STATE_BYTES[shape.mixed_precision]
+    """(params, grads, optimizer) bytes resident on one rank; formulas in the module docstring."""
+    par, pr = shape.parallel, shape.precision
     p_rank = shape.params.per_tp_rank(par.tp) / par.fsdp
-    params = p_rank * b_param
-    if par.fsdp > 1:
-        layer_full = shape.params.per_tp_rank(par.tp) / max(shape.layer.layers, 1)
-        params += FSDP_LAYERS_IN_FLIGHT * layer_full * b_param
+    params = p_rank * pr.param
     if shape.freeze:
         return int(params), 0, 0
     opt_shards = math.prod(par[a] for a in ZERO1_AXES) if par.zero == 1 else 1
-    return int(params), int(p_rank * b_grad), int(p_rank * b_opt / opt_shards)
+    return int(params), int(p_rank * pr.grad), int(p_rank * pr.optimizer / opt_shards)
 
 
-def _per_layer_elems(layer: LayerShape, tp: int) -> float:
+def per_layer_elems(layer: LayerShape, tp: int, s: int = 1) -> float:
     h, m, kv = layer.hidden, layer.mlp, layer.kv_dim
-    return 4 * h + (4 * h + 3 * kv) / tp + 4 * m / tp
+    return 4 * h / s + (4 * h + 3 * kv) / tp + 4 * m / tp
 
 
-def _layers_bytes(shape: ModuleShape, tokens: float, a: int) -> int:
-    layer, tp = shape.layer, shape.parallel.tp
-    per_layer = _per_layer_elems(layer, tp)
+def selective_elems(layer: LayerShape, tp: int, s: int = 1) -> float:
+    h, m, kv = layer.hidden, layer.mlp, layer.kv_dim
+    return 2 * h / s + (2 * h + 2 * kv) / tp + 2 * m / tp
+
+
+def checkpointed_blocks(ac: AcMode, layers: int) -> int:
+    """Blocks whose activations are dropped after forward and recomputed in backward."""
+    if ac.kind == "full":
+        return layers
+    if ac.kind == "every_n":
+        return -(-layers // ac.every_n)
+    return 0
+
+
+def saved_layers_bytes(shape: ModuleShape) -> int:
+    """Activations the blocks save for backward on one rank, one micro-batch."""
     if not shape.backward:
-        return int(tokens * per_layer * a)
-    if shape.activation_checkpointing:
-        return int(tokens * (layer.layers * layer.hidden + per_layer) * a)
-    return int(tokens * layer.layers * per_layer * a)
+        return 0
+    layer, tp, s, a = shape.layer, shape.parallel.tp, shape.seq_split, shape.precision.act
+    if shape.ac.kind == "selective":
+        return int(shape.tokens * layer.layers * selective_elems(layer, tp, s) * a)
+    ck = checkpointed_blocks(shape.ac, layer.layers)
+    per_layer = per_layer_elems(layer, tp, s)
+    return int(shape.tokens * (ck * layer.hidden / s + (layer.layers - ck) * per_layer) * a)
 
 
-def _eager_bytes(shape: ModuleShape, *, seqs: int, seq: float, layers: int, a: int) -> int:
+def block_work_bytes(shape: ModuleShape) -> int:
+    """One block's working set: allocated while it runs forward without saving (AC, frozen), or
+    while it is recomputed in backward."""
+    return int(
+        shape.tokens * per_layer_elems(shape.layer, shape.parallel.tp, shape.seq_split) * shape.precision.act
+    )
+
+
+def eager_scores_bytes(shape: ModuleShape, *, seqs: float, seq: float, layers: int) -> int:
     """Scores + probabilities of eager attention: 2 * heads/(tp*sp) * S^2 per sequence and layer."""
     if shape.attn_implementation != "eager":
         return 0
     heads = shape.layer.heads / (shape.parallel.tp * shape.parallel.sp)
-    kept_layers = 1 if shape.activation_checkpointing else layers
-    return int(2 * heads * seq * seq * seqs * kept_layers * a)
+    return int(2 * heads * seq * seq * seqs * layers * shape.precision.act)
+
+
+def _eager_saved_and_work(shape: ModuleShape, vision: DictConfig | None) -> tuple[int, int]:
+    """(saved, one-block transient) bytes of eager attention scores."""
+    if shape.attn_implementation != "eager":
+        return 0, 0
+    if vision is None:
+        one = eager_scores_bytes(shape, seqs=shape.micro_batch, seq=shape.seq_len, layers=1)
+        kept = shape.layer.layers - checkpointed_blocks(shape.ac, shape.layer.layers)
+        return (one * kept if shape.backward and shape.ac.kind != "selective" else 0), one
+    window = (vision.window_size // vision.patch_size) ** 2
+    n_full = len(vision.fullatt_block_indexes)
+    span = shape.image_patches or shape.seq_len
+    full = eager_scores_bytes(shape, seqs=shape.seq_len / span, seq=span, layers=1)
+    win = eager_scores_bytes(shape, seqs=max(shape.seq_len // window, 1), seq=window, layers=1)
+    frac = 1 - checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers
+    saved = int((full * n_full + win * (vision.depth - n_full)) * frac) if shape.backward else 0
+    return (saved if shape.ac.kind != "selective" else 0), max(full, win)
+
+
+def eager_block_bytes(shape: ModuleShape) -> int:
+    """One block's eager attention scores (a transient of the block that runs)."""
+    return _eager_saved_and_work(shape, shape.arch if shape.name == "vision" else None)[1]
 
 
 def vision_activations(shape: ModuleShape, vision: DictConfig, *, out_hidden: int) -> dict[str, int]:
-    """Activation bytes of one vision rank, by component (formulas in the module docstring)."""
-    a = ACT_BYTES[shape.mixed_precision]
-    tokens = shape.seq_len / shape.parallel.sp
+    """Saved-for-backward bytes of one vision rank and micro-batch, by component."""
+    a = shape.precision.act
+    tokens = shape.tokens
     h, merge = vision.hidden_size, vision.spatial_merge_size**2
     row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    window = (vision.window_size // vision.patch_size) ** 2  # patches per attention window
-    n_full = len(vision.fullatt_block_indexes)
-    eager = _eager_bytes(shape, seqs=1, seq=shape.seq_len, layers=n_full, a=a)
-    eager += _eager_bytes(
-        shape, seqs=max(int(shape.seq_len // window), 1), seq=window, layers=vision.depth - n_full, a=a
-    )
+    eager, _ = _eager_saved_and_work(shape, vision)
+    keep = 1 if shape.backward else 0
     return {
-        "layers": _layers_bytes(shape, tokens, a),
+        "layers": saved_layers_bytes(shape),
         "attention_scores": eager,
         "inputs": int(tokens * row * 4),
-        "merger": int(tokens * (2 * h + 3 * h) * a + tokens / merge * out_hidden * a),
+        "merger": keep * int(tokens * (2 * h + 3 * h) * a + tokens / merge * out_hidden * a),
     }
 
 
 def llm_activations(shape: ModuleShape, llm: DictConfig) -> dict[str, int]:
-    """Activation bytes of one LLM rank, by component (formulas in the module docstring)."""
-    a = ACT_BYTES[shape.mixed_precision]
-    tokens = shape.micro_batch * shape.seq_len
-    vocab_shard = llm.vocab_size / shape.parallel.tp
+    """Saved-for-backward bytes of one LLM rank and micro-batch, by component."""
+    a, tokens = shape.precision.act, shape.tokens
+    eager, _ = _eager_saved_and_work(shape, None)
+    unchunked = shape.loss_chunk_tokens >= tokens
     return {
-        "layers": _layers_bytes(shape, tokens, a),
-        "attention_scores": _eager_bytes(
-            shape, seqs=shape.micro_batch, seq=shape.seq_len, layers=llm.num_layers, a=a
-        ),
-        "logits_loss": int(tokens * vocab_shard * (a + 8)),
-        "final_norm": int(tokens * 2 * llm.hidden_size * a),
+        "layers": saved_layers_bytes(shape),
+        "attention_scores": eager,
+        "logits_loss": int(tokens * llm.vocab_size / shape.parallel.tp * (a + 4)) if unchunked else 0,
+        "final_norm": int(tokens * 2 * llm.hidden_size / shape.seq_split * a),
     }
 
 
-def module_shape(name: str, *, model: DictConfig, module: DictConfig, micro_batch: int) -> ModuleShape:
+def module_shape(
+    name: str, *, model: DictConfig, module: DictConfig, micro_batch: int, image_patches: int = 0
+) -> ModuleShape:
     """Collect the sizes of module ``name`` that the estimate reads."""
     layer = vision_layer(model.vision) if name == "vision" else llm_layer(model.llm)
+    par = module.parallel
+    tokens = micro_batch * module.seq_len
+    chunk = int(module.loss_chunk_tokens) if "loss_chunk_tokens" in module else 0
+    if name == "llm" and chunk == 0:
+        chunk = default_loss_chunk(model.llm.vocab_size, par.tp, tokens)
+    dtype = model.dtype if "dtype" in model else "float32"
     return ModuleShape(
         name=name,
         params=module_params(name, model),
+        layer_params=layer_params(name, model),
+        largest_param=largest_param(name, model),
         layer=layer,
-        parallel=module.parallel,
+        parallel=par,
         seq_len=module.seq_len,
         micro_batch=micro_batch,
-        activation_checkpointing=parse_ac_mode(module.activation_checkpointing).enabled,
+        ac=parse_ac_mode(module.activation_checkpointing),
         freeze=module.freeze,
         backward=not (module.freeze and name == "vision"),
-        mixed_precision=module.mixed_precision,
+        precision=precision(dtype, module.mixed_precision, par.fsdp),
         attn_implementation=model.attn_implementation,
+        sequence_parallel=bool(name == "llm" and "sequence_parallel" in par and par.sequence_parallel),
+        loss_chunk_tokens=chunk if name == "llm" else 0,
+        image_patches=image_patches if name == "vision" else 0,
+        vocab=model.llm.vocab_size,
+        out_hidden=model.llm.hidden_size,
+        arch=model.vision if name == "vision" else model.llm,
     )
 
 
-def estimate_module(shape: ModuleShape, *, model: DictConfig) -> MemoryEstimate:
-    """Peak bytes of one rank of the module (every rank of a group is symmetric)."""
-    params, grads, optimizer = model_states(shape)
+def activations_of(shape: ModuleShape) -> dict[str, int]:
+    """Saved-for-backward bytes of one rank and micro-batch of ``shape``'s module, by component."""
     if shape.name == "vision":
-        detail = vision_activations(shape, model.vision, out_hidden=model.llm.hidden_size)
-    else:
-        detail = llm_activations(shape, model.llm)
-    return MemoryEstimate(
-        params=params, grads=grads, optimizer=optimizer, activations=sum(detail.values()), detail=detail
-    )
+        return vision_activations(shape, shape.arch, out_hidden=shape.out_hidden)
+    return llm_activations(shape, shape.arch)

@@ -101,3 +101,25 @@ def module_params(name: str, model: DictConfig) -> ParamCount:
     if name == "vision":
         return vision_params(model.vision, out_hidden=model.llm.hidden_size)
     return llm_params(model.llm)
+
+
+def layer_params(name: str, model: DictConfig) -> ParamCount:
+    """Parameters of ONE transformer block of module ``name`` (an FSDP unit: all-gathered at once)."""
+    if name == "vision":
+        v = model.vision
+        h, m = v.hidden_size, v.intermediate_size
+        return ParamCount(tp_sharded=3 * h * h + 3 * h + h * h + 2 * (h * m + m) + m * h, replicated=4 * h)
+    lm = model.llm
+    h, m = lm.hidden_size, lm.intermediate_size
+    kv = lm.num_kv_heads * (h // lm.num_heads)
+    return ParamCount(tp_sharded=(h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * m, replicated=2 * h)
+
+
+def largest_param(name: str, model: DictConfig) -> int:
+    """Elements of the module's largest single parameter tensor (before TP/FSDP sharding)."""
+    if name == "vision":
+        v = model.vision
+        h, merge_h = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
+        return max(merge_h * merge_h, merge_h * model.llm.hidden_size, 3 * h * h, h * v.intermediate_size)
+    lm = model.llm
+    return max(lm.vocab_size * lm.hidden_size, lm.hidden_size * lm.intermediate_size)

@@ -88,39 +88,100 @@ def rank_table(plan: Plan) -> Table:
 
 def memory_table(plan: Plan) -> Table:
     table = Table(title="memory per rank by module (GiB; every rank of a group is alike)")
-    for col in ("group", "ranks", "params", "grads", "optimizer", "activations", "total"):
-        table.add_column(col, justify="left" if col == "group" else "right")
+    cols = (
+        "group",
+        "ranks",
+        "B/param p+g+o",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "peak alone",
+        "at",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("group", "at") else "right")
     notes = []
     for g in plan.groups:
         m = g.ranks[0].memory
+        bpp = m.bytes_per_param
         table.add_row(
             g.name,
             _ranges([r.rank for r in g.ranks]),
+            f"{bpp['params']}+{bpp['grads']}+{bpp['optimizer']}",
             gib(m.params),
             gib(m.grads),
             gib(m.optimizer),
             gib(m.activations),
             gib(m.total),
+            m.peak_phase,
         )
-        notes.append(f"{g.name} activations: " + ", ".join(f"{k} {gib(v)}" for k, v in m.detail.items() if v))
+        notes.append(
+            f"{g.name} saved activations / micro-batch: "
+            + ", ".join(f"{k} {gib(v)}" for k, v in m.detail.items() if v)
+        )
+        for phase, terms in m.work.items():
+            if any(terms.values()):
+                notes.append(
+                    f"  {phase} transients: " + ", ".join(f"{k} {gib(v)}" for k, v in terms.items() if v)
+                )
+        if m.loss_chunk_tokens:
+            notes.append(f"  loss chunk: {m.loss_chunk_tokens} tokens")
     table.caption = "\n".join(notes)
     return table
 
 
 def device_table(plan: Plan) -> Table:
-    budget = plan.devices[0].budget if plan.devices else 0
     table = Table(
-        title=f"per GPU (GiB): device {gib(plan.device_memory_bytes)} - reserve "
-        f"{gib(plan.reserve_bytes)} = usable {gib(budget)}"
+        title=f"per GPU (GiB): device {gib(plan.device_memory_bytes)}; peak = max over the step's phases"
     )
-    for col in ("node", "GPUs", "groups", "total GiB", "margin GiB", "verdict"):
+    for col in ("node", "GPUs", "groups", "reserve", "usable", "peak", "peak phase", "margin", "verdict"):
         table.add_column(col)
     rows: dict[tuple, list[int]] = {}
     for d in plan.devices:
-        rows.setdefault((d.node, d.groups, d.total, d.margin, d.fits), []).append(d.gpu)
-    for (node, groups, total, margin, fits), gpus in rows.items():
+        key = (d.node, d.groups, d.reserve, d.budget, d.total, d.peak_phase, d.margin, d.fits)
+        rows.setdefault(key, []).append(d.gpu)
+    for (node, groups, reserve, budget, total, phase, margin, fits), gpus in rows.items():
         verdict = "[green]fits" if fits else "[bold red]OOM"
-        table.add_row(str(node), _ranges(gpus), "+".join(groups), gib(total), gib(margin), verdict)
+        table.add_row(
+            str(node),
+            _ranges(gpus),
+            "+".join(groups),
+            gib(reserve),
+            gib(budget),
+            gib(total),
+            phase,
+            gib(margin),
+            verdict,
+        )
+    worst = min(plan.devices, key=lambda d: d.margin)
+    table.caption = f"at the peak ({worst.peak_phase}) of GPU {worst.global_gpu}: " + ", ".join(
+        f"{k} {gib(v)}" for k, v in sorted(worst.peak_terms.items(), key=lambda kv: -kv[1]) if v >= GIB / 100
+    )
+    return table
+
+
+def estimate_table(plan: Plan) -> Table | None:
+    """The step-time estimate: per module seconds per step, and the totals."""
+    est = plan.estimate
+    if est is None:
+        return None
+    table = Table(
+        title=(
+            f"step-time estimate (profile: {est['profile']}): {est['step_time_s']:.3f} s/step, "
+            f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s, "
+            f"MFU {100 * est['mfu']:.1f}%, {est['micro_batches']} micro-batches, bottleneck {est['bottleneck']}"
+        )
+    )
+    cols = ("module", "fwd s", "bwd s", "comm s", "grad sync s", "optim s", "idle s", "recompute TFLOP")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "module" else "right")
+    for name, m in est["modules"].items():
+        table.add_row(
+            name,
+            *(f"{m[k]:.3f}" for k in ("fwd_s", "bwd_s", "comm_s", "grad_sync_s", "optim_s", "idle_s")),
+            f"{m['recompute_tflops']:.1f}",
+        )
     return table
 
 
@@ -132,9 +193,11 @@ def render_plan(plan: Plan, *, console: Console, reserved: bool = False) -> None
         rank_table(plan),
         memory_table(plan),
         device_table(plan),
+        estimate_table(plan),
     )
     for table in tables:
-        console.print(table)
+        if table is not None:
+            console.print(table)
     verdict = "[green]fits" if plan.fits else "[bold red]does NOT fit (OOM)"
     console.print(f"verdict: {verdict}; smallest margin {gib(plan.min_margin)} GiB")
     for line in oom_advice(plan):

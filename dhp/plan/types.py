@@ -13,27 +13,47 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank of one module holds at its peak (see ``dhp/plan/memory.py`` for formulas)."""
+    """Bytes one rank of one module holds (``dhp/plan/memory.py`` and ``phases.py`` for formulas).
+
+    ``params``/``grads``/``optimizer`` are resident; ``activations`` are the saved activations of the
+    micro-batches alive at once; ``detail`` splits one micro-batch's by component; ``work`` is each
+    phase's transient by term; ``phases`` the module's own live bytes per phase (alone on a GPU).
+    """
 
     params: int
     grads: int
     optimizer: int
     activations: int
-    detail: dict[str, int] = field(default_factory=dict)  # activations by component
+    detail: dict[str, int] = field(default_factory=dict)  # activations of one micro-batch
+    work: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> transient term -> bytes
+    phases: dict[str, int] = field(default_factory=dict)  # phase -> live bytes of this module
+    peak_phase: str = ""
+    bytes_per_param: dict[str, int] = field(default_factory=dict)
+    loss_chunk_tokens: int = 0
 
     @property
     def total(self) -> int:
+        """Peak over the phases of this module alone on its GPU."""
+        if self.phases:
+            return max(self.phases.values())
         return self.params + self.grads + self.optimizer + self.activations
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "params": self.params,
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
             "total": self.total,
+            "peak_phase": self.peak_phase,
             "activation_detail": dict(self.detail),
+            "transients": {k: dict(v) for k, v in self.work.items()},
+            "phases": dict(self.phases),
+            "bytes_per_param": dict(self.bytes_per_param),
         }
+        if self.loss_chunk_tokens:
+            out["loss_chunk_tokens"] = self.loss_chunk_tokens
+        return out
 
 
 @dataclass(frozen=True)
@@ -115,8 +135,12 @@ class DeviceUsage:
     node: int
     gpu: int
     groups: tuple[str, ...]
-    total: int
-    budget: int
+    total: int  # peak over the phases of the step (``dhp/plan/phases.py``)
+    budget: int  # device memory - reserve (per process sharing this GPU)
+    peak_phase: str = ""
+    peak_terms: dict[str, int] = field(default_factory=dict)  # "<module>.<term>" at the peak
+    by_phase: dict[str, int] = field(default_factory=dict)
+    reserve: int = 0
 
     @property
     def margin(self) -> int:
@@ -146,6 +170,8 @@ class Plan:
     routing: tuple[Route, ...]
     devices: tuple[DeviceUsage, ...]
     handoff: str = "object_store"  # resolved: object_store | cuda_ipc | p2p (dhp.config.handoff)
+    estimate: dict | None = None  # step-time model (dhp.plan.timing), JSON-able
+    loss_chunk_tokens: dict[str, int] = field(default_factory=dict)  # resolved per module (0 -> planner)
 
     @property
     def fits(self) -> bool:
@@ -176,6 +202,8 @@ class Plan:
             "bundles": [pg.to_json() for pg in self.placement_groups],
             "routing": [r.to_json() for r in self.routing],
             "devices": [d.to_json() for d in self.devices],
+            "loss_chunk_tokens": dict(self.loss_chunk_tokens),
+            "estimate": self.estimate,
         }
 
     def to_json_str(self) -> str:

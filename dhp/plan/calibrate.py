@@ -1,0 +1,179 @@
+"""``dhp calibrate``: fit the step-time model's efficiencies to measured runs.
+
+For every run directory (``config.yaml`` + ``metrics.jsonl``), each module gives three
+observations per step: ``<m>_fwd_s`` and ``<m>_bwd_s`` (summed over the step's micro-batches, max
+over ranks) and ``<m>_step_s`` (clip + AdamW). The model predicts each as FEATURES . x
+(``dhp.plan.estimate``: seconds at efficiency 1 of matmul, attention, communication and memory
+traffic, and a count of calls), where x = (1/matmul_eff, 1/attention_eff, 1/comm_eff,
+1/memory_eff, call_overhead_s). The fit minimises the squared RELATIVE error over all observations
+(each row divided by its measurement), with x >= 0: a coefficient the runs cannot determine (its
+feature is zero everywhere, or the unconstrained fit makes it negative) keeps the profile's prior
+value. ``dispatch_overhead_s`` is what the measured ``step_s`` has beyond the modelled schedule: one more observation per run, the whole ``step_s`` against
+the schedule's features (``step_row``) plus a dispatch per micro-batch. Measurements: the median over logged steps, the first one
+(warm-up) dropped when there are more.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from dhp.errors import ConfigError, ConfigIssue
+from dhp.plan.estimate import FEATURES, coefficients, module_features, seconds, vision_tokens_per_rank
+
+# A run's whole step_s weighs as much as its module phases together (5 of them in a VLM step).
+STEP_WEIGHT = 5.0
+PROFILE_KEYS = {
+    "matmul": "matmul_efficiency",
+    "attention": "attention_efficiency",
+    "comm": "comm_efficiency",
+    "memory": "memory_efficiency",
+}
+
+
+def _bad(path: str, rule: str, fix: str) -> ConfigError:
+    return ConfigError([ConfigIssue(path=path, value=path, rule=rule, fix=fix)])
+
+
+def load_run(run_dir: str | Path) -> tuple[DictConfig, list[dict]]:
+    """The run's config and its metric records; ConfigError when the directory is not a run."""
+    from dhp.config import load_config
+
+    d = Path(run_dir)
+    cfg_path, metrics = d / "config.yaml", d / "metrics.jsonl"
+    if not cfg_path.is_file() or not metrics.is_file():
+        raise _bad(
+            str(d),
+            "not a run directory (needs config.yaml and metrics.jsonl)",
+            "pass runs/<name>/<timestamp> directories written by dhp train",
+        )
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise _bad(str(metrics), "has no records", "train at least one logged step")
+    return load_config(str(cfg_path), []), rows
+
+
+def measured(rows: list[dict], key: str) -> float:
+    """Median of ``key`` over the records, without the first (warm-up) when there are more."""
+    use = rows[1:] if len(rows) > 1 else rows
+    return float(statistics.median(r[key] for r in use))
+
+
+def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[str, float], float, str]]:
+    """(features, measured seconds, label) rows of one run (see the module docstring)."""
+    from dhp.plan.compile import micro_batches_per_step, module_shapes
+
+    n_mb = micro_batches_per_step(config)
+    out = []
+    per: dict[str, tuple] = {}
+    for name, shape in module_shapes(config).items():
+        world = int(config.modules[name].gpus)
+        tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
+        procs = sum(int(m.gpus) for m in config.modules.values())
+        f = module_features(shape, tokens, config.cluster, world, procs)
+        per[name] = (f.fwd, f.bwd if shape.backward else {}, f.step if not shape.freeze else {})
+        out.append(({k: n_mb * v for k, v in f.fwd.items()}, measured(rows, f"{name}_fwd_s"), f"{name}_fwd"))
+        if shape.backward:
+            out.append(
+                ({k: n_mb * v for k, v in f.bwd.items()}, measured(rows, f"{name}_bwd_s"), f"{name}_bwd")
+            )
+        if not shape.freeze:
+            step = {**dict.fromkeys(FEATURES, 0.0), "memory": f.step["memory"], "calls": f.step["calls"]}
+            out.append((step, measured(rows, f"{name}_step_s"), f"{name}_step"))
+    out.append(
+        (
+            step_row(config.placement, per, n_mb, coefficients(config.cluster)),
+            measured(rows, "step_s"),
+            "step",
+        )
+    )
+    return out
+
+
+def _add(*rows: tuple[float, dict[str, float]]) -> dict[str, float]:
+    out = dict.fromkeys(FEATURES, 0.0)
+    for scale, row in rows:
+        for k, v in row.items():
+            out[k] += scale * v
+    return out
+
+
+def step_row(placement: str, per: dict[str, tuple], n_mb: int, prior: dict[str, float]) -> dict[str, float]:
+    """The whole step's features, linearised like ``dhp.plan.schedule``: collocated sums every
+    phase; disaggregated takes the bottleneck stage (by the prior coefficients) n_mb times plus
+    one micro-batch of the other stage and the bottleneck's finish. Plus n_mb dispatches."""
+    stage = {n: _add((1.0, fwd), (1.0, bwd)) for n, (fwd, bwd, _) in per.items()}
+    fin = {n: p[2] for n, p in per.items()}
+    if placement == "collocated" or len(per) == 1:
+        row = _add(*((float(n_mb), s) for s in stage.values()), *((1.0, f) for f in fin.values()))
+    else:
+        slow = max(stage, key=lambda n: seconds(stage[n], prior))
+        fast = next(n for n in stage if n != slow)
+        row = _add((float(n_mb), stage[slow]), (1.0, stage[fast]), (1.0, fin[slow]))
+    row["dispatch"] = float(n_mb)
+    return row
+
+
+def nnls(a: np.ndarray, b: np.ndarray, sweeps: int = 5000) -> np.ndarray:
+    """min ||a x - b||^2 subject to x >= 0, by cyclic coordinate descent (convex: converges;
+    deterministic; a handful of unknowns)."""
+    x = np.zeros(a.shape[1])
+    norms = (a * a).sum(axis=0)
+    r = a @ x - b
+    for _ in range(sweeps):
+        for j in range(a.shape[1]):
+            if norms[j] == 0:
+                continue
+            new = max(0.0, x[j] - float(a[:, j] @ r) / norms[j])
+            r += a[:, j] * (new - x[j])
+            x[j] = new
+    return x
+
+
+def fit(obs: list[tuple[dict[str, float], float, str]], prior: dict[str, float]) -> dict[str, float]:
+    """Non-negative least squares on relative errors (step rows weighted STEP_WEIGHT). A coefficient whose feature is zero in every
+    observation keeps ``prior``; one the fit drives to 0 is floored at 1% of its prior (the runs
+    say the term is negligible here; a zero would mean an infinite efficiency)."""
+    free = [k for k in FEATURES if any(f.get(k, 0.0) > 0 for f, _, _ in obs)]
+    fixed = {k: prior[k] for k in FEATURES if k not in free}
+    rows = [(f, y, STEP_WEIGHT if label == "step" else 1.0) for f, y, label in obs if y > 0]
+    if not free or not rows:
+        return {**prior, **fixed}
+    a = np.array([[w * f.get(k, 0.0) / y for k in free] for f, y, w in rows])
+    x = nnls(a, np.array([w for _, _, w in rows]))
+    return {**fixed, **{k: float(v) if v > 0 else 0.01 * prior[k] for k, v in zip(free, x, strict=True)}}
+
+
+def calibrate(run_dirs: list[str], *, out: str) -> dict:
+    """Fit the profile on ``run_dirs`` and write it to ``out`` (a cluster YAML); returns a report."""
+    runs = [load_run(d) for d in run_dirs]
+    clusters = {str(c.cluster.name) for c, _ in runs}
+    if len(clusters) > 1:
+        raise _bad(
+            "RUN_DIR",
+            f"the runs were trained on different clusters {sorted(clusters)}",
+            "calibrate one cluster profile at a time",
+        )
+    base = runs[0][0].cluster
+    obs = [o for cfg, rows in runs for o in run_observations(cfg, rows)]
+    coef = fit(obs, coefficients(base))
+    profile = OmegaConf.to_container(base)
+    for key, name in PROFILE_KEYS.items():
+        profile[name] = float(1.0 / coef[key])
+    profile["call_overhead_s"] = float(coef["calls"])
+    profile["dispatch_overhead_s"] = float(coef["dispatch"])
+    profile["name"] = Path(out).stem
+    profile["profile"] = "calibrated: " + ", ".join(str(Path(d)) for d in run_dirs)
+    fits = [
+        {"observation": label, "measured_s": y, "fitted_s": seconds(f, {**coef}), "features": f}
+        for f, y, label in obs
+    ]
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "# Written by `dhp calibrate` (least squares on relative errors; dhp/plan/calibrate.py)\n"
+    path.write_text(header + OmegaConf.to_yaml(OmegaConf.create(profile)), encoding="utf-8")
+    return {"profile": profile, "observations": fits}

@@ -1,0 +1,199 @@
+"""The step-time estimate of a compiled plan (formulas in ``dhp/plan/timing.py``).
+
+Every module phase time is a dot product of FEATURES (seconds at efficiency 1: matmul, attention,
+communication, memory traffic, and a count of calls) with the profile's inverse efficiencies and
+its per-call overhead. ``dhp calibrate`` fits those coefficients by least squares over measured
+runs, using the same features, so the plan and the fit can never disagree on a formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from dhp.plan.memory import ModuleShape
+from dhp.plan.schedule import StepEstimate, schedule
+from dhp.plan.timing import (
+    ATTN_HALF_SPAN,
+    grad_sync_s,
+    link_of,
+    module_comm,
+    module_flops,
+    optimizer_s,
+    palm_model_flops,
+)
+from dhp.plan.types import Plan
+
+FEATURES = ("matmul", "attention", "comm", "memory", "calls", "dispatch")
+
+
+@dataclass(frozen=True)
+class ModuleFeatures:
+    """Per micro-batch fwd/bwd and per step optimizer features of one module's rank."""
+
+    fwd: dict[str, float]
+    bwd: dict[str, float]
+    step: dict[str, float]  # grad sync + optimizer (once per step)
+    recompute_flops: float
+    flops: float  # per rank and micro-batch, fwd + bwd
+
+
+def coefficients(cluster: DictConfig) -> dict[str, float]:
+    """Seconds per feature-second: inverse efficiencies, and the per-call overhead."""
+    return {
+        "matmul": 1.0 / cluster.matmul_efficiency,
+        "attention": 1.0 / cluster.attention_efficiency,
+        "comm": 1.0 / cluster.comm_efficiency,
+        "memory": 1.0 / cluster.memory_efficiency,
+        "calls": cluster.call_overhead_s,
+        "dispatch": cluster.dispatch_overhead_s,
+    }
+
+
+def seconds(features: dict[str, float], coef: dict[str, float]) -> float:
+    """Feature-seconds times coefficients; a feature a row does not have counts 0."""
+    return sum(features.get(k, 0.0) * coef[k] for k in FEATURES)
+
+
+def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
+    """Patches one vision rank encodes per driver micro-batch: the real share when the data is
+    synthetic (known patches per sample), else the configured capacity ``seq_len``."""
+    v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
+    if config.data.kind == "synthetic":
+        pps = config.data.synthetic.patches * config.data.synthetic.images_per_sample
+        share = (lm.dp * lm.fsdp) * config.train.micro_batch_size * pps / (v.dp * v.fsdp)
+        return min(float(shape.seq_len), share) / v.sp
+    return shape.seq_len / v.sp
+
+
+def oversubscription(cluster: DictConfig, processes: int) -> float:
+    """How much slower each rank runs when ``processes`` rank processes time-share
+    ``cluster.host_cores`` cores (CPU clusters; 1 on GPUs, where host_cores is 0)."""
+    cores = cluster.host_cores
+    return max(1.0, processes / cores) if cores > 0 and processes > 0 else 1.0
+
+
+def module_features(
+    shape: ModuleShape, tokens: float, cluster: DictConfig, world: int, processes: int = 0
+) -> ModuleFeatures:
+    """Features of one rank of ``shape``'s module when its layers see ``tokens`` tokens;
+    ``processes``: rank processes of the whole plan (for ``oversubscription``)."""
+    slow = oversubscription(cluster, processes)
+    peak = cluster.peak_bf16_tflops * 1e12
+    fl = module_flops(shape, tokens)
+    h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.parallel.tp
+    g = 2.0 * tokens * h * m / tp
+    mm_rate = peak * g / (g + cluster.gemm_half_flops)
+    at_rate = peak * fl.attn_span / (fl.attn_span + ATTN_HALF_SPAN)
+    keys = ("intra_node_gbps", "inter_node_gbps", "gpus_per_node", "latency_us")
+    link = link_of(OmegaConf.create({**{k: cluster[k] for k in keys}, "comm_efficiency": 1.0}))
+    comm = module_comm(shape, tokens, link)
+    fwd_mm, fwd_at = fl.matmul_fwd / mm_rate, fl.attn_fwd / at_rate
+    bwd_mm = (2 * fl.matmul_fwd + fl.recompute_matmul) / mm_rate if shape.backward else 0.0
+    bwd_at = (fl.bwd - 2 * fl.matmul_fwd - fl.recompute_matmul) / at_rate if shape.backward else 0.0
+    compute = fwd_mm + fwd_at + bwd_mm + bwd_at
+    # FSDP prefetch hides its collectives behind compute except the first block's, where a
+    # separate engine moves the bytes (NCCL on a GPU); gloo on a CPU runs them on the same cores
+    if cluster.device == "cuda":
+        fsdp = max(comm["fsdp"] - compute * cluster.comm_efficiency, comm["fsdp"] / shape.layer.layers)
+    else:
+        fsdp = comm["fsdp"]
+    raw_mem = OmegaConf.create({"hbm_gbps": cluster.hbm_gbps, "memory_efficiency": 1.0})
+    feats = ModuleFeatures(
+        fwd={
+            "matmul": fwd_mm,
+            "attention": fwd_at,
+            "comm": comm["fwd"] + fsdp / 2,
+            "memory": 0.0,
+            "calls": 1.0,
+        },
+        bwd={
+            "matmul": bwd_mm,
+            "attention": bwd_at,
+            "comm": comm["bwd"] + fsdp / 2 if shape.backward else 0.0,
+            "memory": 0.0,
+            "calls": 1.0 if shape.backward else 0.0,
+        },
+        step={
+            "matmul": 0.0,
+            "attention": 0.0,
+            "comm": grad_sync_s(shape, link, world),
+            "memory": optimizer_s(shape, raw_mem),
+            "calls": 1.0,
+        },
+        recompute_flops=fl.recompute_matmul + fl.recompute_attn,
+        flops=fl.fwd + (fl.bwd if shape.backward else 0.0),
+    )
+    if slow == 1.0:
+        return feats
+    scale = lambda d: {k: v * slow for k, v in d.items()}  # noqa: E731
+    return ModuleFeatures(
+        scale(feats.fwd), scale(feats.bwd), scale(feats.step), feats.recompute_flops, feats.flops
+    )
+
+
+def handoff_s(
+    config: DictConfig, plan: Plan, shape: ModuleShape, tokens: float, cluster: DictConfig
+) -> float:
+    """One hand-off (or hand-back) of a micro-batch's merged embeddings, vision rank -> LLM."""
+    nbytes = tokens / shape.arch.spatial_merge_size**2 * shape.out_hidden * shape.precision.act
+    if plan.handoff == "cuda_ipc":
+        return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
+    span = len({r.global_gpu for g in plan.groups for r in g.ranks})
+    link = link_of(cluster)
+    return nbytes / link.bw(span) + link.lat
+
+
+def estimate_step(
+    config: DictConfig, plan: Plan, shapes: dict[str, ModuleShape], *, cluster: DictConfig
+) -> StepEstimate:
+    """The step time, throughput and per-module breakdown of ``plan`` under ``cluster``'s profile."""
+    from dhp.plan.compile import micro_batches_per_step
+
+    n_mb = micro_batches_per_step(config)
+    coef = coefficients(cluster)
+    per: dict[str, dict[str, float]] = {}
+    hand = 0.0
+    for name, shape in shapes.items():
+        world = plan.group(name).world_size
+        tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
+        procs = sum(g.world_size for g in plan.groups)
+        f = module_features(shape, tokens, cluster, world, procs)
+        per[name] = {
+            "fwd_s": seconds(f.fwd, coef),
+            "bwd_s": seconds(f.bwd, coef),
+            "comm_s": n_mb * (f.fwd["comm"] + f.bwd["comm"]) * coef["comm"] + f.step["comm"] * coef["comm"],
+            "grad_sync_s": f.step["comm"] * coef["comm"],
+            "optim_s": f.step["memory"] * coef["memory"] + f.step["calls"] * coef["calls"],
+            "recompute_flops": n_mb * f.recompute_flops,
+            "flops_per_rank": n_mb * f.flops,
+        }
+        if name == "vision":
+            hand = handoff_s(config, plan, shape, tokens * shape.parallel.sp, cluster)
+    step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s)
+    text = config.train.global_batch_size * config.modules["llm"].seq_len
+    images: list[int] = []
+    if "vision" in shapes:
+        if config.data.kind == "synthetic":
+            syn = config.data.synthetic
+            images = [syn.patches] * (syn.images_per_sample * config.train.global_batch_size)
+        else:
+            vp = config.modules["vision"].parallel
+            images = [config.modules["vision"].seq_len] * (n_mb * vp.dp * vp.fsdp)
+    vision = float(sum(images))
+    seqs = [config.modules["llm"].seq_len] * config.train.global_batch_size
+    model_flops = palm_model_flops(config, images, seqs)
+    devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
+    return StepEstimate(
+        step_time_s=step.step_s,
+        vision_tokens_per_s=vision / step.step_s,
+        text_tokens_per_s=text / step.step_s,
+        mfu=model_flops / step.step_s / (cluster.peak_bf16_tflops * 1e12 * devices),
+        micro_batches=n_mb,
+        handoff_s=hand,
+        bottleneck=step.bottleneck,
+        idle_s=step.idle_s,
+        profile=str(cluster.profile),
+        modules=per,
+    )

@@ -1,0 +1,78 @@
+"""How module phase times combine into a step: serial when collocated, a 2-stage pipeline when
+disaggregated (formulas in ``dhp/plan/timing.py``), and the estimate's JSON document."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Schedule:
+    step_s: float
+    bottleneck: str
+    idle_s: dict[str, float]
+
+
+def schedule(
+    placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float, dispatch: float = 0.0
+) -> Schedule:
+    """Step seconds from per-micro-batch ``fwd_s``/``bwd_s`` and per-step ``grad_sync_s``/``optim_s``;
+    ``dispatch`` is the driver's own time per micro-batch (Ray calls, routing), added serially."""
+    sched = _schedule(placement, per, n_mb=n_mb, handoff=handoff)
+    return Schedule(sched.step_s + n_mb * dispatch, sched.bottleneck, sched.idle_s)
+
+
+def _schedule(placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float) -> Schedule:
+    fin = {n: p["grad_sync_s"] + p["optim_s"] for n, p in per.items()}
+    if "vision" not in per:
+        llm = per["llm"]
+        return Schedule(n_mb * (llm["fwd_s"] + llm["bwd_s"]) + fin["llm"], "llm", {"llm": 0.0})
+    v = per["vision"]["fwd_s"] + per["vision"]["bwd_s"]
+    lm = per["llm"]["fwd_s"] + per["llm"]["bwd_s"] + 2 * handoff
+    if placement == "collocated":
+        step = n_mb * (v + lm) + sum(fin.values())
+        return Schedule(step, "serial (shared GPUs)", {"vision": 0.0, "llm": 0.0})
+    step = n_mb * max(v, lm) + min(v, lm) + max(fin.values())
+    busy = {"vision": n_mb * v + fin["vision"], "llm": n_mb * lm + fin["llm"]}
+    return Schedule(step, "llm" if lm >= v else "vision", {n: max(step - b, 0.0) for n, b in busy.items()})
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """``--json``'s ``estimate``: step time, throughput, MFU and per-module seconds per step."""
+
+    step_time_s: float
+    vision_tokens_per_s: float
+    text_tokens_per_s: float
+    mfu: float
+    micro_batches: int
+    handoff_s: float
+    bottleneck: str
+    idle_s: dict[str, float]
+    profile: str
+    modules: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        mods = {}
+        for name, p in self.modules.items():
+            mods[name] = {
+                "fwd_s": self.micro_batches * p["fwd_s"],
+                "bwd_s": self.micro_batches * p["bwd_s"],
+                "comm_s": p["comm_s"],
+                "optim_s": p["optim_s"],
+                "grad_sync_s": p["grad_sync_s"],
+                "idle_s": self.idle_s.get(name, 0.0),
+                "recompute_tflops": p["recompute_flops"] / 1e12,
+                "tflops_per_rank": p["flops_per_rank"] / 1e12,
+            }
+        return {
+            "step_time_s": self.step_time_s,
+            "vision_tokens_per_s": self.vision_tokens_per_s,
+            "text_tokens_per_s": self.text_tokens_per_s,
+            "mfu": self.mfu,
+            "micro_batches": self.micro_batches,
+            "handoff_s": self.handoff_s,
+            "bottleneck": self.bottleneck,
+            "profile": self.profile,
+            "modules": mods,
+        }

@@ -1,0 +1,346 @@
+"""``dhp plan --auto``: a deterministic search for the fastest plan that fits.
+
+Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
+
+- placement: collocated on all N GPUs, or disaggregated with every split v + l = N;
+- per module and world size: every (dp, fsdp, sp, tp) whose product is the world (sp only for the
+  encoder, sp and tp exclusive, tp inside a node and dividing the heads / KV heads / vocab), ZeRO-1
+  on or off where dp*sp > 1 and fsdp = 1;
+- activation checkpointing off | full per module;
+- micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
+  ``seq_len`` (patches per micro-batch and replica) scales with it from the patches per sample.
+
+What the user fixed on the command line (``modules.vision.parallel.sp=4``, ``placement=...``,
+``train.micro_batch_size=2``, an AC mode, ...) is kept: candidates that differ there are never
+generated. ``sequence_parallel``, ``selective`` AC and precision are searched only when the user
+names them (precision changes the numerics, the other two are runtime features a user opts into).
+
+Each module's terms and time are computed once per (world, degrees, AC, micro-batch, replicas of
+the other module); a pair is the combination. Pairs are visited fastest-bound first and the visit
+stops once a module's best time alone already exceeds the 10th best step (bound pruning, not
+sampling). Plans that do not fit are dropped; the best ones are then validated as full run configs
+(``dhp.config.validate``), and rejected ones dropped, until ``top`` remain. Ranking: predicted
+tokens/s (the step's work is fixed by the global batch, so this is the shortest step time); ties
+break on the candidate's text form, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from dhp.errors import PlanError
+from dhp.plan.estimate import coefficients, module_features, seconds
+from dhp.plan.memory import module_shape
+from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
+from dhp.plan.schedule import schedule
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp: int
+    fsdp: int
+    sp: int
+    tp: int
+    zero: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "fsdp": self.fsdp, "sp": self.sp, "tp": self.tp, "zero": self.zero}
+
+    @property
+    def replicas(self) -> int:
+        return self.dp * self.fsdp
+
+
+@dataclass(frozen=True)
+class ModuleChoice:
+    """One module's candidate: its degrees, AC, and the estimate alone."""
+
+    name: str
+    world: int
+    degrees: Degrees
+    ac: str
+    time: dict[str, float]  # fwd_s, bwd_s (per micro-batch), grad_sync_s, optim_s
+    terms: object  # phases.ModuleTerms
+
+    @property
+    def per_mb(self) -> float:
+        return self.time["fwd_s"] + self.time["bwd_s"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    placement: str
+    micro_batch: int
+    vision_seq_len: int
+    vision: ModuleChoice
+    llm: ModuleChoice
+    step_s: float
+    peak: int
+    budget: int
+    bottleneck: str
+    idle: dict[str, float] = field(default_factory=dict)
+
+    def overrides(self) -> list[str]:
+        out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
+        for m in (self.vision, self.llm):
+            out.append(f"modules.{m.name}.gpus={m.world}")
+            out += [f"modules.{m.name}.parallel.{k}={v}" for k, v in m.degrees.as_dict().items()]
+            out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
+        out.append(f"modules.vision.seq_len={self.vision_seq_len}")
+        return out
+
+    def label(self) -> str:
+        def deg(m: ModuleChoice) -> str:
+            d = m.degrees.as_dict()
+            axes = " ".join(f"{k}{v}" for k, v in d.items() if v > 1 and k != "zero") or "dp1"
+            return f"{axes}{' z1' if m.degrees.zero else ''} ac={m.ac}"
+
+        split = "" if self.placement == "collocated" else f" {self.vision.world}:{self.llm.world}"
+        return f"{self.placement}{split} | vision {deg(self.vision)} | llm {deg(self.llm)} | mb {self.micro_batch}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def module_degrees(name: str, world: int, model: DictConfig, gpn: int) -> list[Degrees]:
+    """Every valid (dp, fsdp, sp, tp, zero) of module ``name`` on ``world`` GPUs."""
+    out = []
+    heads = model.vision.num_heads if name == "vision" else model.llm.num_heads
+    for tp in _divisors(world):
+        if tp > gpn or gpn % tp or heads % tp:
+            continue
+        if name == "llm" and (model.llm.num_kv_heads % tp or model.llm.vocab_size % tp):
+            continue
+        for sp in _divisors(world // tp) if name == "vision" else [1]:
+            if (sp > 1 and tp > 1) or heads % sp:
+                continue
+            for fsdp in _divisors(world // (tp * sp)):
+                dp = world // (tp * sp * fsdp)
+                zeros = (0, 1) if fsdp == 1 and dp * sp > 1 else (0,)
+                out += [Degrees(dp, fsdp, sp, tp, z) for z in zeros]
+    return out
+
+
+def _fixed(fixed: set[str], key: str) -> bool:
+    return key in fixed
+
+
+class Search:
+    """The search over one validated run config (see the module docstring)."""
+
+    def __init__(self, config: DictConfig, fixed: set[str]) -> None:
+        self.cfg = config
+        self.fixed = fixed
+        self.cluster = config.cluster
+        self.coef = coefficients(config.cluster)
+        self.gpn = config.cluster.gpus_per_node
+        self.n = config.cluster.nodes * self.gpn
+        self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
+        v0, l0 = config.modules["vision"], config.modules["llm"]
+        mb0 = config.train.micro_batch_size
+        share0 = mb0 * (l0.parallel.dp * l0.parallel.fsdp) / (v0.parallel.dp * v0.parallel.fsdp)
+        self.patches_per_sample = v0.seq_len / share0
+        self._cache: dict[tuple, ModuleChoice | None] = {}
+        self._procs = 0
+
+    # ---- what the user fixed ------------------------------------------------------------------
+    def _keep(self, name: str, world: int, d: Degrees, ac: str) -> bool:
+        mod = self.cfg.modules[name]
+        if _fixed(self.fixed, f"modules.{name}.gpus") and world != mod.gpus:
+            return False
+        for k, v in d.as_dict().items():
+            if _fixed(self.fixed, f"modules.{name}.parallel.{k}") and v != mod.parallel[k]:
+                return False
+        return not (
+            _fixed(self.fixed, f"modules.{name}.activation_checkpointing")
+            and ac != mod.activation_checkpointing
+        )
+
+    def _acs(self, name: str) -> list[str]:
+        mod = self.cfg.modules[name]
+        if _fixed(self.fixed, f"modules.{name}.activation_checkpointing"):
+            return [str(mod.activation_checkpointing)]
+        return ["off", "full"]
+
+    def placements(self) -> list[tuple[str, int, int]]:
+        if _fixed(self.fixed, "placement") and self.cfg.placement == "collocated":
+            return [("collocated", self.n, self.n)]
+        out = [] if _fixed(self.fixed, "placement") else [("collocated", self.n, self.n)]
+        out += [("disaggregated", v, self.n - v) for v in range(1, self.n)]
+        return out
+
+    def micro_batches(self, l_reps: int, v_reps: int) -> list[int]:
+        gb = self.cfg.train.global_batch_size
+        if _fixed(self.fixed, "train.micro_batch_size"):
+            mbs = [self.cfg.train.micro_batch_size]
+        else:
+            mbs = _divisors(gb)
+        return [
+            mb for mb in mbs if gb % (mb * l_reps) == 0 and (v_reps <= l_reps or mb % (v_reps // l_reps) == 0)
+        ]
+
+    def vision_seq_len(self, mb: int, l_reps: int, v_reps: int, sp: int) -> int:
+        if _fixed(self.fixed, "modules.vision.seq_len"):
+            return int(self.cfg.modules["vision"].seq_len)
+        unit = self.cfg.model.vision.spatial_merge_size**2 * sp
+        need = self.patches_per_sample * mb * l_reps / v_reps
+        return int(math.ceil(need / unit) * unit)
+
+    # ---- one module ---------------------------------------------------------------------------
+    def module(
+        self, name: str, world: int, d: Degrees, ac: str, mb: int, n_mb: int, seq: int, tokens: float
+    ) -> ModuleChoice | None:
+        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs)
+        if key in self._cache:
+            return self._cache[key]
+        mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
+        mod["parallel"].update(d.as_dict())
+        mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
+        conf = OmegaConf.create(mod)
+        shape = module_shape(
+            name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
+        )
+        terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
+        procs = self._procs
+        f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
+        time = {
+            "fwd_s": seconds(f.fwd, self.coef),
+            "bwd_s": seconds(f.bwd, self.coef),
+            "grad_sync_s": f.step["comm"] * self.coef["comm"],
+            "optim_s": f.step["memory"] * self.coef["memory"] + f.step["calls"] * self.coef["calls"],
+        }
+        choice = ModuleChoice(name, world, d, ac, time, terms)
+        self._cache[key] = choice
+        return choice
+
+    def _image(self) -> int:
+        return int(self.cfg.data.synthetic.patches) if self.cfg.data.kind == "synthetic" else 0
+
+    def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
+        return min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas) / d.sp
+
+    # ---- the search ---------------------------------------------------------------------------
+    def run(self, keep: int = 200) -> list[Candidate]:
+        """Candidates that fit, fastest first (at most ``keep``), before full validation."""
+        best: list[Candidate] = []
+        worst = math.inf
+        model = self.cfg.model
+        for placement, vw, lw in self.placements():
+            self._procs = vw + lw
+            procs = 2 if placement == "collocated" else 1
+            budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
+            solo = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
+            l_opts = [d for d in module_degrees("llm", lw, model, self.gpn)]
+            v_opts = [d for d in module_degrees("vision", vw, model, self.gpn)]
+            for ld in l_opts:
+                for v_reps in sorted({d.replicas for d in v_opts}):
+                    if max(v_reps, ld.replicas) % min(v_reps, ld.replicas):
+                        continue
+                    for mb in self.micro_batches(ld.replicas, v_reps):
+                        n_mb = self.cfg.train.global_batch_size // (mb * ld.replicas)
+                        llms = [
+                            self.module(
+                                "llm", lw, ld, ac, mb, n_mb, int(self.cfg.modules["llm"].seq_len), 0.0
+                            )
+                            for ac in self._acs("llm")
+                            if self._keep("llm", lw, ld, ac)
+                        ]
+                        llms = [
+                            c
+                            for c in llms
+                            if placement == "collocated" or gpu_timeline([c.terms]).peak <= solo
+                        ]
+                        if not llms:
+                            continue
+                        l_best = min(c.per_mb for c in llms)
+                        if n_mb * l_best > worst:
+                            continue  # bound: the LLM alone is slower than the 10th best step
+                        for vd in v_opts:
+                            if vd.replicas != v_reps:
+                                continue
+                            seq = self.vision_seq_len(mb, ld.replicas, v_reps, vd.sp)
+                            tokens = self._vision_tokens(mb, ld.replicas, vd, seq)
+                            for vac in self._acs("vision"):
+                                if not self._keep("vision", vw, vd, vac):
+                                    continue
+                                vc = self.module("vision", vw, vd, vac, mb, n_mb, seq, tokens)
+                                for lc in llms:
+                                    cand = self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo)
+                                    if cand is None:
+                                        continue
+                                    best.append(cand)
+                                    best.sort(key=lambda c: (c.step_s, c.label()))
+                                    del best[keep:]
+                                    if len(best) >= 10:
+                                        worst = best[9].step_s
+        return best
+
+    def _pair(self, placement, mb, seq, vc, lc, n_mb, budget, solo) -> Candidate | None:
+        if placement == "collocated":
+            line = gpu_timeline([vc.terms, lc.terms])
+            peak, cap = line.peak, budget
+        else:
+            peak = max(gpu_timeline([vc.terms]).peak, gpu_timeline([lc.terms]).peak)
+            cap = solo
+        if peak > cap:
+            return None
+        per = {"vision": vc.time, "llm": lc.time}
+        hand = 0.0
+        sch = schedule(placement, per, n_mb=n_mb, handoff=hand, dispatch=self.cluster.dispatch_overhead_s)
+        return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
+
+
+def reason(best: Candidate, runner_up: Candidate | None) -> str:
+    """One sentence on why the winner wins."""
+    if best.placement == "disaggregated":
+        hide = (
+            "the encoder stage hides behind the LLM stage"
+            if best.bottleneck == "llm"
+            else "the LLM stage hides behind the encoder stage"
+        )
+        text = f"disaggregated {best.vision.world}:{best.llm.world} wins: {hide}"
+    else:
+        text = "collocated wins: both modules use every GPU, one after the other, with no pipeline bubble"
+    if runner_up is not None:
+        text += f"; {100 * (runner_up.step_s / best.step_s - 1):.1f}% faster than '{runner_up.label()}'"
+    return text
+
+
+def apply(config: DictConfig, overrides: list[str]) -> DictConfig:
+    """A read-only copy of ``config`` with ``key=value`` overrides applied (ints as ints)."""
+    out = copy.deepcopy(config)
+    OmegaConf.set_readonly(out, False)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        OmegaConf.update(out, key, int(value) if value.isdigit() else value)
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def auto_plan(config: DictConfig, fixed: set[str], *, top: int = 10) -> list[tuple[Candidate, list[str]]]:
+    """The ``top`` fastest valid plans that fit, each with the overrides that produce it."""
+    from dhp.config.validate import validate
+
+    if "vision" not in config.modules:
+        raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")
+    out = []
+    for cand in Search(config, fixed).run():
+        ov = cand.overrides()
+        if validate(apply(config, ov)):
+            continue
+        out.append((cand, ov))
+        if len(out) == top:
+            break
+    if not out:
+        raise PlanError(
+            "dhp plan --auto found no plan that fits and validates on this cluster. Fix: a larger "
+            "cluster profile, shorter modules.*.seq_len, or fewer fixed settings on the command line"
+        )
+    return out

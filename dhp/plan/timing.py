@@ -1,0 +1,245 @@
+"""Step-time model: FLOPs at an achieved fraction of peak, communication over the links, schedule.
+
+Per module rank and micro-batch (T = tokens the rank's layers see, N = matmul parameters per
+token, h hidden, span = attention span per query):
+
+    matmul fwd   = 2 * T * N / tp                 N: vision blocks (qkv 3h^2, proj h^2, MLP 3hm) +
+                                                  merger / merge^2 per patch; LLM blocks + lm_head
+    attention fwd = 4 * T * span * h / tp         vision: span = one image (full-attention blocks)
+                                                  or a window (the others); LLM: S/2 (causal)
+    backward     = 2 x matmul + 2.5 x attention   (flash recomputes the scores in backward)
+    recompute    = the checkpointed blocks' forward again (full, every_n); selective recomputes
+                   only elementwise ops (no matmul FLOPs)
+
+    compute_s = matmul / (peak * matmul_efficiency * g/(g + gemm_half_flops))
+              + attention / (peak * attention_efficiency * span/(span + ATTN_HALF_SPAN))
+      g = one MLP up-projection GEMM of the rank (2 * T * h * m/tp): small GEMMs (narrow TP shards,
+      few tokens) do not fill the device (``cluster.gemm_half_flops``: 2 GFLOP on an H100, about a
+      1024^3 GEMM; tiny on a CPU); span/(span + 128): a 64-patch window fills half a tile.
+
+Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency, lat per hop):
+
+    all-reduce   2 (n-1)/n * bytes / bw + 2 (n-1) lat      TP: 2 per block fwd, 2 bwd (+2 recompute);
+                                                           RS+AG under sequence_parallel: same volume
+    all-to-all   (n-1)/n * bytes / bw + (n-1) lat          Ulysses: q, k, v, out per full-attn block
+    all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
+    FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks)
+    DP/SP grad all-reduce and the ZeRO-1 parameter broadcast: once per step, not overlapped
+    hand-off: merged tokens x LLM hidden x a, each way; cuda_ipc moves nothing (an HBM copy)
+
+The link: intra-node (NVLink) when the group fits in a node, else inter-node per GPU
+(inter_node_gbps / gpus_per_node). Optimizer: AdamW reads p, g, m, v and writes p, m, v, plus the
+grad norm and clip read/write the grads: bytes / (hbm_gbps * memory_efficiency).
+
+Schedule: collocated runs everything on the same GPUs, one after the other:
+    step = n_mb * (v_fwd + v_bwd + l_fwd + l_bwd + 2 handoff) + sync + optimizer (both modules).
+Disaggregated is a two-stage pipeline over the n_mb micro-batches:
+    step = n_mb * max(V, L) + min(V, L) + max(sync + optimizer),  V = v_fwd + v_bwd,
+    L = l_fwd + l_bwd + 2 handoff; the faster stage idles (reported as ``idle_s``).
+
+Defaults (conf/cluster): H100 SXM dense bf16 989 TFLOP/s and 3.35 TB/s HBM3 (NVIDIA H100 datasheet);
+matmul_efficiency 0.7 (cuBLAS large bf16 GEMMs reach ~70% of dense peak); attention_efficiency
+0.4 (FlashAttention-2 forward reaches ~35-40% of H100 peak, its paper); comm_efficiency 0.7 (NCCL
+bus bandwidth over NVLink4 ~ 70% of nominal); memory_efficiency 0.8 (STREAM-like kernels).
+``dhp calibrate`` replaces them with least-squares fits from measured runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from dhp.plan.memory import ModuleShape, checkpointed_blocks
+
+ATTN_HALF_SPAN = 128.0
+ATTN_BWD_FACTOR = 2.5
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+def matmul_params_per_token(shape: ModuleShape) -> float:
+    """N: multiply-accumulates per token of the module's matmuls (blocks + merger / lm_head)."""
+    lay = shape.layer
+    h, m, kv = lay.hidden, lay.mlp, lay.kv_dim
+    if shape.name == "vision":
+        v = shape.arch
+        merge = v.spatial_merge_size**2
+        merged = h * merge
+        block = 3 * h * h + h * h + 3 * h * m
+        return lay.layers * block + (merged * merged + merged * shape.out_hidden) / merge
+    block = 2 * h * h + 2 * h * kv + 3 * h * m
+    return lay.layers * block + h * shape.vocab
+
+
+def attention_spans(shape: ModuleShape) -> list[tuple[int, float]]:
+    """(blocks, span per query) groups: the encoder's full and window blocks, the LLM's causal S/2."""
+    if shape.name == "vision":
+        v = shape.arch
+        window = (v.window_size // v.patch_size) ** 2
+        image = shape.image_patches or shape.seq_len
+        n_full = len(v.fullatt_block_indexes)
+        return [(n_full, float(image)), (v.depth - n_full, float(min(window, image)))]
+    return [(shape.layer.layers, shape.seq_len / 2.0)]
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one rank and micro-batch, split so each part gets its own efficiency."""
+
+    matmul_fwd: float
+    attn_fwd: float
+    recompute_matmul: float
+    recompute_attn: float
+    attn_span: float  # FLOP-weighted mean span (for the attention efficiency)
+
+    @property
+    def fwd(self) -> float:
+        return self.matmul_fwd + self.attn_fwd
+
+    @property
+    def bwd(self) -> float:
+        return (
+            2 * self.matmul_fwd
+            + ATTN_BWD_FACTOR * self.attn_fwd
+            + self.recompute_matmul
+            + self.recompute_attn
+        )
+
+
+def module_flops(shape: ModuleShape, tokens: float) -> Flops:
+    """FLOPs of one rank per micro-batch when its layers see ``tokens`` tokens (formulas above)."""
+    tp = shape.parallel.tp
+    mm = 2.0 * tokens * matmul_params_per_token(shape) / tp
+    h = shape.layer.hidden
+    attn, weighted = 0.0, 0.0
+    for blocks, span in attention_spans(shape):
+        f = 4.0 * tokens * span * h * blocks / tp
+        attn += f
+        weighted += f * span
+    frac = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
+    block_mm = mm - (2.0 * tokens * h * shape.vocab / tp if shape.name == "llm" else 0.0)
+    return Flops(
+        matmul_fwd=mm,
+        attn_fwd=attn,
+        recompute_matmul=frac * block_mm,
+        recompute_attn=frac * attn,
+        attn_span=weighted / attn if attn else 1.0,
+    )
+
+
+# ---- communication ---------------------------------------------------------------------------
+def all_reduce_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def all_gather_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+    """All-gather (or reduce-scatter) producing ``nbytes`` per rank."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
+def all_to_all_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
+@dataclass
+class Link:
+    """Bandwidths (bytes/s, efficiency applied) and the per-hop latency of a cluster."""
+
+    intra: float
+    inter: float
+    lat: float
+    gpn: int
+
+    def bw(self, span_gpus: int) -> float:
+        return self.intra if span_gpus <= self.gpn else self.inter
+
+
+def link_of(cluster: DictConfig) -> Link:
+    eff = cluster.comm_efficiency
+    return Link(
+        intra=cluster.intra_node_gbps * 1e9 * eff,
+        inter=cluster.inter_node_gbps * 1e9 * eff / cluster.gpus_per_node,
+        lat=cluster.latency_us * 1e-6,
+        gpn=cluster.gpus_per_node,
+    )
+
+
+def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, float]:
+    """Seconds of collectives of one rank per micro-batch: fwd, bwd (incl. recompute), fsdp."""
+    par, a, h, lay = shape.parallel, shape.precision.act, shape.layer.hidden, shape.layer
+    ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    fwd = bwd = 0.0
+    if par.sp > 1:
+        n_full = len(shape.arch.fullatt_block_indexes) if shape.name == "vision" else lay.layers
+        one = all_to_all_s(tokens * h * a, par.sp, link.bw(par.sp), link.lat)
+        fwd += 4 * n_full * one
+        bwd += (4 * n_full + 4 * n_full * ck / lay.layers) * one if shape.backward else 0.0
+    if par.tp > 1:
+        full_tokens = tokens  # TP ranks see every token; SP-in-TP moves the same volume as RS+AG
+        one = all_reduce_s(full_tokens * h * a, par.tp, link.bw(par.tp), link.lat)
+        fwd += 2 * lay.layers * one
+        bwd += (2 * lay.layers + 2 * ck) * one if shape.backward else 0.0
+    fsdp = 0.0
+    if par.fsdp > 1:
+        span = par.fsdp * par.sp * par.tp
+        layer = shape.layer_params.per_tp_rank(par.tp)
+        root = shape.params.per_tp_rank(par.tp) - lay.layers * layer
+        gather = all_gather_s((lay.layers * layer + root) * a, par.fsdp, link.bw(span), link.lat / 1)
+        fsdp = gather * (2 if shape.backward else 1)
+        if shape.backward and not shape.freeze:
+            fsdp += all_gather_s(
+                (lay.layers * layer + root) * shape.precision.reduce, par.fsdp, link.bw(span), link.lat
+            )
+    return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp}
+
+
+def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
+    """Once per step: DP/SP gradient all-reduce, HSDP replica all-reduce, ZeRO-1 broadcast."""
+    if shape.freeze:
+        return 0.0
+    par, pr = shape.parallel, shape.precision
+    local = shape.params.per_tp_rank(par.tp) / par.fsdp
+    t = 0.0
+    if par.sp > 1:
+        t += all_reduce_s(local * pr.grad, par.sp, link.bw(par.sp * par.tp), link.lat)
+    if par.dp > 1:
+        t += all_reduce_s(local * pr.grad, par.dp, link.bw(world), link.lat)
+    if par.zero == 1 and par.dp * par.sp > 1:
+        t += all_gather_s(local * pr.param, par.dp * par.sp, link.bw(world), link.lat)
+    return t
+
+
+def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
+    """AdamW + grad norm + clip, memory bound (bytes in the module docstring)."""
+    if shape.freeze:
+        return 0.0
+    par, pr = shape.parallel, shape.precision
+    local = shape.params.per_tp_rank(par.tp) / par.fsdp
+    owned = local / (par.dp * par.sp if par.zero == 1 else 1)
+    nbytes = owned * (2 * pr.param + pr.grad + 2 * pr.optimizer) + 3 * local * pr.grad
+    return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
+
+
+def palm_model_flops(config: DictConfig, images: list[int], seq_lens: list[int]) -> float:
+    """Model FLOPs of a step by the PaLM formula, as ``metrics.jsonl``'s MFU counts them
+    (``dhp/metrics/flops.py``; a test keeps the two equal). Not imported from there: that package
+    imports torch, and the planner stays pure."""
+    lm, v = config.model.llm, config.model.vision
+    h, i = lm.hidden_size, lm.intermediate_size
+    kv = lm.num_kv_heads * (h // lm.num_heads)
+    n = lm.num_layers * (2 * h * h + 2 * h * kv + 3 * h * i) + h * lm.vocab_size
+    total = sum(s * (6.0 * n + 12.0 * lm.num_layers * h * s) for s in seq_lens)
+    total *= 1 / 3 if config.modules["llm"].freeze else 1.0
+    if "vision" not in config.modules or not images:
+        return total
+    vh, vi = v.hidden_size, v.intermediate_size
+    merged = vh * v.spatial_merge_size**2
+    nv = (
+        v.depth * (4 * vh * vh + 3 * vh * vi)
+        + (merged * merged + merged * h) / v.spatial_merge_size**2
+        + v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh
+    )
+    window = (v.window_size // v.patch_size) ** 2
+    full = len(v.fullatt_block_indexes)
+    vis = sum(p * (6.0 * nv + 12.0 * vh * (full * p + (v.depth - full) * min(window, p))) for p in images)
+    return total + vis * (1 / 3 if config.modules["vision"].freeze else 1.0)

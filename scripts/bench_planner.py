@@ -1,0 +1,216 @@
+"""How well the planner predicts: memory, step time after calibration, and --auto's pick.
+
+Trains tiny Qwen2.5-VL plans on CPU (real Ray, gloo, the dhp runtime), each for a few steps,
+and compares what ``dhp plan`` predicts with what the run measured:
+
+- step time: median ``step_s`` of the logged steps after the first (metrics.jsonl);
+- memory: the max over ranks of ``peak_mem_bytes`` (on CPU: the process's VmHWM per log window,
+  reset through /proc/self/clear_refs: one process), against the planner's peak of one module's
+  rank alone (``memory.total``) plus a per-process baseline (the Python + torch + Ray worker resident set, which the planner's CPU profile does not
+  model): the median over the calibration plans of (measured - planned). The tiny model's own bytes
+  are a few MB, so on CPU this comparison is dominated by that baseline; ``model_peak_bytes`` shows
+  the planner's part alone.
+
+The plans alternate calibration / held-out: ``dhp calibrate`` fits the profile on the calibration
+half; the held-out half is predicted with that profile. Finally ``dhp plan --auto`` (calibrated
+profile, 4 CPU "GPUs") picks a plan; it is trained too, and compared with the best measured.
+
+    .venv/bin/python scripts/bench_planner.py --out runs/bench_planner.json [--quick] [--steps 4]
+
+Writes ``{"plans": [...], "auto": {...}, "profile": {...}}`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+LONG = ["data.synthetic.patches=1024", "modules.vision.seq_len=2048", "modules.llm.seq_len=320"]
+ONE = [
+    "placement=disaggregated",
+    "modules.vision.gpus=1",
+    "modules.vision.parallel.sp=1",
+    "modules.llm.gpus=1",
+    "modules.llm.parallel.tp=1",
+]
+FOUR = ["modules.vision.gpus=4", "modules.llm.gpus=4"]
+PLANS: list[tuple[str, list[str]]] = [
+    ("sp1_tp1_disagg", ONE),
+    ("sp2_tp2_colloc", []),
+    ("sp4_tp4_colloc", [*FOUR, "modules.vision.parallel.sp=4", "modules.llm.parallel.tp=4"]),
+    (
+        "sp2_tp2_disagg_ac",
+        [
+            "placement=disaggregated",
+            "modules.vision.activation_checkpointing=full",
+            "modules.llm.activation_checkpointing=full",
+        ],
+    ),
+    (
+        "fsdp2_colloc",
+        [
+            "modules.vision.parallel.sp=1",
+            "modules.vision.parallel.fsdp=2",
+            "modules.llm.parallel.tp=1",
+            "modules.llm.parallel.fsdp=2",
+        ],
+    ),
+    (
+        "dp2_zero1_colloc",
+        [
+            "modules.vision.parallel.sp=1",
+            "modules.vision.parallel.dp=2",
+            "modules.vision.parallel.zero=1",
+            "modules.llm.parallel.tp=1",
+            "modules.llm.parallel.dp=2",
+            "modules.llm.parallel.zero=1",
+        ],
+    ),
+    ("sp2_tp2_colloc_long", LONG),
+    (
+        "sp1_tp1_disagg_long_ac",
+        [
+            *ONE,
+            *LONG,
+            "modules.vision.activation_checkpointing=full",
+            "modules.llm.activation_checkpointing=full",
+        ],
+    ),
+]
+QUICK = ["sp1_tp1_disagg", "sp2_tp2_colloc", "sp2_tp2_colloc_long", "sp1_tp1_disagg_long_ac"]
+
+
+def _config(name: str, overrides: list[str], *, out: Path, steps: int, cluster: str | None = None):
+    from dhp.config import load_config
+
+    base = [
+        f"name={name}",
+        f"train.output_dir={out}",
+        f"train.steps={steps}",
+        "train.warmup_steps=0",
+        "train.log_every=1",
+        "train.checkpoint_every=0",
+    ]
+    cfg = load_config("tiny_vlm", [*base, *overrides])
+    if cluster is not None:
+        from omegaconf import OmegaConf
+
+        prof = OmegaConf.load(cluster)
+        cfg = OmegaConf.merge(cfg, {"cluster": prof})
+    return cfg
+
+
+def _train(cfg, out: Path) -> tuple[Path, float, int]:
+    from dhp.runtime.train import train
+
+    train(cfg)
+    (run_dir,) = (out / cfg.name).iterdir()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    use = rows[1:] if len(rows) > 1 else rows
+    step = statistics.median(r["step_s"] for r in use)
+    peak = max(max(r["peak_mem_bytes"].values()) for r in use)
+    return run_dir, step, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="4 plans instead of 8 (a busy machine)")
+    args = ap.parse_args()
+
+    import ray
+
+    from dhp.plan import compile_plan
+    from dhp.plan.auto import run_auto
+    from dhp.plan.calibrate import calibrate
+
+    plans = [p for p in PLANS if not args.quick or p[0] in QUICK]
+    tmp = Path(tempfile.mkdtemp(prefix="bench_planner_"))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        for i, (name, ov) in enumerate(plans):
+            cfg = _config(name, ov, out=tmp, steps=args.steps)
+            plan = compile_plan(cfg)
+            run_dir, step, peak = _train(cfg, tmp)
+            rows.append(
+                {
+                    "name": name,
+                    "overrides": ov,
+                    "calibration": i % 2 == 0,
+                    "run_dir": str(run_dir),
+                    "model_peak_bytes": max(g.ranks[0].memory.total for g in plan.groups),
+                    "measured_peak_bytes": peak,
+                    "measured_step_s": step,
+                    "uncalibrated_step_s": plan.estimate["step_time_s"],
+                }
+            )
+            print(f"{name}: measured {step:.3f} s/step, peak {peak / 2**20:.0f} MiB", flush=True)
+        cal = [r for r in rows if r["calibration"]]
+        baseline = statistics.median(r["measured_peak_bytes"] - r["model_peak_bytes"] for r in cal)
+        for r in rows:
+            r["predicted_peak_bytes"] = int(r["model_peak_bytes"] + baseline)
+        profile_path = tmp / "cluster" / "bench_cpu.yaml"
+        report = calibrate([r["run_dir"] for r in rows if r["calibration"]], out=str(profile_path))
+        for r, (name, ov) in zip(rows, plans, strict=True):
+            cfg = _config(name, ov, out=tmp / "pred", steps=args.steps, cluster=str(profile_path))
+            r["predicted_step_s"] = compile_plan(cfg).estimate["step_time_s"]
+        auto_cfg = _config("auto_pick", [], out=tmp, steps=args.steps, cluster=str(profile_path))
+        plan, ranked, why = run_auto(auto_cfg, {"cluster"}, save=None)
+        picked_ov = ranked[0][1]
+        picked_cfg = _config("auto_pick", picked_ov, out=tmp, steps=args.steps, cluster=str(profile_path))
+        _, picked_step, _ = _train(picked_cfg, tmp)
+    finally:
+        ray.shutdown()
+    best = min(rows, key=lambda r: r["measured_step_s"])
+    doc = {
+        "plans": [
+            {
+                k: r[k]
+                for k in (
+                    "name",
+                    "predicted_peak_bytes",
+                    "measured_peak_bytes",
+                    "predicted_step_s",
+                    "measured_step_s",
+                    "calibration",
+                    "uncalibrated_step_s",
+                    "model_peak_bytes",
+                )
+            }
+            for r in rows
+        ],
+        "auto": {
+            "picked": ranked[0][0].label(),
+            "picked_overrides": picked_ov,
+            "reason": why,
+            "best_measured": best["name"],
+            "picked_step_s": picked_step,
+            "best_step_s": min(best["measured_step_s"], picked_step),
+        },
+        "process_baseline_bytes": baseline,
+        "profile": {k: v for k, v in report["profile"].items() if "efficiency" in k or "overhead" in k},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"{'plan':26} {'cal':>3} {'pred MiB':>9} {'meas MiB':>9} {'pred s':>8} {'meas s':>8} {'err %':>6}")
+    for r in doc["plans"]:
+        err = 100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
+        print(
+            f"{r['name']:26} {'yes' if r['calibration'] else 'no':>3} {r['predicted_peak_bytes'] / 2**20:9.1f} "
+            f"{r['measured_peak_bytes'] / 2**20:9.1f} {r['predicted_step_s']:8.3f} {r['measured_step_s']:8.3f} {err:6.1f}"
+        )
+    a = doc["auto"]
+    print(
+        f"auto picked {a['picked']} -> {a['picked_step_s']:.3f} s/step; best measured {a['best_measured']} "
+        f"{a['best_step_s']:.3f} s/step"
+    )
+    print("BENCH " + json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

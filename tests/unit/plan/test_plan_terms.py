@@ -1,0 +1,198 @@
+"""Each memory, FLOP and communication term of the planner on a 2-layer toy whose bytes are
+counted by hand in the comments (fp32, 4 bytes per element)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from dhp.plan.memory import default_loss_chunk, module_shape
+from dhp.plan.phases import PHASES, gpu_timeline, module_terms, reserve_bytes
+from dhp.plan.timing import (
+    Link,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    grad_sync_s,
+    module_comm,
+    module_flops,
+    optimizer_s,
+)
+
+pytestmark = pytest.mark.unit
+
+# LLM: h=8, m=16, 2 heads of 4 (kv=4 with 1 KV head), 2 layers, vocab 32.
+MODEL = OmegaConf.create(
+    {
+        "dtype": "float32",
+        "attn_implementation": "sdpa",
+        "vision": {
+            "depth": 2,
+            "hidden_size": 8,
+            "num_heads": 2,
+            "intermediate_size": 16,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 28,  # 2x2 patches = 4 per window
+            "in_channels": 3,
+            "fullatt_block_indexes": [1],
+        },
+        "llm": {
+            "hidden_size": 8,
+            "num_layers": 2,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "intermediate_size": 16,
+            "vocab_size": 32,
+            "tie_word_embeddings": False,
+        },
+    }
+)
+
+
+def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int = 0, **par):
+    degrees = {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0, "sequence_parallel": False} | par
+    module = OmegaConf.create(
+        {
+            "parallel": degrees,
+            "seq_len": seq,
+            "activation_checkpointing": ac,
+            "loss_chunk_tokens": chunk,
+            "freeze": False,
+            "mixed_precision": "fp32",
+        }
+    )
+    return module_shape(name, model=MODEL, module=module, micro_batch=mb, image_patches=seq)
+
+
+# LLM parameters: layer = q (64+8) + k,v 2*(32+4) + o 64 + MLP 3*128 = 592 sharded, 2 norms 16;
+# 2 layers + embed/lm_head 2*32*8 = 512 -> 1696 sharded + 40 replicated (final norm 8) = 1736.
+P_LLM = 1736
+
+
+def test_model_states_bytes() -> None:
+    t = module_terms(_shape("llm"), micro_batches=1, device="cpu")
+    assert (t.params, t.grads, t.optimizer) == (4 * P_LLM, 4 * P_LLM, 8 * P_LLM)
+    tp2 = module_terms(_shape("llm", tp=2), micro_batches=1, device="cpu")
+    assert tp2.params == 4 * (1696 // 2 + 40)
+    z1 = module_terms(_shape("llm", dp=2, zero=1), micro_batches=1, device="cpu")
+    assert z1.optimizer == 8 * P_LLM // 2
+
+
+def test_saved_activations_per_ac_mode() -> None:
+    # per token and layer: 4h + (4h + 3kv) + 4m = 32 + 44 + 64 = 140 elements; 4 tokens, 2 layers
+    off = module_terms(_shape("llm"), micro_batches=1, device="cpu").saved
+    assert off["layers"] == 4 * 2 * 140 * 4
+    assert off["final_norm"] == 4 * 2 * 8 * 4
+    full = module_terms(_shape("llm", ac="full"), micro_batches=1, device="cpu")
+    assert full.saved["layers"] == 4 * 2 * 8 * 4  # each block's input
+    assert full.bwd_work["recompute_block"] == 4 * 140 * 4
+    # selective: 2h + (2h + 2kv) + 2m = 16 + 24 + 32 = 72
+    assert (
+        module_terms(_shape("llm", ac="selective"), micro_batches=1, device="cpu").saved["layers"]
+        == 4 * 2 * 72 * 4
+    )
+    # every_n:2 on 2 layers: block 0 checkpointed (input h), block 1 keeps 140
+    assert (
+        module_terms(_shape("llm", ac="every_n:2"), micro_batches=1, device="cpu").saved["layers"]
+        == 4 * (8 + 140) * 4
+    )
+
+
+def test_sequence_parallel_cuts_the_norm_terms_by_tp() -> None:
+    # tp=2: 4h/s + (4h+3kv)/2 + 4m/2; s=1 -> 32+22+32 = 86, s=2 -> 16+22+32 = 70
+    plain = module_terms(_shape("llm", tp=2), micro_batches=1, device="cpu")
+    sp = module_terms(_shape("llm", tp=2, sequence_parallel=True), micro_batches=1, device="cpu")
+    assert plain.saved["layers"] == 4 * 2 * 86 * 4 and sp.saved["layers"] == 4 * 2 * 70 * 4
+    assert sp.saved["final_norm"] == plain.saved["final_norm"] // 2
+    assert sp.handoff == plain.handoff // 2  # each TP rank receives its sequence shard
+
+
+def test_loss_unchunked_and_chunked() -> None:
+    assert default_loss_chunk(32, 1, 4) == 4  # never longer than the micro-batch
+    assert default_loss_chunk(152064, 8, 10**6) == 2048  # 2048 * 19008 * 4 B <= 256 MiB
+    whole = module_terms(_shape("llm"), micro_batches=1, device="cpu")
+    assert whole.saved["logits_loss"] == 4 * 32 * (4 + 4)  # logits + fp32 log-softmax, saved
+    assert whole.bwd_work["loss_grad"] == 4 * 32 * 4
+    chunked = module_terms(_shape("llm", chunk=2), micro_batches=1, device="cpu")
+    assert chunked.saved["logits_loss"] == 0
+    assert chunked.fwd_work["loss_chunk"] == 2 * 32 * (4 + 4)
+    assert chunked.bwd_work["loss_chunk"] == 2 * 32 * (4 + 8)
+
+
+def test_buffers_grad_norm_optimizer_fsdp() -> None:
+    t = module_terms(_shape("llm", dp=2), micro_batches=1, device="cpu")
+    assert t.sync == 4 * P_LLM  # the flat all-reduce copy of every grad
+    assert t.norm == 2 * 8 * 256  # fp64 square of the largest param (lm_head 32x8) and its sum
+    assert t.optim == 256 * 4  # CPU AdamW, one param at a time: one state-sized temp of 256
+    assert module_terms(_shape("llm"), micro_batches=1, device="cuda").optim == P_LLM * 4  # foreach
+    f = module_terms(_shape("llm", fsdp=2), micro_batches=1, device="cpu")
+    # 2 gathered blocks (608 each) + the root unit (1736 - 2*608 = 520), fp32 (fp32 policy)
+    assert f.fwd_work["fsdp_gather"] == (2 * 608 + 520) * 4
+    assert f.bwd_work["fsdp_reduce_scatter"] == 608 * 4
+
+
+def test_phases_grads_only_after_backward_and_two_encoder_micro_batches() -> None:
+    one = module_terms(_shape("llm"), micro_batches=1, device="cpu")
+    assert "grads" not in one.live("llm_fwd") and one.live("llm_bwd")["grads"] == 4 * P_LLM
+    assert module_terms(_shape("llm"), micro_batches=2, device="cpu").live("llm_fwd")["grads"] == 4 * P_LLM
+    vis = module_terms(_shape("vision", seq=16), micro_batches=2, device="cpu")
+    assert vis.live("llm_bwd")["activations"] == 2 * vis.saved_total
+    assert "activations" not in vis.live("optimizer")
+    line = gpu_timeline([vis, one])
+    for phase in PHASES:
+        assert line.by_phase[phase] == sum(vis.live(phase).values()) + sum(one.live(phase).values())
+    assert line.peak == max(line.by_phase.values())
+    assert reserve_bytes(80 << 30, processes=2) == 2 * (1 << 30) + int(0.05 * (80 << 30))
+
+
+def test_flops_formulas() -> None:
+    s = _shape("llm", ac="full")
+    fl = module_flops(s, 4)
+    n = 2 * (2 * 64 + 2 * 8 * 4 + 3 * 8 * 16) + 8 * 32  # blocks + lm_head = 1408
+    assert fl.matmul_fwd == 2 * 4 * n
+    assert fl.attn_fwd == 4 * 4 * (4 / 2) * 8 * 2  # causal: span S/2, 2 layers
+    assert fl.recompute_matmul == 2 * 4 * (n - 8 * 32)  # full AC recomputes the blocks, not lm_head
+    assert fl.bwd == 2 * fl.matmul_fwd + 2.5 * fl.attn_fwd + fl.recompute_matmul + fl.recompute_attn
+    v = module_flops(_shape("vision", seq=16), 16)
+    # vision: 1 full block (span 16) + 1 window block (span 4): 4 * 16 * span * 8 each
+    assert v.attn_fwd == 4 * 16 * 16 * 8 + 4 * 16 * 4 * 8
+    assert module_flops(_shape("vision", seq=16, sp=2), 8).attn_fwd == v.attn_fwd / 2
+
+
+def test_comm_formulas() -> None:
+    bw, lat = 1e9, 1e-5
+    assert all_reduce_s(1e6, 4, bw, lat) == pytest.approx(2 * 3 / 4 * 1e6 / bw + 2 * 3 * lat)
+    assert all_gather_s(1e6, 4, bw, lat) == pytest.approx(3 / 4 * 1e6 / bw + 3 * lat)
+    assert all_to_all_s(1e6, 4, bw, lat) == pytest.approx(3 / 4 * 1e6 / bw + 3 * lat)
+    link = Link(intra=bw, inter=bw / 10, lat=lat, gpn=4)
+    tp = module_comm(_shape("llm", tp=2), 4, link)
+    one_ar = all_reduce_s(4 * 8 * 4, 2, bw, lat)
+    assert tp["fwd"] == pytest.approx(2 * 2 * one_ar) and tp["bwd"] == pytest.approx(2 * 2 * one_ar)
+    sp = module_comm(_shape("vision", seq=16, sp=2), 8, link)
+    assert sp["fwd"] == pytest.approx(
+        4 * 1 * all_to_all_s(8 * 8 * 4, 2, bw, lat)
+    )  # q, k, v, out; 1 full block
+    s = _shape("llm", dp=2)
+    assert grad_sync_s(s, link, world=2) == pytest.approx(all_reduce_s(4 * P_LLM, 2, bw, lat))
+    hbm = OmegaConf.create({"hbm_gbps": 1.0, "memory_efficiency": 1.0})
+    # AdamW reads p, g, m, v and writes p, m, v; the norm reads and the clip reads + writes the grads
+    assert optimizer_s(_shape("llm"), hbm) == pytest.approx(P_LLM * (2 * 4 + 4 + 2 * 8 + 3 * 4) / 1e9)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adamw_states_bytes_equal_the_planners(dtype: str) -> None:
+    """torch's AdamW (what build_optimizer returns without ZeRO-1) allocates what precision() says."""
+    import torch
+
+    from dhp.plan.memory import precision
+
+    p = torch.nn.Parameter(torch.zeros(64, 8, dtype=getattr(torch, dtype)))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    state = [t for t in opt.state[p].values() if t.dim() > 0]
+    want = precision(dtype, "bf16", fsdp=1)
+    assert sum(t.numel() * t.element_size() for t in state) == want.optimizer * p.numel()
+    assert p.grad.element_size() == want.grad and p.element_size() == want.param
