@@ -29,6 +29,11 @@ import torch
 from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
 from dhp.data import StepData
 from dhp.errors import RuntimeFailure
+
+
+class NonFiniteStep(RuntimeFailure):
+    """A non-finite loss or grad norm: deterministic, so restarting from a checkpoint would repeat it."""
+
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
@@ -169,7 +174,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(norm)):
             for g in self.groups.values():
                 g.call("zero_grads")
-            raise RuntimeFailure(
+            raise NonFiniteStep(
                 f"step {data.step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} "
                 f"(loss={loss}, grad_norm={norm}); the update was not applied. Samples: "
                 f"{[sid for mb in data.micro_batches for b in mb for sid in b.sample_ids]}. Fix: lower "
@@ -363,7 +368,8 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
     cpus = max(1, math.ceil(need.get("CPU", 1.0) - 1e-9))
     gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
     kwargs = {"num_gpus": gpus} if gpus else {}
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    # address="local": always a new instance of our own, never a `ray start` head found on this machine
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
     return True
 
 
