@@ -182,8 +182,11 @@ def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: C
     """One ``{"event": "restart", ...}`` line in metrics.jsonl and a console line."""
     import json
 
+    from dhp.checkpoint import read_meta
+
     rec = {
         "event": "restart",
+        "step": read_meta(resume).step if resume else 0,  # the step training continues after
         "restart": restarts,
         "time": time.time(),
         "reason": str(failure).splitlines()[0],
