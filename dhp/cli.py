@@ -12,6 +12,7 @@ To add a command: a thin function decorated with ``@app.command()`` (or on a sub
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import typer
@@ -275,6 +276,15 @@ def main() -> None:
     except DhpError as err:
         print_error(err)
         sys.exit(1 if isinstance(err, RuntimeFailure) else 2)
+    except Exception as err:  # a bug of dhp's own: one line, the traceback only when asked for
+        if os.environ.get("DHP_DEBUG"):
+            raise
+        err_console.print(
+            f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
+            "This is a bug in dhp. Run again with DHP_DEBUG=1 for the traceback and report it.",
+            markup=False,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -220,9 +220,9 @@ class ActorGroup:
                 return owner[r], e
             except ray.exceptions.RayError:
                 pass
-        for r in sorted(owner, key=lambda x: owner[x]):  # a dead actor whose call never returned
-            if owner[r] < len(self.actors) and r in pending and not self._answers(owner[r]):
-                return owner[r], ray.exceptions.ActorDiedError()
+        for r in range(len(self.actors)):  # a dead actor whose result was not asked for here
+            if r != rank and not self._answers(r):
+                return r, ray.exceptions.ActorDiedError()
         return rank, err
 
     def _answers(self, rank: int) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from dhp.config.schema import RunConfig
 from dhp.errors import RuntimeFailure
@@ -60,10 +61,10 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     console = console or Console()
     t = config.train
     for p in remove_stale_temps(t.output_dir, name=config.name):
-        console.print(f"removed a stale temp checkpoint dir left by a crashed save: {p}")
+        console.print(f"removed a stale temp checkpoint dir left by a crashed save: {escape(str(p))}")
 
     def skipped(path: Path, problems: list[str]) -> None:
-        console.print(f"[yellow]resume=auto: skipped {path}[/]: " + "; ".join(problems))
+        console.print(f"[yellow]resume=auto: skipped {escape(str(path))}[/]: " + escape("; ".join(problems)))
 
     plan = _compile(config)
     resume = resolve_resume(t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped)
@@ -195,7 +196,7 @@ def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: C
     with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
     where = f"from {resume}" if resume else "from step 0 (no checkpoint yet)"
-    console.print(f"[yellow]restart {restarts}[/] after: {rec['reason']}; resuming {where}")
+    console.print(f"[yellow]restart {restarts}[/] after: {escape(rec['reason'])}; resuming {escape(where)}")
 
 
 def _attempt(config, plan, resume, checked, *, result: RunResult, console: Console, sig: _Signals) -> None:
