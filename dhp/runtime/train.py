@@ -122,6 +122,12 @@ class _Signals:
             raise KeyboardInterrupt
         raise _HardStop
 
+    def reinstall(self) -> None:
+        """Take SIGTERM back after ``ray.init`` (Ray's core worker installs a crash handler for it
+        that aborts the driver with exit 134)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.handler)
+
 
 @contextlib.contextmanager
 def _signals(result: RunResult):
@@ -218,6 +224,7 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
     try:
         ready = 60.0 if result.restarts == 0 else t.restart_wait_s
         trainer = Trainer(config, plan, ready_timeout_s=ready)
+        sig.reinstall()
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
         loop = _Loop(
             config=config,
