@@ -76,7 +76,8 @@ def train_args(out: Path, name: str, *extra: str, steps: int = STEPS) -> list[st
 def clean(text: str) -> None:
     """The user-facing contract every drill shares: no traceback, no colour codes when piped."""
     expect(TRACEBACK not in text, "a Python traceback reached the user", text)
-    expect("\x1b[" not in text, "ANSI colour codes in non-TTY output", text)
+    i = text.find("\x1b[")
+    expect(i < 0, f"ANSI colour codes in non-TTY output: {text[max(0, i - 200) : i + 80]!r}")
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -343,6 +343,9 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
 
     if ray.is_initialized():
         return False
+    # dhp reports a failed rank itself (module, rank, reason); Ray would also print the coloured
+    # traceback of every failed result nobody fetched once a step is abandoned
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         source = "cluster.ray_address" if cluster.ray_address else "$RAY_ADDRESS"
