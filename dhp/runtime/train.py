@@ -334,7 +334,7 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
         trainer.save_modules(str(tmp))
     except BaseException as e:  # a failed or interrupted save leaves no temp dir behind
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and "[Errno" in str(e)):
+        if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and _is_io_failure(str(e))):
             raise _save_failed(run_dir, step, e) from e
         raise
     meta = CheckpointMeta(
@@ -354,6 +354,11 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
         if isinstance(e, OSError):
             raise _save_failed(run_dir, step, e) from e
         raise
+
+
+def _is_io_failure(text: str) -> bool:
+    """A rank's save failed on the filesystem (DCP wraps the OSError in a CheckpointException)."""
+    return "[Errno" in text or "CheckpointException" in text or "No space left" in text
 
 
 class SaveFailed(RuntimeFailure):
