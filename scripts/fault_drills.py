@@ -429,7 +429,7 @@ def drill_foreign_local_ray_head(ctx: Ctx) -> str:
     )
     try:
         time.sleep(15)
-        rc, text = run(*train_args(ctx.work / "foreign", "f", steps=1))
+        rc, text = run(*train_args(ctx.work / "foreign", "f", "train.warmup_steps=0", steps=1))
         clean(text)
         expect(rc == 0, f"rc={rc}: the run did not start its own local Ray", text)
         return "a `ray start` head on this machine is not joined without an address; the run trains"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,6 +347,8 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
     # dhp reports a failed rank itself (module, rank, reason); Ray would also print the coloured
     # traceback of every failed result nobody fetched once a step is abandoned
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    if not sys.stderr.isatty():  # Ray's "(raylet) ..." lines: colour codes only on a terminal
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         source = "cluster.ray_address" if cluster.ray_address else "$RAY_ADDRESS"
