@@ -199,7 +199,9 @@ app.add_typer(ckpt_app, name="checkpoint")
 
 
 @ckpt_app.command("verify")
-def checkpoint_verify(path: str = typer.Argument(..., help="A step_XXXXXX dir, a run dir or its checkpoints/.")) -> None:
+def checkpoint_verify(
+    path: str = typer.Argument(..., help="A step_XXXXXX dir, a run dir or its checkpoints/."),
+) -> None:
     """Check every file of a checkpoint against its manifest checksums; exit 1 when one fails."""
     from dhp.checkpoint.manifest import verify_many
 

@@ -133,7 +133,9 @@ def _wait_steps(proc: subprocess.Popen, out: Path, name: str, n: int, timeout: f
         if rows and sum(1 for x in rows[0].read_text().splitlines() if '"loss"' in x) >= n:
             return
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise Drill(f"the run ended or stalled before step {n}: {proc.stdout.read()[-600:] if proc.stdout else ''}")
+            raise Drill(
+                f"the run ended or stalled before step {n}: {proc.stdout.read()[-600:] if proc.stdout else ''}"
+            )
         time.sleep(0.2)
 
 
@@ -212,7 +214,11 @@ def drill_actor_kill_without_restarts(ctx: Ctx) -> str:
     text = _finish(proc)
     clean(text)
     expect(proc.returncode == 1, f"rc={proc.returncode}, expected 1 (runtime)", text)
-    expect("module '" in text and "rank" in text and "died" in text, "the failure does not name module/rank", text)
+    expect(
+        "module '" in text and "rank" in text and "died" in text,
+        "the failure does not name module/rank",
+        text,
+    )
     expect("step_0000" in text, "the failure does not name the last good checkpoint", text)
     return "exit 1 naming the dead module/rank and the last good checkpoint"
 
@@ -301,7 +307,9 @@ def drill_stale_temp_removed(ctx: Ctx) -> str:
     return "a crashed save's temp dir is removed at start, with a message"
 
 
-def _signal_run(ctx: Ctx, tag: str, sigs: list[int], gap: float) -> tuple[subprocess.Popen, str, Path, list[int]]:
+def _signal_run(
+    ctx: Ctx, tag: str, sigs: list[int], gap: float
+) -> tuple[subprocess.Popen, str, Path, list[int]]:
     out = ctx.work / tag
     proc = _popen_train(out, "s", steps=200)
     _wait_steps(proc, out, "s", EVERY + 1)
@@ -354,21 +362,31 @@ def drill_unwritable_output_dir(ctx: Ctx) -> str:
     f.write_text("not a dir")
     rc, text = run(*train_args(f / "sub", "u"))
     clean(text)
-    expect(rc == 2 and "train.output_dir" in text, f"rc={rc}, expected a ConfigError naming train.output_dir", text)
+    expect(
+        rc == 2 and "train.output_dir" in text,
+        f"rc={rc}, expected a ConfigError naming train.output_dir",
+        text,
+    )
     return "output_dir under a file: ConfigError naming train.output_dir, exit 2"
 
 
 def drill_enospc_at_save(ctx: Ctx) -> str:
     mnt = ctx.work / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         raise Drill(f"could not mount a small tmpfs to fill ({r.stderr.strip()}); drill not run")
     try:
         rc, text = run(*train_args(mnt, "full", "train.keep_last=5", steps=12))
         clean(text)
         expect(rc == 1, f"rc={rc}, expected 1", text)
-        expect("previouscheckpointiskept" in "".join(text.split()), "the message does not name the kept checkpoint", text)
+        expect(
+            "previouscheckpointiskept" in "".join(text.split()),
+            "the message does not name the kept checkpoint",
+            text,
+        )
         expect(not no_tmp(mnt), f"temp dirs left: {no_tmp(mnt)}")
         (run_dir,) = (mnt / "full").iterdir()
         ok = [p for p in (run_dir / "checkpoints").iterdir() if (p / "meta.json").is_file()]
@@ -392,7 +410,11 @@ def drill_same_second_run_dirs(ctx: Ctx) -> str:
 def _config_refused(*override: str, key: str) -> str:
     rc, text = run("plan", "conf=tiny_vlm", "--dry-run", *override)
     clean(text)
-    expect(rc == 2 and "ConfigError" in text and key in text, f"{override}: rc={rc}, expected ConfigError on {key}", text)
+    expect(
+        rc == 2 and "ConfigError" in text and key in text,
+        f"{override}: rc={rc}, expected ConfigError on {key}",
+        text,
+    )
     return f"{' '.join(override)} refused naming {key}"
 
 
@@ -489,8 +511,13 @@ def main() -> int:
             detail, passed = str(e), False
         except Exception as e:  # a drill's own bug is a failed drill, not a crashed battery
             detail, passed = f"{type(e).__name__}: {e}", False
-        results.append({"name": name, "passed": passed, "detail": detail, "seconds": round(time.monotonic() - t0, 1)})
-        print(f"{'PASS' if passed else 'FAIL'}  {name:30s} {results[-1]['seconds']:6.1f}s  {detail[:160]}", flush=True)
+        results.append(
+            {"name": name, "passed": passed, "detail": detail, "seconds": round(time.monotonic() - t0, 1)}
+        )
+        print(
+            f"{'PASS' if passed else 'FAIL'}  {name:30s} {results[-1]['seconds']:6.1f}s  {detail[:160]}",
+            flush=True,
+        )
     Path(args.out).write_text(json.dumps({"drills": results}, indent=1))
     width = max(len(r["name"]) for r in results)
     print("\n" + "drill".ljust(width) + "  result")

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from pathlib import Path
-
 from collections.abc import Callable
+from pathlib import Path
 
 from dhp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dhp.checkpoint.meta import META_FILE, CheckpointMeta, write_meta
@@ -124,8 +123,11 @@ def remove_stale_temps(output_dir: str | Path, *, name: str) -> list[Path]:
     for ckdir in sorted(root.glob("*/checkpoints")):
         for p in sorted(ckdir.iterdir()):
             m = _ANY_TMP_RE.match(p.name)
-            if m and p.is_dir() and (int(m.group(2)) != os.getpid() or m.group(3)) and not (
-                int(m.group(2)) != os.getpid() and _pid_alive(int(m.group(2)))
+            if (
+                m
+                and p.is_dir()
+                and (int(m.group(2)) != os.getpid() or m.group(3))
+                and not (int(m.group(2)) != os.getpid() and _pid_alive(int(m.group(2))))
             ):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)

@@ -92,7 +92,9 @@ def verify_checkpoint(ckpt_dir: Path) -> list[str]:
             problems.append(f"{rel}: {size} bytes, {rec['size']} when saved (truncated or overwritten)")
         elif file_digest(p) != rec["digest"]:
             problems.append(f"{rel}: checksum mismatch (the content changed after the save)")
-    extra = [str(p.relative_to(ckpt_dir)) for p in _files(ckpt_dir) if str(p.relative_to(ckpt_dir)) not in listed]
+    extra = [
+        str(p.relative_to(ckpt_dir)) for p in _files(ckpt_dir) if str(p.relative_to(ckpt_dir)) not in listed
+    ]
     if extra:
         problems.append(f"files not in the manifest: {extra[:5]}")
     return problems
@@ -110,13 +112,19 @@ def verify_many(path: str | Path, *, console) -> bool:
         found = [path]
     else:
         found = sorted(
-            p for p in path.rglob("step_*") if p.is_dir() and ".tmp-" not in p.name and p.parent.name == "checkpoints"
+            p
+            for p in path.rglob("step_*")
+            if p.is_dir() and ".tmp-" not in p.name and p.parent.name == "checkpoints"
         )
     if not found:
-        raise CheckpointError(f"{path} holds no step_XXXXXX checkpoint. Fix: pass a checkpoint or a run directory.")
+        raise CheckpointError(
+            f"{path} holds no step_XXXXXX checkpoint. Fix: pass a checkpoint or a run directory."
+        )
     ok = True
     for p in found:
         problems = verify_checkpoint(p)
         ok &= not problems
-        console.print(f"{'OK  ' if not problems else 'FAIL'} {p}" + "".join(f"\n     - {x}" for x in problems))
+        console.print(
+            f"{'OK  ' if not problems else 'FAIL'} {p}" + "".join(f"\n     - {x}" for x in problems)
+        )
     return ok

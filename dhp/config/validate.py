@@ -20,8 +20,8 @@ from dhp.config.constants import (
     REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
-from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_guards import validate_guards
+from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.errors import ConfigError, ConfigIssue
 

@@ -20,7 +20,7 @@ _TRAIN_NON_NEGATIVE = ("max_restarts", "restart_backoff_s")
 
 def _walk(node: Any, prefix: str):
     if isinstance(node, DictConfig):
-        for k in node.keys():
+        for k in node:
             if OmegaConf.is_missing(node, k):
                 continue
             yield from _walk(node[k], f"{prefix}.{k}" if prefix else str(k))
@@ -76,7 +76,7 @@ def validate_guards(cfg: DictConfig, issues: Issues) -> None:
 
 def validate_model_type(model: DictConfig, raw: dict, issues: Issues) -> None:
     """``model.path``'s config.json ``model_type`` must be the configured family's."""
-    mt = raw["model_type"] if "model_type" in raw else None
+    mt = raw.get("model_type")  # a JSON dict read from disk, not the run config
     issues.check(
         mt is None or mt == model.family,
         "model.path",

@@ -30,16 +30,15 @@ import torch
 from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
 from dhp.data import StepData
 from dhp.errors import RuntimeFailure
-
-
-class NonFiniteStep(RuntimeFailure):
-    """A non-finite loss or grad norm: deterministic, so restarting from a checkpoint would repeat it."""
-
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch, unit_senders
 from dhp.runtime.worker import ModuleWorker
+
+
+class NonFiniteStep(RuntimeFailure):
+    """A non-finite loss or grad norm: deterministic, so restarting from a checkpoint would repeat it."""
 
 
 @dataclass

@@ -10,11 +10,11 @@ RuntimeFailure naming module, rank and the last good checkpoint; Ctrl-C saves a 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +246,13 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
             step = None if loop is None else loop.settle_interrupted_step()
             if t.save_on_interrupt and step is not None and step > 0:
                 result.last_checkpoint = _save(
-                    trainer, config=config, plan=plan, step=step, loader=loader, schedule=schedule, run_dir=run_dir
+                    trainer,
+                    config=config,
+                    plan=plan,
+                    step=step,
+                    loader=loader,
+                    schedule=schedule,
+                    run_dir=run_dir,
                 )
                 console.print(f"interrupted after step {step}: saved {result.last_checkpoint}")
             else:
@@ -271,7 +277,11 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
             if last
             else "no checkpoint was written yet"
         )
-        tried = f" (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})" if restartable else ""
+        tried = (
+            f" (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
+            if restartable
+            else ""
+        )
         raise RuntimeFailure(f"{e}{tried}\n  {hint}") from e
     finally:
         if trainer is not None:

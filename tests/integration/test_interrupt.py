@@ -72,7 +72,15 @@ def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
 def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     """SIGTERM (what Slurm and Kubernetes send before SIGKILL) is the first Ctrl-C: a checkpoint at
     the step boundary, a clean shutdown, exit status 128 + 15, no temp dir left."""
-    cmd = [sys.executable, "-m", "dhp.cli", "train", "conf=tiny_vlm", "name=term", f"train.output_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.cli",
+        "train",
+        "conf=tiny_vlm",
+        "name=term",
+        f"train.output_dir={tmp_path}",
+    ]
     cmd += ["train.steps=200", "train.checkpoint_every=0", "placement=disaggregated", "modules.llm.gpus=1"]
     cmd += ["modules.llm.parallel.tp=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

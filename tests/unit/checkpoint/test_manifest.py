@@ -77,7 +77,7 @@ def test_damage_is_detected_and_auto_resume_falls_back_naming_it(run, damage, sa
     got = resolve_resume("auto", output_dir=runs, name="t", on_skip=lambda p, why: skipped.append((p, why)))
     assert got == older  # the previous checkpoint, not a silent start from scratch
     assert skipped == [(newest, problems)]
-    with pytest.raises(CheckpointError, match="fails verification|not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"fails verification|not a complete checkpoint"):
         resolve_resume(str(newest), output_dir=runs, name="t")
 
 

@@ -5,6 +5,7 @@ schedule (the next lr), and the driver RNG. The module groups' own load is the T
 
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
@@ -41,7 +42,9 @@ def test_resume_restores_data_position_lr_schedule_and_driver_rng(tmp_path) -> N
     t = cfg.train
 
     def schedule() -> WarmupCosine:
-        return WarmupCosine(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio)
+        return WarmupCosine(
+            lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
+        )
 
     loader, sched = build_run_loader(cfg), schedule()
     for _ in range(3):
@@ -66,9 +69,8 @@ def test_resume_restores_data_position_lr_schedule_and_driver_rng(tmp_path) -> N
     fresh_loader, fresh_sched, groups = build_run_loader(cfg), schedule(), _Groups()
     torch.manual_seed(999)
     random.seed(999)
-    start = _resume(
-        groups, tmp_path, (meta, []), loader=fresh_loader, schedule=fresh_sched, console=Console(file=open("/dev/null", "w"))
-    )
+    quiet = Console(file=io.StringIO())
+    start = _resume(groups, tmp_path, (meta, []), loader=fresh_loader, schedule=fresh_sched, console=quiet)
     assert start == 3 and groups.loaded == [str(tmp_path)]
     assert _ids(next(fresh_loader)) == want_batch
     assert fresh_sched.next_lr() == want_lr
