@@ -12,6 +12,7 @@ To add a command: a thin function decorated with ``@app.command()`` (or on a sub
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import typer
@@ -177,7 +178,9 @@ def train(ctx: typer.Context) -> None:
 
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     result = run_training(load_config(conf, overrides, smoke=smoke), console=console)
-    raise typer.Exit(130 if result.interrupted else 0)
+    if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
+        raise typer.Exit(128 + (result.signal or 2))
+    raise typer.Exit(0)
 
 
 @app.command(context_settings=HYDRA_ARGS)
@@ -230,6 +233,21 @@ def export(
 
     ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None)
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
+
+
+ckpt_app = typer.Typer(help="Inspect checkpoints.", no_args_is_help=True)
+app.add_typer(ckpt_app, name="checkpoint")
+
+
+@ckpt_app.command("verify")
+def checkpoint_verify(
+    path: str = typer.Argument(..., help="A step_XXXXXX dir, a run dir or its checkpoints/."),
+) -> None:
+    """Check every file of a checkpoint against its manifest checksums; exit 1 when one fails."""
+    from dhp.checkpoint.manifest import verify_many
+
+    ok = verify_many(path, console=console)
+    raise typer.Exit(0 if ok else 1)
 
 
 data_app = typer.Typer(help="Inspect the configured datasets without training.", no_args_is_help=True)
@@ -292,12 +310,24 @@ def print_error(err: DhpError) -> None:
 
 
 def main() -> None:
-    """Console entry point: run the app; a DhpError exits with status 2 and a short message."""
+    """Console entry point: run the app; a DhpError prints a short message and exits with status 1
+    for a runtime failure (RuntimeFailure), 2 for config, data, plan and checkpoint errors."""
+    from dhp.errors import RuntimeFailure
+
     try:
         app()
     except DhpError as err:
         print_error(err)
-        sys.exit(2)
+        sys.exit(1 if isinstance(err, RuntimeFailure) else 2)
+    except Exception as err:  # a bug of dhp's own: one line, the traceback only when asked for
+        if os.environ.get("DHP_DEBUG"):
+            raise
+        err_console.print(
+            f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
+            "This is a bug in dhp. Run again with DHP_DEBUG=1 for the traceback and report it.",
+            markup=False,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,16 @@ from dhp.checkpoint.compat import check_resume_compatible, model_arch_hash, modu
 from dhp.checkpoint.export import export_hf
 from dhp.checkpoint.layout import (
     begin_checkpoint,
+    checkpoint_candidates,
     commit_checkpoint,
     find_latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
+    remove_stale_temps,
     resolve_resume,
     step_dir_name,
 )
+from dhp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dhp.checkpoint.meta import CheckpointMeta, ModuleRecord, read_meta, stable_hash, write_meta
 from dhp.checkpoint.module_state import load_module_state, read_module_info, save_module_state
 from dhp.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -26,6 +29,7 @@ __all__ = [
     "begin_checkpoint",
     "capture_rng_state",
     "check_resume_compatible",
+    "checkpoint_candidates",
     "commit_checkpoint",
     "export_hf",
     "find_latest_checkpoint",
@@ -36,10 +40,13 @@ __all__ = [
     "prune_checkpoints",
     "read_meta",
     "read_module_info",
+    "remove_stale_temps",
     "resolve_resume",
     "restore_rng_state",
     "save_module_state",
     "stable_hash",
     "step_dir_name",
+    "verify_checkpoint",
+    "write_manifest",
     "write_meta",
 ]

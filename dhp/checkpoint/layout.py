@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from dhp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dhp.checkpoint.meta import META_FILE, CheckpointMeta, write_meta
 from dhp.errors import CheckpointError
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 _TMP_RE = re.compile(r"^step_(\d{6,})\.tmp-(\d+)$")
+_ANY_TMP_RE = re.compile(r"^step_(\d{6,})\.tmp-(\d+)(-old)?$")
 
 
 def step_dir_name(step: int) -> str:
@@ -95,6 +98,7 @@ def commit_checkpoint(tmp: Path, *, meta: CheckpointMeta, keep_last: int) -> Pat
         raise CheckpointError(
             f"{tmp}: module group(s) {missing} wrote nothing; the checkpoint is not committed."
         )
+    write_manifest(tmp)
     write_meta(tmp, meta)
     final = tmp.parent / step_dir_name(meta.step)
     if final.exists():
@@ -109,6 +113,27 @@ def commit_checkpoint(tmp: Path, *, meta: CheckpointMeta, keep_last: int) -> Pat
     return final
 
 
+def remove_stale_temps(output_dir: str | Path, *, name: str) -> list[Path]:
+    """Delete temp checkpoint dirs (``*.tmp-<pid>``) of writers that are no longer alive, in every
+    run dir of ``name``; returns what was removed so the caller can say so."""
+    removed: list[Path] = []
+    root = Path(output_dir) / name
+    if not root.is_dir():
+        return removed
+    for ckdir in sorted(root.glob("*/checkpoints")):
+        for p in sorted(ckdir.iterdir()):
+            m = _ANY_TMP_RE.match(p.name)
+            if (
+                m
+                and p.is_dir()
+                and (int(m.group(2)) != os.getpid() or m.group(3))
+                and not (int(m.group(2)) != os.getpid() and _pid_alive(int(m.group(2))))
+            ):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -117,25 +142,48 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def find_latest_checkpoint(*, output_dir: str | Path, name: str) -> Path | None:
-    """The newest complete checkpoint of run ``name`` over all its timestamped run dirs, or None.
+def checkpoint_candidates(*, output_dir: str | Path, name: str) -> list[Path]:
+    """Every ``step_XXXXXX`` dir (complete or not) of run ``name``, newest first.
 
-    Highest step wins; among equal steps, the later run directory (timestamps sort by name).
-    Temp dirs (``*.tmp-*``) and dirs without ``meta.json`` are ignored.
+    Highest step first; among equal steps, the later run directory (timestamps sort by name).
+    Temp dirs (``*.tmp-*``) are not candidates.
     """
     root = Path(output_dir) / name
     if not root.is_dir():
-        return None
-    best: tuple[int, str, Path] | None = None
-    for run_dir in root.iterdir():
-        for step, p in list_checkpoints(run_dir / "checkpoints"):
-            key = (step, run_dir.name, p)
-            if best is None or key[:2] > best[:2]:
-                best = key
-    return None if best is None else best[2]
+        return []
+    found = []
+    for ckdir in root.glob("*/checkpoints"):
+        for p in ckdir.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), ckdir.parent.name, p))
+    return [p for *_, p in sorted(found, reverse=True)]
 
 
-def resolve_resume(resume: str | None, *, output_dir: str | Path, name: str) -> Path | None:
+def find_latest_checkpoint(
+    *, output_dir: str | Path, name: str, on_skip: Callable[[Path, list[str]], None] | None = None
+) -> Path | None:
+    """The newest checkpoint of run ``name`` that verifies (meta.json + manifest checksums), or None.
+
+    Each newer one that fails verification is passed to ``on_skip(path, problems)`` (the caller
+    says which one it skipped and why) before the next older one is tried.
+    """
+    for p in checkpoint_candidates(output_dir=output_dir, name=name):
+        problems = verify_checkpoint(p)
+        if not problems:
+            return p
+        if on_skip is not None:
+            on_skip(p, problems)
+    return None
+
+
+def resolve_resume(
+    resume: str | None,
+    *,
+    output_dir: str | Path,
+    name: str,
+    on_skip: Callable[[Path, list[str]], None] | None = None,
+) -> Path | None:
     """Turn ``train.resume`` into a checkpoint dir: None -> None, ``"auto"`` -> newest (or None), else a path.
 
     A path must be a complete checkpoint (``step_XXXXXX`` with ``meta.json``); a run's
@@ -144,7 +192,7 @@ def resolve_resume(resume: str | None, *, output_dir: str | Path, name: str) -> 
     if resume is None:
         return None
     if resume == "auto":
-        return find_latest_checkpoint(output_dir=output_dir, name=name)
+        return find_latest_checkpoint(output_dir=output_dir, name=name, on_skip=on_skip)
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(
@@ -152,13 +200,25 @@ def resolve_resume(resume: str | None, *, output_dir: str | Path, name: str) -> 
             "or train.resume=auto to pick the newest checkpoint of this run name."
         )
     if (path / META_FILE).is_file():
-        return path
+        return _verified(path)
     for candidate in (path, path / "checkpoints"):
         found = list_checkpoints(candidate)
         if found:
-            return found[-1][1]
+            return _verified(found[-1][1])
     raise CheckpointError(
         f"train.resume = {resume!r}: not a complete checkpoint ({META_FILE} missing; an interrupted save "
         "leaves a *.tmp-<pid> dir) and holds no complete step_XXXXXX checkpoint. "
         "Fix: pass a complete checkpoint directory or use train.resume=auto."
     )
+
+
+def _verified(path: Path) -> Path:
+    """``path`` if it verifies, else CheckpointError listing the problems (an explicit path never
+    falls back silently)."""
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} fails verification:\n  - " + "\n  - ".join(problems) + "\n  Fix: resume "
+            "from an older checkpoint, or train.resume=auto to take the newest one that verifies."
+        )
+    return path

@@ -37,13 +37,23 @@ def _omegaconf_issue(err: OmegaConfBaseException, overrides: list[str]) -> Confi
     value = getattr(err, "value", None)
     if value is None:
         value = _override_value(full_key, overrides)
-    if "not in" in msg or "Key '" in msg:
+    head, _, rest = str(full_key).partition(".")
+    if head == "modules" and rest and rest.split(".")[0] not in _module_names():
+        rule = f"unknown module {rest.split('.')[0]!r}; known modules: {', '.join(_module_names())}"
+        fix = "use one of the known module names (modules.vision, modules.llm)"
+    elif "not in" in msg or "Key '" in msg:
         rule = f"unknown key ({msg})"
         fix = "check the spelling against dhp/config/schema.py; unknown keys are errors in struct mode"
     else:
         rule = msg
         fix = "give a value of the type declared in dhp/config/schema.py"
     return ConfigIssue(path=str(full_key), value=value, rule=rule, fix=fix)
+
+
+def _module_names() -> tuple[str, ...]:
+    from dhp.config.constants import MODULE_NAMES
+
+    return tuple(MODULE_NAMES)
 
 
 def _qualify(key: str, overrides: list[str]) -> str:

@@ -202,6 +202,12 @@ class TrainConfig:
     # a driver step (or a group's call) taking longer is a hang -> RuntimeFailure naming the ranks
     step_timeout_s: float = 900.0
     tensorboard: bool = False
+    # automatic restart after a dead actor/node/collective or a step timeout: tear down every group,
+    # reserve the placement again (waiting up to restart_wait_s for capacity), resume the newest
+    # checkpoint that verifies; at most max_restarts times per run, restart_backoff_s apart
+    max_restarts: int = 3
+    restart_backoff_s: float = 5.0
+    restart_wait_s: float = 300.0
 
 
 @dataclass

@@ -20,6 +20,7 @@ from dhp.config.constants import (
     REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
+from dhp.config.validate_guards import validate_guards
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.errors import ConfigError, ConfigIssue
@@ -159,6 +160,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     """Return every issue of ``cfg`` (empty list: valid). Never raises for a bad value."""
     issues = Issues()
     roots = _missing(cfg, issues)
+    validate_guards(cfg, issues)
     if "model" not in roots:
         device = cfg.cluster.device if "cluster" not in roots else "cuda"
         _validate_model(cfg.model, device, issues)

@@ -90,6 +90,9 @@ def validate_model_dir(model: DictConfig, issues: Issues) -> None:
     raw = _read_config_json(Path(model.path).expanduser(), issues)
     if raw is None:
         return
+    from dhp.config.validate_guards import validate_model_type
+
+    validate_model_type(model, raw, issues)
     text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     _compare(model.llm, "model.llm", text, _LLM_KEYS, issues)
     if "tie_word_embeddings" in raw:

@@ -10,6 +10,7 @@ only object refs.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -192,7 +193,8 @@ class ActorGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                raise self._failure(owner[ready[0]], e) from e
+                rank, err = self._blame(owner[ready[0]], e, pending, owner)
+                raise self._failure(rank, err) from err
         values = ray.get(flat)
         out, i = [], 0
         for ref in refs:
@@ -200,6 +202,35 @@ class ActorGroup:
             out.append(values[i : i + n] if isinstance(ref, list) else values[i])
             i += n
         return out
+
+    def _blame(
+        self, rank: int, err: BaseException, pending: list[Any], owner: dict[Any, int], grace_s: float = 3.0
+    ) -> tuple[int, BaseException]:
+        """The rank to blame for a failed call: a rank whose actor died beats a rank whose call
+        failed (a peer's collective breaks *because* a rank died, and often reports first). Waits
+        up to ``grace_s`` for the other ranks' results to tell them apart."""
+        died = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)
+        if isinstance(err, died) or not pending:
+            return rank, err
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for r in sorted(ready, key=lambda x: owner[x]):
+            try:
+                ray.get(r, timeout=0)
+            except died as e:
+                return owner[r], e
+            except ray.exceptions.RayError:
+                pass
+        for r in range(len(self.actors)):  # a dead actor whose result was not asked for here
+            if r != rank and not self._answers(r):
+                return r, ray.exceptions.ActorDiedError()
+        return rank, err
+
+    def _answers(self, rank: int) -> bool:
+        try:
+            ray.get(self.actors[rank].pid.remote(), timeout=2)
+            return True
+        except ray.exceptions.RayError:
+            return False
 
     def _submit_raw(self, method: str, per_rank: list[tuple[tuple, dict]], num_returns: int = 1) -> list[Any]:
         out = []
@@ -293,6 +324,11 @@ def release(pgs: Sequence[Any]) -> None:
         remove_placement_group(pg)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    """The first line of ``e``'s message without terminal colour codes (Ray colours its errors;
+    the console adds its own colours only on a TTY)."""
+    text = _ANSI.sub("", str(e)).strip().splitlines()
     return text[0] if text else type(e).__name__

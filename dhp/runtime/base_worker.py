@@ -33,7 +33,7 @@ class DistWorker:
         """This node's IP and a free TCP port; called on rank 0 to rendezvous the group's world."""
         addr = _node_ip()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
+            s.bind((addr, 0))  # probe on the node IP Ray gives, not every interface
             return addr, s.getsockname()[1]
 
     def init_dist(self, *, master_addr: str, master_port: int, backend: str, timeout_s: float) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,10 @@ from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, s
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch, unit_senders
 from dhp.runtime.worker import ModuleWorker
+
+
+class NonFiniteStep(RuntimeFailure):
+    """A non-finite loss or grad norm: deterministic, so restarting from a checkpoint would repeat it."""
 
 
 @dataclass
@@ -169,7 +174,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(norm)):
             for g in self.groups.values():
                 g.call("zero_grads")
-            raise RuntimeFailure(
+            raise NonFiniteStep(
                 f"step {data.step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} "
                 f"(loss={loss}, grad_norm={norm}); the update was not applied. Samples: "
                 f"{[sid for mb in data.micro_batches for b in mb for sid in b.sample_ids]}. Fix: lower "
@@ -338,6 +343,11 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
 
     if ray.is_initialized():
         return False
+    # dhp reports a failed rank itself (module, rank, reason); Ray would also print the coloured
+    # traceback of every failed result nobody fetched once a step is abandoned
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    if not sys.stderr.isatty():  # Ray's "(raylet) ..." lines: colour codes only on a terminal
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         source = "cluster.ray_address" if cluster.ray_address else "$RAY_ADDRESS"
@@ -363,7 +373,8 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
     cpus = max(1, math.ceil(need.get("CPU", 1.0) - 1e-9))
     gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
     kwargs = {"num_gpus": gpus} if gpus else {}
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    # address="local": always a new instance of our own, never a `ray start` head found on this machine
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
     return True
 
 

@@ -9,6 +9,10 @@ RuntimeFailure naming module, rank and the last good checkpoint; Ctrl-C saves a 
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from dhp.config.schema import RunConfig
 from dhp.errors import RuntimeFailure
@@ -30,6 +35,8 @@ class RunResult:
     losses: dict[int, float] = field(default_factory=dict)
     last_checkpoint: Path | None = None
     interrupted: bool = False
+    signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM), if any
+    restarts: int = 0
 
 
 def make_run_dir(*, output_dir: str, name: str) -> Path:
@@ -43,31 +50,181 @@ def make_run_dir(*, output_dir: str, name: str) -> Path:
 
 
 def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
-    """Train ``config`` to ``train.steps`` (resuming per ``train.resume``); returns the RunResult."""
-    from dhp.checkpoint import resolve_resume
-    from dhp.data import build_run_loader
-    from dhp.plan import compile_plan
-    from dhp.runtime.driver import Trainer
-    from dhp.runtime.progress import TrainProgress
+    """Train ``config`` to ``train.steps`` (resuming per ``train.resume``); returns the RunResult.
+
+    A dead actor, node or collective, or a step timeout, restarts the whole run from the newest
+    checkpoint of this run dir that verifies (at most ``train.max_restarts`` times). SIGTERM is the
+    first Ctrl-C: checkpoint at the step boundary, ``result.signal`` set (the CLI exits 128+signal).
+    """
+    from dhp.checkpoint import remove_stale_temps, resolve_resume
 
     console = console or Console()
     t = config.train
-    plan = compile_plan(config)
-    resume = resolve_resume(t.resume, output_dir=t.output_dir, name=config.name)
+    for p in remove_stale_temps(t.output_dir, name=config.name):
+        console.print(f"removed a stale temp checkpoint dir left by a crashed save: {escape(str(p))}")
+
+    def skipped(path: Path, problems: list[str]) -> None:
+        console.print(f"[yellow]resume=auto: skipped {escape(str(path))}[/]: " + escape("; ".join(problems)))
+
+    plan = _compile(config)
+    resume = resolve_resume(t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped)
     checked = _check_resume(resume, config=config, plan=plan)  # refuse before any actor or run dir
-    run_dir = make_run_dir(output_dir=t.output_dir, name=config.name)
+    run_dir = _make_run_dir_or_fail(config)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
+    result = RunResult(run_dir=run_dir, last_checkpoint=resume)
+    console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
+    from dhp.checkpoint import capture_rng_state
+
+    initial_rng = capture_rng_state()
+    restarts = 0
+    with _signals(result) as sig:
+        while True:
+            try:
+                _attempt(config, plan, resume, checked, result=result, console=console, sig=sig)
+                return result
+            except _Restart as r:
+                restarts += 1
+                resume = _restart_point(run_dir, console=console, skipped=skipped)
+                checked = _check_resume(resume, config=config, plan=plan)
+                if resume is None:
+                    from dhp.checkpoint import restore_rng_state
+
+                    restore_rng_state(initial_rng)
+                _record_restart(run_dir, restarts=restarts, failure=r.failure, resume=resume, console=console)
+                time.sleep(t.restart_backoff_s)
+
+
+class _Restart(Exception):
+    """Internal: the attempt failed with a restartable failure and restarts are left."""
+
+    def __init__(self, failure: RuntimeFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+class _HardStop(BaseException):
+    """A second Ctrl-C or SIGTERM: stop at once, no checkpoint."""
+
+
+class _Signals:
+    """SIGINT/SIGTERM state: the first one raises KeyboardInterrupt (Ctrl-C semantics), later ones
+    raise _HardStop."""
+
+    def __init__(self, result: RunResult) -> None:
+        self.result, self.count = result, 0
+
+    def handler(self, signum: int, frame) -> None:
+        self.count += 1
+        if self.result.signal is None:
+            self.result.signal = signum
+        if self.count == 1:
+            raise KeyboardInterrupt
+        raise _HardStop
+
+    def reinstall(self) -> None:
+        """Take SIGTERM back after ``ray.init`` (Ray's core worker installs a crash handler for it
+        that aborts the driver with exit 134)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.handler)
+
+
+@contextlib.contextmanager
+def _signals(result: RunResult):
+    """Install the SIGINT/SIGTERM handlers for the run (main thread only); restore them after."""
+    sig = _Signals(result)
+    if threading.current_thread() is not threading.main_thread():
+        yield sig
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, sig.handler)
+    if old[signal.SIGINT] is not signal.SIG_IGN:  # a background job keeps ignoring Ctrl-C
+        signal.signal(signal.SIGINT, sig.handler)
+    try:
+        yield sig
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _compile(config: RunConfig):
+    from dhp.plan import compile_plan
+
+    return compile_plan(config)
+
+
+def _make_run_dir_or_fail(config: RunConfig) -> Path:
+    from dhp.errors import ConfigError, ConfigIssue
+
+    try:
+        return make_run_dir(output_dir=config.train.output_dir, name=config.name)
+    except OSError as e:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    path="train.output_dir",
+                    value=config.train.output_dir,
+                    rule=f"cannot create the run directory ({e.strerror or e})",
+                    fix="choose a writable directory with free space, e.g. train.output_dir=$HOME/runs",
+                )
+            ]
+        ) from e
+
+
+def _restart_point(run_dir: Path, *, console: Console, skipped) -> Path | None:
+    """The newest checkpoint of this run dir that verifies (None: start over from step 0)."""
+    from dhp.checkpoint import checkpoint_candidates, verify_checkpoint
+
+    for p in checkpoint_candidates(output_dir=run_dir.parent.parent, name=run_dir.parent.name):
+        if p.parent.parent != run_dir:
+            continue
+        problems = verify_checkpoint(p)
+        if not problems:
+            return p
+        skipped(p, problems)
+    return None
+
+
+def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: Console) -> None:
+    """One ``{"event": "restart", ...}`` line in metrics.jsonl and a console line."""
+    import json
+
+    from dhp.checkpoint import read_meta
+
+    rec = {
+        "event": "restart",
+        "step": read_meta(resume).step if resume else 0,  # the step training continues after
+        "restart": restarts,
+        "time": time.time(),
+        "reason": str(failure).splitlines()[0],
+        "resume_from": str(resume) if resume else None,
+    }
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+    where = f"from {resume}" if resume else "from step 0 (no checkpoint yet)"
+    console.print(f"[yellow]restart {restarts}[/] after: {escape(rec['reason'])}; resuming {escape(where)}")
+
+
+def _attempt(config, plan, resume, checked, *, result: RunResult, console: Console, sig: _Signals) -> None:
+    """One life of the actor groups: start them, resume, run the loop; on a restartable failure with
+    restarts left, tear everything down and raise _Restart."""
+    from dhp.data import build_run_loader
+    from dhp.runtime.driver import NonFiniteStep, Trainer
+    from dhp.runtime.progress import TrainProgress
+
+    t = config.train
+    run_dir = result.run_dir
     loader = build_run_loader(config)
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
     )
-    result = RunResult(run_dir=run_dir, last_checkpoint=resume)
-    console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
-    trainer = Trainer(config, plan)
+    trainer = None
     loop: _Loop | None = None
     graceful = True
     try:
+        ready = 60.0 if result.restarts == 0 else t.restart_wait_s
+        trainer = Trainer(config, plan, ready_timeout_s=ready)
+        sig.reinstall()
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
         loop = _Loop(
             config=config,
@@ -83,34 +240,55 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
         progress.summary(result, loop.records)
     except KeyboardInterrupt:
         result.interrupted = True
-        step = None if loop is None else loop.settle_interrupted_step()
-        if t.save_on_interrupt and step is not None and step > 0:
-            result.last_checkpoint = _save(
-                trainer,
-                config=config,
-                plan=plan,
-                step=step,
-                loader=loader,
-                schedule=schedule,
-                run_dir=run_dir,
-            )
-            console.print(f"interrupted after step {step}: saved {result.last_checkpoint}")
-        else:
-            console.print(
-                f"interrupted after step {step}: nothing saved (train.save_on_interrupt={t.save_on_interrupt})"
-            )
+        if trainer is None:
+            return
+        try:
+            step = None if loop is None else loop.settle_interrupted_step()
+            if t.save_on_interrupt and step is not None and step > 0:
+                result.last_checkpoint = _save(
+                    trainer,
+                    config=config,
+                    plan=plan,
+                    step=step,
+                    loader=loader,
+                    schedule=schedule,
+                    run_dir=run_dir,
+                )
+                console.print(f"interrupted after step {step}: saved {result.last_checkpoint}")
+            else:
+                console.print(
+                    f"interrupted after step {step}: nothing saved (train.save_on_interrupt={t.save_on_interrupt})"
+                )
+        except _HardStop:
+            graceful = False
+            console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
+    except _HardStop:
+        graceful, result.interrupted = False, True
+        console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
     except RuntimeFailure as e:
         graceful = False
+        restartable = not isinstance(e, NonFiniteStep | SaveFailed) and trainer is not None
+        if restartable and result.restarts < t.max_restarts:
+            result.restarts += 1
+            raise _Restart(e) from e
         last = result.last_checkpoint
         hint = (
             f"last good checkpoint: {last} (resume with train.resume=auto)"
             if last
             else "no checkpoint was written yet"
         )
-        raise RuntimeFailure(f"{e}\n  {hint}") from e
+        tried = (
+            f" (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
+            if restartable
+            else ""
+        )
+        raise RuntimeFailure(f"{e}{tried}\n  {hint}") from e
     finally:
-        trainer.close(graceful=graceful)
-    return result
+        if trainer is not None:
+            try:
+                trainer.close(graceful=graceful)
+            except _HardStop:
+                trainer.close(graceful=False)
 
 
 def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
@@ -158,8 +336,17 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
     )
     from dhp.checkpoint.compat import model_arch_hash, module_records
 
-    tmp = begin_checkpoint(run_dir / "checkpoints", step=step)
-    trainer.save_modules(str(tmp))
+    try:
+        tmp = begin_checkpoint(run_dir / "checkpoints", step=step)
+    except OSError as e:
+        raise _save_failed(run_dir, step, e) from e
+    try:
+        trainer.save_modules(str(tmp))
+    except BaseException as e:  # a failed or interrupted save leaves no temp dir behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and _is_io_failure(str(e))):
+            raise _save_failed(run_dir, step, e) from e
+        raise
     meta = CheckpointMeta(
         step=step,
         data_state=loader.state_dict(),
@@ -170,7 +357,34 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
         modules=module_records(config.modules, world_sizes={g.name: g.world_size for g in plan.groups}),
         scheduler_state=schedule.state_dict(),
     )
-    return commit_checkpoint(tmp, meta=meta, keep_last=config.train.keep_last)
+    try:
+        return commit_checkpoint(tmp, meta=meta, keep_last=config.train.keep_last)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _save_failed(run_dir, step, e) from e
+        raise
+
+
+def _is_io_failure(text: str) -> bool:
+    """A rank's save failed on the filesystem (DCP wraps the OSError in a CheckpointException)."""
+    return "[Errno" in text or "CheckpointException" in text or "No space left" in text
+
+
+class SaveFailed(RuntimeFailure):
+    """Writing a checkpoint failed (disk full, not writable): restarting would not help."""
+
+
+def _save_failed(run_dir: Path, step: int, e: BaseException) -> SaveFailed:
+    from dhp.checkpoint import find_latest_checkpoint
+
+    prev = find_latest_checkpoint(output_dir=run_dir.parent.parent, name=run_dir.parent.name)
+    why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+    return SaveFailed(
+        f"saving the step {step} checkpoint under {run_dir / 'checkpoints'} failed: {why}; "
+        f"the previous checkpoint is kept: {prev or 'none'}. Fix: free disk space or make the "
+        "directory writable, then resume with train.resume=auto."
+    )
 
 
 class _Loop:

@@ -67,3 +67,40 @@ def test_ctrl_c_saves_and_leaves_no_orphans(tmp_path):
     time.sleep(5)  # Ray's processes exit asynchronously after shutdown
     left = sorted(p for p in seen if alive(p))
     assert not left, f"orphans: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()[:80]) for p in left]}"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    """SIGTERM (what Slurm and Kubernetes send before SIGKILL) is the first Ctrl-C: a checkpoint at
+    the step boundary, a clean shutdown, exit status 128 + 15, no temp dir left."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.cli",
+        "train",
+        "conf=tiny_vlm",
+        "name=term",
+        f"train.output_dir={tmp_path}",
+    ]
+    cmd += ["train.steps=200", "train.checkpoint_every=0", "placement=disaggregated", "modules.llm.gpus=1"]
+    cmd += ["modules.llm.parallel.tp=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            rows = list(tmp_path.glob("term/*/metrics.jsonl"))
+            if rows and rows[0].read_text().count("\n") >= 2:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out[-3000:]
+    (run_dir,) = (tmp_path / "term").iterdir()
+    (ckpt,) = (run_dir / "checkpoints").iterdir()  # one complete checkpoint, no *.tmp-* dir
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["step"] >= 2 and ckpt.name == f"step_{meta['step']:06d}"
+    assert (ckpt / "manifest.json").is_file()
