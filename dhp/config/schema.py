@@ -193,6 +193,43 @@ class TrainConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (``metrics.loggers`` has ``wandb``; needs ``pip install -e .[wandb]``).
+
+    mode: online | offline | disabled (offline writes ``<run_dir>/wandb/offline-run-*``, ``wandb sync``
+    uploads it later). project/entity: null = wandb's own default ($WANDB_PROJECT / $WANDB_ENTITY).
+    """
+
+    project: str = "dhp"
+    entity: str | None = None
+    mode: str = "online"
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (``metrics.loggers`` has ``mlflow``; needs ``pip install -e .[mlflow]``).
+
+    tracking_uri: null = $MLFLOW_TRACKING_URI, else MLflow's default; ``file:DIR`` is the file store
+    (MLflow 3 wants ``MLFLOW_ALLOW_FILE_STORE=true`` for it), ``sqlite:///x.db`` or ``http://host:5000``.
+    experiment: the experiment name (created when missing).
+    """
+
+    tracking_uri: str | None = None
+    experiment: str = "dhp"
+
+
+@dataclass
+class MetricsConfig:
+    """Where step metrics go. ``jsonl`` (``metrics.jsonl``, which ``dhp report``/``dhp runs`` read)
+    is required; ``tensorboard`` writes ``tb/``; ``wandb``/``mlflow`` log the same scalars, the resolved
+    config and plan.json. ``train.tensorboard=true`` still works: it adds ``tensorboard``."""
+
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+@dataclass
 class RunConfig:
     """The root: one training job, composed from conf/ groups by a recipe."""
 
@@ -207,3 +244,4 @@ class RunConfig:
     handoff: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
