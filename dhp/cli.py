@@ -217,8 +217,10 @@ def export(
     architecture is read from the run's ``config.yaml`` next to ``checkpoints/``.
     """
     from dhp.checkpoint.export import export_checkpoint
+    from dhp.metrics.bars import progress_bar
 
-    ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None)
+    with progress_bar(err_console, "export shards") as bar:
+        ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None, on_progress=bar)
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
 
 
@@ -275,13 +277,17 @@ def data_check(
 
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    report = check_data(
-        data=cfg.data,
-        model=cfg.model,
-        vision_seq_len=cfg.modules["vision"].seq_len if "vision" in cfg.modules else 0,
-        llm_seq_len=cfg.modules["llm"].seq_len,
-        seed=cfg.train.seed,
-    )
+    from dhp.metrics.bars import progress_bar
+
+    with progress_bar(err_console, "data check") as bar:  # stderr: --json output stays clean
+        report = check_data(
+            data=cfg.data,
+            model=cfg.model,
+            vision_seq_len=cfg.modules["vision"].seq_len if "vision" in cfg.modules else 0,
+            llm_seq_len=cfg.modules["llm"].seq_len,
+            seed=cfg.train.seed,
+            on_progress=bar,
+        )
     if as_json:
         print(json.dumps(report.to_json(), indent=1))
     else:
