@@ -196,13 +196,14 @@ class TrainConfig:
 class WandbConfig:
     """Weights & Biases (``metrics.loggers`` has ``wandb``; needs ``pip install -e .[wandb]``).
 
-    mode: online | offline | disabled (offline writes ``<run_dir>/wandb/offline-run-*``, ``wandb sync``
-    uploads it later). project/entity: null = wandb's own default ($WANDB_PROJECT / $WANDB_ENTITY).
+    mode: online | offline | disabled, or null = wandb's own choice ($WANDB_MODE, else online); offline
+    writes ``<run_dir>/wandb/offline-run-*`` for ``wandb sync`` to upload later. entity: null = wandb's
+    default ($WANDB_ENTITY or the account's).
     """
 
     project: str = "dhp"
     entity: str | None = None
-    mode: str = "online"
+    mode: str | None = None
 
 
 @dataclass

@@ -56,4 +56,5 @@ def validate_metrics(metrics: DictConfig, issues: Issues) -> None:
                 f"the {module} package is not installed",
                 f"pip install -e '.[{extra}]' (or pip install {module}), or remove {name} from metrics.loggers",
             )
-    issues.one_of(metrics.wandb.mode, "metrics.wandb.mode", WANDB_MODES)
+    if metrics.wandb.mode is not None:  # null: wandb decides ($WANDB_MODE, else online)
+        issues.one_of(metrics.wandb.mode, "metrics.wandb.mode", WANDB_MODES)

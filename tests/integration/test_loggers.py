@@ -30,9 +30,10 @@ LOGGERS = "metrics.loggers=[jsonl,tensorboard,wandb,mlflow]"
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dhp.cli", "train", "conf=tiny_vlm", "name=lg", *ALL_ONE, LOGGERS]
-    cmd += ["metrics.wandb.mode=offline", f"metrics.mlflow.tracking_uri=file:{out / 'mlruns'}"]
+    cmd += [f"metrics.mlflow.tracking_uri=file:{out / 'mlruns'}"]
     cmd += [f"train.output_dir={out}", *extra]
-    env = os.environ | {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
+    # metrics.wandb.mode is null by default: wandb follows $WANDB_MODE, as users set it
+    env = os.environ | {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
