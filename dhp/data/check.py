@@ -113,7 +113,9 @@ def check_data(
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
         chunks = (range(a, min(a + CHUNK, len(source))) for a in range(0, len(source), CHUNK))
-        for n, sample in enumerate(s for chunk in chunks for s in pool.map(lambda i: _load(source, i), chunk)):
+        for n, sample in enumerate(
+            s for chunk in chunks for s in pool.map(lambda i: _load(source, i), chunk)
+        ):
             if on_progress is not None and ((n + 1) % CHUNK == 0 or n + 1 == len(source)):
                 on_progress(n + 1, len(source))
             if isinstance(sample, bad.BadSampleError):

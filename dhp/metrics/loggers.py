@@ -97,7 +97,11 @@ class WandbLogger:
             self.run.config.update(config, allow_val_change=True)
         for f in files:
             self.run.save(str(f), base_path=str(f.parent.parent), policy="now")
-        self.ident = {"id": self.run.id, "project": cfg.project, "mode": "offline" if self.run.offline else "online"}
+        self.ident = {
+            "id": self.run.id,
+            "project": cfg.project,
+            "mode": "offline" if self.run.offline else "online",
+        }
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
