@@ -89,20 +89,20 @@ def render_runs(runs: list[RunInfo], *, console: Console, root: Path) -> None:
     if not runs:
         console.print(f"no runs under {root} (a run directory is <root>/<name>/<timestamp>/config.yaml)")
         return
-    table = Table(title=f"runs under {root}")
-    for col in ("name", "started", "status", "steps", "last loss", "checkpoints", "trackers", "run dir"):
-        table.add_column(col, justify="right" if col in ("steps", "last loss") else "left")
+    table = Table(title=f"runs under {root} (run directories {root}/<name>/<started>)")
+    for col in ("run", "status", "steps", "last loss", "checkpoints", "trackers"):
+        table.add_column(
+            col, justify="right" if col in ("steps", "last loss") else "left", no_wrap=col == "run"
+        )
     colour = {"finished": "green", "active": "cyan", "stopped": "yellow", "empty": "dim"}
     for r in runs:
         ck = ", ".join(str(s) for s in r.checkpoints) if r.checkpoints else "-"
         table.add_row(
-            r.name,
-            r.run_dir.name,
+            f"{r.run_dir.parent.name}/{r.run_dir.name}",
             f"[{colour[r.status]}]{r.status}[/]",
             f"{r.steps}/{r.target_steps}",
             "-" if r.last_loss is None else f"{r.last_loss:.4f}",
             ck,
             ", ".join(r.trackers) or "-",
-            str(r.run_dir),
         )
     console.print(table)

@@ -171,25 +171,34 @@ def _fill_metrics(m: SweepMember, path: Path) -> None:
 
 
 def render_sweep(members: list[SweepMember], *, console: Console, path: Path) -> None:
-    """The summary: one row per member with its swept values and results."""
+    """The summary: one row per member with its swept values and results (errors in sweep.jsonl)."""
     keys = list(members[0].swept) if members else []
-    table = Table(title=f"sweep summary ({path})")
-    for col in ("#", *keys, "status", "steps", "final loss", "vis tok/s", "txt tok/s", "peak MiB", "run dir"):
-        table.add_column(col, justify="right" if col not in ("status", "run dir") else "left")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for m in members:
-        table.add_row(
+    rows = [
+        [
             str(m.index + 1),
             *(m.swept[k] for k in keys),
-            m.status if m.status != "failed" else f"[red]failed[/]: {(m.error or '').splitlines()[0][:60]}",
+            m.status,
             str(m.steps),
             fmt(m.final_loss, ".4f"),
             fmt(m.tokens_per_s_vision, ".0f"),
             fmt(m.tokens_per_s_text, ".0f"),
             fmt(None if m.peak_mem_bytes is None else m.peak_mem_bytes / 2**20, ".0f"),
-            m.run_dir or "-",
-        )
+            "/".join(Path(m.run_dir).parts[-2:]) if m.run_dir else "-",  # <name>/<timestamp>
+        ]
+        for m in members
+    ]
+    table = Table(title=f"sweep summary ({path})")
+    cols = ("#", *keys, "status", "steps", "final loss", "vis tok/s", "txt tok/s", "peak MiB", "run dir")
+    for c, col in enumerate(cols):
+        width = max(len(r[c]) for r in rows) if rows and col != "run dir" else None  # values never cut
+        table.add_column(col, justify="left" if col in ("status", "run dir") else "right", min_width=width)
+    for m, row in zip(members, rows, strict=True):
+        table.add_row(*row, style="red" if m.status == "failed" else None)
     console.print(table)
+    for m in members:
+        if m.error:
+            console.print(f"[red]run {m.index + 1} failed[/]: {m.error.splitlines()[0]}")
 
 
 def sweep_exit_code(members: list[SweepMember]) -> int:
