@@ -26,11 +26,30 @@ app = typer.Typer(
     name="dhp",
     help="Train multimodal models with disaggregated hybrid parallelism (one Ray group per module).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: no "<bool>" type column beside flags
+    context_settings={"max_content_width": 120},
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from dhp import __version__
+
+        print(f"dhp {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the dhp version and exit."
+    ),
+) -> None:
+    """Train multimodal models with disaggregated hybrid parallelism (one Ray group per module)."""
 
 
 def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
@@ -165,18 +184,30 @@ def recipes() -> None:
 
 
 @app.command(context_settings=HYDRA_ARGS)
-def train(ctx: typer.Context) -> None:
+def train(
+    ctx: typer.Context,
+    multirun: bool = typer.Option(
+        False, "-m", "--multirun", help="Sweep: key=a,b runs one training per combination, in turn."
+    ),
+) -> None:
     """Train a recipe: one Ray actor group per module, the driver step, metrics and checkpoints.
 
     Usage: dhp train conf=RECIPE|PATH [smoke=true] [key=value ...]. Writes
     <train.output_dir>/<name>/<timestamp>/ (config.yaml, plan.json, metrics.jsonl, checkpoints/).
     train.resume=auto continues the newest checkpoint of this run name. Ctrl-C saves a checkpoint
-    when train.save_on_interrupt and exits 130.
+    when train.save_on_interrupt and exits 130. With -m (Hydra multirun), e.g.
+    dhp train conf=tiny_vlm -m train.lr=1e-3,2e-3 train.steps=2: one run per combination, then a
+    summary table and <train.output_dir>/sweeps/<timestamp>/sweep.jsonl; exits 1 if a run failed.
     """
     from dhp.config import load_config
-    from dhp.runtime.train import train as run_training
 
     conf, overrides, smoke = parse_hydra_args(ctx.args)
+    if multirun:
+        from dhp.runtime.sweep import run_sweep, sweep_exit_code
+
+        raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
+    from dhp.runtime.train import train as run_training
+
     result = run_training(load_config(conf, overrides, smoke=smoke), console=console)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise typer.Exit(128 + (result.signal or 2))
@@ -230,8 +261,10 @@ def export(
     architecture is read from the run's ``config.yaml`` next to ``checkpoints/``.
     """
     from dhp.checkpoint.export import export_checkpoint
+    from dhp.metrics.bars import progress_bar
 
-    ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None)
+    with progress_bar(err_console, "export shards") as bar:
+        ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None, on_progress=bar)
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
 
 
@@ -248,6 +281,40 @@ def checkpoint_verify(
 
     ok = verify_many(path, console=console)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def runs(
+    root: str = typer.Argument("runs", help="The train.output_dir to scan (default: runs)."),
+) -> None:
+    """List the runs under ROOT: status, steps, last loss, checkpoints and trackers.
+
+    Status: finished (checkpoint at train.steps), active (metrics written in the last 2 minutes),
+    stopped (resume it with train.resume=auto) or empty (no step logged).
+    """
+    from pathlib import Path
+
+    from dhp.metrics.runs import list_runs, render_runs
+
+    render_runs(list_runs(Path(root)), console=console, root=Path(root))
+
+
+@app.command()
+def report(
+    run_dir: str = typer.Argument(..., help="A run directory runs/<name>/<timestamp>."),
+    out: str = typer.Option("", "--out", help="Where the PNGs go (default: RUN_DIR/report)."),
+) -> None:
+    """Plot one run (loss, grad norm, LR, tokens/s, time split, peak memory per rank) and summarise it.
+
+    Writes one PNG per plot; restarts recorded in metrics.jsonl are marked on every step plot.
+    Needs matplotlib (pip install -e '.[plots]').
+    """
+    from pathlib import Path
+
+    from dhp.metrics.report import render_report_summary, write_report
+
+    pngs, rows = write_report(Path(run_dir), out_dir=Path(out) if out else None)
+    render_report_summary(Path(run_dir), rows, pngs, console=console)
 
 
 data_app = typer.Typer(help="Inspect the configured datasets without training.", no_args_is_help=True)
@@ -269,13 +336,17 @@ def data_check(
 
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    report = check_data(
-        data=cfg.data,
-        model=cfg.model,
-        vision_seq_len=cfg.modules["vision"].seq_len if "vision" in cfg.modules else 0,
-        llm_seq_len=cfg.modules["llm"].seq_len,
-        seed=cfg.train.seed,
-    )
+    from dhp.metrics.bars import progress_bar
+
+    with progress_bar(err_console, "data check") as bar:  # stderr: --json output stays clean
+        report = check_data(
+            data=cfg.data,
+            model=cfg.model,
+            vision_seq_len=cfg.modules["vision"].seq_len if "vision" in cfg.modules else 0,
+            llm_seq_len=cfg.modules["llm"].seq_len,
+            seed=cfg.train.seed,
+            on_progress=bar,
+        )
     if as_json:
         print(json.dumps(report.to_json(), indent=1))
     else:

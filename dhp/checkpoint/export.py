@@ -110,11 +110,13 @@ def export_hf(
     model: ModelConfig,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 4 << 30,
+    on_progress=None,
 ) -> Path:
     """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer/processor side files).
 
     ``model`` is the run's ModelConfig (architecture; ``path`` for the config and side files).
     ``dtype`` casts every tensor (None keeps the checkpoint's dtype, e.g. fp32 master weights).
+    ``on_progress(done, total)`` is called after each written shard (the CLI's progress bar).
     """
     from dhp.models import get_family
 
@@ -145,6 +147,8 @@ def export_hf(
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
+        if on_progress is not None:
+            on_progress(i + 1, len(shards))
     index = {
         "metadata": {"total_size": total, "dhp_step": meta.step},
         "weight_map": dict(sorted(weight_map.items())),
@@ -160,7 +164,9 @@ def export_hf(
     return out_dir
 
 
-def export_checkpoint(checkpoint: str | Path, *, out_dir: str | Path, dtype: str | None) -> tuple[Path, Path]:
+def export_checkpoint(
+    checkpoint: str | Path, *, out_dir: str | Path, dtype: str | None, on_progress=None
+) -> tuple[Path, Path]:
     """CLI entry: resolve ``checkpoint`` (a step dir or a run dir), read the run's config.yaml, export.
 
     Returns (the checkpoint dir exported, the HF dir written).
@@ -180,4 +186,6 @@ def export_checkpoint(checkpoint: str | Path, *, out_dir: str | Path, dtype: str
         )
     cfg = load_config(str(run_config), [])
     cast = None if dtype is None else torch_dtype(dtype)
-    return Path(ckpt), export_hf(Path(ckpt), out_dir=Path(out_dir), model=cfg.model, dtype=cast)
+    return Path(ckpt), export_hf(
+        Path(ckpt), out_dir=Path(out_dir), model=cfg.model, dtype=cast, on_progress=on_progress
+    )

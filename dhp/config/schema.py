@@ -211,6 +211,44 @@ class TrainConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (``metrics.loggers`` has ``wandb``; needs ``pip install -e .[wandb]``).
+
+    mode: online | offline | disabled, or null = wandb's own choice ($WANDB_MODE, else online); offline
+    writes ``<run_dir>/wandb/offline-run-*`` for ``wandb sync`` to upload later. entity: null = wandb's
+    default ($WANDB_ENTITY or the account's).
+    """
+
+    project: str = "dhp"
+    entity: str | None = None
+    mode: str | None = None
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (``metrics.loggers`` has ``mlflow``; needs ``pip install -e .[mlflow]``).
+
+    tracking_uri: null = $MLFLOW_TRACKING_URI, else MLflow's default; ``file:DIR`` is the file store
+    (MLflow 3 wants ``MLFLOW_ALLOW_FILE_STORE=true`` for it), ``sqlite:///x.db`` or ``http://host:5000``.
+    experiment: the experiment name (created when missing).
+    """
+
+    tracking_uri: str | None = None
+    experiment: str = "dhp"
+
+
+@dataclass
+class MetricsConfig:
+    """Where step metrics go. ``jsonl`` (``metrics.jsonl``, which ``dhp report``/``dhp runs`` read)
+    is required; ``tensorboard`` writes ``tb/``; ``wandb``/``mlflow`` log the same scalars, the resolved
+    config and plan.json. ``train.tensorboard=true`` still works: it adds ``tensorboard``."""
+
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+@dataclass
 class RunConfig:
     """The root: one training job, composed from conf/ groups by a recipe."""
 
@@ -225,3 +263,4 @@ class RunConfig:
     handoff: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

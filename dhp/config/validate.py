@@ -21,6 +21,7 @@ from dhp.config.constants import (
 )
 from dhp.config.issues import Issues
 from dhp.config.validate_guards import validate_guards
+from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.errors import ConfigError, ConfigIssue
@@ -169,6 +170,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
         validate_model_dir(cfg.model, issues)
     if "cluster" not in roots:
         _validate_cluster(cfg.cluster, issues)
+    validate_metrics(cfg.metrics, issues)
     names = list(cfg.modules.keys())
     for name in names:
         issues.check(

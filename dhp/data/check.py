@@ -95,9 +95,16 @@ def _load(source, index: int):
 
 
 def check_data(
-    *, data: DataConfig, model: ModelConfig, vision_seq_len: int, llm_seq_len: int, seed: int = 0
+    *,
+    data: DataConfig,
+    model: ModelConfig,
+    vision_seq_len: int,
+    llm_seq_len: int,
+    seed: int = 0,
+    on_progress=None,
 ) -> DataReport:
-    """Process every record of the configured data once and return a :class:`DataReport`."""
+    """Process every record of the configured data once and return a :class:`DataReport`.
+    ``on_progress(done, total)`` is called after each chunk of samples (the CLI's progress bar)."""
     source, _, _ = build_source(
         data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
     )
@@ -106,7 +113,11 @@ def check_data(
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
         chunks = (range(a, min(a + CHUNK, len(source))) for a in range(0, len(source), CHUNK))
-        for sample in (s for chunk in chunks for s in pool.map(lambda i: _load(source, i), chunk)):
+        for n, sample in enumerate(
+            s for chunk in chunks for s in pool.map(lambda i: _load(source, i), chunk)
+        ):
+            if on_progress is not None and ((n + 1) % CHUNK == 0 or n + 1 == len(source)):
+                on_progress(n + 1, len(source))
             if isinstance(sample, bad.BadSampleError):
                 log.add(sample)
                 continue

@@ -1,4 +1,5 @@
-"""``metrics.jsonl`` (one object per logged step, fixed names) and optional TensorBoard events."""
+"""``metrics.jsonl`` (one object per logged step, fixed names), fanned out to the experiment loggers
+(TensorBoard, wandb, MLflow: ``dhp.metrics.loggers``) with the same values at the same step."""
 
 from __future__ import annotations
 
@@ -26,20 +27,33 @@ METRIC_KEYS = (
 
 
 class MetricsWriter:
-    """Append records to ``metrics.jsonl`` (flushed per line); scalars also to TensorBoard when on."""
+    """Append records to ``metrics.jsonl`` (flushed per line); the same scalars to each logger.
 
-    def __init__(self, path: Path, *, modules: list[str], tensorboard_dir: Path | None) -> None:
+    ``tensorboard_dir`` is kept for callers that only want TensorBoard; ``loggers`` are already
+    opened experiment loggers (``dhp.metrics.loggers.open_loggers``), closed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        modules: list[str],
+        tensorboard_dir: Path | None = None,
+        loggers: list[Any] | None = None,
+    ) -> None:
+        from dhp.metrics.loggers import TensorBoardLogger
+
         self.path = path
         self.keys = set(METRIC_KEYS) | {f"{m}_{p}_s" for m in modules for p in ("fwd", "bwd", "step")}
         self._file = path.open("a", encoding="utf-8")
-        self._tb = None
+        self.loggers = list(loggers or [])
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+            self.loggers.append(TensorBoardLogger(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
         """Write one record; a missing or unknown key is a programming error (fixed names)."""
+        from dhp.metrics.loggers import flat_scalars
+
         if set(record) != self.keys:
             raise RuntimeFailure(
                 f"metrics record keys differ from the fixed set: missing {sorted(self.keys - set(record))}, "
@@ -47,19 +61,15 @@ class MetricsWriter:
             )
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, int | float) and k != "step":
-                    self._tb.add_scalar(k, v, record["step"])
-            for group in ("peak_mem_bytes", "bad_samples"):
-                if isinstance(record[group], dict):
-                    for k, v in record[group].items():
-                        self._tb.add_scalar(f"{group}/{k}", v, record["step"])
+        scalars = flat_scalars(record)
+        for lg in self.loggers:
+            lg.log(record["step"], scalars)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for lg in self.loggers:
+            lg.close()
+        self.loggers = []
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

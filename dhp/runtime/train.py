@@ -234,6 +234,7 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
             schedule=schedule,
             run_dir=run_dir,
             result=result,
+            resumed_from=resume,
         )
         with TrainProgress(console=console, total=t.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
@@ -390,17 +391,24 @@ def _save_failed(run_dir: Path, step: int, e: BaseException) -> SaveFailed:
 class _Loop:
     """The step loop: data -> lr -> driver step -> metrics -> checkpoint."""
 
-    def __init__(self, *, config, plan, trainer, loader, schedule, run_dir: Path, result: RunResult) -> None:
+    def __init__(
+        self, *, config, plan, trainer, loader, schedule, run_dir: Path, result: RunResult, resumed_from=None
+    ) -> None:
         from dhp.metrics import MetricsWriter
+        from dhp.metrics.loggers import open_loggers
 
         self.config, self.plan, self.trainer = config, plan, trainer
         self.loader, self.schedule, self.run_dir, self.result = loader, schedule, run_dir, result
         t = config.train
-        self.writer = MetricsWriter(
-            run_dir / "metrics.jsonl",
-            modules=list(config.modules),
-            tensorboard_dir=run_dir / "tb" if t.tensorboard else None,
+        loggers = open_loggers(  # metrics.loggers; train.tensorboard=true still adds TensorBoard
+            config.metrics,
+            tensorboard=t.tensorboard,
+            run_dir=run_dir,
+            name=config.name,
+            config=OmegaConf.to_container(OmegaConf.create(config), resolve=True),
+            resumed_from=resumed_from,
         )
+        self.writer = MetricsWriter(run_dir / "metrics.jsonl", modules=list(config.modules), loggers=loggers)
         self.records: list[dict[str, Any]] = []
         self.done_step: int | None = None
         self._before: tuple[dict, dict] | None = None

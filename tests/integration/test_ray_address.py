@@ -12,7 +12,9 @@ ports. A driver joining by explicit address gets the token only from the environ
 - ``dhp train`` without ``RAY_AUTH_MODE=token`` (run alongside) is refused by the cluster and exits
   with dhp's PlanError (status 2) naming the fix, not a traceback;
 - a Trainer joined through ``cluster.ray_address`` (no ``$RAY_ADDRESS``) whose plan asks for more
-  CPUs than the cluster has raises PlanError after its reservation timeout, not a hang.
+  CPUs than the cluster has raises PlanError after its reservation timeout, not a hang;
+- ``ray job submit -- python -m dhp.cli train ... train.steps=2`` through the head's job server
+  (the dashboard, on 127.0.0.1 at a free port) runs dhp as a Ray job to the end.
 
 Teardown stops only this head (SIGTERM to its ``ray start --block``, then its leftover
 descendants by pid); never ``ray stop``, which would stop every Ray on the machine.
@@ -89,6 +91,7 @@ class Head:
     proc: subprocess.Popen
     address: str
     token_path: Path
+    dashboard: str  # the job server, http://127.0.0.1:PORT
 
     def env(self, *, address: bool = True, auth: bool = True) -> dict[str, str]:
         """This test's environment for a driver: Ray's address/auth variables only as asked."""
@@ -106,9 +109,10 @@ def head() -> Iterator[Head]:
     tmp = Path(tempfile.mkdtemp(prefix="dhp-rh-", dir="/tmp"))  # short: Ray's unix socket paths
     token_path = tmp / "auth_token"
     token_path.write_text(os.urandom(32).hex())
-    port = _free_port()
+    port, dash = _free_port(), _free_port()
     cmd = [str(RAY), "start", "--head", f"--num-cpus={HEAD_CPUS}", f"--port={port}", "--block"]
-    cmd += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}"]
+    cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
+    cmd += ["--disable-usage-stats", f"--temp-dir={tmp / 'ray'}"]
     cmd += [f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}"]
     env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
     env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
@@ -122,7 +126,12 @@ def head() -> Iterator[Head]:
             )
             assert time.monotonic() < deadline, (tmp / "head.log").read_text()
             time.sleep(0.25)
-        yield Head(proc=proc, address=f"127.0.0.1:{port}", token_path=token_path)
+        yield Head(
+            proc=proc,
+            address=f"127.0.0.1:{port}",
+            token_path=token_path,
+            dashboard=f"http://127.0.0.1:{dash}",
+        )
     finally:
         family = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
@@ -208,4 +217,29 @@ def test_dhp_joins_an_existing_cluster_and_leaves_it_running(head: Head, tmp_pat
     assert res.get("error") == "PlanError", res
     assert "cannot place the plan" in res["message"] and f"'CPU': {float(HEAD_CPUS)}" in res["message"], res
     assert 5 <= res["seconds"] < 60 and not res["ray_initialized_after"], res
+    assert head.proc.poll() is None
+
+
+def test_ray_job_submit_runs_dhp_train(head: Head, tmp_path: Path):
+    """``ray job submit`` to the head's job server: a 2-step ``dhp train`` runs as the job's
+    entrypoint (its driver joins this cluster by itself) and succeeds."""
+    out = tmp_path / "job"
+    entry = [sys.executable, "-m", "dhp.cli", "train", "conf=tiny_vlm", "name=job", "train.steps=2"]
+    entry += [f"train.output_dir={out}", *ALL_ONE]
+    env = head.env(address=False) | {"RAY_ADDRESS": head.dashboard, "PYTHONPATH": str(ROOT)}
+    runtime_env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT)}})
+    proc = subprocess.run(
+        [str(RAY), "job", "submit", "--runtime-env-json", runtime_env, "--", *entry],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "succeeded" in text, text[-4000:]
+    assert "dhp train summary" in text, text[-4000:]  # the job's logs are dhp's console
+    (metrics,) = (out / "job").glob("*/metrics.jsonl")
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
     assert head.proc.poll() is None

@@ -1,0 +1,192 @@
+"""``dhp report RUN_DIR``: PNG plots and a summary table of one run, read from its ``metrics.jsonl``.
+
+Plots (one PNG each, in ``--out`` or ``<run_dir>/report``): loss, grad norm, learning rate,
+tokens/s (vision and text), the per-module time split of each step (fwd/bwd/optimizer step and the
+LLM's wait on the hand-off), and peak memory per rank. Every restart is marked on each step plot
+with a dashed vertical line: a record whose step is not after the one before it (the run went back
+to a checkpoint), a rise of a ``restarts`` counter when records carry one, and the first step of a
+run resumed from a checkpoint. matplotlib is an optional extra (``pip install -e .[plots]``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dhp.errors import ConfigError
+from dhp.metrics.writer import read_metrics
+
+PARTS = ("fwd", "bwd", "step")
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Where the run restarted: before the record at ``index`` (its step ``step``) and why."""
+
+    index: int
+    step: int
+    why: str
+
+
+def find_restarts(rows: list[dict[str, Any]]) -> list[Restart]:
+    """Restarts recorded in the metrics (see the module docstring for the three signs)."""
+    out = []
+    if rows and rows[0]["step"] > 1:
+        out.append(Restart(0, rows[0]["step"], f"resumed at step {rows[0]['step']}"))
+    for i in range(1, len(rows)):
+        prev, cur = rows[i - 1], rows[i]
+        if cur["step"] <= prev["step"]:
+            out.append(Restart(i, cur["step"], f"restart: step {prev['step']} -> {cur['step']}"))
+        elif "restarts" in cur and "restarts" in prev and cur["restarts"] > prev["restarts"]:
+            out.append(Restart(i, cur["step"], f"restart #{cur['restarts']}"))
+    return out
+
+
+def _modules(rows: list[dict[str, Any]]) -> list[str]:
+    return [k.removesuffix("_fwd_s") for k in rows[0] if k.endswith("_fwd_s")]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ConfigError(
+            "dhp report draws with matplotlib, which is not installed. Fix: pip install -e '.[plots]' "
+            "(or pip install matplotlib)"
+        ) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_report(run_dir: Path, *, out_dir: Path | None = None) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Write the PNGs of ``run_dir`` into ``out_dir`` (default ``<run_dir>/report``); returns the
+    paths and the metrics rows. ConfigError when the run has no metrics yet."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    if not rows:
+        raise ConfigError(
+            f"{path}: no metrics to report (missing or empty). Fix: pass a run directory "
+            "runs/<name>/<timestamp> that logged at least one step (see `dhp runs`)"
+        )
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    restarts = find_restarts(rows)
+    x = list(range(len(rows)))  # record order: a restarted step appears again after the restart
+    steps = [r["step"] for r in rows]
+    title = f"{run_dir.parent.name}/{run_dir.name}"
+    written = []
+
+    def finish(fig, ax, name: str, ylabel: str) -> None:
+        for rs in restarts:
+            ax.axvline(rs.index - 0.5 if rs.index else 0, color="red", ls="--", lw=1)
+            ax.annotate(
+                rs.why,
+                (rs.index, 1),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color="red",
+            )
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ticks = x if len(x) <= 12 else x[:: max(1, len(x) // 10)]
+        ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{name} - {title}", fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        p = out / f"{name.replace(' ', '_').replace('/', '_')}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+
+    for key, name, ylabel in (
+        ("loss", "loss", "loss"),
+        ("grad_norm", "grad norm", "global grad norm (before clipping)"),
+        ("lr", "learning rate", "lr"),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        ax.plot(x, [r[key] for r in rows], marker="o", ms=3)
+        finish(fig, ax, name, ylabel)
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.plot(x, [r["tokens_per_s_vision"] for r in rows], marker="o", ms=3, label="vision (patches)")
+    ax.plot(x, [r["tokens_per_s_text"] for r in rows], marker="s", ms=3, label="text (LLM tokens)")
+    finish(fig, ax, "tokens per s", "tokens / s")
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    mods = _modules(rows)
+    width = 0.8 / len(mods)
+    colours = {"fwd": "tab:blue", "bwd": "tab:orange", "step": "tab:green"}
+    for j, m in enumerate(mods):  # one bar per module and step, side by side: modules overlap in time
+        xs = [i - 0.4 + width * (j + 0.5) for i in x]
+        bottom = [0.0] * len(rows)
+        parts = [(p, [r[f"{m}_{p}_s"] for r in rows]) for p in PARTS]
+        if m == "llm":
+            parts.append(("wait", [r["wait_s"] for r in rows]))
+        for part, vals in parts:
+            ax.bar(
+                xs,
+                vals,
+                width=width * 0.95,
+                bottom=bottom,
+                color=colours.get(part, "lightgrey"),
+                hatch="//" if j % 2 else None,
+                edgecolor="white",
+                label=f"{m} {part}",
+            )
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.plot(x, [r["step_s"] for r in rows], "k.-", label="step wall time")
+    finish(fig, ax, "time split", "s (max over a module's ranks)")
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ranks = sorted({k for r in rows for k in r["peak_mem_bytes"]})
+    for k in ranks:
+        ax.plot(x, [r["peak_mem_bytes"].get(k, float("nan")) / 2**20 for r in rows], marker=".", label=k)
+    finish(fig, ax, "peak memory per rank", "MiB (cuda: allocated; cpu: RSS high-water)")
+    return written, rows
+
+
+def render_report_summary(
+    run_dir: Path, rows: list[dict[str, Any]], pngs: list[Path], *, console: Console
+) -> None:
+    """The summary table: steps, loss, throughput, MFU, time split, memory per rank, restarts."""
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    table = Table(title=f"dhp report: {run_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("steps logged", f"{len(rows)} (steps {rows[0]['step']}..{rows[-1]['step']})")
+    table.add_row(
+        "loss first -> last (min)",
+        f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} ({min(r['loss'] for r in rows):.4f})",
+    )
+    table.add_row("grad norm (median)", f"{med('grad_norm'):.3g}")
+    table.add_row("step time (median)", f"{med('step_s'):.3f} s")
+    for m in _modules(rows):
+        split = " / ".join(f"{med(f'{m}_{p}_s'):.3f}" for p in PARTS)
+        table.add_row(f"{m} fwd / bwd / step (median)", f"{split} s")
+    table.add_row("LLM wait on hand-off (median)", f"{med('wait_s'):.3f} s")
+    table.add_row(
+        "vision / text tokens/s (median)",
+        f"{med('tokens_per_s_vision'):.0f} / {med('tokens_per_s_text'):.0f}",
+    )
+    table.add_row("MFU (median)", f"{med('mfu'):.2e}")
+    for k in sorted({k for r in rows for k in r["peak_mem_bytes"]}):
+        peak = max(r["peak_mem_bytes"][k] for r in rows if k in r["peak_mem_bytes"])
+        table.add_row(f"peak memory {k}", f"{peak / 2**20:.0f} MiB")
+    restarts = find_restarts(rows)
+    table.add_row("restarts", "; ".join(r.why for r in restarts) or "none")
+    table.add_row("plots", f"{len(pngs)} PNGs in {pngs[0].parent}")
+    console.print(table)
