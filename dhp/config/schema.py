@@ -134,12 +134,20 @@ class ModuleConfig:
 
 @dataclass
 class DatasetEntry:
-    """One LLaVA-style dataset (JSON or JSONL) with an image root, mixed by weight."""
+    """One dataset (LLaVA or messages JSON/JSONL, parquet/arrow, WebDataset tars), mixed by weight.
+
+    ``format``: ``auto`` detects it from the files (docs/DATA.md); ``image_root``: the folder image
+    paths are relative to ("" = the folder of ``path``). ``text_column``/``image_column``: the
+    parquet/arrow columns ("" = auto: ``messages`` or ``conversations``; ``images`` or ``image``).
+    """
 
     name: str = MISSING
     path: str = MISSING
-    image_root: str = MISSING
+    image_root: str = ""
     weight: float = 1.0
+    format: str = "auto"  # auto | llava | messages | parquet | webdataset
+    text_column: str = ""
+    image_column: str = ""
 
 
 @dataclass
@@ -165,6 +173,12 @@ class DataConfig:
     num_workers: int = 0  # threads that load/process the samples of a step (0: inline)
     shuffle: bool = True
     prefetch: bool = True  # build step k+1 in a background thread while step k trains
+    # local: load/process on the driver's threads; ray: on Ray CPU workers, pixels straight to the
+    # vision actors through the object store (docs/DATA.md "Engines")
+    engine: str = "local"  # local | ray
+    prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
+    cpus_per_worker: float = 1.0  # engine=ray: CPUs each data task reserves (0: unreserved)
+    allow_outside_root: bool = False  # image paths may leave their dataset's image_root
 
 
 @dataclass
