@@ -99,7 +99,11 @@ def plan(
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     cfg = load_config(conf, overrides, smoke=smoke)
     compiled = compile_plan(cfg)
-    if not dry_run:
+    if dry_run:  # the data must be reachable where the run starts
+        from dhp.data.preflight import check_data_paths
+
+        check_data_paths(cfg.data)
+    else:
         reserve_plan(compiled, cluster=cfg.cluster)
     if as_json:
         print(compiled.to_json_str())

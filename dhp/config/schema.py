@@ -170,14 +170,14 @@ class DataConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
     on_bad_sample: str = "raise"  # raise | skip
-    num_workers: int = 0  # threads that load/process the samples of a step (0: inline)
+    num_workers: int = 0  # local: threads per step (0: inline); ray: data actors (0: one per cluster CPU)
     shuffle: bool = True
     prefetch: bool = True  # build step k+1 in a background thread while step k trains
     # local: load/process on the driver's threads; ray: on Ray CPU workers, pixels straight to the
     # vision actors through the object store (docs/DATA.md "Engines")
     engine: str = "local"  # local | ray
     prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
-    cpus_per_worker: float = 1.0  # engine=ray: CPUs each data task reserves (0: unreserved)
+    cpus_per_worker: float = 0.0  # engine=ray: CPUs each data actor reserves (0: unreserved)
     allow_outside_root: bool = False  # image paths may leave their dataset's image_root
 
 

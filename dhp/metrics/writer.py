@@ -22,6 +22,7 @@ METRIC_KEYS = (
     "peak_mem_bytes",
     "mfu",
     "bad_samples",  # cumulative skipped samples by reason (data.on_bad_sample=skip); {} when none
+    "data",  # the loader: wait_s (blocked on data), samples_per_s (build rate), workers
 )
 
 
@@ -51,7 +52,7 @@ class MetricsWriter:
             for k, v in record.items():
                 if isinstance(v, int | float) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
-            for group in ("peak_mem_bytes", "bad_samples"):
+            for group in ("peak_mem_bytes", "bad_samples", "data"):
                 if isinstance(record[group], dict):
                     for k, v in record[group].items():
                         self._tb.add_scalar(f"{group}/{k}", v, record["step"])
