@@ -21,7 +21,8 @@ DEMO = "pkg://dhp.data_assets/demo"
 def ray_local():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # 4 logical CPUs: tiny_vlm's 4 ranks x 0.25 plus the loaders' unreserved data actors
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -82,3 +83,29 @@ def test_ray_batches_equal_local_across_an_epoch_and_resume(ray_local, tiny_mode
     finally:
         local.close()
         remote.close()
+
+
+def _train(out, name: str, *overrides: str):
+    """``dhp train conf=tiny_vlm train.steps=4`` in this process (the module's Ray: no second start)."""
+    from rich.console import Console
+
+    from dhp.config import load_config
+    from dhp.runtime.train import train
+
+    cfg = load_config(
+        "tiny_vlm", [f"name={name}", f"train.output_dir={out}", "train.steps=4", "data.num_workers=2", *overrides]
+    )
+    return train(cfg, console=Console(file=open(os.devnull, "w")))
+
+
+def test_train_losses_equal_local_and_resume_under_ray(ray_local, tmp_path):
+    local = _train(tmp_path, "local", "data.engine=local")
+    ray_run = _train(tmp_path, "ray", "data.engine=ray", "train.checkpoint_every=2")
+    assert sorted(local.losses) == [1, 2, 3, 4]
+    for step, loss in local.losses.items():  # same samples, same order: 1e-6 relative (fp32 CPU)
+        assert abs(ray_run.losses[step] - loss) <= 1e-6 * abs(loss), (step, ray_run.losses, local.losses)
+    ckpt = next(p for p in (ray_run.run_dir / "checkpoints").iterdir() if p.name.endswith("000002"))
+    resumed = _train(tmp_path, "resumed", "data.engine=ray", f"train.resume={ckpt}")
+    assert sorted(resumed.losses) == [3, 4]
+    for step in (3, 4):  # the data position restored under ray: the uninterrupted losses
+        assert abs(resumed.losses[step] - ray_run.losses[step]) <= 1e-6 * abs(ray_run.losses[step])
