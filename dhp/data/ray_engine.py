@@ -4,9 +4,10 @@ Placement and bytes. ``data.num_workers`` data actors (``_DataWorker``, ``data.c
 CPUs each, spread over the cluster's nodes) each hold one copy of the source (dataset indices,
 tokenizer, image processor; shipped once through the object store). The driver keeps the seeded
 per-epoch order and asks for stream positions ``position .. position + window`` (window =
-``data.prefetch_depth`` steps of samples), round-robin over the actors. Each call returns two
-objects owned by the driver: the sample's metadata (token ids, labels, grid; a few KB) and its
-pixel rows (stored on the worker's node). The driver fetches only the metadata; the pixels travel
+``data.prefetch_depth`` steps of samples), in chunks of consecutive positions, round-robin over
+the actors. Each call returns objects owned by the driver: the chunk's metadata (token ids,
+labels, grids; a few KB a sample) and one object per sample with its pixel rows (stored on the
+worker's node). The driver fetches only the metadata; the pixels travel
 as :class:`~dhp.data.remote.RemoteRows` through routing to the vision ranks, which fetch them from
 the object store. So balancing (largest patch count first) and the global token count are computed
 exactly as with ``local``, from the same samples in the same order: the batches are identical.
@@ -43,18 +44,26 @@ class _DataWorker:
     def ready(self) -> bool:
         return True
 
-    def load(self, index: int) -> tuple[Any, Any]:
-        """``(meta, pixels)``: meta is the Sample without pixels plus ``(rows, width)``, or the bad
-        sample's fields; pixels a float32 ``(rows, width)`` numpy array or None."""
-        try:
-            s = self.source.load(index)
-        except bad.BadSampleError as e:
-            return ("bad", e.location, e.reason, e.detail, e.fix), None
-        px = s.pixel_values
-        s.pixel_values = None
-        if px is None:
-            return ("ok", s, 0, 0), None
-        return ("ok", s, int(px.shape[0]), int(px.shape[1])), px.contiguous().numpy()
+    def load(self, indices: list[int]) -> tuple[Any, ...]:
+        """``(metas, pixels_0, ..., pixels_{k-1})`` for ``indices``: a meta is the Sample without
+        pixels plus ``(rows, width)``, or the bad sample's fields; pixels a float32 ``(rows, width)``
+        numpy array or None. Each pixel array is its own object (read by one vision rank)."""
+        metas, pixels = [], []
+        for index in indices:
+            try:
+                s = self.source.load(index)
+            except bad.BadSampleError as e:
+                metas.append(("bad", e.location, e.reason, e.detail, e.fix))
+                pixels.append(None)
+                continue
+            px, s.pixel_values = s.pixel_values, None
+            if px is None:
+                metas.append(("ok", s, 0, 0))
+                pixels.append(None)
+            else:
+                metas.append(("ok", s, int(px.shape[0]), int(px.shape[1])))
+                pixels.append(px.contiguous().numpy())
+        return (metas, *pixels)
 
 
 class RayStepLoader(StepLoader):
@@ -65,7 +74,9 @@ class RayStepLoader(StepLoader):
         self.cpus_per_worker = cpus_per_worker
         self.prefetch_depth = max(1, prefetch_depth)
         self._actors: list[Any] = []
-        self._inflight: dict[int, tuple[Any, Any]] = {}
+        self._inflight: dict[int, tuple[Any, int, Any]] = {}  # position -> (metas, j, pixels)
+        self._metas: tuple[Any, list] | None = None  # the last fetched call's metas
+        self._calls = 0
         self._next_submit = 0
         self._owns_ray = False
 
@@ -110,13 +121,31 @@ class RayStepLoader(StepLoader):
     def _reset_inflight(self) -> None:
         """Drop everything in flight (the position was moved): refs go, objects are freed."""
         self._inflight.clear()
+        self._metas = None
         self._next_submit = self.position
 
     def _fill(self, upto: int) -> None:
-        for p in range(max(self._next_submit, self.position), upto):
-            actor = self._actors[p % len(self._actors)]
-            self._inflight[p] = actor.load.options(num_returns=2).remote(self._index_at(p))
-        self._next_submit = max(self._next_submit, upto)
+        """Ask for positions ``_next_submit .. upto`` in chunks of :attr:`chunk`, round-robin."""
+        p = max(self._next_submit, self.position)
+        while p < upto:
+            idx = [self._index_at(q) for q in range(p, p + self.chunk)]
+            actor = self._actors[self._calls % len(self._actors)]
+            self._calls += 1
+            refs = actor.load.options(num_returns=1 + len(idx)).remote(idx)
+            for j in range(len(idx)):
+                self._inflight[p + j] = (refs[0], j, refs[1 + j])
+            p += len(idx)
+        self._next_submit = max(self._next_submit, p)
+
+    @property
+    def chunk(self) -> int:
+        """Samples per actor call: a step's share per worker (fewer calls, less driver CPU), <= 8."""
+        return max(1, min(8, self.spec.global_batch_size // max(1, len(self._actors))))
+
+    def _meta(self, ref: Any, j: int) -> Any:
+        if self._metas is None or self._metas[0] is not ref:
+            self._metas = (ref, self._get(ref))
+        return self._metas[1][j]
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -140,9 +169,9 @@ class RayStepLoader(StepLoader):
         bad_run = 0
         while len(good) < n:
             self._fill(self.position + max(window, n - len(good)))
-            meta_ref, px_ref = self._inflight.pop(self.position)
+            meta_ref, j, px_ref = self._inflight.pop(self.position)
             self.position += 1
-            meta = self._get(meta_ref)
+            meta = self._meta(meta_ref, j)
             if meta[0] == "bad":
                 err = bad.BadSampleError(location=meta[1], reason=meta[2], detail=meta[3], fix=meta[4])
                 if self.spec.on_bad_sample == "raise":
