@@ -93,3 +93,30 @@ def test_skip_trains_on_the_rest_and_raise_names_the_line(tiny_model, hostile):
     loader = build_loader(data=_data(path, images, shuffle=False, prefetch=False), **kw)
     with pytest.raises(bad.BadSampleError, match=rf"bad sample at {path}:3 \(path_outside_root\)"):
         next(loader)
+
+
+def test_dry_run_data_check_lists_every_missing_path(tmp_path):
+    from dhp.data.preflight import check_data_paths, missing_data_paths
+    from dhp.errors import DataError
+
+    (tmp_path / "s-0000.tar").write_bytes(b"")
+    ok = DataConfig(
+        kind="llava",
+        datasets=[
+            DatasetEntry(name="a", path="pkg://dhp.data_assets/demo/captions.json", image_root="pkg://dhp.data_assets/demo/images"),
+            DatasetEntry(name="w", path=str(tmp_path / "s-{0000..0000}.tar")),
+        ],
+    )
+    assert missing_data_paths(ok) == []
+    broken = replace(
+        ok,
+        datasets=[
+            DatasetEntry(name="a", path=str(tmp_path / "no.jsonl"), image_root=str(tmp_path / "noimg")),
+            DatasetEntry(name="w", path=str(tmp_path / "s-{0000..0001}.tar")),
+        ],
+    )
+    with pytest.raises(DataError) as info:
+        check_data_paths(broken)
+    text = str(info.value)
+    assert "no.jsonl' does not exist" in text and "noimg' is not a directory" in text
+    assert "s-{0000..0001}.tar' does not exist" in text and "Fix:" in text
