@@ -37,11 +37,12 @@ def expand_shards(spec: str) -> list[Path]:
         return list_files(Path(spec), (".tar",))
     lo, hi = m.group(1), m.group(2)
     width = len(lo)
-    return [
-        p
-        for i in range(int(lo), int(hi) + 1)
-        for p in expand_shards(spec[: m.start()] + str(i).zfill(width) + spec[m.end() :])
-    ]
+    out = []
+    for i in range(int(lo), int(hi) + 1):
+        name = spec[: m.start()] + str(i).zfill(width) + spec[m.end() :]
+        # a named shard is listed even when missing, so the caller can say which one is
+        out += expand_shards(name) if _BRACE.search(name) or any(c in name for c in "*?[") else [Path(name)]
+    return out
 
 
 def split_key(name: str) -> tuple[str, str]:
