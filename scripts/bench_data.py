@@ -179,7 +179,9 @@ def bench_engines(args, model, tmp: Path) -> dict:
         by = {(r["engine"], r["workers"]): r for r in rows if r["side_px"] == side}
         for w in args.workers:
             if ("local", w) in by and ("ray", w) in by:
-                ratio = by[("ray", w)]["driver_cpu_s_per_step"] / max(by[("local", w)]["driver_cpu_s_per_step"], 1e-9)
+                ratio = by[("ray", w)]["driver_cpu_s_per_step"] / max(
+                    by[("local", w)]["driver_cpu_s_per_step"], 1e-9
+                )
                 out[f"driver_cpu_ray_over_local_{side}px_{w}w"] = round(ratio, 4)
                 print(f"{side:>5} px, {w} worker(s): driver CPU ray/local = {100 * ratio:.1f} %")
     return out

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Protocol
 
@@ -36,12 +37,16 @@ def detect_format(entry: DatasetEntry) -> str:
     path = resolve_path(entry.path, key=f"data.datasets[{entry.name}].path")
     if path.suffix in (".parquet", ".arrow"):
         return "parquet"
-    if path.is_dir() or any(c in entry.path for c in "*?["):
-        names = [p.suffix for p in (path.rglob("*") if path.is_dir() else Path(path.anchor).glob(str(path)[1:]))]
-        if ".tar" in names:
-            return "webdataset"
-        if ".parquet" in names or ".arrow" in names:
-            return "parquet"
+    if path.is_dir():
+        suffixes = {p.suffix for p in path.rglob("*")}
+    elif any(c in entry.path for c in "*?["):
+        suffixes = {Path(p).suffix for p in glob.glob(str(path))}
+    else:
+        suffixes = set()
+    if ".tar" in suffixes:
+        return "webdataset"
+    if suffixes & {".parquet", ".arrow"}:
+        return "parquet"
     return "llava"
 
 
@@ -49,7 +54,14 @@ def open_dataset(entry: DatasetEntry, *, allow_outside_root: bool) -> Dataset:
     """The reader of ``entry`` (DataError when its files are missing or unreadable)."""
     if entry.format not in FORMATS:
         raise ConfigError(
-            [ConfigIssue(f"data.datasets[{entry.name}].format", entry.format, f"must be one of {FORMATS}", "pick one")]
+            [
+                ConfigIssue(
+                    f"data.datasets[{entry.name}].format",
+                    entry.format,
+                    f"must be one of {FORMATS}",
+                    "pick one",
+                )
+            ]
         )
     fmt = entry.format if entry.format in ("parquet", "webdataset") else detect_format(entry)
     if fmt == "parquet":

@@ -217,7 +217,10 @@ class StepLoader:
                     "data: step %d waited %.2f s of %.2f s (%.0f%%) for its samples. Fix: more CPU "
                     "workers (data.num_workers; data.engine=ray spreads them over the cluster), a "
                     "deeper data.prefetch_depth, or a smaller data.max_pixels",
-                    data.step + 1, wait, period, 100 * wait / period,
+                    data.step + 1,
+                    wait,
+                    period,
+                    100 * wait / period,
                 )
         self._last_return = now
         return data
@@ -333,7 +336,9 @@ def check_engine(data: DataConfig) -> None:
     """ConfigError for an unknown ``data.engine`` or a negative prefetch depth / CPU share."""
     issues = []
     if data.engine not in ENGINES:
-        issues.append(ConfigIssue("data.engine", data.engine, f"must be one of {ENGINES}", "use local or ray"))
+        issues.append(
+            ConfigIssue("data.engine", data.engine, f"must be one of {ENGINES}", "use local or ray")
+        )
     if data.prefetch_depth < 1:
         issues.append(ConfigIssue("data.prefetch_depth", data.prefetch_depth, "must be >= 1", "use 2"))
     if data.cpus_per_worker < 0:

@@ -85,7 +85,7 @@ def validate_messages(raw: object, *, location: str, images: ImagesFn) -> Record
         if not isinstance(msg, dict) or set(msg) - {"role", "content"} or msg.get("role") not in ROLES:
             raise _bad(loc, bad.BAD_CONVERSATION, f"messages[{i}] = {msg!r} is not {{role, content}}", FIX)
         inline: list[object] = []
-        text, from_list = _content_text(msg.get("content"), i=i, loc=loc, inline=inline)
+        text, _ = _content_text(msg.get("content"), i=i, loc=loc, inline=inline)
         n = text.count(IMAGE_PLACEHOLDER)
         if n and msg["role"] != "user":
             raise _bad(

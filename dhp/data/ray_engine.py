@@ -210,4 +210,3 @@ class RayStepLoader(StepLoader):
             if self._owns_ray:
                 ray.shutdown()
         self._actors, self._inflight, self._owns_ray = [], {}, False
-

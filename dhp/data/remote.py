@@ -25,7 +25,9 @@ class RemoteRows:
     device = torch.device("cpu")
     ndim = 2
 
-    def __init__(self, segments: tuple[tuple[Any, int, int], ...], width: int, index: torch.Tensor | None = None):
+    def __init__(
+        self, segments: tuple[tuple[Any, int, int], ...], width: int, index: torch.Tensor | None = None
+    ):
         self.segments = tuple(segments)
         self.width = int(width)
         self.index = index

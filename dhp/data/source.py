@@ -37,9 +37,7 @@ class SampleSource(Protocol):
 class LlavaSource:
     """Several datasets (any format) behind one index ``0..len-1`` (dataset after dataset)."""
 
-    def __init__(
-        self, *, datasets: list[Dataset], weights: list[float], processor: SampleProcessor
-    ) -> None:
+    def __init__(self, *, datasets: list[Dataset], weights: list[float], processor: SampleProcessor) -> None:
         self.datasets = datasets
         self.weights = weights
         self.processor = processor

@@ -89,7 +89,7 @@ class TabularDataset:
         self._offsets = [0]
         for n in counts:
             self._offsets.append(self._offsets[-1] + n)
-        self._group_starts = [[0] + _cumsum(g) for g in groups]
+        self._group_starts = [[0, *_cumsum(g)] for g in groups]
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -139,7 +139,9 @@ class TabularDataset:
         """Read and validate row ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""
         loc = self.location(index)
         row = self._row(*self._split(index))
-        text_key, image_key = ("messages", "images") if self.format == "messages" else ("conversations", "image")
+        text_key, image_key = (
+            ("messages", "images") if self.format == "messages" else ("conversations", "image")
+        )
         raw = {text_key: row[self.text_column]}
         if self.image_column and row[self.image_column] is not None:
             raw[image_key] = row[self.image_column]

@@ -106,12 +106,16 @@ class WebDataset:
             raw = json.loads(data.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise bad.BadSampleError(
-                location=loc, reason=bad.INVALID_UTF8, detail=f"{key}.json byte {e.start} is not UTF-8",
+                location=loc,
+                reason=bad.INVALID_UTF8,
+                detail=f"{key}.json byte {e.start} is not UTF-8",
                 fix="re-encode the member as UTF-8",
             ) from e
         except json.JSONDecodeError as e:
             raise bad.BadSampleError(
-                location=loc, reason=bad.MALFORMED_RECORD, detail=f"{key}.json is not valid JSON ({e.msg})",
+                location=loc,
+                reason=bad.MALFORMED_RECORD,
+                detail=f"{key}.json is not valid JSON ({e.msg})",
                 fix="repair the member",
             ) from e
         fmt = self.format or detect_record_format(raw) or "llava"
@@ -125,8 +129,10 @@ class WebDataset:
             for ext in exts:
                 if not isinstance(ext, str) or ext not in members:
                     raise bad.BadSampleError(
-                        location=where, reason=bad.MISSING_FILE, detail=f"no member {key}.{ext} in the shard",
-                        fix="name the key's image members by extension, e.g. \"jpg\"",
+                        location=where,
+                        reason=bad.MISSING_FILE,
+                        detail=f"no member {key}.{ext} in the shard",
+                        fix='name the key\'s image members by extension, e.g. "jpg"',
                     )
                 out.append(ImageBlob(name=f"{key}.{ext}", data=self._read(s, *members[ext])))
             return tuple(out)

@@ -106,7 +106,12 @@ def test_all_four_formats_through_the_cli(tiny_dir, tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     text = out.stdout
     assert "100 samples: 96 good, 4 bad" in " ".join(text.split())
-    for reason in ("placeholder_mismatch: 1", "bad_conversation: 1", "corrupt_image: 1", "malformed_record: 1"):
+    for reason in (
+        "placeholder_mismatch: 1",
+        "bad_conversation: 1",
+        "corrupt_image: 1",
+        "malformed_record: 1",
+    ):
         assert reason in text, reason
     for loc in locs:  # file:line, file[record], file[row], shard:key
         assert f"- {loc}: " in text, loc

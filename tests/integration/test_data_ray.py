@@ -58,7 +58,9 @@ def _same(a, b) -> None:
         for x, y in zip(row_a, row_b, strict=True):
             assert x.sample_ids == y.sample_ids
             for f in ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "image_grid_thw"):
-                assert (getattr(x, f) is None and getattr(y, f) is None) or torch.equal(getattr(x, f), getattr(y, f))
+                assert (getattr(x, f) is None and getattr(y, f) is None) or torch.equal(
+                    getattr(x, f), getattr(y, f)
+                )
             if x.pixel_values is not None:
                 assert isinstance(y.pixel_values, RemoteRows)  # no pixel byte on the driver
                 assert torch.equal(x.pixel_values, y.pixel_values.resolve())
@@ -93,7 +95,8 @@ def _train(out, name: str, *overrides: str):
     from dhp.runtime.train import train
 
     cfg = load_config(
-        "tiny_vlm", [f"name={name}", f"train.output_dir={out}", "train.steps=4", "data.num_workers=2", *overrides]
+        "tiny_vlm",
+        [f"name={name}", f"train.output_dir={out}", "train.steps=4", "data.num_workers=2", *overrides],
     )
     return train(cfg, console=Console(file=open(os.devnull, "w")))
 

@@ -73,7 +73,10 @@ def write_parts_json(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str
             msgs.append({"role": m["role"], "content": content})
         out.append({"id": rec["id"], "messages": msgs})
     if bad:
-        out[2]["messages"][0]["content"] = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "Hi"}]
+        out[2]["messages"][0]["content"] = [
+            {"type": "video", "video": "clip.mp4"},
+            {"type": "text", "text": "Hi"},
+        ]
     path.write_text(json.dumps(out))
     return DatasetEntry(name="parts", path=str(path), image_root=str(DEMO / "images")), f"{path}[2]"
 

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import replace
 
 import pytest
+from formats_build import DEMO
 from PIL import Image
 
 from dhp.config.schema import DataConfig, DatasetEntry, TrainConfig
@@ -15,14 +16,18 @@ from dhp.data import bad
 from dhp.data.check import check_data
 from dhp.data.loader import build_loader
 
-from formats_build import DEMO
-
 pytestmark = pytest.mark.unit
 ASK = "What is in the image?"
 
 
 def _rec(image: str) -> dict:
-    return {"image": image, "conversations": [{"from": "human", "value": f"<image>\n{ASK}"}, {"from": "gpt", "value": "A thing."}]}
+    return {
+        "image": image,
+        "conversations": [
+            {"from": "human", "value": f"<image>\n{ASK}"},
+            {"from": "gpt", "value": "A thing."},
+        ],
+    }
 
 
 @pytest.fixture
@@ -77,7 +82,10 @@ def test_each_hostile_line_is_one_named_bad_sample(tiny_model, hostile):
 def test_allow_outside_root_admits_paths_elsewhere(tiny_model, hostile):
     path, images, _ = hostile
     report = check_data(
-        data=_data(path, images, allow_outside_root=True), model=tiny_model, vision_seq_len=4096, llm_seq_len=2048
+        data=_data(path, images, allow_outside_root=True),
+        model=tiny_model,
+        vision_seq_len=4096,
+        llm_seq_len=2048,
     )
     assert bad.PATH_OUTSIDE_ROOT not in report.bad_counts and report.num_good == 5
 
@@ -103,7 +111,11 @@ def test_dry_run_data_check_lists_every_missing_path(tmp_path):
     ok = DataConfig(
         kind="llava",
         datasets=[
-            DatasetEntry(name="a", path="pkg://dhp.data_assets/demo/captions.json", image_root="pkg://dhp.data_assets/demo/images"),
+            DatasetEntry(
+                name="a",
+                path="pkg://dhp.data_assets/demo/captions.json",
+                image_root="pkg://dhp.data_assets/demo/images",
+            ),
             DatasetEntry(name="w", path=str(tmp_path / "s-{0000..0000}.tar")),
         ],
     )
