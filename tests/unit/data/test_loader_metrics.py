@@ -23,7 +23,9 @@ def _loader(tiny_model, **kw):
 
 
 def test_a_data_bound_loop_is_reported_once_with_the_fix(tiny_model, caplog):
-    loader = _loader(tiny_model, prefetch=False, num_workers=0)  # inline: every step waits for all of its data
+    loader = _loader(
+        tiny_model, prefetch=False, num_workers=0
+    )  # inline: every step waits for all of its data
     with caplog.at_level(logging.WARNING, logger="dhp.data"):
         steps = [next(loader) for _ in range(5)]
     warned = [r.getMessage() for r in caplog.records if r.name == "dhp.data"]
