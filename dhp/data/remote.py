@@ -93,3 +93,9 @@ def resolve_pixels(shard: Any) -> Any:
     if shard is None or not isinstance(shard.pixel_values, RemoteRows):
         return shard
     return dataclasses.replace(shard, pixel_values=shard.pixel_values.resolve())
+
+
+def as_tensor(pixels: Any) -> Any:
+    """``pixels`` as a tensor (fetched when it is :class:`RemoteRows`): for single-process references
+    such as ``dhp verify``, which run the whole model on the driver anyway."""
+    return pixels.resolve() if isinstance(pixels, RemoteRows) else pixels

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
+from dhp.data.remote import as_tensor
 from dhp.errors import ConfigError, ConfigIssue
 
 IGNORE_INDEX = -100
@@ -150,7 +151,7 @@ class ReferenceModel:
                 logits = self.model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
-                    pixel_values=b.pixel_values,
+                    pixel_values=as_tensor(b.pixel_values),  # data.engine=ray: fetched here
                     image_grid_thw=b.image_grid_thw,
                     mm_token_type_ids=b.mm_token_type_ids,
                     use_cache=False,
