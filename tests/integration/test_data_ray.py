@@ -101,6 +101,7 @@ def _train(out, name: str, *overrides: str):
     return train(cfg, console=Console(file=open(os.devnull, "w")))
 
 
+@pytest.mark.slow  # three tiny_vlm trainings (local, ray, ray resumed)
 def test_train_losses_equal_local_and_resume_under_ray(ray_local, tmp_path):
     local = _train(tmp_path, "local", "data.engine=local")
     ray_run = _train(tmp_path, "ray", "data.engine=ray", "train.checkpoint_every=2")
