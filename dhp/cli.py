@@ -130,7 +130,11 @@ def plan(
             render_auto(ranked, why, compiled, console)
     else:
         compiled = compile_plan(cfg)
-    if not dry_run:
+    if dry_run:  # the data must be reachable where the run starts
+        from dhp.data.preflight import check_data_paths
+
+        check_data_paths(cfg.data)
+    else:
         reserve_plan(compiled, cluster=cfg.cluster)
     if as_json:
         print(compiled.to_json_str())

@@ -2,6 +2,7 @@
 """Data loading time per sample at 448 px and 1792 px (real photographs), on this machine.
 
 python scripts/bench_data.py [--sides 448 1792] [--repeats 2] [--model-path DIR] [--json OUT.json]
+python scripts/bench_data.py --engine local ray --workers 1 2 [--steps 4] [--sides 448 1792]
 
 Each of the 16 demo photographs is resized to side x side (JPEG, quality 90) into a temporary LLaVA
 dataset with its caption. A sample's load time is what the loader pays per sample: JPEG decode,
@@ -9,6 +10,13 @@ transformers' Qwen2-VL image processor (resize, normalise, patchify) with max_pi
 chat-template rendering, tokenization and image-token expansion. The breakdown times the three
 stages separately on the same samples. Synthetic samples of the same patch counts are timed too.
 Without --model-path a tiny checkpoint (tokenizer + preprocessor config) is written to a temp dir.
+
+With --engine, the step loader itself is timed instead, per engine, worker count and side: a
+global batch of 8 over 2 data replicas, ``--steps`` steps after one warm-up step (actor start-up
+and imports excluded). ``samples_per_s`` is samples handed out over wall time; ``driver_cpu_s_per_step``
+is this process's CPU time (all its threads: the loader's prefetch thread, the local engine's
+workers, Ray's client threads) per step. Under ``ray`` the samples are processed by data actors and
+the pixels stay in the object store, so the driver pays for indices and metadata only.
 """
 
 from __future__ import annotations
@@ -108,6 +116,77 @@ def time_synthetic(model, side: int, repeats: int) -> dict:
     return {"side_px": side, "patches": patches, "ms_per_sample_mean": round(1e3 * statistics.mean(times), 2)}
 
 
+def time_engine(model, side: int, engine: str, workers: int, steps: int, tmp: Path) -> dict:
+    """Samples/s and the driver's CPU seconds per step of the step loader under ``engine``."""
+    from dhp.config.schema import TrainConfig
+    from dhp.data.loader import build_loader
+
+    root = tmp / f"engine{side}"
+    path = root / "data.json" if root.exists() else make_dataset(root, side)
+    data = DataConfig(
+        kind="llava",
+        datasets=[DatasetEntry(name="bench", path=str(path), image_root=str(path.parent / "images"))],
+        max_pixels=side * side,
+        engine=engine,
+        num_workers=workers,
+        prefetch_depth=2,
+    )
+    train = TrainConfig(global_batch_size=8, micro_batch_size=1, seed=0)
+    loader = build_loader(
+        data=data, model=model, train=train, dp_size=2, vision_seq_len=1 << 20, llm_seq_len=1 << 20
+    )
+    try:
+        next(loader)  # warm-up: actors, imports, caches
+        t0, c0 = time.perf_counter(), time.process_time()
+        waits = []
+        for _ in range(steps):
+            waits.append(next(loader).metrics["wait_s"])
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        loader.close()
+    return {
+        "engine": engine,
+        "workers": workers,
+        "side_px": side,
+        "steps": steps,
+        "samples_per_s": round(steps * 8 / wall, 3),
+        "driver_cpu_s_per_step": round(cpu / steps, 4),
+        "wall_s_per_step": round(wall / steps, 3),
+        "data_wait_s_per_step": round(statistics.mean(waits), 3),
+    }
+
+
+def bench_engines(args, model, tmp: Path) -> dict:
+    import ray
+
+    ray.init(num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)
+    try:
+        rows = [
+            time_engine(model, side, engine, w, args.steps, tmp)
+            for side in args.sides
+            for engine in args.engine
+            for w in args.workers
+        ]
+    finally:
+        ray.shutdown()
+    for r in rows:
+        print(
+            f"{r['side_px']:>5} px {r['engine']:>5} x{r['workers']}: {r['samples_per_s']:7.2f} samples/s, "
+            f"driver CPU {r['driver_cpu_s_per_step']:.3f} s/step, wall {r['wall_s_per_step']:.2f} s/step"
+        )
+    out: dict = {"engines": rows}
+    for side in args.sides:
+        by = {(r["engine"], r["workers"]): r for r in rows if r["side_px"] == side}
+        for w in args.workers:
+            if ("local", w) in by and ("ray", w) in by:
+                ratio = by[("ray", w)]["driver_cpu_s_per_step"] / max(
+                    by[("local", w)]["driver_cpu_s_per_step"], 1e-9
+                )
+                out[f"driver_cpu_ray_over_local_{side}px_{w}w"] = round(ratio, 4)
+                print(f"{side:>5} px, {w} worker(s): driver CPU ray/local = {100 * ratio:.1f} %")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -116,6 +195,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over the 16 photographs per side")
     parser.add_argument("--model-path", default=None, help="HF dir with tokenizer + preprocessor_config.json")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    parser.add_argument("--engine", nargs="+", choices=["local", "ray"], default=None, help="time the loader")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="with --engine: data workers")
+    parser.add_argument("--steps", type=int, default=4, help="with --engine: timed steps of 8 samples")
     args = parser.parse_args()
     from dhp.models import get_family, make_tiny_checkpoint
 
@@ -123,6 +205,14 @@ def main() -> None:
         tmp = Path(tmp_dir)
         model_path = args.model_path or str(make_tiny_checkpoint(tmp / "tiny"))
         model = replace(get_family("qwen2_5_vl").tiny_model_config(), path=model_path)
+        if args.engine:
+            results = bench_engines(args, model, tmp)
+            results["load_average_1m"] = os.getloadavg()[0]
+            results["cpu_count"] = os.cpu_count()
+            print(json.dumps(results))
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
+            return
         results = {
             "llava_real_photos": [time_llava(model, s, args.repeats, tmp) for s in args.sides],
             "synthetic": [time_synthetic(replace(model, path=None), s, args.repeats) for s in args.sides],

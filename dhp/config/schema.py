@@ -146,12 +146,20 @@ class ModuleConfig:
 
 @dataclass
 class DatasetEntry:
-    """One LLaVA-style dataset (JSON or JSONL) with an image root, mixed by weight."""
+    """One dataset (LLaVA or messages JSON/JSONL, parquet/arrow, WebDataset tars), mixed by weight.
+
+    ``format``: ``auto`` detects it from the files (docs/DATA.md); ``image_root``: the folder image
+    paths are relative to ("" = the folder of ``path``). ``text_column``/``image_column``: the
+    parquet/arrow columns ("" = auto: ``messages`` or ``conversations``; ``images`` or ``image``).
+    """
 
     name: str = MISSING
     path: str = MISSING
-    image_root: str = MISSING
+    image_root: str = ""
     weight: float = 1.0
+    format: str = "auto"  # auto | llava | messages | parquet | webdataset
+    text_column: str = ""
+    image_column: str = ""
 
 
 @dataclass
@@ -174,9 +182,15 @@ class DataConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
     on_bad_sample: str = "raise"  # raise | skip
-    num_workers: int = 0  # threads that load/process the samples of a step (0: inline)
+    num_workers: int = 0  # local: threads per step (0: inline); ray: data actors (0: one per cluster CPU)
     shuffle: bool = True
     prefetch: bool = True  # build step k+1 in a background thread while step k trains
+    # local: load/process on the driver's threads; ray: on Ray CPU workers, pixels straight to the
+    # vision actors through the object store (docs/DATA.md "Engines")
+    engine: str = "local"  # local | ray
+    prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
+    cpus_per_worker: float = 0.0  # engine=ray: CPUs each data actor reserves (0: unreserved)
+    allow_outside_root: bool = False  # image paths may leave their dataset's image_root
 
 
 @dataclass

@@ -95,4 +95,5 @@ def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: Dict
     data.synthetic.images_per_sample = 1
     data.synthetic.text_tokens = SMOKE_TEXT_TOKENS
     data.num_workers = 0
+    data.engine = "local"  # one CPU box: no data actors to start
     return out

@@ -22,6 +22,11 @@ TEXT_TOO_LONG = "text_too_long"
 BAD_CONVERSATION = "bad_conversation"
 UNKNOWN_KEYS = "unknown_keys"
 MALFORMED_RECORD = "malformed_record"
+PATH_OUTSIDE_ROOT = "path_outside_root"  # ../ or an absolute path outside the image root
+NOT_A_FILE = "not_a_file"  # the image path is a directory (or a socket, fifo, ...)
+SYMLINK_LOOP = "symlink_loop"
+DECOMPRESSION_BOMB = "decompression_bomb"  # more pixels than PIL's MAX_IMAGE_PIXELS
+INVALID_UTF8 = "invalid_utf8"  # a JSONL line (or a shard's JSON) that is not UTF-8
 REASONS = (
     MISSING_FILE,
     CORRUPT_IMAGE,
@@ -31,11 +36,16 @@ REASONS = (
     BAD_CONVERSATION,
     UNKNOWN_KEYS,
     MALFORMED_RECORD,
+    PATH_OUTSIDE_ROOT,
+    NOT_A_FILE,
+    SYMLINK_LOOP,
+    DECOMPRESSION_BOMB,
+    INVALID_UTF8,
 )
 
 
 class BadSampleError(DataError):
-    """One bad sample: ``location`` is ``"<file>:<line or record>"``, ``reason`` one of :data:`REASONS`."""
+    """One bad sample: ``location`` is ``"<file>:<line>"``, ``"<file>[<record>]"`` or ``"<shard>:<key>"``, ``reason`` one of :data:`REASONS`."""
 
     def __init__(self, *, location: str, reason: str, detail: str, fix: str) -> None:
         if reason not in REASONS:

@@ -6,20 +6,28 @@ image of ``image``, in order. Image paths are relative to the dataset's ``image_
 absolute). Paths may start with ``pkg://<package>/`` to point inside an installed package, e.g.
 ``pkg://dhp.data_assets/demo/captions.json`` for the shipped demo set.
 
-Only the record index is held in memory: JSONL lines stay raw strings until a record is read, so a
-malformed line is one bad sample, not a failed dataset. Images are opened by the processor.
+The same file may hold ``messages`` records instead (``dhp.data.messages``); ``format`` picks the
+validator, ``auto`` reads it off the first records. Only an index is held in memory: JSONL lines
+are byte offsets, read and decoded when a record is read, so a malformed line (bad JSON, not an
+object, not UTF-8) is one bad sample, not a failed dataset. Images are opened by the processor.
 """
 
 from __future__ import annotations
 
 import json
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
+from dhp.data.images import ImageRef, image_path
 from dhp.errors import DataError
+
+# value of a record's image field -> image references (None -> no image)
+ImagesFn = Callable[[object, str], tuple[ImageRef, ...]]
 
 IMAGE_PLACEHOLDER = "<image>"
 ALLOWED_KEYS = ("id", "image", "conversations")
@@ -31,7 +39,7 @@ class Record:
     """One validated conversation: ``turns`` are ``(role, text)`` with chat-template role names."""
 
     location: str
-    images: tuple[Path, ...]
+    images: tuple[ImageRef, ...]
     turns: tuple[tuple[str, str], ...]
 
 
@@ -49,36 +57,85 @@ def resolve_path(path: str, *, key: str) -> Path:
     return Path(str(root.joinpath(sub))) if sub else Path(str(root))
 
 
-class LlavaDataset:
-    """The records of one :class:`DatasetEntry`, validated one at a time by :meth:`record`."""
+def entry_image_root(entry: DatasetEntry, path: Path) -> Path:
+    """The entry's image root; "" means the folder of the dataset file (or the folder itself)."""
+    if entry.image_root:
+        return resolve_path(entry.image_root, key=f"data.datasets[{entry.name}].image_root")
+    return path if path.is_dir() else path.parent
 
-    def __init__(self, entry: DatasetEntry) -> None:
+
+def path_images(root: Path, *, allow_outside: bool) -> ImagesFn:
+    """The image-field reader of path-based records: a path or a non-empty list of paths under ``root``."""
+
+    def read(value: object, loc: str) -> tuple[ImageRef, ...]:
+        if value is None:
+            return ()
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            raise _bad(
+                loc, bad.MALFORMED_RECORD, f"image = {value!r}", "give a path or a non-empty list of paths"
+            )
+        return tuple(image_path(n, root=root, loc=loc, allow_outside=allow_outside) for n in names)
+
+    return read
+
+
+def detect_record_format(raw: object) -> str | None:
+    """``messages`` or ``llava`` from one parsed record's keys; None when it says neither."""
+    if isinstance(raw, dict):
+        if "messages" in raw:
+            return "messages"
+        if "conversations" in raw:
+            return "llava"
+    return None
+
+
+class LlavaDataset:
+    """The records of one JSON/JSONL :class:`DatasetEntry` (LLaVA or messages records), validated
+    one at a time by :meth:`record`. Holds the parsed list (JSON) or line offsets (JSONL)."""
+
+    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
         self.name = entry.name
         self.path = resolve_path(entry.path, key=f"data.datasets[{entry.name}].path")
-        self.image_root = resolve_path(entry.image_root, key=f"data.datasets[{entry.name}].image_root")
         if not self.path.is_file():
             raise DataError(
                 f"dataset {entry.name!r}: file {self.path} does not exist. "
                 "Fix: set data.datasets[].path to an existing .json or .jsonl file"
             )
+        self.image_root = entry_image_root(entry, self.path)
         if not self.image_root.is_dir():
             raise DataError(
                 f"dataset {entry.name!r}: image_root {self.image_root} is not a directory. "
                 "Fix: set data.datasets[].image_root to the folder the image paths are relative to"
             )
-        self._raw: list[object] = self._read()
+        self._images = path_images(self.image_root, allow_outside=allow_outside_root)
+        self._raw: list[object] = []
+        self._offsets = array("q")
+        self._read()
+        self.format = entry.format if entry.format in ("llava", "messages") else self._detect()
 
-    def _read(self) -> list[object]:
-        """JSON: the parsed list (a parse error fails the dataset). JSONL: one raw string per line."""
-        text = self.path.read_text(encoding="utf-8")
+    def _read(self) -> None:
+        """JSON: the parsed list (a parse error fails the dataset). JSONL: the byte offset of each line."""
         if self.path.suffix == ".jsonl":
             self._jsonl = True
-            return list(text.splitlines())
+            data = self.path.read_bytes()
+            pos = 0
+            while pos < len(data):
+                self._offsets.append(pos)
+                nl = data.find(b"\n", pos)
+                pos = len(data) if nl < 0 else nl + 1
+            self._offsets.append(len(data))
+            return
         if self.path.suffix != ".json":
             raise DataError(f"dataset {self.name!r}: {self.path} is neither .json nor .jsonl. Fix: rename it")
         self._jsonl = False
         try:
-            data = json.loads(text)
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"dataset {self.name!r}: {self.path} is not UTF-8 at byte {e.start}. Fix: re-encode the "
+                "file as UTF-8, or use JSONL so one bad line is one bad sample"
+            ) from e
         except json.JSONDecodeError as e:
             raise DataError(
                 f"dataset {self.name!r}: {self.path} line {e.lineno} col {e.colno} is not valid JSON ({e.msg}). "
@@ -86,25 +143,64 @@ class LlavaDataset:
             ) from e
         if not isinstance(data, list):
             raise DataError(f"dataset {self.name!r}: {self.path} must hold a JSON list of records")
-        return data
+        self._raw = data
+
+    def _detect(self) -> str:
+        """The format of the first records that say one (``llava`` when none does)."""
+        for i in range(min(len(self), 64)):
+            try:
+                raw = self._raw_record(i)
+            except bad.BadSampleError:
+                continue
+            found = detect_record_format(raw)
+            if found:
+                return found
+        return "llava"
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._offsets) - 1 if self._jsonl else len(self._raw)
 
     def location(self, index: int) -> str:
         """``"<file>:<line>"`` (1-based line) for JSONL, ``"<file>[<index>]"`` (0-based record) for JSON."""
         return f"{self.path}:{index + 1}" if self._jsonl else f"{self.path}[{index}]"
 
+    def _raw_record(self, index: int) -> object:
+        if not self._jsonl:
+            return self._raw[index]
+        a, b = self._offsets[index], self._offsets[index + 1]
+        with open(self.path, "rb") as f:
+            f.seek(a)
+            line = f.read(b - a)
+        return _parse_line(line, loc=self.location(index))
+
     def record(self, index: int) -> Record:
         """Parse and validate record ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""
         loc = self.location(index)
-        raw = self._raw[index]
-        if self._jsonl:
-            raw = _parse_line(raw, loc=loc)
-        return validate_record(raw, location=loc, image_root=self.image_root)
+        raw = self._raw_record(index)
+        return validate_any(raw, location=loc, images=self._images, fmt=self.format)
+
+
+def validate_any(raw: object, *, location: str, images: ImagesFn, fmt: str) -> Record:
+    """Validate ``raw`` as a ``llava`` or ``messages`` record (``fmt``)."""
+    if fmt == "messages":
+        from dhp.data.messages import validate_messages
+
+        return validate_messages(raw, location=location, images=images)
+    return validate_record(raw, location=location, images=images)
 
 
 def _parse_line(line: object, *, loc: str) -> object:
+    """One JSONL line (bytes or str) -> its JSON value; each failure is one bad sample."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.INVALID_UTF8,
+                detail=f"byte {e.start} of the line is not UTF-8 ({line[e.start : e.start + 4]!r})",
+                fix="re-encode the line as UTF-8",
+            ) from e
     if not isinstance(line, str) or not line.strip():
         raise bad.BadSampleError(
             location=loc, reason=bad.MALFORMED_RECORD, detail="empty line", fix="remove the empty line"
@@ -121,9 +217,21 @@ def _bad(loc: str, reason: str, detail: str, fix: str) -> bad.BadSampleError:
     return bad.BadSampleError(location=loc, reason=reason, detail=detail, fix=fix)
 
 
-def validate_record(raw: object, *, location: str, image_root: Path) -> Record:
-    """Check keys, turn structure and placeholders of one raw record and return a :class:`Record`."""
+def validate_record(
+    raw: object,
+    *,
+    location: str,
+    image_root: Path | None = None,
+    images: ImagesFn | None = None,
+    allow_outside_root: bool = False,
+) -> Record:
+    """Check keys, turn structure and placeholders of one raw LLaVA record and return a :class:`Record`.
+
+    Image fields are read by ``images`` (default: paths under ``image_root``)."""
     loc = location
+    if images is None:
+        assert image_root is not None, "validate_record needs image_root or images"
+        images = path_images(image_root, allow_outside=allow_outside_root)
     if not isinstance(raw, dict):
         raise _bad(
             loc, bad.MALFORMED_RECORD, f"record is {type(raw).__name__}, not an object", "use a JSON object"
@@ -131,7 +239,7 @@ def validate_record(raw: object, *, location: str, image_root: Path) -> Record:
     unknown = sorted(set(raw) - set(ALLOWED_KEYS))
     if unknown:
         raise _bad(loc, bad.UNKNOWN_KEYS, f"unknown keys {unknown}", f"use only {list(ALLOWED_KEYS)}")
-    images = _images(raw.get("image"), loc=loc, image_root=image_root)
+    image_refs = images(raw.get("image"), loc)
     turns = _turns(raw.get("conversations"), loc=loc)
     placeholders = 0
     for i, (role, text) in enumerate(turns):
@@ -144,25 +252,14 @@ def validate_record(raw: object, *, location: str, image_root: Path) -> Record:
                 "put image placeholders in human turns only",
             )
         placeholders += n
-    if placeholders != len(images):
+    if placeholders != len(image_refs):
         raise _bad(
             loc,
             bad.PLACEHOLDER_MISMATCH,
-            f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s)",
+            f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(image_refs)} image(s)",
             f"write one {IMAGE_PLACEHOLDER} per image, in image order",
         )
-    return Record(location=loc, images=images, turns=turns)
-
-
-def _images(value: object, *, loc: str, image_root: Path) -> tuple[Path, ...]:
-    if value is None:
-        return ()
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
-        raise _bad(
-            loc, bad.MALFORMED_RECORD, f"image = {value!r}", "give a path or a non-empty list of paths"
-        )
-    return tuple(image_root / n for n in names)
+    return Record(location=loc, images=image_refs, turns=turns)
 
 
 def _turns(value: object, *, loc: str) -> tuple[tuple[str, str], ...]:

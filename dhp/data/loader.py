@@ -14,14 +14,20 @@ about the same vision tokens on every replica.
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dhp.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
 from dhp.data import bad
 from dhp.data.batch import Sample, VLBatch, collate
 from dhp.data.source import SampleSource, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
+
+log = logging.getLogger("dhp.data")
+WAIT_WARN_FRACTION = 0.10  # a step waiting longer than this share of its time on data is reported
+ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -30,13 +36,15 @@ class StepData:
 
     ``num_label_tokens`` is ``T``, the step's global label-token count after the shift (the loss
     normaliser, see docs/INTERFACES.md "Loss and gradient scaling"). ``bad_samples`` holds the
-    cumulative skip counts by reason (empty under ``on_bad_sample=raise``).
+    cumulative skip counts by reason (empty under ``on_bad_sample=raise``). ``metrics``: the
+    loader's figures for this step (wait, samples/s, workers; see :meth:`StepLoader.next_step`).
     """
 
     step: int
     micro_batches: list[list[VLBatch]]
     num_label_tokens: int
     bad_samples: dict[str, int]
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def replica(self, r: int) -> list[VLBatch]:
         """All micro-batches of data replica ``r``, in order."""
@@ -112,6 +120,8 @@ class StepLoader:
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dhp-data") if spec.prefetch else None
         self._pending: Future | None = None
         self._served = self._snapshot()  # state after the last step handed out
+        self._last_return: float | None = None  # when the previous step was handed out
+        self._warned_wait = False
 
     def _order_of(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -167,25 +177,58 @@ class StepLoader:
     def __next__(self) -> StepData:
         return self.next_step()
 
+    @property
+    def num_data_workers(self) -> int:
+        """Processes or threads loading samples (``local``: threads, at least the caller's)."""
+        return max(1, self.spec.num_workers)
+
     def next_step(self) -> StepData:
         """The next step's data. With ``prefetch`` it was built in the background during the previous
         step, and the step after it starts building now (errors surface when their step is asked for).
+
+        ``data.metrics`` (metrics.jsonl's ``data``): ``wait_s`` (time this call blocked),
+        ``samples_per_s`` (samples over the time the step took to build), ``workers``. When the wait exceeds
+        :data:`WAIT_WARN_FRACTION` of the time since the previous step was handed out (from the third
+        step on), one warning names the fix.
         """
+        t0 = time.perf_counter()
         if self._prefetcher is None:
-            data, self._served = self._produce()
-            return data
-        if self._pending is None:
+            (data, build_s), self._served = self._produce()
+        else:
+            if self._pending is None:
+                self._pending = self._prefetcher.submit(self._produce)
+            try:
+                (data, build_s), self._served = self._pending.result()
+            finally:
+                self._pending = None
             self._pending = self._prefetcher.submit(self._produce)
-        try:
-            data, self._served = self._pending.result()
-        finally:
-            self._pending = None
-        self._pending = self._prefetcher.submit(self._produce)
+        now = time.perf_counter()
+        wait = now - t0
+        data.metrics = {
+            "wait_s": wait,
+            "samples_per_s": self.spec.global_batch_size / max(build_s, 1e-9),
+            "workers": float(self.num_data_workers),
+        }
+        if self._last_return is not None and data.step >= 2 and not self._warned_wait:
+            period = now - self._last_return
+            if wait > WAIT_WARN_FRACTION * period:
+                self._warned_wait = True
+                log.warning(
+                    "data: step %d waited %.2f s of %.2f s (%.0f%%) for its samples. Fix: more CPU "
+                    "workers (data.num_workers; data.engine=ray spreads them over the cluster), a "
+                    "deeper data.prefetch_depth, or a smaller data.max_pixels",
+                    data.step + 1,
+                    wait,
+                    period,
+                    100 * wait / period,
+                )
+        self._last_return = now
         return data
 
-    def _produce(self) -> tuple[StepData, dict]:
+    def _produce(self) -> tuple[tuple[StepData, float], dict]:
+        t0 = time.perf_counter()
         data = self._build_step()
-        return data, self._snapshot()
+        return (data, time.perf_counter() - t0), self._snapshot()
 
     def _drain(self) -> None:
         """Wait for and drop a step being prefetched, and rewind the stream to the last step served,
@@ -289,6 +332,21 @@ def balance(samples: list[Sample], *, num_slots: int, slot_size: int) -> list[li
     return [sorted(s) for s in slots]
 
 
+def check_engine(data: DataConfig) -> None:
+    """ConfigError for an unknown ``data.engine`` or a negative prefetch depth / CPU share."""
+    issues = []
+    if data.engine not in ENGINES:
+        issues.append(
+            ConfigIssue("data.engine", data.engine, f"must be one of {ENGINES}", "use local or ray")
+        )
+    if data.prefetch_depth < 1:
+        issues.append(ConfigIssue("data.prefetch_depth", data.prefetch_depth, "must be >= 1", "use 2"))
+    if data.cpus_per_worker < 0:
+        issues.append(ConfigIssue("data.cpus_per_worker", data.cpus_per_worker, "must be >= 0", "use 0 or 1"))
+    if issues:
+        raise ConfigError(issues)
+
+
 def build_loader(
     *,
     data: DataConfig,
@@ -305,6 +363,7 @@ def build_loader(
     """
     from dhp.data.source import build_source
 
+    check_engine(data)
     source, sizes, weights = build_source(
         data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=train.seed
     )
@@ -320,6 +379,17 @@ def build_loader(
         num_workers=data.num_workers,
         prefetch=data.prefetch,
     )
+    if data.engine == "ray":
+        from dhp.data.ray_engine import RayStepLoader
+
+        return RayStepLoader(
+            source=source,
+            sizes=sizes,
+            weights=weights,
+            spec=spec,
+            cpus_per_worker=data.cpus_per_worker,
+            prefetch_depth=data.prefetch_depth,
+        )
     return StepLoader(source=source, sizes=sizes, weights=weights, spec=spec)
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
 
 from dhp.config.schema import DataConfig, SpecialTokens
 from dhp.data import bad
 from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
+from dhp.data.images import open_image
 from dhp.data.llava import Record
 from dhp.errors import ConfigError, ConfigIssue, DataError
 
@@ -95,31 +95,6 @@ def load_image_processor(model_path: str, *, data: DataConfig):
     )
 
 
-def open_image(path: Path, *, loc: str) -> Image.Image:
-    """Open and fully decode ``path`` (a truncated file fails here, not later).
-
-    The mode is left as stored: the image processor converts to RGB (transparency onto white).
-    """
-    if not path.is_file():
-        raise bad.BadSampleError(
-            location=loc,
-            reason=bad.MISSING_FILE,
-            detail=f"image {path} does not exist",
-            fix="restore the file or fix the path",
-        )
-    try:
-        with Image.open(path) as im:
-            im.load()
-            return im.copy()
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
-        raise bad.BadSampleError(
-            location=loc,
-            reason=bad.CORRUPT_IMAGE,
-            detail=f"image {path} cannot be decoded ({e})",
-            fix="replace the file",
-        ) from e
-
-
 class SampleProcessor:
     """Turns a :class:`~dhp.data.llava.Record` into a :class:`~dhp.data.batch.Sample`.
 
@@ -135,6 +110,16 @@ class SampleProcessor:
         self.merge = int(image_processor.merge_size)
         # HF tokenizers mutate backend state per call ("Already borrowed" under threads): serialise
         # the text part (about 1-2 ms a sample); image decoding and processing run in parallel.
+        self._text_lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """Picklable (shipped once to Ray data workers): the lock is recreated on arrival."""
+        state = dict(self.__dict__)
+        state["_text_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
         self._text_lock = threading.Lock()
 
     def process(self, record: Record) -> Sample:
@@ -168,7 +153,7 @@ class SampleProcessor:
                 raise bad.BadSampleError(
                     location=loc,
                     reason=bad.CORRUPT_IMAGE,
-                    detail=f"the image processor rejects {[str(p) for p in record.images]} ({e})",
+                    detail=f"the image processor rejects {[getattr(p, 'name', str(p)) for p in record.images]} ({e})",
                     fix="re-encode the images as RGB JPEG or PNG",
                 ) from e
             pixel_values = out["pixel_values"].to(torch.float32)

@@ -1,6 +1,7 @@
 """Sample sources: the configured datasets as one indexable stream with a seeded per-epoch order.
 
-``build_source`` reads ``data.kind``: ``llava`` mixes the ``data.datasets`` entries by weight;
+``build_source`` reads ``data.kind``: ``llava`` mixes the ``data.datasets`` entries (each in any
+format of ``dhp.data.formats``: LLaVA or messages JSON/JSONL, parquet/arrow, WebDataset) by weight;
 ``synthetic`` builds :class:`~dhp.data.synthetic.SyntheticSource`. A source maps a global index to
 a location string (for errors) and to a processed :class:`~dhp.data.batch.Sample`.
 
@@ -17,7 +18,7 @@ import torch
 
 from dhp.config.schema import DataConfig, ModelConfig
 from dhp.data.batch import Sample
-from dhp.data.llava import LlavaDataset
+from dhp.data.formats import Dataset, open_dataset
 from dhp.data.processing import Limits, SampleProcessor, load_image_processor, load_tokenizer
 from dhp.data.synthetic import SyntheticSource
 from dhp.errors import ConfigError, ConfigIssue
@@ -34,11 +35,9 @@ class SampleSource(Protocol):
 
 
 class LlavaSource:
-    """Several LLaVA datasets behind one index ``0..len-1`` (dataset after dataset)."""
+    """Several datasets (any format) behind one index ``0..len-1`` (dataset after dataset)."""
 
-    def __init__(
-        self, *, datasets: list[LlavaDataset], weights: list[float], processor: SampleProcessor
-    ) -> None:
+    def __init__(self, *, datasets: list[Dataset], weights: list[float], processor: SampleProcessor) -> None:
         self.datasets = datasets
         self.weights = weights
         self.processor = processor
@@ -49,7 +48,7 @@ class LlavaSource:
     def __len__(self) -> int:
         return self.offsets[-1]
 
-    def _split(self, index: int) -> tuple[LlavaDataset, int]:
+    def _split(self, index: int) -> tuple[Dataset, int]:
         for d, ds in enumerate(self.datasets):
             if index < self.offsets[d + 1]:
                 return ds, index - self.offsets[d]
@@ -130,7 +129,7 @@ def build_source(
         )
     if issues:
         raise ConfigError(issues)
-    datasets = [LlavaDataset(entry) for entry in data.datasets]
+    datasets = [open_dataset(entry, allow_outside_root=data.allow_outside_root) for entry in data.datasets]
     processor = SampleProcessor(
         tokenizer=load_tokenizer(model.path, tokens=model.tokens),
         image_processor=load_image_processor(model.path, data=data),

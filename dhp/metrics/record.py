@@ -63,6 +63,7 @@ def build_record(
         },
         "mfu": flops / dt / (cluster.peak_bf16_tflops * 1e12 * world_devices),
         "bad_samples": dict(data.bad_samples),
+        "data": dict(getattr(data, "metrics", {})),  # the loader's wait_s, samples_per_s, workers
     }
     for m, ranks in result.stats.items():
         for part in ("fwd", "bwd", "step"):

@@ -23,6 +23,7 @@ METRIC_KEYS = (
     "peak_mem_bytes",
     "mfu",
     "bad_samples",  # cumulative skipped samples by reason (data.on_bad_sample=skip); {} when none
+    "data",  # the loader: wait_s (blocked on data), samples_per_s (build rate), workers
 )
 
 

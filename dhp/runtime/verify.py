@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
+from dhp.data.remote import as_tensor
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.ops.cross_entropy import shifted_ce_sum
 
@@ -139,7 +140,7 @@ class ReferenceModel:
                 hidden = self.model.base_model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
-                    pixel_values=b.pixel_values,
+                    pixel_values=as_tensor(b.pixel_values),  # data.engine=ray: fetched here
                     image_grid_thw=b.image_grid_thw,
                     mm_token_type_ids=b.mm_token_type_ids,
                     use_cache=False,

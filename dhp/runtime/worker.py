@@ -21,6 +21,7 @@ from torch import nn
 from dhp import parallel as par
 from dhp.config.schema import ModelConfig, ModuleConfig, TrainConfig
 from dhp.data.batch import VLBatch
+from dhp.data.remote import resolve_pixels
 from dhp.errors import RuntimeFailure
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.models import get_family
@@ -183,7 +184,8 @@ class ModuleWorker(DistWorker):
         payloads: list[Any] = [None] * self.num_llm_replicas
         if work.shard is not None:
             with torch.set_grad_enabled(not self.frozen):
-                out = vision_shard_forward(self.module, _shard_to(work.shard, self.device))
+                shard = resolve_pixels(work.shard)  # data.engine=ray: rows come from the object store
+                out = vision_shard_forward(self.module, _shard_to(shard, self.device))
             if not self.frozen:
                 self._inflight[micro_batch] = (out, work)
             for route in work.routes if send else ():

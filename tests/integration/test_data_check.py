@@ -87,3 +87,31 @@ def test_missing_dataset_file_is_a_short_error(tiny_dir, tmp_path):
     assert out.returncode == 2
     assert "DataError" in out.stderr and f"{tmp_path / 'nope.json'} does not exist" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_all_four_formats_through_the_cli(tiny_dir, tmp_path):
+    """One `dhp data check` over a messages JSONL, a typed-parts JSON, a parquet export and WebDataset
+    shards built from the demo photos: every bad record is named by its own kind of location."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))
+    from formats_build import BUILDERS
+
+    entries, locs = [], []
+    for fmt, build in BUILDERS.items():
+        (tmp_path / fmt).mkdir()
+        entry, loc = build(tmp_path / fmt)
+        root = f",image_root:{entry.image_root}" if entry.image_root else ""
+        entries.append(f"{{name:{fmt},path:'{entry.path}'{root}}}")
+        locs.append(loc)
+    out = check(tiny_dir, f"data.datasets=[{','.join(entries)}]")
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout
+    assert "100 samples: 96 good, 4 bad" in " ".join(text.split())
+    for reason in (
+        "placeholder_mismatch: 1",
+        "bad_conversation: 1",
+        "corrupt_image: 1",
+        "malformed_record: 1",
+    ):
+        assert reason in text, reason
+    for loc in locs:  # file:line, file[record], file[row], shard:key
+        assert f"- {loc}: " in text, loc
