@@ -99,6 +99,7 @@ class Trainer:
                     "num_llm_replicas": llm_replicas,
                     "num_vision_units": self._vision_units,
                     "bridge_layout": bridge,
+                    "loss_chunk_tokens": plan.loss_chunk_tokens.get(name, 0),  # the plan's resolved chunk
                 }
                 self.groups[name] = ActorGroup(
                     spec, pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs=kwargs

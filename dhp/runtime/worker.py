@@ -56,6 +56,7 @@ class ModuleWorker(DistWorker):
         num_llm_replicas: int,
         num_vision_units: int,
         bridge_layout: BridgeLayout | None = None,
+        loss_chunk_tokens: int = 0,
     ) -> None:
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
         self.model_cfg, self.module_cfg, self.train_cfg = model, module, train
@@ -67,6 +68,8 @@ class ModuleWorker(DistWorker):
         self.num_llm_replicas = num_llm_replicas
         self.num_vision_units = num_vision_units
         self.frozen = module.freeze
+        # the plan's resolved loss chunk (the config's value, or the planner's choice when it is 0)
+        self.loss_chunk_tokens = loss_chunk_tokens or module.loss_chunk_tokens
         self._inflight: dict[int, tuple[torch.Tensor, VisionWork]] = {}
         # handoff_bytes: image-embedding bytes this rank copied out of the hand-off (LLM ranks)
         self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0, "handoff_bytes": 0.0}
@@ -143,7 +146,7 @@ class ModuleWorker(DistWorker):
             parallel=self.module_cfg.parallel,
             activation_checkpointing=self.module_cfg.activation_checkpointing,
             mixed_precision=self.module_cfg.mixed_precision,
-            loss_chunk_tokens=self.module_cfg.loss_chunk_tokens,
+            loss_chunk_tokens=self.loss_chunk_tokens,
         )
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
