@@ -7,6 +7,8 @@ the missing resources instead of waiting forever on ``pg.ready()``.
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import DictConfig
 
 from dhp.errors import PlanError
@@ -41,8 +43,12 @@ def reserve_plan(plan: Plan, *, cluster: DictConfig, timeout_s: float = DEFAULT_
     if not ray.is_initialized():
         if cluster.ray_address is not None:
             ray.init(address=cluster.ray_address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=_local_cpus(plan), log_to_driver=False, include_dashboard=False)
+        elif os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)  # joins $RAY_ADDRESS, as dhp train does
+        else:  # a fresh local instance: a `ray start` head on this machine is never joined by accident
+            ray.init(
+                address="local", num_cpus=_local_cpus(plan), log_to_driver=False, include_dashboard=False
+            )
         started = True
     try:
         have = ray.cluster_resources()
