@@ -159,7 +159,7 @@ def time_engine(model, side: int, engine: str, workers: int, steps: int, tmp: Pa
 def bench_engines(args, model, tmp: Path) -> dict:
     import ray
 
-    ray.init(num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)
     try:
         rows = [
             time_engine(model, side, engine, w, args.steps, tmp)

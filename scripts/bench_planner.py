@@ -130,7 +130,7 @@ def main() -> None:
 
     plans = [p for p in PLANS if not args.quick or p[0] in QUICK]
     tmp = Path(tempfile.mkdtemp(prefix="bench_planner_"))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for i, (name, ov) in enumerate(plans):

@@ -265,7 +265,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     micro = base.train.micro_batch_size
     device = base.cluster.device
     if device == "cpu":
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results = []
     t_all = time.monotonic()
     try:

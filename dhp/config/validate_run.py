@@ -89,8 +89,12 @@ def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues
     try:
         parse_ac_mode(mod.activation_checkpointing)
     except ValueError as e:
-        issues.add(f"{prefix}.activation_checkpointing", mod.activation_checkpointing, str(e),
-                   f"set {prefix}.activation_checkpointing=full (or off, every_n:2)")
+        issues.add(
+            f"{prefix}.activation_checkpointing",
+            mod.activation_checkpointing,
+            str(e),
+            f"set {prefix}.activation_checkpointing=full (or off, every_n:2)",
+        )
     if not _validate_degrees(name, mod, issues):
         return  # a degree < 1: divisibility checks would divide by zero
     gpn = cfg.cluster.gpus_per_node

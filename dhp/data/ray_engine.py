@@ -22,6 +22,7 @@ it across replicas and micro-batches, and the exact next *good* sample at each s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dhp.data import bad
@@ -98,8 +99,9 @@ class RayStepLoader(StepLoader):
         """Start the data actors (Ray must be up: the trainer connects it; else a local one)."""
         import ray
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():  # $RAY_ADDRESS if set, else a fresh local instance (never a stray head)
+            address = None if os.environ.get("RAY_ADDRESS") else "local"
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
         n = self._want_workers()
         total = ray.cluster_resources().get("CPU", 0.0)

@@ -22,7 +22,7 @@ def ray_local():
     import ray
 
     # 4 logical CPUs: tiny_vlm's 4 ranks x 0.25 plus the loaders' unreserved data actors
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

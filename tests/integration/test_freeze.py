@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_frozen_encoder_gets_no_grads_no_optimizer_state_and_stays_put():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         cfg = load_config(
             "tiny_vlm",

@@ -19,7 +19,7 @@ RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -26,7 +26,7 @@ GRAD_ATOL = 1e-6  # fp32; TP/SP/FSDP only change the summation order (observed <
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
