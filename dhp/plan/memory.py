@@ -39,10 +39,13 @@ root unit it keeps gathered from forward to backward, one block's unsharded grad
 reduce-scatter, the loss's logits chunk, the flat DP/SP gradient all-reduce buffer, the fp64
 squares of the grad norm, and AdamW's foreach temporaries.
 
-The loss (vocab-parallel, fp32 log-softmax): with ``c`` tokens per chunk (``loss_chunk_tokens``;
-0 = ``default_loss_chunk``, never above the micro-batch's tokens), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and
-backward ``c * V/tp * (a + 8)`` (recomputed logits, log-softmax, fp32 grad). Unchunked (c >= the
-micro-batch's tokens) the logits and log-softmax are saved from forward to backward instead.
+The loss (``dhp/ops/cross_entropy.py``: vocab-parallel, fp32, chunked, recomputed in backward):
+with ``c`` tokens per chunk (``loss_chunk_tokens``; 0 = ``default_loss_chunk``, never above the
+micro-batch's tokens), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and backward
+``c * V/tp * (a + 8)`` (recomputed logits, log-softmax, fp32 grad) plus the lm_head's fp32 weight
+gradient accumulator ``V/tp * h * 4``. It saves for backward only the label tokens' hidden rows
+(counted as every token: ``T * h * a``), their targets (int64) and log-sum-exp (fp32): no logits,
+whatever the chunk.
 """
 
 from __future__ import annotations
@@ -241,11 +244,10 @@ def llm_activations(shape: ModuleShape, llm: DictConfig) -> dict[str, int]:
     """Saved-for-backward bytes of one LLM rank and micro-batch, by component."""
     a, tokens = shape.precision.act, shape.tokens
     eager, _ = _eager_saved_and_work(shape, None)
-    unchunked = shape.loss_chunk_tokens >= tokens
     return {
         "layers": saved_layers_bytes(shape),
         "attention_scores": eager,
-        "logits_loss": int(tokens * llm.vocab_size / shape.parallel.tp * (a + 4)) if unchunked else 0,
+        "loss_inputs": int(tokens * (llm.hidden_size * a + 8 + 4)) if shape.backward else 0,
         "final_norm": int(tokens * 2 * llm.hidden_size / shape.seq_split * a),
     }
 

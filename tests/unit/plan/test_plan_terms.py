@@ -113,10 +113,13 @@ def test_loss_unchunked_and_chunked() -> None:
     assert default_loss_chunk(32, 1, 4) == 4  # never longer than the micro-batch
     assert default_loss_chunk(152064, 8, 10**6) == 2048  # 2048 * 19008 * 4 B <= 256 MiB
     whole = module_terms(_shape("llm"), micro_batches=1, device="cpu")
-    assert whole.saved["logits_loss"] == 4 * 32 * (4 + 4)  # logits + fp32 log-softmax, saved
-    assert whole.bwd_work["loss_grad"] == 4 * 32 * 4
+    # the loss recomputes its logits in backward whatever the chunk: it saves the 4 tokens' hidden
+    # rows (8 fp32), targets (int64) and log-sum-exp (fp32) only
+    assert whole.saved["loss_inputs"] == 4 * (8 * 4 + 8 + 4)
+    assert whole.fwd_work["loss_chunk"] == 4 * 32 * (4 + 4)  # one chunk = the 4 tokens
+    assert whole.bwd_work["lm_head_grad_fp32"] == 32 * 8 * 4  # fp32 accumulator of lm_head's grad
     chunked = module_terms(_shape("llm", chunk=2), micro_batches=1, device="cpu")
-    assert chunked.saved["logits_loss"] == 0
+    assert chunked.saved["loss_inputs"] == whole.saved["loss_inputs"]
     assert chunked.fwd_work["loss_chunk"] == 2 * 32 * (4 + 4)
     assert chunked.bwd_work["loss_chunk"] == 2 * 32 * (4 + 8)
 
