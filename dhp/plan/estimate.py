@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.plan.memory import ModuleShape
+from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
 from dhp.plan.schedule import StepEstimate, schedule
 from dhp.plan.timing import (
@@ -82,11 +82,12 @@ def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     """Patches one vision rank encodes per driver micro-batch: the real share when the data is
     synthetic (known patches per sample), else the configured capacity ``seq_len``."""
     v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
+    total = float(shape.seq_len)
     if config.data.kind == "synthetic":
         pps = config.data.synthetic.patches * config.data.synthetic.images_per_sample
         share = (lm.dp * lm.fsdp) * config.train.micro_batch_size * pps / (v.dp * v.fsdp)
-        return min(float(shape.seq_len), share) / v.sp
-    return shape.seq_len / v.sp
+        total = min(total, share)
+    return sp_rank_tokens(shape.arch, total, v.sp, shape.image_patches)
 
 
 def oversubscription(cluster: DictConfig, processes: int) -> float:

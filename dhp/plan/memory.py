@@ -124,15 +124,31 @@ class ModuleShape:
 
     @property
     def tokens(self) -> float:
-        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms)."""
+        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms); the encoder:
+        the fullest SP rank's (``sp_rank_tokens``)."""
         if self.name == "vision":
-            return self.seq_len / self.parallel.sp
+            return sp_rank_tokens(self.arch, self.seq_len, self.parallel.sp, self.image_patches)
         return self.micro_batch * self.seq_len
 
     @property
     def seq_split(self) -> int:
         """s: how many ways the tensors between TP regions are cut by sequence."""
         return self.parallel.tp if self.sequence_parallel else 1
+
+
+def sp_rank_tokens(vision: DictConfig | None, patches: float, sp: int, image: int) -> float:
+    """Patches the fullest of ``sp`` Ulysses ranks encodes out of ``patches``: the runtime cuts the
+    window order on window boundaries (``dhp/parallel/sp_shard.py``), so a rank holds whole windows:
+    ceil(windows / sp) of them (an image of ``image`` patches has ceil(image / window) windows of
+    equal share). With fewer windows than ranks some ranks idle and the others hold a whole window."""
+    if sp <= 1 or vision is None:
+        return float(patches)
+    image = image or int(patches)
+    window = (vision.window_size // vision.patch_size) ** 2
+    per_image = max(math.ceil(image / window), 1)
+    size = image / per_image  # patches of one window
+    windows = max(math.ceil(patches / size), 1)
+    return min(float(patches), math.ceil(windows / sp) * size)
 
 
 def default_loss_chunk(vocab: int, tp: int, tokens: int) -> int:

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import PlanError
 from dhp.plan.estimate import coefficients, module_features, seconds
-from dhp.plan.memory import module_shape
+from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
 
@@ -237,7 +237,8 @@ class Search:
         return int(self.cfg.data.synthetic.patches) if self.cfg.data.kind == "synthetic" else 0
 
     def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
-        return min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas) / d.sp
+        total = min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas)
+        return sp_rank_tokens(self.cfg.model.vision, total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:

@@ -243,3 +243,13 @@ def test_call_overhead_counts() -> None:
     assert v["step"] == {"tensors": 30, "collectives": 2}
     z = phase_counts(_shape("llm", dp=4, zero=1), 4.0)["step"]
     assert z["collectives"] == 1 + 1 + 4  # norm, DP all-reduce, one broadcast per ZeRO-1 owner
+
+
+def test_sp_ranks_hold_whole_windows() -> None:
+    from dhp.plan.memory import sp_rank_tokens
+
+    v = MODEL.vision  # windows of (28 / 14)^2 = 4 patches
+    assert sp_rank_tokens(v, 16, 2, 16) == 8  # 4 windows over 2 ranks: 2 each
+    assert sp_rank_tokens(v, 16, 8, 16) == 4  # 4 windows over 8 ranks: the fullest holds one window
+    assert sp_rank_tokens(v, 12, 2, 12) == 8  # 3 windows over 2 ranks: ceil(3/2) = 2 windows
+    assert sp_rank_tokens(v, 16, 1, 16) == 16
