@@ -130,12 +130,31 @@ def _train(cfg, out: Path) -> tuple[Path, float, dict[str, int]]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     use = rows[1:] if len(rows) > 1 else rows
     step = statistics.median(r["step_s"] for r in use)
-    peak: dict[str, int] = {}
+    peak: dict[str, dict[str, int]] = {}
     for f in sorted(acct.glob("*.jsonl")):
         module = f.stem.rsplit("_", 1)[0]
         windows = [json.loads(x) for x in f.read_text().splitlines()]
-        peak[module] = max(peak.get(module, 0), *(w["total"] for w in windows))
+        top = max(windows, key=lambda w: w["total"])
+        if top["total"] > peak.get(module, {"total": 0})["total"]:
+            peak[module] = top | {"rank": int(f.stem.rsplit("_", 1)[1])}
     return run_dir, step, peak
+
+
+def _probe(repeats: int = 5) -> float:
+    """Seconds of a fixed small CPU workload (torch ops + Python, like the tiny model's step): the
+    median of ``repeats``. Taken before and after each plan, it tracks how loaded the shared box was."""
+    import time
+
+    import torch
+
+    x = torch.randn(64, 64)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(300):
+            x = torch.tanh(x @ x * 0.01)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _planned_peaks(plan) -> dict[str, int]:
@@ -172,7 +191,10 @@ def main() -> None:
         for i, (name, ov) in enumerate(plans):
             cfg = _config(name, ov, out=tmp, steps=args.steps)
             plan = compile_plan(cfg)
-            run_dir, step, peak = _train(cfg, tmp)
+            before = _probe()
+            run_dir, step, terms = _train(cfg, tmp)
+            probe = (before + _probe()) / 2
+            peak = {m: t["total"] for m, t in terms.items()}
             planned = _planned_peaks(plan)
             worst = max(planned, key=lambda m: abs(peak[m] / planned[m] - 1))
             rows.append(
@@ -182,9 +204,15 @@ def main() -> None:
                     "calibration": i % 2 == 0,
                     "run_dir": str(run_dir),
                     "memory_by_module": {
-                        m: {"predicted": planned[m], "measured": peak[m], "ratio": peak[m] / planned[m]}
+                        m: {
+                            "predicted": planned[m],
+                            "measured": peak[m],
+                            "ratio": peak[m] / planned[m],
+                            "measured_terms": terms[m],
+                        }
                         for m in planned
                     },
+                    "load_probe_s": probe,
                     "predicted_peak_bytes": planned[worst],  # the module farthest from its prediction
                     "measured_peak_bytes": peak[worst],
                     "measured_step_s": step,
@@ -205,10 +233,17 @@ def main() -> None:
         plan, ranked, why = run_auto(auto_cfg, {"cluster"}, save=None)
         picked_ov = ranked[0][1]
         picked_cfg = _config("auto_pick", picked_ov, out=tmp, steps=args.steps, cluster=str(profile_path))
+        before = _probe()
         _, picked_step, _ = _train(picked_cfg, tmp)
+        picked_probe = (before + _probe()) / 2
     finally:
         ray.shutdown()
     best = min(rows, key=lambda r: r["measured_step_s"])
+    ref = statistics.median([r["load_probe_s"] for r in rows] + [picked_probe])
+    for r in rows:  # what the step would have taken at the run's median load (the probe's ratio)
+        r["measured_step_s_load_corrected"] = r["measured_step_s"] * ref / r["load_probe_s"]
+    picked_corr = picked_step * ref / picked_probe
+    best_corr = min(rows, key=lambda r: r["measured_step_s_load_corrected"])
     doc = {
         "plans": [
             {
@@ -222,6 +257,8 @@ def main() -> None:
                     "calibration",
                     "uncalibrated_step_s",
                     "memory_by_module",
+                    "load_probe_s",
+                    "measured_step_s_load_corrected",
                 )
             }
             for r in rows
@@ -233,23 +270,34 @@ def main() -> None:
             "best_measured": best["name"],
             "picked_step_s": picked_step,
             "best_step_s": min(best["measured_step_s"], picked_step),
+            "picked_step_s_load_corrected": picked_corr,
+            "best_measured_load_corrected": best_corr["name"],
+            "best_step_s_load_corrected": min(best_corr["measured_step_s_load_corrected"], picked_corr),
+            "picked_load_probe_s": picked_probe,
         },
         "reserve_bytes_per_process": RESERVE_PER_PROCESS_BYTES,
         "profile": {k: v for k, v in report["profile"].items() if "efficiency" in k or "overhead" in k},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"{'plan':26} {'cal':>3} {'pred MiB':>9} {'meas MiB':>9} {'pred s':>8} {'meas s':>8} {'err %':>6}")
+    print(
+        f"{'plan':26} {'cal':>3} {'pred MiB':>9} {'meas MiB':>9} {'mem x':>6} {'pred s':>8} {'meas s':>8} "
+        f"{'err %':>6} {'corr s':>8} {'err %':>6}"
+    )
     for r in doc["plans"]:
         err = 100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
+        corr = r["measured_step_s_load_corrected"]
         print(
-            f"{r['name']:26} {'yes' if r['calibration'] else 'no':>3} {r['predicted_peak_bytes'] / 2**20:9.1f} "
-            f"{r['measured_peak_bytes'] / 2**20:9.1f} {r['predicted_step_s']:8.3f} {r['measured_step_s']:8.3f} {err:6.1f}"
+            f"{r['name']:26} {'yes' if r['calibration'] else 'no':>3} {r['predicted_peak_bytes'] / 2**20:9.3f} "
+            f"{r['measured_peak_bytes'] / 2**20:9.3f} {r['measured_peak_bytes'] / r['predicted_peak_bytes']:6.3f} "
+            f"{r['predicted_step_s']:8.3f} {r['measured_step_s']:8.3f} {err:6.1f} {corr:8.3f} "
+            f"{100 * (r['predicted_step_s'] / corr - 1):6.1f}"
         )
     a = doc["auto"]
     print(
         f"auto picked {a['picked']} -> {a['picked_step_s']:.3f} s/step; best measured {a['best_measured']} "
-        f"{a['best_step_s']:.3f} s/step"
+        f"{a['best_step_s']:.3f} s/step; load-corrected {a['picked_step_s_load_corrected']:.3f} vs "
+        f"{a['best_measured_load_corrected']} {a['best_step_s_load_corrected']:.3f}"
     )
     print("BENCH " + json.dumps(doc))
 
