@@ -57,3 +57,24 @@ def test_views_share_one_storage_and_excluded_pointers_are_skipped() -> None:
     a = torch.zeros(10)
     assert unique_storage_bytes([a, a[2:5], a.view(2, 5)]) == 40
     assert unique_storage_bytes([a, torch.zeros(3)], exclude={a.untyped_storage().data_ptr()}) == 12
+
+
+def test_opt_in_through_the_environment(tmp_path, monkeypatch) -> None:
+    import json
+
+    from dhp.metrics import accounting
+
+    m, opt, _ = _toy()
+    monkeypatch.delenv(accounting.ENV_VAR, raising=False)
+    assert accounting.from_env(lambda: m, lambda: opt) is None  # off: the worker pays nothing
+    assert accounting.flush(None, module_name="llm", rank=0) is None
+    monkeypatch.setenv(accounting.ENV_VAR, str(tmp_path))
+    acct = accounting.from_env(lambda: m, lambda: opt)
+    with accounting.saving(acct):  # samples on exit: the forward's saved tensors are alive
+        y = m(torch.randn(B, I))
+    y.sum().backward()
+    accounting.sample(acct)  # params + grads (4P each) > params + saved (4P + 144 B): the peak
+    accounting.flush(acct, module_name="llm", rank=1)
+    (row,) = [json.loads(x) for x in (tmp_path / "llm_1.jsonl").read_text().splitlines()]
+    assert row == {"total": 8 * P, "params": 4 * P, "grads": 4 * P, "optimizer": 0, "saved": 0}
+    assert 4 * (B * I + B * H) < 4 * P  # so the forward's sample was not the window's largest
