@@ -162,6 +162,39 @@ def _planned_peaks(plan) -> dict[str, int]:
     return {g.name: max(r.memory.accounted_peak for r in g.ranks) for g in plan.groups}
 
 
+def _scaled_run(run_dir: Path, dest: Path, factor: float) -> Path:
+    """A copy of a run directory whose per-step seconds (every ``*_s`` metric) are scaled by ``factor``."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run_dir / "config.yaml", dest / "config.yaml")
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.append(json.dumps({k: v * factor if k.endswith("_s") else v for k, v in rec.items()}))
+    (dest / "metrics.jsonl").write_text("\n".join(out) + "\n")
+    return dest
+
+
+def load_corrected(rows: list[dict], plans: list, *, ref: float, tmp: Path, steps: int) -> dict:
+    """Calibrate on the calibration plans' runs scaled to the median load (``ref / probe``), predict
+    every plan with that profile; adds ``predicted_step_s_load_corrected`` to each row."""
+    from dhp.plan import compile_plan
+    from dhp.plan.calibrate import calibrate
+
+    dirs = [
+        str(_scaled_run(Path(r["run_dir"]), tmp / "corrected" / r["name"], ref / r["load_probe_s"]))
+        for r in rows
+        if r["calibration"]
+    ]
+    profile = tmp / "cluster" / "bench_cpu_corrected.yaml"
+    report = calibrate(dirs, out=str(profile))
+    for r, (name, ov) in zip(rows, plans, strict=True):
+        cfg = _config(name, ov, out=tmp / "pred", steps=steps, cluster=str(profile))
+        r["predicted_step_s_load_corrected"] = compile_plan(cfg).estimate["step_time_s"]
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -242,6 +275,7 @@ def main() -> None:
     ref = statistics.median([r["load_probe_s"] for r in rows] + [picked_probe])
     for r in rows:  # what the step would have taken at the run's median load (the probe's ratio)
         r["measured_step_s_load_corrected"] = r["measured_step_s"] * ref / r["load_probe_s"]
+    corrected_report = load_corrected(rows, plans, ref=ref, tmp=tmp, steps=args.steps)
     picked_corr = picked_step * ref / picked_probe
     best_corr = min(rows, key=lambda r: r["measured_step_s_load_corrected"])
     doc = {
@@ -259,6 +293,8 @@ def main() -> None:
                     "memory_by_module",
                     "load_probe_s",
                     "measured_step_s_load_corrected",
+                    "predicted_step_s_load_corrected",
+                    "run_dir",
                 )
             }
             for r in rows
@@ -277,6 +313,9 @@ def main() -> None:
         },
         "reserve_bytes_per_process": RESERVE_PER_PROCESS_BYTES,
         "profile": {k: v for k, v in report["profile"].items() if "efficiency" in k or "overhead" in k},
+        "profile_load_corrected": {
+            k: v for k, v in corrected_report["profile"].items() if "efficiency" in k or "overhead" in k
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
@@ -291,7 +330,7 @@ def main() -> None:
             f"{r['name']:26} {'yes' if r['calibration'] else 'no':>3} {r['predicted_peak_bytes'] / 2**20:9.3f} "
             f"{r['measured_peak_bytes'] / 2**20:9.3f} {r['measured_peak_bytes'] / r['predicted_peak_bytes']:6.3f} "
             f"{r['predicted_step_s']:8.3f} {r['measured_step_s']:8.3f} {err:6.1f} {corr:8.3f} "
-            f"{100 * (r['predicted_step_s'] / corr - 1):6.1f}"
+            f"{100 * (r['predicted_step_s_load_corrected'] / corr - 1):6.1f}"
         )
     a = doc["auto"]
     print(
