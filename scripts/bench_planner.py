@@ -114,7 +114,10 @@ def _exact_lengths(cfg) -> list[str]:
     tokens = syn.images_per_sample * (syn.patches // merge + 2) + syn.text_tokens
     v, lm = cfg.modules["vision"].parallel, cfg.modules["llm"].parallel
     share = cfg.train.micro_batch_size * (lm.dp * lm.fsdp) // (v.dp * v.fsdp)
-    return [f"modules.llm.seq_len={tokens}", f"modules.vision.seq_len={share * syn.patches * syn.images_per_sample}"]
+    return [
+        f"modules.llm.seq_len={tokens}",
+        f"modules.vision.seq_len={share * syn.patches * syn.images_per_sample}",
+    ]
 
 
 def _train(cfg, out: Path) -> tuple[Path, float, dict[str, int]]:
@@ -206,9 +209,9 @@ def main() -> None:
     import ray
 
     from dhp.plan import compile_plan
-    from dhp.plan.phases import RESERVE_PER_PROCESS_BYTES
     from dhp.plan.auto import run_auto
     from dhp.plan.calibrate import calibrate
+    from dhp.plan.phases import RESERVE_PER_PROCESS_BYTES
 
     plans = [p for p in PLANS if not args.quick or p[0] in QUICK]
     only = [x for x in args.only.split(",") if x]

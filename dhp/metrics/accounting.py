@@ -79,7 +79,7 @@ class _Saved:
     """What autograd holds instead of a saved tensor: the tensor, and a weak-referenceable handle
     that dies when autograd frees the graph (the tensor itself may outlive it elsewhere)."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor

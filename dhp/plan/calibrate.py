@@ -23,7 +23,14 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import ConfigError, ConfigIssue
-from dhp.plan.estimate import FEATURES, OVERHEAD_KEYS, coefficients, module_features, seconds, vision_tokens_per_rank
+from dhp.plan.estimate import (
+    FEATURES,
+    OVERHEAD_KEYS,
+    coefficients,
+    module_features,
+    seconds,
+    vision_tokens_per_rank,
+)
 
 # A run's whole step_s weighs as much as its module phases together (5 of them in a VLM step).
 STEP_WEIGHT = 5.0

@@ -110,7 +110,6 @@ class ModuleTerms:
             out["optimizer_temp"] = self.optim
         return {k: int(v) for k, v in out.items() if v}
 
-
     def accounted_peak(self) -> int:
         """Max over phases of params + grads + optimizer + saved activations: the transients and
         the reserve left out, i.e. what ``dhp.metrics.accounting`` measures on a running rank."""
@@ -127,10 +126,8 @@ class ModuleTerms:
             after = order(phase) > order(mine_bwd)
             return (g if after or (self.accumulates and g) else 0), 0
         if self.name == "vision" and m >= 2 and self.live_micro_batches == 2:
-            if m >= 3:
-                cands = [(g, 2 * s)]
-            else:
-                cands = [(0, 2 * s)] + ([] if phase == mine_fwd else [(g, s)])
+            pair = [(0, 2 * s)] + ([] if phase == mine_fwd else [(g, s)])
+            cands = [(g, 2 * s)] if m >= 3 else pair
         elif self.accumulates:  # the LLM, m >= 2 (or an encoder without backward)
             cands = [(g, s)]
         else:  # m == 1

@@ -98,7 +98,11 @@ class Candidate:
         out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
         for m in (self.vision, self.llm):
             out.append(f"modules.{m.name}.gpus={m.world}")
-            degs = {"sequence_parallel": False, **m.degrees.as_dict()} if m.name == "llm" else m.degrees.as_dict()
+            degs = (
+                {"sequence_parallel": False, **m.degrees.as_dict()}
+                if m.name == "llm"
+                else m.degrees.as_dict()
+            )
             out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
         out.append(f"modules.vision.seq_len={self.vision_seq_len}")

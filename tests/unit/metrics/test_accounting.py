@@ -8,27 +8,27 @@ from torch.utils.checkpoint import checkpoint
 
 from dhp.metrics.accounting import MemoryAccountant, unique_storage_bytes
 
-B, I, H, O = 3, 4, 8, 2  # batch, in, hidden, out
+B, D_IN, H, D_OUT = 3, 4, 8, 2  # batch, in, hidden, out
 
 
 def _toy() -> tuple[nn.Module, torch.optim.Optimizer, MemoryAccountant]:
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(I, H), nn.ReLU(), nn.Linear(H, O))
+    m = nn.Sequential(nn.Linear(D_IN, H), nn.ReLU(), nn.Linear(H, D_OUT))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     return m, opt, MemoryAccountant(lambda: m, lambda: opt)
 
 
-P = (I * H + H) + (H * O + O)  # parameters of the toy
+P = (D_IN * H + H) + (H * D_OUT + D_OUT)  # parameters of the toy
 
 
 def test_saved_bytes_of_a_two_layer_toy_are_counted_exactly() -> None:
     m, opt, acct = _toy()
-    x = torch.randn(B, I)
+    x = torch.randn(B, D_IN)
     with acct.saving():
         y = m(x)
     # saved: x (addmm of layer 1 needs it for the weight grad) and the ReLU output (ReLU's backward
     # and layer 2's weight grad share that one storage); weights are parameters, never counted twice
-    expected_saved = 4 * (B * I + B * H)
+    expected_saved = 4 * (B * D_IN + B * H)
     t = acct.terms()
     assert t == {"params": 4 * P, "grads": 0, "optimizer": 0, "saved": expected_saved}
     y.sum().backward()
@@ -46,10 +46,10 @@ def test_saved_bytes_of_a_two_layer_toy_are_counted_exactly() -> None:
 
 def test_checkpointed_block_saves_only_its_input() -> None:
     m, _, acct = _toy()
-    x = torch.randn(B, I, requires_grad=True)
+    x = torch.randn(B, D_IN, requires_grad=True)
     with acct.saving():
         y = checkpoint(m, x, use_reentrant=False)
-    assert acct.terms()["saved"] == 4 * B * I  # the block input alone; the inside is recomputed
+    assert acct.terms()["saved"] == 4 * B * D_IN  # the block input alone; the inside is recomputed
     y.sum().backward()
 
 
@@ -71,10 +71,10 @@ def test_opt_in_through_the_environment(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(accounting.ENV_VAR, str(tmp_path))
     acct = accounting.from_env(lambda: m, lambda: opt)
     with accounting.saving(acct):  # samples on exit: the forward's saved tensors are alive
-        y = m(torch.randn(B, I))
+        y = m(torch.randn(B, D_IN))
     y.sum().backward()
     accounting.sample(acct)  # params + grads (4P each) > params + saved (4P + 144 B): the peak
     accounting.flush(acct, module_name="llm", rank=1)
     (row,) = [json.loads(x) for x in (tmp_path / "llm_1.jsonl").read_text().splitlines()]
     assert row == {"total": 8 * P, "params": 4 * P, "grads": 4 * P, "optimizer": 0, "saved": 0}
-    assert 4 * (B * I + B * H) < 4 * P  # so the forward's sample was not the window's largest
+    assert 4 * (B * D_IN + B * H) < 4 * P  # so the forward's sample was not the window's largest

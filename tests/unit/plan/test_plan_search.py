@@ -30,6 +30,7 @@ def test_search_space_has_selective_ac_and_llm_sequence_parallel() -> None:
     b = search.module("llm", 4, without, "off", 2, 1, 64, 0.0).terms.saved_total
     assert a < b
 
+
 def test_overrides_apply_as_typed_values() -> None:
     cfg = load_config("tiny_vlm", [])
     (best,) = Search(cfg, set()).run(keep=1)
