@@ -4,12 +4,12 @@ Trains tiny Qwen2.5-VL plans on CPU (real Ray, gloo, the dhp runtime), each for 
 and compares what ``dhp plan`` predicts with what the run measured:
 
 - step time: median ``step_s`` of the logged steps after the first (metrics.jsonl);
-- memory: the max over ranks of ``peak_mem_bytes`` (on CPU: the process's VmHWM per log window,
-  reset through /proc/self/clear_refs: one process), against the planner's peak of one module's
-  rank alone (``memory.total``) plus a per-process baseline (the Python + torch + Ray worker resident set, which the planner's CPU profile does not
-  model): the median over the calibration plans of (measured - planned). The tiny model's own bytes
-  are a few MB, so on CPU this comparison is dominated by that baseline; ``model_peak_bytes`` shows
-  the planner's part alone.
+- memory: torch's own accounting inside every rank (``dhp.metrics.accounting``, switched on through
+  ``DHP_MEMORY_ACCOUNTING``): parameter, gradient and optimizer-state storages plus the storages
+  autograd saved for backward, sampled where the phases peak; the max over windows and ranks of each
+  module, against the planner's ``accounted_peak`` of that module's rank (the same terms, max over
+  its phases: no transients, no per-process reserve, which is reported apart as
+  ``reserve_bytes_per_process``). No baseline is fitted: both sides count tensor bytes only.
 
 The plans alternate calibration / held-out: ``dhp calibrate`` fits the profile on the calibration
 half; the held-out half is predicted with that profile. Finally ``dhp plan --auto`` (calibrated
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -95,6 +96,7 @@ def _config(name: str, overrides: list[str], *, out: Path, steps: int, cluster: 
         "train.checkpoint_every=0",
     ]
     cfg = load_config("tiny_vlm", [*base, *overrides])
+    cfg = load_config("tiny_vlm", [*base, *overrides, *_exact_lengths(cfg)])
     if cluster is not None:
         from omegaconf import OmegaConf
 
@@ -103,16 +105,97 @@ def _config(name: str, overrides: list[str], *, out: Path, steps: int, cluster: 
     return cfg
 
 
-def _train(cfg, out: Path) -> tuple[Path, float, int]:
+def _exact_lengths(cfg) -> list[str]:
+    """seq_len overrides that make each module's capacity exactly what the synthetic data fills (the
+    planner counts capacity; the run allocates what the samples hold): an LLM sample is
+    images x (patches / merge^2 + 2 markers) + text tokens; a vision micro-batch of one replica holds
+    its share of the LLM replicas' images."""
+    syn, merge = cfg.data.synthetic, cfg.model.vision.spatial_merge_size**2
+    tokens = syn.images_per_sample * (syn.patches // merge + 2) + syn.text_tokens
+    v, lm = cfg.modules["vision"].parallel, cfg.modules["llm"].parallel
+    share = cfg.train.micro_batch_size * (lm.dp * lm.fsdp) // (v.dp * v.fsdp)
+    return [
+        f"modules.llm.seq_len={tokens}",
+        f"modules.vision.seq_len={share * syn.patches * syn.images_per_sample}",
+    ]
+
+
+def _train(cfg, out: Path) -> tuple[Path, float, dict[str, int]]:
+    """Train; (run dir, median step_s after the first, {module: accounted peak bytes, max over ranks})."""
+    from dhp.metrics.accounting import ENV_VAR
     from dhp.runtime.train import train
 
+    acct = Path(os.environ[ENV_VAR])
+    for f in acct.glob("*.jsonl"):
+        f.unlink()
     train(cfg)
     (run_dir,) = (out / cfg.name).iterdir()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     use = rows[1:] if len(rows) > 1 else rows
     step = statistics.median(r["step_s"] for r in use)
-    peak = max(max(r["peak_mem_bytes"].values()) for r in use)
+    peak: dict[str, dict[str, int]] = {}
+    for f in sorted(acct.glob("*.jsonl")):
+        module = f.stem.rsplit("_", 1)[0]
+        windows = [json.loads(x) for x in f.read_text().splitlines()]
+        top = max(windows, key=lambda w: w["total"])
+        if top["total"] > peak.get(module, {"total": 0})["total"]:
+            peak[module] = top | {"rank": int(f.stem.rsplit("_", 1)[1])}
     return run_dir, step, peak
+
+
+def _probe(repeats: int = 5) -> float:
+    """Seconds of a fixed small CPU workload (torch ops + Python, like the tiny model's step): the
+    median of ``repeats``. Taken before and after each plan, it tracks how loaded the shared box was."""
+    import time
+
+    import torch
+
+    x = torch.randn(64, 64)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(300):
+            x = torch.tanh(x @ x * 0.01)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _planned_peaks(plan) -> dict[str, int]:
+    """{module: the planner's accounted peak, max over the module's ranks}."""
+    return {g.name: max(r.memory.accounted_peak for r in g.ranks) for g in plan.groups}
+
+
+def _scaled_run(run_dir: Path, dest: Path, factor: float) -> Path:
+    """A copy of a run directory whose per-step seconds (every ``*_s`` metric) are scaled by ``factor``."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run_dir / "config.yaml", dest / "config.yaml")
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.append(json.dumps({k: v * factor if k.endswith("_s") else v for k, v in rec.items()}))
+    (dest / "metrics.jsonl").write_text("\n".join(out) + "\n")
+    return dest
+
+
+def load_corrected(rows: list[dict], plans: list, *, ref: float, tmp: Path, steps: int) -> dict:
+    """Calibrate on the calibration plans' runs scaled to the median load (``ref / probe``), predict
+    every plan with that profile; adds ``predicted_step_s_load_corrected`` to each row."""
+    from dhp.plan import compile_plan
+    from dhp.plan.calibrate import calibrate
+
+    dirs = [
+        str(_scaled_run(Path(r["run_dir"]), tmp / "corrected" / r["name"], ref / r["load_probe_s"]))
+        for r in rows
+        if r["calibration"]
+    ]
+    profile = tmp / "cluster" / "bench_cpu_corrected.yaml"
+    report = calibrate(dirs, out=str(profile))
+    for r, (name, ov) in zip(rows, plans, strict=True):
+        cfg = _config(name, ov, out=tmp / "pred", steps=steps, cluster=str(profile))
+        r["predicted_step_s_load_corrected"] = compile_plan(cfg).estimate["step_time_s"]
+    return report
 
 
 def main() -> None:
@@ -120,6 +203,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="4 plans instead of 8 (a busy machine)")
+    ap.add_argument("--only", default="", help="comma-separated plan names (memory check only)")
     args = ap.parse_args()
 
     import ray
@@ -127,33 +211,55 @@ def main() -> None:
     from dhp.plan import compile_plan
     from dhp.plan.auto import run_auto
     from dhp.plan.calibrate import calibrate
+    from dhp.plan.phases import RESERVE_PER_PROCESS_BYTES
 
     plans = [p for p in PLANS if not args.quick or p[0] in QUICK]
+    only = [x for x in args.only.split(",") if x]
+    if only:
+        plans = [p for p in PLANS if p[0] in only]
     tmp = Path(tempfile.mkdtemp(prefix="bench_planner_"))
+    from dhp.metrics.accounting import ENV_VAR
+
+    os.environ[ENV_VAR] = str(tmp / "accounting")  # before ray.init: the workers inherit it
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for i, (name, ov) in enumerate(plans):
             cfg = _config(name, ov, out=tmp, steps=args.steps)
             plan = compile_plan(cfg)
-            run_dir, step, peak = _train(cfg, tmp)
+            before = _probe()
+            run_dir, step, terms = _train(cfg, tmp)
+            probe = (before + _probe()) / 2
+            peak = {m: t["total"] for m, t in terms.items()}
+            planned = _planned_peaks(plan)
+            worst = max(planned, key=lambda m: abs(peak[m] / planned[m] - 1))
             rows.append(
                 {
                     "name": name,
                     "overrides": ov,
                     "calibration": i % 2 == 0,
                     "run_dir": str(run_dir),
-                    "model_peak_bytes": max(g.ranks[0].memory.total for g in plan.groups),
-                    "measured_peak_bytes": peak,
+                    "memory_by_module": {
+                        m: {
+                            "predicted": planned[m],
+                            "measured": peak[m],
+                            "ratio": peak[m] / planned[m],
+                            "measured_terms": terms[m],
+                        }
+                        for m in planned
+                    },
+                    "load_probe_s": probe,
+                    "predicted_peak_bytes": planned[worst],  # the module farthest from its prediction
+                    "measured_peak_bytes": peak[worst],
                     "measured_step_s": step,
                     "uncalibrated_step_s": plan.estimate["step_time_s"],
                 }
             )
-            print(f"{name}: measured {step:.3f} s/step, peak {peak / 2**20:.0f} MiB", flush=True)
-        cal = [r for r in rows if r["calibration"]]
-        baseline = statistics.median(r["measured_peak_bytes"] - r["model_peak_bytes"] for r in cal)
-        for r in rows:
-            r["predicted_peak_bytes"] = int(r["model_peak_bytes"] + baseline)
+            ratios = {m: round(v["ratio"], 3) for m, v in rows[-1]["memory_by_module"].items()}
+            print(f"{name}: measured {step:.3f} s/step, memory measured/predicted {ratios}", flush=True)
+        if only:
+            print("BENCH " + json.dumps(rows))
+            return
         profile_path = tmp / "cluster" / "bench_cpu.yaml"
         report = calibrate([r["run_dir"] for r in rows if r["calibration"]], out=str(profile_path))
         for r, (name, ov) in zip(rows, plans, strict=True):
@@ -163,10 +269,18 @@ def main() -> None:
         plan, ranked, why = run_auto(auto_cfg, {"cluster"}, save=None)
         picked_ov = ranked[0][1]
         picked_cfg = _config("auto_pick", picked_ov, out=tmp, steps=args.steps, cluster=str(profile_path))
+        before = _probe()
         _, picked_step, _ = _train(picked_cfg, tmp)
+        picked_probe = (before + _probe()) / 2
     finally:
         ray.shutdown()
     best = min(rows, key=lambda r: r["measured_step_s"])
+    ref = statistics.median([r["load_probe_s"] for r in rows] + [picked_probe])
+    for r in rows:  # what the step would have taken at the run's median load (the probe's ratio)
+        r["measured_step_s_load_corrected"] = r["measured_step_s"] * ref / r["load_probe_s"]
+    corrected_report = load_corrected(rows, plans, ref=ref, tmp=tmp, steps=args.steps)
+    picked_corr = picked_step * ref / picked_probe
+    best_corr = min(rows, key=lambda r: r["measured_step_s_load_corrected"])
     doc = {
         "plans": [
             {
@@ -179,7 +293,11 @@ def main() -> None:
                     "measured_step_s",
                     "calibration",
                     "uncalibrated_step_s",
-                    "model_peak_bytes",
+                    "memory_by_module",
+                    "load_probe_s",
+                    "measured_step_s_load_corrected",
+                    "predicted_step_s_load_corrected",
+                    "run_dir",
                 )
             }
             for r in rows
@@ -191,23 +309,37 @@ def main() -> None:
             "best_measured": best["name"],
             "picked_step_s": picked_step,
             "best_step_s": min(best["measured_step_s"], picked_step),
+            "picked_step_s_load_corrected": picked_corr,
+            "best_measured_load_corrected": best_corr["name"],
+            "best_step_s_load_corrected": min(best_corr["measured_step_s_load_corrected"], picked_corr),
+            "picked_load_probe_s": picked_probe,
         },
-        "process_baseline_bytes": baseline,
+        "reserve_bytes_per_process": RESERVE_PER_PROCESS_BYTES,
         "profile": {k: v for k, v in report["profile"].items() if "efficiency" in k or "overhead" in k},
+        "profile_load_corrected": {
+            k: v for k, v in corrected_report["profile"].items() if "efficiency" in k or "overhead" in k
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"{'plan':26} {'cal':>3} {'pred MiB':>9} {'meas MiB':>9} {'pred s':>8} {'meas s':>8} {'err %':>6}")
+    print(
+        f"{'plan':26} {'cal':>3} {'pred MiB':>9} {'meas MiB':>9} {'mem x':>6} {'pred s':>8} {'meas s':>8} "
+        f"{'err %':>6} {'corr s':>8} {'err %':>6}"
+    )
     for r in doc["plans"]:
         err = 100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
+        corr = r["measured_step_s_load_corrected"]
         print(
-            f"{r['name']:26} {'yes' if r['calibration'] else 'no':>3} {r['predicted_peak_bytes'] / 2**20:9.1f} "
-            f"{r['measured_peak_bytes'] / 2**20:9.1f} {r['predicted_step_s']:8.3f} {r['measured_step_s']:8.3f} {err:6.1f}"
+            f"{r['name']:26} {'yes' if r['calibration'] else 'no':>3} {r['predicted_peak_bytes'] / 2**20:9.3f} "
+            f"{r['measured_peak_bytes'] / 2**20:9.3f} {r['measured_peak_bytes'] / r['predicted_peak_bytes']:6.3f} "
+            f"{r['predicted_step_s']:8.3f} {r['measured_step_s']:8.3f} {err:6.1f} {corr:8.3f} "
+            f"{100 * (r['predicted_step_s_load_corrected'] / corr - 1):6.1f}"
         )
     a = doc["auto"]
     print(
         f"auto picked {a['picked']} -> {a['picked_step_s']:.3f} s/step; best measured {a['best_measured']} "
-        f"{a['best_step_s']:.3f} s/step"
+        f"{a['best_step_s']:.3f} s/step; load-corrected {a['picked_step_s_load_corrected']:.3f} vs "
+        f"{a['best_measured_load_corrected']} {a['best_step_s_load_corrected']:.3f}"
     )
     print("BENCH " + json.dumps(doc))
 

@@ -105,6 +105,13 @@ class ClusterConfig:
     host_cores: int = 0  # CPU clusters: physical cores per node shared by the ranks (0: not shared)
     call_overhead_s: float = 0.002  # per module call (dispatch, Python), per micro-batch phase
     dispatch_overhead_s: float = 0.002  # per micro-batch, driver side (Ray calls, routing)
+    # host seconds per call (dhp/plan/overheads.py); 0 on GPUs, where the host runs ahead of the
+    # kernels; a CPU profile or `dhp calibrate` sets them
+    block_overhead_s: float = 0.0  # op dispatch of one block's forward (a backward counts 2)
+    dtensor_block_overhead_s: float = 0.0  # extra per block when its weights are TP DTensors
+    attention_call_overhead_s: float = 0.0  # per attention call (the encoder's window loop)
+    collective_overhead_s: float = 0.0  # per collective call (gloo/NCCL setup, rendezvous)
+    tensor_overhead_s: float = 0.0  # per parameter tensor in norm/clip/AdamW loops, per step
     profile: str = "defaults"  # where the efficiencies come from (defaults | calibrated: runs)
 
 

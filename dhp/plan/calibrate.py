@@ -23,10 +23,21 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import ConfigError, ConfigIssue
-from dhp.plan.estimate import FEATURES, coefficients, module_features, seconds, vision_tokens_per_rank
+from dhp.plan.estimate import (
+    FEATURES,
+    OVERHEAD_KEYS,
+    coefficients,
+    module_features,
+    seconds,
+    vision_tokens_per_rank,
+)
 
 # A run's whole step_s weighs as much as its module phases together (5 of them in a VLM step).
 STEP_WEIGHT = 5.0
+# Huber loss on the relative residuals: quadratic within 20 %, linear beyond (a loaded box makes
+# single measurements jump by 2x); a few reweighted rounds of the non-negative fit.
+HUBER_DELTA = 0.2
+HUBER_ROUNDS = 6
 PROFILE_KEYS = {
     "matmul": "matmul_efficiency",
     "attention": "attention_efficiency",
@@ -82,7 +93,7 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
                 ({k: n_mb * v for k, v in f.bwd.items()}, measured(rows, f"{name}_bwd_s"), f"{name}_bwd")
             )
         if not shape.freeze:
-            step = {**dict.fromkeys(FEATURES, 0.0), "memory": f.step["memory"], "calls": f.step["calls"]}
+            step = {**dict.fromkeys(FEATURES, 0.0), **f.step}
             out.append((step, measured(rows, f"{name}_step_s"), f"{name}_step"))
     out.append(
         (
@@ -135,7 +146,8 @@ def nnls(a: np.ndarray, b: np.ndarray, sweeps: int = 5000) -> np.ndarray:
 
 
 def fit(obs: list[tuple[dict[str, float], float, str]], prior: dict[str, float]) -> dict[str, float]:
-    """Non-negative least squares on relative errors (step rows weighted STEP_WEIGHT). A coefficient whose feature is zero in every
+    """Non-negative robust least squares on relative errors (step rows weighted STEP_WEIGHT; Huber
+    reweighting beyond HUBER_DELTA). A coefficient whose feature is zero in every
     observation keeps ``prior``; one the fit drives to 0 is floored at 1% of its prior (the runs
     say the term is negligible here; a zero would mean an infinite efficiency)."""
     free = [k for k in FEATURES if any(f.get(k, 0.0) > 0 for f, _, _ in obs)]
@@ -143,8 +155,13 @@ def fit(obs: list[tuple[dict[str, float], float, str]], prior: dict[str, float])
     rows = [(f, y, STEP_WEIGHT if label == "step" else 1.0) for f, y, label in obs if y > 0]
     if not free or not rows:
         return {**prior, **fixed}
-    a = np.array([[w * f.get(k, 0.0) / y for k in free] for f, y, w in rows])
-    x = nnls(a, np.array([w for _, _, w in rows]))
+    a = np.array([[f.get(k, 0.0) / y for k in free] for f, y, _ in rows])
+    w = np.array([wt for _, _, wt in rows])
+    robust = np.ones(len(rows))
+    for _ in range(HUBER_ROUNDS):  # iteratively reweighted: a noisy outlier cannot drag the fit
+        x = nnls(a * (w * robust)[:, None], w * robust)
+        r = np.abs(a @ x - 1.0)  # relative residual of each observation
+        robust = np.minimum(1.0, HUBER_DELTA / np.maximum(r, 1e-12)) ** 0.5
     return {**fixed, **{k: float(v) if v > 0 else 0.01 * prior[k] for k, v in zip(free, x, strict=True)}}
 
 
@@ -165,6 +182,8 @@ def calibrate(run_dirs: list[str], *, out: str) -> dict:
     for key, name in PROFILE_KEYS.items():
         profile[name] = float(1.0 / coef[key])
     profile["call_overhead_s"] = float(coef["calls"])
+    for key, name in OVERHEAD_KEYS.items():
+        profile[name] = float(coef[key])
     profile["dispatch_overhead_s"] = float(coef["dispatch"])
     profile["name"] = Path(out).stem
     profile["profile"] = "calibrated: " + ", ".join(str(Path(d)) for d in run_dirs)

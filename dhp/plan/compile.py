@@ -113,6 +113,7 @@ def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:
             "activations": pr.act,
         },
         loss_chunk_tokens=shape.loss_chunk_tokens,
+        accounted_peak=terms.accounted_peak(),
     )
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.plan.memory import ModuleShape
+from dhp.plan.memory import ModuleShape, sp_rank_tokens
+from dhp.plan.overheads import phase_counts
 from dhp.plan.schedule import StepEstimate, schedule
 from dhp.plan.timing import (
     ATTN_HALF_SPAN,
@@ -25,7 +26,27 @@ from dhp.plan.timing import (
 )
 from dhp.plan.types import Plan
 
-FEATURES = ("matmul", "attention", "comm", "memory", "calls", "dispatch")
+FEATURES = (
+    "matmul",
+    "attention",
+    "comm",
+    "memory",
+    "calls",
+    "dispatch",
+    "blocks",
+    "dtensor_blocks",
+    "attention_calls",
+    "collectives",
+    "tensors",
+)
+#: the per-call counts of dhp/plan/overheads.py and the profile key of each one's seconds per call
+OVERHEAD_KEYS = {
+    "blocks": "block_overhead_s",
+    "dtensor_blocks": "dtensor_block_overhead_s",
+    "attention_calls": "attention_call_overhead_s",
+    "collectives": "collective_overhead_s",
+    "tensors": "tensor_overhead_s",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,7 @@ def coefficients(cluster: DictConfig) -> dict[str, float]:
         "memory": 1.0 / cluster.memory_efficiency,
         "calls": cluster.call_overhead_s,
         "dispatch": cluster.dispatch_overhead_s,
+        **{k: float(cluster[key]) for k, key in OVERHEAD_KEYS.items()},
     }
 
 
@@ -60,11 +82,12 @@ def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     """Patches one vision rank encodes per driver micro-batch: the real share when the data is
     synthetic (known patches per sample), else the configured capacity ``seq_len``."""
     v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
+    total = float(shape.seq_len)
     if config.data.kind == "synthetic":
         pps = config.data.synthetic.patches * config.data.synthetic.images_per_sample
         share = (lm.dp * lm.fsdp) * config.train.micro_batch_size * pps / (v.dp * v.fsdp)
-        return min(float(shape.seq_len), share) / v.sp
-    return shape.seq_len / v.sp
+        total = min(total, share)
+    return sp_rank_tokens(shape.arch, total, v.sp, shape.image_patches)
 
 
 def oversubscription(cluster: DictConfig, processes: int) -> float:
@@ -100,6 +123,7 @@ def module_features(
     else:
         fsdp = comm["fsdp"]
     raw_mem = OmegaConf.create({"hbm_gbps": cluster.hbm_gbps, "memory_efficiency": 1.0})
+    counts = phase_counts(shape, tokens)
     feats = ModuleFeatures(
         fwd={
             "matmul": fwd_mm,
@@ -107,6 +131,7 @@ def module_features(
             "comm": comm["fwd"] + fsdp / 2,
             "memory": 0.0,
             "calls": 1.0,
+            **counts["fwd"],
         },
         bwd={
             "matmul": bwd_mm,
@@ -114,6 +139,7 @@ def module_features(
             "comm": comm["bwd"] + fsdp / 2 if shape.backward else 0.0,
             "memory": 0.0,
             "calls": 1.0 if shape.backward else 0.0,
+            **counts["bwd"],
         },
         step={
             "matmul": 0.0,
@@ -121,6 +147,7 @@ def module_features(
             "comm": grad_sync_s(shape, link, world),
             "memory": optimizer_s(shape, raw_mem),
             "calls": 1.0,
+            **counts["step"],
         },
         recompute_flops=fl.recompute_matmul + fl.recompute_attn,
         flops=fl.fwd + (fl.bwd if shape.backward else 0.0),
@@ -165,7 +192,7 @@ def estimate_step(
             "bwd_s": seconds(f.bwd, coef),
             "comm_s": n_mb * (f.fwd["comm"] + f.bwd["comm"]) * coef["comm"] + f.step["comm"] * coef["comm"],
             "grad_sync_s": f.step["comm"] * coef["comm"],
-            "optim_s": f.step["memory"] * coef["memory"] + f.step["calls"] * coef["calls"],
+            "optim_s": seconds({**f.step, "comm": 0.0}, coef),
             "recompute_flops": n_mb * f.recompute_flops,
             "flops_per_rank": n_mb * f.flops,
         }

@@ -39,10 +39,13 @@ root unit it keeps gathered from forward to backward, one block's unsharded grad
 reduce-scatter, the loss's logits chunk, the flat DP/SP gradient all-reduce buffer, the fp64
 squares of the grad norm, and AdamW's foreach temporaries.
 
-The loss (vocab-parallel, fp32 log-softmax): with ``c`` tokens per chunk (``loss_chunk_tokens``;
-0 = ``default_loss_chunk``, never above the micro-batch's tokens), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and
-backward ``c * V/tp * (a + 8)`` (recomputed logits, log-softmax, fp32 grad). Unchunked (c >= the
-micro-batch's tokens) the logits and log-softmax are saved from forward to backward instead.
+The loss (``dhp/ops/cross_entropy.py``: vocab-parallel, fp32, chunked, recomputed in backward):
+with ``c`` tokens per chunk (``loss_chunk_tokens``; 0 = ``default_loss_chunk``, never above the
+micro-batch's tokens), forward holds ``c * V/tp * (a + 4)`` (logits, fp32 log-softmax) and backward
+``c * V/tp * (a + 8)`` (recomputed logits, log-softmax, fp32 grad) plus the lm_head's fp32 weight
+gradient accumulator ``V/tp * h * 4``. It saves for backward only the label tokens' hidden rows
+(counted as every token: ``T * h * a``), their targets (int64) and log-sum-exp (fp32): no logits,
+whatever the chunk.
 """
 
 from __future__ import annotations
@@ -121,15 +124,31 @@ class ModuleShape:
 
     @property
     def tokens(self) -> float:
-        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms)."""
+        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms); the encoder:
+        the fullest SP rank's (``sp_rank_tokens``)."""
         if self.name == "vision":
-            return self.seq_len / self.parallel.sp
+            return sp_rank_tokens(self.arch, self.seq_len, self.parallel.sp, self.image_patches)
         return self.micro_batch * self.seq_len
 
     @property
     def seq_split(self) -> int:
         """s: how many ways the tensors between TP regions are cut by sequence."""
         return self.parallel.tp if self.sequence_parallel else 1
+
+
+def sp_rank_tokens(vision: DictConfig | None, patches: float, sp: int, image: int) -> float:
+    """Patches the fullest of ``sp`` Ulysses ranks encodes out of ``patches``: the runtime cuts the
+    window order on window boundaries (``dhp/parallel/sp_shard.py``), so a rank holds whole windows:
+    ceil(windows / sp) of them (an image of ``image`` patches has ceil(image / window) windows of
+    equal share). With fewer windows than ranks some ranks idle and the others hold a whole window."""
+    if sp <= 1 or vision is None:
+        return float(patches)
+    image = image or int(patches)
+    window = (vision.window_size // vision.patch_size) ** 2
+    per_image = max(math.ceil(image / window), 1)
+    size = image / per_image  # patches of one window
+    windows = max(math.ceil(patches / size), 1)
+    return min(float(patches), math.ceil(windows / sp) * size)
 
 
 def default_loss_chunk(vocab: int, tp: int, tokens: int) -> int:
@@ -241,11 +260,10 @@ def llm_activations(shape: ModuleShape, llm: DictConfig) -> dict[str, int]:
     """Saved-for-backward bytes of one LLM rank and micro-batch, by component."""
     a, tokens = shape.precision.act, shape.tokens
     eager, _ = _eager_saved_and_work(shape, None)
-    unchunked = shape.loss_chunk_tokens >= tokens
     return {
         "layers": saved_layers_bytes(shape),
         "attention_scores": eager,
-        "logits_loss": int(tokens * llm.vocab_size / shape.parallel.tp * (a + 4)) if unchunked else 0,
+        "loss_inputs": int(tokens * (llm.hidden_size * a + 8 + 4)) if shape.backward else 0,
         "final_norm": int(tokens * 2 * llm.hidden_size / shape.seq_split * a),
     }
 

@@ -8,11 +8,21 @@ One step, per micro-batch, runs these phases in order (``dhp/runtime/driver.py``
 In each phase a module's rank holds:
 
 - params and optimizer states: always;
-- grads: from its first backward to the optimizer step; in every phase when the step has more than
-  one micro-batch (accumulation keeps them from the previous micro-batch);
-- saved activations: the encoder from its forward to its backward, for TWO micro-batches when the
-  step has more than one (the driver issues the encoder's forward of m+1 before its backward of m,
-  collocated or disaggregated); the LLM during its forward and backward only;
+- grads and saved activations, as the driver's order makes them coexist (``m`` micro-batches per
+  step; the encoder's forward of m+1 is issued before its backward of m, collocated or
+  disaggregated, so it holds up to TWO micro-batches' activations ``S``; ``G`` the grads, ``G1``
+  the first gradient its backward writes, the module's largest tensor: lm_head, the merger):
+
+      phase               LLM (m=1 / m>=2)            encoder (m=1 / m=2 / m>=3)
+      own forward         S       / G+S              S / 2S / G+2S
+      own backward        max(S+G1, G) / G+S         max(S+G1, G) / max(2S, S+G) / G+2S
+      between (hand-off,  - / G                      S / max(2S, S+G) / G+2S
+        the other's work)
+      after its backward  G                          G
+
+  A backward writes the head's gradient first while every saved tensor is alive, then frees each
+  block's activations as it writes that block's gradients (the peak of the two together is at one
+  end); accumulation keeps the previous micro-batch's grads;
 - the transient of the phase it runs (``dhp/plan/memory.py``): one block's working set, all-to-all
   buffers, FSDP's gathered blocks, the loss chunk, the hand-off payload, the flat all-reduce buffer,
   the grad-norm squares, AdamW's temporaries.
@@ -68,6 +78,8 @@ class ModuleTerms:
     saved: dict[str, int]  # saved activations of ONE micro-batch, by component
     live_micro_batches: int  # micro-batches whose saved activations coexist (2: pipelined encoder)
     accumulates: bool  # grads exist in every phase (more than one micro-batch per step)
+    micro_batches: int = 1  # per step (the driver's order decides what coexists, see above)
+    first_grad: int = 0  # bytes of the first gradient a backward writes (the largest tensor)
     fwd_work: dict[str, int] = field(default_factory=dict)
     bwd_work: dict[str, int] = field(default_factory=dict)
     handoff: int = 0
@@ -82,17 +94,8 @@ class ModuleTerms:
     def live(self, phase: str) -> dict[str, int]:
         """Bytes this rank holds in ``phase``, by term (only nonzero terms)."""
         mine_fwd, mine_bwd = f"{self.name}_fwd", f"{self.name}_bwd"
-        order = PHASES.index
-        has_grads = self.grads > 0 and (self.accumulates or order(phase) >= order(mine_bwd))
-        acts = order(phase) <= order("vision_bwd") if self.name == "vision" else phase in (mine_fwd, mine_bwd)
-        out = {
-            "params": self.params,
-            "optimizer": self.optimizer,
-            "grads": self.grads if has_grads else 0,
-            "activations": self.saved_total * (self.live_micro_batches if self.name == "vision" else 1)
-            if acts
-            else 0,
-        }
+        grads, acts = self.grads_and_activations(phase)
+        out = {"params": self.params, "optimizer": self.optimizer, "grads": grads, "activations": acts}
         if phase == mine_fwd:
             out.update({f"fwd:{k}": v for k, v in self.fwd_work.items()})
         elif phase == mine_bwd:
@@ -106,6 +109,30 @@ class ModuleTerms:
         elif phase == "optimizer":
             out["optimizer_temp"] = self.optim
         return {k: int(v) for k, v in out.items() if v}
+
+    def accounted_peak(self) -> int:
+        """Max over phases of params + grads + optimizer + saved activations: the transients and
+        the reserve left out, i.e. what ``dhp.metrics.accounting`` measures on a running rank."""
+        keys = ("params", "optimizer", "grads", "activations")
+        return max(sum(v for k, v in self.live(p).items() if k in keys) for p in PHASES)
+
+    def grads_and_activations(self, phase: str) -> tuple[int, int]:
+        """(grads, saved activations) live together in ``phase`` (the table in the module docstring):
+        the candidate with the larger sum over the micro-batches the phase stands for."""
+        order = PHASES.index
+        g, s, m = self.grads if self.grads > 0 else 0, self.saved_total, self.micro_batches
+        mine_fwd, mine_bwd = f"{self.name}_fwd", f"{self.name}_bwd"
+        if order(phase) > order(mine_bwd) or (self.name == "llm" and phase not in (mine_fwd, mine_bwd)):
+            after = order(phase) > order(mine_bwd)
+            return (g if after or (self.accumulates and g) else 0), 0
+        if self.name == "vision" and m >= 2 and self.live_micro_batches == 2:
+            pair = [(0, 2 * s)] + ([] if phase == mine_fwd else [(g, s)])
+            cands = [(g, 2 * s)] if m >= 3 else pair
+        elif self.accumulates:  # the LLM, m >= 2 (or an encoder without backward)
+            cands = [(g, s)]
+        else:  # m == 1
+            cands = [(0, s)] + ([(min(self.first_grad, g), s), (g, 0)] if phase == mine_bwd else [])
+        return max(cands, key=lambda c: (c[0] + c[1], c[1]))
 
 
 def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> ModuleTerms:
@@ -141,11 +168,10 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> Modu
     if shape.name == "llm":
         v_shard = shape.vocab / par.tp
         chunk = min(shape.loss_chunk_tokens, tokens)
-        if chunk < tokens:
-            fwd["loss_chunk"] = int(chunk * v_shard * (a + 4))
+        fwd["loss_chunk"] = int(chunk * v_shard * (a + 4))
+        if shape.backward and grads:
             bwd["loss_chunk"] = int(chunk * v_shard * (a + 8))
-        else:
-            fwd["loss_fp32"] = bwd["loss_grad"] = int(tokens * v_shard * 4)
+            bwd["lm_head_grad_fp32"] = int(v_shard * h * 4)
         handoff = int(tokens * h / s * a)
     else:
         merge = shape.arch.spatial_merge_size**2
@@ -168,6 +194,8 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> Modu
         saved=saved,
         live_micro_batches=2 if shape.name == "vision" and micro_batches > 1 and shape.backward else 1,
         accumulates=micro_batches > 1,
+        micro_batches=micro_batches,
+        first_grad=int(local_largest * pr.grad) if trains else 0,
         fwd_work={k: v for k, v in fwd.items() if v},
         bwd_work={k: v for k, v in bwd.items() if v},
         handoff=handoff,

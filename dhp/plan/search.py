@@ -6,14 +6,14 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 - per module and world size: every (dp, fsdp, sp, tp) whose product is the world (sp only for the
   encoder, sp and tp exclusive, tp inside a node and dividing the heads / KV heads / vocab), ZeRO-1
   on or off where dp*sp > 1 and fsdp = 1;
-- activation checkpointing off | full per module;
+- activation checkpointing off | selective | full per module;
+- the LLM's sequence parallelism inside TP (on or off, where tp > 1);
 - micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
   ``seq_len`` (patches per micro-batch and replica) scales with it from the patches per sample.
 
 What the user fixed on the command line (``modules.vision.parallel.sp=4``, ``placement=...``,
 ``train.micro_batch_size=2``, an AC mode, ...) is kept: candidates that differ there are never
-generated. ``sequence_parallel``, ``selective`` AC and precision are searched only when the user
-names them (precision changes the numerics, the other two are runtime features a user opts into).
+generated. Precision is never searched (it changes the numerics); the recipe's stays.
 
 Each module's terms and time are computed once per (world, degrees, AC, micro-batch, replicas of
 the other module); a pair is the combination. Pairs are visited fastest-bound first and the visit
@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import PlanError
 from dhp.plan.estimate import coefficients, module_features, seconds
-from dhp.plan.memory import module_shape
+from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
 
@@ -48,9 +48,17 @@ class Degrees:
     sp: int
     tp: int
     zero: int
+    sequence_parallel: bool = False  # the LLM's SP inside its TP group (tp > 1 only)
 
-    def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "fsdp": self.fsdp, "sp": self.sp, "tp": self.tp, "zero": self.zero}
+    def as_dict(self) -> dict[str, int | bool]:
+        out: dict[str, int | bool] = {
+            "dp": self.dp,
+            "fsdp": self.fsdp,
+            "sp": self.sp,
+            "tp": self.tp,
+            "zero": self.zero,
+        }
+        return out | ({"sequence_parallel": True} if self.sequence_parallel else {})
 
     @property
     def replicas(self) -> int:
@@ -90,7 +98,12 @@ class Candidate:
         out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
         for m in (self.vision, self.llm):
             out.append(f"modules.{m.name}.gpus={m.world}")
-            out += [f"modules.{m.name}.parallel.{k}={v}" for k, v in m.degrees.as_dict().items()]
+            degs = (
+                {"sequence_parallel": False, **m.degrees.as_dict()}
+                if m.name == "llm"
+                else m.degrees.as_dict()
+            )
+            out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
         out.append(f"modules.vision.seq_len={self.vision_seq_len}")
         return out
@@ -98,8 +111,9 @@ class Candidate:
     def label(self) -> str:
         def deg(m: ModuleChoice) -> str:
             d = m.degrees.as_dict()
-            axes = " ".join(f"{k}{v}" for k, v in d.items() if v > 1 and k != "zero") or "dp1"
-            return f"{axes}{' z1' if m.degrees.zero else ''} ac={m.ac}"
+            axes = " ".join(f"{k}{v}" for k, v in d.items() if v > 1 and k in ("dp", "fsdp", "sp", "tp"))
+            seq = "+sp" if m.degrees.sequence_parallel else ""
+            return f"{axes or 'dp1'}{seq}{' z1' if m.degrees.zero else ''} ac={m.ac}"
 
         split = "" if self.placement == "collocated" else f" {self.vision.world}:{self.llm.world}"
         return f"{self.placement}{split} | vision {deg(self.vision)} | llm {deg(self.llm)} | mb {self.micro_batch}"
@@ -124,7 +138,8 @@ def module_degrees(name: str, world: int, model: DictConfig, gpn: int) -> list[D
             for fsdp in _divisors(world // (tp * sp)):
                 dp = world // (tp * sp * fsdp)
                 zeros = (0, 1) if fsdp == 1 and dp * sp > 1 else (0,)
-                out += [Degrees(dp, fsdp, sp, tp, z) for z in zeros]
+                seqs = (False, True) if name == "llm" and tp > 1 else (False,)
+                out += [Degrees(dp, fsdp, sp, tp, z, q) for z in zeros for q in seqs]
     return out
 
 
@@ -155,7 +170,7 @@ class Search:
         mod = self.cfg.modules[name]
         if _fixed(self.fixed, f"modules.{name}.gpus") and world != mod.gpus:
             return False
-        for k, v in d.as_dict().items():
+        for k, v in {"sequence_parallel": False, **d.as_dict()}.items():
             if _fixed(self.fixed, f"modules.{name}.parallel.{k}") and v != mod.parallel[k]:
                 return False
         return not (
@@ -167,7 +182,7 @@ class Search:
         mod = self.cfg.modules[name]
         if _fixed(self.fixed, f"modules.{name}.activation_checkpointing"):
             return [str(mod.activation_checkpointing)]
-        return ["off", "full"]
+        return ["off", "selective", "full"]
 
     def placements(self) -> list[tuple[str, int, int]]:
         if _fixed(self.fixed, "placement") and self.cfg.placement == "collocated":
@@ -202,6 +217,8 @@ class Search:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
         mod["parallel"].update(d.as_dict())
+        if name == "llm":
+            mod["parallel"]["sequence_parallel"] = d.sequence_parallel
         mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
         conf = OmegaConf.create(mod)
         shape = module_shape(
@@ -214,7 +231,7 @@ class Search:
             "fwd_s": seconds(f.fwd, self.coef),
             "bwd_s": seconds(f.bwd, self.coef),
             "grad_sync_s": f.step["comm"] * self.coef["comm"],
-            "optim_s": f.step["memory"] * self.coef["memory"] + f.step["calls"] * self.coef["calls"],
+            "optim_s": seconds({**f.step, "comm": 0.0}, self.coef),
         }
         choice = ModuleChoice(name, world, d, ac, time, terms)
         self._cache[key] = choice
@@ -224,7 +241,8 @@ class Search:
         return int(self.cfg.data.synthetic.patches) if self.cfg.data.kind == "synthetic" else 0
 
     def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
-        return min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas) / d.sp
+        total = min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas)
+        return sp_rank_tokens(self.cfg.model.vision, total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:
@@ -319,7 +337,8 @@ def apply(config: DictConfig, overrides: list[str]) -> DictConfig:
     OmegaConf.set_readonly(out, False)
     for item in overrides:
         key, _, value = item.partition("=")
-        OmegaConf.update(out, key, int(value) if value.isdigit() else value)
+        typed = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+        OmegaConf.update(out, key, typed)
     OmegaConf.set_readonly(out, True)
     return out
 

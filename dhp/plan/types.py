@@ -30,6 +30,9 @@ class MemoryEstimate:
     peak_phase: str = ""
     bytes_per_param: dict[str, int] = field(default_factory=dict)
     loss_chunk_tokens: int = 0
+    # max over phases of params + grads + optimizer + saved activations (no transients, no reserve):
+    # the definition dhp.metrics.accounting measures on a running rank
+    accounted_peak: int = 0
 
     @property
     def total(self) -> int:
@@ -50,6 +53,7 @@ class MemoryEstimate:
             "transients": {k: dict(v) for k, v in self.work.items()},
             "phases": dict(self.phases),
             "bytes_per_param": dict(self.bytes_per_param),
+            "accounted_peak": self.accounted_peak,
         }
         if self.loss_chunk_tokens:
             out["loss_chunk_tokens"] = self.loss_chunk_tokens

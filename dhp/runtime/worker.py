@@ -23,6 +23,7 @@ from dhp.config.schema import ModelConfig, ModuleConfig, TrainConfig
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
 from dhp.errors import RuntimeFailure
+from dhp.metrics import accounting
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.models import get_family
 from dhp.models.loading import LoadReport, load_module_weights
@@ -74,6 +75,7 @@ class ModuleWorker(DistWorker):
         # handoff_bytes: image-embedding bytes this rank copied out of the hand-off (LLM ranks)
         self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0, "handoff_bytes": 0.0}
         self._events: list[tuple[str, int, float, float]] = []  # (method, micro-batch, start, end) wall clock
+        self._acct = accounting.from_env(lambda: self.module, lambda: self.optimizer)  # opt-in
 
     # ---- build -----------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
@@ -188,7 +190,8 @@ class ModuleWorker(DistWorker):
         if work.shard is not None:
             with torch.set_grad_enabled(not self.frozen):
                 shard = resolve_pixels(work.shard)  # data.engine=ray: rows come from the object store
-                out = vision_shard_forward(self.module, _shard_to(shard, self.device))
+                with accounting.saving(self._acct):
+                    out = vision_shard_forward(self.module, _shard_to(shard, self.device))
             if not self.frozen:
                 self._inflight[micro_batch] = (out, work)
             for route in work.routes if send else ():
@@ -227,6 +230,7 @@ class ModuleWorker(DistWorker):
                         payload, device=self.device
                     )
         out.backward(grad)
+        accounting.sample(self._acct)
         self._timers["bwd_s"] += time.perf_counter() - t1
 
     def _recv_vision_grad(self, out: torch.Tensor, work: VisionWork, micro_batch: int) -> torch.Tensor:
@@ -284,7 +288,7 @@ class ModuleWorker(DistWorker):
         if self.bridge is None:
             arrivals = ((dst, self.transport.unpack(rows, device=self.device)) for _, (rows, dst) in chunks)
             embeds = self._assemble(batch, arrivals, requires_grad=vision_grads)
-        with torch.set_grad_enabled(True):
+        with torch.set_grad_enabled(True), accounting.saving(self._acct):
             out = self.module(
                 input_ids=batch.input_ids.to(self.device),
                 attention_mask=batch.attention_mask.to(self.device),
@@ -299,6 +303,7 @@ class ModuleWorker(DistWorker):
         loss = out.loss_sum / num_label_tokens
         if loss.requires_grad:
             loss.backward()
+            accounting.sample(self._acct)
         self._timers["bwd_s"] += time.perf_counter() - t2
         self._events.append(("llm_forward_backward", micro_batch, wall, time.time()))
         stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait}
@@ -409,6 +414,7 @@ class ModuleWorker(DistWorker):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        accounting.sample(self._acct)
         self.optimizer.zero_grad(set_to_none=True)
         self._timers["step_s"] += time.perf_counter() - t0
 
@@ -434,6 +440,7 @@ class ModuleWorker(DistWorker):
             "events": list(self._events),
         }
         self._events.clear()
+        accounting.flush(self._acct, module_name=self.module_name, rank=self.rank)
         self._timers = dict.fromkeys(self._timers, 0.0)
         reset_peak_memory(self.device)
         return stats

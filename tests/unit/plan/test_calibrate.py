@@ -24,6 +24,11 @@ TRUE = {
     "memory": 1 / 0.6,
     "calls": 0.004,
     "dispatch": 0.01,
+    "blocks": 0.001,
+    "dtensor_blocks": 0.002,
+    "attention_calls": 1e-4,
+    "collectives": 5e-4,
+    "tensors": 2e-4,
 }
 
 
@@ -56,7 +61,7 @@ def test_fit_recovers_coefficients_and_keeps_priors() -> None:
     got = fit(obs, prior)
     for k in ("matmul", "attention", "memory", "calls"):
         assert got[k] == pytest.approx(TRUE[k], rel=1e-6)
-    assert got["comm"] == got["dispatch"] == 7.0  # no observation has them: the priors stay
+    assert got["comm"] == got["dispatch"] == got["tensors"] == 7.0  # no observation has them: priors stay
 
 
 def test_calibrate_writes_a_profile_that_cluster_names(tmp_path) -> None:

@@ -113,10 +113,13 @@ def test_loss_unchunked_and_chunked() -> None:
     assert default_loss_chunk(32, 1, 4) == 4  # never longer than the micro-batch
     assert default_loss_chunk(152064, 8, 10**6) == 2048  # 2048 * 19008 * 4 B <= 256 MiB
     whole = module_terms(_shape("llm"), micro_batches=1, device="cpu")
-    assert whole.saved["logits_loss"] == 4 * 32 * (4 + 4)  # logits + fp32 log-softmax, saved
-    assert whole.bwd_work["loss_grad"] == 4 * 32 * 4
+    # the loss recomputes its logits in backward whatever the chunk: it saves the 4 tokens' hidden
+    # rows (8 fp32), targets (int64) and log-sum-exp (fp32) only
+    assert whole.saved["loss_inputs"] == 4 * (8 * 4 + 8 + 4)
+    assert whole.fwd_work["loss_chunk"] == 4 * 32 * (4 + 4)  # one chunk = the 4 tokens
+    assert whole.bwd_work["lm_head_grad_fp32"] == 32 * 8 * 4  # fp32 accumulator of lm_head's grad
     chunked = module_terms(_shape("llm", chunk=2), micro_batches=1, device="cpu")
-    assert chunked.saved["logits_loss"] == 0
+    assert chunked.saved["loss_inputs"] == whole.saved["loss_inputs"]
     assert chunked.fwd_work["loss_chunk"] == 2 * 32 * (4 + 4)
     assert chunked.bwd_work["loss_chunk"] == 2 * 32 * (4 + 8)
 
@@ -196,3 +199,57 @@ def test_adamw_states_bytes_equal_the_planners(dtype: str) -> None:
     want = precision(dtype, "bf16", fsdp=1)
     assert sum(t.numel() * t.element_size() for t in state) == want.optimizer * p.numel()
     assert p.grad.element_size() == want.grad and p.element_size() == want.param
+
+
+def test_grads_and_activations_coexist_as_the_driver_orders_them() -> None:
+    # LLM, one micro-batch: forward holds S; backward writes lm_head's grad (32x8 fp32 = 1024 B, the
+    # largest tensor) while S is alive, then frees S as it writes the rest: max(S + G1, G)
+    one = module_terms(_shape("llm", seq=64), micro_batches=1, device="cpu")
+    s, g = one.saved_total, 4 * P_LLM
+    assert one.first_grad == 32 * 8 * 4
+    assert one.grads_and_activations("llm_fwd") == (0, s)
+    assert sum(one.grads_and_activations("llm_bwd")) == max(s + 1024, g)
+    assert one.grads_and_activations("optimizer") == (g, 0)
+    assert one.grads_and_activations("vision_fwd") == (0, 0)  # before its backward: no grads yet
+    # encoder, two micro-batches: fwd 0, fwd 1 (2S, no grads), bwd 0 (S + G), bwd 1
+    two = module_terms(_shape("vision", seq=16), micro_batches=2, device="cpu")
+    sv, gv = two.saved_total, two.grads
+    assert two.grads_and_activations("vision_fwd") == (0, 2 * sv)
+    assert sum(two.grads_and_activations("llm_fwd")) == max(2 * sv, gv + sv)
+    # three or more: fwd 2 runs after bwd 0, so G + 2S coexist
+    three = module_terms(_shape("vision", seq=16), micro_batches=3, device="cpu")
+    assert three.grads_and_activations("vision_fwd") == (gv, 2 * sv)
+    # the accounted peak: params + optimizer + the largest (grads + activations), no transients
+    assert two.accounted_peak() == two.params + two.optimizer + max(2 * sv, gv + sv)
+
+
+def test_call_overhead_counts() -> None:
+    from dhp.plan.overheads import phase_counts
+
+    # LLM, tp=2 with sequence parallelism, 4 tokens in loss chunks of 2: per block 2 RS + 2 AG
+    # forward (8 for 2 blocks) + 2 loss all-reduces; backward the same; blocks L+1 = 3 forward,
+    # 2 (L+1) = 6 backward, every one through DTensor
+    c = phase_counts(_shape("llm", tp=2, sequence_parallel=True, chunk=2), 4.0)
+    assert c["fwd"] == {"blocks": 3, "dtensor_blocks": 3, "attention_calls": 2, "collectives": 10}
+    assert c["bwd"] == {"blocks": 6, "dtensor_blocks": 6, "attention_calls": 2, "collectives": 10}
+    # the step: (2 blocks x 12 + 3) parameter tensors, x2 as DTensors; the grad-norm all-reduce
+    assert c["step"] == {"tensors": 54, "collectives": 1}
+    # encoder, Ulysses sp=2 on 8 patches of one image (4 per rank), full AC: window block (4-patch
+    # windows) 1 call, the full block attends the 1 image; 4 all-to-alls per full block, recomputed
+    v = phase_counts(_shape("vision", seq=8, sp=2, ac="full"), 4.0)
+    assert v["fwd"] == {"blocks": 3, "dtensor_blocks": 0, "attention_calls": 2, "collectives": 4}
+    assert v["bwd"] == {"blocks": 8, "dtensor_blocks": 0, "attention_calls": 4, "collectives": 8}
+    # vision: 2 x 12 + 6 tensors; grad norm + the SP gradient all-reduce
+    assert v["step"] == {"tensors": 30, "collectives": 2}
+    z = phase_counts(_shape("llm", dp=4, zero=1), 4.0)["step"]
+    assert z["collectives"] == 1 + 1 + 4  # norm, DP all-reduce, one broadcast per ZeRO-1 owner
+
+
+def test_sp_ranks_hold_whole_windows() -> None:
+    from dhp.plan.memory import sp_rank_tokens
+
+    v = MODEL.vision  # windows of (28 / 14)^2 = 4 patches
+    assert sp_rank_tokens(v, 16, 2, 16) == 8  # 4 windows over 2 ranks: 2 each
+    assert sp_rank_tokens(v, 16, 8, 16) == 4  # 4 windows over 8 ranks: the fullest holds one window
+    assert sp_rank_tokens(v, 12, 2, 12) == 8  # 3 windows over 2 ranks: ceil(3/2) = 2 windows
+    assert sp_rank_tokens(v, 16, 1, 16) == 16

@@ -1,0 +1,132 @@
+"""Per-call overheads of a step: how many host-side calls each phase makes (counts, no seconds).
+
+A step is not only FLOPs and bytes. Every call costs fixed host time before any work: Python and
+torch's op dispatch per operator (several times more through a DTensor), gloo's or NCCL's setup per
+collective, an attention kernel launch per sequence the encoder's window loop visits, and AdamW,
+the grad norm and the clip walking the parameter list one tensor at a time. On a GPU the host runs
+ahead of the device and these hide behind the kernels (their profile coefficients default to 0); on a
+CPU, or with tiny shapes, they ARE the step. The step-time model multiplies each count by a profile
+coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrate`` fits:
+
+    count (per rank)    forward                          backward                  coefficient
+    blocks              L + 1 (blocks + the head)        2 (L + 1) + ck            block_overhead_s
+    dtensor_blocks      blocks, when the module's        same                      dtensor_block_overhead_s
+                        weights are TP DTensors
+    attention_calls     encoder: per window block the    same (+ ck/L of it)       attention_call_overhead_s
+                        windows on the rank, per full
+                        block the images it attends;
+                        LLM: L
+    collectives         Ulysses 4 per full block; TP 2   the same (+ recompute);   collective_overhead_s
+                        per block (x2 under SP: RS+AG);  FSDP all-gather + reduce-
+                        FSDP 1 all-gather per block;     scatter per block; loss
+                        loss 1 per chunk (vocab TP)      1 per chunk
+    step (once)         tensors = the rank's parameter tensors (norm, clip, AdamW, zero_grad: a loop
+                        over them; x2 for DTensor parameters), and collectives: 1 grad-norm all-reduce,
+                        1 SP and 1 DP gradient all-reduce, dp*sp ZeRO-1 owner broadcasts
+
+``L`` blocks, ``ck`` the blocks recomputed under activation checkpointing (``backward`` runs about
+twice the forward's operators). The parameter-tensor count is the only architecture knowledge here
+(:func:`param_tensors`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from dhp.plan.memory import ModuleShape, checkpointed_blocks
+
+#: Parameter tensors of one block and of the rest of a module (pre-norm block: 2 norms, q/k/v (or
+#: fused qkv) weights and biases, the output projection, a gated MLP with or without biases;
+#: the rest: patch embedding + merger (norm, 2 linears with biases), or embedding + norm + lm_head).
+TENSORS_PER_BLOCK = {"vision": 12, "llm": 12}
+ROOT_TENSORS = {"vision": 6, "llm": 3}
+#: A DTensor parameter costs about twice a plain one in the per-tensor loops (dispatch through
+#: DTensor's sharding propagation before the local kernel).
+DTENSOR_TENSOR_FACTOR = 2.0
+
+
+def param_tensors(shape: ModuleShape) -> float:
+    """Parameter tensors one rank steps over (the per-tensor loops of norm, clip and AdamW)."""
+    n = shape.layer.layers * TENSORS_PER_BLOCK[shape.name] + ROOT_TENSORS[shape.name]
+    dtensor = shape.parallel.tp > 1 or shape.parallel.fsdp > 1
+    return n * (DTENSOR_TENSOR_FACTOR if dtensor else 1.0)
+
+
+def attention_calls(shape: ModuleShape, tokens: float) -> float:
+    """Attention calls of one forward on a rank seeing ``tokens`` tokens (see the module docstring)."""
+    if shape.name != "vision":
+        return float(shape.layer.layers)
+    v = shape.arch
+    window = (v.window_size // v.patch_size) ** 2
+    image = shape.image_patches or shape.seq_len
+    n_full = len(v.fullatt_block_indexes)
+    all_tokens = tokens * shape.parallel.sp  # Ulysses: full blocks see every token, heads/sp
+    images = max(all_tokens / image, 1.0) if shape.parallel.sp > 1 else max(tokens / image, 1.0)
+    windows = max(tokens / min(window, image), 1.0)
+    return n_full * math.ceil(images) + (v.depth - n_full) * math.ceil(windows)
+
+
+def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
+    """(forward, backward) collective calls of one rank per micro-batch."""
+    par, lay = shape.parallel, shape.layer
+    ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    fwd = bwd = 0.0
+    if par.sp > 1:
+        n_full = len(shape.arch.fullatt_block_indexes) if shape.name == "vision" else lay.layers
+        fwd += 4 * n_full
+        bwd += 4 * n_full * (1 + ck / lay.layers)
+    if par.tp > 1:
+        per = 2 * (2 if shape.sequence_parallel else 1)
+        fwd += per * lay.layers
+        bwd += per * (lay.layers + ck)
+        if shape.name == "llm":
+            chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))
+            fwd += chunks
+            bwd += chunks
+    if par.fsdp > 1:
+        fwd += lay.layers + 1
+        bwd += 2 * (lay.layers + 1)
+    return fwd, (bwd if shape.backward else 0.0)
+
+
+def step_collectives(shape: ModuleShape) -> float:
+    """Collective calls of the once-per-step finish (grad sync, grad norm, ZeRO-1 broadcasts)."""
+    if shape.freeze:
+        return 0.0
+    par = shape.parallel
+    n = 1.0  # the grad-norm all-reduce
+    n += 1.0 if par.sp > 1 else 0.0
+    n += 1.0 if par.dp > 1 and par.fsdp == 1 else 0.0
+    n += float(par.dp * par.sp) if par.zero == 1 and par.dp * par.sp > 1 else 0.0
+    return n
+
+
+def phase_counts(shape: ModuleShape, tokens: float) -> dict[str, dict[str, float]]:
+    """``{"fwd", "bwd", "step"}`` -> the call counts of that phase on one rank (per micro-batch for
+    fwd/bwd, per step for step), keyed like ``dhp.plan.estimate.FEATURES``."""
+    lay = shape.layer
+    ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    dt = 1.0 if shape.parallel.tp > 1 else 0.0
+    attn = attention_calls(shape, tokens)
+    c_fwd, c_bwd = collectives(shape, tokens)
+    fwd_blocks = float(lay.layers + 1)
+    bwd_blocks = 2.0 * (lay.layers + 1) + ck if shape.backward else 0.0
+    back = 1.0 if shape.backward else 0.0
+    return {
+        "fwd": {
+            "blocks": fwd_blocks,
+            "dtensor_blocks": dt * fwd_blocks,
+            "attention_calls": attn,
+            "collectives": c_fwd,
+        },
+        "bwd": {
+            "blocks": bwd_blocks,
+            "dtensor_blocks": dt * bwd_blocks,
+            "attention_calls": back * attn * (1 + ck / lay.layers),
+            "collectives": c_bwd,
+        },
+        "step": {
+            "tensors": 0.0 if shape.freeze else param_tensors(shape),
+            "collectives": step_collectives(shape),
+        },
+    }
