@@ -296,6 +296,14 @@ class MetricsConfig:
 
 
 @dataclass
+class ExportConfig:
+    """``dhp export``: ``lora: merge`` folds LoRA adapters into the HF weights; ``adapter`` writes the
+    base weights plus peft's adapter files (``adapter_config.json``, ``adapter_model.safetensors``)."""
+
+    lora: str = "merge"  # merge | adapter
+
+
+@dataclass
 class RunConfig:
     """The root: one training job, composed from conf/ groups by a recipe."""
 
@@ -311,3 +319,4 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import hashlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -227,7 +228,9 @@ def inject_reference_lora(
             if any(_exact(path, g) for g in cfg.lora.targets) and (m, path + ".weight") in by_fqn:
                 mine[by_fqn[(m, path + ".weight")].rsplit(".", 1)[0]] = (m, path)
         if mine:
-            inject_adapter_in_model(lora_config(cfg.lora, sorted(mine)), model, adapter_name=ADAPTER)
+            with warnings.catch_warnings():  # a second module's layers join the same "default" adapter
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                inject_adapter_in_model(lora_config(cfg.lora, sorted(mine)), model, adapter_name=ADAPTER)
             hf_targets.update(mine)
     if not hf_targets:
         return

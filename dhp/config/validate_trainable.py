@@ -1,0 +1,53 @@
+"""Validation of ``modules.<m>.freeze_patterns``, ``param_groups``, ``lora`` and ``export.lora``.
+
+The globs are checked against the module's real FQNs: the model family's module is built on ``meta``
+(no memory; only for modules that set any of these), peft's LoRA layers injected, and every glob that
+matches nothing, every overlap and every bad value becomes one ConfigIssue, beside the other
+validators' issues.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from dhp.config.issues import Issues
+
+
+def _needs_check(module: DictConfig) -> bool:
+    return (
+        bool(module.freeze_patterns)
+        or bool(module.param_groups)
+        or module.lora.rank != 0
+        or bool(module.lora.targets)
+    )
+
+
+def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
+    """Add every freeze/param-group/LoRA problem of ``cfg`` to ``issues`` (never raises for a bad value)."""
+    issues.one_of(cfg.export.lora, "export.lora", ("merge", "adapter"))
+    todo = [(n, m) for n, m in cfg.modules.items() if _needs_check(m)]
+    if not todo:
+        return
+    import torch
+
+    from dhp.errors import ConfigError
+    from dhp.models import get_family
+    from dhp.parallel.lora import apply_lora
+    from dhp.parallel.param_groups import check_trainable_config
+
+    try:
+        family = get_family(cfg.model.family)
+        hf_config = family.hf_config(cfg.model)
+    except Exception:  # an unknown family or a broken architecture: the model validators report it
+        return
+    for name, module in todo:
+        if name not in family.module_names:
+            continue
+        built = family.build_module(name, hf_config, device="meta", dtype=torch.float32)
+        try:
+            built = apply_lora(built, module_name=name, lora=module.lora)
+        except ConfigError as e:
+            issues.items.extend(e.issues)
+            continue
+        names = [n for n, _ in built.named_parameters()]
+        issues.items.extend(check_trainable_config(name, names, module_cfg=module, lr=cfg.train.lr))
