@@ -25,6 +25,16 @@ def _needs_check(module: DictConfig) -> bool:
 def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
     """Add every freeze/param-group/LoRA problem of ``cfg`` to ``issues`` (never raises for a bad value)."""
     issues.one_of(cfg.export.lora, "export.lora", ("merge", "adapter"))
+    for name, m in cfg.modules.items():
+        # a column-parallel base keeps A replicated over TP: per-rank dropout masks would make its
+        # gradient (and then A itself) differ between the TP ranks
+        issues.check(
+            not (m.lora.rank > 0 and m.lora.dropout > 0 and m.parallel.tp > 1),
+            f"modules.{name}.lora.dropout",
+            m.lora.dropout,
+            f"LoRA dropout is not supported with tensor parallelism (modules.{name}.parallel.tp={m.parallel.tp})",
+            "set lora.dropout: 0, or shard this module with sp/fsdp/dp instead of tp",
+        )
     todo = [(n, m) for n, m in cfg.modules.items() if _needs_check(m)]
     if not todo:
         return

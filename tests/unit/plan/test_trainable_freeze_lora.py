@@ -46,7 +46,8 @@ def test_bad_globs_and_values_are_config_errors_reported_at_once():
     with pytest.raises(ConfigError) as e:
         load_config("tiny_vlm", ["modules.vision.freeze_patterns=[visual.blockz.0]", "export.lora=fold",
                                  "modules.vision.param_groups=[{match: visual.merger, lr: 0},{match: visual.merger.mlp}]",
-                                 "modules.llm.lora.rank=4", "modules.llm.lora.dropout=1.5",
+                                 "modules.llm.lora.rank=4", "modules.llm.lora.dropout=1.5", "modules.vision.lora.rank=2",
+                                 "modules.vision.lora.targets=[visual.blocks.0.attn.qkv]", "modules.vision.lora.dropout=0.1",
                                  "modules.llm.lora.targets=[lm_head,language_model.layers.*.nope]"])  # fmt: skip
     paths = {i.path for i in e.value.issues}
     assert {
@@ -54,7 +55,8 @@ def test_bad_globs_and_values_are_config_errors_reported_at_once():
         "modules.vision.freeze_patterns[0]",  # matches nothing
         "modules.vision.param_groups[0].lr",  # 0 is not a learning rate
         "modules.vision.param_groups[1].match",  # overlaps group 0
-        "modules.llm.lora.dropout",
+        "modules.llm.lora.dropout",  # out of [0, 1) and, under TP, not supported
         "modules.llm.lora.targets[0]",  # lm_head: the loss reads its weight, an adapter would never run
         "modules.llm.lora.targets[1]",  # matches nothing
     } <= paths, paths
+    assert "modules.vision.lora.dropout" not in paths  # dropout is fine without TP (vision runs SP)
