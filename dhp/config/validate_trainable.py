@@ -1,14 +1,14 @@
 """Validation of ``modules.<m>.freeze_patterns``, ``param_groups``, ``lora`` and ``export.lora``.
 
 The globs are checked against the module's real FQNs: the model family's module is built on ``meta``
-(no memory; only for modules that set any of these), peft's LoRA layers injected, and every glob that
+(no memory; only for modules that set any of these), the LoRA adapters' FQNs added, and every glob that
 matches nothing, every overlap and every bad value becomes one ConfigIssue, beside the other
 validators' issues.
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.issues import Issues
 
@@ -42,12 +42,15 @@ def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
 
     from dhp.errors import ConfigError
     from dhp.models import get_family
-    from dhp.parallel.lora import apply_lora
+    from dhp.parallel.lora import named_sizes_with_lora
     from dhp.parallel.param_groups import check_trainable_config
 
+    # FQNs do not depend on the attention kernel: build with sdpa (flash-attn may not be installed here)
+    model = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+    model.attn_implementation = "sdpa"
     try:
-        family = get_family(cfg.model.family)
-        hf_config = family.hf_config(cfg.model)
+        family = get_family(model.family)
+        hf_config = family.hf_config(model)
     except Exception:  # an unknown family or a broken architecture: the model validators report it
         return
     for name, module in todo:
@@ -55,9 +58,8 @@ def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
             continue
         built = family.build_module(name, hf_config, device="meta", dtype=torch.float32)
         try:
-            built = apply_lora(built, module_name=name, lora=module.lora)
+            names = list(named_sizes_with_lora(built, module_name=name, lora=module.lora))
         except ConfigError as e:
             issues.items.extend(e.issues)
             continue
-        names = [n for n, _ in built.named_parameters()]
         issues.items.extend(check_trainable_config(name, names, module_cfg=module, lr=cfg.train.lr))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import hashlib
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -126,6 +127,28 @@ def apply_lora(module: nn.Module, *, module_name: str, lora: Any) -> nn.Module:
     from peft import inject_adapter_in_model
 
     return inject_adapter_in_model(lora_config(lora, targets), module, adapter_name=ADAPTER)
+
+
+def named_sizes_with_lora(module: nn.Module, *, module_name: str, lora: Any) -> dict[str, int]:
+    """``{parameter FQN: elements}`` of ``module`` as :func:`apply_lora` would leave it, computed without
+    building the adapters (fast on a meta module of any size): a wrapped layer's own parameters move
+    under ``X.base_layer``, and ``X.lora_A.default.weight`` (r x in) / ``X.lora_B.default.weight``
+    (out x r) are added. Raises ConfigError like :func:`apply_lora` for bad targets or values."""
+    targets = set(lora_targets(module, module_name=module_name, lora=lora))
+    r = int(lora.rank)
+    out: dict[str, int] = {}
+    for n, p in module.named_parameters():
+        layer, leaf = n.rsplit(".", 1)
+        out[f"{layer}.base_layer.{leaf}" if layer in targets else n] = p.numel()
+    for t in sorted(targets):
+        m = module.get_submodule(t)
+        if isinstance(m, nn.Linear):
+            fan_in, fan_out = m.in_features, m.out_features
+        else:  # Conv: A has the base's kernel, B is 1x1
+            fan_in, fan_out = m.in_channels // m.groups * math.prod(m.kernel_size), m.out_channels
+        out[f"{t}.lora_A.{ADAPTER}.weight"] = r * fan_in
+        out[f"{t}.lora_B.{ADAPTER}.weight"] = fan_out * r
+    return out
 
 
 class ReplicateParallel(ParallelStyle):

@@ -1,8 +1,8 @@
 """The planner's trainable set: which share of a module's parameters carries grads and AdamW states.
 
 ``freeze_patterns``, ``lora`` and ``freeze`` decide it per parameter (``dhp.parallel.param_groups``).
-Counting builds the module on ``meta`` (no memory, the model family's own module with peft's LoRA
-layers injected) once per distinct setting, and checks the globs there, so a glob that matches nothing
+Counting builds the module on ``meta`` (no memory, the model family's own module; LoRA adapters counted
+from the target layers' shapes) once per distinct setting, and checks the globs there, so a glob that matches nothing
 is a ConfigError at plan time, before any rank starts. Without any of these settings it costs nothing
 (fraction 1, or 0 for ``freeze``).
 
@@ -41,15 +41,15 @@ def _count(key: tuple[str, str, str]) -> float:
 
     from dhp.errors import ConfigError
     from dhp.models import get_family
-    from dhp.parallel.lora import apply_lora
+    from dhp.parallel.lora import named_sizes_with_lora
     from dhp.parallel.param_groups import check_trainable_config, is_lora_param, trainable_names
 
     name, model_yaml, module_yaml = key
     model, module = OmegaConf.create(model_yaml), OmegaConf.create(module_yaml)
+    model.attn_implementation = "sdpa"  # FQNs do not depend on the kernel; flash-attn may be absent here
     family = get_family(model.family)
     built = family.build_module(name, family.hf_config(model), device="meta", dtype=torch.float32)
-    built = apply_lora(built, module_name=name, lora=module.lora)
-    sizes = {n: p.numel() for n, p in built.named_parameters()}
+    sizes = named_sizes_with_lora(built, module_name=name, lora=module.lora)
     issues = check_trainable_config(name, list(sizes), module_cfg=module, lr=1.0)
     if issues:
         raise ConfigError(issues)

@@ -88,3 +88,18 @@ def test_lora_on_a_vocab_parallel_embedding_is_refused_with_the_fix():
     plan = {"language_model.layers.0.self_attn.q_proj": llm_tp_plan()["language_model.embed_tokens"]}
     with pytest.raises(ConfigError, match="no LoRA sharding rule"):
         lora_tp_plan(m, plan)
+
+
+def test_planner_adapter_counts_equal_peft_layers():
+    # the planner/validator count adapters from the target shapes (no peft build); peft must agree
+    from dhp.parallel.lora import named_sizes_with_lora
+
+    lora = OmegaConf.structured(
+        LoraConfig(rank=3, targets=["visual.blocks.*.attn.qkv", "visual.patch_embed.proj"])
+    )
+    fast = named_sizes_with_lora(_module("vision"), module_name="vision", lora=lora)
+    real = {
+        n: p.numel()
+        for n, p in apply_lora(_module("vision"), module_name="vision", lora=lora).named_parameters()
+    }
+    assert fast == real
