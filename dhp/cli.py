@@ -258,6 +258,11 @@ def export(
     ),
     out: str = typer.Argument(..., help="Output HF model directory."),
     dtype: str = typer.Option("", "--dtype", help="Cast weights: float32 | bfloat16 (default: as saved)."),
+    lora: str = typer.Option(
+        "",
+        "--lora",
+        help="LoRA adapters: merge | adapter (peft files beside the base; default: export.lora).",
+    ),
 ) -> None:
     """Export a dhp checkpoint to a Hugging Face directory (config.json + safetensors shards).
 
@@ -268,7 +273,9 @@ def export(
     from dhp.metrics.bars import progress_bar
 
     with progress_bar(err_console, "export shards") as bar:
-        ckpt, path = export_checkpoint(checkpoint, out_dir=out, dtype=dtype or None, on_progress=bar)
+        ckpt, path = export_checkpoint(
+            checkpoint, out_dir=out, dtype=dtype or None, on_progress=bar, lora_mode=lora or None
+        )
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
 
 

@@ -12,12 +12,23 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dhp.checkpoint.lora_export import (
+    ADAPTER_DIR,
+    adapted_layers,
+    base_fqn,
+    check_mode,
+    is_adapter,
+    lora_deltas,
+    merged,
+    write_adapter,
+)
 from dhp.checkpoint.meta import read_meta
 from dhp.checkpoint.module_state import MODEL_KEY, single_process_quiet
 from dhp.config.schema import ModelConfig
@@ -69,9 +80,9 @@ def _plan_tensors(ckpt_dir: Path, modules: list[str], key_map, tied: set[tuple[s
     for module in modules:
         saved = _saved_tensors(ckpt_dir / module)
         for fqn, meta in sorted(saved.items()):
-            if (module, fqn) in tied:
+            if (module, base_fqn(fqn)) in tied or is_adapter(fqn):  # LoRA adapters: merged or written apart
                 continue
-            key = expected.pop((module, fqn), None)
+            key = expected.pop((module, base_fqn(fqn)), None)
             if key is None:
                 problems.append(f"{module}: {fqn} has no place in the HF model")
             else:
@@ -111,12 +122,17 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 4 << 30,
     on_progress=None,
+    lora: dict[str, Any] | None = None,
+    lora_mode: str = "merge",
 ) -> Path:
     """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer/processor side files).
 
     ``model`` is the run's ModelConfig (architecture; ``path`` for the config and side files).
     ``dtype`` casts every tensor (None keeps the checkpoint's dtype, e.g. fp32 master weights).
     ``on_progress(done, total)`` is called after each written shard (the CLI's progress bar).
+    ``lora`` (module -> its ``lora`` config) is needed when the checkpoint holds LoRA adapters;
+    ``lora_mode``: ``merge`` them into the weights or write peft's ``adapter`` files beside the base
+    (``dhp.checkpoint.lora_export``).
     """
     from dhp.models import get_family
 
@@ -129,7 +145,9 @@ def export_hf(
         hf_config = family.hf_config(model)
     modules = sorted(meta.modules)
     tied = {(m, f) for m in modules for f in family.tied_parameters(m, hf_config)}
-    todo = _plan_tensors(ckpt_dir, modules, _hf_key_map(family, hf_config), tied)
+    key_map = _hf_key_map(family, hf_config)
+    todo = _plan_tensors(ckpt_dir, modules, key_map, tied)
+    adapters = _adapters(ckpt_dir, modules, key_map, lora=lora, mode=lora_mode)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards, cur, size = [], [], 0
     for item in todo:
@@ -144,6 +162,10 @@ def export_hf(
     for i, batch in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = _read(ckpt_dir, batch, dtype)
+        if lora_mode == "merge":
+            for key in tensors.keys() & adapters.keys():
+                a, b, rank, alpha = adapters[key]
+                tensors[key] = merged(tensors[key], a, b, alpha / rank)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
@@ -154,6 +176,10 @@ def export_hf(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    if adapters and lora_mode == "adapter":
+        by_layer = {k.rsplit(".", 1)[0]: v for k, v in adapters.items()}
+        # the base weights are out_dir itself (the frozen base as trained, also for a random init)
+        write_adapter(out_dir / ADAPTER_DIR, by_layer, base_path=str(out_dir.resolve()), dtype=dtype)
     if dtype is not None:
         hf_config.dtype = dtype
     hf_config.save_pretrained(str(out_dir))
@@ -164,8 +190,32 @@ def export_hf(
     return out_dir
 
 
+def _adapters(ckpt_dir: Path, modules: list[str], key_map, *, lora, mode: str) -> dict[str, tuple]:
+    """``{HF base weight key: (A, B, rank, alpha)}`` of every LoRA-adapted layer in the checkpoint."""
+    check_mode(mode)
+    out = {}
+    for module in modules:
+        saved = _saved_tensors(ckpt_dir / module)
+        if not adapted_layers(saved):
+            continue
+        if lora is None or module not in lora or lora[module].rank <= 0:
+            raise CheckpointError(
+                f"{ckpt_dir / module} holds LoRA adapters but no lora config was given for {module!r}. "
+                "Fix: export through `dhp export` (it reads the run's config.yaml) or pass lora=."
+            )
+        alpha = float(lora[module].alpha)
+        for layer, (a, b, _) in lora_deltas(ckpt_dir / module, saved, alpha=alpha).items():
+            out[key_map[(module, layer + ".weight")]] = (a, b, a.shape[0], alpha)
+    return out
+
+
 def export_checkpoint(
-    checkpoint: str | Path, *, out_dir: str | Path, dtype: str | None, on_progress=None
+    checkpoint: str | Path,
+    *,
+    out_dir: str | Path,
+    dtype: str | None,
+    on_progress=None,
+    lora_mode: str | None = None,
 ) -> tuple[Path, Path]:
     """CLI entry: resolve ``checkpoint`` (a step dir or a run dir), read the run's config.yaml, export.
 
@@ -186,6 +236,13 @@ def export_checkpoint(
         )
     cfg = load_config(str(run_config), [])
     cast = None if dtype is None else torch_dtype(dtype)
+    lora = {m: c.lora for m, c in cfg.modules.items()}
     return Path(ckpt), export_hf(
-        Path(ckpt), out_dir=Path(out_dir), model=cfg.model, dtype=cast, on_progress=on_progress
+        Path(ckpt),
+        out_dir=Path(out_dir),
+        model=cfg.model,
+        dtype=cast,
+        on_progress=on_progress,
+        lora=lora,
+        lora_mode=lora_mode or cfg.export.lora,  # the CLI's --lora, else the run's export.lora
     )

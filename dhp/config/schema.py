@@ -134,6 +134,34 @@ class ParallelConfig:
 
 
 @dataclass
+class ParamGroupConfig:
+    """Optimizer settings for the parameters one FQN glob matches (``dhp.parallel.param_groups``).
+
+    ``match``: a glob over the module's parameter FQNs, one dot-separated atom per ``*``; it also
+    matches every parameter under a matching submodule (``visual.merger`` covers its weights).
+    ``lr``/``weight_decay``: null = the ``train`` value. The LR schedule scales every group alike.
+    """
+
+    match: str = MISSING
+    lr: float | None = None
+    weight_decay: float | None = None
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the Linear/Conv submodules the ``targets`` globs match.
+
+    ``rank`` 0 = off. With LoRA on, only the adapters of this module train (the base weights are
+    frozen: no grads, no optimizer state); ``scaling = alpha / rank``. ``dropout`` on the adapter input.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ModuleConfig:
     """One module = one Ray actor group with its own torch.distributed world.
 
@@ -149,6 +177,11 @@ class ModuleConfig:
     loss_chunk_tokens: int = 0
     freeze: bool = False
     mixed_precision: str = "bf16_master_fp32"  # bf16_master_fp32 | bf16 | fp32
+    # parameter FQN globs to freeze (no grad, no optimizer state), e.g. ["visual.blocks.1[0-9]"]
+    freeze_patterns: list[str] = field(default_factory=list)
+    # per-glob optimizer settings; parameters no group matches use train.lr / train.weight_decay
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -270,6 +303,14 @@ class MetricsConfig:
 
 
 @dataclass
+class ExportConfig:
+    """``dhp export``: ``lora: merge`` folds LoRA adapters into the HF weights; ``adapter`` writes the
+    base weights plus peft's adapter files (``adapter_config.json``, ``adapter_model.safetensors``)."""
+
+    lora: str = "merge"  # merge | adapter
+
+
+@dataclass
 class RunConfig:
     """The root: one training job, composed from conf/ groups by a recipe."""
 
@@ -285,3 +326,4 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)

@@ -24,6 +24,7 @@ from dhp.config.validate_guards import validate_guards
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
+from dhp.config.validate_trainable import validate_trainable
 from dhp.errors import ConfigError, ConfigIssue
 
 
@@ -193,6 +194,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_modules(cfg, issues)
     validate_run(cfg, issues)
     validate_data(cfg, issues)
+    validate_trainable(cfg, issues)  # freeze_patterns / param_groups / lora globs against real FQNs
     return issues.items
 
 

@@ -123,7 +123,9 @@ def load_module_weights(
     index = checkpoint_index(model_dir)
     key_of = module_key_map(family, module_name, index, model_dir)
     tied = family.tied_parameters(module_name, hf_config)
-    expected = {k for k in module.state_dict() if k not in tied}
+    # peft LoRA: a wrapped layer's weights load into ``X.base_layer``; the adapters are not in the files
+    targets = {_strip_lora(k): v for k, v in module.state_dict(keep_vars=True).items() if not _is_adapter(k)}
+    expected = {k for k in targets if k not in tied}
     for fqn in tied:  # a tied checkpoint may still store the copy: it is ignored, not unexpected
         key_of.pop(fqn, None)
     missing, unexpected = sorted(expected - key_of.keys()), sorted(key_of.keys() - expected)
@@ -134,13 +136,21 @@ def load_module_weights(
             f"{[key_of[k] for k in unexpected]}. Fix: the config.json architecture must match the weights."
         )
     module.to_empty(device=device)
-    targets = dict(module.state_dict(keep_vars=True))
+    targets = {_strip_lora(k): v for k, v in module.state_dict(keep_vars=True).items() if not _is_adapter(k)}
     files, nbytes = _read_into(targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn)
     family.tie(module_name, module, hf_config)
     family.init_buffers(module_name, module)
     return LoadReport(
         keys_read=tuple(sorted(key_of.values())), files_opened=tuple(sorted(files)), bytes_read=nbytes
     )
+
+
+def _strip_lora(fqn: str) -> str:
+    return fqn.replace(".base_layer.", ".")
+
+
+def _is_adapter(fqn: str) -> bool:
+    return ".lora_A." in fqn or ".lora_B." in fqn
 
 
 def _read_into(

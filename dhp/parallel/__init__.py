@@ -18,6 +18,7 @@ from dhp.parallel.llm_tp import (
     vocab_parallel_loss_sum,
 )
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
+from dhp.parallel.param_groups import apply_trainable, set_lr
 from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
@@ -38,6 +39,7 @@ __all__ = [
     "apply_ac",
     "apply_fsdp",
     "apply_tp",
+    "apply_trainable",
     "apply_ulysses_sp",
     "apply_vision_tp",
     "build_optimizer",
@@ -55,6 +57,7 @@ __all__ = [
     "partition_params",
     "reduce_sp_grads",
     "sequence_shard_rows",
+    "set_lr",
     "shard_vision_batch",
     "vision_tp_plan",
     "vocab_parallel_loss_sum",

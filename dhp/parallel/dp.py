@@ -66,14 +66,25 @@ class Zero1AdamW(torch.optim.AdamW):
     ``zero_grad`` clears the gradients of all parameters, owned or not.
     """
 
-    def __init__(self, params: list[nn.Parameter], *, dp_group: dist.ProcessGroup, **adamw) -> None:
-        self._all = list(params)
+    def __init__(
+        self, params: list[nn.Parameter] | list[dict], *, dp_group: dist.ProcessGroup, **adamw
+    ) -> None:
+        # params: a list of parameters, or of param-group dicts (``dhp.parallel.param_groups``): every
+        # group is kept on every rank (possibly empty here), holding the parameters this rank owns
+        groups = (
+            [dict(g) for g in params]
+            if params and isinstance(params[0], dict)
+            else [{"params": list(params)}]
+        )
+        self._all = [p for g in groups for p in g["params"]]
         self._group = dp_group
         self._dp = dist.get_world_size(dp_group)
         self._rank = dist.get_rank(dp_group)
         self._owner = partition_params([local(p).numel() for p in self._all], self._dp)
-        owned = [p for p, o in zip(self._all, self._owner, strict=True) if o == self._rank]
-        super().__init__([{"params": owned}], **adamw)
+        owned = {id(p) for p, o in zip(self._all, self._owner, strict=True) if o == self._rank}
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in owned]
+        super().__init__(groups, **adamw)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]

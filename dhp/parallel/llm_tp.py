@@ -65,6 +65,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dhp.errors import PlanError
 from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
+from dhp.parallel.lora import lora_tp_plan
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -316,6 +317,7 @@ def apply_tp(
     )
     tied = module.lm_head.weight is module.language_model.embed_tokens.weight
     plan = dict(spec) if spec is not None else llm_tp_plan(sequence_parallel=sequence_parallel)
+    plan = lora_tp_plan(module, plan)  # LoRA layers: the style moves to base_layer, A/B follow it
     parallelize_module(module, mesh, plan)
     if tied:  # both styles shard the (V, H) table as Shard(0): share the one DTensor parameter again
         module.lm_head.weight = module.language_model.embed_tokens.weight

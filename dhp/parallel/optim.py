@@ -10,16 +10,19 @@ Order per step on every rank of a module group (all collectives over the group's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.schema import ParallelConfig, ParamGroupConfig, TrainConfig
 from dhp.errors import PlanError
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
 from dhp.parallel.meshutil import axes, axis, group_world
+from dhp.parallel.param_groups import optimizer_groups
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -27,7 +30,12 @@ def _trainable(module: nn.Module) -> list[nn.Parameter]:
 
 
 def build_optimizer(
-    module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig, train: TrainConfig
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    param_groups: Sequence[ParamGroupConfig] = (),
 ) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (DTensor shards stay shards); ZeRO-1 when ``zero=1``.
 
@@ -38,13 +46,17 @@ def build_optimizer(
     them like the parameter: bf16 states for a ``model.dtype=bfloat16`` module, fp32 for fp32; the
     planner's ``dhp.plan.memory.precision`` counts the same); with ZeRO-1 only for the ~1/(dp*sp)
     owned here (the planner's ``dhp.plan.memory.ZERO1_AXES`` uses the same axes).
+
+    ``param_groups``: per-glob lr/weight_decay (``dhp.parallel.param_groups.optimizer_groups``); the
+    optimizer's groups are the default one first, then these, in the same order on every rank. Only
+    parameters with ``requires_grad`` enter (frozen ones get no state); set the LR with :func:`set_lr`.
     """
     if parallel.zero not in (0, 1):
         raise PlanError(
             f"parallel.zero={parallel.zero}: only 0 (plain DP) and 1 (ZeRO-1) exist. Fix: use fsdp for ZeRO-3."
         )
     adamw = {"lr": train.lr, "betas": tuple(train.betas), "weight_decay": train.weight_decay}
-    params = _trainable(module)
+    params = optimizer_groups(module, param_groups=param_groups, train=train)
     group = _zero1_group(mesh) if parallel.zero == 1 else None
     if group is not None:
         return Zero1AdamW(params, dp_group=group, **adamw)

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.parallel.lora import lora_tp_plan
 from dhp.parallel.ulysses import find_vision_model
 
 
@@ -236,7 +237,8 @@ def apply_vision_tp(
     )
     if tp == 1:
         return module
-    parallelize_module(module, tp_mesh, dict(spec) if spec is not None else vision_tp_plan())
+    plan = lora_tp_plan(module, dict(spec) if spec is not None else vision_tp_plan())  # LoRA: A/B follow
+    parallelize_module(module, tp_mesh, plan)
     for block in visual.blocks:
         if isinstance(block.attn.qkv.weight, DTensor):
             block.attn.num_heads = cfg.num_heads // tp

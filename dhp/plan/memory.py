@@ -65,6 +65,7 @@ from dhp.plan.params import (
     module_params,
     vision_layer,
 )
+from dhp.plan.trainable import trainable_fraction
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 # ZeRO-1 shards the optimizer over the ranks holding identical parameters (docs/INTERFACES.md).
@@ -121,6 +122,7 @@ class ModuleShape:
     vocab: int = 0
     out_hidden: int = 0  # vision: the merger's output width (the LLM hidden)
     arch: DictConfig | None = None  # model.vision or model.llm
+    trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
 
     @property
     def tokens(self) -> float:
@@ -167,7 +169,8 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     if shape.freeze:
         return int(params), 0, 0
     opt_shards = math.prod(par[a] for a in ZERO1_AXES) if par.zero == 1 else 1
-    return int(params), int(p_rank * pr.grad), int(p_rank * pr.optimizer / opt_shards)
+    p_train = p_rank * shape.trainable  # freeze_patterns / LoRA: only the trainable set has grads + states
+    return int(params), int(p_train * pr.grad), int(p_train * pr.optimizer / opt_shards)
 
 
 def per_layer_elems(layer: LayerShape, tp: int, s: int = 1) -> float:
@@ -299,6 +302,7 @@ def module_shape(
         vocab=model.llm.vocab_size,
         out_hidden=model.llm.hidden_size,
         arch=model.vision if name == "vision" else model.llm,
+        trainable=trainable_fraction(name, model=model, module=module),
     )
 
 

@@ -20,6 +20,9 @@ from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.data.remote import as_tensor
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.ops.cross_entropy import shifted_ce_sum
+from dhp.parallel.lora import inject_reference_lora
+from dhp.parallel.param_groups import set_lr
+from dhp.runtime.reference_trainable import reference_optimizer
 
 CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's clip_grad_norm_
 
@@ -84,14 +87,10 @@ class ReferenceModel:
         hf_config = self.family.hf_config(model)
         self.model = self.family.reference_model(hf_config)
         self.owner = self._owners()
+        inject_reference_lora(self.model, self.owner, modules=modules)  # the plan's LoRA, by HF FQN
         self._load(initial, hf_config)
-        frozen = {m for m, c in modules.items() if c.freeze}
-        for key, p in self.model.named_parameters(remove_duplicate=False):
-            p.requires_grad_(self.owner[key][0] not in frozen)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, eps=1e-8
-        )
+        # freeze / freeze_patterns / LoRA -> requires_grad; AdamW with the plan's param groups
+        self.optimizer = reference_optimizer(self.model, self.owner, modules=modules, train=train)
         self.grad_clip = train.grad_clip
 
     def _owners(self) -> dict[str, tuple[str, str]]:
@@ -159,8 +158,7 @@ class ReferenceModel:
         coef = min(1.0, self.grad_clip / (norm + CLIP_EPS)) if self.grad_clip > 0 else 1.0
         for p in params:
             p.grad.mul_(coef)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         return total / data.num_label_tokens, norm, grads
 

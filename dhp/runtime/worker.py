@@ -28,6 +28,7 @@ from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.models import get_family
 from dhp.models.loading import LoadReport, load_module_weights
 from dhp.models.qwen2_5_vl.family import torch_dtype
+from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.parallel.ulysses import vision_shard_forward
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.bridge import Bridge, BridgeLayout
@@ -127,11 +128,20 @@ class ModuleWorker(DistWorker):
                 dtype=dtype,
                 device=self.device,
             )
+            init_lora_params(self.module, seed=self.train_cfg.seed)  # adapters are not in model.path
+        if not self.frozen:  # freeze_patterns / LoRA: requires_grad per parameter, after parallelize
+            par.apply_trainable(
+                self.module, module_name=self.module_name, module_cfg=self.module_cfg, lr=self.train_cfg.lr
+            )
         self.optimizer = (
             None
             if self.frozen
             else par.build_optimizer(
-                self.module, self.mesh, parallel=self.module_cfg.parallel, train=self.train_cfg
+                self.module,
+                self.mesh,
+                parallel=self.module_cfg.parallel,
+                train=self.train_cfg,
+                param_groups=self.module_cfg.param_groups,
             )
         )
         torch.manual_seed(self.train_cfg.seed + self.rank)  # per-rank stream for dropout & co.
@@ -141,6 +151,8 @@ class ModuleWorker(DistWorker):
         """Freeze when configured, then apply this module's strategies (real or meta parameters)."""
         if self.frozen:
             module.requires_grad_(False)
+        else:  # LoRA adapters (peft) before any parallelism; TP shards them like their base layer
+            module = apply_lora(module, module_name=self.module_name, lora=self.module_cfg.lora)
         return par.parallelize(
             self.module_name,
             module,
@@ -411,8 +423,7 @@ class ModuleWorker(DistWorker):
         t0 = time.perf_counter()
         if clip_coef < 1.0:
             par.clip_grads_(self.module, clip_coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        par.set_lr(self.optimizer, lr)  # lr x each param group's lr_scale
         self.optimizer.step()
         accounting.sample(self._acct)
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,65 @@
+"""Validation of ``modules.<m>.freeze_patterns``, ``param_groups``, ``lora`` and ``export.lora``.
+
+The globs are checked against the module's real FQNs: the model family's module is built on ``meta``
+(no memory; only for modules that set any of these), the LoRA adapters' FQNs added, and every glob that
+matches nothing, every overlap and every bad value becomes one ConfigIssue, beside the other
+validators' issues.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from dhp.config.issues import Issues
+
+
+def _needs_check(module: DictConfig) -> bool:
+    return (
+        bool(module.freeze_patterns)
+        or bool(module.param_groups)
+        or module.lora.rank != 0
+        or bool(module.lora.targets)
+    )
+
+
+def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
+    """Add every freeze/param-group/LoRA problem of ``cfg`` to ``issues`` (never raises for a bad value)."""
+    issues.one_of(cfg.export.lora, "export.lora", ("merge", "adapter"))
+    for name, m in cfg.modules.items():
+        # a column-parallel base keeps A replicated over TP: per-rank dropout masks would make its
+        # gradient (and then A itself) differ between the TP ranks
+        issues.check(
+            not (m.lora.rank > 0 and m.lora.dropout > 0 and m.parallel.tp > 1),
+            f"modules.{name}.lora.dropout",
+            m.lora.dropout,
+            f"LoRA dropout is not supported with tensor parallelism (modules.{name}.parallel.tp={m.parallel.tp})",
+            "set lora.dropout: 0, or shard this module with sp/fsdp/dp instead of tp",
+        )
+    todo = [(n, m) for n, m in cfg.modules.items() if _needs_check(m)]
+    if not todo:
+        return
+    import torch
+
+    from dhp.errors import ConfigError
+    from dhp.models import get_family
+    from dhp.parallel.lora import named_sizes_with_lora
+    from dhp.parallel.param_groups import check_trainable_config
+
+    # FQNs do not depend on the attention kernel: build with sdpa (flash-attn may not be installed here)
+    model = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+    model.attn_implementation = "sdpa"
+    try:
+        family = get_family(model.family)
+        hf_config = family.hf_config(model)
+    except Exception:  # an unknown family or a broken architecture: the model validators report it
+        return
+    for name, module in todo:
+        if name not in family.module_names:
+            continue
+        built = family.build_module(name, hf_config, device="meta", dtype=torch.float32)
+        try:
+            names = list(named_sizes_with_lora(built, module_name=name, lora=module.lora))
+        except ConfigError as e:
+            issues.items.extend(e.issues)
+            continue
+        issues.items.extend(check_trainable_config(name, names, module_cfg=module, lr=cfg.train.lr))
