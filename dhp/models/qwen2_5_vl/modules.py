@@ -21,8 +21,10 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.data.packing import is_packed
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_text_only, check_vision_inputs
+from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 
@@ -116,18 +118,30 @@ class LLMModule(nn.Module):
             image_embeds=image_embeds,
             sample_ids=sample_ids,
         )
-        position_ids = self.positions(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-        )
+        extra: dict = {}
+        if is_packed(attention_mask):  # several samples per row: dhp.models.qwen2_5_vl.packing
+            position_ids, extra = packed_llm_inputs(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+            )
+            attention_mask = None
+        else:
+            position_ids = self.positions(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+            )
         hidden = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **extra,
         ).last_hidden_state
         return self.loss(hidden=hidden, labels=labels)
 
