@@ -13,6 +13,8 @@ tighter than the 1e-4 absolute bar); masked-out keys and reordered sums only mov
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,7 +85,14 @@ def _reference(family, hf, samples):
         loss = loss + out.loss_sum
         tokens += out.num_tokens
     loss.backward()
-    return packed, all_embeds, loss.detach(), tokens, {k: p.grad for k, p in ref.named_parameters()}, leaf.grad
+    return (
+        packed,
+        all_embeds,
+        loss.detach(),
+        tokens,
+        {k: p.grad for k, p in ref.named_parameters()},
+        leaf.grad,
+    )
 
 
 def _cpu_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, **kwargs):
@@ -94,7 +103,7 @@ def _cpu_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None
     q, k, v = (x.transpose(1, 2).reshape(b * s, -1, d) for x in (query, key, value))
     out = torch.empty_like(q)
     bounds = cu_seq_lens_q.tolist()
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         qi, ki, vi = (x[lo:hi].transpose(0, 1) for x in (q, k, v))
         ki, vi = ki.repeat_interleave(rep, 0), vi.repeat_interleave(rep, 0)
         out[lo:hi] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1)
