@@ -170,6 +170,9 @@ class SyntheticData:
     patches: int = 1024
     images_per_sample: int = 1
     text_tokens: int = 128
+    # > text_tokens: sample i's text length is drawn from [text_tokens, text_tokens_max] by its seed
+    # (a length mix, e.g. for packing); 0: every sample has exactly text_tokens
+    text_tokens_max: int = 0
 
 
 @dataclass
@@ -191,6 +194,10 @@ class DataConfig:
     prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
     cpus_per_worker: float = 0.0  # engine=ray: CPUs each data actor reserves (0: unreserved)
     allow_outside_root: bool = False  # image paths may leave their dataset's image_root
+    # sequence packing: a micro-batch's samples share LLM rows of <= max_tokens tokens, each sample
+    # attending only to itself with its own M-RoPE positions (0: modules.llm.seq_len)
+    packing: bool = False
+    max_tokens: int = 0
 
 
 @dataclass

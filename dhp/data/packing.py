@@ -143,3 +143,59 @@ def _images_in(batch: VLBatch, row: int, sl: slice) -> int:
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     kept = [p for p in parts if p is not None]
     return torch.cat(kept, dim=0) if kept else None
+
+
+def packed_max_tokens(data, *, llm_seq_len: int) -> int:
+    """The packed row length of ``data`` (DataConfig): 0 when packing is off, else ``data.max_tokens``
+    (0 there: ``modules.llm.seq_len``). ConfigError when a sample could not fit a row."""
+    from dhp.errors import ConfigError, ConfigIssue
+
+    if not data.packing:
+        if data.max_tokens:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "data.max_tokens",
+                        data.max_tokens,
+                        "is set but data.packing is false",
+                        "set data.packing=true, or drop data.max_tokens",
+                    )
+                ]
+            )
+        return 0
+    max_tokens = data.max_tokens or llm_seq_len
+    if max_tokens < llm_seq_len:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "data.max_tokens",
+                    max_tokens,
+                    f"must be >= modules.llm.seq_len={llm_seq_len} (the longest sample must fit a row)",
+                    f"set data.max_tokens >= {llm_seq_len}, or lower modules.llm.seq_len",
+                )
+            ]
+        )
+    return max_tokens
+
+
+def unpacked(batch: VLBatch) -> list[VLBatch]:
+    """``[batch]`` when it is not packed, else its samples one per batch (:func:`unpack`), pixels
+    fetched first when they are an object-store reference (``data.engine=ray``)."""
+    if not is_packed(batch.attention_mask):
+        return [batch]
+    from dataclasses import replace
+
+    from dhp.data.remote import as_tensor
+
+    return unpack(replace(batch, pixel_values=as_tensor(batch.pixel_values)))
+
+
+def planned_llm_rows(data, *, micro_batch: int, seq_len: int) -> tuple[int, int]:
+    """``(rows, row length)`` of the LLM micro-batch the planner sizes: ``(micro_batch, seq_len)``
+    unpacked; packed, rows of ``max_tokens`` and at most as many rows as first-fit can need (any two
+    rows together exceed ``max_tokens``, so rows < 2 * tokens / max_tokens + 1, and <= samples)."""
+    max_tokens = packed_max_tokens(data, llm_seq_len=seq_len)
+    if not max_tokens:
+        return micro_batch, seq_len
+    rows = min(micro_batch, (2 * micro_batch * seq_len) // max_tokens + 1)
+    return rows, max_tokens

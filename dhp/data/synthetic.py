@@ -86,6 +86,13 @@ class SyntheticSource:
         """``"synthetic:<index>"``."""
         return f"synthetic:{index}"
 
+    def text_length(self, gen: torch.Generator) -> int:
+        """``text_tokens``, or a draw from ``[text_tokens, text_tokens_max]`` (the sample's generator)."""
+        lo, hi = self.cfg.text_tokens, self.cfg.text_tokens_max
+        if hi <= lo:
+            return lo
+        return lo + int(torch.randint(hi - lo + 1, (1,), generator=gen))
+
     def load(self, index: int) -> Sample:
         """Build sample ``index`` from the seed; raises ``BadSampleError`` if it exceeds the limits."""
         loc = self.location(index)
@@ -98,7 +105,9 @@ class SyntheticSource:
                 detail=f"{n_img}x{patches} patches > modules.vision.seq_len={self.limits.vision_seq_len}",
                 fix="lower data.synthetic.patches/images_per_sample or raise modules.vision.seq_len",
             )
-        total = n_img * (merged + 2) + self.cfg.text_tokens
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        n_text = self.text_length(gen)
+        total = n_img * (merged + 2) + n_text
         if total > self.limits.llm_seq_len:
             raise bad.BadSampleError(
                 location=loc,
@@ -106,10 +115,9 @@ class SyntheticSource:
                 detail=f"{total} tokens > modules.llm.seq_len={self.limits.llm_seq_len}",
                 fix="lower data.synthetic.text_tokens/patches or raise modules.llm.seq_len",
             )
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         t = self.tokens
         image_block = [t.vision_start_token_id] + [t.image_token_id] * merged + [t.vision_end_token_id]
-        text = self.text_ids[torch.randint(len(self.text_ids), (self.cfg.text_tokens,), generator=gen)]
+        text = self.text_ids[torch.randint(len(self.text_ids), (n_text,), generator=gen)]
         ids = torch.cat([torch.tensor(image_block * n_img, dtype=torch.long), text])
         types = torch.full_like(ids, TEXT)
         types[: n_img * len(image_block)][torch.tensor(image_block * n_img) == t.image_token_id] = IMAGE
@@ -128,5 +136,5 @@ class SyntheticSource:
             mm_token_type_ids=types,
             pixel_values=pixel_values,
             image_grid_thw=grid,
-            text_chars=self.cfg.text_tokens,
+            text_chars=n_text,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig
 
 from dhp.config.constants import PARALLEL_AXES
@@ -73,7 +75,7 @@ def micro_batches_per_step(config: DictConfig) -> int:
 
 def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
     """The ModuleShape of every module of ``config`` (what memory and time read)."""
-    return {
+    shapes = {
         str(name): module_shape(
             str(name),
             model=config.model,
@@ -83,6 +85,13 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
         )
         for name, mod in config.modules.items()
     }
+    if "llm" in shapes and "packing" in config.data:  # packed rows: their count and length
+        from dhp.data.packing import planned_llm_rows
+
+        llm = shapes["llm"]
+        rows, row_len = planned_llm_rows(config.data, micro_batch=llm.micro_batch, seq_len=llm.seq_len)
+        shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row_len)
+    return shapes
 
 
 def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
+from dhp.data.packing import unpacked
 from dhp.data.remote import as_tensor
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.ops.cross_entropy import shifted_ce_sum
@@ -136,7 +137,7 @@ class ReferenceModel:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in data.micro_batches:
-            for b in micro:
+            for b in (one for x in micro for one in unpacked(x)):  # packed rows: each sample alone
                 hidden = self.model.base_model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
