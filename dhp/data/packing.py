@@ -25,7 +25,8 @@ from dhp.errors import DataError
 
 
 def pack_rows(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
-    """First-fit of sample indices into rows of at most ``max_tokens`` tokens, in stream order.
+    """First-fit decreasing of sample indices into rows of at most ``max_tokens`` tokens: longest
+    first (ties: stream order), each into the first row with room.
 
     Pure; every index appears once, each row lists its indices ascending. A sample longer than
     ``max_tokens`` is a DataError (the loader's limits keep samples within ``modules.llm.seq_len``,
@@ -33,7 +34,8 @@ def pack_rows(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
     """
     rows: list[list[int]] = []
     room: list[int] = []
-    for i, n in enumerate(lengths):
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        n = lengths[i]
         if n > max_tokens:
             raise DataError(
                 f"sample {i} of the micro-batch has {n} tokens > data.max_tokens={max_tokens}. "
@@ -47,11 +49,11 @@ def pack_rows(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
         else:
             rows.append([i])
             room.append(max_tokens - n)
-    return rows
+    return [sorted(row) for row in rows]
 
 
 def pack(samples: list[Sample], *, max_tokens: int, pad_token_id: int) -> VLBatch:
-    """Pack ``samples`` into as few rows of ``<= max_tokens`` as first-fit gives, right-padded to the
+    """Pack ``samples`` into as few rows of ``<= max_tokens`` as first-fit decreasing gives, right-padded to the
     longest row. ``sample_ids`` holds one entry per row: the row's sample ids joined by ``+``."""
     if not samples:
         raise ValueError("pack() needs at least one sample")
