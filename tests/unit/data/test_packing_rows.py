@@ -26,7 +26,7 @@ def _sample(k: int, n: int, n_img_tokens: int = 0) -> Sample:
 def test_pack_rows_first_fit_in_order_and_too_long() -> None:
     # longest first: 7 -> row 0, 6 -> row 1, 5 -> row 2, 3 -> row 0, 2 -> row 1 (first with room)
     assert pack_rows([5, 7, 3, 6, 2], max_tokens=10) == [[1, 2], [3, 4], [0]]
-    with pytest.raises(DataError, match="data.max_tokens=4"):
+    with pytest.raises(DataError, match=r"data\.max_tokens=4"):
         pack_rows([3, 5], max_tokens=4)
 
 
@@ -53,9 +53,9 @@ def test_pack_layout_labels_images_and_unpack_roundtrip() -> None:
 def test_packing_config_checks_and_planned_rows() -> None:
     assert packed_max_tokens(DataConfig(), llm_seq_len=128) == 0
     assert packed_max_tokens(DataConfig(packing=True), llm_seq_len=128) == 128
-    with pytest.raises(ConfigError, match="data.max_tokens"):
+    with pytest.raises(ConfigError, match=r"data\.max_tokens"):
         packed_max_tokens(DataConfig(packing=True, max_tokens=64), llm_seq_len=128)
-    with pytest.raises(ConfigError, match="data.packing"):
+    with pytest.raises(ConfigError, match=r"data\.packing"):
         packed_max_tokens(DataConfig(max_tokens=256), llm_seq_len=128)
     assert planned_llm_rows(DataConfig(), micro_batch=8, seq_len=128) == (8, 128)
     # 8 samples of <= 128 tokens in rows of 1024: first-fit needs at most 2*1024/1024 + 1 = 3 rows
