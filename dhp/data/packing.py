@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dhp.data.batch import IGNORE_INDEX, Sample, VLBatch
+from dhp.data.batch import IGNORE_INDEX, VIDEO, Sample, VLBatch
 from dhp.errors import DataError
 
 
@@ -84,6 +84,7 @@ def pack(samples: list[Sample], *, max_tokens: int, pad_token_id: int) -> VLBatc
         pixel_values=_cat([s.pixel_values for s in ordered]),
         image_grid_thw=_cat([s.image_grid_thw for s in ordered]),
         sample_ids=["+".join(samples[i].sample_id for i in row) for row in rows],
+        second_per_grid_ts=_cat([s.second_per_grid_ts for s in ordered]),
     )
 
 
@@ -110,7 +111,7 @@ def unpack(batch: VLBatch) -> list[VLBatch]:
     grids = batch.image_grid_thw
     patch_counts = [] if grids is None else grids.prod(dim=1).tolist()
     out: list[VLBatch] = []
-    img = patch = 0
+    img = patch = vid = 0
     ids = [i for row in batch.sample_ids for i in row.split("+")]
     for r in range(batch.input_ids.shape[0]):
         for start, end, seg in segments(batch.attention_mask[r]):
@@ -119,6 +120,7 @@ def unpack(batch: VLBatch) -> list[VLBatch]:
             sl = slice(start, end)
             n_img = _images_in(batch, r, sl)
             n_patch = sum(patch_counts[img : img + n_img])
+            n_vid = _videos_in(batch, r, sl)
             out.append(
                 VLBatch(
                     input_ids=batch.input_ids[r : r + 1, sl].clone(),
@@ -128,15 +130,24 @@ def unpack(batch: VLBatch) -> list[VLBatch]:
                     pixel_values=None if not n_img else batch.pixel_values[patch : patch + n_patch],
                     image_grid_thw=None if not n_img else grids[img : img + n_img],
                     sample_ids=[ids[len(out)] if len(ids) > len(out) else f"row{r}[{start}:{end}]"],
+                    second_per_grid_ts=None if not n_vid else batch.second_per_grid_ts[vid : vid + n_vid],
                 )
             )
             img += n_img
             patch += n_patch
+            vid += n_vid
     return out
 
 
+def _videos_in(batch: VLBatch, row: int, sl: slice) -> int:
+    """Videos whose tokens lie in ``input_ids[row, sl]``: runs of ``VIDEO`` type."""
+    types = (batch.mm_token_type_ids[row, sl] == VIDEO).long()
+    return int(((types[1:] == 1) & (types[:-1] == 0)).sum()) + int(types.numel() > 0 and types[0] == 1)
+
+
 def _images_in(batch: VLBatch, row: int, sl: slice) -> int:
-    """Images whose tokens lie in ``input_ids[row, sl]``: runs of non-text ``mm_token_type_ids``."""
+    """Visual items (images and videos) whose tokens lie in ``input_ids[row, sl]``: runs of
+    non-text ``mm_token_type_ids``."""
     types = batch.mm_token_type_ids[row, sl]
     starts = (types[1:] != 0) & (types[1:] != types[:-1])
     return int(starts.sum()) + int(types.numel() > 0 and types[0] != 0)

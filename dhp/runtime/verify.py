@@ -18,7 +18,7 @@ import torch
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.data.packing import unpacked
-from dhp.data.remote import as_tensor
+from dhp.data.video import reference_visual_kwargs
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.ops.cross_entropy import shifted_ce_sum
 
@@ -141,8 +141,7 @@ class ReferenceModel:
                 hidden = self.model.base_model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
-                    pixel_values=as_tensor(b.pixel_values),  # data.engine=ray: fetched here
-                    image_grid_thw=b.image_grid_thw,
+                    **reference_visual_kwargs(b),  # images and videos apart; ray pixels fetched here
                     mm_token_type_ids=b.mm_token_type_ids,
                     use_cache=False,
                 ).last_hidden_state
