@@ -11,7 +11,7 @@ and std.
 
 Temporal patches: frames ``2t`` and ``2t+1`` (``temporal_patch_size`` 2) form temporal patch ``t``;
 rows are ``(t, h/m, w/m, m, m)`` in that order, columns ``(C, T, P, P)``: the layout transformers'
-Qwen2-VL video processor produces, so the encoder reads a video as an item of grid ``(t, h, w)``.
+video processor of the model family produces, so the encoder reads a video as an item of grid ``(t, h, w)``.
 ``second_per_grid_ts = temporal_patch_size / sampled fps`` sets the temporal M-RoPE stride.
 
 Memory per video: ``frames x h x w x 3`` float32 while patching, then the rows (the same bytes).
@@ -199,7 +199,7 @@ def video_spec(data, *, vision, image_processor) -> VideoSpec:
 
 def reference_visual_kwargs(batch) -> dict:
     """A batch's visual items split into the separate image and video inputs of transformers'
-    Qwen-VL models (``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw``/
+    vision-language models (``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw``/
     ``second_per_grid_ts``), for single-process references. Items are told apart by their token runs."""
     from dhp.data.batch import VIDEO
     from dhp.data.remote import as_tensor
