@@ -201,14 +201,3 @@ def unpacked(batch: VLBatch) -> list[VLBatch]:
     from dhp.data.remote import as_tensor
 
     return unpack(replace(batch, pixel_values=as_tensor(batch.pixel_values)))
-
-
-def planned_llm_rows(data, *, micro_batch: int, seq_len: int) -> tuple[int, int]:
-    """``(rows, row length)`` of the LLM micro-batch the planner sizes: ``(micro_batch, seq_len)``
-    unpacked; packed, rows of ``max_tokens`` and at most as many rows as first-fit can need (any two
-    rows together exceed ``max_tokens``, so rows < 2 * tokens / max_tokens + 1, and <= samples)."""
-    max_tokens = packed_max_tokens(data, llm_seq_len=seq_len)
-    if not max_tokens:
-        return micro_batch, seq_len
-    rows = min(micro_batch, (2 * micro_batch * seq_len) // max_tokens + 1)
-    return rows, max_tokens

@@ -90,12 +90,13 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
         )
         for name, mod in config.modules.items()
     }
-    if "llm" in shapes and "packing" in config.data:  # packed rows: their count and length
-        from dhp.data.packing import planned_llm_rows
-
+    if "llm" in shapes and "packing" in config.data and config.data.packing:
+        # packed rows of data.max_tokens (0: seq_len); first-fit never needs more rows than
+        # 2 * tokens / row + 1 (any two rows together overflow one), nor more than samples
         llm = shapes["llm"]
-        rows, row_len = planned_llm_rows(config.data, micro_batch=llm.micro_batch, seq_len=llm.seq_len)
-        shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row_len)
+        row = max(int(config.data.max_tokens), llm.seq_len)
+        rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
+        shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row)
     return shapes
 
 

@@ -1,5 +1,4 @@
-"""Packing on the data side: first-fit rows, the packed batch layout, its inverse, config checks, and
-the planner's packed row count."""
+"""Packing on the data side: first-fit rows, the packed batch layout, its inverse and the config checks."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import torch
 
 from dhp.config.schema import DataConfig
 from dhp.data.batch import IGNORE_INDEX, IMAGE, Sample
-from dhp.data.packing import is_packed, pack, pack_rows, packed_max_tokens, planned_llm_rows, unpack
+from dhp.data.packing import is_packed, pack, pack_rows, packed_max_tokens, unpack
 from dhp.errors import ConfigError, DataError
 
 pytestmark = pytest.mark.unit
@@ -50,16 +49,10 @@ def test_pack_layout_labels_images_and_unpack_roundtrip() -> None:
             assert torch.equal(u.pixel_values, s.pixel_values)
 
 
-def test_packing_config_checks_and_planned_rows() -> None:
+def test_packing_config_checks() -> None:
     assert packed_max_tokens(DataConfig(), llm_seq_len=128) == 0
     assert packed_max_tokens(DataConfig(packing=True), llm_seq_len=128) == 128
     with pytest.raises(ConfigError, match=r"data\.max_tokens"):
         packed_max_tokens(DataConfig(packing=True, max_tokens=64), llm_seq_len=128)
     with pytest.raises(ConfigError, match=r"data\.packing"):
         packed_max_tokens(DataConfig(max_tokens=256), llm_seq_len=128)
-    assert planned_llm_rows(DataConfig(), micro_batch=8, seq_len=128) == (8, 128)
-    # 8 samples of <= 128 tokens in rows of 1024: first-fit needs at most 2*1024/1024 + 1 = 3 rows
-    assert planned_llm_rows(DataConfig(packing=True, max_tokens=1024), micro_batch=8, seq_len=128) == (
-        3,
-        1024,
-    )

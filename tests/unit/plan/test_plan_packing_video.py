@@ -17,6 +17,7 @@ def test_packed_rows_and_video_items_reach_the_shapes() -> None:
     assert (plain.micro_batch, plain.seq_len) == (2, 128)
     # 4 samples of <= 128 tokens in rows of 256: first-fit needs at most 2*4*128/256 + 1 = 5 -> 4 rows
     assert (packed.micro_batch, packed.seq_len) == (4, 256)
+    # rows of 1024: at most 2*4*128/1024 + 1 = 2 rows
     tight = module_shapes(load_config("tiny_vlm_packed", ["data.max_tokens=1024"]))["llm"]
     assert (tight.micro_batch, tight.seq_len) == (2, 1024)
     video = load_config("tiny_vlm_video")
