@@ -210,6 +210,14 @@ class SyntheticData:
     patches: int = 1024
     images_per_sample: int = 1
     text_tokens: int = 128
+    # > text_tokens: sample i's text length is drawn from [text_tokens, text_tokens_max] by its seed
+    # (a length mix, e.g. for packing); 0: every sample has exactly text_tokens
+    text_tokens_max: int = 0
+    # synthetic video: each sample also holds videos_per_sample videos of video_frames frames of
+    # `patches` patches each (video_frames / temporal_patch_size temporal patches): a fixed token count
+    videos_per_sample: int = 0
+    video_frames: int = 4
+    video_fps: float = 2.0
 
 
 @dataclass
@@ -231,6 +239,18 @@ class DataConfig:
     prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
     cpus_per_worker: float = 0.0  # engine=ray: CPUs each data actor reserves (0: unreserved)
     allow_outside_root: bool = False  # image paths may leave their dataset's image_root
+    # sequence packing: a micro-batch's samples share LLM rows of <= max_tokens tokens, each sample
+    # attending only to itself with its own M-RoPE positions (0: modules.llm.seq_len)
+    packing: bool = False
+    max_tokens: int = 0
+    # video sampling (records with a "video" field): frames per second of the clip, at most
+    # video_max_frames (rounded down to whole temporal patches); each frame's h*w within the bounds;
+    # a folder of frames is taken to be recorded at video_folder_fps
+    video_fps: float = 2.0
+    video_max_frames: int = 16
+    video_folder_fps: float = 2.0
+    video_min_pixels: int = 56 * 56
+    video_max_pixels: int = 112 * 112
 
 
 @dataclass

@@ -27,6 +27,8 @@ NOT_A_FILE = "not_a_file"  # the image path is a directory (or a socket, fifo, .
 SYMLINK_LOOP = "symlink_loop"
 DECOMPRESSION_BOMB = "decompression_bomb"  # more pixels than PIL's MAX_IMAGE_PIXELS
 INVALID_UTF8 = "invalid_utf8"  # a JSONL line (or a shard's JSON) that is not UTF-8
+CORRUPT_VIDEO = "corrupt_video"  # a video file that cannot be decoded (or frames of mixed sizes)
+EMPTY_VIDEO = "empty_video"  # a video with zero frames (an empty frames folder)
 REASONS = (
     MISSING_FILE,
     CORRUPT_IMAGE,
@@ -41,6 +43,8 @@ REASONS = (
     SYMLINK_LOOP,
     DECOMPRESSION_BOMB,
     INVALID_UTF8,
+    CORRUPT_VIDEO,
+    EMPTY_VIDEO,
 )
 
 

@@ -32,6 +32,9 @@ class Sample:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     text_chars: int = 0
+    # (N_videos,) float: seconds per temporal patch of each video (temporal_patch_size / sampled fps);
+    # videos are visual items like images (rows in pixel_values, grids with t > 1 in image_grid_thw)
+    second_per_grid_ts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +78,12 @@ class VLBatch:
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     sample_ids: list[str] = field(default_factory=list)
+    second_per_grid_ts: torch.Tensor | None = None  # (N_videos,) float, videos in item order
+
+    @property
+    def num_video_tokens(self) -> int:
+        """LLM positions that hold video embeddings."""
+        return int((self.mm_token_type_ids == VIDEO).sum())
 
     @property
     def num_label_tokens(self) -> int:
@@ -108,6 +117,7 @@ def collate(samples: list[Sample], *, pad_token_id: int) -> VLBatch:
         mm_types[row, :n] = s.mm_token_type_ids
     pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
     grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+    seconds = [s.second_per_grid_ts for s in samples if s.second_per_grid_ts is not None]
     return VLBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -116,4 +126,5 @@ def collate(samples: list[Sample], *, pad_token_id: int) -> VLBatch:
         pixel_values=torch.cat(pixels, dim=0) if pixels else None,
         image_grid_thw=torch.cat(grids, dim=0) if grids else None,
         sample_ids=[s.sample_id for s in samples],
+        second_per_grid_ts=torch.cat(seconds) if seconds else None,
     )

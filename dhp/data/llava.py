@@ -30,7 +30,8 @@ from dhp.errors import DataError
 ImagesFn = Callable[[object, str], tuple[ImageRef, ...]]
 
 IMAGE_PLACEHOLDER = "<image>"
-ALLOWED_KEYS = ("id", "image", "conversations")
+VIDEO_PLACEHOLDER = "<video>"
+ALLOWED_KEYS = ("id", "image", "video", "conversations")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
@@ -41,6 +42,7 @@ class Record:
     location: str
     images: tuple[ImageRef, ...]
     turns: tuple[tuple[str, str], ...]
+    videos: tuple[Path, ...] = ()  # a folder of frames or a video file per <video> placeholder
 
 
 def resolve_path(path: str, *, key: str) -> Path:
@@ -259,7 +261,30 @@ def validate_record(
             f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(image_refs)} image(s)",
             f"write one {IMAGE_PLACEHOLDER} per image, in image order",
         )
-    return Record(location=loc, images=image_refs, turns=turns)
+    videos = _videos(raw.get("video"), images=images, loc=loc, turns=turns)
+    return Record(location=loc, images=image_refs, turns=turns, videos=videos)
+
+
+def _videos(value: object, *, images: ImagesFn, loc: str, turns) -> tuple[Path, ...]:
+    """The record's ``video`` field (a path or a list: frame folders or video files, relative to the
+    image root like images), one per ``<video>`` placeholder of the user turns."""
+    refs = () if value is None else images(value, loc)
+    count = sum(text.count(VIDEO_PLACEHOLDER) for role, text in turns if role == "user")
+    if any(VIDEO_PLACEHOLDER in text for role, text in turns if role != "user"):
+        raise _bad(
+            loc,
+            bad.PLACEHOLDER_MISMATCH,
+            f"a non-user turn contains {VIDEO_PLACEHOLDER}",
+            "put videos in user turns",
+        )
+    if count != len(refs):
+        raise _bad(
+            loc,
+            bad.PLACEHOLDER_MISMATCH,
+            f"{count} {VIDEO_PLACEHOLDER} placeholder(s) but {len(refs)} video(s)",
+            f"write one {VIDEO_PLACEHOLDER} per video, in video order",
+        )
+    return tuple(Path(str(r)) for r in refs)
 
 
 def _turns(value: object, *, loc: str) -> tuple[tuple[str, str], ...]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from dhp.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
 from dhp.data import bad
 from dhp.data.batch import Sample, VLBatch, collate
+from dhp.data.packing import pack, packed_max_tokens
 from dhp.data.source import SampleSource, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
 
@@ -65,6 +66,7 @@ class LoaderSpec:
     seed: int
     num_workers: int = 0
     prefetch: bool = False
+    max_tokens: int = 0  # > 0: pack each micro-batch into rows of <= max_tokens (dhp.data.packing)
 
     @property
     def num_micro_batches(self) -> int:
@@ -267,7 +269,11 @@ class StepLoader:
                         f"modules.vision.seq_len={spec.vision_seq_len} ({[s.sample_id for s in members]}). "
                         "Fix: lower train.micro_batch_size or data.max_pixels, or raise modules.vision.seq_len"
                     )
-                row.append(collate(members, pad_token_id=spec.pad_token_id))
+                row.append(
+                    pack(members, max_tokens=spec.max_tokens, pad_token_id=spec.pad_token_id)
+                    if spec.max_tokens
+                    else collate(members, pad_token_id=spec.pad_token_id)
+                )
             micro.append(row)
         self.step += 1
         return StepData(
@@ -364,6 +370,7 @@ def build_loader(
     from dhp.data.source import build_source
 
     check_engine(data)
+    max_tokens = packed_max_tokens(data, llm_seq_len=llm_seq_len)
     source, sizes, weights = build_source(
         data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=train.seed
     )
@@ -378,6 +385,7 @@ def build_loader(
         seed=train.seed,
         num_workers=data.num_workers,
         prefetch=data.prefetch,
+        max_tokens=max_tokens,
     )
     if data.engine == "ray":
         from dhp.data.ray_engine import RayStepLoader

@@ -9,6 +9,7 @@ checked before the expensive work and never truncates: a sample over a limit is 
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,8 @@ class SampleProcessor:
     returns are CPU tensors that the runtime ships to the sample's DP replica.
     """
 
+    video = None  # dhp.data.video.VideoSpec for records with videos (set by dhp.data.source)
+
     def __init__(self, *, tokenizer, image_processor, tokens: SpecialTokens, limits: Limits) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -125,6 +128,10 @@ class SampleProcessor:
     def process(self, record: Record) -> Sample:
         """Load images, render and tokenize the conversation, expand image tokens, check the limits."""
         loc = record.location
+        if record.videos:  # frames -> temporal patches, image and video items in token order
+            from dhp.data.video_sample import process_with_videos
+
+            return process_with_videos(self, record)
         images = [open_image(p, loc=loc) for p in record.images]
         patches = [self.image_processor.get_number_of_image_patches(im.height, im.width) for im in images]
         if sum(patches) > self.limits.vision_seq_len:
@@ -230,13 +237,14 @@ class SampleProcessor:
 
 
 def _message(role: str, text: str) -> dict:
-    """A chat-template message; ``<image>`` placeholders become ``{"type": "image"}`` content parts."""
-    if "<image>" not in text:
+    """A chat-template message; ``<image>`` / ``<video>`` placeholders become ``{"type": "image"}`` /
+    ``{"type": "video"}`` content parts."""
+    if "<image>" not in text and "<video>" not in text:
         return {"role": role, "content": text}
     parts: list[dict] = []
-    for k, chunk in enumerate(text.split("<image>")):
-        if k:
-            parts.append({"type": "image"})
-        if chunk:
+    for chunk in re.split(r"(<image>|<video>)", text):
+        if chunk in ("<image>", "<video>"):
+            parts.append({"type": chunk[1:-1]})
+        elif chunk:
             parts.append({"type": "text", "text": chunk})
     return {"role": role, "content": parts}

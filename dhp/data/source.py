@@ -21,6 +21,7 @@ from dhp.data.batch import Sample
 from dhp.data.formats import Dataset, open_dataset
 from dhp.data.processing import Limits, SampleProcessor, load_image_processor, load_tokenizer
 from dhp.data.synthetic import SyntheticSource
+from dhp.data.video import video_spec
 from dhp.errors import ConfigError, ConfigIssue
 
 
@@ -136,5 +137,6 @@ def build_source(
         tokens=model.tokens,
         limits=limits,
     )
+    processor.video = video_spec(data, vision=model.vision, image_processor=processor.image_processor)
     src = LlavaSource(datasets=datasets, weights=[e.weight for e in data.datasets], processor=processor)
     return src, [len(d) for d in datasets], [e.weight for e in data.datasets]

@@ -17,7 +17,7 @@ import torch
 
 from dhp.config.schema import SpecialTokens, SyntheticData, VisionArch
 from dhp.data import bad
-from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
+from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, VIDEO, Sample
 from dhp.data.processing import Limits
 from dhp.errors import ConfigError, ConfigIssue
 
@@ -78,6 +78,18 @@ class SyntheticSource:
                     )
                 ]
             )
+        t = vision.temporal_patch_size
+        if synthetic.videos_per_sample and (synthetic.video_frames <= 0 or synthetic.video_frames % t):
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "data.synthetic.video_frames",
+                        synthetic.video_frames,
+                        f"must be a positive multiple of temporal_patch_size={t}",
+                        f"use {max(t, synthetic.video_frames - synthetic.video_frames % t)}",
+                    )
+                ]
+            )
 
     def __len__(self) -> int:
         return self.cfg.num_samples
@@ -86,19 +98,44 @@ class SyntheticSource:
         """``"synthetic:<index>"``."""
         return f"synthetic:{index}"
 
+    @property
+    def video_patches(self) -> int:
+        """Encoder patches of one sample's videos (``video_frames / T`` temporal patches of ``patches``)."""
+        return (
+            self.cfg.videos_per_sample
+            * self.cfg.video_frames
+            // self.vision.temporal_patch_size
+            * self.cfg.patches
+        )
+
+    @property
+    def video_tokens(self) -> int:
+        """LLM tokens of one synthetic video."""
+        frames = self.cfg.video_frames // self.vision.temporal_patch_size
+        return frames * self.cfg.patches // self.vision.spatial_merge_size**2
+
+    def text_length(self, gen: torch.Generator) -> int:
+        """``text_tokens``, or a draw from ``[text_tokens, text_tokens_max]`` (the sample's generator)."""
+        lo, hi = self.cfg.text_tokens, self.cfg.text_tokens_max
+        if hi <= lo:
+            return lo
+        return lo + int(torch.randint(hi - lo + 1, (1,), generator=gen))
+
     def load(self, index: int) -> Sample:
         """Build sample ``index`` from the seed; raises ``BadSampleError`` if it exceeds the limits."""
         loc = self.location(index)
         n_img, patches = self.cfg.images_per_sample, self.cfg.patches
         merged = patches // self.vision.spatial_merge_size**2
-        if n_img * patches > self.limits.vision_seq_len:
+        if n_img * patches + self.video_patches > self.limits.vision_seq_len:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.VISION_TOO_LONG,
                 detail=f"{n_img}x{patches} patches > modules.vision.seq_len={self.limits.vision_seq_len}",
                 fix="lower data.synthetic.patches/images_per_sample or raise modules.vision.seq_len",
             )
-        total = n_img * (merged + 2) + self.cfg.text_tokens
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        n_text = self.text_length(gen)
+        total = n_img * (merged + 2) + self.cfg.videos_per_sample * (self.video_tokens + 2) + n_text
         if total > self.limits.llm_seq_len:
             raise bad.BadSampleError(
                 location=loc,
@@ -106,21 +143,31 @@ class SyntheticSource:
                 detail=f"{total} tokens > modules.llm.seq_len={self.limits.llm_seq_len}",
                 fix="lower data.synthetic.text_tokens/patches or raise modules.llm.seq_len",
             )
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         t = self.tokens
         image_block = [t.vision_start_token_id] + [t.image_token_id] * merged + [t.vision_end_token_id]
-        text = self.text_ids[torch.randint(len(self.text_ids), (self.cfg.text_tokens,), generator=gen)]
-        ids = torch.cat([torch.tensor(image_block * n_img, dtype=torch.long), text])
+        text = self.text_ids[torch.randint(len(self.text_ids), (n_text,), generator=gen)]
+        n_vid, frames = self.cfg.videos_per_sample, self.cfg.video_frames
+        video_block = (
+            [t.vision_start_token_id] + [t.video_token_id] * self.video_tokens + [t.vision_end_token_id]
+        )
+        visual = torch.tensor(image_block * n_img + video_block * n_vid, dtype=torch.long)
+        ids = torch.cat([visual, text])
         types = torch.full_like(ids, TEXT)
-        types[: n_img * len(image_block)][torch.tensor(image_block * n_img) == t.image_token_id] = IMAGE
+        types[: len(visual)][visual == t.image_token_id] = IMAGE
+        types[: len(visual)][visual == t.video_token_id] = VIDEO
         labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[n_img * len(image_block) :] = text
-        pixel_values = grid = None
-        if n_img:
+        labels[len(visual) :] = text
+        pixel_values = grid = seconds = None
+        if n_img or n_vid:
             v = self.vision
             row = v.in_channels * v.temporal_patch_size * v.patch_size**2
-            pixel_values = torch.randn(n_img * patches, row, generator=gen, dtype=torch.float32)
-            grid = torch.tensor([self.grid] * n_img, dtype=torch.long)
+            t_grid = frames // v.temporal_patch_size
+            n_rows = n_img * patches + n_vid * t_grid * patches
+            pixel_values = torch.randn(n_rows, row, generator=gen, dtype=torch.float32)
+            _, gh, gw = self.grid
+            grid = torch.tensor([self.grid] * n_img + [(t_grid, gh, gw)] * n_vid, dtype=torch.long)
+            if n_vid:
+                seconds = torch.full((n_vid,), v.temporal_patch_size / self.cfg.video_fps)
         return Sample(
             sample_id=loc,
             input_ids=ids,
@@ -128,5 +175,6 @@ class SyntheticSource:
             mm_token_type_ids=types,
             pixel_values=pixel_values,
             image_grid_thw=grid,
-            text_chars=self.cfg.text_tokens,
+            text_chars=n_text,
+            second_per_grid_ts=seconds,
         )

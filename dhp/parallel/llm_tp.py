@@ -175,12 +175,14 @@ def sequence_shard_bounds(seq_len: int, *, tp: int, rank: int) -> tuple[int, int
     return rank * step, (rank + 1) * step
 
 
-def sequence_shard_rows(input_ids: torch.Tensor, image_token_id: int, *, tp: int, rank: int) -> torch.Tensor:
+def sequence_shard_rows(
+    input_ids: torch.Tensor, image_token_id: int | tuple[int, ...], *, tp: int, rank: int
+) -> torch.Tensor:
     """Bool mask over the micro-batch's image-embedding rows (row-major image-token order, as
     ``masked_scatter`` consumes them): True where the token lies in TP rank ``rank``'s sequence shard.
     Under SP a rank needs only these rows of the hand-off; the others are cut away before layer 0."""
     lo, hi = sequence_shard_bounds(input_ids.shape[1], tp=tp, rank=rank)
-    is_img = input_ids == image_token_id
+    is_img = torch.isin(input_ids, torch.as_tensor(image_token_id))  # image (and video) pad ids
     pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     return ((pos >= lo) & (pos < hi))[is_img]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig
 
 from dhp.config.constants import PARALLEL_AXES
@@ -60,7 +62,12 @@ def _group_plan(
 def image_patches(config: DictConfig) -> int:
     """Patches of one image (the span of the encoder's full-attention blocks); 0 when unknown."""
     if config.data.kind == "synthetic":
-        return int(config.data.synthetic.patches)
+        syn = config.data.synthetic
+        if "videos_per_sample" in syn and syn.videos_per_sample:  # a video is one item of t frames' patches
+            return int(syn.patches) * max(
+                1, int(syn.video_frames) // int(config.model.vision.temporal_patch_size)
+            )
+        return int(syn.patches)
     return 0
 
 
@@ -73,7 +80,7 @@ def micro_batches_per_step(config: DictConfig) -> int:
 
 def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
     """The ModuleShape of every module of ``config`` (what memory and time read)."""
-    return {
+    shapes = {
         str(name): module_shape(
             str(name),
             model=config.model,
@@ -83,6 +90,14 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
         )
         for name, mod in config.modules.items()
     }
+    if "llm" in shapes and "packing" in config.data and config.data.packing:
+        # packed rows of data.max_tokens (0: seq_len); first-fit never needs more rows than
+        # 2 * tokens / row + 1 (any two rows together overflow one), nor more than samples
+        llm = shapes["llm"]
+        row = max(int(config.data.max_tokens), llm.seq_len)
+        rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
+        shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row)
+    return shapes
 
 
 def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:

@@ -205,6 +205,9 @@ def estimate_step(
         if config.data.kind == "synthetic":
             syn = config.data.synthetic
             images = [syn.patches] * (syn.images_per_sample * config.train.global_batch_size)
+            if "videos_per_sample" in syn and syn.videos_per_sample:  # video items: t x patches each
+                video_item = syn.patches * (syn.video_frames // config.model.vision.temporal_patch_size)
+                images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:
             vp = config.modules["vision"].parallel
             images = [config.modules["vision"].seq_len] * (n_mb * vp.dp * vp.fsdp)

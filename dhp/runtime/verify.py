@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
-from dhp.data.remote import as_tensor
+from dhp.data.packing import unpacked
+from dhp.data.video import reference_visual_kwargs
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.ops.cross_entropy import shifted_ce_sum
 from dhp.parallel.lora import inject_reference_lora
@@ -135,12 +136,11 @@ class ReferenceModel:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in data.micro_batches:
-            for b in micro:
+            for b in (one for x in micro for one in unpacked(x)):  # packed rows: each sample alone
                 hidden = self.model.base_model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
-                    pixel_values=as_tensor(b.pixel_values),  # data.engine=ray: fetched here
-                    image_grid_thw=b.image_grid_thw,
+                    **reference_visual_kwargs(b),  # images and videos apart; ray pixels fetched here
                     mm_token_type_ids=b.mm_token_type_ids,
                     use_cache=False,
                 ).last_hidden_state

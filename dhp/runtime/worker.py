@@ -309,6 +309,7 @@ class ModuleWorker(DistWorker):
                 image_grid_thw=None if batch.image_grid_thw is None else batch.image_grid_thw.to(self.device),
                 image_embeds=embeds,
                 sample_ids=batch.sample_ids,
+                **_video_kwargs(batch, self.device),
             )
         t2 = time.perf_counter()
         self._timers["fwd_s"] += t2 - t1
@@ -394,7 +395,7 @@ class ModuleWorker(DistWorker):
             return None
         return par.sequence_shard_rows(
             batch.input_ids,
-            self.model_cfg.tokens.image_token_id,
+            (self.model_cfg.tokens.image_token_id, self.model_cfg.tokens.video_token_id),
             tp=par_cfg.tp,
             rank=self.mesh["tp"].get_local_rank(),
         )
@@ -535,3 +536,9 @@ def _shard_to(shard: Any, device: torch.device) -> Any:
             if isinstance(getattr(shard, f.name), torch.Tensor)
         },
     )
+
+
+def _video_kwargs(batch: VLBatch, device: torch.device) -> dict:
+    """``second_per_grid_ts`` for the LLM forward when the micro-batch holds videos (else nothing)."""
+    seconds = batch.second_per_grid_ts
+    return {} if seconds is None else {"second_per_grid_ts": seconds.to(device)}

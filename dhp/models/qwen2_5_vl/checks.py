@@ -54,8 +54,10 @@ def check_vision_inputs(
 
 
 def _image_runs(types_row: torch.Tensor) -> list[int]:
-    """Lengths of the contiguous runs of image tokens (type 1) in one sample, in order."""
-    return [len(list(g)) for key, g in itertools.groupby(types_row.tolist()) if key == IMAGE_TYPE]
+    """Lengths of the contiguous runs of image or video tokens (type 1 or 2) in one sample, in order."""
+    return [
+        len(list(g)) for key, g in itertools.groupby(types_row.tolist()) if key in (IMAGE_TYPE, VIDEO_TYPE)
+    ]
 
 
 def check_image_alignment(
@@ -85,9 +87,16 @@ def check_image_alignment(
             f"but {int((mm_token_type_ids[row] == IMAGE_TYPE).sum())} positions marked as image in "
             f"mm_token_type_ids. Fix: derive mm_token_type_ids from input_ids."
         )
-    if bool((mm_token_type_ids == VIDEO_TYPE).any()):
-        raise DataError(f"samples {sample_ids}: video tokens are not supported yet; drop the videos.")
-    n_tokens = int(is_image.sum())
+    is_video = input_ids == config.video_token_id
+    if not torch.equal(is_video, mm_token_type_ids == VIDEO_TYPE):
+        row = int((is_video != (mm_token_type_ids == VIDEO_TYPE)).any(-1).nonzero()[0])
+        raise DataError(
+            f"sample {sample_ids[row]}: {int(is_video[row].sum())} video tokens (id {config.video_token_id}) "
+            f"but {int((mm_token_type_ids[row] == VIDEO_TYPE).sum())} positions marked as video in "
+            f"mm_token_type_ids. Fix: derive mm_token_type_ids from input_ids."
+        )
+    # images and videos are one ordered stream of visual items (grids, embedding rows): video.py
+    n_tokens = int((is_image | is_video).sum())
     n_rows = 0 if image_embeds is None else int(image_embeds.shape[0])
     grids = image_grid_thw if image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
     per_image = image_token_counts(grids, config.vision_config.spatial_merge_size)

@@ -21,8 +21,11 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.data.packing import is_packed
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_text_only, check_vision_inputs
+from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
+from dhp.models.qwen2_5_vl.video import split_visual
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 
@@ -98,6 +101,7 @@ class LLMModule(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
     ) -> LLMOutput:
         """One micro-batch -> ``LLMOutput(loss_sum, num_tokens)``.
 
@@ -116,18 +120,37 @@ class LLMModule(nn.Module):
             image_embeds=image_embeds,
             sample_ids=sample_ids,
         )
-        position_ids = self.positions(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
+        extra: dict = {}
+        # images and videos share one ordered item stream; M-RoPE takes them apart (video.py)
+        image_grid_thw, video_grid_thw, second_per_grid_ts = split_visual(
+            mm_token_type_ids=mm_token_type_ids, grids=image_grid_thw, second_per_grid_ts=second_per_grid_ts
         )
+        video = {"video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts}
+        if is_packed(attention_mask):  # several samples per row: dhp.models.qwen2_5_vl.packing
+            position_ids, extra = packed_llm_inputs(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+                **video,
+            )
+            attention_mask = None
+        else:
+            position_ids = self.positions(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+                **video,
+            )
         hidden = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **extra,
         ).last_hidden_state
         return self.loss(hidden=hidden, labels=labels)
 
@@ -160,7 +183,8 @@ class LLMModule(nn.Module):
         inputs_embeds = self.language_model.embed_tokens(input_ids)
         if image_embeds is None:
             return inputs_embeds
-        mask = (input_ids == self.vl_config.image_token_id).unsqueeze(-1).to(inputs_embeds.device)
+        visual = (input_ids == self.vl_config.image_token_id) | (input_ids == self.vl_config.video_token_id)
+        mask = visual.unsqueeze(-1).to(inputs_embeds.device)
         image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
         return inputs_embeds.masked_scatter(mask, image_embeds)
 
@@ -171,6 +195,8 @@ class LLMModule(nn.Module):
         attention_mask: torch.Tensor,
         mm_token_type_ids: torch.Tensor | None,
         image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """M-RoPE positions ``(3, B, S)`` from transformers' own ``get_rope_index`` (no model state)."""
         if mm_token_type_ids is None:  # text-only config: no image can be present (checked in embed)
@@ -181,6 +207,8 @@ class LLMModule(nn.Module):
             attention_mask=attention_mask,
             mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts,
         )
 
     def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
@@ -211,6 +239,8 @@ def mrope_positions(
     attention_mask: torch.Tensor,
     mm_token_type_ids: torch.Tensor,
     image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(3, B, S)`` M-RoPE positions computed by ``Qwen2_5_VLModel.get_rope_index`` itself.
 
@@ -231,6 +261,8 @@ def mrope_positions(
         input_ids,
         mm_token_type_ids=mm_token_type_ids,
         image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts,
         attention_mask=attention_mask,
     )
     return position_ids
