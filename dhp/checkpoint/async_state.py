@@ -7,8 +7,9 @@ in RAM until the write ends), so training may change the parameters at once. A b
 then plans and writes the files, with its cross-rank steps on a dedicated gloo process group (the
 training collectives keep the default group to themselves; async save needs a CPU backend).
 
-At most one save is in flight per process; :func:`async_save_status` polls it or waits for it, and
-re-raises the write's error once. Nothing here commits a checkpoint: the driver does (manifest,
+At most one save is in flight per process; :func:`async_save_status` polls it or waits for it
+(a finished save keeps being reported as done until the next one starts, so a poll never loses
+it), and re-raises the write's error once. Nothing here commits a checkpoint: the driver does (manifest,
 ``meta.json``, rename) after every rank of every group reported its write done.
 """
 
@@ -63,7 +64,7 @@ def save_module_state_async(
     background; returns the staging time in seconds. CheckpointError if a save is still in flight
     here (the driver waits for the previous one first)."""
     global _pending
-    if _pending is not None:
+    if _pending is not None and not _pending.future.done():
         raise CheckpointError(
             f"an asynchronous checkpoint save to {_pending.path} is still in flight on this rank; "
             "the driver must wait for it before starting another."
@@ -89,7 +90,7 @@ def save_module_state_async(
 
 
 def async_save_status(*, wait: bool) -> dict[str, Any] | None:
-    """The in-flight save on this rank: None when there is none; else ``{"path", "done", "staging_s",
+    """This rank's latest save: None when there is none; else ``{"path", "done", "staging_s",
     "write_s"}`` (``write_s`` once done). ``wait``: block until it is done. A failed write raises
     CheckpointError naming the path and the cause, and the save is forgotten."""
     global _pending
@@ -98,10 +99,10 @@ def async_save_status(*, wait: bool) -> dict[str, Any] | None:
         return None
     if not (wait or p.future.done()):
         return {"path": str(p.path), "done": False, "staging_s": p.staging_s, "write_s": None}
-    _pending = None
     try:
         p.future.result()
     except BaseException as e:
+        _pending = None
         lines = str(e).strip().splitlines()
         cause = getattr(e, "strerror", None) or (lines[-1] if lines else type(e).__name__)
         raise CheckpointError(f"the asynchronous save to {p.path} failed: {cause}") from e

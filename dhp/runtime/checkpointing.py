@@ -91,7 +91,10 @@ class AsyncCheckpoints:
         except RuntimeFailure as e:
             raise self._failed(e) from e
         ranks = [s for per_rank in status.values() for s in per_rank]
-        if not all(s is not None and s["done"] for s in ranks):
+        tmp = str(self.inflight.tmp)
+        if any(s is None or not s["path"].startswith(tmp) for s in ranks):  # a replaced actor
+            raise self._failed(RuntimeFailure(f"a rank lost the checkpoint write into {tmp} (restarted?)"))
+        if not all(s["done"] for s in ranks):
             return None
         return self._commit(write_s=max(s["write_s"] for s in ranks))
 

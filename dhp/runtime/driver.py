@@ -376,6 +376,9 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
     kwargs = {"num_gpus": gpus} if gpus else {}
     # address="local": always a new instance of our own, never a `ray start` head found on this machine
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    from dhp.runtime.reaper import start_for_local_ray
+
+    start_for_local_ray()  # a SIGKILLed driver's Ray processes go within seconds, not minutes
     return True
 
 
