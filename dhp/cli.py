@@ -389,13 +389,26 @@ def print_error(err: DhpError) -> None:
     )
 
 
+def _early_signals() -> None:
+    """SIGTERM before a command installs its own handling (``dhp train`` does) exits 143 quietly."""
+    import signal
+
+    def term(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, term)
+
+
 def main() -> None:
     """Console entry point: run the app; a DhpError prints a short message and exits with status 1
     for a runtime failure (RuntimeFailure), 2 for config, data, plan and checkpoint errors."""
     from dhp.errors import RuntimeFailure
 
+    _early_signals()
     try:
         app()
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handling (imports, config, planning)
+        sys.exit(130)
     except DhpError as err:
         print_error(err)
         sys.exit(1 if isinstance(err, RuntimeFailure) else 2)

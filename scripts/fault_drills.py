@@ -481,7 +481,7 @@ def drill_driver_sigkill_async_save(ctx: Ctx) -> str:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     left = _gone_within(seen, 10)
-    expect(not left, f"{len(left)} Ray process(es) of the killed driver alive after 10 s: {left}")
+    expect(not left, f"{len(left)} process(es) of the killed driver alive after 10 s: {_cmdlines(left)}")
     (run_dir,) = (out / "a").iterdir()
     committed = sorted(p.name for p in (run_dir / "checkpoints").glob("step_??????"))
     rc, text = run(*train_args(out, "a", "checkpoint.async_save=true", "train.resume=auto"))
@@ -499,6 +499,17 @@ def drill_driver_sigkill_async_save(ctx: Ctx) -> str:
         f"within 10 s); committed before the kill: {committed or 'none'}; resume=auto continued "
         f"{'from ' + committed[-1] if committed else 'from step 0'} with equal losses"
     )
+
+
+def _cmdlines(pids: list[int]) -> list[str]:
+    out = []
+    for p in pids:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+            out.append(f"{p}: {cmd}")
+        except OSError:
+            out.append(f"{p}: ?")
+    return out
 
 
 def drill_sigterm_during_startup(ctx: Ctx) -> str:

@@ -101,7 +101,9 @@ def watch(driver: int, started: str, session: str) -> None:
     while True:
         time.sleep(POLL_S)
         if not _alive(driver, started):
-            reap(session, exclude=me | {driver})
+            for _ in range(3):  # again, for anything the session spawned while it was being reaped
+                if not reap(session, exclude=me | {driver}):
+                    break
             return
         if not session_processes(session, exclude=me | {driver}):
             return  # the driver shut its Ray down
