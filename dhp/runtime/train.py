@@ -277,6 +277,17 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
     except _HardStop:
         graceful, result.interrupted = False, True
         console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
+    except SystemExit as e:
+        if e.code != signal.SIGTERM or trainer is not None:
+            raise
+        # SIGTERM inside ray.init: Ray's own handler (set there, before ours is put back) exits 15
+        graceful, result.interrupted = False, True
+        result.signal = result.signal or signal.SIGTERM
+        console.print("terminated while starting Ray; nothing was trained or saved")
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # whatever that half-done ray.init started
     except RuntimeFailure as e:
         graceful = False
         restartable = not isinstance(e, NonFiniteStep | SaveFailed) and trainer is not None
