@@ -64,11 +64,32 @@ def _table() -> tuple[dict[int, list[int]], dict[int, bytes]]:
     return children, cmdlines
 
 
+def _holds_session_file(pid: int, session: str) -> bool:
+    """True if ``pid`` has a file of the session open (every Ray process logs into the session dir;
+    the agents re-parented away from the raylet are found this way)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if session in os.readlink(fd):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def session_processes(session: str, *, exclude: set[int]) -> list[int]:
-    """Pids of the processes whose command line names ``session``, and all their descendants."""
+    """Pids of the processes whose command line names ``session`` or that hold one of its files
+    open, and all their descendants."""
     children, cmdlines = _table()
     key = session.encode()
-    roots = [p for p, c in cmdlines.items() if key in c and p not in exclude]
+    roots = [
+        p
+        for p, c in cmdlines.items()
+        if p not in exclude and (key in c or (c.startswith(b"ray::") and _holds_session_file(p, session)))
+    ]
     out, todo, seen = [], list(roots), set(exclude)
     while todo:
         pid = todo.pop()
