@@ -226,12 +226,16 @@ def verify(
     grad_atol: float = typer.Option(
         1e-4, "--grad-atol", help="Max absolute difference of any gradient element."
     ),
+    param_atol: float = typer.Option(
+        1e-4, "--param-atol", help="Max absolute difference of any parameter element after each update."
+    ),
 ) -> None:
     """Run a plan and the unsplit single-process transformers model side by side; exit 1 beyond tolerance.
 
     Usage: dhp verify conf=RECIPE|PATH, then optional steps=N and key=value overrides. Same initial weights, batches,
-    AdamW and LR schedule; prints per-step loss differences and the max gradient difference per
-    module (tolerance: loss 1e-5 relative, every gradient 1e-4 absolute; fp32 only).
+    AdamW and LR schedule; prints per-step loss and grad-norm differences and the max gradient and
+    parameter-after-update difference per module (tolerance: loss and grad norm 1e-5 relative, every
+    gradient and parameter 1e-4 absolute; fp32 only).
     """
     from dhp.config import load_config
     from dhp.runtime.verify import render_report, render_step, verify_plan
@@ -245,6 +249,7 @@ def verify(
         steps=steps,
         loss_rtol=loss_rtol,
         grad_atol=grad_atol,
+        param_atol=param_atol,
         on_step=lambda s, rep: render_step(s, rep, console=console),
     )
     render_report(report, console=console)
@@ -391,13 +396,26 @@ def print_error(err: DhpError) -> None:
     )
 
 
+def _early_signals() -> None:
+    """SIGTERM before a command installs its own handling (``dhp train`` does) exits 143 quietly."""
+    import signal
+
+    def term(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, term)
+
+
 def main() -> None:
     """Console entry point: run the app; a DhpError prints a short message and exits with status 1
     for a runtime failure (RuntimeFailure), 2 for config, data, plan and checkpoint errors."""
     from dhp.errors import RuntimeFailure
 
+    _early_signals()
     try:
         app()
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handling (imports, config, planning)
+        sys.exit(130)
     except DhpError as err:
         print_error(err)
         sys.exit(1 if isinstance(err, RuntimeFailure) else 2)

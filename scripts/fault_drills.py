@@ -427,6 +427,8 @@ def drill_config_guards(ctx: Ctx) -> str:
         _config_refused("train.steps=-1", key="train.steps"),
         _config_refused("name=../../escape", key="name"),
         _config_refused("+modules.audio.gpus=1", key="known"),
+        _config_refused("checkpoint.async_save=maybe", key="checkpoint.async_save"),
+        _config_refused("train.restart_wait_s=inf", key="train.restart_wait_s"),
     ]
     return "; ".join(done)
 
@@ -464,6 +466,90 @@ def drill_foreign_local_ray_head(ctx: Ctx) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def drill_driver_sigkill_async_save(ctx: Ctx) -> str:
+    """checkpoint.async_save: SIGKILL the driver at a seeded moment right after a save was issued
+    (it is in flight or just committed). The run's Ray processes must be gone within 10 s, and
+    resume=auto must continue from a checkpoint that verifies, with the uninterrupted losses."""
+    _, base = ctx.base()
+    rng = random.Random(1414)
+    out = ctx.work / "asynckill"
+    proc = _popen_train(out, "a", "checkpoint.async_save=true")
+    _wait_steps(proc, out, "a", EVERY)  # the step-EVERY save is issued at this boundary
+    time.sleep(rng.uniform(0.0, 0.3))
+    expect(proc.poll() is None, "the run ended before the kill: the drill proves nothing")
+    seen = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = _gone_within(seen, 10)
+    expect(not left, f"{len(left)} process(es) of the killed driver alive after 10 s: {_cmdlines(left)}")
+    (run_dir,) = (out / "a").iterdir()
+    committed = sorted(p.name for p in (run_dir / "checkpoints").glob("step_??????"))
+    rc, text = run(*train_args(out, "a", "checkpoint.async_save=true", "train.resume=auto"))
+    clean(text)
+    expect(rc == 0, f"resume=auto after the kill failed (rc={rc})", text)
+    expect(not no_tmp(out), f"temp dirs left: {no_tmp(out)}")
+    runs = sorted((out / "a").iterdir())
+    got = losses(runs[-1])
+    expect(got == {s: base[s] for s in got}, f"losses after the resume differ: {got} vs {base}")
+    for ck in (runs[-1] / "checkpoints").iterdir():
+        rc, vtext = run("checkpoint", "verify", str(ck))
+        expect(rc == 0, f"{ck.name} of the resumed run does not verify", vtext)
+    return (
+        f"driver SIGKILLed after step {EVERY} with an async save issued ({len(seen)} processes gone "
+        f"within 10 s); committed before the kill: {committed or 'none'}; resume=auto continued "
+        f"{'from ' + committed[-1] if committed else 'from step 0'} with equal losses"
+    )
+
+
+def _cmdlines(pids: list[int]) -> list[str]:
+    out = []
+    for p in pids:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+            out.append(f"{p}: {cmd}")
+        except OSError:
+            out.append(f"{p}: ?")
+    return out
+
+
+def drill_sigterm_during_startup(ctx: Ctx) -> str:
+    """SIGTERM while the actors are still starting (before step 1): exit 143, nothing half-written,
+    no process left."""
+    out = ctx.work / "earlyterm"
+    proc = _popen_train(out, "e")
+    deadline = time.monotonic() + 120
+    while not list(out.glob("e/*/plan.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    expect(proc.poll() is None, "the run ended before it could be signalled")
+    time.sleep(random.Random(7).uniform(0.5, 3.0))  # somewhere in Ray start / actor build
+    seen = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    text = _finish(proc, timeout=180)
+    clean(text)
+    expect(proc.returncode == 143, f"rc={proc.returncode}, expected 143", text)
+    expect(not no_tmp(out), f"temp dirs left: {no_tmp(out)}")
+    left = _gone_within(seen, 10)
+    expect(not left, f"processes of the run alive 10 s after exit: {left}")
+    return "SIGTERM before the first step: exit 143, no temp dir, no process left after 10 s"
+
+
+def drill_corrupt_manifest(ctx: Ctx) -> str:
+    def damage(ckpt: Path) -> str:
+        (ckpt / "manifest.json").write_bytes(b"\xff\xfe{not json")
+        return "a garbled manifest.json"
+
+    return _damage_and_resume(ctx, "badmanifest", damage)
+
+
+def drill_corrupt_rank_rng_file(ctx: Ctx) -> str:
+    def damage(ckpt: Path) -> str:
+        f = sorted(ckpt.glob("llm/extra/rank_*.pt"))[0]
+        f.write_bytes(f.read_bytes()[:-7] + b"garbage")
+        return f"the last bytes of {f.relative_to(ckpt)} overwritten (same size)"
+
+    return _damage_and_resume(ctx, "badrng", damage)
+
+
 DRILLS: dict[str, Callable[[Ctx], str]] = {
     "restart_after_actor_kill": drill_restart_after_actor_kill,
     "actor_kill_without_restarts": drill_actor_kill_without_restarts,
@@ -481,6 +567,10 @@ DRILLS: dict[str, Callable[[Ctx], str]] = {
     "config_guards": drill_config_guards,
     "model_type_mismatch": drill_model_type_mismatch,
     "foreign_local_ray_head": drill_foreign_local_ray_head,
+    "driver_sigkill_async_save": drill_driver_sigkill_async_save,
+    "sigterm_during_startup": drill_sigterm_during_startup,
+    "corrupt_manifest": drill_corrupt_manifest,
+    "corrupt_rank_rng_file": drill_corrupt_rank_rng_file,
 }
 
 

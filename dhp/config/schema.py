@@ -331,6 +331,17 @@ class ExportConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """How checkpoints are written. ``async_save``: each rank stages its shards to host memory
+    (one extra copy of its model + optimizer shard in RAM while a save is in flight) and writes
+    them in a background thread (torch DCP's async save); training continues, at most one save is
+    in flight, and the checkpoint counts (manifest, meta.json, rename) only once every rank's write
+    finished. A crash mid-save leaves a temp dir, removed at the next start."""
+
+    async_save: bool = False
+
+
+@dataclass
 class RunConfig:
     """The root: one training job, composed from conf/ groups by a recipe."""
 
@@ -347,3 +358,4 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

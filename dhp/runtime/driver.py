@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -344,6 +346,7 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
 
     if ray.is_initialized():
         return False
+    term = signal.getsignal(signal.SIGTERM)  # ray.init installs Ray's own SIGTERM handler: keep ours
     # dhp reports a failed rank itself (module, rank, reason); Ray would also print the coloured
     # traceback of every failed result nobody fetched once a step is abandoned
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
@@ -355,6 +358,7 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
         _check_reachable(address, source=source)  # Ray retries a dead address for minutes
         try:
             ray.init(address=address, log_to_driver=False)
+            _keep_handler(signal.SIGTERM, term)
         except ConnectionError as e:
             lines = str(e.__cause__ or e).strip().splitlines() or [str(e)]
             reason = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1]).strip()
@@ -376,7 +380,17 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan) -> bool:
     kwargs = {"num_gpus": gpus} if gpus else {}
     # address="local": always a new instance of our own, never a `ray start` head found on this machine
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    _keep_handler(signal.SIGTERM, term)
+    from dhp.runtime.reaper import start_for_local_ray
+
+    start_for_local_ray()  # a SIGKILLed driver's Ray processes go within seconds, not minutes
     return True
+
+
+def _keep_handler(signum: int, handler: Any) -> None:
+    """Put ``handler`` back for ``signum`` (main thread only; None: it was not set from Python)."""
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signum, handler)
 
 
 def _check_reachable(address: str, *, source: str, timeout_s: float = 5.0) -> None:

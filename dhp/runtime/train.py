@@ -220,11 +220,16 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
     )
     trainer = None
     loop: _Loop | None = None
+    saver = None  # checkpoint.async_save: the save in flight (dhp.runtime.checkpointing)
     graceful = True
     try:
         ready = 60.0 if result.restarts == 0 else t.restart_wait_s
         trainer = Trainer(config, plan, ready_timeout_s=ready)
         sig.reinstall()
+        if config.checkpoint.async_save:
+            from dhp.runtime.checkpointing import AsyncCheckpoints
+
+            saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir)
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
         loop = _Loop(
             config=config,
@@ -235,6 +240,7 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
             run_dir=run_dir,
             result=result,
             resumed_from=resume,
+            saver=saver,
         )
         with TrainProgress(console=console, total=t.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
@@ -245,6 +251,11 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
             return
         try:
             step = None if loop is None else loop.settle_interrupted_step()
+            if saver is not None and saver.step is not None:  # the save in flight counts: finish it
+                result.last_checkpoint = saver.finish() or result.last_checkpoint
+                if result.last_checkpoint is not None and result.last_checkpoint.name == f"step_{step:06d}":
+                    step = None  # that save is this step's checkpoint already
+                    console.print(f"interrupted: saved {result.last_checkpoint}")
             if t.save_on_interrupt and step is not None and step > 0:
                 result.last_checkpoint = _save(
                     trainer,
@@ -266,6 +277,17 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
     except _HardStop:
         graceful, result.interrupted = False, True
         console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
+    except SystemExit as e:
+        if e.code != signal.SIGTERM or trainer is not None:
+            raise
+        # SIGTERM inside ray.init: Ray's own handler (set there, before ours is put back) exits 15
+        graceful, result.interrupted = False, True
+        result.signal = result.signal or signal.SIGTERM
+        console.print("terminated while starting Ray; nothing was trained or saved")
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # whatever that half-done ray.init started
     except RuntimeFailure as e:
         graceful = False
         restartable = not isinstance(e, NonFiniteStep | SaveFailed) and trainer is not None
@@ -290,6 +312,8 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
                 trainer.close(graceful=graceful)
             except _HardStop:
                 trainer.close(graceful=False)
+        if saver is not None:  # a save still in flight never counts: its writers are gone
+            saver.abandon()
 
 
 def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
@@ -326,16 +350,27 @@ def _resume(trainer, resume, checked, *, loader, schedule, console) -> int:
     return meta.step
 
 
+def _meta(*, config, plan, step, loader, schedule):
+    """The driver's side of a checkpoint at this step boundary: loader position, driver RNG, LR
+    schedule, plan and hashes (``meta.json``)."""
+    from dhp.checkpoint import CheckpointMeta, capture_rng_state, stable_hash
+    from dhp.checkpoint.compat import model_arch_hash, module_records
+
+    return CheckpointMeta(
+        step=step,
+        data_state=loader.state_dict(),
+        driver_rng=capture_rng_state(),
+        plan=plan.to_json(),
+        config_hash=stable_hash(config),
+        model_hash=model_arch_hash(config.model),
+        modules=module_records(config.modules, world_sizes={g.name: g.world_size for g in plan.groups}),
+        scheduler_state=schedule.state_dict(),
+    )
+
+
 def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
     """Write ``checkpoints/step_XXXXXX`` atomically: groups save into a temp dir, then meta + rename."""
-    from dhp.checkpoint import (
-        CheckpointMeta,
-        begin_checkpoint,
-        capture_rng_state,
-        commit_checkpoint,
-        stable_hash,
-    )
-    from dhp.checkpoint.compat import model_arch_hash, module_records
+    from dhp.checkpoint import begin_checkpoint, commit_checkpoint
 
     try:
         tmp = begin_checkpoint(run_dir / "checkpoints", step=step)
@@ -348,16 +383,7 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
         if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and _is_io_failure(str(e))):
             raise _save_failed(run_dir, step, e) from e
         raise
-    meta = CheckpointMeta(
-        step=step,
-        data_state=loader.state_dict(),
-        driver_rng=capture_rng_state(),
-        plan=plan.to_json(),
-        config_hash=stable_hash(config),
-        model_hash=model_arch_hash(config.model),
-        modules=module_records(config.modules, world_sizes={g.name: g.world_size for g in plan.groups}),
-        scheduler_state=schedule.state_dict(),
-    )
+    meta = _meta(config=config, plan=plan, step=step, loader=loader, schedule=schedule)
     try:
         return commit_checkpoint(tmp, meta=meta, keep_last=config.train.keep_last)
     except BaseException as e:
@@ -392,13 +418,24 @@ class _Loop:
     """The step loop: data -> lr -> driver step -> metrics -> checkpoint."""
 
     def __init__(
-        self, *, config, plan, trainer, loader, schedule, run_dir: Path, result: RunResult, resumed_from=None
+        self,
+        *,
+        config,
+        plan,
+        trainer,
+        loader,
+        schedule,
+        run_dir: Path,
+        result: RunResult,
+        resumed_from=None,
+        saver=None,
     ) -> None:
         from dhp.metrics import MetricsWriter
         from dhp.metrics.loggers import open_loggers
 
         self.config, self.plan, self.trainer = config, plan, trainer
         self.loader, self.schedule, self.run_dir, self.result = loader, schedule, run_dir, result
+        self.saver = saver  # AsyncCheckpoints when checkpoint.async_save, else None (synchronous saves)
         t = config.train
         loggers = open_loggers(  # metrics.loggers; train.tensorboard=true still adds TensorBoard
             config.metrics,
@@ -443,7 +480,9 @@ class _Loop:
                 if step % t.log_every == 0 or step == t.steps:
                     self.writer.write(rec)
                 progress.update(step=step, record=rec)
-                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
+                if self.saver is not None:
+                    self._checkpoint_async(step)
+                elif (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
                     self.result.last_checkpoint = _save(
                         self.trainer,
                         config=self.config,
@@ -455,6 +494,21 @@ class _Loop:
                     )
         finally:
             self.writer.close()
+
+    def _checkpoint_async(self, step: int) -> None:
+        """Commit the save in flight once written; start this step's save when due (the last step's
+        is waited for: the run ends with its final checkpoint committed)."""
+        t = self.config.train
+        done = self.saver.poll()
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
+            meta = _meta(
+                config=self.config, plan=self.plan, step=step, loader=self.loader, schedule=self.schedule
+            )
+            done = self.saver.start(step=step, meta=meta) or done
+            if step == t.steps:
+                done = self.saver.finish()
+        if done is not None:
+            self.result.last_checkpoint = done
 
     def settle_interrupted_step(self) -> int | None:
         """After Ctrl-C: finish an update already issued (that step counts), or drop the half-run

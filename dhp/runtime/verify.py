@@ -4,7 +4,9 @@ The plan runs through the real runtime (:class:`dhp.runtime.Trainer`, Ray actor 
 with ``collect_grads=True``; the reference is the untouched ``Qwen2_5_VLForConditionalGeneration``
 in THIS (driver) process, started from the plan's own initial weights, fed the same batches (the
 union of all data replicas' micro-batches, normalised by the same global label-token count ``T``),
-clipped by the same global norm and stepped by the same AdamW and LR schedule. Memory: the driver
+clipped by the same global norm and stepped by the same AdamW and LR schedule. Each step compares
+the loss, the global grad norm, every parameter's gradient (before clipping) and every parameter
+after the update (so a wrong clip coefficient or optimizer shard shows even where grads agree). Memory: the driver
 holds one full fp32 copy of the model, its grads and Adam states, plus one full gradient copy of
 the plan: tiny and small models only.
 """
@@ -12,7 +14,9 @@ the plan: tiny and small models only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,7 +34,8 @@ CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's 
 
 @dataclass
 class StepDiff:
-    """One step: plan vs reference loss and grad norm, and the max |grad diff| per module."""
+    """One step: plan vs reference loss and grad norm, the max |grad diff| per module, and the max
+    |parameter diff| per module after the update (empty: not compared)."""
 
     step: int
     loss: float
@@ -39,27 +44,38 @@ class StepDiff:
     ref_grad_norm: float
     grad_max_abs_diff: dict[str, float]
     worst_param: dict[str, str]
+    param_max_abs_diff: dict[str, float] = field(default_factory=dict)
+    worst_param_after: dict[str, str] = field(default_factory=dict)
 
     @property
     def loss_rel_diff(self) -> float:
         return abs(self.loss - self.ref_loss) / max(abs(self.ref_loss), 1e-12)
 
+    @property
+    def grad_norm_rel_diff(self) -> float:
+        return abs(self.grad_norm - self.ref_grad_norm) / max(abs(self.ref_grad_norm), 1e-12)
+
 
 @dataclass
 class VerifyReport:
-    """All steps, the tolerances applied, and whether every step is within them."""
+    """All steps, the tolerances applied, and whether every step is within them. The grad norm is
+    held to ``loss_rtol`` (relative), the parameters after each update to ``param_atol``."""
 
     steps: list[StepDiff] = field(default_factory=list)
     loss_rtol: float = 1e-5
     grad_atol: float = 1e-4
+    param_atol: float = 1e-4
     plan_summary: str = ""
 
     def step_ok(self, s: StepDiff) -> bool:
-        finite = math.isfinite(s.loss) and all(math.isfinite(v) for v in s.grad_max_abs_diff.values())
+        diffs = [*s.grad_max_abs_diff.values(), *s.param_max_abs_diff.values()]
+        finite = math.isfinite(s.loss) and math.isfinite(s.grad_norm) and all(map(math.isfinite, diffs))
         return (
             finite
             and s.loss_rel_diff <= self.loss_rtol
+            and s.grad_norm_rel_diff <= self.loss_rtol
             and all(v <= self.grad_atol for v in s.grad_max_abs_diff.values())
+            and all(v <= self.param_atol for v in s.param_max_abs_diff.values())
         )
 
     @property
@@ -103,9 +119,20 @@ class ReferenceModel:
                     out[key] = (module, fqn)
         return out
 
+    def params(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{module: {module FQN: parameter}}`` now (detached; a tied alias the plan does not hold
+        as a tensor of its own is left out), comparable with ``Trainer.full_state_dict()``."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for key, p in self.model.named_parameters(remove_duplicate=False):
+            module, fqn = self.owner[key]
+            if (module, fqn) not in self.tied:
+                out.setdefault(module, {})[fqn] = p.detach()
+        return out
+
     def _load(self, initial: dict[str, dict[str, torch.Tensor]], hf_config) -> None:
         """Copy the plan's initial tensors in; tied parameters follow their source."""
         tied = {(m, f) for m in initial for f in self.family.tied_parameters(m, hf_config)}
+        self.tied = {t for t in tied if t[1] not in initial[t[0]]}
         sd, absent = {}, []
         for key, (module, fqn) in self.owner.items():
             if module in initial and fqn in initial[module]:
@@ -215,6 +242,7 @@ def verify_plan(
     steps: int,
     loss_rtol: float = 1e-5,
     grad_atol: float = 1e-4,
+    param_atol: float = 1e-4,
     on_step=None,
 ) -> VerifyReport:
     """Run ``steps`` steps of the plan and of the reference; return the per-step comparison.
@@ -237,37 +265,75 @@ def verify_plan(
     report = VerifyReport(
         loss_rtol=loss_rtol,
         grad_atol=grad_atol,
+        param_atol=param_atol,
         plan_summary=f"{meshes}, {config.placement}, hand-off {plan.handoff}",
     )
     from dhp.runtime.driver import Trainer
 
     trainer = Trainer(config, plan)  # connects Ray, reserves the plan, builds the groups
     try:
-        ref = ReferenceModel(
-            model=config.model, modules=dict(config.modules), train=t, initial=trainer.full_state_dict()
+        compare_steps(
+            trainer, config, loader=loader, lr=schedule.next_lr, steps=steps, report=report, on_step=on_step
         )
-        for i in range(steps):
-            data = next(loader)
-            lr = schedule.next_lr()
-            res = trainer.step(data, lr=lr, collect_grads=True)
-            ref_loss, ref_norm, ref_grads = ref.step(data, lr=lr)
-            diffs, worst = compare_grads(res.grads, ref_grads)
-            s = StepDiff(i + 1, float(res.loss), ref_loss, float(res.grad_norm), ref_norm, diffs, worst)
-            report.steps.append(s)
-            if on_step is not None:
-                on_step(s, report)
     finally:
         trainer.close()
     return report
 
 
+def compare_steps(
+    trainer: Any,
+    config: RunConfig,
+    *,
+    loader: Any,
+    lr: Callable[[], float],
+    steps: int,
+    report: VerifyReport,
+    on_step: Callable[[StepDiff, VerifyReport], None] | None = None,
+) -> VerifyReport:
+    """``steps`` steps of a running ``trainer`` against a reference started from its CURRENT weights
+    (fresh AdamW states: start before the trainer's first step); appends to ``report``.
+
+    Per step: the loss, the global grad norm, every gradient, and every parameter after the update.
+    """
+    ref = ReferenceModel(
+        model=config.model,
+        modules=dict(config.modules),
+        train=config.train,
+        initial=trainer.full_state_dict(),
+    )
+    for _ in range(steps):
+        data = next(loader)
+        step_lr = lr()
+        res = trainer.step(data, lr=step_lr, collect_grads=True)
+        ref_loss, ref_norm, ref_grads = ref.step(data, lr=step_lr)
+        diffs, worst = compare_grads(res.grads, ref_grads)
+        pdiffs, pworst = compare_grads(trainer.full_state_dict(), ref.params())
+        s = StepDiff(
+            len(report.steps) + 1,
+            float(res.loss),
+            ref_loss,
+            float(res.grad_norm),
+            ref_norm,
+            diffs,
+            worst,
+            pdiffs,
+            pworst,
+        )
+        report.steps.append(s)
+        if on_step is not None:
+            on_step(s, report)
+    return report
+
+
 def render_step(s: StepDiff, report: VerifyReport, *, console) -> None:
-    """One console line per step: losses, relative loss diff, grad norms, max grad diff per module."""
+    """One console line per step: losses, relative loss diff, grad norms, max grad and parameter
+    diff per module (with the worst tensor)."""
     ok = "[green]ok[/]" if report.step_ok(s) else "[bold red]FAIL[/]"
     grads = "  ".join(f"{m} {d:.2e} ({s.worst_param[m]})" for m, d in s.grad_max_abs_diff.items())
+    params = "  ".join(f"{m} {d:.2e} ({s.worst_param_after[m]})" for m, d in s.param_max_abs_diff.items())
     console.print(
         f"step {s.step:>3}  loss {s.loss:.6f} ref {s.ref_loss:.6f} rel {s.loss_rel_diff:.1e}  "
-        f"|g| {s.grad_norm:.4f} ref {s.ref_grad_norm:.4f}  max|dg| {grads}  {ok}"
+        f"|g| {s.grad_norm:.4f} ref {s.ref_grad_norm:.4f}  max|dg| {grads}  max|dp| {params}  {ok}"
     )
 
 
@@ -289,14 +355,18 @@ def render_report(report: VerifyReport, *, console) -> None:
         )
     for m in modules:
         table.add_column(f"max|dg|\n{m}", justify="right", no_wrap=True, min_width=7)
+    for m in modules:
+        table.add_column(f"max|dp|\n{m}", justify="right", no_wrap=True, min_width=7)
     for s in report.steps:
         cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.1e}"]
         cells += [f"{s.grad_norm:.4f}", f"{s.ref_grad_norm:.4f}"]
         cells += [f"{s.grad_max_abs_diff[m]:.1e}" if m in s.grad_max_abs_diff else "-" for m in modules]
+        cells += [f"{s.param_max_abs_diff[m]:.1e}" if m in s.param_max_abs_diff else "-" for m in modules]
         table.add_row(*cells, style=None if report.step_ok(s) else "bold red")  # a failing step in red
     console.print(table)
     verdict = "[bold green]PASS" if report.passed else "[bold red]FAIL"
     console.print(
-        f"{verdict}[/]: loss within {report.loss_rtol:g} relative and every parameter's gradient within "
-        f"{report.grad_atol:g} absolute, over {len(report.steps)} step(s)"
+        f"{verdict}[/]: loss and grad norm within {report.loss_rtol:g} relative, every parameter's gradient "
+        f"within {report.grad_atol:g} and every parameter after the update within {report.param_atol:g} "
+        f"absolute, over {len(report.steps)} step(s)"
     )

@@ -479,6 +479,26 @@ class ModuleWorker(DistWorker):
         )
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def save_checkpoint_async(self, path: str) -> float:
+        """Stage this rank's state to host memory and write it in the background; returns the staging
+        seconds (dhp.checkpoint.async_state; the write's status: ``checkpoint_write_status``)."""
+        from pathlib import Path
+
+        from dhp.checkpoint import capture_rng_state
+        from dhp.checkpoint.async_state import save_module_state_async
+
+        return save_module_state_async(
+            Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
+        )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def checkpoint_write_status(self, wait: bool) -> dict[str, Any] | None:
+        """This rank's in-flight checkpoint write (None: none); ``wait`` blocks until it is written."""
+        from dhp.checkpoint.async_state import async_save_status
+
+        return async_save_status(wait=wait)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, path: str) -> bool:
         """Load model+optimizer (resharding if the plan changed); True if this rank's RNG was restored."""
         from pathlib import Path

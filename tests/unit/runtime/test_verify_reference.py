@@ -103,3 +103,27 @@ def test_verify_refuses_bf16() -> None:
     with pytest.raises(ConfigError) as e:
         check_verifiable(cfg)
     assert "model.dtype" in str(e.value) and "modules.llm.mixed_precision" in str(e.value)
+
+
+def test_report_holds_grad_norm_and_parameters_after_the_update() -> None:
+    ok = StepDiff(1, 2.0, 2.0, 1.0, 1.0 + 5e-6, {"llm": 0.0}, {"llm": "w"}, {"llm": 5e-5}, {"llm": "w"})
+    bad_norm = StepDiff(2, 2.0, 2.0, 1.0, 1.0 + 5e-5, {"llm": 0.0}, {"llm": "w"}, {"llm": 0.0}, {"llm": "w"})
+    bad_param = StepDiff(3, 2.0, 2.0, 1.0, 1.0, {"llm": 0.0}, {"llm": "w"}, {"llm": 2e-4}, {"llm": "w"})
+    missing = StepDiff(4, 2.0, 2.0, 1.0, 1.0, {"llm": 0.0}, {"llm": "w"}, {"llm": math.inf}, {"llm": "v"})
+    assert VerifyReport(steps=[ok]).passed
+    assert not VerifyReport(steps=[bad_norm]).passed
+    assert not VerifyReport(steps=[bad_param]).passed
+    assert not VerifyReport(steps=[missing]).passed  # a parameter on one side only
+
+
+def test_reference_params_match_the_plan_keys_and_move_with_the_step() -> None:
+    cfg, loader, init = _setup([])
+    ref = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    before = ref.params()
+    assert {m: set(v) for m, v in before.items()} == {m: set(v) for m, v in init.items()}
+    diffs, _ = compare_grads(before, init)
+    assert diffs == {"vision": 0.0, "llm": 0.0}
+    before = {m: {k: v.clone() for k, v in sd.items()} for m, sd in before.items()}
+    ref.step(next(loader), lr=1e-3)
+    diffs, _ = compare_grads(ref.params(), before)
+    assert all(d > 0 for d in diffs.values())  # the update moved both modules
