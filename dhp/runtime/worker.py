@@ -232,10 +232,10 @@ class ModuleWorker(DistWorker):
         t0, wall = time.perf_counter(), time.time()
         group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))  # the replica's other ranks
         reads = not self.channel.leader_only or _is_root(group)
-        arrived = {p: [None if ref is None else ref for ref in refs] for p, refs in inbox.items()}
-        flat = [ref for refs in arrived.values() for ref in refs if ref is not None]
-        values = iter(ray.get(flat) if reads else [])
-        got = {p: [None if ref is None else next(values) for ref in refs] for p, refs in arrived.items()}
+        # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
+        flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
+        values = iter(ray.get(flat))
+        got = {p: [None if ref is None or not reads else next(values) for ref in refs] for p, refs in inbox.items()}
         wait, wall = time.perf_counter() - t0, time.time()  # the event starts after its inputs arrived
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
