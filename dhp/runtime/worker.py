@@ -235,7 +235,10 @@ class ModuleWorker(DistWorker):
         # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
         flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
         values = iter(ray.get(flat))
-        got = {p: [None if ref is None or not reads else next(values) for ref in refs] for p, refs in inbox.items()}
+        got = {
+            p: [None if ref is None or not reads else next(values) for ref in refs]
+            for p, refs in inbox.items()
+        }
         wait, wall = time.perf_counter() - t0, time.time()  # the event starts after its inputs arrived
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
