@@ -118,6 +118,13 @@ def arch_issues(
                    f"{len(levels)} DeepStack levels but the LLM has {llm['num_layers']} layers (one level per layer)",
                    "use at most llm.num_layers levels")
         )  # fmt: skip
+    if "fullatt_block_indexes" in vision and list(vision["fullatt_block_indexes"]) != list(
+        range(vision["depth"])
+    ):
+        issues.append(
+            _issue("model.vision.fullatt_block_indexes", list(vision["fullatt_block_indexes"]),
+                   "Qwen3-VL has full attention in every encoder block", f"list all blocks: 0..{vision['depth'] - 1}")
+        )  # fmt: skip
     if vision["hidden_size"] % vision["num_heads"]:
         issues.append(
             _issue("model.vision.num_heads", vision["num_heads"],

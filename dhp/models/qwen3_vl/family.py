@@ -36,6 +36,7 @@ from dhp.models.qwen3_vl.arch import (
     build_hf_config,
     torch_dtype,
 )
+from dhp.models.qwen3_vl.counts import Counts, Geometry, block_counts, geometry, largest_param, module_counts
 from dhp.models.qwen3_vl.modules import IMAGE_EMBEDS, LLMModule, VisionModule, deepstack_kwarg
 
 IMAGE_TOKENS = "image_tokens"  # hand-off layout: one row per merged image token, micro-batch order
@@ -79,6 +80,23 @@ class Qwen3VLFamily:
     def handoff_width(self, hf_config: Qwen3VLConfig) -> int:
         """Columns of every edge: the LLM hidden size (the mergers' ``out_hidden_size``)."""
         return hf_config.vision_config.out_hidden_size
+
+    # --- planner counts (from the schema's numbers; no module is built) ------------------------
+    def module_params(self, name: str, model_cfg: Any) -> Counts:
+        """Parameters of module ``name``, split into TP-sharded and TP-replicated."""
+        return module_counts(name, self.hf_config(model_cfg))
+
+    def layer_params(self, name: str, model_cfg: Any) -> Counts:
+        """Parameters of one block of module ``name`` (the FSDP unit)."""
+        return block_counts(name, self.hf_config(model_cfg))
+
+    def largest_param(self, name: str, model_cfg: Any) -> int:
+        """Elements of module ``name``'s largest parameter tensor."""
+        return largest_param(name, self.hf_config(model_cfg))
+
+    def layer_shape(self, name: str, model_cfg: Any) -> Geometry:
+        """Block geometry of module ``name`` (hidden, MLP, q/kv widths, heads, head_dim, layers)."""
+        return geometry(name, self.hf_config(model_cfg))
 
     # --- configs -------------------------------------------------------------------------------
     def validate_arch(self, model_cfg: Any) -> list[ConfigIssue]:
