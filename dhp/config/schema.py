@@ -11,13 +11,18 @@ Units: sizes in tokens/patches, memory in GiB (float) in YAML, bytes inside the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
 
 @dataclass
 class VisionArch:
-    """Architecture of the Qwen2.5-VL vision encoder (incl. the patch merger)."""
+    """Architecture numbers of the vision encoder (incl. the patch merger) that most families share.
+
+    The defaults are one published encoder's; the model family says which fields it reads and
+    validates them (``dhp.models.arch.FamilyArch.validate``), family-only numbers go into ``extra``.
+    """
 
     depth: int = 32
     hidden_size: int = 1280
@@ -29,11 +34,17 @@ class VisionArch:
     window_size: int = 112
     in_channels: int = 3
     fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    # numbers only this model family has (any keys); the family validates them (dhp.models.arch)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class LLMArch:
-    """Architecture of the language model (embeddings, decoder layers, norm, lm_head)."""
+    """Architecture numbers of the language model (embeddings, decoder layers, norm, lm_head).
+
+    Validated by the model family (``dhp.models.arch.FamilyArch.validate``); family-only numbers go
+    into ``extra``.
+    """
 
     hidden_size: int = MISSING
     num_layers: int = MISSING
@@ -46,6 +57,8 @@ class LLMArch:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 128000
     mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    # numbers only this model family has (any keys); the family validates them (dhp.models.arch)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,7 +84,7 @@ class ModelConfig:
     """
 
     name: str = MISSING
-    family: str = "qwen2_5_vl"
+    family: str = MISSING  # a folder of dhp/models (dhp.models.registry.family_names())
     path: str | None = None
     dtype: str = "bfloat16"  # parameter/compute dtype of the model: float32 | bfloat16
     attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager

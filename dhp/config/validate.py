@@ -14,7 +14,6 @@ from dhp.config.constants import (
     ATTN_IMPLEMENTATIONS,
     DEVICES,
     DTYPES,
-    FAMILIES,
     MIXED_PRECISIONS,
     MODULE_NAMES,
     REQUIRED_MODULES,
@@ -25,6 +24,7 @@ from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.models.registry import family_names, get_arch
 
 
 def _missing(cfg: DictConfig, issues: Issues) -> set[str]:
@@ -52,7 +52,7 @@ def _missing(cfg: DictConfig, issues: Issues) -> set[str]:
 
 
 def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
-    issues.one_of(model.family, "model.family", FAMILIES)
+    issues.one_of(model.family, "model.family", tuple(family_names()))
     issues.one_of(model.dtype, "model.dtype", DTYPES)
     if issues.one_of(model.attn_implementation, "model.attn_implementation", ATTN_IMPLEMENTATIONS):
         issues.check(
@@ -62,82 +62,8 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
             "flash_attention_2 needs CUDA but cluster.device is cpu",
             "use model.attn_implementation=sdpa on CPU",
         )
-    _validate_vision_arch(model.vision, issues)
-    _validate_llm_arch(model.llm, issues)
-
-
-_VISION_SIZES = [
-    "depth",
-    "hidden_size",
-    "num_heads",
-    "intermediate_size",
-    "patch_size",
-    "spatial_merge_size",
-    "temporal_patch_size",
-    "window_size",
-    "in_channels",
-]
-
-
-def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
-    issues.positive(v, "model.vision", _VISION_SIZES)
-    if v.num_heads > 0:
-        issues.check(
-            v.hidden_size % v.num_heads == 0,
-            "model.vision.hidden_size",
-            v.hidden_size,
-            f"must be divisible by model.vision.num_heads={v.num_heads}",
-            "pick a head count that divides the hidden size",
-        )
-    unit = v.patch_size * v.spatial_merge_size
-    if unit > 0:
-        issues.check(
-            v.window_size % unit == 0,
-            "model.vision.window_size",
-            v.window_size,
-            f"must be a multiple of patch_size*spatial_merge_size={unit}",
-            f"use a multiple of {unit}",
-        )
-    bad = [i for i in v.fullatt_block_indexes if not 0 <= i < v.depth]
-    issues.check(
-        not bad,
-        "model.vision.fullatt_block_indexes",
-        list(v.fullatt_block_indexes),
-        f"indexes {bad} outside [0, depth={v.depth})",
-        "list block indexes smaller than model.vision.depth",
-    )
-
-
-def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
-    issues.positive(
-        lm,
-        "model.llm",
-        ["hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"],
-    )
-    if lm.num_heads > 0 and lm.num_kv_heads > 0:
-        ok_h = issues.check(
-            lm.hidden_size % lm.num_heads == 0,
-            "model.llm.hidden_size",
-            lm.hidden_size,
-            f"must be divisible by model.llm.num_heads={lm.num_heads}",
-            "pick a head count that divides the hidden size",
-        )
-        issues.check(
-            lm.num_heads % lm.num_kv_heads == 0,
-            "model.llm.num_kv_heads",
-            lm.num_kv_heads,
-            f"must divide model.llm.num_heads={lm.num_heads} (grouped-query attention)",
-            "pick a KV head count that divides the head count",
-        )
-        if ok_h:
-            half = lm.hidden_size // lm.num_heads // 2
-            issues.check(
-                sum(lm.mrope_section) == half,
-                "model.llm.mrope_section",
-                list(lm.mrope_section),
-                f"must sum to head_dim/2 = {half}",
-                "use the published [16, 24, 24] for head_dim 128",
-            )
+    if model.family in family_names():  # the family validates its own architecture numbers
+        get_arch(model.family).validate(model, issues)
 
 
 def _validate_cluster(cluster: DictConfig, issues: Issues) -> None:

@@ -1,30 +1,37 @@
-"""Model families as module graphs (see ``family.py``); no parallelism code lives here."""
+"""Model families as module graphs (see ``family.py``, ``registry.py``); no parallelism code lives here.
 
-from dhp.models.family import HandOff, LLMOutput, ModelFamily, family_names, get_family, register_family
-from dhp.models.qwen2_5_vl import TINY_TOKENS, LLMModule, Qwen25VLFamily, VisionModule
+Importing ``dhp.models`` loads nothing heavy: ``registry`` and each family's ``arch.py`` are
+torch-free (the planner uses them); the names below are imported on first use.
+"""
 
-register_family(Qwen25VLFamily.name, Qwen25VLFamily)
+from __future__ import annotations
 
-from dhp.models.loading import LoadReport, build_and_load, checkpoint_index, load_module_weights  # noqa: E402
-from dhp.models.qwen2_5_vl.processor import Qwen2_5_VLImageTextProcessor, load_processor  # noqa: E402
-from dhp.models.tiny import make_tiny_checkpoint  # noqa: E402
+import importlib
+from typing import Any
 
-__all__ = [
-    "TINY_TOKENS",
-    "HandOff",
-    "LLMModule",
-    "LLMOutput",
-    "LoadReport",
-    "ModelFamily",
-    "Qwen2_5_VLImageTextProcessor",
-    "Qwen25VLFamily",
-    "VisionModule",
-    "build_and_load",
-    "checkpoint_index",
-    "family_names",
-    "get_family",
-    "load_module_weights",
-    "load_processor",
-    "make_tiny_checkpoint",
-    "register_family",
-]
+from dhp.models.registry import family_names, get_arch, get_family, register_family
+
+_LAZY = {
+    "HandOff": "dhp.models.family",
+    "LLMOutput": "dhp.models.family",
+    "ModelFamily": "dhp.models.family",
+    "TINY_TOKENS": "dhp.models.qwen2_5_vl.family",
+    "Qwen25VLFamily": "dhp.models.qwen2_5_vl.family",
+    "LLMModule": "dhp.models.qwen2_5_vl.modules",
+    "VisionModule": "dhp.models.qwen2_5_vl.modules",
+    "LoadReport": "dhp.models.loading",
+    "build_and_load": "dhp.models.loading",
+    "checkpoint_index": "dhp.models.loading",
+    "load_module_weights": "dhp.models.loading",
+    "Qwen2_5_VLImageTextProcessor": "dhp.models.qwen2_5_vl.processor",
+    "load_processor": "dhp.models.qwen2_5_vl.processor",
+    "make_tiny_checkpoint": "dhp.models.tiny",
+}
+
+__all__ = sorted([*_LAZY, "family_names", "get_arch", "get_family", "register_family"])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -5,36 +5,38 @@ hand-offs between them (what tensor flows from which producer to which consumer)
 module is built alone (meta device first) and fed its own checkpoint tensors. Nothing here knows
 about parallelism: ``dhp/parallel`` wraps the modules a family builds.
 
-Shape of a family (see :class:`ModelFamily`):
+Shape of a family (see :class:`ModelFamily`; docs/INTERFACES.md "Module graph"):
 
-- graph: ``module_names`` (producers first) and ``handoffs`` (``HandOff(producer, consumer,
-  kwarg, layout)``); the consumer takes the tensor as a keyword argument and its backward yields
-  the gradient the producer backpropagates;
+- graph: ``module_names`` (producers first) and ``handoffs_for(hf_config)`` (``HandOff(producer,
+  consumer, kwarg, layout, width, grad)``); a producer's forward returns ``{kwarg: tensor}``, the
+  consumer takes each tensor as a keyword argument and its backward yields the gradients the
+  producer backpropagates;
+- producer inputs: ``shard_inputs`` (the SP cut), ``tokens_per_image``, ``blank_image``;
+- parallel: ``parallel_plan(name, hf_config)`` (TP styles by FQN, attention sites for SP, blocks);
 - configs: ``hf_config(model_cfg)`` from the schema, ``hf_config_from_dir(path)`` from a HF
   directory, ``tiny_model_config()`` for tests, ``modules_for(hf_config)``;
 - modules: ``build_module(name, hf_config, device=, dtype=)`` (meta allocates nothing),
   ``init_buffers`` (non-persistent buffers after ``to_empty``), ``tied_parameters`` / ``tie``;
 - checkpoint: ``checkpoint_owner(key) -> (module, fqn)``; ``dhp.models.loading`` does the rest
   (only this module's keys are read, missing/unexpected keys are listed);
-- reference: ``reference_model(hf_config)`` and ``split_state_dict`` for parity.
+- reference: ``reference_model(hf_config)`` and ``split_state_dict`` for parity and HF export;
+- data: ``token_strings()``, ``load_image_processor(...)``.
 
-A second family (say LLaVA-OneVision) is one more class with these members, registered with
-:func:`register_family`; its modules wrap the transformers classes as ``VisionModule`` /
-``LLMModule`` do. An audio encoder is one more module name (``audio``) and one more hand-off
+A family is a folder ``dhp/models/<name>/`` with ``family.py`` (``FAMILY``) and a torch-free
+``arch.py`` (``ARCH``, see ``dhp.models.arch``); ``dhp.models.registry`` finds it by its folder.
+An audio encoder is one more module name (``audio``) and one more hand-off
 (``HandOff("audio", "llm", "audio_embeds", ...)``); the LLM module takes ``audio_embeds`` and
-places them at its audio-token positions. The runtime walks ``module_names`` and ``handoffs``.
+places them at its audio-token positions. The runtime walks ``module_names`` and the edges.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-
-from dhp.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -42,19 +44,85 @@ if TYPE_CHECKING:
     from dhp.config.schema import ModelConfig
 
 
+#: hand-off layouts the runtime can route. ``image_tokens``: one row per merged image token, rows in the
+#: micro-batch's image-token order (image after image); the consumer places row i at the i-th image token.
+LAYOUTS = ("image_tokens",)
+
+
 @dataclass(frozen=True)
 class HandOff:
-    """One edge of the module graph: ``producer`` emits ``tensor``, ``consumer`` takes it as ``kwarg``.
+    """One edge of the module graph: ``producer`` emits a ``(rows, width)`` tensor that ``consumer``
+    takes as keyword argument ``kwarg``.
 
-    ``layout`` says how rows are ordered and where the consumer places them (the runtime moves the
-    rows; the consumer places them). The backward edge is implied: the consumer returns the
-    gradient w.r.t. this tensor and the producer backpropagates it.
+    ``layout`` (one of :data:`LAYOUTS`) says how rows are ordered; the runtime moves the rows, the
+    consumer places them. ``grad``: the consumer returns the gradient w.r.t. this tensor and the
+    producer backpropagates it. Edges of one (producer, consumer, layout) travel as one payload.
     """
 
     producer: str
     consumer: str
     kwarg: str
     layout: str
+    width: int
+    grad: bool = True
+
+
+@runtime_checkable
+class ProducerShard(Protocol):
+    """One SP rank's part of a producer's input for one micro-batch (a picklable dataclass).
+
+    ``token_index``: ascending layout rows this rank outputs; ``num_tokens``: layout rows of the whole
+    input; ``forward_kwargs()``: the producer module's forward takes exactly these.
+    """
+
+    sp_size: int
+    token_index: torch.Tensor
+    num_tokens: int
+
+    @property
+    def num_patches(self) -> int: ...
+
+    def forward_kwargs(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """Where attention sits in a module, for Ulysses SP applied from outside (``dhp.parallel.ulysses``).
+
+    ``modules``: FQN glob of attention modules that attend over the whole sequence; ``qkv``: their child
+    Linear whose output is ``(L, 3*H*d)`` laid out (3, H, d); ``out``: the child Linear that takes
+    ``(L, H*d)``; ``heads``: the head-count attribute (set to H/sp while sharded by heads).
+    """
+
+    modules: str
+    qkv: str = "qkv"
+    out: str = "proj"
+    heads: str = "num_heads"
+
+
+@dataclass(frozen=True)
+class ModuleParallelPlan:
+    """What ``dhp.parallel.parallelize`` needs to know about one module of a family (data only).
+
+    ``blocks``: FQN globs of the repeated blocks (FSDP units). ``tp(sequence_parallel)``: ``{FQN glob:
+    DTensor style}``, None: no TP. ``tp_divides``: ``{what: size}`` every tp degree must divide.
+    ``tp_heads``: FQN globs of attention modules whose ``num_heads`` becomes H/tp. ``tp_sequence_parallel``:
+    Megatron SP inside TP is supported. ``sp``: attention sites for Ulysses SP (empty: no SP).
+    ``sp_divides``: sizes every sp degree must divide. ``loss``: the module has ``loss_fn`` (swapped for
+    the chunked / vocab-parallel loss). ``tied``: ``{fqn: source_fqn}`` re-shared after TP.
+    ``pad_token_id``: pads token inputs to a multiple of tp under sequence parallelism.
+    """
+
+    blocks: tuple[str, ...]
+    tp: Callable[[bool], Mapping[str, Any]] | None = None
+    tp_divides: Mapping[str, int] = field(default_factory=dict)
+    tp_heads: tuple[str, ...] = ()
+    tp_sequence_parallel: bool = False
+    sp: tuple[AttentionSite, ...] = ()
+    sp_divides: Mapping[str, int] = field(default_factory=dict)
+    loss: bool = False
+    tied: Mapping[str, str] = field(default_factory=dict)
+    pad_token_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +143,43 @@ class ModelFamily(Protocol):
 
     name: str
     module_names: tuple[str, ...]  # producers before consumers
-    handoffs: tuple[HandOff, ...]
+
+    def handoffs_for(self, hf_config: PretrainedConfig) -> tuple[HandOff, ...]:
+        """The graph's edges for this config (widths from it); the runtime walks these, naming none."""
+        ...
+
+    def shard_inputs(
+        self,
+        name: str,
+        hf_config: PretrainedConfig,
+        *,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor,
+        sp_size: int,
+    ) -> list[ProducerShard]:
+        """Cut one micro-batch's images for producer ``name`` over ``sp_size`` SP ranks (pure; every
+        rank gets a shard, possibly without rows)."""
+        ...
+
+    def tokens_per_image(self, hf_config: PretrainedConfig, image_grid_thw: torch.Tensor) -> list[int]:
+        """Rows of the ``image_tokens`` layout per image."""
+        ...
+
+    def blank_image(self, hf_config: PretrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values, image_grid_thw)`` of the smallest valid image (FSDP replicas without images)."""
+        ...
+
+    def parallel_plan(self, name: str, hf_config: PretrainedConfig) -> ModuleParallelPlan:
+        """TP styles by FQN, attention sites for SP, FSDP blocks, loss, ties of module ``name``."""
+        ...
+
+    def token_strings(self) -> dict[str, str]:
+        """``SpecialTokens`` field -> token text in the tokenizer (``image_token_id`` -> ``<|image_pad|>``)."""
+        ...
+
+    def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
+        """The image processor of ``model_path`` (``merge_size``, ``get_number_of_image_patches``, call)."""
+        ...
 
     def hf_config(self, model_cfg: ModelConfig) -> PretrainedConfig:
         """The transformers config for the schema's architecture numbers, dtype and attention."""
@@ -124,30 +228,7 @@ class ModelFamily(Protocol):
         ...
 
 
-_REGISTRY: dict[str, Callable[[], ModelFamily]] = {}
+# Lookup by name lives in dhp.models.registry (torch-free); re-exported here for old imports.
+from dhp.models.registry import family_names, get_family, register_family  # noqa: E402
 
-
-def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
-    """Make ``get_family(name)`` return ``factory()``."""
-    _REGISTRY[name] = factory
-
-
-def family_names() -> Iterable[str]:
-    """Registered family names, sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_family(name: str) -> ModelFamily:
-    """The registered family ``name``; a ConfigError lists the known ones otherwise."""
-    if name not in _REGISTRY:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    path="model.family",
-                    value=name,
-                    rule=f"unknown model family; known: {', '.join(family_names())}",
-                    fix="set model.family to one of the known families",
-                )
-            ]
-        )
-    return _REGISTRY[name]()
+__all__ = ["HandOff", "LLMOutput", "ModelFamily", "family_names", "get_family", "register_family"]

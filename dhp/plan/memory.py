@@ -58,9 +58,8 @@ from dhp.plan.params import (
     ParamCount,
     largest_param,
     layer_params,
-    llm_layer,
+    layer_shape,
     module_params,
-    vision_layer,
 )
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
@@ -254,7 +253,7 @@ def module_shape(
     name: str, *, model: DictConfig, module: DictConfig, micro_batch: int, image_patches: int = 0
 ) -> ModuleShape:
     """Collect the sizes of module ``name`` that the estimate reads."""
-    layer = vision_layer(model.vision) if name == "vision" else llm_layer(model.llm)
+    layer = layer_shape(name, model)
     par = module.parallel
     tokens = micro_batch * module.seq_len
     chunk = int(module.loss_chunk_tokens) if "loss_chunk_tokens" in module else 0

@@ -1,6 +1,27 @@
-"""Qwen2.5-VL as a module graph: ``vision`` -> ``image_embeds`` -> ``llm``."""
+"""Qwen2.5-VL as a module graph: ``vision`` -> ``image_embeds`` -> ``llm``.
 
-from dhp.models.qwen2_5_vl.family import TINY_TOKENS, Qwen25VLFamily
-from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule, mrope_positions, shifted_ce_sum
+Importing this package loads nothing heavy (the planner reads ``arch.py`` without torch); the names
+below are imported on first use.
+"""
 
-__all__ = ["TINY_TOKENS", "LLMModule", "Qwen25VLFamily", "VisionModule", "mrope_positions", "shifted_ce_sum"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "TINY_TOKENS": "dhp.models.qwen2_5_vl.family",
+    "Qwen25VLFamily": "dhp.models.qwen2_5_vl.family",
+    "LLMModule": "dhp.models.qwen2_5_vl.modules",
+    "VisionModule": "dhp.models.qwen2_5_vl.modules",
+    "mrope_positions": "dhp.models.qwen2_5_vl.modules",
+    "shifted_ce_sum": "dhp.models.qwen2_5_vl.modules",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,10 +26,20 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 
 from dhp.config.schema import LLMArch, ModelConfig, SpecialTokens, VisionArch
 from dhp.errors import CheckpointError, ConfigError, ConfigIssue
-from dhp.models.family import HandOff
+from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
+from dhp.models.family import AttentionSite, HandOff, ModuleParallelPlan
 from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
+from dhp.parallel.llm_tp import llm_tp_plan
+from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
+from dhp.parallel.vision_tp import vision_tp_plan
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``SpecialTokens`` field -> the token's text in Qwen's tokenizers
+TOKEN_STRINGS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
 
 # Special token ids of the tiny tokenizer written by make_tiny_checkpoint (specials come first).
 TINY_TOKENS = SpecialTokens(
@@ -40,19 +51,6 @@ TINY_TOKENS = SpecialTokens(
     eos_token_id=2,
     pad_token_id=0,
 )
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a ConfigError for anything else unknown."""
-    if name not in DTYPES:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "model.dtype", name, f"unknown dtype; known: {sorted(DTYPES)}", "use float32 or bfloat16"
-                )
-            ]
-        )
-    return DTYPES[name]
 
 
 def _text_only_config(raw: dict) -> Qwen2_5_VLTextConfig:
@@ -73,15 +71,78 @@ class Qwen25VLFamily:
 
     name = "qwen2_5_vl"
     module_names = ("vision", "llm")
-    handoffs = (
-        HandOff(
-            producer="vision",
-            consumer="llm",
-            kwarg="image_embeds",
-            layout="(N_image_tokens, llm_hidden): all images of the micro-batch in order, each in "
-            "original (row-major merged-patch) order; placed at the <|image_pad|> positions",
-        ),
-    )
+
+    def handoffs_for(self, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> tuple[HandOff, ...]:
+        """One edge: the merger's output rows, placed at the ``<|image_pad|>`` positions (none text-only)."""
+        if not isinstance(hf_config, Qwen2_5_VLConfig):
+            return ()
+        width = hf_config.vision_config.out_hidden_size
+        return (HandOff("vision", "llm", "image_embeds", "image_tokens", width=width, grad=True),)
+
+    # --- producer inputs (driver side, pure) ---------------------------------------------------
+    def shard_inputs(
+        self,
+        name: str,
+        hf_config: Qwen2_5_VLConfig,
+        *,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor,
+        sp_size: int,
+    ) -> list[VisionShard]:
+        """Window-aligned SP cut of one micro-batch's patches (``sp_shard.shard_vision_batch``)."""
+        return shard_vision_batch(pixel_values, image_grid_thw, sp_size=sp_size, arch=hf_config.vision_config)
+
+    def tokens_per_image(self, hf_config: Qwen2_5_VLConfig, image_grid_thw: torch.Tensor) -> list[int]:
+        """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
+        merge = hf_config.vision_config.spatial_merge_size ** 2
+        return [int(g.prod()) // merge for g in image_grid_thw]
+
+    def blank_image(self, hf_config: Qwen2_5_VLConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
+        v = hf_config.vision_config
+        m = v.spatial_merge_size
+        return torch.zeros(m * m, v.in_channels * v.temporal_patch_size * v.patch_size**2), torch.tensor([[1, m, m]])
+
+    # --- parallel plans -------------------------------------------------------------------------
+    def parallel_plan(self, name: str, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> ModuleParallelPlan:
+        """Encoder: TP by FQN (fused qkv), Ulysses SP on the full-attention blocks only (window blocks
+        stay local). LLM: the decoder TP plan (with sequence parallelism inside TP) and the loss."""
+        if name == "vision":
+            v = hf_config.vision_config
+            return ModuleParallelPlan(
+                blocks=("visual.blocks.*",),
+                tp=lambda sequence_parallel: vision_tp_plan(),
+                tp_divides={"vision num_heads": v.num_heads, "merger hidden": v.hidden_size * v.spatial_merge_size**2},
+                tp_heads=("visual.blocks.*.attn",),
+                sp=tuple(AttentionSite(f"visual.blocks.{i}.attn") for i in v.fullatt_block_indexes),
+                sp_divides={"vision num_heads": v.num_heads},
+            )
+        text = hf_config.text_config if isinstance(hf_config, Qwen2_5_VLConfig) else hf_config
+        return ModuleParallelPlan(
+            blocks=("language_model.layers.*",),
+            tp=lambda sequence_parallel: llm_tp_plan(sequence_parallel=sequence_parallel),
+            tp_divides={
+                "num_attention_heads": text.num_attention_heads,
+                "num_key_value_heads": text.num_key_value_heads,
+                "vocab_size": text.vocab_size,
+                "intermediate_size": text.intermediate_size,
+            },
+            tp_sequence_parallel=True,
+            loss=True,
+            tied=self.tied_parameters(name, hf_config),
+            pad_token_id=text.pad_token_id if text.pad_token_id is not None else 0,
+        )
+
+    # --- data glue -----------------------------------------------------------------------------
+    def token_strings(self) -> dict[str, str]:
+        """The tokenizer's text of the special tokens the graph relies on."""
+        return dict(TOKEN_STRINGS)
+
+    def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
+        """transformers' Qwen2-VL PIL image processor from ``preprocessor_config.json`` (no torchvision)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil.from_pretrained(model_path, min_pixels=min_pixels, max_pixels=max_pixels)
 
     # --- configs -------------------------------------------------------------------------------
     def hf_config(self, model_cfg: ModelConfig) -> Qwen2_5_VLConfig:
@@ -306,3 +367,4 @@ class Qwen25VLFamily:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
         cfg = copy.deepcopy(hf_config)
         return Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)
+FAMILY = Qwen25VLFamily

@@ -27,11 +27,12 @@ def hf_config(family):
     return family.hf_config(family.tiny_model_config())
 
 
-def test_family_satisfies_protocol_and_graph(family):
+def test_family_satisfies_protocol_and_graph(family, hf_config):
     assert isinstance(family, ModelFamily)
     assert family.module_names == ("vision", "llm")
-    (edge,) = family.handoffs
-    assert (edge.producer, edge.consumer, edge.kwarg) == ("vision", "llm", "image_embeds")
+    (edge,) = family.handoffs_for(hf_config)
+    assert (edge.producer, edge.consumer, edge.kwarg, edge.layout) == ("vision", "llm", "image_embeds", "image_tokens")
+    assert (edge.width, edge.grad) == (hf_config.text_config.hidden_size, True)
 
 
 def test_unknown_family_is_a_config_error():

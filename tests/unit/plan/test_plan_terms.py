@@ -24,6 +24,7 @@ pytestmark = pytest.mark.unit
 # LLM: h=8, m=16, 2 heads of 4 (kv=4 with 1 KV head), 2 layers, vocab 32.
 MODEL = OmegaConf.create(
     {
+        "family": "qwen2_5_vl",
         "dtype": "float32",
         "attn_implementation": "sdpa",
         "vision": {

@@ -1,0 +1,62 @@
+"""Model families by name, found on disk: ``dhp/models/<name>/family.py`` makes ``<name>`` a family.
+
+Torch-free: listing families and reading a family's ``arch.py`` (geometry, parameter counts) import
+no torch, so the planner and config validation stay pure. :func:`get_family` imports the family's
+``family.py`` (torch, transformers) only when asked.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dhp.errors import ConfigError, ConfigIssue
+
+if TYPE_CHECKING:
+    from dhp.models.arch import FamilyArch
+    from dhp.models.family import ModelFamily
+
+_HERE = Path(__file__).resolve().parent
+_EXTRA: dict[str, Callable[[], Any]] = {}  # families registered by hand (tests)
+
+
+def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
+    """Make ``get_family(name)`` return ``factory()`` (a family that is not a folder here)."""
+    _EXTRA[name] = factory
+
+
+def family_names() -> list[str]:
+    """Every family: the folders of ``dhp/models`` that have a ``family.py``, and hand-registered ones."""
+    found = {p.parent.name for p in _HERE.glob("*/family.py")}
+    return sorted(found | set(_EXTRA))
+
+
+def _unknown(name: str) -> ConfigError:
+    return ConfigError(
+        [
+            ConfigIssue(
+                path="model.family",
+                value=name,
+                rule=f"unknown model family; known: {', '.join(family_names())}",
+                fix="set model.family to one of the known families",
+            )
+        ]
+    )
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family ``name`` (``dhp.models.<name>.family.FAMILY()``); ConfigError listing the known ones."""
+    if name in _EXTRA:
+        return _EXTRA[name]()
+    if name not in family_names():
+        raise _unknown(name)
+    return importlib.import_module(f"dhp.models.{name}.family").FAMILY()
+
+
+def get_arch(name: str) -> FamilyArch:
+    """The family's pure architecture object (``dhp.models.<name>.arch.ARCH``), no torch imported."""
+    if name not in family_names() or name in _EXTRA:
+        raise _unknown(name)
+    return importlib.import_module(f"dhp.models.{name}.arch").ARCH
