@@ -2,8 +2,8 @@
 
 Edges: ``image_embeds`` (placed at the image tokens of the input embeddings) and one edge per DeepStack
 level, ``deepstack_embeds_k`` (added to the hidden states at the image tokens after decoder layer k).
-All have one row per image token in the micro-batch's image-token order, width = LLM hidden size, and
-carry a gradient back to the encoder.
+All are layout ``image_tokens`` (one row per merged image token, micro-batch order), width = the LLM
+hidden size, and carry a gradient back to the encoder.
 
 Checkpoint layout (transformers >= 4.57 / 5.x, as released): ``model.visual.*``,
 ``model.language_model.*``, ``lm_head.*``.
@@ -25,21 +25,19 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
 
+from dhp.config.issues import Issues
+from dhp.config.schema import LLMArch, ModelConfig, VisionArch
 from dhp.errors import CheckpointError, ConfigError, ConfigIssue
-from dhp.models.family import HandOff
-from dhp.models.qwen2_5_vl.family import TINY_TOKENS
-from dhp.models.qwen3_vl.arch import (
-    TINY_ARCH,
-    TINY_LLM,
-    TINY_VISION,
-    arch_issues,
-    build_hf_config,
-    torch_dtype,
-)
-from dhp.models.qwen3_vl.counts import Counts, Geometry, block_counts, geometry, largest_param, module_counts
+from dhp.models.dtypes import torch_dtype
+from dhp.models.family import AttentionSite, HandOff, ModuleParallelPlan
+from dhp.models.qwen2_5_vl.family import TINY_TOKENS, TOKEN_STRINGS
+from dhp.models.qwen3_vl.arch import TINY_LLM, TINY_VISION, numbers, validate
+from dhp.models.qwen3_vl.config import build_hf_config
 from dhp.models.qwen3_vl.modules import IMAGE_EMBEDS, LLMModule, VisionModule, deepstack_kwarg
+from dhp.models.qwen3_vl.sp import Qwen3VLShard, shard_images
+from dhp.models.qwen3_vl.tp import llm_plan, vision_tp_plan
 
-IMAGE_TOKENS = "image_tokens"  # hand-off layout: one row per merged image token, micro-batch order
+IMAGE_TOKENS = "image_tokens"
 
 # checkpoint prefix -> (module, module FQN prefix)
 _OWNERS = (
@@ -49,13 +47,9 @@ _OWNERS = (
 )
 
 
-def _as_dict(node: Any) -> dict[str, Any]:
-    """A schema block (dataclass, DictConfig or mapping) as a plain dict."""
-    if dataclasses.is_dataclass(node):
-        return dataclasses.asdict(node)
-    if isinstance(node, DictConfig):
-        return OmegaConf.to_container(node, resolve=True)
-    return dict(node)
+def _plain(model_cfg: Any) -> Any:
+    """A ModelConfig dataclass as a DictConfig (the arch functions read attributes and ``extra`` maps)."""
+    return OmegaConf.structured(model_cfg) if dataclasses.is_dataclass(model_cfg) else model_cfg
 
 
 class Qwen3VLFamily:
@@ -65,65 +59,120 @@ class Qwen3VLFamily:
     module_names = ("vision", "llm")
 
     # --- graph ---------------------------------------------------------------------------------
-    def handoff_kwargs(self, hf_config: Qwen3VLConfig) -> tuple[str, ...]:
-        """``("image_embeds", "deepstack_embeds_0", ..., "deepstack_embeds_{K-1}")`` for this config."""
-        levels = len(hf_config.vision_config.deepstack_visual_indexes)
-        return (IMAGE_EMBEDS, *(deepstack_kwarg(k) for k in range(levels)))
-
     def handoffs_for(self, hf_config: Qwen3VLConfig) -> tuple[HandOff, ...]:
-        """One vision -> llm edge per kwarg, all layout ``image_tokens``, rows (N_image_tokens, llm hidden)."""
+        """``image_embeds`` then ``deepstack_embeds_0 .. K-1``: vision -> llm, ``image_tokens``, LLM width."""
+        width = hf_config.vision_config.out_hidden_size
+        levels = len(hf_config.vision_config.deepstack_visual_indexes)
+        kwargs = (IMAGE_EMBEDS, *(deepstack_kwarg(k) for k in range(levels)))
         return tuple(
-            HandOff(producer="vision", consumer="llm", kwarg=kwarg, layout=IMAGE_TOKENS)
-            for kwarg in self.handoff_kwargs(hf_config)
+            HandOff("vision", "llm", kwarg, IMAGE_TOKENS, width=width, grad=True) for kwarg in kwargs
         )
 
-    def handoff_width(self, hf_config: Qwen3VLConfig) -> int:
-        """Columns of every edge: the LLM hidden size (the mergers' ``out_hidden_size``)."""
-        return hf_config.vision_config.out_hidden_size
+    # --- producer inputs (driver side, pure) ---------------------------------------------------
+    def shard_inputs(
+        self,
+        name: str,
+        hf_config: Qwen3VLConfig,
+        *,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor,
+        sp_size: int,
+    ) -> list[Qwen3VLShard]:
+        """Contiguous, merge-unit-aligned SP cut of one micro-batch's patches (``sp.shard_images``)."""
+        return shard_images(pixel_values, image_grid_thw, sp_size=sp_size, config=hf_config.vision_config)
 
-    # --- planner counts (from the schema's numbers; no module is built) ------------------------
-    def module_params(self, name: str, model_cfg: Any) -> Counts:
-        """Parameters of module ``name``, split into TP-sharded and TP-replicated."""
-        return module_counts(name, self.hf_config(model_cfg))
+    def tokens_per_image(self, hf_config: Qwen3VLConfig, image_grid_thw: torch.Tensor) -> list[int]:
+        """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
+        merge = hf_config.vision_config.spatial_merge_size**2
+        return [int(g.prod()) // merge for g in image_grid_thw]
 
-    def layer_params(self, name: str, model_cfg: Any) -> Counts:
-        """Parameters of one block of module ``name`` (the FSDP unit)."""
-        return block_counts(name, self.hf_config(model_cfg))
+    def blank_image(self, hf_config: Qwen3VLConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
+        v = hf_config.vision_config
+        m = v.spatial_merge_size
+        width = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        return torch.zeros(m * m, width), torch.tensor([[1, m, m]])
 
-    def largest_param(self, name: str, model_cfg: Any) -> int:
-        """Elements of module ``name``'s largest parameter tensor."""
-        return largest_param(name, self.hf_config(model_cfg))
+    # --- parallel plans ------------------------------------------------------------------------
+    def parallel_plan(self, name: str, hf_config: Qwen3VLConfig) -> ModuleParallelPlan:
+        """Encoder: TP by FQN incl. the DeepStack mergers, Ulysses SP on every block's attention.
+        LLM: the decoder TP plan without sequence parallelism (DeepStack, see ``tp.py``) and the loss."""
+        if name == "vision":
+            v = hf_config.vision_config
+            wide = v.hidden_size * v.spatial_merge_size**2
+            return ModuleParallelPlan(
+                blocks=("visual.blocks.*",),
+                tp=lambda sequence_parallel: vision_tp_plan(),
+                tp_divides={"vision num_heads": v.num_heads, "merger hidden": wide},
+                tp_heads=("visual.blocks.*.attn",),
+                sp=(AttentionSite("visual.blocks.*.attn"),),
+                sp_divides={"vision num_heads": v.num_heads},
+            )
+        t = hf_config.text_config
+        return ModuleParallelPlan(
+            blocks=("language_model.layers.*",),
+            tp=llm_plan,
+            tp_divides={
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "vocab_size": t.vocab_size,
+                "intermediate_size": t.intermediate_size,
+            },
+            tp_sequence_parallel=False,
+            loss=True,
+            tied=self.tied_parameters(name, hf_config),
+            pad_token_id=t.pad_token_id if t.pad_token_id is not None else 0,
+        )
 
-    def layer_shape(self, name: str, model_cfg: Any) -> Geometry:
-        """Block geometry of module ``name`` (hidden, MLP, q/kv widths, heads, head_dim, layers)."""
-        return geometry(name, self.hf_config(model_cfg))
+    # --- data glue -----------------------------------------------------------------------------
+    def token_strings(self) -> dict[str, str]:
+        """The tokenizer's text of the special tokens the graph relies on (Qwen3-VL keeps Qwen's)."""
+        return dict(TOKEN_STRINGS)
+
+    def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
+        """transformers' Qwen2-VL PIL image processor (Qwen3-VL ships the same class with patch 16)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil.from_pretrained(
+            model_path, min_pixels=min_pixels, max_pixels=max_pixels
+        )
 
     # --- configs -------------------------------------------------------------------------------
-    def validate_arch(self, model_cfg: Any) -> list[ConfigIssue]:
-        """Every problem with the model block's numbers for this family (empty when valid)."""
-        return arch_issues(_as_dict(model_cfg.vision), _as_dict(model_cfg.llm), _as_dict(model_cfg.arch))
-
     def hf_config(self, model_cfg: Any) -> Qwen3VLConfig:
-        """Build the transformers config from the schema's numbers plus ``model.arch`` (no file is read)."""
+        """The transformers config from the schema's numbers and ``extra`` maps (ConfigError if invalid)."""
+        model = _plain(model_cfg)
+        issues = Issues()
+        validate(model, issues)
+        if issues.items:
+            raise ConfigError(issues.items)
+        tokens = (
+            OmegaConf.to_container(model.tokens) if isinstance(model.tokens, DictConfig) else model.tokens
+        )
         return build_hf_config(
-            vision=_as_dict(model_cfg.vision),
-            llm=_as_dict(model_cfg.llm),
-            arch=_as_dict(model_cfg.arch),
-            tokens=_as_dict(model_cfg.tokens),
-            dtype=torch_dtype(model_cfg.dtype),
-            attn_implementation=model_cfg.attn_implementation,
+            numbers(model),
+            tokens=dict(tokens),
+            dtype=torch_dtype(model.dtype),
+            attn_implementation=model.attn_implementation,
+        )
+
+    def tiny_model_config(self) -> ModelConfig:
+        """The tiny test architecture (same numbers as ``conf/model/tiny_qwen3_vl.yaml``), fp32."""
+        return ModelConfig(
+            name="tiny_qwen3_vl",
+            family=self.name,
+            path=None,
+            dtype="float32",
+            attn_implementation="sdpa",
+            vision=VisionArch(**copy.deepcopy(TINY_VISION)),
+            llm=LLMArch(**copy.deepcopy(TINY_LLM)),
+            tokens=copy.deepcopy(TINY_TOKENS),
         )
 
     def tiny_hf_config(self, *, tie_word_embeddings: bool = False) -> Qwen3VLConfig:
-        """The tiny test architecture (``conf/model/tiny_qwen3_vl.yaml``'s numbers), fp32, sdpa."""
-        return build_hf_config(
-            vision=TINY_VISION,
-            llm={**TINY_LLM, "tie_word_embeddings": tie_word_embeddings},
-            arch=TINY_ARCH,
-            tokens=dataclasses.asdict(TINY_TOKENS),
-            dtype=torch.float32,
-            attn_implementation="sdpa",
-        )
+        """``hf_config(tiny_model_config())``, optionally with tied embeddings."""
+        model_cfg = self.tiny_model_config()
+        model_cfg.llm.tie_word_embeddings = tie_word_embeddings
+        return self.hf_config(model_cfg)
 
     def hf_config_from_dir(self, path: str | Path, *, attn_implementation: str = "sdpa") -> Qwen3VLConfig:
         """Read ``config.json`` of a local HF directory; it must be a ``qwen3_vl`` model."""
@@ -210,7 +259,7 @@ class Qwen3VLFamily:
         if left:
             raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {self.name}")
 
-    # --- checkpoint keys -----------------------------------------------------------------------
+    # --- checkpoint keys and the HF export name map --------------------------------------------
     def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
         """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
         for prefix, module, fqn_prefix in _OWNERS:
@@ -219,7 +268,7 @@ class Qwen3VLFamily:
         return None
 
     def hf_key(self, module: str, fqn: str) -> str:
-        """``(module_name, module_fqn)`` -> the released checkpoint's key (the HF export name map)."""
+        """``(module_name, module_fqn)`` -> the released checkpoint's key (inverse of ``checkpoint_owner``)."""
         for prefix, owner, fqn_prefix in _OWNERS:
             if owner == module and fqn.startswith(fqn_prefix):
                 return prefix + fqn[len(fqn_prefix) :]
@@ -245,3 +294,6 @@ class Qwen3VLFamily:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
         cfg = copy.deepcopy(hf_config)
         return Qwen3VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)
+
+
+FAMILY = Qwen3VLFamily

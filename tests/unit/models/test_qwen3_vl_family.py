@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -10,10 +9,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import dhp.models.qwen3_vl  # noqa: F401  (registers the family)
+from dhp.config.issues import Issues
 from dhp.errors import CheckpointError, ConfigError
-from dhp.models import get_family
-from dhp.models.qwen3_vl.arch import TINY_ARCH, TINY_LLM, TINY_VISION, arch_issues
+from dhp.models import get_arch, get_family
+from dhp.models.qwen3_vl.arch import block_counts, largest, module_counts
+from dhp.models.qwen3_vl.config import numbers_from_hf
 
 pytestmark = pytest.mark.unit
 CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
@@ -61,6 +61,7 @@ def test_qwen3_vl_published_numbers(family, name):
 def test_qwen3_vl_tiny_yaml_is_the_tiny_config(family):
     from_yaml = family.hf_config(_yaml("tiny_qwen3_vl")).to_dict()
     assert from_yaml == family.tiny_hf_config().to_dict()
+    assert family.hf_config(family.tiny_model_config()).to_dict() == from_yaml
 
 
 def _meta_counts(family, cfg, name):
@@ -80,42 +81,45 @@ def test_qwen3_vl_planner_counts_match_the_modules(family, which):
         model_cfg = _yaml(which)
         model_cfg.attn_implementation = "sdpa"  # the YAML's flash_attention_2 is not installed on CPU
         cfg = family.hf_config(model_cfg)
-    from dhp.models.qwen3_vl.counts import block_counts, largest_param, module_counts
-
+    n = numbers_from_hf(cfg)
     for name in family.module_names:
-        total, block, largest = _meta_counts(family, cfg, name)
-        assert module_counts(name, cfg).total == total, name
-        assert block_counts(name, cfg).total == block, name
-        assert largest_param(name, cfg) == largest, name
+        total, block, biggest = _meta_counts(family, cfg, name)
+        assert module_counts(name, n).total == total, name
+        assert block_counts(name, n).total == block, name
+        assert largest(name, n) == biggest, name
         if model_cfg is not None:  # the planner's entry points read the schema's numbers
-            assert family.module_params(name, model_cfg).total == total
-            assert family.layer_params(name, model_cfg).total == block
-            assert family.largest_param(name, model_cfg) == largest
+            arch = get_arch("qwen3_vl")
+            assert arch.module_params(name, model_cfg).total == total
+            assert arch.layer_params(name, model_cfg).total == block
+            assert arch.largest_param(name, model_cfg) == biggest
 
 
-def test_qwen3_vl_32b_geometry_has_the_real_attention_width(family):
-    shape = family.layer_shape("llm", _yaml("qwen3_vl_32b"))
-    assert (shape.hidden, shape.q_dim, shape.kv_dim, shape.head_dim) == (5120, 8192, 1024, 128)
+def test_qwen3_vl_32b_geometry(family):
+    arch = get_arch("qwen3_vl")
+    model = _yaml("qwen3_vl_32b")
+    geo = arch.geometry(model)
+    assert geo.llm.head_dim == 128 and geo.llm.hidden_size == 5120  # not 5120 / 64
+    assert geo.vision.fullatt_block_indexes == tuple(range(27)) and geo.vision.window_size == 0
+    assert geo.handoff_width == 4 * 5120  # image_embeds + 3 DeepStack levels
+    assert arch.layer_shape("llm", model).kv_dim == 8 * 128
 
 
 def test_qwen3_vl_bad_arch_numbers_are_config_errors(family):
-    vision = {**TINY_VISION, "fullatt_block_indexes": [0, 2]}
-    llm = {**TINY_LLM, "mrope_section": [4, 4, 4]}
-    arch = {
-        "vision": {**TINY_ARCH["vision"], "deepstack_visual_indexes": [0, 3], "num_position_embeddings": 15},
-        "llm": dict(TINY_ARCH["llm"]),
-    }
-    paths = {i.path for i in arch_issues(vision, llm, arch)}
-    assert paths == {
-        "model.vision.fullatt_block_indexes",
-        "model.llm.mrope_section",
-        "model.arch.vision.deepstack_visual_indexes",
-        "model.arch.vision.num_position_embeddings",
-    }
     bad = _yaml("tiny_qwen3_vl")
-    del bad.arch.llm.head_dim
-    with pytest.raises(ConfigError, match=r"model\.arch\.llm"):
-        family.hf_config(bad)
+    bad.llm.mrope_section = [4, 4, 4]
+    bad.vision.extra.deepstack_visual_indexes = [0, 3]
+    bad.vision.extra.num_position_embeddings = 15
+    issues = Issues()
+    get_arch("qwen3_vl").validate(bad, issues)
+    assert {i.path for i in issues.items} == {
+        "model.llm.mrope_section",
+        "model.vision.extra.deepstack_visual_indexes",
+        "model.vision.extra.num_position_embeddings",
+    }
+    missing = _yaml("tiny_qwen3_vl")
+    del missing.llm.extra.head_dim
+    with pytest.raises(ConfigError, match=r"model\.llm\.extra"):
+        family.hf_config(missing)
 
 
 def test_qwen3_vl_checkpoint_keys_round_trip(family, tmp_path):
@@ -142,6 +146,34 @@ def test_qwen3_vl_handoffs_one_edge_per_deepstack_level(family):
     cfg = family.tiny_hf_config()
     edges = family.handoffs_for(cfg)
     assert [e.kwarg for e in edges] == ["image_embeds", "deepstack_embeds_0", "deepstack_embeds_1"]
-    assert {(e.producer, e.consumer, e.layout) for e in edges} == {("vision", "llm", "image_tokens")}
-    assert family.handoff_width(cfg) == cfg.text_config.hidden_size
-    assert dataclasses.is_dataclass(edges[0])
+    assert {(e.producer, e.consumer, e.layout, e.width, e.grad) for e in edges} == {
+        ("vision", "llm", "image_tokens", cfg.text_config.hidden_size, True)
+    }
+
+
+def test_qwen3_vl_sp_shards_cut_merge_units_and_feed_the_module_forward(family):
+    """sp=1: the shard's precomputed kwargs give exactly the module's own outputs; sp=3: contiguous,
+    merge-unit-aligned row slices whose metadata concatenates to the whole batch's."""
+    from dhp.models.testing import tiny_vl_batch
+
+    cfg = family.tiny_hf_config()
+    batch = tiny_vl_batch(cfg, images=[[(8, 6), (4, 10)], [(2, 2)]], text_lens=[3, 4], seed=2)
+    pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+    torch.manual_seed(0)
+    vision = family.build_module("vision", cfg, device="cpu", dtype=torch.float32)
+    (whole,) = family.shard_inputs("vision", cfg, pixel_values=pixels, image_grid_thw=grid, sp_size=1)
+    with torch.no_grad():
+        direct = vision(pixels, grid)
+        via_shard = vision(**whole.forward_kwargs())
+    assert set(direct) == {e.kwarg for e in family.handoffs_for(cfg)}
+    assert all(torch.equal(direct[k], via_shard[k]) for k in direct)
+    assert whole.num_tokens == sum(family.tokens_per_image(cfg, grid)) == direct["image_embeds"].shape[0]
+
+    shards = family.shard_inputs("vision", cfg, pixel_values=pixels, image_grid_thw=grid, sp_size=3)
+    assert [s.num_patches % 4 for s in shards] == [0, 0, 0]
+    assert max(s.num_patches for s in shards) - min(s.num_patches for s in shards) <= 4
+    assert torch.equal(torch.cat([s.token_index for s in shards]), torch.arange(whole.num_tokens))
+    for key in ("pixel_values", "interp_indices", "interp_weights", "position_ids"):
+        assert torch.equal(torch.cat([getattr(s, key) for s in shards]), getattr(whole, key)), key
+    assert all(torch.equal(s.cu_seqlens, whole.cu_seqlens) for s in shards)
+    assert shards[0].forward_kwargs()["ulysses_split_sizes"] == tuple(s.num_patches for s in shards)
