@@ -213,15 +213,17 @@ class Qwen3VLFamily:
         cfg = copy.deepcopy(hf_config)
         with torch.device(device):
             if name == "vision":
-                return VisionModule(Qwen3VLVisionModel._from_config(cfg.vision_config, dtype=dtype))
-            text_cfg = cfg.text_config
-            language_model = Qwen3VLTextModel._from_config(text_cfg, dtype=dtype)
-            lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
-            if not str(device).startswith("meta"):
-                nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
-            module = LLMModule(language_model, lm_head, cfg)
-            self.tie(name, module, cfg)
-            return module
+                module = VisionModule(Qwen3VLVisionModel._from_config(cfg.vision_config, dtype=dtype))
+            else:
+                text_cfg = cfg.text_config
+                language_model = Qwen3VLTextModel._from_config(text_cfg, dtype=dtype)
+                lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
+                if not str(device).startswith("meta"):
+                    nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
+                module = LLMModule(language_model, lm_head, cfg)
+                self.tie(name, module, cfg)
+        module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
+        return module
 
     def tied_parameters(self, name: str, hf_config: Qwen3VLConfig) -> dict[str, str]:
         """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""

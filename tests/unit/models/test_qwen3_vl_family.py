@@ -177,3 +177,22 @@ def test_qwen3_vl_sp_shards_cut_merge_units_and_feed_the_module_forward(family):
         assert torch.equal(torch.cat([getattr(s, key) for s in shards]), getattr(whole, key)), key
     assert all(torch.equal(s.cu_seqlens, whole.cu_seqlens) for s in shards)
     assert shards[0].forward_kwargs()["ulysses_split_sizes"] == tuple(s.num_patches for s in shards)
+
+
+def test_qwen3_vl_tp_plan_covers_every_linear_once(family):
+    """Every nn.Linear of both modules (DeepStack mergers included) matches exactly one TP glob."""
+    import re
+
+    cfg = family.tiny_hf_config()
+    for name in family.module_names:
+        module = family.build_module(name, cfg, device="meta", dtype=torch.float32)
+        plan = module.parallel_plan
+        assert plan.blocks == family.parallel_plan(name, cfg).blocks
+        globs = [g for g in plan.tp(False) if not g.endswith(("embed_tokens", "language_model"))]
+        patterns = [re.compile(re.escape(g).replace(r"\*", r"[^.]+") + "$") for g in globs]
+        for fqn, sub in module.named_modules():
+            if isinstance(sub, torch.nn.Linear):
+                hits = [g for g, p in zip(globs, patterns, strict=True) if p.match(fqn)]
+                assert len(hits) == 1, (fqn, hits)
+    assert family.parallel_plan("vision", cfg).sp[0].modules == "visual.blocks.*.attn"
+    assert not family.parallel_plan("llm", cfg).tp_sequence_parallel
