@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 from dhp.config.schema import VisionArch
 from dhp.models import get_family
-from dhp.parallel.sp_shard import shard_vision_batch
-from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, vision_shard_forward
+from dhp.models.qwen2_5_vl.sp_shard import shard_vision_batch
+from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp
 
 
 def _arch(args: argparse.Namespace) -> VisionArch:
@@ -58,7 +58,7 @@ def _saved_activation_bytes(module: torch.nn.Module, shard) -> tuple[int, torch.
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = vision_shard_forward(module, shard)
+        out = module(**shard.forward_kwargs())["image_embeds"]
     return sum(storages.values()), out
 
 

@@ -1,6 +1,6 @@
 """Per-rank model-state bytes of the vision encoder under encoder TP=N, against (TP=1)/N.
 
-Builds the encoder on the ``meta`` device (no memory), applies :func:`dhp.parallel.vision_tp.apply_vision_tp`
+Builds the encoder on the ``meta`` device (no memory), applies :func:`dhp.parallel.llm_tp.apply_tp` (the family's encoder plan)
 on real gloo ranks, and sums the bytes of each rank's local parameter shards (DTensor ``to_local()``,
 replicated tensors in full). Gradients and Adam states follow the parameters' placement, so the ratio
 holds for all model states. Default architecture: the Qwen2.5-VL-32B encoder (hidden 1280, 32 blocks,
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from dhp.config.schema import VisionArch
 from dhp.models import get_family
-from dhp.parallel.vision_tp import apply_vision_tp
+from dhp.parallel.llm_tp import apply_tp as apply_vision_tp
 
 
 def _rank(rank: int, world: int, port: int, out_hidden: int, tmp: str) -> None:

@@ -3,8 +3,8 @@
 Runs in one plain process (no torch.distributed). Tensors are read from the DCP shards in batches of
 at most ``max_shard_bytes`` and written as ``model-XXXXX-of-YYYYY.safetensors`` plus an index, so peak
 memory is about one shard, not the whole model. Keys follow the family's reference transformers
-model (``model.visual.*``, ``model.language_model.*``, ``lm_head.*``), loadable with
-``Qwen2_5_VLForConditionalGeneration.from_pretrained``.
+model (``family.reference_model``'s state-dict keys, e.g. ``model.language_model.*``, ``lm_head.*``),
+loadable with that transformers class's ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def export_checkpoint(
     """
     from dhp.checkpoint.layout import resolve_resume
     from dhp.config import load_config
-    from dhp.models.qwen2_5_vl.family import torch_dtype
+    from dhp.models.dtypes import torch_dtype
 
     ckpt = resolve_resume(str(checkpoint), output_dir=".", name="")
     run_config = Path(ckpt).resolve().parent.parent / "config.yaml"

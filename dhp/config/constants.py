@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-FAMILIES = ("qwen2_5_vl",)
 DTYPES = ("float32", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 DEVICES = ("cuda", "cpu")

@@ -2,8 +2,8 @@
 
 ``conf=`` names a recipe in ``recipes/`` or a path to a user's YAML. ``conf/`` (the config groups
 ``model/``, ``cluster/``, ``parallel/``, ``data/``, ``train/``) is on the search path, so a recipe's
-defaults list picks group options (``- /model: qwen_vl_32b``) and every other CLI argument is a
-Hydra override (``modules.vision.parallel.sp=4``, ``model=qwen_vl_7b``).
+defaults list picks group options (``- /model: tiny``) and every other CLI argument is a
+Hydra override (``modules.vision.parallel.sp=4``, ``model=tiny``).
 
 The composed config is typed by :class:`~dhp.config.schema.RunConfig` in struct mode: an unknown
 key, a wrong type or an unknown recipe/group option becomes a :class:`~dhp.errors.ConfigError`

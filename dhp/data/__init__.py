@@ -1,4 +1,4 @@
-"""Data layer: LLaVA datasets, Qwen2.5-VL processing, synthetic samples, the step loader, the check.
+"""Data layer: LLaVA datasets, sample processing (the model family's processor), synthetic samples, the step loader, the check.
 
 Public API:
 - :class:`~dhp.data.batch.VLBatch`, :class:`~dhp.data.batch.Sample`, :func:`~dhp.data.batch.collate`

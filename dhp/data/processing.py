@@ -1,9 +1,9 @@
-"""Qwen2.5-VL sample processing: images through transformers' image processor, text through the
-model's chat template, labels on assistant turns only, image tokens expanded to their merged count.
+"""Sample processing: images through the model family's image processor, text through the model's
+chat template, labels on assistant turns only, image tokens expanded to their merged count.
 
 Built offline from a local HF model directory (tokenizer files + ``preprocessor_config.json``). The
-image processor is transformers' PIL/numpy one (``Qwen2VLImageProcessorPil``), which needs no
-torchvision; ``data.min_pixels``/``data.max_pixels`` override the directory's values. Every limit is
+family gives the image processor (``family.load_image_processor``) and the special tokens' text
+(``family.token_strings()``); ``data.min_pixels``/``data.max_pixels`` override the directory's values. Every limit is
 checked before the expensive work and never truncates: a sample over a limit is a bad sample.
 """
 
@@ -21,13 +21,7 @@ from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
 from dhp.data.images import open_image
 from dhp.data.llava import Record
 from dhp.errors import ConfigError, ConfigIssue, DataError
-
-_TOKEN_NAMES = {
-    "image_token_id": "<|image_pad|>",
-    "video_token_id": "<|video_pad|>",
-    "vision_start_token_id": "<|vision_start|>",
-    "vision_end_token_id": "<|vision_end|>",
-}
+from dhp.models.registry import get_family
 
 
 @dataclass(frozen=True)
@@ -38,8 +32,9 @@ class Limits:
     llm_seq_len: int
 
 
-def load_tokenizer(model_path: str, *, tokens: SpecialTokens):
-    """The model directory's tokenizer, with its special-token ids checked against ``model.tokens``."""
+def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str):
+    """The model directory's tokenizer, with its special-token ids checked against ``model.tokens``
+    (the token texts come from model family ``family``)."""
     from transformers import AutoTokenizer
 
     if not (Path(model_path) / "tokenizer_config.json").is_file():
@@ -53,7 +48,7 @@ def load_tokenizer(model_path: str, *, tokens: SpecialTokens):
             f"the tokenizer in {model_path} has no chat_template. Fix: add one to tokenizer_config.json"
         )
     issues = []
-    for field_name, token in _TOKEN_NAMES.items():
+    for field_name, token in get_family(family).token_strings().items():
         got = tok.convert_tokens_to_ids(token)
         want = getattr(tokens, field_name)
         if got != want:
@@ -70,10 +65,8 @@ def load_tokenizer(model_path: str, *, tokens: SpecialTokens):
     return tok
 
 
-def load_image_processor(model_path: str, *, data: DataConfig):
-    """transformers' Qwen2-VL PIL image processor from ``preprocessor_config.json``, with config pixel bounds."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+def load_image_processor(model_path: str, *, data: DataConfig, family: str):
+    """Model family ``family``'s image processor from ``preprocessor_config.json``, with config pixel bounds."""
     if not (Path(model_path) / "preprocessor_config.json").is_file():
         raise DataError(
             f"model.path {model_path} has no preprocessor_config.json. Fix: add the model's image "
@@ -90,7 +83,7 @@ def load_image_processor(model_path: str, *, data: DataConfig):
                 )
             ]
         )
-    return Qwen2VLImageProcessorPil.from_pretrained(
+    return get_family(family).load_image_processor(
         model_path, min_pixels=data.min_pixels, max_pixels=data.max_pixels
     )
 

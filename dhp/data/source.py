@@ -96,7 +96,7 @@ def build_source(
         # Text ids come from the tokenizer's vocabulary when there is one, else from the model's.
         vocab = model.llm.vocab_size
         if model.path is not None:
-            vocab = min(vocab, len(load_tokenizer(model.path, tokens=model.tokens)))
+            vocab = min(vocab, len(load_tokenizer(model.path, tokens=model.tokens, family=model.family)))
         src = SyntheticSource(
             synthetic=data.synthetic,
             vision=model.vision,
@@ -131,8 +131,8 @@ def build_source(
         raise ConfigError(issues)
     datasets = [open_dataset(entry, allow_outside_root=data.allow_outside_root) for entry in data.datasets]
     processor = SampleProcessor(
-        tokenizer=load_tokenizer(model.path, tokens=model.tokens),
-        image_processor=load_image_processor(model.path, data=data),
+        tokenizer=load_tokenizer(model.path, tokens=model.tokens, family=model.family),
+        image_processor=load_image_processor(model.path, data=data, family=model.family),
         tokens=model.tokens,
         limits=limits,
     )

@@ -28,7 +28,7 @@ _LAZY = {
     "make_tiny_checkpoint": "dhp.models.tiny",
 }
 
-__all__ = sorted([*_LAZY, "family_names", "get_arch", "get_family", "register_family"])
+__all__ = ["family_names", "get_arch", "get_family", "register_family", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

@@ -88,23 +88,27 @@ def split_step(
     for m in (vision, llm):
         if m is not None:
             m.zero_grad(set_to_none=True)
-    leaf = embeds = None
-    if batch["pixel_values"] is not None:
-        embeds = vision(batch["pixel_values"], batch["image_grid_thw"])
-        leaf = embeds.detach().requires_grad_(True)
+    outs: dict[str, torch.Tensor] = {}
+    leaves: dict[str, torch.Tensor] = {}
+    if batch["pixel_values"] is not None:  # every edge of the producer: a leaf that collects its grad
+        outs = vision(batch["pixel_values"], batch["image_grid_thw"])
+        leaves = {k: t.detach().requires_grad_(True) for k, t in outs.items()}
     out = llm(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         labels=batch["labels"],
         mm_token_type_ids=batch["mm_token_type_ids"],
         image_grid_thw=batch["image_grid_thw"],
-        image_embeds=leaf,
         sample_ids=batch["sample_ids"],
+        **leaves,
     )
     loss = out.loss_sum / out.num_tokens
     loss.backward()
-    if embeds is not None:
-        embeds.backward(leaf.grad)
+    if outs:
+        torch.autograd.backward(
+            [outs[k] for k in outs],
+            [leaves[k].grad if leaves[k].grad is not None else torch.zeros_like(leaves[k]) for k in outs],
+        )
     grads = {"llm": {n: p.grad for n, p in llm.named_parameters() if p.grad is not None}}
     if vision is not None:
         grads["vision"] = {n: p.grad for n, p in vision.named_parameters() if p.grad is not None}

@@ -6,8 +6,10 @@ FSDP2. TP and SP change what a rank computes; AC wraps the (already parallel) la
 so it sees TP DTensors as 2-D. DP needs nothing at this point: its gradient SUM is
 :func:`dhp.parallel.optim.finalize_grads` and ZeRO-1 is :func:`dhp.parallel.optim.build_optimizer`.
 
-What each module supports is data (:data:`MODULE_PLANS`); what each strategy does is one
-``apply_<x>(module, mesh, spec)``; the table :data:`STEPS` says when a strategy is on.
+What each module supports is data its family attached at build (``module.parallel_plan``, a
+:class:`~dhp.models.family.ModuleParallelPlan`: TP styles by FQN, attention sites for SP, FSDP blocks,
+whether it has a loss); what each strategy does is one ``apply_<x>(module, mesh, spec)``; the table
+:data:`STEPS` says when a strategy is on. Nothing here names a model family.
 """
 
 from __future__ import annotations
@@ -22,68 +24,42 @@ from torch.distributed.device_mesh import DeviceMesh
 from dhp.config.ac import parse_ac_mode
 from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
+from dhp.models.family import ModuleParallelPlan
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp, mixed_precision_policy
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axis, axis_size
+from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
 
 
 @dataclass(frozen=True)
 class _Ctx:
     name: str
-    plan: ModulePlan
+    plan: ModuleParallelPlan
     parallel: ParallelConfig
     activation_checkpointing: str  # a dhp.config.ac mode (bools accepted)
     mixed_precision: str
     loss_chunk_tokens: int  # 0 = dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS
 
 
-def _llm_tp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+def _tp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     return apply_tp(
         module,
         mesh,
         sequence_parallel=ctx.parallel.sequence_parallel,
         loss_chunk_tokens=ctx.loss_chunk_tokens,
+        module_name=ctx.name,
     )
 
 
-def _llm_loss(module: nn.Module, ctx: _Ctx) -> nn.Module:
+def _loss(module: nn.Module, ctx: _Ctx) -> nn.Module:
     """Without TP: the chunked single-process loss with the configured chunk size."""
     module.loss_fn = partial(local_loss_sum, chunk_tokens=ctx.loss_chunk_tokens)
     return module
 
 
-def _vision_tp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
-    from dhp.parallel.vision_tp import apply_vision_tp
-
-    return apply_vision_tp(module, mesh)
-
-
-def _vision_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp
-
+def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
-
-
-@dataclass(frozen=True)
-class ModulePlan:
-    """What the strategies need to know about one module: its TP/SP appliers (None: unsupported),
-    whether its TP supports sequence parallelism inside the TP group, its single-process loss setter
-    (None: the module has no loss) and the FQN globs of its repeated blocks (FSDP units)."""
-
-    tp: Callable[[nn.Module, DeviceMesh, _Ctx], nn.Module] | None
-    sp: Callable[[nn.Module, DeviceMesh], nn.Module] | None
-    blocks: tuple[str, ...]
-    tp_sequence_parallel: bool = False
-    loss: Callable[[nn.Module, _Ctx], nn.Module] | None = None
-
-
-MODULE_PLANS: dict[str, ModulePlan] = {
-    "llm": ModulePlan(
-        tp=_llm_tp, sp=None, blocks=("language_model.layers.*",), tp_sequence_parallel=True, loss=_llm_loss
-    ),
-    "vision": ModulePlan(tp=_vision_tp, sp=_vision_sp, blocks=("visual.blocks.*",)),
-}
 
 
 @dataclass(frozen=True)
@@ -95,8 +71,8 @@ class Step:
     apply: Callable[[nn.Module, DeviceMesh, _Ctx], nn.Module]
 
 
-def _need(fn, what: str, ctx: _Ctx):
-    if fn is None:
+def _need(supported: bool, fn, what: str, ctx: _Ctx):
+    if not supported:
         raise PlanError(
             f"module {ctx.name!r} does not support {what} (modules.{ctx.name}.parallel.{what}>1). "
             f"Fix: use {'tp' if what == 'sp' else 'sp'} or fsdp/dp for this module."
@@ -113,12 +89,10 @@ STEPS: tuple[Step, ...] = (
     Step(
         "tp",
         lambda c: c.parallel.tp > 1,
-        lambda m, mesh, c: _need(c.plan.tp, "tp", c)(m, axis(mesh, "tp"), c),
+        lambda m, mesh, c: _need(c.plan.tp is not None, _tp, "tp", c)(m, axis(mesh, "tp"), c),
     ),
-    Step(
-        "loss", lambda c: c.plan.loss is not None and c.parallel.tp == 1, lambda m, mesh, c: c.plan.loss(m, c)
-    ),
-    Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _need(c.plan.sp, "sp", c)(m, mesh)),
+    Step("loss", lambda c: c.plan.loss and c.parallel.tp == 1, lambda m, mesh, c: _loss(m, c)),
+    Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _need(bool(c.plan.sp), _sp, "sp", c)(m, mesh)),
     Step(
         "ac",
         lambda c: parse_ac_mode(c.activation_checkpointing).enabled,
@@ -179,11 +153,9 @@ def parallelize(
     sequence parallelism inside the LLM's TP group (nothing to shard at tp=1: a no-op there). Raises
     PlanError before touching the module when the plan is inconsistent or unsupported.
     """
-    if module_name not in MODULE_PLANS:
-        raise PlanError(f"no parallel plan for module {module_name!r}; known: {sorted(MODULE_PLANS)}.")
     ctx = _Ctx(
         module_name,
-        MODULE_PLANS[module_name],
+        module_plan(module),
         parallel,
         activation_checkpointing,
         mixed_precision,

@@ -35,7 +35,6 @@ image embeddings is complete and identical on every TP rank.
 
 from __future__ import annotations
 
-import fnmatch
 import types
 from collections.abc import Mapping
 from functools import partial
@@ -65,6 +64,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dhp.errors import PlanError
 from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
+from dhp.parallel.plan_match import match_plan, matching  # noqa: F401  (match_plan re-exported)
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -112,16 +112,19 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def llm_tp_plan(*, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The LLM TP plan: module FQN glob -> DTensor parallel style (globs match one FQN atom per ``*``).
+def decoder_tp_plan(*, model: str, lm_head: str, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The usual decoder TP plan, FQN glob -> DTensor style (globs match one FQN atom per ``*``), for a
+    transformers decoder at FQN ``model`` (``embed_tokens``, ``layers.*.{input_layernorm, self_attn.{q,k,v,o}_proj,
+    post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``) and its output projection ``lm_head``.
+    A family calls it with its FQN prefixes in its ``parallel_plan``.
 
     ``sequence_parallel``: Megatron-style SP inside the TP group (see the module docstring); every
     style is torch's own, the only collectives are the ones DTensor issues for the layout changes.
     """
-    layer = "language_model.layers.*"
+    layer = f"{model}.layers.*"
     if not sequence_parallel:
         return {
-            "language_model.embed_tokens": VocabParallelEmbedding(),
+            f"{model}.embed_tokens": VocabParallelEmbedding(),
             f"{layer}.self_attn.q_proj": ColwiseParallel(),
             f"{layer}.self_attn.k_proj": ColwiseParallel(),
             f"{layer}.self_attn.v_proj": ColwiseParallel(),
@@ -129,13 +132,13 @@ def llm_tp_plan(*, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
             f"{layer}.mlp.gate_proj": ColwiseParallel(),
             f"{layer}.mlp.up_proj": ColwiseParallel(),
             f"{layer}.mlp.down_proj": RowwiseParallel(),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+            lm_head: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
         }
     seq, full = Shard(1), Replicate()
     return {
-        "language_model.embed_tokens": VocabParallelEmbedding(),
+        f"{model}.embed_tokens": VocabParallelEmbedding(),
         # the merged (text + image) embeddings enter replicated and are cut into sequence shards
-        "language_model": PrepareModuleInput(
+        model: PrepareModuleInput(
             input_kwarg_layouts={"inputs_embeds": full},
             desired_input_kwarg_layouts={"inputs_embeds": seq},
             use_local_output=False,
@@ -157,8 +160,8 @@ def llm_tp_plan(*, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
-        "language_model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+        f"{model}.norm": SequenceParallel(),
+        lm_head: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
     }
 
 
@@ -203,32 +206,14 @@ def pad_to_multiple(kwargs: dict, *, multiple: int, pad_id: int) -> dict:
     return out
 
 
-def _glob_match(fqn: str, glob: str) -> bool:
-    """True when each dot-separated atom of ``fqn`` matches the same atom of ``glob`` (fnmatch)."""
-    a, b = fqn.split("."), glob.split(".")
-    return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b, strict=True))
-
-
-def match_plan(module: nn.Module, plan: Mapping[str, object]) -> dict[str, list[str]]:
-    """Pure: for every submodule FQN of ``module``, the plan globs that match it (possibly none)."""
-    return {fqn: [g for g in plan if _glob_match(fqn, g)] for fqn, _ in module.named_modules() if fqn}
-
-
-def check_tp_divisibility(
-    *, num_heads: int, num_kv_heads: int, vocab_size: int, intermediate_size: int, tp: int
-) -> None:
-    """Raise PlanError (before any forward) when a TP degree does not divide the sharded dimensions."""
-    dims = {
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "vocab_size": vocab_size,
-        "intermediate_size": intermediate_size,
-    }
-    bad = [f"{k}={v}" for k, v in dims.items() if v % tp != 0]
+def check_divides(sizes: Mapping[str, int], *, degree: int, axis: str, module: str = "<module>") -> None:
+    """Raise PlanError (before any forward) naming every size in ``sizes`` that ``degree`` does not divide."""
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % degree != 0]
     if bad:
         raise PlanError(
-            f"LLM tensor parallelism tp={tp} must divide {', '.join(bad)} (each rank holds 1/tp of them). "
-            f"Fix: pick modules.llm.parallel.tp among the common divisors, or use fsdp/dp for the rest."
+            f"modules.{module}.parallel.{axis}={degree} must divide {', '.join(bad)} (each rank holds 1/{axis} "
+            f"of them). Fix: pick modules.{module}.parallel.{axis} among their common divisors, or use "
+            "fsdp/dp for the rest."
         )
 
 
@@ -278,16 +263,6 @@ def vocab_parallel_loss_sum(
     return shifted_ce_sum(hidden, weight, labels, reduce_input_grad=True, **kw)
 
 
-def _text_config(module: nn.Module):
-    lm = getattr(module, "language_model", None)
-    if lm is None or not hasattr(module, "lm_head") or not hasattr(module, "loss_fn"):
-        raise PlanError(
-            f"apply_tp expects the LLM module (attributes language_model, lm_head, loss_fn); got "
-            f"{type(module).__name__}. Fix: pass dhp.models' LLMModule."
-        )
-    return lm.config
-
-
 def apply_tp(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -295,33 +270,41 @@ def apply_tp(
     *,
     sequence_parallel: bool = False,
     loss_chunk_tokens: int = 0,
+    module_name: str = "<module>",
 ) -> nn.Module:
-    """Shard the LLM module in place over the 1-D TP ``mesh`` by ``spec`` (default :func:`llm_tp_plan`).
+    """Shard ``module`` in place over the 1-D TP ``mesh`` by its family's plan (``module.parallel_plan``).
 
-    Checks divisibility first (PlanError), distributes the matched weights as DTensors (each rank keeps
-    1/N of them), swaps ``module.loss_fn`` for the chunked vocab-parallel loss (``loss_chunk_tokens``
-    per chunk, 0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``), and re-ties ``lm_head.weight`` to
-    ``embed_tokens.weight`` when they were tied (both ``Shard(0)`` of the one (V, H) table).
-    ``sequence_parallel``: the SP plan, plus a forward pre-hook that right-pads the token inputs to a
-    multiple of N (pad id, attention mask 0, labels ignored).
+    Checks ``plan.tp_divides`` first (PlanError), distributes the weights the plan's FQN globs match
+    (``spec`` overrides ``plan.tp(sequence_parallel)``) as DTensors (each rank keeps 1/N of them), sets
+    the head count of ``plan.tp_heads`` attention modules to H/N, re-shares ``plan.tied`` parameters
+    (e.g. ``lm_head.weight`` and ``embed_tokens.weight``, both ``Shard(0)`` of one table), and for a
+    module with a loss (``plan.loss``) swaps ``loss_fn`` for the chunked vocab-parallel loss
+    (``loss_chunk_tokens`` per chunk, 0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``).
+    ``sequence_parallel``: plus a forward pre-hook that right-pads the token inputs to a multiple of N
+    (``plan.pad_token_id``, attention mask 0, labels ignored).
     """
-    cfg = _text_config(module)
+    from dhp.parallel.ulysses import module_plan
+
+    plan = module_plan(module)
     tp = mesh.size()
-    check_tp_divisibility(
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        vocab_size=cfg.vocab_size,
-        intermediate_size=cfg.intermediate_size,
-        tp=tp,
-    )
-    tied = module.lm_head.weight is module.language_model.embed_tokens.weight
-    plan = dict(spec) if spec is not None else llm_tp_plan(sequence_parallel=sequence_parallel)
-    parallelize_module(module, mesh, plan)
-    if tied:  # both styles shard the (V, H) table as Shard(0): share the one DTensor parameter again
-        module.lm_head.weight = module.language_model.embed_tokens.weight
-    module.loss_fn = partial(vocab_parallel_loss_sum, mesh=mesh, chunk_tokens=loss_chunk_tokens)
+    if plan.tp is None:
+        raise PlanError(f"module {module_name!r} has no tensor-parallel plan. Fix: use sp or fsdp/dp for it.")
+    check_divides(plan.tp_divides, degree=tp, axis="tp", module=module_name)
+    if tp == 1 and not plan.loss:
+        return module
+    tied = {
+        fqn: src for fqn, src in plan.tied.items() if module.get_parameter(fqn) is module.get_parameter(src)
+    }
+    parallelize_module(module, mesh, dict(spec) if spec is not None else dict(plan.tp(sequence_parallel)))
+    for fqn, src in tied.items():  # both sides sharded alike: share the one DTensor parameter again
+        owner, _, attr = fqn.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, attr, module.get_parameter(src))
+    for _, attn in matching(module, plan.tp_heads):
+        attn.num_heads = attn.num_heads // tp
+    if plan.loss:
+        module.loss_fn = partial(vocab_parallel_loss_sum, mesh=mesh, chunk_tokens=loss_chunk_tokens)
     if sequence_parallel:
-        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        pad_id = plan.pad_token_id
         module.register_forward_pre_hook(
             lambda _m, args, kwargs: (args, pad_to_multiple(kwargs, multiple=tp, pad_id=pad_id)),
             with_kwargs=True,

@@ -1,17 +1,24 @@
-"""Ulysses sequence parallelism for the Qwen2.5-VL vision encoder, applied from outside transformers.
+"""Ulysses sequence parallelism, applied from outside the model by hooks on the attention a family declares.
 
-Placement after :func:`apply_ulysses_sp` on an SP group of N ranks (parameters stay replicated):
-- each rank holds the patch rows of a contiguous, window-aligned slice of the window order
-  (:func:`dhp.parallel.sp_shard.shard_vision_batch`), so activations are ~1/N per rank;
-- window-attention blocks, MLPs, norms, the patch embedding and the merger run locally, no communication;
-- the attention of each full-attention block is swapped for :func:`ulysses_attention_forward`:
-  q/k/v are computed and rotated locally, an all-to-all turns them from sequence-sharded (L_r, H heads)
-  into head-sharded (L_total, H/N heads), attention runs per image over the whole sequence, and a second
-  all-to-all turns the output back (both with exact autograd: the backward is the opposite all-to-all);
-- a rank with no tokens (fewer windows than ranks) still runs the full-attention blocks' all-to-alls
-  and the attention of its head group, so collectives match on every rank.
+The family says where its attention is (``ModuleParallelPlan.sp``: :class:`~dhp.models.family.AttentionSite`
+= attention modules that attend over the whole sequence, their fused ``qkv`` Linear with output laid out
+(3, H, d), their ``out`` Linear, their head-count attribute). :func:`apply_ulysses_sp` installs, on each
+such module over an SP group of N ranks (parameters stay replicated, FQNs unchanged):
 
-Each rank's merged output rows are its own tokens (``shard.token_index``). Parameter gradients are
+- a forward pre-hook on the attention: takes the per-rank row counts (``ulysses_split_sizes`` kwarg, from
+  the family's input shard) and gathers the rotary tables of all rows once per forward (they are a
+  function of positions only); the attention's own forward then runs with ``L_total`` rows in view;
+- hooks on ``qkv``: it computes on this rank's (L_r, D) rows, then an all-to-all turns q/k/v from
+  sequence-sharded (L_r, H heads) into head-sharded (L_total, H/N heads); ``heads`` is set to H/N;
+- a pre-hook on ``out``: the opposite all-to-all gives back (L_r, H*d) before the projection.
+
+The attention kernel itself (transformers' own forward, any attention implementation) runs unchanged
+on its head group over the whole sequence. Both all-to-alls have exact autograd (the backward is the
+opposite one). A rank with no rows still runs the hooks (its all-to-alls send nothing), so collectives
+match on every rank. Memory per rank: q/k/v of L_total rows x H/N heads, on average the bytes of the
+local (L_r, H) q/k/v, plus the gathered rotary tables (L_total x head_dim, twice).
+
+Each rank's output rows are its own tokens (the shard's ``token_index``). Parameter gradients are
 partial sums over the rank's tokens: :func:`reduce_sp_grads` SUMs them over the SP group (losses are
 pre-normalised by the global token count, see docs/INTERFACES.md). :func:`gather_vision_output`
 all-gathers the rows in original order with a slicing backward, for parity and when wanted.
@@ -19,27 +26,21 @@ all-gathers the rows in original order with a slicing backward, for parity and w
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-    ALL_ATTENTION_FUNCTIONS,
-    Qwen2_5_VisionTransformerPretrainedModel,
-    apply_rotary_pos_emb_vision,
-    eager_attention_forward,
-    get_max_seqlen,
-    is_flash_attention_requested,
-)
 
 from dhp.errors import ConfigError, ConfigIssue, PlanError, RuntimeFailure
-from dhp.parallel.sp_shard import SPLIT_SIZES_KWARG, VisionShard
+from dhp.parallel.plan_match import match_sites
+
+#: forward kwarg that carries the per-rank row counts to the attention hooks (set by the family's
+#: input shard, ``forward_kwargs()``, and passed down by transformers' forwards as a keyword).
+SPLIT_SIZES_KWARG = "ulysses_split_sizes"
 
 
 @dataclass(frozen=True)
@@ -98,110 +99,6 @@ def head_to_seq(x: torch.Tensor, split_sizes: Sequence[int], group: dist.Process
     return _AllToAll.apply(x, tuple(split_sizes), group, False)
 
 
-def _attend(
-    attn: nn.Module, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int | None, kwargs: dict
-) -> torch.Tensor:
-    """Attention of (1, h, L, d) q/k/v per cu_seqlens segment, as transformers' vision attention does it."""
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attn.config._attn_implementation, eager_attention_forward
-    )
-    dropout = 0.0 if not attn.training else attn.attention_dropout
-    if is_flash_attention_requested(attn.config):
-        max_seqlen = get_max_seqlen(cu_seqlens, attn.config, kwargs={"max_seqlen": max_seqlen})
-        out, _ = interface(
-            attn, q, k, v, attention_mask=None, scaling=attn.scaling, dropout=dropout,
-            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
-            max_length_k=max_seqlen, is_causal=False, **kwargs,
-        )  # fmt: skip
-        return out[0]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    chunks = zip(*(torch.split(t, lengths, dim=2) for t in (q, k, v)), strict=True)
-    outs = [
-        interface(
-            attn,
-            qc,
-            kc,
-            vc,
-            attention_mask=None,
-            scaling=attn.scaling,
-            dropout=dropout,
-            is_causal=False,
-            **kwargs,
-        )[0]
-        for qc, kc, vc in chunks
-    ]
-    return torch.cat(outs, dim=1)[0]
-
-
-def ulysses_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_seqlen: int | None = None,
-    **kwargs,
-) -> torch.Tensor:
-    """Full-attention forward of a ``Qwen2_5_VLVisionAttention`` under Ulysses SP (bound as its forward).
-
-    ``hidden_states`` are this rank's (L_r, D) rows; ``cu_seqlens`` are the *global* image segments.
-    Memory: q/k/v for L_total rows of H/N heads, the same bytes as the local (L_r, H) q/k/v on average.
-    """
-    split_sizes = kwargs.pop(SPLIT_SIZES_KWARG, None)
-    if split_sizes is None:
-        raise RuntimeFailure(
-            "the Ulysses-SP vision encoder was called without 'ulysses_split_sizes'. Fix: call it with "
-            "VisionShard.forward_kwargs() from dhp.parallel.sp_shard.shard_vision_batch(..., sp_size=N>1)."
-        )
-    group = self._dhp_sp_group
-    length, heads = hidden_states.shape[0], self.num_heads
-    qkv = self.qkv(hidden_states).reshape(length, 3, heads, self.head_dim)
-    q, k, v = qkv.unbind(1)
-    cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-    qkv = seq_to_head(torch.stack((q, k, v), dim=2), split_sizes, group)  # (L_total, H/N, 3, d)
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in qkv.unbind(2))
-    out = _attend(self, q, k, v, cu_seqlens, max_seqlen, kwargs)  # (L_total, H/N, d)
-    out = head_to_seq(out, split_sizes, group)  # (L_r, H, d)
-    return self.proj(out.reshape(length, heads * self.head_dim))
-
-
-def sp_vision_forward(self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
-    """Forward of the SP-applied transformers vision model (bound as its forward).
-
-    A rank with patches runs transformers' own forward with the shard's precomputed metadata. A rank with
-    no patches runs only what takes part in collectives: each full-attention block on zero rows (its
-    attention still computes this rank's head group over all tokens), then the merger: (0, out_dim).
-    """
-    if hidden_states.shape[0] > 0:
-        return type(self).forward(self, hidden_states, grid_thw, **kwargs)
-    hidden = self.patch_embed(hidden_states)
-    empty = hidden.new_zeros(0, self.config.hidden_size // self.config.num_heads)
-    for index in sorted(self.fullatt_block_indexes):
-        hidden = self.blocks[index](
-            hidden,
-            cu_seqlens=kwargs["cu_seqlens"],
-            max_seqlen=kwargs.get("max_seqlen"),
-            position_embeddings=(empty, empty),
-            **{SPLIT_SIZES_KWARG: kwargs[SPLIT_SIZES_KWARG]},
-        )
-    return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=self.merger(hidden))
-
-
-def find_vision_model(module: nn.Module) -> Qwen2_5_VisionTransformerPretrainedModel:
-    """The transformers vision model inside ``module`` (``module.visual`` for dhp's VisionModule)."""
-    found = [m for m in module.modules() if isinstance(m, Qwen2_5_VisionTransformerPretrainedModel)]
-    if len(found) != 1:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "modules.vision", type(module).__name__, f"expected one Qwen2.5-VL vision model, found {len(found)}",
-                    "apply vision parallelism to the vision module only",
-                )
-            ]
-        )  # fmt: skip
-    return found[0]
-
-
 def _sp_group(mesh: DeviceMesh, mesh_dim: str) -> dist.ProcessGroup:
     """The process group of the SP axis of ``mesh`` (a 1-D mesh may be unnamed)."""
     names = mesh.mesh_dim_names or ()
@@ -221,34 +118,141 @@ def _sp_group(mesh: DeviceMesh, mesh_dim: str) -> dist.ProcessGroup:
     )
 
 
-def apply_ulysses_sp(module: nn.Module, mesh: DeviceMesh, spec: UlyssesSpec) -> nn.Module:
-    """Make ``module``'s vision encoder sequence-parallel over ``mesh[spec.mesh_dim]``, in place.
+class _SiteState:
+    """Per attention module: the SP group, head counts, and this call's row counts and local rows."""
 
-    Parameters stay where they are (replicated) with unchanged FQNs. Swaps the forward of the vision
-    model and of its full-attention blocks' attention; feed it ``VisionShard.forward_kwargs()``. Raises
-    ConfigError when the SP degree does not divide the encoder heads.
+    def __init__(self, group: dist.ProcessGroup, heads: int, site: Any) -> None:
+        self.group, self.heads, self.site = group, heads, site
+        self.split: tuple[int, ...] | None = None
+        self.local: torch.Tensor | None = None
+
+
+class _RotaryCache:
+    """The gathered rotary tables of the last forward, keyed by the identity of the local ones (every
+    attention of one forward gets the same (cos, sin) objects; AC recomputation reuses them)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.value: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, pos: tuple[torch.Tensor, torch.Tensor], split, group) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.key is not None and self.key[0] is pos[0] and self.key[1] is pos[1]:
+            return self.value
+        self.key = pos
+        cos, sin = pos
+        both = _gather_rows(torch.cat([cos.detach(), sin.detach()], dim=-1), split, group)  # one collective
+        self.value = (both[..., : cos.shape[-1]], both[..., cos.shape[-1] :])
+        return self.value
+
+
+def _gather_rows(x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """(L_r, ...) of every rank -> (L_total, ...) in rank order, uneven sizes (no autograd: position data)."""
+    world = dist.get_world_size(group)
+    out = x.new_empty((sum(split_sizes), *x.shape[1:]))
+    send = torch.cat([x.contiguous()] * world) if world > 1 else x.contiguous()
+    dist.all_to_all_single(out, send, list(split_sizes), [x.shape[0]] * world, group=group)
+    return out
+
+
+def _attention_pre_hook(state: _SiteState, cache: _RotaryCache):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        split = kwargs.pop(SPLIT_SIZES_KWARG, None)
+        if split is None:
+            raise RuntimeFailure(
+                f"Ulysses SP attention {state.site.modules!r} was called without {SPLIT_SIZES_KWARG!r}. "
+                "Fix: call the module with its family's input shard: module(**shard.forward_kwargs())."
+            )
+        state.split = tuple(int(s) for s in split)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        state.local = hidden
+        # the attention's own forward sees L_total rows; the qkv pre-hook swaps the real rows back in
+        stand_in = hidden.new_empty((sum(state.split), 0))
+        if kwargs.get("position_embeddings") is not None:  # a forward kwarg of transformers' attention
+            kwargs["position_embeddings"] = cache.get(kwargs["position_embeddings"], state.split, state.group)
+        return (stand_in, *args[1:]), kwargs
+
+    return hook
+
+
+def _qkv_pre_hook(state: _SiteState):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        local, state.local = state.local, None
+        return (local, *args[1:])
+
+    return hook
+
+
+def _qkv_hook(state: _SiteState):
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        rows, head_dim = out.shape[0], out.shape[1] // (3 * state.heads)  # explicit: L_r may be 0
+        qkv = out.reshape(rows, 3, state.heads, head_dim).transpose(1, 2)  # (L_r, H, 3, d)
+        qkv = seq_to_head(qkv, state.split, state.group)  # (L_total, H/N, 3, d)
+        return qkv.transpose(1, 2).reshape(qkv.shape[0], -1)  # (L_total, 3 * H/N * d), laid out (3, H/N, d)
+
+    return hook
+
+
+def _out_pre_hook(state: _SiteState):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        world = dist.get_world_size(state.group)
+        head_dim = x.numel() // max(1, sum(state.split) * (state.heads // world))
+        heads = x.reshape(sum(state.split), state.heads // world, head_dim)  # (L_total, H/N, d)
+        local = head_to_seq(heads, state.split, state.group)  # (L_r, H, d)
+        return (local.reshape(local.shape[0], state.heads * head_dim), *args[1:])
+
+    return hook
+
+
+def apply_ulysses_sp(module: nn.Module, mesh: DeviceMesh, spec: UlyssesSpec | None = None) -> nn.Module:
+    """Make ``module`` sequence-parallel over ``mesh[spec.mesh_dim]`` at its family's attention sites, in place.
+
+    Reads ``module.parallel_plan.sp`` (set by the family's ``build_module``). Parameters stay where they
+    are (replicated) with unchanged FQNs; hooks are added (see the module docstring) and each site's
+    head count becomes H/N. Feed the module its family's input shards (``shard.forward_kwargs()``).
+    Raises ConfigError when the SP degree does not divide a size in ``plan.sp_divides``, PlanError when
+    the module declares no attention site.
     """
+    spec = spec or UlyssesSpec()
+    plan = module_plan(module)
     group = _sp_group(mesh, spec.mesh_dim)
     sp = dist.get_world_size(group)
-    visual = find_vision_model(module)
-    heads = visual.config.num_heads
-    if heads % sp:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "modules.vision.parallel.sp", sp, f"must divide the vision encoder's num_heads={heads}",
-                    f"pick sp among the divisors of {heads}",
-                )
-            ]
-        )  # fmt: skip
+    issues = [
+        ConfigIssue(f"modules.<module>.parallel.{spec.mesh_dim}", sp, f"must divide the {what}={size}",
+                    f"pick {spec.mesh_dim} among the divisors of {size}")
+        for what, size in plan.sp_divides.items() if size % sp
+    ]  # fmt: skip
+    if issues:
+        raise ConfigError(issues)
+    if not plan.sp:
+        raise PlanError(
+            f"{type(module).__name__} declares no attention site for sequence parallelism. "
+            "Fix: use tp or fsdp/dp for this module."
+        )
     if sp == 1:
         return module
-    visual.forward = types.MethodType(sp_vision_forward, visual)
-    for index in visual.fullatt_block_indexes:
-        attn = visual.blocks[index].attn
-        attn._dhp_sp_group = group
-        attn.forward = types.MethodType(ulysses_attention_forward, attn)
+    cache = _RotaryCache()
+    for site, attn in match_sites(module, plan.sp):
+        heads = getattr(attn, site.heads)
+        state = _SiteState(group, heads, site)
+        setattr(attn, site.heads, heads // sp)
+        attn.register_forward_pre_hook(_attention_pre_hook(state, cache), with_kwargs=True)
+        qkv, out = attn.get_submodule(site.qkv), attn.get_submodule(site.out)
+        qkv.register_forward_pre_hook(_qkv_pre_hook(state))
+        qkv.register_forward_hook(_qkv_hook(state))
+        out.register_forward_pre_hook(_out_pre_hook(state))
     return module
+
+
+def module_plan(module: nn.Module):
+    """The :class:`~dhp.models.family.ModuleParallelPlan` a family attached to ``module`` at build."""
+    plan = getattr(module, "parallel_plan", None)
+    if plan is None:
+        raise PlanError(
+            f"{type(module).__name__} has no parallel_plan; dhp.parallel applies strategies to modules "
+            "built by a model family (family.build_module attaches family.parallel_plan(name, hf_config))."
+        )
+    return plan
 
 
 def reduce_sp_grads(module: nn.Module, sp_group: dist.ProcessGroup) -> None:
@@ -303,9 +307,7 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.token_index.to(grad.device)], None, None, None
 
 
-def gather_vision_output(
-    local: torch.Tensor, shard: VisionShard, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def gather_vision_output(local: torch.Tensor, shard: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(rows of this rank) -> (num_tokens, D) in original token order on every SP rank (collective).
 
     Autograd: the output is replicated, so the backward of each rank keeps only its own rows' gradient
@@ -314,25 +316,3 @@ def gather_vision_output(
     if shard.sp_size == 1 or group is None:
         return local
     return _GatherRows.apply(local, shard.token_index, shard.num_tokens, group)
-
-
-def vision_shard_forward(module: nn.Module, shard: VisionShard) -> torch.Tensor:
-    """This rank's merged embeddings for ``shard``: rows aligned with ``shard.token_index``.
-
-    ``sp_size == 1``: ``module(**shard.forward_kwargs())``, through the vision module's own forward (and
-    so through any FSDP root hooks). ``sp_size > 1``: the transformers vision model inside ``module`` is
-    called directly with the shard's rows and metadata, because ``VisionModule.forward`` checks
-    ``rows == sum(t*h*w)`` of the whole batch (see docs/INTERFACES.md, Parallel); FSDP on the vision
-    module together with SP is therefore refused here with a PlanError.
-    """
-    if shard.sp_size == 1:
-        return module(**shard.forward_kwargs())
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        raise PlanError(
-            "the vision module has both Ulysses SP and FSDP; SP shards bypass the module's FSDP root. "
-            "Fix: use modules.vision.parallel {sp, dp, zero} (ZeRO-1 across dp), not fsdp, with sp > 1."
-        )
-    visual = find_vision_model(module)
-    kwargs = shard.forward_kwargs()
-    pixel_values = kwargs.pop("pixel_values").to(visual.patch_embed.proj.weight.dtype)
-    return visual(pixel_values, grid_thw=kwargs.pop("image_grid_thw"), **kwargs).pooler_output

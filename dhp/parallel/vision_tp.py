@@ -1,6 +1,7 @@
-"""Tensor parallelism for the Qwen2.5-VL vision encoder (the uniform-TP baseline), as a plan of DTensor styles.
+"""DTensor styles for tensor parallelism of a vision encoder (the uniform-TP baseline); a family's
+``parallel_plan`` names them by FQN and ``dhp.parallel.llm_tp.apply_tp`` applies the plan.
 
-Placement after :func:`apply_vision_tp` on a TP group of N ranks:
+Placement with an encoder plan of fused ``qkv`` blocks (styles below) on a TP group of N ranks:
 - ``blocks.*.attn.qkv`` (fused, rows laid out q|k|v): stored as a plain ``Shard(0)`` DTensor of
   transformers' tensor (so DCP reshards TP <-> non-TP), computed by :class:`FusedColwiseParallel`: one
   all-to-all of the weight rows gives rank r ``[q_r; k_r; v_r]`` (its H/N heads of each). A plain
@@ -9,7 +10,7 @@ Placement after :func:`apply_vision_tp` on a TP group of N ranks:
 - ``blocks.*.attn.proj``, ``blocks.*.mlp.down_proj``, ``merger.mlp.2``: row-parallel (``Shard(1)``), output
   all-reduced to a replicated hidden state;
 - ``blocks.*.mlp.{gate,up}_proj``, ``merger.mlp.0``: column-parallel (``Shard(0)``); the MLP width may be
-  uneven across ranks (torch.chunk sizes), e.g. Qwen2.5-VL's 3420 at TP=8, see :class:`UnevenRowwiseParallel`;
+  uneven across ranks (torch.chunk sizes), e.g. an MLP width of 3420 at TP=8, see :class:`UnevenRowwiseParallel`;
 - ``patch_embed`` (a Conv3d), norms and ``merger.ln_q``: replicated; their inputs' gradients are
   all-reduced by the column-parallel styles, so their grads are complete and identical on every rank.
 
@@ -20,7 +21,6 @@ and the MLPs are 1/N, the residual stream (L, D) stays replicated.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     RowwiseParallel,
-    parallelize_module,
 )
 
 from dhp.errors import ConfigError, ConfigIssue
-from dhp.parallel.ulysses import find_vision_model
 
 
 @dataclass(frozen=True)
@@ -163,81 +160,3 @@ class UnevenRowwiseParallel(RowwiseParallel):
         shape = torch.Size((*x.shape[:-1], mod.weight.shape[1]))
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=shape, stride=stride)
-
-
-def vision_tp_plan() -> dict[str, ParallelStyle]:
-    """The encoder TP plan: module FQN glob -> DTensor style (one FQN atom per ``*``).
-
-    Every ``nn.Linear`` of the encoder matches exactly one glob (tested); ``patch_embed.proj`` (Conv3d),
-    the norms and ``merger.ln_q`` are left replicated.
-    """
-    return {
-        "visual.blocks.*.attn.qkv": FusedColwiseParallel(num_chunks=3),
-        "visual.blocks.*.attn.proj": RowwiseParallel(),
-        "visual.blocks.*.mlp.gate_proj": ColwiseParallel(),
-        "visual.blocks.*.mlp.up_proj": ColwiseParallel(),
-        "visual.blocks.*.mlp.down_proj": UnevenRowwiseParallel(),
-        "visual.merger.mlp.0": ColwiseParallel(),
-        "visual.merger.mlp.2": RowwiseParallel(),
-    }
-
-
-def check_vision_tp_divisibility(*, num_heads: int, merger_hidden: int, tp: int) -> None:
-    """Raise ConfigError (before any forward) when ``tp`` does not divide a sharded encoder dimension.
-
-    The MLP width need not divide (uneven shards, :class:`UnevenRowwiseParallel`); heads and the merger
-    width must.
-    """
-    dims = {"num_heads": num_heads, "merger hidden": merger_hidden}
-    issues = [
-        ConfigIssue(
-            "modules.vision.parallel.tp", tp, f"must divide the vision encoder's {dim}={size}",
-            "pick a tp that divides it, or use sp for the encoder",
-        )
-        for dim, size in dims.items()
-        if size % tp
-    ]  # fmt: skip
-    if issues:
-        raise ConfigError(issues)
-
-
-def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D TP sub-mesh (``mesh['tp']`` when named, else the 1-D mesh itself)."""
-    names = mesh.mesh_dim_names or ()
-    if "tp" in names:
-        return mesh["tp"]
-    if mesh.ndim == 1:
-        return mesh
-    raise ConfigError(
-        [
-            ConfigIssue(
-                "modules.vision.parallel.tp", names, "mesh has no 'tp' axis", "build the mesh with a tp axis"
-            )
-        ]
-    )
-
-
-def apply_vision_tp(
-    module: nn.Module, mesh: DeviceMesh, spec: Mapping[str, ParallelStyle] | None = None
-) -> nn.Module:
-    """Shard the vision module in place over the TP axis of ``mesh`` by ``spec`` (default :func:`vision_tp_plan`).
-
-    FQNs are unchanged; planned weights become DTensors (1/N per rank), and each attention's
-    ``num_heads`` becomes H/N. Raises ConfigError when N does not divide the heads or the merger width.
-    """
-    tp_mesh = _tp_mesh(mesh)
-    tp = tp_mesh.size()
-    visual = find_vision_model(module)
-    cfg = visual.config
-    check_vision_tp_divisibility(
-        num_heads=cfg.num_heads,
-        merger_hidden=visual.merger.hidden_size,
-        tp=tp,
-    )
-    if tp == 1:
-        return module
-    parallelize_module(module, tp_mesh, dict(spec) if spec is not None else vision_tp_plan())
-    for block in visual.blocks:
-        if isinstance(block.attn.qkv.weight, DTensor):
-            block.attn.num_heads = cfg.num_heads // tp
-    return module

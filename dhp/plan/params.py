@@ -11,7 +11,16 @@ from omegaconf import DictConfig
 from dhp.models.arch import Geometry, LayerShape, ParamCount
 from dhp.models.registry import get_arch
 
-__all__ = ["Geometry", "LayerShape", "ParamCount", "geometry", "largest_param", "layer_params", "layer_shape", "module_params"]
+__all__ = [
+    "Geometry",
+    "LayerShape",
+    "ParamCount",
+    "geometry",
+    "largest_param",
+    "layer_params",
+    "layer_shape",
+    "module_params",
+]
 
 
 def geometry(model: DictConfig) -> Geometry:

@@ -94,6 +94,15 @@ class Pending:
     refs: list[Any]
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def ref(self, rank: int, index: int = 0) -> Any:
+        """The ref of return value ``index`` of ``rank``'s call (``num_returns > 1``: one per value)."""
+        refs = self.refs[rank]
+        if isinstance(refs, list):
+            return refs[index]
+        if index:
+            raise RuntimeFailure(f"{self.method}: rank {rank} returned one value, asked for value {index}")
+        return refs
+
 
 class ActorGroup:
     """Reserve, start and address one module's ranks. ``call`` applies each method's contract."""

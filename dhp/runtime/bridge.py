@@ -6,18 +6,20 @@ nor from Ray's tensor transport (it initialises a default world of its own, see 
 bridge is built directly instead: one ``TCPStore`` hosted by vision rank 0, and two backends
 (``ProcessGroupNCCL`` on cuda, ``ProcessGroupGloo`` on cpu) over prefixed views of it:
 
-- ``fwd``: vision -> LLM, embedding rows;
-- ``bwd``: LLM -> vision, their gradients.
+- ``fwd``: producer -> consumer (e.g. vision -> LLM), hand-off rows;
+- ``bwd``: consumer -> producer, their gradients.
 
 Two communicators, because NCCL runs a communicator's operations in issue order on one stream:
 with one, the pipelined order (vision: send F1, then recv B0; LLM: send B0, then recv F1) would
 deadlock. On each of the two, every rank issues its operations in the same global order
 (micro-batch, then source, then destination), so none can wait on an operation issued later.
 
-Bridge ranks: vision rank ``r`` is ``r``; LLM rank ``q`` is ``V + q`` (``V`` = vision world size).
-Bytes: a row crosses the bridge once, from its vision unit's leader (TP rank 0) to the LLM
-replica's leader, which broadcasts the assembled embeddings inside its own TP group; the gradient
-rows go back leader to unit leader, which broadcasts them inside the vision TP group. Memory: the
+Bridge ranks: the groups' ranks one after the other (:class:`BridgeLayout`): vision rank ``r`` is
+``r``, LLM rank ``q`` is ``V + q`` (``V`` = vision world size). Bytes: a row crosses the bridge once,
+from its producer unit's leader (TP rank 0) to the consumer replica's leader, which broadcasts the
+assembled rows inside its own replica; the gradient rows go back leader to unit leader, which
+broadcasts them inside the producer's TP group. ``dhp.runtime.transport.BridgeTransport`` puts this
+behind the same channel interface as the object store and CUDA IPC. Memory: the
 sent tensors stay referenced until :meth:`Bridge.drain` (end of the step's backward), received ones
 are fresh buffers owned by the caller.
 """
@@ -37,28 +39,38 @@ DIRECTIONS = ("fwd", "bwd")
 
 @dataclass(frozen=True)
 class BridgeLayout:
-    """Where each side's senders and receivers sit in bridge ranks (pure arithmetic)."""
+    """Where each group's senders and receivers sit in bridge ranks (pure arithmetic).
 
-    vision_world: int
-    llm_world: int
-    vision_tp: int  # a vision unit's TP ranks are contiguous; TP rank 0 talks to the bridge
-    llm_ranks_per_replica: int  # an LLM replica's sp*tp ranks are contiguous; the first one talks
+    ``groups``: ``(module, world_size, endpoint_stride)`` in bridge order (producers first). Group
+    ``g``'s rank ``r`` is bridge rank ``offset(g) + r``; its endpoint ``i`` (a producer's unit: TP rank 0
+    of it, stride = tp; a consumer's data replica: its first rank, stride = ranks per replica) is the
+    one rank of those that talks to the bridge.
+    """
+
+    groups: tuple[tuple[str, int, int], ...]
 
     @property
     def world_size(self) -> int:
-        return self.vision_world + self.llm_world
+        return sum(w for _, w, _ in self.groups)
+
+    def _offset(self, module: str) -> tuple[int, int]:
+        offset = 0
+        for name, world, stride in self.groups:
+            if name == module:
+                return offset, stride
+            offset += world
+        raise RuntimeFailure(
+            f"the hand-off bridge has no group {module!r} (groups {[g[0] for g in self.groups]})"
+        )
 
     def bridge_rank(self, module: str, rank: int) -> int:
         """The bridge rank of ``module``'s group rank ``rank``."""
-        return rank if module == "vision" else self.vision_world + rank
+        return self._offset(module)[0] + rank
 
-    def vision_unit_leader(self, unit: int) -> int:
-        """Bridge rank of vision unit ``unit``'s sender (its TP rank 0)."""
-        return unit * self.vision_tp
-
-    def llm_leader(self, replica: int) -> int:
-        """Bridge rank of LLM data replica ``replica``'s leader."""
-        return self.vision_world + replica * self.llm_ranks_per_replica
+    def endpoint(self, module: str, index: int) -> int:
+        """Bridge rank of ``module``'s endpoint ``index`` (unit leader or replica leader)."""
+        offset, stride = self._offset(module)
+        return offset + index * stride
 
 
 class Bridge:

@@ -1,18 +1,21 @@
-"""The driver step, reading like DESIGN.md's algorithm, across the vision and LLM actor groups.
+"""The driver step, reading like DESIGN.md's algorithm, over the family's module graph.
 
-Per micro-batch ``m`` (gradient accumulation over ``m``):
+The graph: producer groups (e.g. the vision encoder) feed the consumer group (the module with the
+loss, e.g. the LLM) over links (``dhp.runtime.graph``: every edge of one producer -> consumer,
+moved as one payload). Per micro-batch ``m`` (gradient accumulation over ``m``):
 
-    work   = route(micro_batch m)                # driver: N:M image routing + SP cut (pure)
-    enc    = vision.vision_forward(work)         # each rank puts its embedding rows once
-    loss   = llm.llm_forward_backward(batch, enc)  # backprops loss_sum / T; returns d/d(embeds)
-    vision.vision_backward(g_enc)
+    work    = route(micro_batch m)                    # driver: Plan.routing + the family's SP cut (pure)
+    sent    = producer.produce(work)                  # each unit puts its rows once, per consumer replica
+    grads   = consumer.consume(batch, sent)           # backprops loss_sum / T; returns d/d(rows) per unit
+    producer.backprop(grads)
 
-then ``norm = sqrt(sum of both groups' grad_norm_sq)``, clip, AdamW at the scheduled lr.
-Nothing blocks between the calls: Ray orders them by their data dependencies. The encoder's
-forward of micro-batch m+1 is issued before the LLM's work on m, so when the groups sit on
+then ``norm = sqrt(sum of every group's grad_norm_sq)``, clip, AdamW at the scheduled lr.
+Nothing blocks between the calls: Ray orders them by their data dependencies. The producers'
+forward of micro-batch m+1 is issued before the consumer's work on m, so when the groups sit on
 different devices they overlap (each actor runs its calls in issue order: F0 F1 B0 F2 B1 ...).
-Memory on the driver: the routing tensors of one step and object refs; embeddings never pass
-through the driver.
+The payloads are the channel's (``dhp.runtime.transport``: object store, CUDA IPC or the bridge,
+chosen by the plan); the driver routes their refs and never looks inside one. Memory on the
+driver: the routing tensors of one step and object refs; hand-off rows never pass through it.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import torch
 from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
 from dhp.data import StepData
 from dhp.errors import RuntimeFailure
+from dhp.models import get_family
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
-from dhp.runtime.handoff import MicroBatchRouting, route_micro_batch, unit_senders
+from dhp.runtime.graph import links_of
+from dhp.runtime.handoff import route_micro_batch, unit_senders
+from dhp.runtime.spec import WorkerSpec
 from dhp.runtime.worker import ModuleWorker
 
 
@@ -63,11 +69,11 @@ class Trainer:
     ) -> None:
         """Connect Ray (``cluster.ray_address``, ``$RAY_ADDRESS`` or a local one), reserve the plan's
         placement groups (PlanError if they cannot be placed in ``ready_timeout_s``), start one actor
-        per rank, init every group's world concurrently, and build the modules."""
+        per rank, init every group's world and the hand-off channel concurrently, build the modules."""
         self.model_cfg, self.train_cfg = config.model, config.train
         self.modules_cfg: dict[str, ModuleConfig] = dict(config.modules)
         self.groups: dict[str, ActorGroup] = {}
-        self._vision_bwd: list[Any] = []
+        self._backprops: list[Any] = []
         self._update: list[Any] = []
         self._pgs: list[Any] = []
         self._timeout = config.train.step_timeout_s
@@ -75,38 +81,40 @@ class Trainer:
         try:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
-            llm_replicas = specs["llm"].layout.num_replicas
-            self._vision_units = specs["vision"].layout.num_units if "vision" in specs else 0
-            self.p2p = plan.handoff == "p2p" and "vision" in specs
-            bridge = (
-                BridgeLayout(
-                    vision_world=specs["vision"].world_size,
-                    llm_world=specs["llm"].world_size,
-                    vision_tp=specs["vision"].layout.tp_size,
-                    llm_ranks_per_replica=specs["llm"].layout.ranks_per_replica,
-                )
-                if self.p2p
-                else None
+            self.family = get_family(config.model.family)
+            self.hf_config = _hf_config(self.family, config.model)
+            names = [n for n in self.family.module_names if n in specs]  # producers first
+            self.consumer_name = names[-1]  # the module with the loss
+            self.links = tuple(
+                link
+                for link in links_of(self.family.handoffs_for(self.hf_config))
+                if link.producer in specs and link.consumer == self.consumer_name
             )
-            for name, spec in specs.items():
-                kwargs = {
-                    "model": config.model,
-                    "module": self.modules_cfg[name],
-                    "train": config.train,
-                    "mesh": spec.mesh,
-                    "device": spec.device,
-                    "handoff": plan.handoff,
-                    "num_llm_replicas": llm_replicas,
-                    "num_vision_units": self._vision_units,
-                    "bridge_layout": bridge,
-                    "loss_chunk_tokens": plan.loss_chunk_tokens.get(name, 0),  # the plan's resolved chunk
-                }
+            # producer replica(s) serving each consumer replica: the plan's routing, nothing else
+            self.serving = [r.vision_replicas for r in sorted(plan.routing, key=lambda r: r.llm_replica)]
+            bridge = BridgeLayout(
+                groups=tuple(
+                    (n, specs[n].world_size, _endpoint_stride(n, specs, self.consumer_name)) for n in names
+                )
+            )
+            for name in names:
+                spec = WorkerSpec(
+                    model=config.model,
+                    module=self.modules_cfg[name],
+                    train=config.train,
+                    mesh=specs[name].mesh,
+                    device=specs[name].device,
+                    handoff=plan.handoff,
+                    links=self.links,
+                    bridge_layout=bridge,
+                    loss_chunk_tokens=plan.loss_chunk_tokens.get(name, 0),  # the plan's resolved chunk
+                )
                 self.groups[name] = ActorGroup(
-                    spec, pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs=kwargs
+                    specs[name], pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs={"spec": spec}
                 )
             init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
-            if self.p2p:
-                self._init_bridge(timeout_s=init_timeout_s)
+            if self.links:
+                self._connect_channel(names, timeout_s=init_timeout_s)
             pending = {n: g.submit("build") for n, g in self.groups.items()}
             self.param_counts = {
                 n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
@@ -115,57 +123,52 @@ class Trainer:
             self.close(graceful=False)
             raise
 
-    def _init_bridge(self, *, timeout_s: float) -> None:
-        """Every rank of both groups joins the p2p bridge (store on vision rank 0), concurrently."""
-        addr, port = self.vision.master_address(avoid=set())
-        backend = "nccl" if self.vision.spec.device == "cuda" else "gloo"
+    def _connect_channel(self, names: list[str], *, timeout_s: float) -> None:
+        """Every rank of every group joins the hand-off channel (rendezvous on the first group's rank 0)."""
+        first = self.groups[names[0]]
+        addr, port = first.master_address(avoid=set())
+        backend = "nccl" if first.spec.device == "cuda" else "gloo"
         kw = {"host": addr, "port": port, "backend": backend, "timeout_s": timeout_s}
-        pend = [g.submit("init_bridge", **kw) for g in (self.vision, self.llm)]
+        pend = [g.submit("connect_channel", **kw) for g in self.groups.values()]
         try:
             for p in pend:
                 p.group.collect(p, timeout_s=timeout_s + 10)
         except RuntimeFailure as e:
             raise RuntimeFailure(
-                f"p2p hand-off bridge ({backend} {addr}:{port}, vision+llm ranks) failed to start: {e}. "
+                f"the hand-off channel ({backend} {addr}:{port}, groups {names}) failed to start: {e}. "
                 "Fix: check that the port is reachable between the groups' nodes, or use handoff=auto."
             ) from e
 
     @property
-    def vision(self) -> ActorGroup | None:
-        return self.groups.get("vision")
+    def consumer(self) -> ActorGroup:
+        """The group of the module with the loss (the LLM)."""
+        return self.groups[self.consumer_name]
 
     @property
     def llm(self) -> ActorGroup:
-        return self.groups["llm"]
+        return self.consumer
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, data: StepData, *, lr: float, collect_grads: bool = False) -> StepResult:
         """Run one optimizer step on ``data``; a non-finite loss or grad norm stops before the update."""
         t0 = time.perf_counter()
         driver_s = 0.0
-        vision_grads = self.vision is not None and not self.modules_cfg["vision"].freeze
-        llm_out, enc_next = [], None
-        for m in range(len(data.micro_batches)):
+        micro_batches = len(data.micro_batches)
+        sent: list[dict[str, Any] | None] = [None] * micro_batches
+        consumed = []
+        for m in range(micro_batches):
             td = time.perf_counter()
-            enc = enc_next if enc_next is not None else self._encode(data, m)
+            if sent[m] is None:
+                sent[m] = self._produce(data, m)
+            if m + 1 < micro_batches:
+                sent[m + 1] = self._produce(data, m + 1)  # overlaps the consumer's work on m
             driver_s += time.perf_counter() - td
-            if m + 1 < len(data.micro_batches):
-                td = time.perf_counter()
-                enc_next = self._encode(data, m + 1)  # overlaps the LLM's work on m
-                driver_s += time.perf_counter() - td
-            else:
-                enc_next = None
-            llm_out.append(self._llm_forward_backward(data, m, enc, vision_grads=vision_grads))
-            if vision_grads and enc is not None:
-                self._vision_backward(m, llm_out[-1])
-        leaders = self.llm.layout.leaders()
+            consumed.append(self._consume(data, m, sent[m]))
+            self._backprop(m, sent[m], consumed[-1])
+        leaders = self.consumer.layout.leaders()
         stats = [
-            self.llm.get(
-                [_as_list(p.refs[r])[0] for r in leaders],
-                what="llm_forward_backward",
-                timeout_s=self._timeout,
-            )
-            for p in llm_out
+            self.consumer.get([p.ref(r, 0) for r in leaders], what="consume", timeout_s=self._timeout)
+            for p in consumed
         ]
         loss_sum = sum(s["loss_sum"] for per_m in stats for s in per_m)
         wait_s = sum(max(s["wait_s"] for s in per_m) for per_m in stats)
@@ -207,86 +210,98 @@ class Trainer:
 
     def abort_step(self) -> None:
         """Drop a half-run step: wait for its calls, then zero grads and in-flight state everywhere."""
-        for p in self._vision_bwd:
+        for p in self._backprops:
             with contextlib.suppress(RuntimeFailure):
                 p.group.collect(p)
-        self._vision_bwd = []
+        self._backprops = []
         for g in self.groups.values():
             g.call("zero_grads")
 
-    def _encode(self, data: StepData, m: int) -> tuple[MicroBatchRouting, Any] | None:
-        """Route micro-batch ``m`` and issue the encoder's forward on every vision rank (no wait)."""
-        if self.vision is None:
-            return None
+    def _produce(self, data: StepData, m: int) -> dict[str, Any]:
+        """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait).
+
+        Returns ``{producer: (routing, pending)}`` for the producers with work (none without images)."""
         batches = data.micro_batches[m]
         if all(b.image_grid_thw is None for b in batches):
-            return None
-        layout = self.vision.layout
-        world = layout.world_size
-        routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
-            pixel_values=[b.pixel_values for b in batches],
-            image_grid_thw=[b.image_grid_thw for b in batches],
-            vision_replicas=self.vision.layout.num_replicas,
-            sp_size=self.vision.spec.mesh.get("sp", 1),
-            arch=self.model_cfg.vision,
-            pad_empty=self.vision.spec.mesh.get("fsdp", 1) > 1,  # FSDP collectives span replicas
-        )
-        pending = self.vision.submit(
-            "vision_forward",
-            [routing.vision[layout.unit_of(r)] for r in range(world)],
-            [m] * world,
-            [layout.unit_leader(layout.unit_of(r)) == r for r in range(world)],  # only TP rank 0 sends
-            num_returns=self.llm.layout.num_replicas,
-        )
-        return routing, pending
+            return {}
+        out = {}
+        for link in self.links:
+            group = self.groups[link.producer]
+            layout, world = group.layout, group.layout.world_size
+            sp = group.spec.mesh.get("sp", 1)
+            routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
+                pixel_values=[b.pixel_values for b in batches],
+                image_grid_thw=[b.image_grid_thw for b in batches],
+                serving=self.serving,
+                producer_replicas=layout.num_replicas,
+                sp_size=sp,
+                shard_fn=lambda pv, g, n, name=link.producer: self.family.shard_inputs(
+                    name, self.hf_config, pixel_values=pv, image_grid_thw=g, sp_size=n
+                ),
+                tokens_per_image=lambda g: self.family.tokens_per_image(self.hf_config, g),
+                # FSDP collectives span replicas: a replica without images runs a blank one
+                blank=self.family.blank_image(self.hf_config) if group.spec.mesh.get("fsdp", 1) > 1 else None,
+            )
+            out[link.producer] = (
+                routing,
+                group.submit(
+                    "produce",
+                    [routing.units[layout.unit_of(r)] for r in range(world)],
+                    [m] * world,
+                    [
+                        layout.unit_leader(layout.unit_of(r)) == r for r in range(world)
+                    ],  # only TP rank 0 sends
+                    num_returns=self.consumer.layout.num_replicas,
+                ),
+            )
+        return out
 
-    def _llm_forward_backward(self, data: StepData, m: int, enc: Any, *, vision_grads: bool) -> Any:
-        """Issue the LLM's forward+backward of micro-batch ``m``; each replica gets its senders' refs."""
-        n_rep = self.llm.layout.num_replicas
-        chunk_refs: list[list[Any]] = [[] for _ in range(n_rep)]
-        recv_from: list[list[tuple[int, Any]]] = [[] for _ in range(n_rep)]
-        if enc is not None and self.p2p:  # each replica leader receives from its units' leaders
-            routing, _ = enc
-            for u, work in enumerate(routing.vision):
-                for route in work.routes:
-                    recv_from[route.llm_replica].append(
-                        (self.vision.layout.unit_leader(u), route.dst.numpy())
-                    )
-        elif enc is not None:
-            routing, pending = enc
-            for j in range(n_rep):  # one entry per vision unit, read from the unit's sending rank
-                chunk_refs[j] = [
-                    None if s is None else _as_list(pending.refs[s])[j]
-                    for s in unit_senders(routing, j, self.vision.layout)
+    def _grads_wanted(self, sent: dict[str, Any]) -> bool:
+        return bool(sent) and any(not self.modules_cfg[p].freeze for p in sent)
+
+    def _consume(self, data: StepData, m: int, sent: dict[str, Any]) -> Any:
+        """Issue the consumer's forward+backward of micro-batch ``m``; each replica gets its senders' refs."""
+        replicas = self.consumer.layout.num_replicas
+        inboxes: list[dict[str, list[Any]]] = [{} for _ in range(replicas)]
+        for producer, (routing, pending) in sent.items():
+            layout = self.groups[producer].layout
+            for j in range(replicas):  # one entry per producer unit, read from the unit's sending rank
+                inboxes[j][producer] = [
+                    None if s is None else pending.ref(s, j) for s in unit_senders(routing, j, layout)
                 ]
-        with_grads = vision_grads and enc is not None
-        return self.llm.submit(
-            "llm_forward_backward",
+        grads = self._grads_wanted(sent)
+        units = sum(self.groups[p].layout.num_units for p in sent)
+        return self.consumer.submit(
+            "consume",
             data.micro_batches[m],
-            chunk_refs,
-            recv_from,
+            inboxes,
             micro_batch=m,
             num_label_tokens=data.num_label_tokens,
-            vision_grads=with_grads,
-            num_returns=1 + self._vision_units if with_grads and not self.p2p else 1,
+            grads=grads,
+            num_returns=1 + units if grads else 1,
         )
 
-    def _vision_backward(self, m: int, llm_pending: Any) -> None:
-        """Issue the encoder's backward of ``m`` with the gradient rows each vision rank needs."""
-        leaders = self.llm.layout.leaders()
-        layout = self.vision.layout
-        world = layout.world_size
-        grad_refs = [
-            [] if self.p2p else [llm_pending.refs[leader][1 + layout.unit_of(r)] for leader in leaders]
-            for r in range(world)
-        ]
-        self._vision_bwd.append(self.vision.submit("vision_backward", [m] * world, grad_refs))
+    def _backprop(self, m: int, sent: dict[str, Any], consumed: Any) -> None:
+        """Issue each producer's backward of ``m`` with the gradient rows each of its ranks needs."""
+        if not self._grads_wanted(sent):
+            return
+        leaders = self.consumer.layout.leaders()
+        offset = 1  # the consumer returns (stats, grads of the first producer's units, the next's, ...)
+        for producer in sent:
+            group = self.groups[producer]
+            layout, world = group.layout, group.layout.world_size
+            if not self.modules_cfg[producer].freeze:
+                grad_refs = [
+                    [consumed.ref(j, offset + layout.unit_of(r)) for j in leaders] for r in range(world)
+                ]
+                self._backprops.append(group.submit("backprop", [m] * world, grad_refs))
+            offset += layout.num_units
 
     def _finalize_grads(self) -> float:
         """Wait for every backward, reduce grads in each group (concurrently), sum the squared norms."""
-        for p in self._vision_bwd:
-            self.vision.collect(p, timeout_s=self._timeout)
-        self._vision_bwd = []
+        for p in self._backprops:
+            p.group.collect(p, timeout_s=self._timeout)
+        self._backprops = []
         pend = {n: g.submit("finalize_grads") for n, g in self.groups.items()}
         return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
 
@@ -402,5 +417,14 @@ def _check_reachable(address: str, *, source: str, timeout_s: float = 5.0) -> No
         ) from e
 
 
-def _as_list(refs: Any) -> list[Any]:
-    return refs if isinstance(refs, list) else [refs]
+def _hf_config(family: Any, model: Any) -> Any:
+    """The transformers config the workers build from (edge widths, the family's SP cut)."""
+    if model.path is None:
+        return family.hf_config(model)
+    return family.hf_config_from_dir(model.path, attn_implementation=model.attn_implementation)
+
+
+def _endpoint_stride(name: str, specs: dict[str, Any], consumer: str) -> int:
+    """Ranks between two hand-off endpoints of group ``name``: a consumer's data replica, a producer's unit."""
+    layout = specs[name].layout
+    return layout.ranks_per_replica if name == consumer else layout.tp_size

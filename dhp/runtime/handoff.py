@@ -1,78 +1,83 @@
-"""The cross-group hand-off: which image-embedding rows go from which encoder rank to which LLM rank.
+"""The cross-group hand-off of layout ``image_tokens``: which rows go from which producer rank to which
+consumer rank.
 
-Routing (pure, driver side). For micro-batch ``m`` every LLM data replica ``j`` has a batch with
-images. The images of all replicas, in order, are cut into contiguous blocks balanced by patch
-count, one block per vision data replica (N:M: a vision replica may serve several LLM replicas, or
-an LLM replica's images may come from several vision replicas). Inside a vision replica the SP cut
-(``dhp.parallel.shard_vision_batch``) gives each SP rank the merged-token positions it outputs
-(``token_index``). :func:`route_micro_batch` turns that into per-vision-rank send lists: for each
-destination LLM replica, which local output rows go there and at which row of that replica's
-``image_embeds`` they land.
+Routing (pure, driver side), from the plan's routing only (``Plan.routing``: which producer data
+replicas serve each consumer replica). For micro-batch ``m`` every consumer data replica ``j`` has a
+batch with images. A producer replica that serves several consumer replicas takes all their images
+(in replica order); consumer replicas served by several producer replicas have their images cut into
+contiguous blocks balanced by patch count, one per serving replica. Inside a producer replica the
+family's SP cut (``family.shard_inputs``) gives each SP rank the layout rows it outputs
+(``token_index``). :func:`route_micro_batch` turns that into per-unit send lists: for each destination
+replica, which local output rows go there and at which row of that replica's layout they land.
 
-Bytes. Each vision rank puts each row once (one object per destination replica); all ranks of the
-destination replica (its TP ranks) read that one object. The gradient goes back from the replica's
-leader only, cut per source rank, so no byte is sent twice in either direction.
+Bytes. Each producer unit puts each row once (one payload per destination replica); all ranks of the
+destination replica (its TP ranks) read that one payload. The gradient goes back from the replica's
+leader only, cut per source unit, so no byte is sent twice in either direction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dhp.config.schema import VisionArch
 from dhp.errors import RuntimeFailure
-from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
 from dhp.runtime.dispatch import RankLayout
+
+#: the family's SP cut of one producer replica's images: ``(pixel_values, image_grid_thw, sp_size) -> shards``
+ShardFn = Callable[[torch.Tensor, torch.Tensor, int], list[Any]]
 
 
 @dataclass(frozen=True)
 class Route:
-    """Rows of one vision rank's output that go to one LLM replica.
+    """Rows of one producer unit's output that go to one consumer replica.
 
-    ``src``: row positions in the vision rank's local output; ``dst``: row positions in the LLM
-    replica's ``image_embeds`` (original token order of that replica's micro-batch).
+    ``src``: row positions in the unit's local output; ``dst``: row positions in the consumer
+    replica's layout (image-token order of that replica's micro-batch).
     """
 
-    llm_replica: int
+    replica: int
     src: torch.Tensor
     dst: torch.Tensor
 
 
 @dataclass(frozen=True)
-class VisionWork:
-    """One vision rank's part of one micro-batch: its SP shard (or None: no images) and its routes."""
+class ProducerWork:
+    """One producer unit's part of one micro-batch: its SP shard (or None: no images) and its routes."""
 
-    shard: VisionShard | None
+    shard: Any | None  # the family's input shard (``ProducerShard``)
     routes: tuple[Route, ...]
-    num_tokens: int  # output rows of this rank
+    num_tokens: int  # output rows of this unit
+    num_consumer_replicas: int = 1
 
 
 @dataclass(frozen=True)
 class MicroBatchRouting:
-    """Routing of one micro-batch. ``vision[rank]``; ``llm_tokens[j]`` = image tokens of LLM replica j."""
+    """Routing of one micro-batch. ``units[u]``; ``consumer_rows[j]`` = layout rows of consumer replica j."""
 
-    vision: tuple[VisionWork, ...]
-    llm_tokens: tuple[int, ...]
+    units: tuple[ProducerWork, ...]
+    consumer_rows: tuple[int, ...]
 
-    def sources_of(self, llm_replica: int) -> list[int]:
-        """Vision ranks that send rows to ``llm_replica`` (in rank order)."""
-        return [r for r, w in enumerate(self.vision) if any(x.llm_replica == llm_replica for x in w.routes)]
+    def sources_of(self, replica: int) -> list[int]:
+        """Producer units that send rows to consumer ``replica`` (in unit order)."""
+        return [u for u, w in enumerate(self.units) if any(x.replica == replica for x in w.routes)]
 
 
-def unit_senders(routing: MicroBatchRouting, llm_replica: int, layout: RankLayout) -> list[int | None]:
-    """Per vision unit, the vision rank whose payload ``llm_replica`` reads, or None (sends nothing).
+def unit_senders(routing: MicroBatchRouting, replica: int, layout: RankLayout) -> list[int | None]:
+    """Per producer unit, the producer rank whose payload consumer ``replica`` reads, or None.
 
-    ``routing.vision`` has one entry per unit (data replica x SP rank); the unit's TP ranks hold
+    ``routing.units`` has one entry per unit (data replica x SP rank); the unit's TP ranks hold
     the same rows and only its TP rank 0 (``layout.unit_leader``) sends them. A unit index is a rank
     only when TP = 1, so the two must never be mixed.
     """
-    if len(routing.vision) != layout.num_units:
+    if len(routing.units) != layout.num_units:
         raise RuntimeFailure(
-            f"hand-off: routing has {len(routing.vision)} vision units, the vision group has "
+            f"hand-off: routing has {len(routing.units)} producer units, the producer group has "
             f"{layout.num_units} (world {layout.world_size} / tp {layout.tp_size}) (a routing bug)"
         )
-    srcs = set(routing.sources_of(llm_replica))
+    srcs = set(routing.sources_of(replica))
     return [layout.unit_leader(u) if u in srcs else None for u in range(layout.num_units)]
 
 
@@ -100,68 +105,68 @@ def route_micro_batch(
     *,
     pixel_values: list[torch.Tensor | None],
     image_grid_thw: list[torch.Tensor | None],
-    vision_replicas: int,
+    serving: Sequence[Sequence[int]],
+    producer_replicas: int,
     sp_size: int,
-    arch: VisionArch,
-    pad_empty: bool = False,
+    shard_fn: ShardFn,
+    tokens_per_image: Callable[[torch.Tensor], list[int]],
+    blank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MicroBatchRouting:
-    """Route one micro-batch (one entry per LLM replica) onto ``vision_replicas x sp_size`` ranks.
+    """Route one micro-batch (one entry per consumer replica) onto ``producer_replicas x sp_size`` units.
 
-    ``pad_empty``: a vision replica that gets no image (fewer images than replicas, e.g. text-only
-    samples) runs a one-merge-unit blank image whose output goes nowhere and whose gradient is zero.
-    Needed when the encoder is FSDP-sharded across replicas: every replica must then take part in
-    each forward's all-gathers and each backward's reduce-scatters, or its peers hang. The gradient
-    is unchanged (exactly zero is added). Memory: one tiny image's activations on that replica.
+    ``serving[j]``: the producer replicas that serve consumer replica ``j`` (``Plan.routing``).
+    ``blank`` (``family.blank_image``): a producer replica that gets no image (fewer images than
+    replicas, e.g. text-only samples) runs it and its output goes nowhere, its gradient is zero.
+    Needed when the producer is FSDP-sharded across replicas: every replica must then take part in
+    each forward's all-gathers and each backward's reduce-scatters, or its peers hang. None: such a
+    replica's units get no work.
 
-    Memory: builds each vision replica's pixel rows once (a concatenation of its images' rows);
+    Memory: builds each producer replica's pixel rows once (a concatenation of its images' rows);
     the SP cut copies only each rank's rows.
     """
-    merge = arch.spatial_merge_size**2
-    images: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (replica, grid row, pixels, dst offset)
-    llm_tokens = []
+    blocks: list[list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = [
+        [] for _ in range(producer_replicas)
+    ]
+    consumer_rows = []
     for j, (pv, grid) in enumerate(zip(pixel_values, image_grid_thw, strict=True)):
-        offset, row = 0, 0
-        for g in grid if grid is not None else []:
+        images, offset, row = [], 0, 0  # (replica j, grid row, pixels, dst offset, rows)
+        counts = tokens_per_image(grid) if grid is not None else []
+        for g, n_rows in zip(grid if grid is not None else [], counts, strict=True):
             n = int(g.prod())
-            images.append((j, g, pv[row : row + n], offset))
+            images.append((j, g, pv[row : row + n], offset, n_rows))
             row += n
-            offset += n // merge
-        llm_tokens.append(offset)
-    cuts = assign_images([int(g.prod()) for _, g, _, _ in images], parts=vision_replicas)
-    vision: list[VisionWork] = []
-    for v in range(vision_replicas):
-        block = images[cuts[v] : cuts[v + 1]]
-        if not block and pad_empty and llm_tokens and any(llm_tokens):
-            vision.extend(_blank_replica(sp_size=sp_size, arch=arch))
+            offset += n_rows
+        consumer_rows.append(offset)
+        serve = list(serving[j])
+        cuts = assign_images([int(g.prod()) for _, g, _, _, _ in images], parts=len(serve))
+        for k, v in enumerate(serve):
+            blocks[v].extend(images[cuts[k] : cuts[k + 1]])
+    units: list[ProducerWork] = []
+    replicas = len(consumer_rows)
+    for block in blocks:
+        if not block and blank is not None and any(consumer_rows):
+            shards = shard_fn(blank[0], blank[1], sp_size)
+            units.extend(
+                ProducerWork(
+                    shard=sh, routes=(), num_tokens=sh.token_index.numel(), num_consumer_replicas=replicas
+                )
+                for sh in shards
+            )
         else:
-            vision.extend(_route_replica(block, sp_size=sp_size, merge=merge, arch=arch))
-    return MicroBatchRouting(vision=tuple(vision), llm_tokens=tuple(llm_tokens))
+            units.extend(_route_replica(block, sp_size=sp_size, shard_fn=shard_fn, replicas=replicas))
+    return MicroBatchRouting(units=tuple(units), consumer_rows=tuple(consumer_rows))
 
 
-def _blank_replica(*, sp_size: int, arch: VisionArch) -> list[VisionWork]:
-    """SP shards of a blank image of one merge unit (``spatial_merge_size**2`` patches), no routes."""
-    m = arch.spatial_merge_size
-    patch_dim = arch.in_channels * arch.temporal_patch_size * arch.patch_size**2
-    shards = shard_vision_batch(
-        torch.zeros(m * m, patch_dim), torch.tensor([[1, m, m]]), sp_size=sp_size, arch=arch
-    )
-    return [VisionWork(shard=sh, routes=(), num_tokens=sh.token_index.numel()) for sh in shards]
-
-
-def _route_replica(block, *, sp_size: int, merge: int, arch: VisionArch) -> list[VisionWork]:
-    """SP-shard one vision replica's images and map each rank's output rows to LLM replicas."""
+def _route_replica(block, *, sp_size: int, shard_fn: ShardFn, replicas: int) -> list[ProducerWork]:
+    """SP-shard one producer replica's images and map each unit's output rows to consumer replicas."""
     if not block:
-        return [VisionWork(shard=None, routes=(), num_tokens=0)] * sp_size
-    shards = shard_vision_batch(
-        torch.cat([pv for _, _, pv, _ in block]),
-        torch.stack([g for _, g, _, _ in block]),
-        sp_size=sp_size,
-        arch=arch,
+        return [ProducerWork(shard=None, routes=(), num_tokens=0, num_consumer_replicas=replicas)] * sp_size
+    shards = shard_fn(
+        torch.cat([pv for _, _, pv, _, _ in block]), torch.stack([g for _, g, _, _, _ in block]), sp_size
     )
-    # replica-local token position -> (llm replica, dst row)
+    # replica-local token position -> (consumer replica, dst row)
     dst_replica, dst_row = [], []
-    for j, g, _, offset in block:
-        n = int(g.prod()) // merge
+    for j, _, _, offset, n in block:
         dst_replica.append(torch.full((n,), j, dtype=torch.long))
         dst_row.append(torch.arange(offset, offset + n))
     rep, row = torch.cat(dst_replica), torch.cat(dst_row)
@@ -171,6 +176,10 @@ def _route_replica(block, *, sp_size: int, merge: int, arch: VisionArch) -> list
         routes = []
         for j in torch.unique(rep[idx]).tolist():
             mask = rep[idx] == j
-            routes.append(Route(llm_replica=j, src=torch.nonzero(mask).flatten(), dst=row[idx[mask]]))
-        out.append(VisionWork(shard=shard, routes=tuple(routes), num_tokens=idx.numel()))
+            routes.append(Route(replica=j, src=torch.nonzero(mask).flatten(), dst=row[idx[mask]]))
+        out.append(
+            ProducerWork(
+                shard=shard, routes=tuple(routes), num_tokens=idx.numel(), num_consumer_replicas=replicas
+            )
+        )
     return out

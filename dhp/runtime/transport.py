@@ -1,4 +1,13 @@
-"""How hand-off tensors travel between actors, behind one interface.
+"""How hand-off tensors travel between actors: one channel interface, three implementations.
+
+Every channel: ``pack(t, *, to, tag, direction)`` on the sending rank returns a small picklable
+payload that travels as the worker method's result (a Ray object ref the driver routes without
+looking inside); ``unpack(payload, *, device, tag, direction)`` on a receiving rank gives the tensor.
+``to = (module, endpoint index)`` names the receiver (a consumer's data replica, or a producer's unit),
+``tag`` the micro-batch, ``direction`` ``fwd`` (rows) or ``bwd`` (their gradients). ``leader_only``:
+only an endpoint's leader may unpack (it broadcasts to its peers); ``release()`` after the step's
+update, ``drain()`` at the end of the backward, ``abandon()`` when a step is dropped; ``connect(...)``
+joins what the channel needs (the bridge's communicators; nothing for the others).
 
 - ``cpu``: Ray object store. ``pack`` gives a numpy *view* of the tensor (no copy); Ray writes it
   once into shared memory, and every reader on the node maps the same bytes (``unpack`` is a
@@ -8,14 +17,17 @@
   event recorded on the producer's current stream after the tensor was written; the producer's CPU
   never blocks. ``unpack`` maps the same device memory and makes the consumer's stream wait on that
   event. The producer keeps tensor and event alive until ``release()``. No bytes move at all.
-- ``p2p`` (disaggregated GPU groups, or on request on cpu) is not an object transport: rows go
-  over point-to-point process groups between the two groups, see ``dhp.runtime.bridge``.
+- ``p2p`` (disaggregated GPU groups, or on request on cpu): :class:`BridgeTransport`. ``pack`` starts a
+  send over point-to-point process groups between the groups (``dhp.runtime.bridge``) and returns a
+  ticket (shape, dtype, sender); ``unpack`` receives from that sender. Only endpoint leaders talk to
+  the bridge (``leader_only``).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,26 +37,51 @@ from dhp.errors import PlanError
 
 
 class Transport(Protocol):
-    """Pack a tensor on the producer, unpack it on a consumer."""
+    """Pack a tensor on the sending rank, unpack it on a receiving rank (see the module docstring)."""
 
     name: str
+    leader_only: bool
 
-    def pack(self, t: torch.Tensor) -> Any: ...
+    def connect(self, **kwargs: Any) -> None: ...
 
-    def unpack(self, payload: Any, *, device: torch.device) -> torch.Tensor: ...
+    def pack(self, t: torch.Tensor, **where: Any) -> Any: ...
+
+    def unpack(self, payload: Any, *, device: torch.device, **where: Any) -> torch.Tensor: ...
 
     def release(self) -> None: ...
 
+    def drain(self) -> None: ...
 
-class CpuTransport:
+    def abandon(self) -> None: ...
+
+
+class _RayTransport:
+    """What the object-passing channels share: nothing to join, nothing in flight outside Ray."""
+
+    leader_only = False
+
+    def connect(self, **kwargs: Any) -> None:
+        return None
+
+    def drain(self) -> None:
+        return None
+
+    def abandon(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        return None
+
+
+class CpuTransport(_RayTransport):
     """Object-store transport with zero-copy numpy views (see module docstring)."""
 
     name = "cpu"
 
-    def pack(self, t: torch.Tensor) -> np.ndarray:
+    def pack(self, t: torch.Tensor, **where: Any) -> np.ndarray:
         return t.detach().contiguous().numpy()
 
-    def unpack(self, payload: np.ndarray, *, device: torch.device) -> torch.Tensor:
+    def unpack(self, payload: np.ndarray, *, device: torch.device, **where: Any) -> torch.Tensor:
         with warnings.catch_warnings():  # the object store buffer is read-only; we never write to it
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(payload).to(device)
@@ -61,7 +98,7 @@ module loaded by path (``scripts/gpu``) alike. For a CPU tensor the event and de
 """
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(_RayTransport):
     """CUDA IPC handles plus an interprocess event, for groups that share GPUs (collocated).
 
     ``pack`` records a ``torch.cuda.Event(interprocess=True)`` on the producer's current stream of the
@@ -90,7 +127,7 @@ class CudaIpcTransport:
     def __init__(self) -> None:
         self._alive: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
 
-    def pack(self, t: torch.Tensor) -> IpcPayload:
+    def pack(self, t: torch.Tensor, **where: Any) -> IpcPayload:
         """IPC handles for ``t`` (contiguous; a copy only if it was not) and an event after its writes.
 
         Does not block the CPU. Keeps ``t`` and the event alive until ``release()``.
@@ -106,7 +143,7 @@ class CudaIpcTransport:
         self._alive.append((t, event))
         return reduce_tensor(t), event.ipc_handle(), t.device.index
 
-    def unpack(self, payload: IpcPayload, *, device: torch.device) -> torch.Tensor:
+    def unpack(self, payload: IpcPayload, *, device: torch.device, **where: Any) -> torch.Tensor:
         """Map the producer's memory (no copy) after ordering this process's stream behind its event.
 
         The wait goes on the current stream of the producer's device index: the stream a same-device
@@ -125,13 +162,76 @@ class CudaIpcTransport:
         self._alive.clear()
 
 
-def make_transport(handoff: str) -> Transport | None:
-    """The object-passing transport for a resolved hand-off (``dhp.config.handoff``); None for
-    ``p2p``, whose rows go over the bridge process groups (``dhp.runtime.bridge``), not Ray."""
+@dataclass(frozen=True)
+class BridgeTicket:
+    """What a bridge send leaves for the receiver: the rows' shape and dtype, and who sent them."""
+
+    src: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class BridgeTransport:
+    """The ``p2p`` channel: rows over the bridge's point-to-point communicators (``dhp.runtime.bridge``).
+
+    ``pack`` starts the send to ``to``'s endpoint and returns a :class:`BridgeTicket`; ``unpack``
+    receives it (each side issues its operations in the driver's order: micro-batch, then source,
+    then destination, so neither communicator can deadlock). Sent tensors stay referenced until
+    ``drain`` (end of the step's backward).
+    """
+
+    name = "p2p"
+    leader_only = True
+
+    def __init__(self, layout: Any, module: str, rank: int) -> None:
+        self.layout, self.module, self.rank = layout, module, rank
+        self.bridge: Any = None
+
+    def connect(self, *, host: str, port: int, backend: str, timeout_s: float) -> None:
+        """Join the bridge (every rank of every group; blocks until all joined)."""
+        from dhp.runtime.bridge import Bridge
+
+        self.bridge = Bridge(
+            host=host,
+            port=port,
+            rank=self.layout.bridge_rank(self.module, self.rank),
+            world_size=self.layout.world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
+    def pack(self, t: torch.Tensor, *, to: tuple[str, int], tag: int, direction: str) -> BridgeTicket:
+        self.bridge.send(t, dst=self.layout.endpoint(*to), direction=direction, tag=tag)
+        me = self.layout.bridge_rank(self.module, self.rank)
+        return BridgeTicket(src=me, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+
+    def unpack(
+        self, payload: BridgeTicket, *, device: torch.device, tag: int, direction: str
+    ) -> torch.Tensor:
+        dtype = getattr(torch, payload.dtype)
+        return self.bridge.recv(
+            payload.shape, dtype=dtype, device=device, src=payload.src, direction=direction, tag=tag
+        )
+
+    def release(self) -> None:
+        return None
+
+    def drain(self) -> None:
+        if self.bridge is not None:
+            self.bridge.drain()
+
+    def abandon(self) -> None:
+        if self.bridge is not None:
+            self.bridge.abandon()
+
+
+def make_transport(handoff: str, *, bridge_layout: Any = None, module: str = "", rank: int = 0) -> Transport:
+    """The channel of a resolved hand-off (``dhp.config.handoff``): ``object_store`` -> :class:`CpuTransport`,
+    ``cuda_ipc`` -> :class:`CudaIpcTransport`, ``p2p`` -> :class:`BridgeTransport` over ``bridge_layout``."""
     if handoff == "object_store":
         return CpuTransport()
     if handoff == "cuda_ipc":
         return CudaIpcTransport()
     if handoff == "p2p":
-        return None
+        return BridgeTransport(bridge_layout, module, rank)
     raise PlanError(f"unknown hand-off {handoff!r}: expected object_store, cuda_ipc or p2p")

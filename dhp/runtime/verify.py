@@ -1,8 +1,8 @@
 """``dhp verify``: run a plan and the unsplit transformers model side by side and compare every step.
 
 The plan runs through the real runtime (:class:`dhp.runtime.Trainer`, Ray actor groups, hand-offs)
-with ``collect_grads=True``; the reference is the untouched ``Qwen2_5_VLForConditionalGeneration``
-in THIS (driver) process, started from the plan's own initial weights, fed the same batches (the
+with ``collect_grads=True``; the reference is the family's untouched transformers model
+(``family.reference_model``) in THIS (driver) process, started from the plan's own initial weights, fed the same batches (the
 union of all data replicas' micro-batches, normalised by the same global label-token count ``T``),
 clipped by the same global norm and stepped by the same AdamW and LR schedule. Memory: the driver
 holds one full fp32 copy of the model, its grads and Adam states, plus one full gradient copy of

@@ -1,4 +1,5 @@
-"""ModuleWorker: one rank of one module (vision encoder or LLM) inside its actor group.
+"""ModuleWorker: one rank of one module of the graph (a producer such as the vision encoder, or the
+consumer that computes the loss, the LLM) inside its actor group.
 
 Placement and memory per rank: the module's shard after ``dhp.parallel.parallelize`` (TP: 1/tp of
 the LLM's matrices; SP: a full encoder copy with 1/sp of the activations), its gradients and
@@ -10,7 +11,6 @@ its dispatch/collect contract; the driver (``dhp.runtime.driver``) is the only c
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ray
@@ -19,19 +19,18 @@ import torch.distributed as dist
 from torch import nn
 
 from dhp import parallel as par
-from dhp.config.schema import ModelConfig, ModuleConfig, TrainConfig
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
 from dhp.errors import RuntimeFailure
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.models import get_family
+from dhp.models.dtypes import torch_dtype
 from dhp.models.loading import LoadReport, load_module_weights
-from dhp.models.qwen2_5_vl.family import torch_dtype
-from dhp.parallel.ulysses import vision_shard_forward
 from dhp.runtime.base_worker import DistWorker
-from dhp.runtime.bridge import Bridge, BridgeLayout
 from dhp.runtime.dispatch import Collect, Dispatch, register
-from dhp.runtime.handoff import VisionWork
+from dhp.runtime.graph import Link
+from dhp.runtime.handoff import ProducerWork
+from dhp.runtime.spec import WorkerSpec
 from dhp.runtime.transport import make_transport
 
 #: seed offset per module so vision and llm draw different random inits from one train.seed
@@ -41,37 +40,22 @@ _SEED_STRIDE = 1_000_003
 class ModuleWorker(DistWorker):
     """Build, run and update one module's shard on this rank (see module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        module_name: str,
-        rank: int,
-        world_size: int,
-        model: ModelConfig,
-        module: ModuleConfig,
-        train: TrainConfig,
-        mesh: dict[str, int],
-        device: str,
-        handoff: str,
-        num_llm_replicas: int,
-        num_vision_units: int,
-        bridge_layout: BridgeLayout | None = None,
-        loss_chunk_tokens: int = 0,
-    ) -> None:
+    def __init__(self, *, module_name: str, rank: int, world_size: int, spec: WorkerSpec) -> None:
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
-        self.model_cfg, self.module_cfg, self.train_cfg = model, module, train
-        self.mesh_shape = dict(mesh)
-        self.device_type = device
-        self.transport = make_transport(handoff)
-        self.bridge_layout = bridge_layout
-        self.bridge: Bridge | None = None  # p2p only, after init_bridge
-        self.num_llm_replicas = num_llm_replicas
-        self.num_vision_units = num_vision_units
-        self.frozen = module.freeze
+        self.spec = spec
+        self.model_cfg, self.module_cfg, self.train_cfg = spec.model, spec.module, spec.train
+        self.mesh_shape = dict(spec.mesh)
+        self.device_type = spec.device
+        self.channel = make_transport(
+            spec.handoff, bridge_layout=spec.bridge_layout, module=module_name, rank=rank
+        )
+        self.links_out = tuple(link for link in spec.links if link.producer == module_name)
+        self.links_in = tuple(link for link in spec.links if link.consumer == module_name)
+        self.frozen = spec.module.freeze
         # the plan's resolved loss chunk (the config's value, or the planner's choice when it is 0)
-        self.loss_chunk_tokens = loss_chunk_tokens or module.loss_chunk_tokens
-        self._inflight: dict[int, tuple[torch.Tensor, VisionWork]] = {}
-        # handoff_bytes: image-embedding bytes this rank copied out of the hand-off (LLM ranks)
+        self.loss_chunk_tokens = spec.loss_chunk_tokens or spec.module.loss_chunk_tokens
+        self._inflight: dict[int, tuple[dict[str, torch.Tensor], ProducerWork]] = {}
+        # handoff_bytes: hand-off bytes this rank copied out of the channel (consumer ranks)
         self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0, "handoff_bytes": 0.0}
         self._events: list[tuple[str, int, float, float]] = []  # (method, micro-batch, start, end) wall clock
 
@@ -100,18 +84,18 @@ class ModuleWorker(DistWorker):
         self.mesh = init_device_mesh(
             self.device_type, tuple(self.mesh_shape.values()), mesh_dim_names=tuple(self.mesh_shape)
         )
-        family = get_family(self.model_cfg.family)
-        dtype = torch_dtype(self.model_cfg.dtype)
+        family = self.family = get_family(self.model_cfg.family)
+        dtype = self.dtype = torch_dtype(self.model_cfg.dtype)
         self.load_report: LoadReport | None = None
         if self.model_cfg.path is None:
-            hf_config = family.hf_config(self.model_cfg)
+            hf_config = self.hf_config = family.hf_config(self.model_cfg)
             torch.manual_seed(
                 self.train_cfg.seed + _SEED_STRIDE * family.module_names.index(self.module_name)
             )
             module = family.build_module(self.module_name, hf_config, device=self.device, dtype=dtype)
             self.module: nn.Module = self._parallelize(module)
         else:
-            hf_config = family.hf_config_from_dir(
+            hf_config = self.hf_config = family.hf_config_from_dir(
                 self.model_cfg.path, attn_implementation=self.model_cfg.attn_implementation
             )
             module = family.build_module(self.module_name, hf_config, device="meta", dtype=dtype)
@@ -162,128 +146,108 @@ class ModuleWorker(DistWorker):
         }
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def init_bridge(self, *, host: str, port: int, backend: str, timeout_s: float) -> None:
-        """Join the p2p hand-off bridge (both groups' ranks; blocks until all joined)."""
-        assert self.bridge_layout is not None
-        self.bridge = Bridge(
-            host=host,
-            port=port,
-            rank=self.bridge_layout.bridge_rank(self.module_name, self.rank),
-            world_size=self.bridge_layout.world_size,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
+    def connect_channel(self, *, host: str, port: int, backend: str, timeout_s: float) -> None:
+        """Join what the hand-off channel needs (the bridge's communicators: every rank of every group,
+        blocking until all joined; nothing for the object store or CUDA IPC)."""
+        self.channel.connect(host=host, port=port, backend=backend, timeout_s=timeout_s)
 
-    # ---- vision ----------------------------------------------------------------------------
+    # ---- producer ----------------------------------------------------------------------------
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
-    def vision_forward(self, work: VisionWork, micro_batch: int, send: bool) -> Any:
-        """Encode this rank's SP shard; return one payload per LLM replica (``num_returns``).
+    def produce(self, work: ProducerWork, micro_batch: int, send: bool) -> Any:
+        """Run this rank's input shard through the module; return one payload per consumer replica.
 
-        A payload is ``(rows, dst_index)`` (zero-copy views for the object store) or None when no
-        row of this rank goes to that replica, or when ``send`` is False (TP ranks > 0 of a vision
-        unit hold the same rows as its rank 0). Activations stay here until ``vision_backward``.
+        The module returns ``{kwarg: (rows, width)}`` for its edges; the link's payload to a replica is
+        its routed rows of all edges, concatenated (``Link.pack``), or None when no row goes there, or
+        when ``send`` is False (TP ranks > 0 of a unit hold the same rows as its rank 0). Activations
+        stay here until ``backprop``.
         """
         t0, wall = time.perf_counter(), time.time()
-        payloads: list[Any] = [None] * self.num_llm_replicas
+        (link,) = self.links_out  # one consumer per producer (the graph's loss module)
+        payloads: list[Any] = [None] * work.num_consumer_replicas
         if work.shard is not None:
             with torch.set_grad_enabled(not self.frozen):
-                shard = resolve_pixels(work.shard)  # data.engine=ray: rows come from the object store
-                out = vision_shard_forward(self.module, _shard_to(shard, self.device))
+                shard = _shard_to(
+                    resolve_pixels(work.shard), self.device
+                )  # data.engine=ray: rows from the store
+                outputs = self.module(**shard.forward_kwargs())
             if not self.frozen:
-                self._inflight[micro_batch] = (out, work)
+                self._inflight[micro_batch] = (outputs, work)
+            rows_all = link.pack({k: t.detach() for k, t in outputs.items()})
             for route in work.routes if send else ():
-                rows = out.detach()[route.src.to(self.device)]
-                if self.bridge is not None:  # p2p: straight to the LLM replica's leader
-                    dst = self.bridge_layout.llm_leader(route.llm_replica)
-                    rows = rows.to(torch_dtype(self.model_cfg.dtype))
-                    self.bridge.send(rows, dst=dst, direction="fwd", tag=micro_batch)
-                else:
-                    payloads[route.llm_replica] = (self.transport.pack(rows), route.dst.numpy())
+                rows = rows_all[route.src.to(self.device)]
+                payload = self.channel.pack(
+                    rows, to=(link.consumer, route.replica), tag=micro_batch, direction="fwd"
+                )
+                payloads[route.replica] = (payload, route.dst.numpy())
         self._timers["fwd_s"] += time.perf_counter() - t0
-        self._events.append(("vision_forward", micro_batch, wall, time.time()))
-        return payloads[0] if self.num_llm_replicas == 1 else tuple(payloads)
+        self._events.append(("produce", micro_batch, wall, time.time()))
+        return payloads[0] if len(payloads) == 1 else tuple(payloads)
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.NONE)
-    def vision_backward(self, micro_batch: int, grad_refs: list[Any]) -> None:
-        """Backpropagate the LLM's gradient rows for this rank's output (one ref per LLM replica)."""
+    def backprop(self, micro_batch: int, grad_refs: list[Any]) -> None:
+        """Backpropagate the consumer's gradient rows for this rank's outputs (one ref per consumer
+        replica it fed; with a leader-only channel the unit leader receives and broadcasts to its TP peers)."""
         entry = self._inflight.pop(micro_batch, None)
         if entry is None or self.frozen:
             return
-        out, work = entry
+        outputs, work = entry
+        (link,) = self.links_out
         t0 = time.perf_counter()
-        if self.bridge is not None:
-            grad = self._recv_vision_grad(out, work, micro_batch)
-            self._timers["wait_s"] += time.perf_counter() - t0
-            t1 = time.perf_counter()
-        else:
-            grads = ray.get(grad_refs) if grad_refs else []
-            self._timers["wait_s"] += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            grad = torch.zeros_like(out)
-            by_replica = {r.llm_replica: r for r in work.routes}
-            for j, payload in enumerate(grads):
-                if payload is not None:
-                    grad[by_replica[j].src.to(self.device)] = self.transport.unpack(
-                        payload, device=self.device
-                    )
-        out.backward(grad)
+        tp_group = _inner_group(self.mesh, self.mesh_shape, ("tp",))
+        reads = not self.channel.leader_only or _is_root(tp_group)
+        got = ray.get(grad_refs) if reads and grad_refs else []
+        self._timers["wait_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rows = next(iter(outputs.values())).shape[0]
+        ref = next(iter(outputs.values()))
+        grad = torch.zeros(rows, link.grad_width, dtype=ref.dtype, device=ref.device)
+        by_replica = {r.replica: r for r in work.routes}
+        for j, payload in enumerate(got):
+            if payload is not None:
+                g = self.channel.unpack(payload, device=self.device, tag=micro_batch, direction="bwd")
+                grad[by_replica[j].src.to(self.device)] = g.to(grad.dtype)
+        if self.channel.leader_only and tp_group is not None and work.routes:
+            dist.broadcast(grad, group=tp_group, group_src=0)
+        torch.autograd.backward(*link.backward_pairs(outputs, grad))
         self._timers["bwd_s"] += time.perf_counter() - t1
 
-    def _recv_vision_grad(self, out: torch.Tensor, work: VisionWork, micro_batch: int) -> torch.Tensor:
-        """p2p: the unit leader receives its rows' gradients from each LLM replica leader it fed,
-        then (vision TP) broadcasts the whole gradient to the unit's other TP ranks."""
-        grad = torch.zeros_like(out)
-        tp_group = _inner_group(self.mesh, self.mesh_shape, ("tp",))
-        if _is_root(tp_group):
-            for route in work.routes:
-                g = self.bridge.recv(
-                    (route.src.numel(), out.shape[1]),
-                    dtype=torch_dtype(self.model_cfg.dtype),
-                    device=self.device,
-                    src=self.bridge_layout.llm_leader(route.llm_replica),
-                    direction="bwd",
-                    tag=micro_batch,
-                )
-                grad[route.src.to(self.device)] = g.to(grad.dtype)
-        if tp_group is not None and work.routes:
-            dist.broadcast(grad, group=tp_group, group_src=0)
-        return grad
-
-    # ---- llm -------------------------------------------------------------------------------
+    # ---- consumer ----------------------------------------------------------------------------
     @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
-    def llm_forward_backward(
+    def consume(
         self,
         batch: VLBatch,
-        chunk_refs: list[Any],
-        recv_from: list[tuple[int, Any]],
+        inbox: dict[str, list[Any]],
         *,
         micro_batch: int,
         num_label_tokens: int,
-        vision_grads: bool,
+        grads: bool,
     ) -> Any:
         """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
 
-        ``chunk_refs``: one ref per vision unit (None where it sends nothing); with the p2p hand-off
-        it is empty and ``recv_from`` lists ``(vision bridge rank, dst rows)`` to receive. Returns
-        ``(stats, grad_0, ..., grad_{U-1})`` with ``num_returns = 1 + U`` when ``vision_grads``,
-        else ``stats`` (always ``stats`` with p2p: the grads go back over the bridge). Only the
-        replica's leader sends gradient rows (TP ranks hold identical ones).
+        ``inbox``: per producer, one payload ref per producer unit (None where it sends nothing).
+        Returns ``(stats, grad_0, ..., grad_{U-1})`` over the units of every incoming link in link
+        order when ``grads``, else ``stats``. Only the replica's leader sends gradient rows (its TP
+        ranks hold identical ones).
         """
         t0, wall = time.perf_counter(), time.time()
-        if self.bridge is not None:
-            group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))  # the replica's other ranks
-            arrivals = self._bridge_arrivals(recv_from, micro_batch) if _is_root(group) else None
-            embeds = self._assemble(batch, arrivals, requires_grad=vision_grads, broadcast_in=group)
-        else:
-            got = ray.get([ref for ref in chunk_refs if ref is not None])
-            sources = [r for r, ref in enumerate(chunk_refs) if ref is not None]
-            chunks = [(r, p) for r, p in zip(sources, got, strict=True) if p is not None]
-        wait, wall = time.perf_counter() - t0, time.time()  # the LLM event starts after its inputs arrived
+        group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))  # the replica's other ranks
+        reads = not self.channel.leader_only or _is_root(group)
+        arrived = {p: [None if ref is None else ref for ref in refs] for p, refs in inbox.items()}
+        flat = [ref for refs in arrived.values() for ref in refs if ref is not None]
+        values = iter(ray.get(flat) if reads else [])
+        got = {p: [None if ref is None else next(values) for ref in refs] for p, refs in arrived.items()}
+        wait, wall = time.perf_counter() - t0, time.time()  # the event starts after its inputs arrived
         self._timers["wait_s"] += wait
         t1 = time.perf_counter()
-        if self.bridge is None:
-            arrivals = ((dst, self.transport.unpack(rows, device=self.device)) for _, (rows, dst) in chunks)
-            embeds = self._assemble(batch, arrivals, requires_grad=vision_grads)
+        leaves = {link.producer: self._assemble(batch, link, got[link.producer] if reads else None,
+                                                micro_batch, requires_grad=grads, broadcast_in=group)
+                  for link in self.links_in if link.producer in inbox}  # fmt: skip
+        edge_inputs: dict[str, torch.Tensor | None] = {}
+        for link in self.links_in:
+            leaf = leaves.get(link.producer)
+            edge_inputs.update(
+                link.split(leaf) if leaf is not None else dict.fromkeys(e.kwarg for e in link.edges)
+            )
         with torch.set_grad_enabled(True):
             out = self.module(
                 input_ids=batch.input_ids.to(self.device),
@@ -291,8 +255,8 @@ class ModuleWorker(DistWorker):
                 labels=batch.labels.to(self.device),
                 mm_token_type_ids=batch.mm_token_type_ids.to(self.device),
                 image_grid_thw=None if batch.image_grid_thw is None else batch.image_grid_thw.to(self.device),
-                image_embeds=embeds,
                 sample_ids=batch.sample_ids,
+                **edge_inputs,
             )
         t2 = time.perf_counter()
         self._timers["fwd_s"] += t2 - t1
@@ -300,73 +264,67 @@ class ModuleWorker(DistWorker):
         if loss.requires_grad:
             loss.backward()
         self._timers["bwd_s"] += time.perf_counter() - t2
-        self._events.append(("llm_forward_backward", micro_batch, wall, time.time()))
+        self._events.append(("consume", micro_batch, wall, time.time()))
         stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait}
-        if not vision_grads:
+        if not grads:
             return stats
         leader = self.rank % (self.mesh_shape.get("sp", 1) * self.mesh_shape.get("tp", 1)) == 0
-        if self.bridge is not None:  # p2p: the leader sends each source its rows' grads; stats only
-            for src, dst in recv_from if leader and embeds is not None else ():
-                rows = embeds.grad[torch.from_numpy(dst).to(self.device)]
-                self.bridge.send(rows, dst=src, direction="bwd", tag=micro_batch)
-            return stats
-        grads: list[Any] = [None] * self.num_vision_units
-        if leader and embeds is not None:
-            for r, (_, dst) in chunks:
-                grads[r] = self.transport.pack(embeds.grad[torch.from_numpy(dst).to(self.device)])
-        return (stats, *grads)
-
-    def _bridge_arrivals(
-        self, recv_from: list[tuple[int, Any]], micro_batch: int
-    ) -> Iterator[tuple[Any, torch.Tensor]]:
-        """p2p: ``(dst rows, received rows)`` from each source in ``recv_from`` order, received lazily."""
-        dtype = torch_dtype(self.model_cfg.dtype)
-        for src, dst in recv_from:
-            shape = (len(dst), self.model_cfg.llm.hidden_size)
-            yield (
-                dst,
-                self.bridge.recv(
-                    shape, dtype=dtype, device=self.device, src=src, direction="fwd", tag=micro_batch
-                ),
-            )
+        payloads: list[Any] = []
+        for link in self.links_in:  # per unit of the producer: its rows' gradients, from the leader only
+            per_unit: list[Any] = [None] * len(inbox.get(link.producer, []))
+            leaf = leaves.get(link.producer)
+            for u, value in enumerate(got.get(link.producer, [])):
+                if leader and leaf is not None and value is not None:
+                    rows = link.grad_of(leaf.grad)[torch.from_numpy(value[1]).to(self.device)]
+                    per_unit[u] = self.channel.pack(
+                        rows, to=(link.producer, u), tag=micro_batch, direction="bwd"
+                    )
+            payloads += per_unit
+        return (stats, *payloads)
 
     def _assemble(
         self,
         batch: VLBatch,
-        arrivals: Iterable[tuple[Any, torch.Tensor]] | None,
+        link: Link,
+        arrivals: list[Any] | None,
+        micro_batch: int,
         *,
         requires_grad: bool,
         broadcast_in: Any = None,
     ) -> torch.Tensor | None:
-        """Place the arriving ``(dst rows, rows)`` at their token positions; a leaf that collects the
-        embeds' grad. ``arrivals`` None: this rank receives the whole tensor by a broadcast from rank
-        0 of ``broadcast_in`` (p2p: only the replica leader talks to the bridge)."""
+        """The link's ``(rows of the micro-batch, link.width)`` leaf that collects the gradient.
+
+        ``arrivals``: per producer unit ``(payload, dst rows)`` or None; each payload's rows land at its
+        dst rows. ``arrivals`` None: this rank receives the whole tensor by a broadcast from rank 0 of
+        ``broadcast_in`` (a leader-only channel: only the replica leader talks to it).
+        """
         if batch.image_grid_thw is None:
             return None
-        n = int(batch.image_grid_thw.prod(dim=1).sum()) // self.model_cfg.vision.spatial_merge_size**2
-        embeds = torch.zeros(
-            n, self.model_cfg.llm.hidden_size, dtype=torch_dtype(self.model_cfg.dtype), device=self.device
-        )
+        n = sum(self.family.tokens_per_image(self.hf_config, batch.image_grid_thw))
+        rows_all = torch.zeros(n, link.width, dtype=self.dtype, device=self.device)
         if arrivals is not None:
             filled = 0
-            # p2p: the replica leader receives every row and broadcasts them to its TP peers
-            own = self._own_rows(batch) if broadcast_in is None else None
-            for dst, rows in arrivals:
+            own = self._own_rows(batch) if not self.channel.leader_only else None
+            for value in arrivals:
+                if value is None:
+                    continue
+                payload, dst = value
+                rows = self.channel.unpack(payload, device=self.device, tag=micro_batch, direction="fwd")
                 filled += len(dst)
                 dst = torch.from_numpy(dst)
                 if own is not None:  # sequence parallel: copy only the rows of this rank's shard
                     keep = own[dst]
                     dst, rows = dst[keep], rows[keep.to(rows.device)]
-                embeds[dst.to(self.device)] = rows.to(embeds.dtype)
+                rows_all[dst.to(self.device)] = rows.to(rows_all.dtype)
                 self._timers["handoff_bytes"] += rows.numel() * rows.element_size()
             if filled != n:
                 raise RuntimeFailure(
-                    f"module 'llm' rank {self.rank}: hand-off delivered {filled} image-embedding rows, "
-                    f"the micro-batch {batch.sample_ids} has {n} image tokens (a routing bug)"
+                    f"module {self.module_name!r} rank {self.rank}: hand-off delivered {filled} rows from "
+                    f"{link.producer!r}, the micro-batch {batch.sample_ids} has {n} (a routing bug)"
                 )
-        if broadcast_in is not None:
-            dist.broadcast(embeds, group=broadcast_in, group_src=0)
-        return embeds.requires_grad_(requires_grad)
+        if self.channel.leader_only and broadcast_in is not None:
+            dist.broadcast(rows_all, group=broadcast_in, group_src=0)
+        return rows_all.requires_grad_(requires_grad)
 
     def _own_rows(self, batch: VLBatch) -> torch.Tensor | None:
         """Sequence parallelism inside TP: a bool mask over the micro-batch's image-embedding rows, True
@@ -386,8 +344,7 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def finalize_grads(self) -> float:
         """Reduce grads over SP/DP (sums) and return the module's squared grad norm (same on all ranks)."""
-        if self.bridge is not None:
-            self.bridge.drain()  # every backward ran: each send has been received
+        self.channel.drain()  # every backward ran: each send has been received
         if self.frozen:
             return 0.0
         t0 = time.perf_counter()
@@ -399,8 +356,7 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def optimizer_step(self, *, lr: float, clip_coef: float) -> None:
         """Scale grads by ``clip_coef`` (< 1 when clipping), AdamW step at ``lr``, zero the grads."""
-        if self.transport is not None:
-            self.transport.release()
+        self.channel.release()
         if self.optimizer is None:
             return
         t0 = time.perf_counter()
@@ -416,10 +372,7 @@ class ModuleWorker(DistWorker):
     def zero_grads(self) -> None:
         """Drop this step's gradients and in-flight activations (a step refused before the update)."""
         self._inflight.clear()
-        if self.transport is not None:
-            self.transport.release()
-        if self.bridge is not None:
-            self.bridge.abandon()
+        self.channel.abandon()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)

@@ -241,7 +241,7 @@ def check_env(ctx: Ctx, args) -> str:
 
 
 def _fwd_bwd(vision, llm, b) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
-    embeds = vision(b["pixel_values"], b["image_grid_thw"])
+    embeds = vision(b["pixel_values"], b["image_grid_thw"])["image_embeds"]
     out = llm(**llm_kwargs(b), image_embeds=embeds)
     loss = out.loss_sum / out.num_tokens
     loss.backward()
@@ -312,7 +312,7 @@ def _tp1(ctx: Ctx) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dhp.models import get_family
-    from dhp.parallel import CommCounter, apply_tp, full_grad_dict, llm_tp_plan
+    from dhp.parallel import CommCounter, apply_tp, full_grad_dict
 
     fam = get_family("qwen2_5_vl")
     cfg = fam.hf_config(model_cfg("tiny"))
@@ -320,7 +320,7 @@ def _tp1(ctx: Ctx) -> bool:
     ref = fam.build_module("llm", cfg, device=ctx.device, dtype=torch.float32)
     tp = copy.deepcopy(ref)
     mesh = init_device_mesh(ctx.device.type, (1,), mesh_dim_names=("tp",))
-    apply_tp(tp, mesh, llm_tp_plan())
+    apply_tp(tp, mesh)  # the family plan attached at build
     b = vl_batch(cfg, grid=(8, 8), text=32, device=ctx.device)
     emb = torch.randn(16, cfg.text_config.hidden_size, device=ctx.device, generator=None)
     out_ref = ref(**llm_kwargs(b), image_embeds=emb)
@@ -344,8 +344,7 @@ def _sp1(ctx: Ctx) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dhp.models import get_family
-    from dhp.parallel import UlyssesSpec, apply_ulysses_sp, reduce_sp_grads, shard_vision_batch
-    from dhp.parallel.ulysses import vision_shard_forward
+    from dhp.parallel import UlyssesSpec, apply_ulysses_sp, reduce_sp_grads
 
     fam = get_family("qwen2_5_vl")
     mc = model_cfg("tiny")
@@ -356,7 +355,9 @@ def _sp1(ctx: Ctx) -> bool:
     mesh = init_device_mesh(ctx.device.type, (1,), mesh_dim_names=("sp",))
     apply_ulysses_sp(sp, mesh, UlyssesSpec(mesh_dim="sp"))
     b = vl_batch(cfg, grid=(16, 16), text=8, device=torch.device("cpu"))
-    shard = shard_vision_batch(b["pixel_values"], b["image_grid_thw"], sp_size=1, arch=mc.vision)[0]
+    shard = fam.shard_inputs(
+        "vision", cfg, pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"], sp_size=1
+    )[0]
     shard = dataclasses.replace(
         shard,
         **{
@@ -365,8 +366,8 @@ def _sp1(ctx: Ctx) -> bool:
             if isinstance(getattr(shard, f.name), torch.Tensor)
         },
     )
-    out = vision_shard_forward(sp, shard)
-    want = ref(b["pixel_values"].to(ctx.device), b["image_grid_thw"].to(ctx.device))
+    out = sp(**shard.forward_kwargs())["image_embeds"]
+    want = ref(b["pixel_values"].to(ctx.device), b["image_grid_thw"].to(ctx.device))["image_embeds"]
     err = float((out - want).abs().max().detach())
     out.sum().backward()
     reduce_sp_grads(sp, dist.group.WORLD)
@@ -733,7 +734,6 @@ def check_mfu(ctx: Ctx, args) -> str:
     from dhp.config.schema import ParallelConfig, TrainConfig
     from dhp.metrics import llm_flops_per_step, vision_flops_per_step
     from dhp.models import get_family
-    from dhp.parallel.ulysses import vision_shard_forward
 
     init_world(ctx)
     mesh = init_device_mesh(ctx.device.type, (1,), mesh_dim_names=("dp",))
@@ -762,7 +762,9 @@ def check_mfu(ctx: Ctx, args) -> str:
         opts[name] = par.build_optimizer(mods[name], mesh, parallel=ParallelConfig(), train=train)
         ctx.fig(f"{name}.params_m", round(sum(p.numel() for p in m.parameters()) / 1e6, 1))
     b = vl_batch(cfg, grid=grid, text=text, device=torch.device("cpu"))
-    shard = par.shard_vision_batch(b["pixel_values"], b["image_grid_thw"], sp_size=1, arch=mc.vision)[0]
+    shard = fam.shard_inputs(
+        "vision", cfg, pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"], sp_size=1
+    )[0]
     shard = dataclasses.replace(
         shard,
         **{
@@ -787,7 +789,7 @@ def check_mfu(ctx: Ctx, args) -> str:
             ctx.sync()
             t.append(time.perf_counter())
 
-        out = vision_shard_forward(mods["vision"], shard)
+        out = mods["vision"](**shard.forward_kwargs())["image_embeds"]
         mark()
         embeds = out.detach().requires_grad_(True)
         res = mods["llm"](**kw, image_embeds=embeds)

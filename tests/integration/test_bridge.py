@@ -39,7 +39,7 @@ def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
         dist.init_process_group(  # the rank's own group world, as every runtime worker has
             "gloo", init_method=f"tcp://127.0.0.1:{world_port}", rank=own, world_size=size
         )
-        lay = BridgeLayout(vision_world=VISION, llm_world=LLM, vision_tp=1, llm_ranks_per_replica=1)
+        lay = BridgeLayout(groups=(("vision", VISION, 1), ("llm", LLM, 1)))
         module = "vision" if rank < VISION else "llm"
         assert lay.bridge_rank(module, own) == rank
         b = Bridge(
@@ -56,10 +56,15 @@ def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
             for op in order:
                 m = int(op[1])
                 if op[0] == "F":
-                    b.send(_rows(m, rank), dst=lay.llm_leader(0), direction="fwd", tag=m)
+                    b.send(_rows(m, rank), dst=lay.endpoint("llm", 0), direction="fwd", tag=m)
                 else:
                     g = b.recv(
-                        (3, 2), dtype=torch.float32, device=cpu, src=lay.llm_leader(0), direction="bwd", tag=m
+                        (3, 2),
+                        dtype=torch.float32,
+                        device=cpu,
+                        src=lay.endpoint("llm", 0),
+                        direction="bwd",
+                        tag=m,
                     )
                     assert torch.equal(g, -2 * _rows(m, rank)), (op, g)
         else:
@@ -69,7 +74,7 @@ def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
                         (3, 2),
                         dtype=torch.float32,
                         device=cpu,
-                        src=lay.vision_unit_leader(src),
+                        src=lay.endpoint("vision", src),
                         direction="fwd",
                         tag=m,
                     )
@@ -78,10 +83,10 @@ def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
         b.drain()
         dist.all_reduce(torch.ones(1))  # the group's own world still works beside the bridge
         if module == "vision":  # a send nobody receives, then an aborted step: the bridge refuses reuse
-            b.send(torch.ones(1), dst=lay.llm_leader(0), direction="fwd", tag=99)
+            b.send(torch.ones(1), dst=lay.endpoint("llm", 0), direction="fwd", tag=99)
             b.abandon()
             try:
-                b.send(torch.ones(1), dst=lay.llm_leader(0), direction="fwd", tag=0)
+                b.send(torch.ones(1), dst=lay.endpoint("llm", 0), direction="fwd", tag=0)
                 raise AssertionError("a stale bridge accepted a send")
             except RuntimeFailure as e:
                 assert "aborted step" in str(e)

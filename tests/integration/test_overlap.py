@@ -34,8 +34,8 @@ def test_encoder_forward_of_next_micro_batch_overlaps_llm_work():
             trainer.close()
     finally:
         ray.shutdown()
-    vis = {m: (a, b) for name, m, a, b in res.stats["vision"][0]["events"] if name == "vision_forward"}
-    llm = {m: (a, b) for name, m, a, b in res.stats["llm"][0]["events"] if name == "llm_forward_backward"}
+    vis = {m: (a, b) for name, m, a, b in res.stats["vision"][0]["events"] if name == "produce"}
+    llm = {m: (a, b) for name, m, a, b in res.stats["llm"][0]["events"] if name == "consume"}
     assert sorted(vis) == sorted(llm) == [0, 1, 2, 3]
     # F1 is issued before the LLM's call on 0 and the encoder is idle after F0, so F1 runs during
     # L0; a driver that waited for L0 before issuing F1 would start F1 after L0 ended.

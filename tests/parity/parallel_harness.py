@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import types
 from collections.abc import Callable
 from functools import partial
 
@@ -26,6 +27,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.models.qwen2_5_vl.parallel import parallel_plan
 from dhp.parallel.llm_tp import local_loss_sum
 
 IMAGE_TOKEN = 7
@@ -102,12 +104,18 @@ class TinyVision(nn.Module):
 
 def build_llm(seed: int = 0, **over) -> TinyLLM:
     torch.manual_seed(seed)
-    return TinyLLM(text_config(**over)).float()
+    cfg = text_config(**over)
+    module = TinyLLM(cfg).float()
+    module.parallel_plan = parallel_plan("llm", cfg, tied={})  # what the family attaches at build
+    return module
 
 
 def build_vision(seed: int = 0) -> TinyVision:
     torch.manual_seed(seed)
-    return TinyVision(vision_config()).float()
+    cfg = vision_config()
+    module = TinyVision(cfg).float()
+    module.parallel_plan = parallel_plan("vision", types.SimpleNamespace(vision_config=cfg), tied={})
+    return module
 
 
 def llm_batch(seed: int, *, batch: int = 2, seq: int = 24, n_img: int = 6) -> dict[str, torch.Tensor]:

@@ -23,7 +23,6 @@ def _refusals(mesh) -> None:
     cases = [
         ("llm", ParallelConfig(tp=2, sp=2), "mesh degrees"),  # the mesh has no sp axis
         ("llm", ParallelConfig(fsdp=2), "mesh degrees"),  # the mesh's axis is tp, not fsdp
-        ("audio", ParallelConfig(tp=2), "no parallel plan for module 'audio'"),
     ]
     for name, parallel, msg in cases:
         model = build_llm()
@@ -32,6 +31,9 @@ def _refusals(mesh) -> None:
                 name, model, mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
             )
         assert not isinstance(model.lm_head.weight, DTensor), "a refused plan must leave the module untouched"
+    with pytest.raises(PlanError, match="has no parallel_plan"):  # not built by a model family
+        parallelize("llm", torch.nn.Linear(2, 2), mesh, parallel=ParallelConfig(tp=2),
+                    activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
     with pytest.raises(PlanError, match="mixed_precision='fp16'"):
         parallelize(
             "llm",

@@ -103,7 +103,7 @@ def test_dropping_mm_token_type_ids_changes_positions(setup):
         without_types = ref(**kwargs).loss  # transformers: no error, different loss
     assert not torch.equal(with_types, without_types)
 
-    leaf = modules["vision"](batch["pixel_values"], batch["image_grid_thw"]).detach()
+    leaf = modules["vision"](batch["pixel_values"], batch["image_grid_thw"])["image_embeds"].detach()
     with pytest.raises(DataError, match="mm_token_type_ids is missing"):
         modules["llm"](
             input_ids=batch["input_ids"],

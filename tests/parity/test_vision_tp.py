@@ -18,11 +18,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dhp.errors import ConfigError
+from dhp.errors import PlanError
 from dhp.models import get_family
-from dhp.parallel.llm_tp import match_plan
+from dhp.models.qwen2_5_vl.parallel import vision_tp_plan
+from dhp.parallel.llm_tp import apply_tp, check_divides, match_plan
 from dhp.parallel.state import full_param_dict
-from dhp.parallel.vision_tp import apply_vision_tp, check_vision_tp_divisibility, fused_moves, vision_tp_plan
+from dhp.parallel.vision_tp import fused_moves
+
+apply_vision_tp = apply_tp  # one TP applier for every module: the plan comes from the module's family
 
 # fp32 on CPU: TP changes only the summation order (row-parallel all-reduce, sharded matmuls);
 # measured ~1e-7 relative. Contract: <= 1e-5 relative (norm sense) for every tensor.
@@ -55,13 +58,10 @@ def test_every_encoder_linear_matches_exactly_one_glob() -> None:
 
 @pytest.mark.unit
 def test_divisibility_errors_name_every_dimension() -> None:
-    with pytest.raises(ConfigError) as err:
-        check_vision_tp_divisibility(num_heads=16, merger_hidden=5120, tp=3)
-    assert [i.rule for i in err.value.issues] == [
-        "must divide the vision encoder's num_heads=16",
-        "must divide the vision encoder's merger hidden=5120",
-    ]
-    check_vision_tp_divisibility(num_heads=16, merger_hidden=5120, tp=8)  # MLP width 3420 may be uneven
+    sizes = {"vision num_heads": 16, "vision merger hidden": 5120}
+    with pytest.raises(PlanError, match=r"tp=3 must divide vision num_heads=16, vision merger hidden=5120"):
+        check_divides(sizes, degree=3, axis="tp", module="vision")
+    check_divides(sizes, degree=8, axis="tp", module="vision")  # MLP width 3420 may be uneven (not listed)
 
 
 @pytest.mark.unit
@@ -100,14 +100,14 @@ def _check_model(rank: int, world: int, intermediate_size: int | None) -> None:
     for case, grids in CASES.items():
         batch = vision_batch(seed=len(case), grids=grids)
         ref.zero_grad(set_to_none=True)
-        ref_out = ref(batch["pixel_values"], batch["image_grid_thw"])
+        ref_out = ref(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"]
         weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(7))
         ref_loss = (ref_out * weights).sum()
         ref_loss.backward()
         want = {k: p.grad.detach().clone() for k, p in ref.named_parameters()}
 
         module.zero_grad(set_to_none=True)
-        out = module(batch["pixel_values"], batch["image_grid_thw"])
+        out = module(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"]
         loss = (out * weights).sum()
         loss.backward()
         tag = f"{case} tp={world} mlp={width} rank={rank}"

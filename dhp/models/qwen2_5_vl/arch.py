@@ -203,8 +203,6 @@ def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
             )
 
 
-
-
 class Qwen25VLArch:
     """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (it uses no ``extra`` keys)."""
 

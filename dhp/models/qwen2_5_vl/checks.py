@@ -23,9 +23,16 @@ def image_token_counts(image_grid_thw: torch.Tensor, spatial_merge_size: int) ->
 
 
 def check_vision_inputs(
-    *, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, config: Qwen2_5_VLVisionConfig
+    *,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    config: Qwen2_5_VLVisionConfig,
+    shard_rows: int | None = None,
 ) -> None:
-    """Pixel rows must be ``sum(t*h*w)`` patches of width C*T*P*P; h and w divisible by the merge size."""
+    """Pixel rows must be ``sum(t*h*w)`` patches of width C*T*P*P; h and w divisible by the merge size.
+
+    ``shard_rows``: an SP shard's own patch count (its local windows' total): the rows must equal it
+    instead of the whole grid's."""
     width = config.in_channels * config.temporal_patch_size * config.patch_size**2
     if pixel_values.ndim != 2 or pixel_values.shape[1] != width:
         raise DataError(
@@ -44,7 +51,7 @@ def check_vision_inputs(
             f"(grids {image_grid_thw[bad].tolist()}). Fix: resize images to multiples of "
             f"patch_size*merge = {config.patch_size * merge} px (the image processor does this)."
         )
-    patches = int(image_grid_thw.prod(-1).sum())
+    patches = int(image_grid_thw.prod(-1).sum()) if shard_rows is None else shard_rows
     if patches != pixel_values.shape[0]:
         raise DataError(
             f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw "

@@ -27,11 +27,10 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from dhp.config.schema import LLMArch, ModelConfig, SpecialTokens, VisionArch
 from dhp.errors import CheckpointError, ConfigError, ConfigIssue
 from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
-from dhp.models.family import AttentionSite, HandOff, ModuleParallelPlan
+from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
-from dhp.parallel.llm_tp import llm_tp_plan
-from dhp.parallel.sp_shard import VisionShard, shard_vision_batch
-from dhp.parallel.vision_tp import vision_tp_plan
+from dhp.models.qwen2_5_vl.parallel import parallel_plan
+from dhp.models.qwen2_5_vl.sp_shard import VisionShard, shard_vision_batch
 
 #: ``SpecialTokens`` field -> the token's text in Qwen's tokenizers
 TOKEN_STRINGS = {
@@ -94,44 +93,24 @@ class Qwen25VLFamily:
 
     def tokens_per_image(self, hf_config: Qwen2_5_VLConfig, image_grid_thw: torch.Tensor) -> list[int]:
         """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
-        merge = hf_config.vision_config.spatial_merge_size ** 2
+        merge = hf_config.vision_config.spatial_merge_size**2
         return [int(g.prod()) // merge for g in image_grid_thw]
 
     def blank_image(self, hf_config: Qwen2_5_VLConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
         v = hf_config.vision_config
         m = v.spatial_merge_size
-        return torch.zeros(m * m, v.in_channels * v.temporal_patch_size * v.patch_size**2), torch.tensor([[1, m, m]])
+        return torch.zeros(m * m, v.in_channels * v.temporal_patch_size * v.patch_size**2), torch.tensor(
+            [[1, m, m]]
+        )
 
     # --- parallel plans -------------------------------------------------------------------------
-    def parallel_plan(self, name: str, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> ModuleParallelPlan:
+    def parallel_plan(
+        self, name: str, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig
+    ) -> ModuleParallelPlan:
         """Encoder: TP by FQN (fused qkv), Ulysses SP on the full-attention blocks only (window blocks
         stay local). LLM: the decoder TP plan (with sequence parallelism inside TP) and the loss."""
-        if name == "vision":
-            v = hf_config.vision_config
-            return ModuleParallelPlan(
-                blocks=("visual.blocks.*",),
-                tp=lambda sequence_parallel: vision_tp_plan(),
-                tp_divides={"vision num_heads": v.num_heads, "merger hidden": v.hidden_size * v.spatial_merge_size**2},
-                tp_heads=("visual.blocks.*.attn",),
-                sp=tuple(AttentionSite(f"visual.blocks.{i}.attn") for i in v.fullatt_block_indexes),
-                sp_divides={"vision num_heads": v.num_heads},
-            )
-        text = hf_config.text_config if isinstance(hf_config, Qwen2_5_VLConfig) else hf_config
-        return ModuleParallelPlan(
-            blocks=("language_model.layers.*",),
-            tp=lambda sequence_parallel: llm_tp_plan(sequence_parallel=sequence_parallel),
-            tp_divides={
-                "num_attention_heads": text.num_attention_heads,
-                "num_key_value_heads": text.num_key_value_heads,
-                "vocab_size": text.vocab_size,
-                "intermediate_size": text.intermediate_size,
-            },
-            tp_sequence_parallel=True,
-            loss=True,
-            tied=self.tied_parameters(name, hf_config),
-            pad_token_id=text.pad_token_id if text.pad_token_id is not None else 0,
-        )
+        return parallel_plan(name, hf_config, tied=self.tied_parameters(name, hf_config))
 
     # --- data glue -----------------------------------------------------------------------------
     def token_strings(self) -> dict[str, str]:
@@ -142,7 +121,9 @@ class Qwen25VLFamily:
         """transformers' Qwen2-VL PIL image processor from ``preprocessor_config.json`` (no torchvision)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        return Qwen2VLImageProcessorPil.from_pretrained(model_path, min_pixels=min_pixels, max_pixels=max_pixels)
+        return Qwen2VLImageProcessorPil.from_pretrained(
+            model_path, min_pixels=min_pixels, max_pixels=max_pixels
+        )
 
     # --- configs -------------------------------------------------------------------------------
     def hf_config(self, model_cfg: ModelConfig) -> Qwen2_5_VLConfig:
@@ -284,9 +265,11 @@ class Qwen25VLFamily:
         cfg = copy.deepcopy(hf_config)
         with torch.device(device):
             if name == "vision":
-                return VisionModule(
+                module = VisionModule(
                     Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg.vision_config, dtype=dtype)
                 )
+                module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
+                return module
             text_cfg = cfg.text_config if isinstance(cfg, Qwen2_5_VLConfig) else cfg
             language_model = Qwen2_5_VLTextModel._from_config(text_cfg, dtype=dtype)
             lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
@@ -294,6 +277,7 @@ class Qwen25VLFamily:
                 nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
             module = LLMModule(language_model, lm_head, cfg)
             self.tie(name, module, cfg)
+            module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
             return module
 
     def tied_parameters(
@@ -367,4 +351,6 @@ class Qwen25VLFamily:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
         cfg = copy.deepcopy(hf_config)
         return Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)
+
+
 FAMILY = Qwen25VLFamily

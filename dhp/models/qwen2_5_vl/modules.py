@@ -48,18 +48,56 @@ class VisionModule(nn.Module):
 
     def forward(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, **vision_kwargs
-    ) -> torch.Tensor:
-        """``(N_patches, C*T*P*P)`` patches of all images in order -> ``(N_image_tokens, llm_hidden)``.
+    ) -> dict[str, torch.Tensor]:
+        """``(N_patches, C*T*P*P)`` patches -> ``{"image_embeds": (N_image_tokens, llm_hidden)}``.
 
-        Rows come back in the original token order (``pooler_output``), image after image, ready
-        to be scattered at the image-token positions. ``vision_kwargs`` pass through to the
-        transformers forward (precomputed ``window_index``/``cu_seqlens`` for sequence parallelism).
+        Whole batch: rows come back in the original token order (``pooler_output``), image after image,
+        ready to be scattered at the image-token positions. An SP shard (``VisionShard.forward_kwargs()``:
+        precomputed ``window_index``/``cu_window_seqlens``/``cu_seqlens``, pixel rows of its windows only)
+        gives the rows of its ``token_index``. A shard without rows (fewer windows than SP ranks) runs
+        the full-attention blocks on zero rows, so the attention collectives that ``dhp.parallel``
+        installs there still meet every rank, and returns ``(0, llm_hidden)``.
         """
+        windows = vision_kwargs.get("cu_window_seqlens")  # forward kwargs, not config: absent = whole batch
         check_vision_inputs(
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, config=self.visual.config
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            config=self.visual.config,
+            shard_rows=None if windows is None else int(windows[-1]) if len(windows) else 0,
         )
         pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
-        return self.visual(pixel_values, grid_thw=image_grid_thw, **vision_kwargs).pooler_output
+        if pixel_values.shape[0] == 0 and windows is not None:
+            return {"image_embeds": self._no_rows(pixel_values, **vision_kwargs)}
+        out = self.visual(pixel_values, grid_thw=image_grid_thw, **vision_kwargs).pooler_output
+        return {"image_embeds": out}
+
+    def _no_rows(self, pixel_values: torch.Tensor, **vision_kwargs) -> torch.Tensor:
+        """Zero patch rows: the full-attention blocks on zero rows (window blocks have nothing to do),
+        then the merger: ``(0, llm_hidden)``, still connected to the parameters for backward."""
+        visual = self.visual
+        hidden = visual.patch_embed(pixel_values)
+        empty = hidden.new_zeros(0, visual.config.hidden_size // visual.config.num_heads)
+        passed = {k: v for k, v in vision_kwargs.items() if k not in _PRECOMPUTED}
+        for index in sorted(visual.fullatt_block_indexes):
+            hidden = visual.blocks[index](
+                hidden,
+                cu_seqlens=vision_kwargs["cu_seqlens"],
+                max_seqlen=vision_kwargs.get("max_seqlen"),
+                position_embeddings=(empty, empty),
+                **passed,
+            )
+        return visual.merger(hidden)
+
+
+#: the shard's precomputed metadata that transformers' vision forward consumes itself
+_PRECOMPUTED = (
+    "position_ids",
+    "window_index",
+    "cu_window_seqlens",
+    "max_window_seqlen",
+    "cu_seqlens",
+    "max_seqlen",
+)
 
 
 class LLMModule(nn.Module):

@@ -37,7 +37,7 @@ def _llm_kwargs(batch, embeds):
 def test_fewer_embeddings_than_image_tokens_names_sample_and_counts(setup):
     hf_config, vision, llm = setup
     batch = tiny_vl_batch(hf_config, images=[[(4, 4)], [(8, 6)]], text_lens=[3, 3])
-    embeds = vision(batch["pixel_values"], batch["image_grid_thw"]).detach()
+    embeds = vision(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"].detach()
     # the data side dropped 2 image tokens of sample 1 (12 -> 10) but kept its grid: never truncate
     ids = batch["input_ids"].clone()
     pos = (ids[1] == hf_config.image_token_id).nonzero().flatten()[:2]
@@ -50,7 +50,7 @@ def test_fewer_embeddings_than_image_tokens_names_sample_and_counts(setup):
 def test_embedding_rows_must_match_the_grids(setup):
     hf_config, vision, llm = setup
     batch = tiny_vl_batch(hf_config, images=[[(4, 4)]], text_lens=[3])
-    embeds = vision(batch["pixel_values"], batch["image_grid_thw"]).detach()
+    embeds = vision(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"].detach()
     with pytest.raises(DataError, match=r"describes 4 image embeddings but 3 were given"):
         llm(**_llm_kwargs(batch, embeds[:3]))
 
@@ -65,7 +65,7 @@ def test_image_tokens_without_embeddings(setup):
 def test_image_without_tokens(setup):
     hf_config, vision, llm = setup
     batch = tiny_vl_batch(hf_config, images=[[(4, 4)], [(4, 4)]], text_lens=[3, 3])
-    embeds = vision(batch["pixel_values"], batch["image_grid_thw"]).detach()
+    embeds = vision(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"].detach()
     text = tiny_vl_batch(hf_config, images=[[(4, 4)], []], text_lens=[3, 9])
     bad = dict(text, image_grid_thw=batch["image_grid_thw"])
     with pytest.raises(DataError, match=r"images \[1\] have no tokens"):
@@ -75,7 +75,7 @@ def test_image_without_tokens(setup):
 def test_token_types_must_agree_with_ids(setup):
     hf_config, vision, llm = setup
     batch = tiny_vl_batch(hf_config, images=[[(4, 4)]], text_lens=[3])
-    embeds = vision(batch["pixel_values"], batch["image_grid_thw"]).detach()
+    embeds = vision(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"].detach()
     types = batch["mm_token_type_ids"].clone()
     types[0, 0] = 1
     with pytest.raises(DataError, match=r"sample synthetic:0:0: 4 image tokens .* but 5 positions marked"):
@@ -134,7 +134,7 @@ def test_no_state_leaks_between_calls(setup):
     a = tiny_vl_batch(hf_config, images=[[(8, 6)]], text_lens=[4], seed=1)
     b = tiny_vl_batch(hf_config, images=[[], [(4, 4)]], text_lens=[20, 2], seed=2)
     with torch.no_grad():
-        ea, eb = (vision(x["pixel_values"], x["image_grid_thw"]) for x in (a, b))
+        ea, eb = (vision(x["pixel_values"], x["image_grid_thw"])["image_embeds"] for x in (a, b))
         first = llm(**_llm_kwargs(b, eb)).loss_sum
         llm(**_llm_kwargs(a, ea))
         again = llm(**_llm_kwargs(b, eb)).loss_sum

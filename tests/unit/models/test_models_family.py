@@ -31,7 +31,12 @@ def test_family_satisfies_protocol_and_graph(family, hf_config):
     assert isinstance(family, ModelFamily)
     assert family.module_names == ("vision", "llm")
     (edge,) = family.handoffs_for(hf_config)
-    assert (edge.producer, edge.consumer, edge.kwarg, edge.layout) == ("vision", "llm", "image_embeds", "image_tokens")
+    assert (edge.producer, edge.consumer, edge.kwarg, edge.layout) == (
+        "vision",
+        "llm",
+        "image_embeds",
+        "image_tokens",
+    )
     assert (edge.width, edge.grad) == (hf_config.text_config.hidden_size, True)
 
 

@@ -118,7 +118,7 @@ def test_processor_on_a_real_image_feeds_the_model(tiny_dir):
     }
     ref_loss, _ = reference_step(ref, batch)
     with torch.no_grad():
-        embeds = modules["vision"](batch["pixel_values"], batch["image_grid_thw"])
+        embeds = modules["vision"](batch["pixel_values"], batch["image_grid_thw"])["image_embeds"]
         kwargs = {k: v for k, v in batch.items() if k != "pixel_values"}
         llm_out = modules["llm"](**kwargs, image_embeds=embeds)
     # the chunked CE (dhp.ops) sums in another order than HF's loss: ~1e-7 relative

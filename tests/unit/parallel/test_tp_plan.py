@@ -9,7 +9,8 @@ from torch import nn
 
 from dhp.errors import PlanError
 from dhp.models import get_family
-from dhp.parallel.llm_tp import check_tp_divisibility, llm_tp_plan, match_plan
+from dhp.models.qwen2_5_vl.parallel import llm_tp_plan
+from dhp.parallel.llm_tp import check_divides, match_plan
 
 pytestmark = pytest.mark.unit
 
@@ -35,23 +36,43 @@ def test_every_linear_and_embedding_matches_exactly_one_glob() -> None:
     ("dims", "bad"),
     [
         (
-            {"num_heads": 8, "num_kv_heads": 2, "vocab_size": 1024, "intermediate_size": 256},
+            {
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "vocab_size": 1024,
+                "intermediate_size": 256,
+            },
             "num_key_value_heads=2",
         ),
         (
-            {"num_heads": 8, "num_kv_heads": 4, "vocab_size": 1030, "intermediate_size": 256},
+            {
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "vocab_size": 1030,
+                "intermediate_size": 256,
+            },
             "vocab_size=1030",
         ),
         (
-            {"num_heads": 6, "num_kv_heads": 4, "vocab_size": 1024, "intermediate_size": 256},
+            {
+                "num_attention_heads": 6,
+                "num_key_value_heads": 4,
+                "vocab_size": 1024,
+                "intermediate_size": 256,
+            },
             "num_attention_heads=6",
         ),
     ],
 )
 def test_divisibility_is_refused_with_the_dimension_named(dims: dict, bad: str) -> None:
     with pytest.raises(PlanError, match=bad):
-        check_tp_divisibility(tp=4, **dims)
+        check_divides(dims, degree=4, axis="tp", module="llm")
 
 
 def test_divisible_dimensions_pass() -> None:
-    check_tp_divisibility(tp=4, num_heads=8, num_kv_heads=4, vocab_size=1024, intermediate_size=256)
+    check_divides(
+        {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "intermediate_size": 256},
+        degree=4,
+        axis="tp",
+        module="llm",
+    )

@@ -92,7 +92,13 @@ def _saved_bytes(model, run) -> int:
 
 def _shape(name: str, seq_len: int):
     model = OmegaConf.create(
-        {"family": "qwen2_5_vl", "dtype": "float32", "attn_implementation": "sdpa", "vision": ARCH["vision"], "llm": ARCH["llm"]}
+        {
+            "family": "qwen2_5_vl",
+            "dtype": "float32",
+            "attn_implementation": "sdpa",
+            "vision": ARCH["vision"],
+            "llm": ARCH["llm"],
+        }
     )
     module = OmegaConf.create(
         {

@@ -1,4 +1,4 @@
-"""Pure, driver-side sharding math for Ulysses SP of the Qwen2.5-VL vision encoder.
+"""Pure, driver-side sharding math for Ulysses SP of the Qwen2.5-VL vision encoder (the family's ``shard_inputs``).
 
 No processes, no collectives: tensors in, tensors out. The driver (or any rank) calls
 :func:`shard_vision_batch` once per micro-batch and sends each SP rank its :class:`VisionShard`.
@@ -32,9 +32,7 @@ from transformers.vision_utils import (
 
 from dhp.config.schema import VisionArch
 from dhp.errors import ConfigError, ConfigIssue, DataError
-
-#: forward kwarg that carries the per-rank patch counts to the all-to-all attention of full blocks.
-SPLIT_SIZES_KWARG = "ulysses_split_sizes"
+from dhp.parallel.ulysses import SPLIT_SIZES_KWARG
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from transformers.vision_utils import get_vision_window_index
 
 from dhp.config.schema import VisionArch
 from dhp.errors import ConfigError, DataError
-from dhp.parallel.sp_shard import SPLIT_SIZES_KWARG, balance_cuts, shard_vision_batch
+from dhp.models.qwen2_5_vl.sp_shard import SPLIT_SIZES_KWARG, balance_cuts, shard_vision_batch
 
 pytestmark = pytest.mark.unit
 
@@ -134,7 +134,6 @@ def test_sp1_is_the_whole_batch_with_hf_metadata() -> None:
 
 def test_sp1_shard_forward_equals_stock_forward() -> None:
     from dhp.models import get_family
-    from dhp.parallel.ulysses import vision_shard_forward
 
     family = get_family("qwen2_5_vl")
     cfg = family.tiny_model_config()
@@ -143,7 +142,9 @@ def test_sp1_shard_forward_equals_stock_forward() -> None:
     thw = torch.tensor([[1, 16, 24], [1, 8, 12]])
     (shard,) = shard_vision_batch(pixels, thw, sp_size=1, arch=cfg.vision)
     with torch.no_grad():
-        assert torch.equal(vision_shard_forward(module, shard), module(pixels, thw))
+        assert torch.equal(
+            module(**shard.forward_kwargs())["image_embeds"], module(pixels, thw)["image_embeds"]
+        )
 
 
 def test_errors_name_the_problem() -> None:
