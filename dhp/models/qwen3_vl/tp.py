@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from dhp.parallel.llm_tp import llm_tp_plan
+from dhp.parallel.llm_tp import decoder_tp_plan
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
 
@@ -44,7 +44,7 @@ def vision_tp_plan() -> dict[str, ParallelStyle]:
 
 def llm_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The decoder plan without sequence parallelism, plus the per-head norms (see the module docstring)."""
-    plan = llm_tp_plan(sequence_parallel=False)
+    plan = decoder_tp_plan(model="language_model", lm_head="lm_head", sequence_parallel=False)
     for norm in ("q_norm", "k_norm"):
         plan[f"language_model.layers.*.self_attn.{norm}"] = SequenceParallel(
             sequence_dim=2, use_local_output=True
