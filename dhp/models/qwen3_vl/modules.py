@@ -65,10 +65,12 @@ class VisionModule(nn.Module):
         the transformers forward (precomputed ``interp_indices``/``interp_weights``/``position_ids``/
         ``cu_seqlens`` for a sequence-parallel shard); without them the rows must be the whole batch.
         """
-        if not vision_kwargs:
-            check_vision_inputs(
-                pixel_values=pixel_values, image_grid_thw=image_grid_thw, config=self.visual.config
-            )
+        check_vision_inputs(  # an SP shard holds its own rows of the whole grid: width and grid still checked
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            config=self.visual.config,
+            shard_rows=int(pixel_values.shape[0]) if "interp_indices" in vision_kwargs else None,
+        )
         pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
         out = self.visual(pixel_values, grid_thw=image_grid_thw, **vision_kwargs)
         embeds = {IMAGE_EMBEDS: out.pooler_output}
