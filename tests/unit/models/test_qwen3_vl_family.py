@@ -196,3 +196,33 @@ def test_qwen3_vl_tp_plan_covers_every_linear_once(family):
                 assert len(hits) == 1, (fqn, hits)
     assert family.parallel_plan("vision", cfg).sp[0].modules == "visual.blocks.*.attn"
     assert not family.parallel_plan("llm", cfg).tp_sequence_parallel
+
+
+def test_qwen3_vl_model_dir_loads_per_module_and_processes_images(family, tmp_path):
+    """A tiny Qwen3-VL HF directory: config, per-module loading (only that module's keys) and the
+    image processor (patch 16) agree with the family; the loaded modules give the reference's outputs."""
+    from PIL import Image
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    from dhp.models.loading import build_and_load
+    from dhp.models.qwen3_vl.tiny import make_tiny_qwen3_vl_checkpoint
+
+    out = make_tiny_qwen3_vl_checkpoint(tmp_path / "tiny")
+    cfg = family.hf_config_from_dir(out)
+    assert numbers_from_hf(cfg) == numbers_from_hf(family.tiny_hf_config())
+    ref = Qwen3VLForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
+    split = family.split_state_dict(ref.state_dict())
+    for name in family.module_names:
+        module, report = build_and_load(family, name, out, hf_config=cfg, dtype=torch.float32, device="cpu")
+        assert {family.checkpoint_owner(k)[0] for k in report.keys_read} == {name}
+        assert all(torch.equal(t, split[name][k]) for k, t in module.state_dict().items()), name
+
+    proc = family.load_image_processor(str(out), min_pixels=32 * 32, max_pixels=128 * 128)
+    image = Image.new("RGB", (96, 64), color=(200, 30, 40))
+    got = proc(images=[image], return_tensors="pt")
+    ((t, h, w),) = got["image_grid_thw"].tolist()
+    assert (t, h, w) == (1, 64 // 16, 96 // 16) and got["pixel_values"].shape == (h * w, 3 * 2 * 16 * 16)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert {k: tok.convert_tokens_to_ids(s) for k, s in family.token_strings().items()} == {
+        k: getattr(family.tiny_model_config().tokens, k) for k in family.token_strings()
+    }
