@@ -7,8 +7,6 @@ the missing resources instead of waiting forever on ``pg.ready()``.
 
 from __future__ import annotations
 
-import os
-
 from omegaconf import DictConfig
 
 from dhp.errors import PlanError
@@ -39,17 +37,10 @@ def reserve_plan(plan: Plan, *, cluster: DictConfig, timeout_s: float = DEFAULT_
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    started = False
-    if not ray.is_initialized():
-        if cluster.ray_address is not None:
-            ray.init(address=cluster.ray_address, log_to_driver=False)
-        elif os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)  # joins $RAY_ADDRESS, as dhp train does
-        else:  # a fresh local instance: a `ray start` head on this machine is never joined by accident
-            ray.init(
-                address="local", num_cpus=_local_cpus(plan), log_to_driver=False, include_dashboard=False
-            )
-        started = True
+    from dhp.ray_connect import connect_ray
+
+    # cluster.ray_address, $RAY_ADDRESS, or a fresh local instance: the same function as `dhp train`
+    started = connect_ray(cluster=cluster, resources={"CPU": float(_local_cpus(plan))})
     try:
         have = ray.cluster_resources()
         need = _needed(plan)

@@ -1,0 +1,89 @@
+"""One way to connect to Ray, for ``dhp plan`` (reserving a plan) and ``dhp train`` alike.
+
+``cluster.ray_address`` wins, then ``$RAY_ADDRESS``; otherwise a new local instance is started with
+``address="local"``, so an unrelated ``ray start`` head on the machine is never joined by accident.
+Neutral on purpose: ``dhp.plan`` must not import ``dhp.runtime``, and both need this.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+from dhp.errors import PlanError
+
+
+def connect_ray(*, cluster: Any, resources: dict[str, float]) -> bool:
+    """Join ``cluster.ray_address`` or ``$RAY_ADDRESS`` if set, else start a NEW local Ray instance
+    (``address="local"``: a ``ray start`` head on this machine is never joined by accident) with
+    ``resources`` (``{"CPU": n, "GPU": m}``, rounded up; at least one CPU). Reserves nothing.
+
+    Returns True when this call initialised Ray in this process, so ``Trainer.close()`` calls
+    ``ray.shutdown()``: that stops a local instance, but for a joined cluster it only disconnects
+    this driver (the job's actors and placement groups end with it; the cluster and its other jobs
+    stay up). False when Ray was already initialised (the caller's, left alone).
+
+    Joining a cluster that uses token authentication (Ray >= 2.60 turns it on for a new local
+    cluster) needs ``RAY_AUTH_MODE=token`` and the token (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
+    or ``~/.ray/auth_token``) in this process's environment: Ray switches auth on by itself only
+    for a cluster it finds on its own, never for an explicit address. A join Ray refuses raises
+    PlanError naming the address, where it came from, Ray's reason and the fix.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # dhp reports a failed rank itself (module, rank, reason); Ray would also print the coloured
+    # traceback of every failed result nobody fetched once a step is abandoned
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    if not sys.stderr.isatty():  # Ray's "(raylet) ..." lines: colour codes only on a terminal
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        source = "cluster.ray_address" if cluster.ray_address else "$RAY_ADDRESS"
+        _check_reachable(address, source=source)  # Ray retries a dead address for minutes
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            lines = str(e.__cause__ or e).strip().splitlines() or [str(e)]
+            reason = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1]).strip()
+            raise PlanError(  # Ray's cause is a traceback; its last error line, first sentence
+                f"cannot join the Ray cluster at {address!r} (from {source}): {e}: "
+                f"{reason.split('. ')[0].rstrip('.')}. Fix: check the address (the head's host:port "
+                "from `ray start --head`) and that the head is up; for a cluster with token "
+                "authentication, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH "
+                "(default ~/.ray/auth_token) in dhp's environment."
+            ) from e
+        return True
+    need = resources
+    cpus = max(1, math.ceil(need.get("CPU", 1.0) - 1e-9))
+    gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
+    kwargs = {"num_gpus": gpus} if gpus else {}
+    # address="local": always a new instance of our own, never a `ray start` head found on this machine
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    return True
+
+
+def _check_reachable(address: str, *, source: str, timeout_s: float = 5.0) -> None:
+    """PlanError at once when nothing listens at a ``host:port`` (or ``ray://host:port``) address.
+
+    ``ray.init`` keeps retrying an address with no head behind it (over 90 s seen here); a TCP
+    connect tells in ``timeout_s``. ``auto`` and addresses without a port are left to Ray.
+    """
+    import socket
+
+    from dhp.errors import PlanError
+
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise PlanError(
+            f"no Ray cluster answers at {address!r} (from {source}): {e}. Fix: start the head "
+            "(`ray start --head`) or correct the address; unset it to start a local Ray."
+        ) from e
