@@ -1,0 +1,301 @@
+"""Qwen3-VL as a :class:`~dhp.models.family.ModelFamily`: ``vision`` -> 1 + K edges -> ``llm``.
+
+Edges: ``image_embeds`` (placed at the image tokens of the input embeddings) and one edge per DeepStack
+level, ``deepstack_embeds_k`` (added to the hidden states at the image tokens after decoder layer k).
+All are layout ``image_tokens`` (one row per merged image token, micro-batch order), width = the LLM
+hidden size, and carry a gradient back to the encoder.
+
+Checkpoint layout (transformers >= 4.57 / 5.x, as released): ``model.visual.*``,
+``model.language_model.*``, ``lm_head.*``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
+
+from dhp.config.issues import Issues
+from dhp.config.schema import LLMArch, ModelConfig, VisionArch
+from dhp.errors import CheckpointError, ConfigError, ConfigIssue
+from dhp.models.dtypes import torch_dtype
+from dhp.models.family import AttentionSite, HandOff, ModuleParallelPlan
+from dhp.models.qwen2_5_vl.family import TINY_TOKENS, TOKEN_STRINGS
+from dhp.models.qwen3_vl.arch import TINY_LLM, TINY_VISION, numbers, validate
+from dhp.models.qwen3_vl.config import build_hf_config
+from dhp.models.qwen3_vl.modules import IMAGE_EMBEDS, LLMModule, VisionModule, deepstack_kwarg
+from dhp.models.qwen3_vl.sp import Qwen3VLShard, shard_images
+from dhp.models.qwen3_vl.tp import llm_plan, vision_tp_plan
+
+IMAGE_TOKENS = "image_tokens"
+
+# checkpoint prefix -> (module, module FQN prefix)
+_OWNERS = (
+    ("model.visual.", "vision", "visual."),
+    ("model.language_model.", "llm", "language_model."),
+    ("lm_head.", "llm", "lm_head."),
+)
+
+
+def _plain(model_cfg: Any) -> Any:
+    """A ModelConfig dataclass as a DictConfig (the arch functions read attributes and ``extra`` maps)."""
+    return OmegaConf.structured(model_cfg) if dataclasses.is_dataclass(model_cfg) else model_cfg
+
+
+class Qwen3VLFamily:
+    """Qwen3-VL: ``vision`` (ViT + merger + DeepStack mergers) feeds 1 + K tensors to ``llm``."""
+
+    name = "qwen3_vl"
+    module_names = ("vision", "llm")
+
+    # --- graph ---------------------------------------------------------------------------------
+    def handoffs_for(self, hf_config: Qwen3VLConfig) -> tuple[HandOff, ...]:
+        """``image_embeds`` then ``deepstack_embeds_0 .. K-1``: vision -> llm, ``image_tokens``, LLM width."""
+        width = hf_config.vision_config.out_hidden_size
+        levels = len(hf_config.vision_config.deepstack_visual_indexes)
+        kwargs = (IMAGE_EMBEDS, *(deepstack_kwarg(k) for k in range(levels)))
+        return tuple(
+            HandOff("vision", "llm", kwarg, IMAGE_TOKENS, width=width, grad=True) for kwarg in kwargs
+        )
+
+    # --- producer inputs (driver side, pure) ---------------------------------------------------
+    def shard_inputs(
+        self,
+        name: str,
+        hf_config: Qwen3VLConfig,
+        *,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor,
+        sp_size: int,
+    ) -> list[Qwen3VLShard]:
+        """Contiguous, merge-unit-aligned SP cut of one micro-batch's patches (``sp.shard_images``)."""
+        return shard_images(pixel_values, image_grid_thw, sp_size=sp_size, config=hf_config.vision_config)
+
+    def tokens_per_image(self, hf_config: Qwen3VLConfig, image_grid_thw: torch.Tensor) -> list[int]:
+        """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
+        merge = hf_config.vision_config.spatial_merge_size**2
+        return [int(g.prod()) // merge for g in image_grid_thw]
+
+    def blank_image(self, hf_config: Qwen3VLConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
+        v = hf_config.vision_config
+        m = v.spatial_merge_size
+        width = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        return torch.zeros(m * m, width), torch.tensor([[1, m, m]])
+
+    # --- parallel plans ------------------------------------------------------------------------
+    def parallel_plan(self, name: str, hf_config: Qwen3VLConfig) -> ModuleParallelPlan:
+        """Encoder: TP by FQN incl. the DeepStack mergers, Ulysses SP on every block's attention.
+        LLM: the decoder TP plan without sequence parallelism (DeepStack, see ``tp.py``) and the loss."""
+        if name == "vision":
+            v = hf_config.vision_config
+            wide = v.hidden_size * v.spatial_merge_size**2
+            return ModuleParallelPlan(
+                blocks=("visual.blocks.*",),
+                tp=lambda sequence_parallel: vision_tp_plan(),
+                tp_divides={"vision num_heads": v.num_heads, "merger hidden": wide},
+                tp_heads=("visual.blocks.*.attn",),
+                sp=(AttentionSite("visual.blocks.*.attn"),),
+                sp_divides={"vision num_heads": v.num_heads},
+            )
+        t = hf_config.text_config
+        return ModuleParallelPlan(
+            blocks=("language_model.layers.*",),
+            tp=llm_plan,
+            tp_divides={
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "vocab_size": t.vocab_size,
+                "intermediate_size": t.intermediate_size,
+            },
+            tp_sequence_parallel=False,
+            loss=True,
+            tied=self.tied_parameters(name, hf_config),
+            pad_token_id=t.pad_token_id if t.pad_token_id is not None else 0,
+        )
+
+    # --- data glue -----------------------------------------------------------------------------
+    def token_strings(self) -> dict[str, str]:
+        """The tokenizer's text of the special tokens the graph relies on (Qwen3-VL keeps Qwen's)."""
+        return dict(TOKEN_STRINGS)
+
+    def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
+        """transformers' Qwen2-VL PIL image processor (Qwen3-VL ships the same class with patch 16)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil.from_pretrained(
+            model_path, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+
+    # --- configs -------------------------------------------------------------------------------
+    def hf_config(self, model_cfg: Any) -> Qwen3VLConfig:
+        """The transformers config from the schema's numbers and ``extra`` maps (ConfigError if invalid)."""
+        model = _plain(model_cfg)
+        issues = Issues()
+        validate(model, issues)
+        if issues.items:
+            raise ConfigError(issues.items)
+        tokens = (
+            OmegaConf.to_container(model.tokens) if isinstance(model.tokens, DictConfig) else model.tokens
+        )
+        return build_hf_config(
+            numbers(model),
+            tokens=dict(tokens),
+            dtype=torch_dtype(model.dtype),
+            attn_implementation=model.attn_implementation,
+        )
+
+    def tiny_model_config(self) -> ModelConfig:
+        """The tiny test architecture (same numbers as ``conf/model/tiny_qwen3_vl.yaml``), fp32."""
+        return ModelConfig(
+            name="tiny_qwen3_vl",
+            family=self.name,
+            path=None,
+            dtype="float32",
+            attn_implementation="sdpa",
+            vision=VisionArch(**copy.deepcopy(TINY_VISION)),
+            llm=LLMArch(**copy.deepcopy(TINY_LLM)),
+            tokens=copy.deepcopy(TINY_TOKENS),
+        )
+
+    def tiny_hf_config(self, *, tie_word_embeddings: bool = False) -> Qwen3VLConfig:
+        """``hf_config(tiny_model_config())``, optionally with tied embeddings."""
+        model_cfg = self.tiny_model_config()
+        model_cfg.llm.tie_word_embeddings = tie_word_embeddings
+        return self.hf_config(model_cfg)
+
+    def hf_config_from_dir(self, path: str | Path, *, attn_implementation: str = "sdpa") -> Qwen3VLConfig:
+        """Read ``config.json`` of a local HF directory; it must be a ``qwen3_vl`` model."""
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{cfg_file} not found. Fix: point model.path at a HF model directory.")
+        kind = json.loads(cfg_file.read_text()).get("model_type")  # file content; absent is an error below
+        if kind != "qwen3_vl":
+            raise CheckpointError(
+                f"{cfg_file}: model_type {kind!r} is not a {self.name} model (expected 'qwen3_vl'). "
+                f"Fix: set model.family to match the checkpoint."
+            )
+        cfg = Qwen3VLConfig.from_pretrained(str(path))
+        cfg._attn_implementation = attn_implementation
+        return cfg
+
+    # --- modules -------------------------------------------------------------------------------
+    def modules_for(self, hf_config: Qwen3VLConfig) -> tuple[str, ...]:
+        """Both modules (a Qwen3-VL config always has a vision tower)."""
+        return self.module_names
+
+    def build_module(
+        self, name: str, hf_config: Qwen3VLConfig, *, device: torch.device | str, dtype: torch.dtype
+    ) -> nn.Module:
+        """Build ``vision`` or ``llm`` alone on ``device``; on ``meta`` no memory is allocated.
+
+        On a real device the weights get transformers' random init (directly on that device). The other
+        module is never built. ``hf_config`` is not mutated.
+        """
+        if name not in self.module_names:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "modules", name, f"{self.name} has modules {self.module_names}", "use vision and llm"
+                    )
+                ]
+            )
+        cfg = copy.deepcopy(hf_config)
+        with torch.device(device):
+            if name == "vision":
+                module = VisionModule(Qwen3VLVisionModel._from_config(cfg.vision_config, dtype=dtype))
+            else:
+                text_cfg = cfg.text_config
+                language_model = Qwen3VLTextModel._from_config(text_cfg, dtype=dtype)
+                lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
+                if not str(device).startswith("meta"):
+                    nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
+                module = LLMModule(language_model, lm_head, cfg)
+                self.tie(name, module, cfg)
+        module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
+        return module
+
+    def tied_parameters(self, name: str, hf_config: Qwen3VLConfig) -> dict[str, str]:
+        """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
+        if name == "llm" and hf_config.tie_word_embeddings:
+            return {"lm_head.weight": "language_model.embed_tokens.weight"}
+        return {}
+
+    def tie(self, name: str, module: nn.Module, hf_config: Qwen3VLConfig) -> None:
+        """Make tied parameters share storage again (after building or ``to_empty``)."""
+        if self.tied_parameters(name, hf_config):
+            module.lm_head.weight = module.language_model.embed_tokens.weight
+
+    def init_buffers(self, name: str, module: nn.Module) -> None:
+        """Recompute the rotary ``inv_freq`` buffers (non-persistent) as transformers' init does.
+
+        The vision rotary is ``axial`` (2D h/w), the text one ``default`` (interleaved M-RoPE). Any
+        other non-persistent buffer would be left unset after ``to_empty``, so it is an error here.
+        """
+        handled = set()
+        with torch.no_grad():
+            for path, sub in module.named_modules():
+                if "RotaryEmbedding" not in type(sub).__name__:
+                    continue
+                if sub.rope_type == "axial":
+                    value, _ = sub.compute_axial_rope_parameters(sub.config)
+                elif sub.rope_type == "default":
+                    value, _ = sub.compute_default_rope_parameters(sub.config)
+                else:
+                    value, _ = ROPE_INIT_FUNCTIONS[sub.rope_type](sub.config)
+                for buf in ("inv_freq", "original_inv_freq"):
+                    getattr(sub, buf).copy_(value)
+                    handled.add(f"{path}.{buf}")
+        persistent = set(module.state_dict())
+        left = [n for n, _ in module.named_buffers() if n not in persistent and n not in handled]
+        if left:
+            raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {self.name}")
+
+    # --- checkpoint keys and the HF export name map --------------------------------------------
+    def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
+        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
+        for prefix, module, fqn_prefix in _OWNERS:
+            if key.startswith(prefix):
+                return module, fqn_prefix + key[len(prefix) :]
+        return None
+
+    def hf_key(self, module: str, fqn: str) -> str:
+        """``(module_name, module_fqn)`` -> the released checkpoint's key (inverse of ``checkpoint_owner``)."""
+        for prefix, owner, fqn_prefix in _OWNERS:
+            if owner == module and fqn.startswith(fqn_prefix):
+                return prefix + fqn[len(fqn_prefix) :]
+        raise CheckpointError(f"{self.name}: no checkpoint key for {module}.{fqn}")
+
+    def split_state_dict(
+        self, ref_state_dict: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Reference (or checkpoint) state dict -> ``{"vision": {...}, "llm": {...}}`` keyed by module FQN."""
+        out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.module_names}
+        unowned = []
+        for key, tensor in ref_state_dict.items():
+            owner = self.checkpoint_owner(key)
+            if owner is None:
+                unowned.append(key)
+                continue
+            out[owner[0]][owner[1]] = tensor
+        if unowned:
+            raise CheckpointError(f"keys that belong to no {self.name} module: {sorted(unowned)}")
+        return out
+
+    def reference_model(self, hf_config: Qwen3VLConfig) -> Qwen3VLForConditionalGeneration:
+        """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
+        cfg = copy.deepcopy(hf_config)
+        return Qwen3VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)
+
+
+FAMILY = Qwen3VLFamily

@@ -1,0 +1,260 @@
+"""Qwen3-VL cut into two modules: the vision encoder (merger + DeepStack mergers) and the LLM (with lm_head).
+
+Both wrap transformers' own, unmodified classes. The cut is the one ``Qwen3VLModel.forward`` makes
+internally: the encoder returns the merged image tokens (``pooler_output``) and one merged feature per
+DeepStack level (``deepstack_features``), all with one row per image token in the same order. The LLM
+scatters the image tokens into its input embeddings at the image-token positions and hands the
+DeepStack features to transformers' text model, which adds feature k to the hidden states at those
+positions after decoder layer k. Interleaved M-RoPE positions come from transformers'
+``get_rope_index``. Neither module keeps state between calls (no ``rope_deltas``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import Qwen3VLConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel, Qwen3VLVisionModel
+
+from dhp.errors import DataError
+from dhp.models.family import LLMOutput
+from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_vision_inputs
+from dhp.ops.cross_entropy import IGNORE_INDEX
+from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
+
+#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
+LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]
+
+IMAGE_EMBEDS = "image_embeds"
+DEEPSTACK_PREFIX = "deepstack_embeds_"
+
+
+def deepstack_kwarg(level: int) -> str:
+    """The hand-off kwarg of DeepStack level ``level`` (0 = added after the first decoder layer)."""
+    return f"{DEEPSTACK_PREFIX}{level}"
+
+
+class VisionModule(nn.Module):
+    """The vision encoder incl. the patch merger and the DeepStack mergers.
+
+    Placement: one actor group. Memory is dominated by activations (patches x hidden per block), which
+    is why ``dhp/parallel`` shards this module by sequence (Ulysses), not by weights. Its output is
+    ``1 + K`` tensors of ``(N_image_tokens, llm_hidden)`` (K DeepStack levels), all sent to the LLM.
+    """
+
+    def __init__(self, visual: Qwen3VLVisionModel) -> None:
+        super().__init__()
+        self.visual = visual
+
+    @property
+    def num_deepstack(self) -> int:
+        """K, the number of DeepStack levels (encoder layers whose features reach the LLM)."""
+        return len(self.visual.config.deepstack_visual_indexes)
+
+    def forward(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, **vision_kwargs
+    ) -> dict[str, torch.Tensor]:
+        """``(N_patches, C*T*P*P)`` patches of all images in order -> ``{kwarg: (N_image_tokens, llm_hidden)}``.
+
+        Keys: ``image_embeds`` and ``deepstack_embeds_0 .. deepstack_embeds_{K-1}``; rows in the original
+        token order, image after image, the same rows in every tensor. ``vision_kwargs`` pass through to
+        the transformers forward (precomputed ``interp_indices``/``interp_weights``/``position_ids``/
+        ``cu_seqlens`` for a sequence-parallel shard); without them the rows must be the whole batch.
+        """
+        check_vision_inputs(  # an SP shard holds its own rows of the whole grid: width and grid still checked
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            config=self.visual.config,
+            shard_rows=int(pixel_values.shape[0]) if "interp_indices" in vision_kwargs else None,
+        )
+        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        out = self.visual(pixel_values, grid_thw=image_grid_thw, **vision_kwargs)
+        embeds = {IMAGE_EMBEDS: out.pooler_output}
+        for level, feature in enumerate(out.deepstack_features):
+            embeds[deepstack_kwarg(level)] = feature
+        return embeds
+
+
+class LLMModule(nn.Module):
+    """Token embeddings, decoder layers (DeepStack additions inside), final norm and lm_head -> summed loss.
+
+    Placement: one actor group. Memory is dominated by model states, which is why ``dhp/parallel``
+    shards this module by weights (TP/FSDP). ``config`` is the full Qwen3-VL config.
+    """
+
+    def __init__(self, language_model: Qwen3VLTextModel, lm_head: nn.Linear, config: Qwen3VLConfig) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.lm_head = lm_head
+        self.vl_config = config
+        # a plain attribute, not a submodule: dhp.parallel swaps it for a vocab-parallel loss
+        self.loss_fn: LossFn = shifted_ce_sum
+
+    @property
+    def num_deepstack(self) -> int:
+        """K, the number of DeepStack features this LLM expects with the image embeddings."""
+        return len(self.vl_config.vision_config.deepstack_visual_indexes)
+
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        sample_ids: list[str] | None = None,
+        **deepstack_embeds: torch.Tensor,
+    ) -> LLMOutput:
+        """One micro-batch -> ``LLMOutput(loss_sum, num_tokens)``.
+
+        ``image_embeds`` and ``deepstack_embeds_k`` (the vision module's outputs) are placed at the
+        image-token positions: the first in the input embeddings, feature k added after decoder layer k.
+        Make them leaves with ``requires_grad`` to receive the gradients for the encoder's backward.
+        Raises DataError when image tokens and embeddings disagree, when a DeepStack level is missing
+        or extra, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D).
+        """
+        sample_ids = (
+            sample_ids if sample_ids is not None else [f"batch[{i}]" for i in range(input_ids.shape[0])]
+        )
+        deepstack = self._deepstack_list(image_embeds, deepstack_embeds, sample_ids)
+        inputs_embeds = self.embed(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
+            sample_ids=sample_ids,
+        )
+        position_ids = mrope_positions(
+            config=self.vl_config,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+        )
+        visual_pos_masks = None
+        if deepstack is not None:
+            visual_pos_masks = (input_ids == self.vl_config.image_token_id).to(inputs_embeds.device)
+        hidden = self.language_model(
+            input_ids=None,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            visual_pos_masks=visual_pos_masks,
+            deepstack_visual_embeds=deepstack,
+            use_cache=False,
+        ).last_hidden_state
+        return self.loss(hidden=hidden, labels=labels)
+
+    def _deepstack_list(
+        self,
+        image_embeds: torch.Tensor | None,
+        deepstack_embeds: dict[str, torch.Tensor],
+        sample_ids: list[str],
+    ) -> list[torch.Tensor] | None:
+        """``deepstack_embeds_0..K-1`` in level order; None without images. DataError on a mismatch."""
+        expected = [deepstack_kwarg(k) for k in range(self.num_deepstack)]
+        if image_embeds is None:
+            if deepstack_embeds:
+                raise DataError(
+                    f"samples {sample_ids}: DeepStack features {sorted(deepstack_embeds)} were given without "
+                    f"image_embeds. Fix: pass all of the vision module's outputs together, or none."
+                )
+            return None
+        if sorted(deepstack_embeds) != sorted(expected):
+            raise DataError(
+                f"samples {sample_ids}: the LLM expects DeepStack features {expected} with image_embeds "
+                f"(vision_config.deepstack_visual_indexes has {self.num_deepstack} levels) but got "
+                f"{sorted(deepstack_embeds)}. Fix: pass every output of the vision module as a keyword."
+            )
+        out = []
+        for name in expected:
+            feature = deepstack_embeds[name]
+            if feature.shape != image_embeds.shape:
+                raise DataError(
+                    f"samples {sample_ids}: {name} has shape {tuple(feature.shape)} but image_embeds has "
+                    f"{tuple(image_embeds.shape)}; each DeepStack level has one row per image token. Fix: "
+                    f"send the same rows of every vision output."
+                )
+            out.append(feature)
+        return out
+
+    def embed(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        image_embeds: torch.Tensor | None,
+        sample_ids: list[str],
+    ) -> torch.Tensor:
+        """Token embeddings ``(B, S, H)`` with the image embeddings scattered at image-token positions."""
+        check_image_alignment(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
+            config=self.vl_config,
+            sample_ids=sample_ids,
+        )
+        inputs_embeds = self.language_model.embed_tokens(input_ids)
+        if image_embeds is None:
+            return inputs_embeds
+        mask = (input_ids == self.vl_config.image_token_id).unsqueeze(-1).to(inputs_embeds.device)
+        image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
+        return inputs_embeds.masked_scatter(mask, image_embeds)
+
+    def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
+        """``loss_fn(hidden, lm_head, labels)`` and the number of label tokens after the shift.
+
+        The loss reads ``lm_head``'s weight itself, chunk by chunk, so full-sequence logits never
+        exist; under TP/SP ``dhp.parallel`` swaps ``loss_fn`` for the vocab-parallel variant of the
+        same op (``dhp.ops.cross_entropy``).
+        """
+        loss_sum = self.loss_fn(hidden, self.lm_head, labels)
+        num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        return LLMOutput(loss_sum=loss_sum, num_tokens=num_tokens)
+
+
+def shifted_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The default ``LLMModule.loss_fn``: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
+
+    One process, the whole vocab, chunked over tokens (``dhp.ops.cross_entropy``, default chunk):
+    equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"``.
+    """
+    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias)
+
+
+def mrope_positions(
+    *,
+    config: Qwen3VLConfig,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mm_token_type_ids: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(3, B, S)`` interleaved-M-RoPE positions computed by ``Qwen3VLModel.get_rope_index`` itself.
+
+    The method only reads ``config.vision_config`` and ``get_vision_position_ids`` from ``self``, so
+    it is called on a stand-in rather than on a full (vision + LLM) model object. A batch without
+    images needs no ``mm_token_type_ids`` (all text: plain 1D positions in the 3 rows).
+    """
+    if mm_token_type_ids is None:  # checked in embed: only allowed when no image is present
+        mm_token_type_ids = torch.zeros_like(input_ids)
+    stand_in = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=config.vision_config),
+        get_vision_position_ids=functools.partial(Qwen3VLModel.get_vision_position_ids, None),
+    )
+    position_ids, _ = Qwen3VLModel.get_rope_index(
+        stand_in,
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=image_grid_thw,
+        attention_mask=attention_mask,
+    )
+    return position_ids
