@@ -149,6 +149,11 @@ class _writable:
         OmegaConf.set_struct(self.cfg, True)
 
 
+def _tiny_model_file(family: str):
+    own = CONF_DIR / "model" / f"tiny_{family}.yaml"
+    return own if own.is_file() else CONF_DIR / "model" / "tiny.yaml"
+
+
 def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = False) -> RunConfig:
     """Compose, (optionally) shrink to a smoke run, validate, and freeze a run config.
 
@@ -161,7 +166,7 @@ def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
     if smoke:
         cfg = smoke_config(
             cfg,
-            tiny_model=OmegaConf.load(CONF_DIR / "model" / "tiny.yaml"),
+            tiny_model=OmegaConf.load(_tiny_model_file(cfg.model.family)),
             local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
         )
     raise_if_invalid(cfg)
