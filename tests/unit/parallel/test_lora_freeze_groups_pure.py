@@ -12,10 +12,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from dhp.config.schema import LoraConfig, ModuleConfig, ParamGroupConfig, TrainConfig
 from dhp.errors import ConfigError
 from dhp.models import get_family
-from dhp.parallel.llm_tp import llm_tp_plan
+from dhp.models.qwen2_5_vl.parallel import llm_tp_plan, vision_tp_plan
 from dhp.parallel.lora import ReplicateParallel, apply_lora, lora_tp_plan
 from dhp.parallel.param_groups import apply_trainable, glob_matches, optimizer_groups, set_lr
-from dhp.parallel.vision_tp import FusedColwiseParallel, vision_tp_plan
+from dhp.parallel.vision_tp import FusedColwiseParallel
 
 pytestmark = [pytest.mark.unit]
 
