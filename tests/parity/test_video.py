@@ -90,7 +90,7 @@ def _split(modules, b: VLBatch) -> tuple[torch.Tensor, dict]:
     vision, llm = modules["vision"], modules["llm"]
     for m in (vision, llm):
         m.zero_grad(set_to_none=True)
-    embeds = vision(b.pixel_values, b.image_grid_thw)
+    embeds = vision(pixel_values=b.pixel_values, image_grid_thw=b.image_grid_thw)["image_embeds"]
     leaf = embeds.detach().requires_grad_(True)
     out = llm(
         input_ids=b.input_ids,
