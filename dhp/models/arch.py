@@ -42,6 +42,7 @@ class LayerShape:
     kv_dim: int  # num_kv_heads * head_dim (== hidden without GQA)
     heads: int
     layers: int
+    q_dim: int = 0  # num_heads * head_dim, the q/o projections' width; 0: == hidden
 
 
 @dataclass(frozen=True)

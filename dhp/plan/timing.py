@@ -67,7 +67,8 @@ def matmul_params_per_token(shape: ModuleShape) -> float:
         merged = h * merge
         block = 3 * h * h + h * h + 3 * h * m
         return lay.layers * block + (merged * merged + merged * shape.out_hidden) / merge
-    block = 2 * h * h + 2 * h * kv + 3 * h * m
+    q = lay.q_dim or h  # q/o width: heads * head_dim, which need not equal the hidden size
+    block = 2 * h * q + 2 * h * kv + 3 * h * m
     return lay.layers * block + h * shape.vocab
 
 

@@ -220,7 +220,12 @@ def shape(name: str, n: Numbers) -> LayerShape:
             layers=n.depth,
         )
     return LayerShape(
-        hidden=n.hidden, mlp=n.mlp, kv_dim=n.kv_heads * n.head_dim, heads=n.heads, layers=n.layers
+        hidden=n.hidden,
+        mlp=n.mlp,
+        kv_dim=n.kv_heads * n.head_dim,
+        heads=n.heads,
+        layers=n.layers,
+        q_dim=n.heads * n.head_dim,
     )
 
 
