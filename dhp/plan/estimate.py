@@ -164,7 +164,8 @@ def handoff_s(
     config: DictConfig, plan: Plan, shape: ModuleShape, tokens: float, cluster: DictConfig
 ) -> float:
     """One hand-off (or hand-back) of a micro-batch's merged embeddings, vision rank -> LLM."""
-    nbytes = tokens / shape.arch.spatial_merge_size**2 * shape.out_hidden * shape.precision.act
+    width = shape.handoff_width or shape.out_hidden  # every edge's columns (DeepStack: 1 + levels)
+    nbytes = tokens / shape.arch.spatial_merge_size**2 * width * shape.precision.act
     if plan.handoff == "cuda_ipc":
         return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
     span = len({r.global_gpu for g in plan.groups for r in g.ranks})

@@ -59,6 +59,7 @@ from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.plan.params import (
     LayerShape,
     ParamCount,
+    geometry,
     largest_param,
     layer_params,
     layer_shape,
@@ -120,6 +121,7 @@ class ModuleShape:
     image_patches: int = 0  # vision: the span of a full-attention block (patches of one image)
     vocab: int = 0
     out_hidden: int = 0  # vision: the merger's output width (the LLM hidden)
+    handoff_width: int = 0  # vision: columns of one hand-off row, all edges (Qwen3-VL: 1 + DeepStack levels)
     arch: DictConfig | None = None  # model.vision or model.llm
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
 
@@ -300,6 +302,7 @@ def module_shape(
         image_patches=image_patches if name == "vision" else 0,
         vocab=model.llm.vocab_size,
         out_hidden=model.llm.hidden_size,
+        handoff_width=geometry(model).handoff_width if name == "vision" else 0,
         arch=model.vision if name == "vision" else model.llm,
         trainable=trainable_fraction(name, model=model, module=module),
     )

@@ -175,7 +175,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> Modu
         handoff = int(tokens * h / s * a)
     else:
         merge = shape.arch.spatial_merge_size**2
-        handoff = int(tokens / merge * shape.out_hidden * a)
+        handoff = int(tokens / merge * (shape.handoff_width or shape.out_hidden) * a)
     trains = grads > 0
     sync = grads if trains and par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
     local_largest = shape.largest_param / (par.tp * par.fsdp)

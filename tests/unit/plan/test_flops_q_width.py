@@ -40,3 +40,17 @@ def test_llm_matmul_flops_use_heads_times_head_dim() -> None:
     fl = module_flops(shape, seq)
     h, v = hf.text_config.hidden_size, hf.text_config.vocab_size
     assert counter.get_total_flops() == pytest.approx(fl.matmul_fwd - 2 * seq * h * v, rel=1e-9)
+
+
+def test_handoff_counts_every_edge_of_a_row() -> None:
+    """Qwen3-VL sends image_embeds plus one DeepStack feature per level: the planner's hand-off
+    payload is (1 + levels) x hidden columns per merged token, not hidden alone."""
+    from dhp.plan.memory import module_shape as shape_of
+    from dhp.plan.params import geometry
+
+    cfg = load_config("tiny_qwen3_vl", [])
+    shape = shape_of("vision", model=cfg.model, module=cfg.modules.vision, micro_batch=1)
+    levels = len(cfg.model.vision.extra.deepstack_visual_indexes)
+    assert (
+        shape.handoff_width == (1 + levels) * cfg.model.llm.hidden_size == geometry(cfg.model).handoff_width
+    )
