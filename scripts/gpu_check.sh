@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# gpu_check.sh: the one prepared check of dhp on a lent GPU machine (one H200; see
-# /work/.library/device/README.md). Each check runs in its own process under its own timeout
+# gpu_check.sh: the one prepared check of dhp on a single-GPU machine (one H200), run from a copy
+# of the working tree there. Each check runs in its own process under its own timeout
 # (scripts/gpu/checks.py CHECK), one failing does not stop the others, the whole run ends within
 # ~7.5 min; the exit status is non-zero if any check failed.
 #   env    torch/CUDA/GPU, packages, bf16 8192^3 matmul TFLOP/s
@@ -12,13 +12,13 @@
 #          honest 2-rank NCCL attempt on the one GPU (NCCL normally refuses a duplicate GPU)
 #   mfu    one training step (fwd+bwd+AdamW) of the 7B-width encoder + 8-layer LLM, 4096 patches,
 #          bf16, sdpa: tokens/s and MFU by dhp.metrics against conf/cluster/h200_1x peak
-#   train  `dhp plan` of a 1-GPU recipe; `dhp train` only where Ray is importable (too big to carry)
+#   train  `dhp plan` of a 1-GPU recipe; `dhp train` only where Ray is importable (too big for .whl/)
 # Results: $OUT/gpu_check.json (all checks) and $OUT/gpu_check.log (OUT unset: runs/gpu_check).
 # Usage:
 #   bash scripts/gpu_check.sh          # on the GPU machine (installs .whl/*.whl first if present)
 #   bash scripts/gpu_check.sh --cpu    # dry run of the same logic on a CPU box (tiny sizes, ~1-2 min)
-# Device tool: first `bash scripts/gpu_wheels.sh` here, then
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# It is meant to be run on the GPU machine after `bash scripts/gpu_wheels.sh` has fetched the missing
+# pure-python wheels into .whl/ (copy .whl/ along with the tree); allow it ~9 min in all.
 # Env: GPU_CHECK_MFU_ARGS (e.g. "--llm-layers 4"), GPU_CHECK_DEADLINE_S (default 450; cpu 170).
 set -uo pipefail
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # gpu_wheels.sh: put the pure-python wheels that dhp needs and the GPU machine lacks into .whl/
-# (ignored through .git/info/exclude), so `run(..., carry=[".whl"])` takes them along and
+# (ignored through .git/info/exclude); copy .whl/ to the GPU machine along with the tree, and
 # scripts/gpu_check.sh installs them there with pip --no-index --target /tmp/site.
 # The device image has torch, transformers, safetensors, tokenizers, rich, typer (+click,
 # shellingham), pyyaml, pillow, numpy, scikit-image; it lacks hydra-core, omegaconf (+antlr4) and ray.
 # antlr4-python3-runtime 4.9.3 (omegaconf's pin) exists only as an sdist: built into a wheel here.
-# Ray is NOT carried by default: its cp312 manylinux wheel is ~79 MB, over the 64 MiB that a call's
-# working tree may carry. `--try-ray` downloads it anyway and keeps it only if it fits.
+# Ray is NOT included by default: its cp312 manylinux wheel is ~79 MB, over the 64 MiB this project
+# allows for the tree + .whl/ copied to the GPU machine. `--try-ray` downloads it anyway and keeps it
+# only if it fits.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=python3
@@ -36,7 +37,7 @@ if [[ ${1:-} == --try-ray ]]; then
   if ((size + tree + $(du -cb .whl/*.whl | tail -1 | cut -f1) < 60 * 1024 * 1024)); then
     mv "$tmp"/*.whl .whl/
   else
-    echo "ray wheel is $((size >> 20)) MiB: with the tree it exceeds the 64 MiB carry limit; not carried"
+    echo "ray wheel is $((size >> 20)) MiB: with the tree it exceeds the 64 MiB budget for the tree + .whl/; not kept"
   fi
   rm -rf "$tmp"
 fi
