@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dhp.layout import PARALLEL_AXES as PARALLEL_AXES  # mesh order, outer -> inner (dhp.layout)
+
 DTYPES = ("float32", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 DEVICES = ("cuda", "cpu")
@@ -10,6 +12,5 @@ PLACEMENTS = ("collocated", "disaggregated")
 HANDOFFS = ("auto", "object_store", "cuda_ipc", "p2p")
 MODULE_NAMES = ("vision", "llm")
 REQUIRED_MODULES = ("vision", "llm")
-PARALLEL_AXES = ("dp", "fsdp", "sp", "tp")  # mesh order, outer -> inner
 DATA_KINDS = ("llava", "synthetic")
 BAD_SAMPLE_POLICIES = ("raise", "skip")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.constants import PARALLEL_AXES
+from dhp.layout import RankLayout
 
 SMOKE_STEPS = 2
 SMOKE_PATCHES = 64  # one 112x112 image: 8x8 patches of 14 px, 16 LLM tokens after the 2x2 merge
@@ -34,8 +35,7 @@ def _shrink_degrees(mod: DictConfig) -> None:
 
 
 def _recount(mod: DictConfig) -> None:
-    par = mod.parallel
-    mod.gpus = par.dp * par.fsdp * par.sp * par.tp
+    mod.gpus = RankLayout.from_parallel(mod.parallel).world_size
 
 
 def _needed(cfg: DictConfig) -> int:
@@ -58,8 +58,7 @@ def _fit(cfg: DictConfig, ranks: int) -> None:
 def _replicas(cfg: DictConfig, name: str) -> int:
     if name not in cfg.modules:
         return 1
-    par = cfg.modules[name].parallel
-    return par.dp * par.fsdp
+    return RankLayout.from_parallel(cfg.modules[name].parallel).num_replicas
 
 
 def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: DictConfig) -> DictConfig:

@@ -19,11 +19,7 @@ from dhp.config.constants import (
 )
 from dhp.config.handoff import resolve_handoff
 from dhp.config.issues import Issues
-
-
-def replicas(parallel: DictConfig) -> int:
-    """Data-parallel replicas of a module: each one sees different samples (dp x fsdp)."""
-    return int(parallel.dp) * int(parallel.fsdp)
+from dhp.layout import RankLayout
 
 
 def _divides(issues: Issues, *, path: str, value: int, by: int, by_name: str, what: str) -> None:
@@ -70,7 +66,7 @@ def _validate_degrees(name: str, mod: DictConfig, issues: Issues) -> bool:
         "use sp for the vision encoder and tp for the LLM",
     )
     if ok:
-        product = par.dp * par.fsdp * par.sp * par.tp
+        product = RankLayout.from_parallel(par).world_size
         issues.check(
             product == mod.gpus,
             f"{prefix}.gpus",
@@ -182,7 +178,7 @@ def _module_ok(mod: DictConfig) -> bool:
     return (
         mod.gpus > 0
         and all(par[a] >= 1 for a in PARALLEL_AXES)
-        and (par.dp * par.fsdp * par.sp * par.tp == mod.gpus)
+        and RankLayout.from_parallel(par).world_size == mod.gpus
     )
 
 
@@ -212,7 +208,8 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
             "use a larger cluster profile or fewer GPUs per module",
         )
         if "vision" in mods and "llm" in mods and _module_ok(mods["vision"]) and _module_ok(mods["llm"]):
-            rv, rl = replicas(mods["vision"].parallel), replicas(mods["llm"].parallel)
+            rv = RankLayout.from_parallel(mods["vision"].parallel).num_replicas
+            rl = RankLayout.from_parallel(mods["llm"].parallel).num_replicas
             issues.check(
                 max(rv, rl) % min(rv, rl) == 0,
                 "modules.vision.parallel",

@@ -25,6 +25,7 @@ from dhp.data.batch import Sample, VLBatch, collate
 from dhp.data.packing import pack, packed_max_tokens
 from dhp.data.source import SampleSource, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
+from dhp.layout import RankLayout
 
 log = logging.getLogger("dhp.data")
 WAIT_WARN_FRACTION = 0.10  # a step waiting longer than this share of its time on data is reported
@@ -410,7 +411,7 @@ def build_run_loader(config: RunConfig) -> StepLoader:
         data=config.data,
         model=config.model,
         train=config.train,
-        dp_size=llm.parallel.dp * llm.parallel.fsdp,
+        dp_size=RankLayout.from_parallel(llm.parallel).num_replicas,
         vision_seq_len=mods["vision"].seq_len if "vision" in mods else 0,
         llm_seq_len=llm.seq_len,
     )

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dhp.config.constants import PARALLEL_AXES
 from dhp.errors import PlanError
 
-AXES = ("dp", "fsdp", "sp", "tp")
+AXES = PARALLEL_AXES  # the mesh order, from dhp.config.constants (see dhp.layout.RankLayout)
 
 
 def axis(mesh: DeviceMesh, name: str) -> DeviceMesh | None:

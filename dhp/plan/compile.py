@@ -6,8 +6,8 @@ import dataclasses
 
 from omegaconf import DictConfig
 
-from dhp.config.constants import PARALLEL_AXES
 from dhp.config.handoff import resolve_handoff
+from dhp.layout import RankLayout
 from dhp.plan.memory import ModuleShape, module_shape
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
@@ -18,7 +18,7 @@ GIB = 1 << 30
 
 def _layouts(modules: DictConfig) -> list[GroupLayout]:
     return [
-        GroupLayout(name=str(name), degrees={a: int(mod.parallel[a]) for a in PARALLEL_AXES})
+        GroupLayout(name=str(name), degrees=RankLayout.from_parallel(mod.parallel).degrees)
         for name, mod in modules.items()
     ]
 
@@ -73,8 +73,8 @@ def image_patches(config: DictConfig) -> int:
 
 def micro_batches_per_step(config: DictConfig) -> int:
     """Micro-batches each LLM replica runs per optimizer step (gradient accumulation)."""
-    par = config.modules["llm"].parallel
-    per = config.train.micro_batch_size * par.dp * par.fsdp
+    replicas = RankLayout.from_parallel(config.modules["llm"].parallel).num_replicas
+    per = config.train.micro_batch_size * replicas
     return max(1, config.train.global_batch_size // per)
 
 

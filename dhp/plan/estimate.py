@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.layout import RankLayout
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
 from dhp.plan.schedule import StepEstimate, schedule
@@ -85,7 +86,8 @@ def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     total = float(shape.seq_len)
     if config.data.kind == "synthetic":
         pps = config.data.synthetic.patches * config.data.synthetic.images_per_sample
-        share = (lm.dp * lm.fsdp) * config.train.micro_batch_size * pps / (v.dp * v.fsdp)
+        l_reps, v_reps = RankLayout.from_parallel(lm).num_replicas, RankLayout.from_parallel(v).num_replicas
+        share = l_reps * config.train.micro_batch_size * pps / v_reps
         total = min(total, share)
     return sp_rank_tokens(shape.arch, total, v.sp, shape.image_patches)
 
@@ -211,7 +213,7 @@ def estimate_step(
                 images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:
             vp = config.modules["vision"].parallel
-            images = [config.modules["vision"].seq_len] * (n_mb * vp.dp * vp.fsdp)
+            images = [config.modules["vision"].seq_len] * (n_mb * RankLayout.from_parallel(vp).num_replicas)
     vision = float(sum(images))
     seqs = [config.modules["llm"].seq_len] * config.train.global_batch_size
     model_flops = palm_model_flops(config, images, seqs)

@@ -1,8 +1,8 @@
 """Rank layout, GPU assignment, Ray bundles and N:M routing. Pure functions over plain data.
 
-Mesh axes are ordered dp, fsdp, sp, tp (outer -> inner), so rank ``r`` of a group has
-coordinates ``r = ((dp * F + fsdp) * S + sp) * T + tp`` and a TP group is a run of T consecutive
-ranks. GPUs are handed out in TP-sized chunks, and a chunk always comes from one node:
+Ranks follow :class:`dhp.layout.RankLayout` (mesh axes dp, fsdp, sp, tp, outer -> inner), so a
+data replica's ranks are contiguous and a TP group is a run of T consecutive ranks. GPUs are handed out in TP-sized chunks, and a chunk
+always comes from one node:
 
 - collocated: every group gets the same GPUs (the first N of the cluster, node-major) and rank r
   of every group sits on the same GPU, each with ``gpu_fraction = 1 / groups``;
@@ -20,50 +20,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dhp.config.constants import PARALLEL_AXES
 from dhp.errors import PlanError
+from dhp.layout import RankLayout
 from dhp.plan.types import PlacementGroupSpec, Route
 
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """The degrees of one group as the placement needs them."""
+    """A named group and its :class:`dhp.layout.RankLayout` (the placement's view of it)."""
 
     name: str
     degrees: dict[str, int]  # dp, fsdp, sp, tp (all four, >= 1)
 
     @property
+    def layout(self) -> RankLayout:
+        return RankLayout.from_parallel(self.degrees)
+
+    @property
     def world_size(self) -> int:
-        out = 1
-        for axis in PARALLEL_AXES:
-            out *= self.degrees[axis]
-        return out
+        return self.layout.world_size
 
     @property
     def tp(self) -> int:
-        return self.degrees["tp"]
+        return self.layout.tp
 
     @property
     def replica_size(self) -> int:
         """Ranks of one data-parallel replica (sp * tp)."""
-        return self.degrees["sp"] * self.degrees["tp"]
+        return self.layout.ranks_per_replica
 
     @property
     def replicas(self) -> int:
-        return self.degrees["dp"] * self.degrees["fsdp"]
+        return self.layout.num_replicas
 
     def mesh(self) -> dict[str, int]:
         """Ordered axis -> degree: axes > 1, or ``{"dp": 1}`` for a single rank."""
-        axes = {a: self.degrees[a] for a in PARALLEL_AXES if self.degrees[a] > 1}
-        return axes or {"dp": 1}
+        return self.layout.mesh()
 
     def coords(self, rank: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        rest = rank
-        for axis in reversed(PARALLEL_AXES):
-            out[axis] = rest % self.degrees[axis]
-            rest //= self.degrees[axis]
-        return {a: out[a] for a in PARALLEL_AXES}
+        return self.layout.coords(rank)
 
 
 def _take_chunk(free: list[list[int]], size: int, *, group: str, gpus_per_node: int) -> list[int]:
@@ -157,9 +152,7 @@ def routing(vision: GroupLayout, llm: GroupLayout) -> list[Route]:
         else:
             k = v_reps // l_reps
             v_ids = tuple(range(j * k, (j + 1) * k))
-        v_ranks = tuple(
-            r for i in v_ids for r in range(i * vision.replica_size, (i + 1) * vision.replica_size)
-        )
-        l_ranks = tuple(range(j * llm.replica_size, (j + 1) * llm.replica_size))
+        v_ranks = tuple(r for i in v_ids for r in vision.layout.replica_ranks(i))
+        l_ranks = tuple(llm.layout.replica_ranks(j))
         routes.append(Route(llm_replica=j, llm_ranks=l_ranks, vision_replicas=v_ids, vision_ranks=v_ranks))
     return routes

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import PlanError
+from dhp.layout import RankLayout
 from dhp.plan.estimate import coefficients, module_features, seconds
 from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
@@ -61,8 +62,12 @@ class Degrees:
         return out | ({"sequence_parallel": True} if self.sequence_parallel else {})
 
     @property
+    def layout(self) -> RankLayout:
+        return RankLayout(dp=self.dp, fsdp=self.fsdp, sp=self.sp, tp=self.tp)
+
+    @property
     def replicas(self) -> int:
-        return self.dp * self.fsdp
+        return self.layout.num_replicas
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,8 @@ class Search:
         self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
         v0, l0 = config.modules["vision"], config.modules["llm"]
         mb0 = config.train.micro_batch_size
-        share0 = mb0 * (l0.parallel.dp * l0.parallel.fsdp) / (v0.parallel.dp * v0.parallel.fsdp)
+        l_reps = RankLayout.from_parallel(l0.parallel).num_replicas
+        share0 = mb0 * l_reps / RankLayout.from_parallel(v0.parallel).num_replicas
         self.patches_per_sample = v0.seq_len / share0
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self._procs = 0

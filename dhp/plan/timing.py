@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from dhp.layout import RankLayout
 from dhp.plan.memory import ModuleShape, checkpointed_blocks
 
 ATTN_HALF_SPAN = 128.0
@@ -182,7 +183,7 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         bwd += (2 * lay.layers + 2 * ck) * one if shape.backward else 0.0
     fsdp = 0.0
     if par.fsdp > 1:
-        span = par.fsdp * par.sp * par.tp
+        span = RankLayout.from_parallel(par).span("fsdp")
         layer = shape.layer_params.per_tp_rank(par.tp)
         root = shape.params.per_tp_rank(par.tp) - lay.layers * layer
         gather = all_gather_s((lay.layers * layer + root) * a, par.fsdp, link.bw(span), link.lat / 1)
@@ -202,7 +203,9 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
     local = shape.params.per_tp_rank(par.tp) / par.fsdp
     t = 0.0
     if par.sp > 1:
-        t += all_reduce_s(local * pr.grad, par.sp, link.bw(par.sp * par.tp), link.lat)
+        t += all_reduce_s(
+            local * pr.grad, par.sp, link.bw(RankLayout.from_parallel(par).span("sp")), link.lat
+        )
     if par.dp > 1:
         t += all_reduce_s(local * pr.grad, par.dp, link.bw(world), link.lat)
     if par.zero == 1 and par.dp * par.sp > 1:

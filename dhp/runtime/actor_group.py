@@ -21,8 +21,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.errors import DhpError, PlanError, RuntimeFailure
+from dhp.layout import RankLayout
 from dhp.runtime.devices import NOSET_VISIBLE
-from dhp.runtime.dispatch import RankLayout, collect_results, contract_of, split_args
+from dhp.runtime.dispatch import collect_results, contract_of, split_args
 
 #: every rank actor's environment; NOSET_VISIBLE: each sees all GPUs of its node (dhp.runtime.devices)
 WORKER_ENV = {

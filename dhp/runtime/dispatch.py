@@ -4,8 +4,9 @@ Every worker method the driver calls is declared with :func:`register`: how its 
 split over the group's ranks (``Dispatch``) and whose results count (``Collect``). The
 :class:`~dhp.runtime.actor_group.ActorGroup` reads the contract; the driver never indexes ranks.
 
-Rank layout inside a group is row-major over the mesh axes ``dp, fsdp, sp, tp`` (outer -> inner),
-so ranks of one data replica (same batch, different SP/TP shards) are contiguous.
+Rank layout inside a group is :class:`dhp.layout.RankLayout` (re-exported here): row-major over the
+mesh axes ``dp, fsdp, sp, tp``, so ranks of one data replica (same batch, different SP/TP shards) are
+contiguous.
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dhp.errors import RuntimeFailure
+from dhp.layout import RankLayout
+
+__all__ = [
+    "CONTRACT_ATTR",
+    "Collect",
+    "Contract",
+    "Dispatch",
+    "RankLayout",
+    "collect_results",
+    "contract_of",
+    "register",
+    "split_args",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,47 +81,6 @@ def contract_of(worker_cls: type, method: str) -> Contract:
             "decorate it with dhp.runtime.dispatch.register(dispatch=..., collect=...)"
         )
     return contract
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where each rank of a group sits in its data-parallel layout."""
-
-    world_size: int
-    ranks_per_replica: int  # sp * tp: ranks that see the same batch
-    tp_size: int = 1  # innermost axis: the TP ranks of one unit hold the same output rows
-
-    @property
-    def num_replicas(self) -> int:
-        return self.world_size // self.ranks_per_replica
-
-    def replica_of(self, rank: int) -> int:
-        return rank // self.ranks_per_replica
-
-    def leaders(self) -> list[int]:
-        return [r * self.ranks_per_replica for r in range(self.num_replicas)]
-
-    @property
-    def num_units(self) -> int:
-        """Units: one per (data replica, SP rank), i.e. per TP group (the hand-off's endpoints)."""
-        return self.world_size // self.tp_size
-
-    def unit_of(self, rank: int) -> int:
-        """The unit (TP group) of ``rank``: its TP ranks are contiguous, so ``rank // tp``."""
-        return rank // self.tp_size
-
-    def unit_leader(self, unit: int) -> int:
-        """TP rank 0 of ``unit``: the one rank of it that sends or receives hand-off rows."""
-        return unit * self.tp_size
-
-    @classmethod
-    def from_mesh(cls, mesh: dict[str, int]) -> RankLayout:
-        """From the plan's ordered mesh ``{axis: degree}``; ``sp`` and ``tp`` share a batch."""
-        world = 1
-        for degree in mesh.values():
-            world *= degree
-        inner = mesh.get("sp", 1) * mesh.get("tp", 1)
-        return cls(world_size=world, ranks_per_replica=inner, tp_size=mesh.get("tp", 1))
 
 
 def split_args(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dhp.errors import RuntimeFailure
-from dhp.runtime.dispatch import RankLayout
+from dhp.layout import RankLayout
 
 #: the family's SP cut of one producer replica's images: ``(pixel_values, image_grid_thw, sp_size) -> shards``
 ShardFn = Callable[[torch.Tensor, torch.Tensor, int], list[Any]]

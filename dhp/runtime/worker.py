@@ -22,6 +22,7 @@ from dhp import parallel as par
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
 from dhp.errors import RuntimeFailure
+from dhp.layout import RankLayout
 from dhp.metrics import accounting
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.models import get_family
@@ -289,7 +290,7 @@ class ModuleWorker(DistWorker):
         stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait}
         if not grads:
             return stats
-        leader = self.rank % (self.mesh_shape.get("sp", 1) * self.mesh_shape.get("tp", 1)) == 0
+        leader = RankLayout.from_mesh(self.mesh_shape).is_replica_leader(self.rank)
         payloads: list[Any] = []
         for link in self.links_in:  # per unit of the producer: its rows' gradients, from the leader only
             per_unit: list[Any] = [None] * len(inbox.get(link.producer, []))
