@@ -6,7 +6,7 @@ its forward and its backward. Not RSS. Runs real gloo ranks on CPU (the same cod
 
     .venv/bin/python scripts/measure_sp_memory.py --sp 1 2 4 --out runs/sp_memory.json
 
-Target (issue #4): max over ranks at SP=N <= 1.15 x (SP=1 bytes) / N on an image long enough to matter.
+Target: max over ranks at SP=N <= 1.15 x (SP=1 bytes) / N on an image long enough to matter.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ MLP width 3420, uneven at TP=8, merger to 5120), bf16.
 
     .venv/bin/python scripts/measure_vision_tp_params.py --tp 1 2 4 8
 
-Target (issue #4): per-rank bytes at TP=N <= 1.10 x (TP=1 bytes) / N.
+Target: per-rank bytes at TP=N <= 1.10 x (TP=1 bytes) / N.
 """
 
 from __future__ import annotations

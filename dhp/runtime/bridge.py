@@ -2,7 +2,7 @@
 
 Every rank already owns its group's *default* torch.distributed world, so a cross-group
 communicator cannot come from ``new_group`` (which needs a default world containing both sides),
-nor from Ray's tensor transport (it initialises a default world of its own, see NOTES.md). The
+nor from Ray's tensor transport (it initialises a default world of its own). The
 bridge is built directly instead: one ``TCPStore`` hosted by vision rank 0, and two backends
 (``ProcessGroupNCCL`` on cuda, ``ProcessGroupGloo`` on cpu) over prefixed views of it:
 

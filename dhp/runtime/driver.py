@@ -1,4 +1,4 @@
-"""The driver step, reading like DESIGN.md's algorithm, over the family's module graph.
+"""The driver step, reading like the algorithm in docs/ARCHITECTURE.md, over the family's module graph.
 
 The graph: producer groups (e.g. the vision encoder) feed the consumer group (the module with the
 loss, e.g. the LLM) over links (``dhp.runtime.graph``: every edge of one producer -> consumer,

@@ -1,6 +1,6 @@
 """``dhp train``: the training loop around the driver step, the run directory, metrics, checkpoints.
 
-Run directory (DESIGN.md): ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` with ``config.yaml``,
+Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` with ``config.yaml``,
 ``plan.json``, ``metrics.jsonl``, ``checkpoints/step_XXXXXX/{<module>/, meta.json}`` and ``tb/``
 when ``train.tensorboard``. Failures: a dead or failed actor, a hang or a non-finite step raise
 RuntimeFailure naming module, rank and the last good checkpoint; Ctrl-C saves a checkpoint when

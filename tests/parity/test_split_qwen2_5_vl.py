@@ -80,7 +80,7 @@ def test_text_only_batch_runs_no_encoder(setup):
 
 
 def test_dropping_mm_token_type_ids_changes_positions(setup):
-    """The NOTES.md trap: without mm_token_type_ids transformers silently uses 1D positions."""
+    """A known trap: without mm_token_type_ids transformers silently uses 1D positions."""
     _family, hf_config, ref, modules = setup
     batch = tiny_vl_batch(hf_config, images=[[(8, 6)]], text_lens=[5])
     mrope = mrope_positions(
