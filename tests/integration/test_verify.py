@@ -44,7 +44,7 @@ def test_collocated_sp2_tp2_ten_steps() -> None:
 
 
 def test_disaggregated_sequence_parallel_selective_ac_mode_chunked() -> None:
-    # vision SP=2 beside LLM TP=2 + SP on disjoint ranks, op-level (selective) AC in both modules, and
+    # vision SP=2 (full AC) beside LLM TP=2 + SP (op-level, selective AC) on disjoint ranks, and
     # a 7-token loss chunk that divides no micro-batch's label count
     _passed(
         verify(
@@ -52,7 +52,7 @@ def test_disaggregated_sequence_parallel_selective_ac_mode_chunked() -> None:
             "placement=disaggregated",
             "modules.llm.parallel.sequence_parallel=true",
             "modules.llm.activation_checkpointing=selective",
-            "modules.vision.activation_checkpointing=selective",
+            "modules.vision.activation_checkpointing=full",
             "modules.llm.loss_chunk_tokens=7",
         ),
         2,
