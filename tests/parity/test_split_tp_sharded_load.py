@@ -48,6 +48,7 @@ def _batch(hf_config):
 
 
 def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # forked from the test process: no OpenMP pool in the child
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         family = get_family("qwen2_5_vl")
@@ -85,7 +86,13 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 def test_tp_ranks_load_only_their_shards(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", sharded=True)
-    mp.spawn(_rank, args=(_free_port(), str(model_dir), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.start_processes(
+        _rank,
+        args=(_free_port(), str(model_dir), str(tmp_path)),
+        nprocs=WORLD,
+        join=True,
+        start_method="fork",
+    )
 
     family = get_family("qwen2_5_vl")
     hf_config = family.hf_config_from_dir(model_dir)

@@ -65,12 +65,18 @@ def _assert_equal(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
 @pytest.fixture(scope="module")
 def tp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tp2")
-    mp.spawn(_save_tp2, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.start_processes(_save_tp2, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="fork")
     return out
 
 
 def test_tp2_to_tp2_exact(tp2_ckpt: Path, tmp_path: Path) -> None:
-    mp.spawn(_load_tp2, args=(2, free_port(), str(tp2_ckpt / "ckpt"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _load_tp2,
+        args=(2, free_port(), str(tp2_ckpt / "ckpt"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="fork",
+    )
     got = torch.load(tmp_path / "got.pt", weights_only=True)
     _assert_equal(got["state"], torch.load(tp2_ckpt / "ref.pt", weights_only=True))
     assert got["extra"] == {"rank": 0}
@@ -92,7 +98,13 @@ def test_tp1_to_tp2_exact(tmp_path: Path) -> None:
     train_step(model, opt, seed=0)
     save_module_state(tmp_path / "ckpt", model=model, optimizer=opt, extra=None)
     torch.save(full_state(model, opt), tmp_path / "ref.pt")
-    mp.spawn(_load_tp2, args=(2, free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _load_tp2,
+        args=(2, free_port(), str(tmp_path / "ckpt"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="fork",
+    )
     got = torch.load(tmp_path / "got.pt", weights_only=True)
     _assert_equal(got["state"], torch.load(tmp_path / "ref.pt", weights_only=True))
     assert got["extra"] is None

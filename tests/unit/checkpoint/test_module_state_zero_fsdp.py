@@ -79,7 +79,9 @@ def _save(rank: int, world: int, port: int, kind: str, out: str) -> None:
 
 @pytest.mark.parametrize("kind", ["zero1", "fsdp"])
 def test_sharded_optimizer_state_reloads_unsharded_exactly(kind: str, tmp_path: Path) -> None:
-    mp.spawn(_save, args=(2, free_port(), kind, str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _save, args=(2, free_port(), kind, str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
     ref = torch.load(tmp_path / "ref.pt", weights_only=True)
     assert any(k.endswith(":exp_avg") for k in ref)
     model = tiny_text_model(seed=5)
