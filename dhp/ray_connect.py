@@ -17,6 +17,15 @@ from typing import Any
 
 from dhp.errors import PlanError
 
+#: Ray settings of a local instance dhp starts: no dashboard, and no default workers started ahead of
+#: use (every dhp actor carries its own ``runtime_env``, so Ray could never hand it one of those:
+#: they would only cost ~2 s of CPU at start).
+LOCAL_RAY: dict[str, Any] = {
+    "include_dashboard": False,
+    "log_to_driver": False,
+    "_system_config": {"prestart_worker_first_driver": False},
+}
+
 
 def connect_ray(
     *, cluster: Any, resources: dict[str, float], on_local_start: Callable[[], Any] | None = None
@@ -73,7 +82,7 @@ def connect_ray(
     gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
     kwargs = {"num_gpus": gpus} if gpus else {}
     # address="local": always a new instance of our own, never a `ray start` head found on this machine
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+    ray.init(address="local", num_cpus=cpus, **LOCAL_RAY, **kwargs)
     _keep_handler(signal.SIGTERM, term)
     if on_local_start is not None:
         on_local_start()

@@ -29,16 +29,6 @@ class EchoWorker(DistWorker):
         time.sleep(seconds)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    # workers import EchoWorker from this test module: put its folder on their path
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _group(name, mesh, cpus=0.25):
     """A group on its own placement group (one CPU bundle per rank); returns (group, pgs)."""
     n = 1

@@ -12,7 +12,6 @@ import os
 import shutil
 
 import pytest
-import ray
 from plans import ALL_ONE
 
 from dhp.checkpoint import remove_stale_temps, resolve_resume, verify_checkpoint
@@ -22,13 +21,6 @@ from dhp.runtime.train import train
 pytestmark = pytest.mark.integration
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _cfg(out, *overrides):

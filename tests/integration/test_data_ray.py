@@ -18,16 +18,6 @@ DEMO = "pkg://dhp.data_assets/demo"
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    # 4 logical CPUs: tiny_vlm's 4 ranks x 0.25 plus the loaders' unreserved data actors
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from dhp.models import get_family, make_tiny_checkpoint
 

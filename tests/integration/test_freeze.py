@@ -4,7 +4,6 @@ the LLM still trains (on a real local Ray, gloo, tiny Qwen2.5-VL, every degree 1
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 from plans import ALL_ONE
 
@@ -16,27 +15,23 @@ from dhp.runtime import Trainer
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_frozen_encoder_gets_no_grads_no_optimizer_state_and_stays_put():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def test_frozen_encoder_gets_no_grads_no_optimizer_state_and_stays_put(ray_local):
+    cfg = load_config(
+        "tiny_vlm",
+        [
+            *ALL_ONE,
+            "modules.vision.freeze=true",
+        ],
+    )
+    trainer = Trainer(cfg, compile_plan(cfg))
     try:
-        cfg = load_config(
-            "tiny_vlm",
-            [
-                *ALL_ONE,
-                "modules.vision.freeze=true",
-            ],
-        )
-        trainer = Trainer(cfg, compile_plan(cfg))
-        try:
-            loader = build_run_loader(cfg)
-            before = trainer.full_state_dict()
-            res = trainer.step(next(loader), lr=1e-3, collect_grads=True)
-            res = trainer.step(next(loader), lr=1e-3, collect_grads=True)
-            after = trainer.full_state_dict()
-        finally:
-            trainer.close()
+        loader = build_run_loader(cfg)
+        before = trainer.full_state_dict()
+        res = trainer.step(next(loader), lr=1e-3, collect_grads=True)
+        res = trainer.step(next(loader), lr=1e-3, collect_grads=True)
+        after = trainer.full_state_dict()
     finally:
-        ray.shutdown()
+        trainer.close()
     assert res.grads["vision"] == {} and len(res.grads["llm"]) > 0
     assert res.stats["vision"][0]["optim_state_bytes"] == 0 and res.stats["llm"][0]["optim_state_bytes"] > 0
     assert res.stats["vision"][0]["bwd_s"] == 0.0  # no encoder backward at all

@@ -13,7 +13,6 @@ agree to ~lr/10 at best; a group run at the wrong LR is off by ~1e-3 per element
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from dhp.config import load_config
@@ -27,13 +26,6 @@ pytestmark = [pytest.mark.integration]
 
 LOSS_RTOL, ATOL = 1e-5, 1e-4
 STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _run(overrides: list[str]):
@@ -76,7 +68,7 @@ def _check_params(final, ref: ReferenceModel) -> dict[str, set[str]]:
     return trainable
 
 
-def test_lora_under_llm_tp2_sp_beside_freeze_and_param_groups_under_vision_sp2_zero1(local_ray):
+def test_lora_under_llm_tp2_sp_beside_freeze_and_param_groups_under_vision_sp2_zero1(ray_local):
     # one run (Ray actor groups are the expensive part): vision SP=2 with ZeRO-1 (sharded over sp), block 0
     # frozen, the merger at 10x LR; LLM TP=2 with sequence parallelism and LoRA on q/v (colwise: A
     # replicated, B colwise) and o/down (rowwise: A rowwise, B replicated), layer 0's adapters at 10x LR

@@ -38,6 +38,7 @@ TWO_NODES = [
 def cluster():
     from ray.cluster_utils import Cluster
 
+    ray.shutdown()  # the session's shared local instance (conftest), if up: this module needs its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     c.add_node(num_cpus=2)
     c.wait_for_nodes()

@@ -4,7 +4,6 @@ the LLM works on micro-batch i (wall-clock intervals recorded by the workers ove
 from __future__ import annotations
 
 import pytest
-import ray
 from plans import ALL_ONE
 
 from dhp.config import load_config
@@ -15,25 +14,21 @@ from dhp.runtime import Trainer
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_encoder_forward_of_next_micro_batch_overlaps_llm_work():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def test_encoder_forward_of_next_micro_batch_overlaps_llm_work(ray_local):
+    cfg = load_config(
+        "tiny_vlm",
+        [
+            *ALL_ONE,
+            "train.micro_batch_size=1",
+        ],
+    )  # global batch 4 -> 4 micro-batches
+    trainer = Trainer(cfg, compile_plan(cfg))
     try:
-        cfg = load_config(
-            "tiny_vlm",
-            [
-                *ALL_ONE,
-                "train.micro_batch_size=1",
-            ],
-        )  # global batch 4 -> 4 micro-batches
-        trainer = Trainer(cfg, compile_plan(cfg))
-        try:
-            loader = build_run_loader(cfg)
-            trainer.step(next(loader), lr=1e-3)  # warm-up (first calls import and allocate)
-            res = trainer.step(next(loader), lr=1e-3)
-        finally:
-            trainer.close()
+        loader = build_run_loader(cfg)
+        trainer.step(next(loader), lr=1e-3)  # warm-up (first calls import and allocate)
+        res = trainer.step(next(loader), lr=1e-3)
     finally:
-        ray.shutdown()
+        trainer.close()
     vis = {m: (a, b) for name, m, a, b in res.stats["vision"][0]["events"] if name == "produce"}
     llm = {m: (a, b) for name, m, a, b in res.stats["llm"][0]["events"] if name == "consume"}
     assert sorted(vis) == sorted(llm) == [0, 1, 2, 3]

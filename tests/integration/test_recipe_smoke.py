@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 import pytest
-import ray
 from omegaconf import OmegaConf
 
 from dhp.config import load_config
@@ -43,13 +42,6 @@ def _representatives() -> dict[str, list[str]]:
 
 
 COVERS = _representatives()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_recipes_are_found_and_each_is_covered_by_one_smoke_run():

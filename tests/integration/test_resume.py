@@ -1,14 +1,19 @@
-"""Checkpoints end-to-end through the real CLI (Ray, gloo, tiny_vlm): exact resume and resharded resume.
+"""Checkpoints end-to-end (Ray, gloo, tiny_vlm): exact resume and resharded resume.
 
 Run A trains 10 steps with a checkpoint every 5 (keep_last=1 keeps only step 10 at the end, so A
 also exercises pruning); run B resumes A's step-5 checkpoint under the same plan and must give
 BIT-IDENTICAL losses at steps 6-10 (CPU fp32, same reduction order); run C resumes the same
 checkpoint with the LLM at TP=1 instead of TP=2 (DCP reshards) and must match within 1e-5 relative
 (different reduction order in the TP matmuls, nothing else).
+
+The runs A, B, C and Z go through ``dhp.runtime.train.train`` (what ``dhp train`` calls) on the
+module's shared local Ray; the refused resume, the killed-actor restart and the export go through
+the real CLI, whose exit codes, process tree and output they check.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -46,22 +51,25 @@ def losses(out: Path, name: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def train(out: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
-    proc = dhp(
-        "train",
-        "conf=tiny_vlm",
+def train(out: Path, name: str, *overrides: str) -> None:
+    """``dhp train conf=tiny_vlm name=NAME ...`` in this process (on the shared local Ray)."""
+    from rich.console import Console
+
+    from dhp.config import load_config
+    from dhp.runtime.train import train as run_train
+
+    run = [
         f"name={name}",
         f"train.output_dir={out}",
         f"train.steps={STEPS}",
         f"train.checkpoint_every={EVERY}",
-        *overrides,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    ]
+    cfg = load_config("tiny_vlm", [*run, *overrides])
+    run_train(cfg, console=Console(file=io.StringIO()))
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], Path]:
+def full_run(ray_local, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], Path]:
     """Run A (uninterrupted, keep_last=2) and a copy of its step-5 checkpoint in its own run dir."""
     out = tmp_path_factory.mktemp("runs")
     train(out, "a", "train.keep_last=2")

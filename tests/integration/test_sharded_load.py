@@ -11,7 +11,6 @@ LLM's checkpoint bytes (``LoadReport.bytes_read``), a quarter under TP=2 x FSDP=
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from dhp.config import load_config
@@ -22,13 +21,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LOSS_RTOL = 1e-6
 GRAD_ATOL = 1e-6  # fp32; TP/SP/FSDP only change the summation order (observed <= 2e-7)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -62,23 +62,19 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def rig():
+def rig(ray_local):
     # the probes below run inside the actors: ship this module's functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = load_config("tiny_vlm", OVERRIDES)
+    trainer = Trainer(cfg, compile_plan(cfg))
     try:
-        cfg = load_config("tiny_vlm", OVERRIDES)
-        trainer = Trainer(cfg, compile_plan(cfg))
-        try:
-            loader = build_run_loader(cfg)
-            report = VerifyReport(loss_rtol=1e-5, grad_atol=1e-5, param_atol=1e-5)
-            lrs = iter([1e-3, 2e-3])
-            compare_steps(trainer, cfg, loader=loader, lr=lambda: next(lrs), steps=2, report=report)
-            yield cfg, trainer, loader, report
-        finally:
-            trainer.close()
+        loader = build_run_loader(cfg)
+        report = VerifyReport(loss_rtol=1e-5, grad_atol=1e-5, param_atol=1e-5)
+        lrs = iter([1e-3, 2e-3])
+        compare_steps(trainer, cfg, loader=loader, lr=lambda: next(lrs), steps=2, report=report)
+        yield cfg, trainer, loader, report
     finally:
-        ray.shutdown()
+        trainer.close()
 
 
 def _on_each(trainer: Trainer, fn, *args) -> dict[str, list]:

@@ -1,29 +1,45 @@
-"""``dhp verify`` through the real CLI on tiny_vlm: the plan against the unsplit transformers model.
+"""``dhp verify`` on the tiny models: each plan against the unsplit transformers model.
 
-Tolerances are the ones the issue fixes: loss within 1e-5 relative, every gradient element within
-1e-4 absolute, 10 steps. The last test proves the comparison can fail: the same run with an
-impossible gradient tolerance (1e-12; SP/TP reduce in another order, so fp32 rounding differs)
-must exit 1.
+The plans run through the real runtime on the module's shared local Ray (``ray_local``) with
+``verify_plan``, the function behind ``dhp verify``; the last two tests go through the real CLI
+(its PASS table and exit 0, and exit 1 with FAIL beyond tolerance). Tolerances are verify's own:
+loss and grad norm within 1e-5 relative, every gradient and every parameter after the update within
+1e-4 absolute (fp32). ``test_verify_fails_beyond_tolerance`` proves the comparison can fail: an
+impossible gradient tolerance (1e-12; SP/TP reduce in another order, so fp32 rounding differs) must
+exit 1.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+
+from dhp.config import load_config
+from dhp.runtime.verify import render_report, verify_plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def verify(*args: str) -> subprocess.CompletedProcess:
+def _passed(conf: str, steps: int, *overrides: str) -> None:
+    """``dhp verify conf=CONF steps=STEPS *overrides`` in this process: every step within tolerance."""
+    report = verify_plan(load_config(conf, list(overrides)), steps=steps)
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_report(report, console=console)
+    assert report.passed and len(report.steps) == steps, console.export_text()
+
+
+def verify_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     return subprocess.run(
-        [sys.executable, "-m", "dhp.cli", "verify", "conf=tiny_vlm", *args],
+        [sys.executable, "-m", "dhp.cli", "verify", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -32,68 +48,80 @@ def verify(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _passed(proc: subprocess.CompletedProcess, steps: int) -> None:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "PASS" in proc.stdout and f"over {steps} step(s)" in proc.stdout, out[-4000:]
-
-
-def test_collocated_sp2_tp2_ten_steps() -> None:
-    # the recipe already turns sequence parallelism on inside the LLM's TP group; say it explicitly
-    _passed(verify("steps=10", "modules.llm.parallel.sequence_parallel=true"), 10)
-
-
-def test_disaggregated_sequence_parallel_selective_ac_mode_chunked() -> None:
+# ---- Qwen2.5-VL (tiny_vlm) ---------------------------------------------------------------------
+def test_disaggregated_sequence_parallel_selective_ac_mode_chunked(ray_local) -> None:
     # vision SP=2 (full AC) beside LLM TP=2 + SP (op-level, selective AC) on disjoint ranks, and
     # a 7-token loss chunk that divides no micro-batch's label count
     _passed(
-        verify(
-            "steps=2",
-            "placement=disaggregated",
-            "modules.llm.parallel.sequence_parallel=true",
-            "modules.llm.activation_checkpointing=selective",
-            "modules.vision.activation_checkpointing=full",
-            "modules.llm.loss_chunk_tokens=7",
-        ),
+        "tiny_vlm",
         2,
+        "placement=disaggregated",
+        "modules.llm.parallel.sequence_parallel=true",
+        "modules.llm.activation_checkpointing=selective",
+        "modules.vision.activation_checkpointing=full",
+        "modules.llm.loss_chunk_tokens=7",
     )
 
 
-def test_disaggregated_vision1_llm_tp2() -> None:
+def test_disaggregated_vision1_llm_tp2(ray_local) -> None:
     _passed(
-        verify(
-            "steps=10", "placement=disaggregated", "modules.vision.gpus=1", "modules.vision.parallel.sp=1"
-        ),
-        10,
+        "tiny_vlm", 10, "placement=disaggregated", "modules.vision.gpus=1", "modules.vision.parallel.sp=1"
     )
 
 
-def test_p2p_bridge_vision_tp2_llm_tp2() -> None:
+def test_p2p_bridge_vision_tp2_llm_tp2(ray_local) -> None:
     # handoff=p2p over gloo (the NCCL path on GPUs): rows go vision unit leader -> LLM leader once and
     # are broadcast in the LLM TP group; their grads come back and are broadcast in the vision TP group
     _passed(
-        verify(
-            "steps=3",
-            "handoff=p2p",
-            "placement=disaggregated",
-            "modules.vision.parallel.sp=1",
-            "modules.vision.parallel.tp=2",
-        ),
+        "tiny_vlm",
         3,
+        "handoff=p2p",
+        "placement=disaggregated",
+        "modules.vision.parallel.sp=1",
+        "modules.vision.parallel.tp=2",
     )
 
 
-def test_llm_dp2_sums_over_replicas() -> None:
+def test_llm_dp2_sums_over_replicas(ray_local) -> None:
     # the reference sees the union of both replicas' micro-batches, normalised by the global T
-    _passed(verify("steps=3", "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2"), 3)
+    _passed("tiny_vlm", 3, "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2")
+
+
+def test_frozen_vision(ray_local) -> None:
+    # no grads and no optimizer state for the encoder on either side; the LLM still trains
+    _passed("tiny_vlm", 2, "modules.vision.freeze=true")
+
+
+# ---- Qwen3-VL (tiny_qwen3_vl) ------------------------------------------------------------------
+# Vision Ulysses SP=2 sends each rank's rows of image_embeds and of both DeepStack features; the LLM
+# gets all 1 + K edges and sends every edge's gradient back. Measured max|dg| ~5e-7.
+def test_qwen3_vl_verify_collocated_sp2_tp2(ray_local) -> None:
+    _passed("tiny_qwen3_vl", 2)
+
+
+def test_qwen3_vl_verify_disaggregated_two_vision_ranks_one_llm_rank(ray_local) -> None:
+    _passed("tiny_qwen3_vl", 2, "placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
+
+
+# ---- video and packing (tiny_vlm_video) --------------------------------------------------------
+def test_verify_video_packed_sp2_tp2(ray_local) -> None:
+    # every sample: an image and a 4-frame video (0.5 s per temporal patch); with data.packing both
+    # samples of a micro-batch share one LLM row, while the reference runs each sample alone with
+    # pixel_values_videos / second_per_grid_ts. The one-process parities in tests/parity/test_video.py
+    # and tests/parity/test_packing.py cover both features in the fast tier.
+    _passed("tiny_vlm_video", 1, "data.packing=true", "data.max_tokens=512")
+
+
+# ---- through the CLI ---------------------------------------------------------------------------
+def test_collocated_sp2_tp2_ten_steps_through_the_cli() -> None:
+    # the recipe already turns sequence parallelism on inside the LLM's TP group; say it explicitly
+    proc = verify_cli("conf=tiny_vlm", "steps=10", "modules.llm.parallel.sequence_parallel=true")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "PASS" in proc.stdout and "over 10 step(s)" in proc.stdout, out[-4000:]
 
 
 def test_verify_fails_beyond_tolerance() -> None:
-    proc = verify("steps=1", "--grad-atol", "1e-12")
+    proc = verify_cli("conf=tiny_vlm", "steps=1", "--grad-atol", "1e-12")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
     assert "FAIL" in proc.stdout
-
-
-def test_frozen_vision() -> None:
-    # no grads and no optimizer state for the encoder on either side; the LLM still trains
-    _passed(verify("steps=2", "modules.vision.freeze=true"), 2)

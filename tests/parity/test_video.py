@@ -6,7 +6,7 @@ and hands ``second_per_grid_ts`` to the LLM; the reference gets ``pixel_values_v
 ``video_grid_thw``/``second_per_grid_ts`` separately. The video's time axis is observed directly:
 another ``second_per_grid_ts`` changes the reference loss, and dhp follows it. The same samples packed
 into one row equal the unpacked loss. Vision SP 2 + LLM TP 2 with SP on video runs through the real
-runtime in ``dhp verify conf=tiny_vlm_video`` (tests/integration/test_video_verify.py).
+runtime in ``dhp verify conf=tiny_vlm_video`` (tests/integration/test_verify.py).
 
 Tolerance (fp32, CPU): relative 5e-6 on the loss and every gradient (max-abs sense), as the split
 parity test; reordered sums only.

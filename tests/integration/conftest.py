@@ -1,0 +1,39 @@
+"""One local Ray for the integration tests that drive the runtime in this process.
+
+``ray_local`` starts it on first use (4 logical CPUs, dhp's own local settings) and leaves it up
+for the next module: starting and stopping Ray costs ~8 s of CPU each time. It stops at the end of
+the session. A module that needs a cluster of its own (several nodes, an external head) calls
+``ray.shutdown()`` first; the next ``ray_local`` starts a fresh instance. Tests that run the CLI
+in a subprocess are unaffected: ``dhp`` there starts its own instance with ``address="local"``.
+
+The workers of that instance can import the helpers beside the tests (``PYTHONPATH``), as the
+actor-group test's echo worker needs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+from dhp.ray_connect import LOCAL_RAY
+
+RAY_CPUS = 4
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """The shared local Ray instance (started here if this process has none)."""
+    if not ray.is_initialized():
+        here = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        ray.init(address="local", num_cpus=RAY_CPUS, **LOCAL_RAY)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_down_at_the_end():
+    yield
+    ray.shutdown()
