@@ -121,7 +121,7 @@ class ModuleShape:
     image_patches: int = 0  # vision: the span of a full-attention block (patches of one image)
     vocab: int = 0
     out_hidden: int = 0  # vision: the merger's output width (the LLM hidden)
-    handoff_width: int = 0  # vision: columns of one hand-off row, all edges (1 + one per extra injection level)
+    handoff_width: int = 0  # vision: columns of one hand-off row over all edges
     arch: DictConfig | None = None  # model.vision or model.llm
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
 
