@@ -120,12 +120,6 @@ def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
         raise PlanError(
             f"modules.{ctx.name}.parallel: sp and tp are mutually exclusive. Fix: set one of them to 1."
         )
-    if ctx.parallel.sp > 1 and parse_ac_mode(ctx.activation_checkpointing).kind == "selective":
-        raise PlanError(
-            f"modules.{ctx.name}: selective activation checkpointing with Ulysses SP (sp="
-            f"{ctx.parallel.sp}) is not supported: the SP hooks gather per-forward tables that the "
-            "selective recompute cannot replay. Fix: activation_checkpointing=full or every_n:K."
-        )
     if ctx.parallel.sequence_parallel and not ctx.plan.tp_sequence_parallel:
         raise PlanError(
             f"modules.{ctx.name}.parallel.sequence_parallel=true: module {ctx.name!r} has no sequence "

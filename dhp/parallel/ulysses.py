@@ -26,7 +26,8 @@ all-gathers the rows in original order with a slicing backward, for parity and w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from dhp.errors import ConfigError, ConfigIssue, PlanError, RuntimeFailure
 from dhp.parallel.plan_match import match_sites
@@ -129,7 +132,14 @@ class _SiteState:
 
 class _RotaryCache:
     """The gathered rotary tables of the last forward, keyed by the identity of the local ones (every
-    attention of one forward gets the same (cos, sin) objects; AC recomputation reuses them)."""
+    attention of one forward gets the same (cos, sin) objects; AC recomputation reuses them).
+
+    The gather runs outside selective AC's dispatch modes (:func:`_outside_selective_ac`). It
+    runs in the first checkpointed block of a forward but, when the encoder has already run the next
+    micro-batch's forward, again in a block's recompute; selective AC replays a block by counting
+    each op's invocations, so ops that run in one pass and not the other must stay invisible to it.
+    The tables are position data (detached, no autograd), so nothing is lost by hiding them.
+    """
 
     def __init__(self) -> None:
         self.key: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -140,9 +150,23 @@ class _RotaryCache:
             return self.value
         self.key = pos
         cos, sin = pos
-        both = _gather_rows(torch.cat([cos.detach(), sin.detach()], dim=-1), split, group)  # one collective
-        self.value = (both[..., : cos.shape[-1]], both[..., cos.shape[-1] :])
+        with _outside_selective_ac():  # one collective for both tables
+            both = _gather_rows(torch.cat([cos.detach(), sin.detach()], dim=-1), split, group)
+            self.value = (both[..., : cos.shape[-1]], both[..., cos.shape[-1] :])
         return self.value
+
+
+@contextlib.contextmanager
+def _outside_selective_ac() -> Iterator[None]:
+    """The body runs under every active dispatch mode except selective AC's caching ones (collective
+    counters and the memory accountant still see it; selective AC does not record it)."""
+    with _disable_current_modes() as modes, contextlib.ExitStack() as stack:
+        for mode in reversed(modes):  # bottom of the stack first
+            if isinstance(mode, TorchDispatchMode) and not isinstance(
+                mode, _CachingTorchDispatchMode | _CachedTorchDispatchMode
+            ):
+                stack.enter_context(mode)
+        yield
 
 
 def _gather_rows(x: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:

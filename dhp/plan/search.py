@@ -292,8 +292,6 @@ class Search:
                             seq = self.vision_seq_len(mb, ld.replicas, v_reps, vd.sp)
                             tokens = self._vision_tokens(mb, ld.replicas, vd, seq)
                             for vac in self._acs("vision"):
-                                if vd.sp > 1 and vac == "selective":
-                                    continue  # parallelize refuses selective AC under Ulysses SP
                                 if not self._keep("vision", vw, vd, vac):
                                     continue
                                 vc = self.module("vision", vw, vd, vac, mb, n_mb, seq, tokens)

@@ -50,15 +50,16 @@ def verify_cli(*args: str) -> subprocess.CompletedProcess:
 
 # ---- Qwen2.5-VL (tiny_vlm) ---------------------------------------------------------------------
 def test_disaggregated_sequence_parallel_selective_ac_mode_chunked(ray_local) -> None:
-    # vision SP=2 (full AC) beside LLM TP=2 + SP (op-level, selective AC) on disjoint ranks, and
-    # a 7-token loss chunk that divides no micro-batch's label count
+    # vision Ulysses SP=2 and LLM TP=2 + SP, both with op-level (selective) AC, on disjoint ranks
+    # (the encoder runs micro-batch i+1's forward before i's recompute), and a 7-token loss chunk
+    # that divides no micro-batch's label count
     _passed(
         "tiny_vlm",
         2,
         "placement=disaggregated",
         "modules.llm.parallel.sequence_parallel=true",
         "modules.llm.activation_checkpointing=selective",
-        "modules.vision.activation_checkpointing=full",
+        "modules.vision.activation_checkpointing=selective",
         "modules.llm.loss_chunk_tokens=7",
     )
 

@@ -122,6 +122,19 @@ def _sp_cases(rank: int, world: int) -> None:
     for case in ("two_unequal_images", "fewer_windows_than_ranks"):
         _check_case(module, ref, group, rank, world, case, gathered=False)
 
+    # selective AC replays each block op by op; the rotary-table gather runs in the first block's
+    # forward and, once a newer forward has replaced the cached tables (the runtime runs micro-batch
+    # i+1's encoder forward before i's backward), again in a recompute: both passes must still line up
+    apply_ac(module, mesh, AcSpec(kind="selective"))
+    batches = [shard_vision_batch(**vision_batch(seed=s, grids=CASES["two_unequal_images"]), sp_size=world,
+                                  arch=get_family("qwen2_5_vl").tiny_model_config().vision)[rank]
+               for s in (11, 12)]  # fmt: skip
+    outs = [vision_shard_forward(module, b) for b in batches]  # two forwards in flight, then backwards
+    for out in outs:
+        out.sum().backward()
+    for case in ("two_unequal_images", "fewer_windows_than_ranks"):
+        _check_case(module, ref, group, rank, world, case, gathered=False)
+
 
 def test_vision_sp2_matches_single_process() -> None:
     spawn(_sp_cases, 2)
