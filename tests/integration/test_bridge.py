@@ -29,7 +29,7 @@ def _rows(m: int, src: int) -> torch.Tensor:
     return torch.arange(6, dtype=torch.float32).reshape(3, 2) + 100 * m + 10 * src
 
 
-def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
+def _run(rank: int, ports: tuple[int, int, int], errors, done) -> None:
     from dhp.errors import RuntimeFailure
     from dhp.runtime.bridge import Bridge, BridgeLayout
 
@@ -90,6 +90,9 @@ def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
                 raise AssertionError("a stale bridge accepted a send")
             except RuntimeFailure as e:
                 assert "aborted step" in str(e)
+        # every rank stays up until the vision ranks' unreceived send is issued: a peer that has
+        # already exited would close the connection under it
+        done.wait(timeout=60)
         dist.destroy_process_group()
     except BaseException as e:  # report to the parent with the rank
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -98,9 +101,9 @@ def _run(rank: int, ports: tuple[int, int, int], errors) -> None:
 
 def test_pipelined_exchange_over_the_bridge() -> None:
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
+    errors, done = ctx.Queue(), ctx.Barrier(VISION + LLM)
     ports = (_free_port(), _free_port(), _free_port())
-    procs = [ctx.Process(target=_run, args=(r, ports, errors)) for r in range(VISION + LLM)]
+    procs = [ctx.Process(target=_run, args=(r, ports, errors, done)) for r in range(VISION + LLM)]
     for p in procs:
         p.start()
     for p in procs:
