@@ -109,8 +109,17 @@ class ActorGroup:
     """Reserve, start and address one module's ranks. ``call`` applies each method's contract."""
 
     def __init__(
-        self, spec: GroupSpec, *, pgs: Sequence[Any], worker_cls: type, worker_kwargs: dict[str, Any]
+        self,
+        spec: GroupSpec,
+        *,
+        pgs: Sequence[Any],
+        worker_cls: type,
+        worker_kwargs: dict[str, Any],
+        wait: bool = True,
     ) -> None:
+        """Start one actor per rank in its placement-group bundle. ``wait=False`` returns at once
+        (call :meth:`wait_started`), so several groups' processes start, and import torch and the
+        model code, at the same time instead of one group after the other."""
         self.spec = spec
         self.name = spec.name
         self.layout = spec.layout
@@ -128,7 +137,14 @@ class ActorGroup:
             ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
             for rank, slot in enumerate(spec.slots)
         ]
-        self.pids = self.get(self._submit_raw("pid", [((), {})] * spec.world_size), what="start")
+        self._pid_refs = self._submit_raw("pid", [((), {})] * spec.world_size)
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until every rank's actor answers (a rank that dies while starting is a RuntimeFailure)."""
+        if not self.pids:
+            self.pids = self.get(self._pid_refs, what="start")
 
     def master_address(self, *, avoid: set[int]) -> tuple[str, int]:
         """Rank 0's node IP and a free port not in ``avoid`` (ports already given to other groups:

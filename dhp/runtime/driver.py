@@ -109,8 +109,14 @@ class Trainer:
                     loss_chunk_tokens=plan.loss_chunk_tokens.get(name, 0),  # the plan's resolved chunk
                 )
                 self.groups[name] = ActorGroup(
-                    specs[name], pgs=self._pgs, worker_cls=ModuleWorker, worker_kwargs={"spec": spec}
+                    specs[name],
+                    pgs=self._pgs,
+                    worker_cls=ModuleWorker,
+                    worker_kwargs={"spec": spec},
+                    wait=False,
                 )
+            for group in self.groups.values():  # every group's processes start at once
+                group.wait_started()
             init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
             if self.links:
                 self._connect_channel(names, timeout_s=init_timeout_s)

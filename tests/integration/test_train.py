@@ -1,8 +1,7 @@
-"""`dhp.runtime.train` end to end on a real local Ray with gloo worlds and the tiny Qwen2.5-VL.
-
-The same data and initial weights under different plans must give the same losses: the plans
-differ only in fp32 reduction order (SP partial sums, TP matmul splits, DP sums), so losses agree
-within 1e-5 relative (observed ~1e-7). One Ray instance is shared by the module (fixture).
+"""`dhp.runtime.train` end to end on a real local Ray with gloo worlds and the tiny Qwen2.5-VL: the
+run directory and metrics, a non-finite step, skipped bad samples, and an FSDP vision replica
+without images. Each plan's numbers against the unsplit model (loss, every gradient and every
+parameter after the update) are checked by tests/integration/test_verify.py.
 """
 
 from __future__ import annotations
@@ -53,52 +52,6 @@ def test_run_directory_and_fixed_metric_names(reference):
     assert rows[0]["lr"] < rows[1]["lr"]  # warmup (train/tiny: warmup_steps=2)
     assert result.losses == {r["step"]: r["loss"] for r in rows}
     assert result.last_checkpoint is not None and (result.last_checkpoint / "meta.json").is_file()
-
-
-@pytest.mark.parametrize(
-    "plan",
-    # collocated SP=2 + TP=2 (the recipe) and disaggregated vision 1 : LLM TP=2 are checked against
-    # the unsplit model, gradients and parameters included, by tests/integration/test_verify.py
-    [
-        pytest.param(
-            ["placement=disaggregated", "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2"],
-            id="disaggregated-vision_sp2-llm_dp2",
-        ),
-        pytest.param(
-            ["modules.vision.parallel.sp=1", "modules.vision.parallel.tp=2"],
-            id="collocated-vision_tp2-llm_tp2",
-        ),
-        pytest.param(
-            [
-                "placement=disaggregated",
-                "modules.vision.parallel.sp=1",
-                "modules.vision.parallel.dp=2",
-                *ALL_ONE[3:],
-                "handoff=p2p",  # two sources into one replica over the gloo bridge, F0 F1 B0 pipelining
-            ],
-            id="p2p-disaggregated-vision_dp2-llm1",
-        ),
-        pytest.param(
-            [
-                "modules.vision.parallel.sp=1",
-                "modules.vision.parallel.tp=2",
-                "modules.vision.parallel.dp=2",
-                "modules.vision.gpus=4",
-                "modules.llm.parallel.tp=2",
-                "modules.llm.parallel.fsdp=2",
-                "modules.llm.gpus=4",
-            ],
-            id="collocated-vision_tp2dp2-llm_tp2fsdp2",  # vision unit 1 sends from rank 2, not 1
-        ),
-    ],
-)
-def test_every_plan_matches_all_degrees_one(reference, tmp_path, plan):
-    _, _, ref_rows = reference
-    _, _, rows = _run(tmp_path, "plan", *plan)
-    for r, ref in zip(rows, ref_rows, strict=True):
-        # fp32 reduction order only (SP partial sums, TP splits, DP sums): 1e-5 relative
-        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), (r["step"], r["loss"], ref["loss"])
-        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
 def test_non_finite_loss_stops_before_the_update(ray_local, tmp_path):

@@ -83,6 +83,35 @@ def test_p2p_bridge_vision_tp2_llm_tp2(ray_local) -> None:
     )
 
 
+def test_p2p_two_vision_replicas_into_one_llm_rank(ray_local) -> None:
+    # two encoder replicas (DP=2) feed one LLM rank over the gloo bridge, pipelined F0 F1 B0
+    _passed(
+        "tiny_vlm",
+        2,
+        "handoff=p2p",
+        "placement=disaggregated",
+        "modules.vision.parallel.sp=1",
+        "modules.vision.parallel.dp=2",
+        "modules.llm.gpus=1",
+        "modules.llm.parallel.tp=1",
+    )
+
+
+def test_collocated_vision_tp2_dp2_llm_tp2_fsdp2(ray_local) -> None:
+    # 4 + 4 ranks: encoder TP x DP (unit 1 sends from rank 2, not 1), LLM TP x FSDP (2-D mesh)
+    _passed(
+        "tiny_vlm",
+        2,
+        "modules.vision.parallel.sp=1",
+        "modules.vision.parallel.tp=2",
+        "modules.vision.parallel.dp=2",
+        "modules.vision.gpus=4",
+        "modules.llm.parallel.tp=2",
+        "modules.llm.parallel.fsdp=2",
+        "modules.llm.gpus=4",
+    )
+
+
 def test_llm_dp2_sums_over_replicas(ray_local) -> None:
     # the reference sees the union of both replicas' micro-batches, normalised by the global T
     _passed("tiny_vlm", 3, "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2")
