@@ -1,8 +1,9 @@
 """One local Ray for the integration tests that drive the runtime in this process.
 
 ``ray_local`` starts it on first use (4 logical CPUs, dhp's own local settings) and leaves it up
-for the next module: starting and stopping Ray costs ~8 s of CPU each time. It stops at the end of
-the session. A module that needs a cluster of its own (several nodes, an external head) calls
+for the next module: starting and stopping Ray costs ~8 s of CPU each time. It stops after the
+last integration test (the next tests, e.g. unit tests of Ray connection, expect no Ray in this
+process), and at the end of the session. A module that needs a cluster of its own (several nodes, an external head) calls
 ``ray.shutdown()`` first; the next ``ray_local`` starts a fresh instance. Tests that run the CLI
 in a subprocess are unaffected: ``dhp`` there starts its own instance with ``address="local"``.
 
@@ -31,6 +32,13 @@ def ray_local():
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", num_cpus=RAY_CPUS, **LOCAL_RAY)
     yield
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Stop the shared Ray when the next test is not an integration test (or there is none)."""
+    here = Path(__file__).resolve().parent
+    if nextitem is None or here not in Path(nextitem.path).resolve().parents:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)
