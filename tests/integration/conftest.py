@@ -34,11 +34,15 @@ def ray_local():
     yield
 
 
-def pytest_runtest_teardown(item, nextitem) -> None:
-    """Stop the shared Ray when the next test is not an integration test (or there is none)."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared Ray when the next test is not an integration test (or there is none), after
+    the fixtures torn down here (a module's Trainer closes its actors on a live Ray first)."""
+    result = yield
     here = Path(__file__).resolve().parent
     if nextitem is None or here not in Path(nextitem.path).resolve().parents:
         ray.shutdown()
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
