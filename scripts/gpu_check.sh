@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the one prepared check of dhp on a single-GPU machine (one H200), run from a copy
 # of the working tree there. Each check runs in its own process under its own timeout
-# (scripts/gpu/checks.py CHECK), one failing does not stop the others, the whole run ends within
-# ~7.5 min; the exit status is non-zero if any check failed.
+# (scripts/gpu/checks.py CHECK, which runs scripts/gpu/check_<name>.py); one failing does not stop
+# the others, the whole run ends within ~7.5 min; the exit status is non-zero if any check failed.
 #   env    torch/CUDA/GPU, packages, bf16 8192^3 matmul TFLOP/s
 #   flash  is flash_attn importable; else dhp must refuse flash_attention_2 (no silent fallback)
 #   bf16   tiny and 7B-width (2 layers) VisionModule+LLMModule fwd/bwd, bf16 vs fp32 on the GPU
@@ -12,7 +12,8 @@
 #          honest 2-rank NCCL attempt on the one GPU (NCCL normally refuses a duplicate GPU)
 #   mfu    one training step (fwd+bwd+AdamW) of the 7B-width encoder + 8-layer LLM, 4096 patches,
 #          bf16, sdpa: tokens/s and MFU by dhp.metrics against conf/cluster/h200_1x peak
-#   train  `dhp plan` of a 1-GPU recipe; `dhp train` only where Ray is importable (too big for .whl/)
+#   train  `dhp plan` of a 1-GPU recipe; `dhp train` only where Ray is importable (too big for .whl/),
+#          with the planner's predicted step time beside the measured median
 # Results: $OUT/gpu_check.json (all checks) and $OUT/gpu_check.log (OUT unset: runs/gpu_check).
 # Usage:
 #   bash scripts/gpu_check.sh          # on the GPU machine (installs .whl/*.whl first if present)
