@@ -6,7 +6,12 @@ with ``collect_grads=True``; the reference is the family's untouched transformer
 union of all data replicas' micro-batches, normalised by the same global label-token count ``T``),
 clipped by the same global norm and stepped by the same AdamW and LR schedule. Each step compares
 the loss, the global grad norm, every parameter's gradient (before clipping) and every parameter
-after the update (so a wrong clip coefficient or optimizer shard shows even where grads agree). Memory: the driver
+after the update (so a wrong clip coefficient, LR group or optimizer shard shows even where grads
+agree). The reference's update applies the PLAN's gradients of that step (already compared with its
+own), so the parameter check sees the update path alone: AdamW normalises each element by its own
+history, which turns a rounding-level difference in a near-zero gradient into up to ~lr per element
+(LoRA's A matrices after a zero B are the common case); comparing updates of different gradients
+would flag that rounding, and loosening the tolerance to ~lr would hide a wrong LR. Memory: the driver
 holds one full fp32 copy of the model, its grads and Adam states, plus one full gradient copy of
 the plan: tiny and small models only.
 """
@@ -158,8 +163,16 @@ class ReferenceModel:
             )
         self.model.load_state_dict(sd, strict=False)
 
-    def step(self, data, *, lr: float) -> tuple[float, float, dict[str, dict[str, torch.Tensor]]]:
-        """One optimizer step on ``data`` (StepData): returns (loss, grad norm, pre-clip grads by module)."""
+    def step(
+        self, data, *, lr: float, apply_grads: dict[str, dict[str, torch.Tensor]] | None = None
+    ) -> tuple[float, float, dict[str, dict[str, torch.Tensor]]]:
+        """One optimizer step on ``data`` (StepData): returns (loss, grad norm, pre-clip grads by module),
+        all of the reference's own computation.
+
+        ``apply_grads`` (``{module: {FQN: full grad}}``, the plan's grads of this step): the update
+        clips and applies those instead of the reference's own (a tensor the plan does not hold keeps
+        the reference's gradient; the gradient comparison reports it as missing).
+        """
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in data.micro_batches:
@@ -182,7 +195,15 @@ class ReferenceModel:
                 module, fqn = self.owner[key]
                 grads.setdefault(module, {})[fqn] = p.grad.detach().clone()
         norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
-        coef = min(1.0, self.grad_clip / (norm + CLIP_EPS)) if self.grad_clip > 0 else 1.0
+        applied = norm
+        if apply_grads is not None:
+            for key, p in self.model.named_parameters():
+                module, fqn = self.owner[key]
+                g = apply_grads.get(module, {}).get(fqn)
+                if p.grad is not None and g is not None and g.shape == p.grad.shape:
+                    p.grad.copy_(g)
+            applied = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
+        coef = min(1.0, self.grad_clip / (applied + CLIP_EPS)) if self.grad_clip > 0 else 1.0
         for p in params:
             p.grad.mul_(coef)
         set_lr(self.optimizer, lr)
@@ -293,7 +314,8 @@ def compare_steps(
     """``steps`` steps of a running ``trainer`` against a reference started from its CURRENT weights
     (fresh AdamW states: start before the trainer's first step); appends to ``report``.
 
-    Per step: the loss, the global grad norm, every gradient, and every parameter after the update.
+    Per step: the loss, the global grad norm, every gradient, and every parameter after the update
+    (the reference updates with the plan's gradients: see the module docstring).
     """
     ref = ReferenceModel(
         model=config.model,
@@ -305,7 +327,7 @@ def compare_steps(
         data = next(loader)
         step_lr = lr()
         res = trainer.step(data, lr=step_lr, collect_grads=True)
-        ref_loss, ref_norm, ref_grads = ref.step(data, lr=step_lr)
+        ref_loss, ref_norm, ref_grads = ref.step(data, lr=step_lr, apply_grads=res.grads)
         diffs, worst = compare_grads(res.grads, ref_grads)
         pdiffs, pworst = compare_grads(trainer.full_state_dict(), ref.params())
         s = StepDiff(

@@ -127,3 +127,22 @@ def test_reference_params_match_the_plan_keys_and_move_with_the_step() -> None:
     ref.step(next(loader), lr=1e-3)
     diffs, _ = compare_grads(ref.params(), before)
     assert all(d > 0 for d in diffs.values())  # the update moved both modules
+
+
+def test_reference_update_applies_the_given_grads_and_returns_its_own() -> None:
+    # dhp verify steps the reference with the plan's grads: an update from given grads equals an
+    # update from the reference's own grads scaled the same way, and the returned grads stay its own
+    cfg, loader, init = _setup(["train.grad_clip=0", "train.weight_decay=0"])
+    data = next(loader)
+    own = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    forced = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    _, own_norm, own_grads = own.step(data, lr=1e-3)
+    flipped = {m: {k: -g for k, g in sd.items()} for m, sd in own_grads.items()}
+    _, norm, grads = forced.step(data, lr=1e-3, apply_grads=flipped)
+    assert norm == own_norm  # the reported norm and grads are the reference's own computation
+    assert compare_grads(grads, own_grads)[0] == {"vision": 0.0, "llm": 0.0}
+    # AdamW's first step is lr * sign(g): the flipped grads move every trained element the other way
+    for m, sd in forced.params().items():
+        for k, p in sd.items():
+            moved_own, moved_forced = own.params()[m][k] - init[m][k], p - init[m][k]
+            assert torch.allclose(moved_forced, -moved_own, atol=1e-6), (m, k)  # fp32 rounding of p - p0
