@@ -93,6 +93,13 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
                     restore_rng_state(initial_rng)
                 _record_restart(run_dir, restarts=restarts, failure=r.failure, resume=resume, console=console)
                 time.sleep(t.restart_backoff_s)
+            except (KeyboardInterrupt, _HardStop):
+                # a signal outside an attempt's own handling (its loader being built, a restart's
+                # backoff): nothing is running that could save, so stop with the signal's exit code
+                result.interrupted = True
+                last = result.last_checkpoint
+                console.print(f"interrupted before a step could run; last good checkpoint: {last or 'none'}")
+                return result
 
 
 class _Restart(Exception):
