@@ -69,15 +69,16 @@ def tp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_tp2_to_tp2_exact(tp2_ckpt: Path, tmp_path: Path) -> None:
+def _load_on_two_ranks(ckpt: Path, out: Path) -> dict:
+    """Load ``ckpt`` into a TP=2 module on two forked gloo ranks; rank 0's ``{"state", "extra"}``."""
     mp.start_processes(
-        _load_tp2,
-        args=(2, free_port(), str(tp2_ckpt / "ckpt"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-        start_method="fork",
+        _load_tp2, args=(2, free_port(), str(ckpt), str(out)), nprocs=2, join=True, start_method="fork"
     )
-    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    return torch.load(out / "got.pt", weights_only=True)
+
+
+def test_tp2_to_tp2_exact(tp2_ckpt: Path, tmp_path: Path) -> None:
+    got = _load_on_two_ranks(tp2_ckpt / "ckpt", tmp_path)
     _assert_equal(got["state"], torch.load(tp2_ckpt / "ref.pt", weights_only=True))
     assert got["extra"] == {"rank": 0}
 
@@ -98,14 +99,7 @@ def test_tp1_to_tp2_exact(tmp_path: Path) -> None:
     train_step(model, opt, seed=0)
     save_module_state(tmp_path / "ckpt", model=model, optimizer=opt, extra=None)
     torch.save(full_state(model, opt), tmp_path / "ref.pt")
-    mp.start_processes(
-        _load_tp2,
-        args=(2, free_port(), str(tmp_path / "ckpt"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-        start_method="fork",
-    )
-    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    got = _load_on_two_ranks(tmp_path / "ckpt", tmp_path)
     _assert_equal(got["state"], torch.load(tmp_path / "ref.pt", weights_only=True))
     assert got["extra"] is None
 
