@@ -194,7 +194,7 @@ class ReferenceModel:
             if p.grad is not None:
                 module, fqn = self.owner[key]
                 grads.setdefault(module, {})[fqn] = p.grad.detach().clone()
-        norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
+        norm = _grad_norm(params)
         applied = norm
         if apply_grads is not None:
             for key, p in self.model.named_parameters():
@@ -202,13 +202,18 @@ class ReferenceModel:
                 g = apply_grads.get(module, {}).get(fqn)
                 if p.grad is not None and g is not None and g.shape == p.grad.shape:
                     p.grad.copy_(g)
-            applied = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
+            applied = _grad_norm(params)
         coef = min(1.0, self.grad_clip / (applied + CLIP_EPS)) if self.grad_clip > 0 else 1.0
         for p in params:
             p.grad.mul_(coef)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         return total / data.num_label_tokens, norm, grads
+
+
+def _grad_norm(params: list[torch.Tensor]) -> float:
+    """The global L2 norm of ``params``' gradients, summed in fp64."""
+    return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
 
 
 def compare_grads(
