@@ -375,17 +375,33 @@ def init_groups(groups: Sequence[ActorGroup], *, timeout_s: float) -> None:
         g.finish_init(p, timeout_s=timeout_s + 10)
 
 
+# How long a reservation waits beside parked warm groups before it removes them and waits again.
+PARKED_PLACEMENT_WAIT_S = 10.0
+
+
 def reserve(pgs: Sequence[tuple[list[dict[str, float]], str]], *, timeout_s: float) -> list[Any]:
     """Reserve placement groups ``(bundles, strategy)``; if Ray cannot place them in time, free
     what was reserved and raise PlanError naming the bundles and what the cluster has. With warm
-    workers on (``dhp.runtime.warm_pool``), an equal parked group is taken instead of a new one."""
+    workers on (``dhp.runtime.warm_pool``), an equal parked group is taken instead of a new one,
+    and parked groups are removed when the new ones cannot be placed beside them."""
     parked = warm_pool.pool()
     taken = parked.take(pgs) if parked is not None else [None] * len(pgs)
     reserved = [
         pg if pg is not None else placement_group(b, strategy=st)
         for pg, (b, st) in zip(taken, pgs, strict=True)
     ]
-    ready, _ = ray.wait([pg.ready() for pg in reserved], num_returns=len(reserved), timeout=timeout_s)
+    refs = [pg.ready() for pg in reserved]
+    wait_s = timeout_s
+    if parked is not None and parked.parked_groups():
+        # the free-resource sum said they fit; if no node can take them beside the parked groups,
+        # free those and wait again
+        first = min(wait_s, PARKED_PLACEMENT_WAIT_S)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=first)
+        if len(ready) == len(refs):
+            return reserved
+        parked.drain()
+        wait_s -= first
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(wait_s, 0.0))
     if len(ready) == len(reserved):
         return reserved
     release(reserved)

@@ -8,10 +8,14 @@ other on one Ray instance (a test session, a sweep) can keep them instead of kil
   drops its module, optimizer, channel and caches; only the imported code stays), then parks the
   actors here with their placement groups, still reserved.
 - The next ``reserve`` takes a parked placement group whose bundles and strategy equal a requested
-  one, and ``ActorGroup`` re-initialises a parked actor that sits in the same bundle with the same
-  resources and class (``reinit``) instead of starting a process. Parked groups that the new run
-  does not take are removed first, so their resources are free for it; parked actors it does not
-  claim are killed before any of its ranks is awaited.
+  one (the most recently parked first), and ``ActorGroup`` re-initialises a parked actor that sits
+  in the same bundle with the same resources and class (``reinit``) instead of starting a process.
+  Parked actors of a taken group that no rank claims are killed before any rank is awaited.
+- Parked groups that a run does not take stay parked for a later run (runs of several shapes
+  alternate in a test session) while the cluster has room: before new groups are reserved, the
+  oldest parked groups are removed until the cluster's free resources cover them, and if Ray still
+  cannot place them, every parked group is removed and the reservation waits again. At most
+  :data:`MAX_PARKED_ACTORS` processes stay parked (oldest removed first).
 
 Placement is unchanged: a reused rank sits in the bundle the plan gives it. Memory: between runs a
 parked process holds only its interpreter and imported modules (no tensors). A failed or
@@ -27,6 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SlotKey = tuple[int, float, float, str]  # bundle index, num_cpus, num_gpus, worker class
+
+# Parked processes kept at most: each holds its interpreter with torch and transformers imported
+# (a few hundred MB of host memory, no tensors).
+MAX_PARKED_ACTORS = 12
 
 
 @dataclass
@@ -59,6 +67,10 @@ class WarmPool:
         self._session: str | None = None
         self.reused = 0  # actors re-initialised instead of started (for tests and logs)
 
+    def parked_groups(self) -> int:
+        """How many placement groups are parked now."""
+        return len(self._parked)
+
     def parked_actors(self) -> int:
         """How many reset actors wait in parked placement groups now."""
         return sum(len(p.actors) for p in self._parked)
@@ -83,21 +95,43 @@ class WarmPool:
     # ---- taking -------------------------------------------------------------------------------
     def take(self, requests: Sequence[tuple[list[dict[str, float]], str]]) -> list[Any]:
         """Per requested ``(bundles, strategy)``, a parked placement group equal to it, or None.
-        Parked groups not taken are removed (with their actors), so a fresh reservation fits."""
+        Then the oldest parked groups are removed until the cluster's free resources cover the
+        requests left without one (:meth:`make_room`)."""
         if not self._check_session():
             return [None] * len(requests)
         out: list[Any] = []
         for bundles, strategy in requests:
             key = pg_key(bundles, strategy)
-            hit = next((p for p in self._parked if p.key == key), None)
+            hit = next((p for p in reversed(self._parked) if p.key == key), None)
             if hit is None:
                 out.append(None)
                 continue
             self._parked.remove(hit)
             self._leased[hit.pg.id] = hit
             out.append(hit.pg)
-        self.drain()
+        self.make_room([r for r, pg in zip(requests, out, strict=True) if pg is None])
         return out
+
+    def make_room(self, requests: Sequence[tuple[list[dict[str, float]], str]]) -> None:
+        """Remove parked groups, oldest first, until Ray's free resources (plus what is removed)
+        cover the bundles of ``requests``. A cluster-wide sum: ``reserve`` drains the rest if the
+        groups still cannot be placed on a node."""
+        import ray
+
+        need: dict[str, float] = {}
+        for bundles, _ in requests:
+            for b in bundles:
+                for k, v in b.items():
+                    need[k] = need.get(k, 0.0) + float(v)
+        if not need or not self._parked:
+            return
+        free = {k: float(v) for k, v in ray.available_resources().items()}
+        while self._parked and any(free.get(k, 0.0) + 1e-9 < v for k, v in need.items()):
+            oldest = self._parked.pop(0)
+            _remove([oldest])
+            for bundle in oldest.key[0]:
+                for k, v in bundle:
+                    free[k] = free.get(k, 0.0) + float(v)
 
     def claim(self, pg: Any, key: SlotKey) -> Any:
         """A parked actor of ``pg`` with slot ``key`` (it must be ``reinit``-ed), or None."""
@@ -128,19 +162,26 @@ class WarmPool:
         for pg_index, key, handle in actors:
             entries[pg_index].actors.append((key, handle))
         self._parked.extend(entries)
+        while self.parked_actors() > MAX_PARKED_ACTORS:
+            _remove([self._parked.pop(0)])
 
     def drain(self) -> None:
         """Kill every parked actor and remove every parked placement group."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         parked, self._parked = self._parked, []
-        up = ray.is_initialized()
-        for p in parked:
-            if up:
-                _kill([h for _, h in p.actors])
-                with contextlib.suppress(Exception):
-                    remove_placement_group(p.pg)
+        _remove(parked)
+
+
+def _remove(entries: Sequence[_Parked]) -> None:
+    """Kill the actors of parked ``entries`` and remove their placement groups (if Ray is up)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if not ray.is_initialized():
+        return
+    for p in entries:
+        _kill([h for _, h in p.actors])
+        with contextlib.suppress(Exception):
+            remove_placement_group(p.pg)
 
 
 def _kill(handles: Sequence[Any]) -> None:

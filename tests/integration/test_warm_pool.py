@@ -4,8 +4,9 @@ parks its rank processes, and the next run with equal placement groups re-initia
 Observed directly, since equal losses alone could not show it: the reused ranks are the same
 processes (pids), they start clean (a marker set on the worker and a parameter changed in place in
 the first run are gone; the world is new and complete), a run with other placement groups gets new
-processes while the parked ones end, a failed (non-graceful) close parks nothing, and draining
-gives every reserved CPU back. Losses of reused processes against the unsplit model are what
+processes while the parked ones wait on beside it (the cluster has room), a failed (non-graceful)
+close parks nothing, and a reservation that does not fit beside the parked group removes it and
+its processes. Losses of reused processes against the unsplit model are what
 tests/integration/test_verify.py already checks, under the same pool.
 """
 
@@ -22,6 +23,7 @@ from procs import alive
 from dhp.config import load_config
 from dhp.plan import compile_plan
 from dhp.runtime import Trainer, warm_pool
+from dhp.runtime.actor_group import release, reserve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -96,9 +98,18 @@ def test_parked_processes_serve_the_next_equal_plan_clean_and_end_otherwise(ray_
     try:
         new = {p for ps in _pids(third).values() for p in ps}
         assert not new & {p for ps in pids.values() for p in ps}
-        assert _wait(lambda: not any(alive(p) for ps in pids.values() for p in ps))  # drained at reserve
     finally:
         third.close(graceful=False)  # a failed run parks nothing
-    assert pool.parked_actors() == 0
+    # the cluster had room for both, so the parked group of the first plan waits on for a later run
+    assert pool.parked_actors() == 4 and all(alive(p) for ps in pids.values() for p in ps)
     assert _wait(lambda: not any(alive(p) for p in new))
-    assert _wait(lambda: ray.available_resources().get("CPU", 0.0) == ray.cluster_resources()["CPU"])
+
+    # a reservation that does not fit beside the parked group removes it (and its processes)
+    total = ray.cluster_resources()["CPU"]
+    big = reserve([([{"CPU": total - 0.5}], "PACK")], timeout_s=60)
+    try:
+        assert pool.parked_actors() == 0
+        assert _wait(lambda: not any(alive(p) for ps in pids.values() for p in ps))
+    finally:
+        release(big)
+    assert _wait(lambda: ray.available_resources().get("CPU", 0.0) == total)
