@@ -1,7 +1,8 @@
 """wandb (offline) and MLflow (file store) log what ``metrics.jsonl`` holds, through the real CLI.
 
 One tiny run (every degree 1, 2 steps) with ``metrics.loggers=[jsonl,tensorboard,wandb,mlflow]``,
-then a resume of it to step 3, are shared by the module. Checked:
+then a resume of it to step 3, are shared by the module (``dhp train`` in this process, on the
+shared test Ray). Checked:
 - every scalar of every metrics.jsonl record equals the wandb offline history and the MLflow metric
   history at the same step (exact: both store the float64 value);
 - the resolved config is the tracker run's config/params; config.yaml and plan.json are its files;
@@ -13,40 +14,41 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_here import dhp_here, explain
 from plans import ALL_ONE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
 
-ROOT = Path(__file__).resolve().parents[2]
 LOGGERS = "metrics.loggers=[jsonl,tensorboard,wandb,mlflow]"
 
 
-def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dhp.cli", "train", "conf=tiny_vlm", "name=lg", *ALL_ONE, LOGGERS]
-    cmd += [f"metrics.mlflow.tracking_uri=file:{out / 'mlruns'}"]
-    cmd += [f"train.output_dir={out}", *extra]
-    # metrics.wandb.mode is null by default: wandb follows $WANDB_MODE, as users set it
-    env = os.environ | {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc
+def _train(out: Path, *extra: str) -> None:
+    """``dhp train`` of the shared tiny run, in this process on the shared test Ray."""
+    args = ["train", "conf=tiny_vlm", "name=lg", *ALL_ONE, LOGGERS]
+    args += [f"metrics.mlflow.tracking_uri=file:{out / 'mlruns'}", f"train.output_dir={out}", *extra]
+    result = dhp_here(*args)
+    assert result.exit_code == 0, explain(result)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path, Path]:
+def runs(tmp_path_factory, ray_local) -> Iterator[tuple[Path, Path, Path]]:
     out = tmp_path_factory.mktemp("runs")
-    _train(out, "train.steps=2")
-    (first,) = (out / "lg").iterdir()
-    _train(out, "train.steps=3", "train.resume=auto")
-    (second,) = [d for d in (out / "lg").iterdir() if d != first]
-    return out, first, second
+    # metrics.wandb.mode is null by default: wandb follows $WANDB_MODE, as users set it
+    env = {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        _train(out, "train.steps=2")
+        (first,) = (out / "lg").iterdir()
+        _train(out, "train.steps=3", "train.resume=auto")
+        (second,) = [d for d in (out / "lg").iterdir() if d != first]
+        yield out, first, second
 
 
 def _jsonl(run_dir: Path) -> dict[int, dict[str, float]]:

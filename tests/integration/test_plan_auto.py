@@ -1,4 +1,8 @@
-"""`dhp plan --auto --save` writes a recipe that `dhp train` runs unchanged (real CLI, real Ray)."""
+"""`dhp plan --auto --save` writes a recipe that `dhp train` runs unchanged (real CLI, real Ray).
+
+The two plans run the installed entry point in processes of their own; the train is the CLI's own
+command in this process, on the shared test Ray (``cli_here``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import sys
 
 import pytest
 import yaml
+from cli_here import dhp_here, explain
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -18,7 +23,7 @@ def dhp(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
-def test_auto_saves_a_recipe_that_trains(tmp_path) -> None:
+def test_auto_saves_a_recipe_that_trains(tmp_path, ray_local) -> None:
     recipe = tmp_path / "auto.yaml"
     # 2 CPU "GPUs" keep the run small; these fixed settings must survive into the saved recipe
     fixed = [
@@ -41,8 +46,8 @@ def test_auto_saves_a_recipe_that_trains(tmp_path) -> None:
     for name in ("vision", "llm"):  # deterministic: the same winner both times
         par = {k: v for k, v in saved["modules"][name]["parallel"].items() if k in mesh[name] and v > 1}
         assert par == {k: v for k, v in mesh[name].items() if v > 1}
-    run = dhp("train", f"conf={recipe}")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    run = dhp_here("train", f"conf={recipe}")
+    assert run.exit_code == 0, explain(run)
     (run_dir,) = (tmp_path / "runs" / "auto").iterdir()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]

@@ -1,10 +1,13 @@
 """``dhp verify`` on the tiny models: each plan against the unsplit transformers model.
 
 The plans run through the real runtime on the module's shared local Ray (``ray_local``) with
-``verify_plan``, the function behind ``dhp verify``; the last two tests go through the real CLI
-(its PASS table and exit 0, and exit 1 with FAIL beyond tolerance). Tolerances are verify's own:
-loss and grad norm within 1e-5 relative, every gradient and every parameter after the update within
-1e-4 absolute (fp32). ``test_verify_fails_beyond_tolerance`` proves the comparison can fail: an
+``verify_plan``, the function behind ``dhp verify``; two tests go through the CLI (its PASS table and
+exit 0 in this process, and exit 1 with FAIL beyond tolerance from the installed entry point in a
+process of its own). Plans with equal placement groups are next to each other: the shared Ray's
+warm workers (``dhp.runtime.warm_pool``) then re-use one plan's rank processes for the next.
+
+Tolerances are verify's own: loss and grad norm within 1e-5 relative, every gradient and every
+parameter after the update within 1e-4 absolute (fp32). ``test_verify_fails_beyond_tolerance`` proves the comparison can fail: an
 impossible gradient tolerance (1e-12; SP/TP reduce in another order, so fp32 rounding differs) must
 exit 1.
 """
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_here import dhp_here, explain, words
 from rich.console import Console
 
 from dhp.config import load_config
@@ -48,7 +52,7 @@ def verify_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-# ---- Qwen2.5-VL (tiny_vlm) ---------------------------------------------------------------------
+# ---- disaggregated on 4 ranks (2 + 2) --------------------------------------------------------
 def test_disaggregated_sequence_parallel_selective_ac_mode_chunked(ray_local) -> None:
     # vision Ulysses SP=2 and LLM TP=2 + SP, both with op-level (selective) AC, on disjoint ranks
     # (the encoder runs micro-batch i+1's forward before i's recompute), and a 7-token loss chunk
@@ -64,12 +68,6 @@ def test_disaggregated_sequence_parallel_selective_ac_mode_chunked(ray_local) ->
     )
 
 
-def test_disaggregated_vision1_llm_tp2(ray_local) -> None:
-    _passed(
-        "tiny_vlm", 10, "placement=disaggregated", "modules.vision.gpus=1", "modules.vision.parallel.sp=1"
-    )
-
-
 def test_p2p_bridge_vision_tp2_llm_tp2(ray_local) -> None:
     # handoff=p2p over gloo (the NCCL path on GPUs): rows go vision unit leader -> LLM leader once and
     # are broadcast in the LLM TP group; their grads come back and are broadcast in the vision TP group
@@ -80,6 +78,13 @@ def test_p2p_bridge_vision_tp2_llm_tp2(ray_local) -> None:
         "placement=disaggregated",
         "modules.vision.parallel.sp=1",
         "modules.vision.parallel.tp=2",
+    )
+
+
+# ---- disaggregated on 3 ranks ----------------------------------------------------------------
+def test_disaggregated_vision1_llm_tp2(ray_local) -> None:
+    _passed(
+        "tiny_vlm", 10, "placement=disaggregated", "modules.vision.gpus=1", "modules.vision.parallel.sp=1"
     )
 
 
@@ -97,6 +102,54 @@ def test_p2p_two_vision_replicas_into_one_llm_rank(ray_local) -> None:
     )
 
 
+def test_qwen3_vl_verify_disaggregated_two_vision_ranks_one_llm_rank(ray_local) -> None:
+    # Qwen3-VL: 2 encoder ranks (SP=2) into one LLM rank, DeepStack edges included
+    _passed("tiny_qwen3_vl", 2, "placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
+
+
+# ---- collocated on 2 bundles (vision rank i and LLM rank i share bundle i) --------------------
+def test_llm_dp2_sums_over_replicas(ray_local) -> None:
+    # the reference sees the union of both replicas' micro-batches, normalised by the global T
+    _passed("tiny_vlm", 3, "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2")
+
+
+def test_frozen_vision(ray_local) -> None:
+    # no grads and no optimizer state for the encoder on either side; the LLM still trains
+    _passed("tiny_vlm", 2, "modules.vision.freeze=true")
+
+
+def test_qwen3_vl_verify_collocated_sp2_tp2(ray_local) -> None:
+    # Vision Ulysses SP=2 sends each rank's rows of image_embeds and of both DeepStack features; the
+    # LLM gets all 1 + K edges and sends every edge's gradient back. Measured max|dg| ~5e-7.
+    _passed("tiny_qwen3_vl", 2)
+
+
+def test_verify_video_packed_sp2_tp2(ray_local) -> None:
+    # every sample: an image and a 4-frame video (0.5 s per temporal patch); with data.packing both
+    # samples of a micro-batch share one LLM row, while the reference runs each sample alone with
+    # pixel_values_videos / second_per_grid_ts. The one-process parities in tests/parity/test_video.py
+    # and tests/parity/test_packing.py cover both features in the fast tier.
+    _passed("tiny_vlm_video", 1, "data.packing=true", "data.max_tokens=512")
+
+
+def test_verify_lora_recipe_at_its_own_lr(ray_local) -> None:
+    # adapters only, vision SP=2 + LLM TP=2 with SP, lr 5e-3: AdamW turns rounding-level differences
+    # of the near-zero A-matrix gradients into ~lr per element, so the parameter check compares the
+    # update of the plan's own gradients (dhp.runtime.verify), not two trajectories
+    _passed("tiny_vlm_lora", 3)
+
+
+def test_collocated_sp2_tp2_ten_steps_through_the_cli(ray_local) -> None:
+    # the CLI command itself (argument parsing, the per-step rows, the PASS table, the exit code), run
+    # in this process on the shared Ray; test_verify_fails_beyond_tolerance runs the installed entry
+    # point in a process of its own. The recipe already turns sequence parallelism on inside the
+    # LLM's TP group; say it explicitly
+    result = dhp_here("verify", "conf=tiny_vlm", "steps=10", "modules.llm.parallel.sequence_parallel=true")
+    assert result.exit_code == 0, explain(result)
+    assert "PASS" in words(result) and "over 10 step(s)" in words(result), explain(result)
+
+
+# ---- collocated on 4 bundles (4 + 4 ranks) ---------------------------------------------------
 def test_collocated_vision_tp2_dp2_llm_tp2_fsdp2(ray_local) -> None:
     # 4 + 4 ranks: encoder TP x DP (unit 1 sends from rank 2, not 1), LLM TP x FSDP (2-D mesh)
     _passed(
@@ -112,53 +165,7 @@ def test_collocated_vision_tp2_dp2_llm_tp2_fsdp2(ray_local) -> None:
     )
 
 
-def test_llm_dp2_sums_over_replicas(ray_local) -> None:
-    # the reference sees the union of both replicas' micro-batches, normalised by the global T
-    _passed("tiny_vlm", 3, "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2")
-
-
-def test_frozen_vision(ray_local) -> None:
-    # no grads and no optimizer state for the encoder on either side; the LLM still trains
-    _passed("tiny_vlm", 2, "modules.vision.freeze=true")
-
-
-# ---- Qwen3-VL (tiny_qwen3_vl) ------------------------------------------------------------------
-# Vision Ulysses SP=2 sends each rank's rows of image_embeds and of both DeepStack features; the LLM
-# gets all 1 + K edges and sends every edge's gradient back. Measured max|dg| ~5e-7.
-def test_qwen3_vl_verify_collocated_sp2_tp2(ray_local) -> None:
-    _passed("tiny_qwen3_vl", 2)
-
-
-def test_qwen3_vl_verify_disaggregated_two_vision_ranks_one_llm_rank(ray_local) -> None:
-    _passed("tiny_qwen3_vl", 2, "placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
-
-
-# ---- video and packing (tiny_vlm_video) --------------------------------------------------------
-def test_verify_video_packed_sp2_tp2(ray_local) -> None:
-    # every sample: an image and a 4-frame video (0.5 s per temporal patch); with data.packing both
-    # samples of a micro-batch share one LLM row, while the reference runs each sample alone with
-    # pixel_values_videos / second_per_grid_ts. The one-process parities in tests/parity/test_video.py
-    # and tests/parity/test_packing.py cover both features in the fast tier.
-    _passed("tiny_vlm_video", 1, "data.packing=true", "data.max_tokens=512")
-
-
-# ---- LoRA (tiny_vlm_lora) ----------------------------------------------------------------------
-def test_verify_lora_recipe_at_its_own_lr(ray_local) -> None:
-    # adapters only, vision SP=2 + LLM TP=2 with SP, lr 5e-3: AdamW turns rounding-level differences
-    # of the near-zero A-matrix gradients into ~lr per element, so the parameter check compares the
-    # update of the plan's own gradients (dhp.runtime.verify), not two trajectories
-    _passed("tiny_vlm_lora", 3)
-
-
-# ---- through the CLI ---------------------------------------------------------------------------
-def test_collocated_sp2_tp2_ten_steps_through_the_cli() -> None:
-    # the recipe already turns sequence parallelism on inside the LLM's TP group; say it explicitly
-    proc = verify_cli("conf=tiny_vlm", "steps=10", "modules.llm.parallel.sequence_parallel=true")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "PASS" in proc.stdout and "over 10 step(s)" in proc.stdout, out[-4000:]
-
-
+# ---- the installed entry point, in a process of its own --------------------------------------
 def test_verify_fails_beyond_tolerance() -> None:
     proc = verify_cli("conf=tiny_vlm", "steps=1", "--grad-atol", "1e-12")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
