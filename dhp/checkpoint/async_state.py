@@ -15,7 +15,6 @@ it), and re-raises the write's error once. Nothing here commits a checkpoint: th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from concurrent.futures import Future
@@ -113,13 +112,3 @@ def async_save_status(*, wait: bool) -> dict[str, Any] | None:
         "staging_s": p.staging_s,
         "write_s": (p.ended or time.perf_counter()) - p.started,
     }
-
-
-def forget_process_state() -> None:
-    """Wait for the save in flight (if any), then forget it and the checkpoint group: the process
-    is about to leave its world and may serve another run (``dhp.runtime.warm_pool``)."""
-    global _pending, _group
-    if _pending is not None:
-        with contextlib.suppress(BaseException):
-            _pending.future.result()
-    _pending, _group = None, None

@@ -22,7 +22,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.errors import DhpError, PlanError, RuntimeFailure
 from dhp.layout import RankLayout
-from dhp.runtime import warm_pool
 from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
 
@@ -118,8 +117,7 @@ class ActorGroup:
         worker_kwargs: dict[str, Any],
         wait: bool = True,
     ) -> None:
-        """Start one actor per rank in its placement-group bundle (or re-initialise a parked actor
-        of an earlier run sitting in that bundle, ``dhp.runtime.warm_pool``). ``wait=False`` returns at once
+        """Start one actor per rank in its placement-group bundle. ``wait=False`` returns at once
         (call :meth:`wait_started`), so several groups' processes start, and import torch and the
         model code, at the same time instead of one group after the other."""
         self.spec = spec
@@ -127,76 +125,26 @@ class ActorGroup:
         self.layout = spec.layout
         self.worker_cls = worker_cls
         self.pids: list[int] = []
-        self._pgs = list(pgs)
-        self._worker_kwargs = worker_kwargs
-        parked = warm_pool.pool()
-        self.actors, self._pid_refs, self._reused = [], [], set()
-        for rank, slot in enumerate(spec.slots):
-            key = warm_pool.slot_key(slot.bundle_index, slot.num_cpus, slot.num_gpus, worker_cls)
-            actor = parked.claim(pgs[slot.pg_index], key) if parked is not None else None
-            if actor is not None:  # a parked process of an earlier run in this bundle: no new start
-                self.actors.append(actor)
-                self._pid_refs.append(actor.reinit.remote(**self._init_kwargs(rank)))
-                self._reused.add(rank)
-            else:
-                self.actors.append(self._start(rank))
-                self._pid_refs.append(self.actors[rank].pid.remote())
-        if wait:
-            self.wait_started()
-
-    def _init_kwargs(self, rank: int) -> dict[str, Any]:
-        return {
-            "module_name": self.name,
-            "rank": rank,
-            "world_size": self.spec.world_size,
-            **self._worker_kwargs,
-        }
-
-    def _start(self, rank: int) -> Any:
-        """A new actor process for ``rank`` in its planned bundle."""
-        slot = self.spec.slots[rank]
-        return (
-            ray.remote(self.worker_cls)
-            .options(
+        remote_cls = ray.remote(worker_cls)
+        self.actors = [
+            remote_cls.options(
                 num_cpus=slot.num_cpus,
                 num_gpus=slot.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
+                    placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
                 ),
                 runtime_env={"env_vars": WORKER_ENV},
-            )
-            .remote(**self._init_kwargs(rank))
-        )
+            ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
+            for rank, slot in enumerate(spec.slots)
+        ]
+        self._pid_refs = self._submit_raw("pid", [((), {})] * spec.world_size)
+        if wait:
+            self.wait_started()
 
     def wait_started(self) -> None:
-        """Block until every rank's actor answers (a rank that dies while starting is a RuntimeFailure).
-        Parked actors of this group's placement groups that no rank claimed are killed first: they
-        hold the bundle resources a new rank may be waiting for. A parked actor that died while it
-        waited is replaced by a new process once."""
-        if self.pids:
-            return
-        parked = warm_pool.pool()
-        if parked is not None:
-            parked.evict_unclaimed(self._pgs)
-        try:
+        """Block until every rank's actor answers (a rank that dies while starting is a RuntimeFailure)."""
+        if not self.pids:
             self.pids = self.get(self._pid_refs, what="start")
-        except RuntimeFailure:
-            if not self._reused:
-                raise
-            for rank in sorted(self._reused):
-                with contextlib.suppress(Exception):
-                    ray.kill(self.actors[rank], no_restart=True)
-                self.actors[rank] = self._start(rank)
-                self._pid_refs[rank] = self.actors[rank].pid.remote()
-            self._reused = set()
-            self.pids = self.get(self._pid_refs, what="start")
-
-    def slot_keys(self) -> list[tuple[int, warm_pool.SlotKey]]:
-        """Per rank, ``(placement group index, slot key)``: where a parked actor of this rank may serve again."""
-        return [
-            (s.pg_index, warm_pool.slot_key(s.bundle_index, s.num_cpus, s.num_gpus, self.worker_cls))
-            for s in self.spec.slots
-        ]
 
     def master_address(self, *, avoid: set[int]) -> tuple[str, int]:
         """Rank 0's node IP and a free port not in ``avoid`` (ports already given to other groups:
@@ -375,33 +323,11 @@ def init_groups(groups: Sequence[ActorGroup], *, timeout_s: float) -> None:
         g.finish_init(p, timeout_s=timeout_s + 10)
 
 
-# How long a reservation waits beside parked warm groups before it removes them and waits again.
-PARKED_PLACEMENT_WAIT_S = 10.0
-
-
 def reserve(pgs: Sequence[tuple[list[dict[str, float]], str]], *, timeout_s: float) -> list[Any]:
     """Reserve placement groups ``(bundles, strategy)``; if Ray cannot place them in time, free
-    what was reserved and raise PlanError naming the bundles and what the cluster has. With warm
-    workers on (``dhp.runtime.warm_pool``), an equal parked group is taken instead of a new one,
-    and parked groups are removed when the new ones cannot be placed beside them."""
-    parked = warm_pool.pool()
-    taken = parked.take(pgs) if parked is not None else [None] * len(pgs)
-    reserved = [
-        pg if pg is not None else placement_group(b, strategy=st)
-        for pg, (b, st) in zip(taken, pgs, strict=True)
-    ]
-    refs = [pg.ready() for pg in reserved]
-    wait_s = timeout_s
-    if parked is not None and parked.parked_groups():
-        # the free-resource sum said they fit; if no node can take them beside the parked groups,
-        # free those and wait again
-        first = min(wait_s, PARKED_PLACEMENT_WAIT_S)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=first)
-        if len(ready) == len(refs):
-            return reserved
-        parked.drain()
-        wait_s -= first
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(wait_s, 0.0))
+    what was reserved and raise PlanError naming the bundles and what the cluster has."""
+    reserved = [placement_group(b, strategy=st) for b, st in pgs]
+    ready, _ = ray.wait([pg.ready() for pg in reserved], num_returns=len(reserved), timeout=timeout_s)
     if len(ready) == len(reserved):
         return reserved
     release(reserved)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import gc
 import os
 import signal
 import socket
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,29 +57,6 @@ class DistWorker:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t.item())
-
-    def reset(self) -> int:
-        """Leave every world this rank joined and drop what the run built (module, optimizer,
-        channel, caches), keeping the process and its imported code for another run
-        (``dhp.runtime.warm_pool``). Collective: every rank of the group calls it. Returns the pid."""
-        self._release_run_state()
-        self.destroy_dist()
-        self.__dict__.clear()
-        import torch.distributed.tensor._random as dtensor_random
-
-        dtensor_random._rng_tracker = None  # seeded on the old world's mesh
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-        return os.getpid()
-
-    def reinit(self, **init: Any) -> int:
-        """Become a new rank (``__init__``'s arguments) in this reset process; returns the pid."""
-        self.__init__(**init)
-        return os.getpid()
-
-    def _release_run_state(self) -> None:
-        """Subclasses drop process-wide state of the run that ``reset`` would not (none here)."""
 
     def destroy_dist(self) -> None:
         """Barrier, then destroy the world (a peer may abort if one side leaves early)."""

@@ -34,7 +34,6 @@ from dhp.errors import RuntimeFailure
 from dhp.models import get_family
 from dhp.plan import Plan
 from dhp.ray_connect import connect_ray as _connect
-from dhp.runtime import warm_pool
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.graph import links_of
@@ -76,12 +75,10 @@ class Trainer:
         self._backprops: list[Any] = []
         self._update: list[Any] = []
         self._pgs: list[Any] = []
-        self._pg_specs: list[tuple[list[dict], str]] = []
         self._timeout = config.train.step_timeout_s
         self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
         try:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
-            self._pg_specs = pgs
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             self.family = get_family(config.model.family)
             self.hf_config = _hf_config(self.family, config.model)
@@ -335,8 +332,6 @@ class Trainer:
         import ray
 
         try:
-            if graceful and not self._owns_ray and self._park():
-                return
             for g in self.groups.values():
                 g.shutdown(destroy_dist=graceful)
             if self._pgs:
@@ -346,28 +341,6 @@ class Trainer:
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
             self._owns_ray = False
-
-    def _park(self, timeout_s: float = 30.0) -> bool:
-        """With warm workers on (``dhp.runtime.warm_pool``): reset every rank and park the actors
-        with their placement groups for the next run. False (nothing parked) when off or when a
-        rank does not reset in time; the caller then kills as usual."""
-        import ray
-
-        parked = warm_pool.pool()
-        if parked is None or not self.groups or len(self._pg_specs) != len(self._pgs):
-            return False
-        try:
-            ray.get([a.reset.remote() for g in self.groups.values() for a in g.actors], timeout=timeout_s)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False
-        members = [
-            (pg_index, key, actor)
-            for g in self.groups.values()
-            for (pg_index, key), actor in zip(g.slot_keys(), g.actors, strict=True)
-        ]
-        parked.park(self._pgs, self._pg_specs, members)
-        self.groups, self._pgs = {}, []
-        return True
 
 
 def connect_ray(*, cluster: ClusterConfig, plan: Plan | None) -> bool:

@@ -22,7 +22,6 @@ from rich.console import Console
 from rich.table import Table
 
 from dhp.errors import ConfigError, ConfigIssue, DhpError
-from dhp.runtime import warm_pool
 
 
 @dataclass
@@ -90,27 +89,20 @@ def run_sweep(conf: str, overrides: list[str], *, smoke: bool, console: Console)
     console.print(f"[bold]dhp train -m[/]: {len(members)} runs, summary in {out / 'sweep.jsonl'}")
     owns_ray = _start_shared_ray(conf, combos, smoke=smoke)
     try:
-        # members with equal placement groups reuse the previous member's rank processes
-        with warm_pool.warm_workers():
-            _run_members(members, conf=conf, smoke=smoke, console=console, out=out)
+        for m in members:
+            console.rule(
+                f"sweep run {m.index + 1}/{len(members)}: {' '.join(f'{k}={v}' for k, v in m.swept.items())}"
+            )
+            _run_member(m, conf=conf, smoke=smoke, console=console)
+            with (out / "sweep.jsonl").open("a", encoding="utf-8") as f:
+                f.write(json.dumps(asdict(m), sort_keys=True) + "\n")
+            if m.status == "interrupted":
+                break
     finally:
         if owns_ray and ray.is_initialized():
             ray.shutdown()
     render_sweep(members, console=console, path=out / "sweep.jsonl")
     return members
-
-
-def _run_members(members: list[SweepMember], *, conf: str, smoke: bool, console: Console, out: Path) -> None:
-    """One member after the other; each is recorded in ``sweep.jsonl`` as it ends."""
-    for m in members:
-        console.rule(
-            f"sweep run {m.index + 1}/{len(members)}: {' '.join(f'{k}={v}' for k, v in m.swept.items())}"
-        )
-        _run_member(m, conf=conf, smoke=smoke, console=console)
-        with (out / "sweep.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps(asdict(m), sort_keys=True) + "\n")
-        if m.status == "interrupted":
-            break
 
 
 def _sweep_dir(output_dir: str) -> Path:

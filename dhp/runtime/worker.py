@@ -448,12 +448,6 @@ class ModuleWorker(DistWorker):
             Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
         )
 
-    def _release_run_state(self) -> None:
-        """Before ``reset``: finish this rank's checkpoint write and forget its checkpoint group."""
-        from dhp.checkpoint.async_state import forget_process_state
-
-        forget_process_state()
-
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def checkpoint_write_status(self, wait: bool) -> dict[str, Any] | None:
         """This rank's in-flight checkpoint write (None: none); ``wait`` blocks until it is written."""

@@ -7,10 +7,6 @@ process), and at the end of the session. A module that needs a cluster of its ow
 ``ray.shutdown()`` first; the next ``ray_local`` starts a fresh instance. Tests that run the CLI
 in a subprocess are unaffected: ``dhp`` there starts its own instance with ``address="local"``.
 
-Warm workers are on for that instance (``dhp.runtime.warm_pool``): a Trainer that closes normally
-parks its rank processes, and the next Trainer whose placement groups are equal re-initialises
-them instead of starting new ones (each start imports torch and transformers: ~9 s of CPU).
-
 The workers of that instance can import the helpers beside the tests (``PYTHONPATH``), as the
 actor-group test's echo worker needs.
 """
@@ -24,7 +20,6 @@ import pytest
 import ray
 
 from dhp.ray_connect import LOCAL_RAY
-from dhp.runtime import warm_pool
 
 RAY_CPUS = 4
 
@@ -36,7 +31,6 @@ def ray_local():
         here = str(Path(__file__).resolve().parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", num_cpus=RAY_CPUS, **LOCAL_RAY)
-    warm_pool.enable()
     yield
 
 
@@ -47,7 +41,6 @@ def pytest_runtest_teardown(item, nextitem):
     result = yield
     here = Path(__file__).resolve().parent
     if nextitem is None or here not in Path(nextitem.path).resolve().parents:
-        warm_pool.disable()
         ray.shutdown()
     return result
 
@@ -55,5 +48,4 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="session", autouse=True)
 def _ray_down_at_the_end():
     yield
-    warm_pool.disable()
     ray.shutdown()
