@@ -252,11 +252,16 @@ class ActorGroup:
         return rank, err
 
     def _answers(self, rank: int) -> bool:
+        """Whether ``rank``'s actor is alive. One that does not answer within 2 s is busy, not dead:
+        its call queues behind one still running (a peer blocked in the collective the failed rank
+        left), and blaming it would hide the failed rank's own error."""
         try:
             ray.get(self.actors[rank].pid.remote(), timeout=2)
+        except ray.exceptions.GetTimeoutError:
             return True
         except ray.exceptions.RayError:
             return False
+        return True
 
     def _submit_raw(self, method: str, per_rank: list[tuple[tuple, dict]], num_returns: int = 1) -> list[Any]:
         out = []

@@ -28,6 +28,13 @@ class EchoWorker(DistWorker):
     def sleep(self, seconds):
         time.sleep(seconds)
 
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def break_rank0(self, seconds):
+        """Rank 0 raises at once; the others stay busy for ``seconds`` (as peers blocked in a collective)."""
+        if self.rank == 0:
+            raise ValueError("rank 0 broke")
+        time.sleep(seconds)
+
 
 def _group(name, mesh, cpus=0.25):
     """A group on its own placement group (one CPU bundle per rank); returns (group, pgs)."""
@@ -73,6 +80,21 @@ def test_killed_actor_is_named_by_module_and_rank(ray_local):
         os.kill(group.pids[1], signal.SIGKILL)
         with pytest.raises(RuntimeFailure, match=r"module 'vision' rank 1 \(pid \d+\) died"):
             group.collect(pending, timeout_s=60)
+    finally:
+        group.shutdown(destroy_dist=False)
+        release(pgs)
+
+
+def test_failed_rank_is_blamed_not_its_busy_peer(ray_local):
+    # rank 1 is alive but busy past the blame grace (3 s) and its 2 s liveness probe: the failure
+    # names rank 0 and its own error, not rank 1 as dead
+    group, pgs = _group("llm", {"tp": 2})
+    try:
+        group.wait_started()
+        with pytest.raises(RuntimeFailure) as err:
+            group.collect(group.submit("break_rank0", 12), timeout_s=60)
+        assert "module 'llm' rank 0" in str(err.value) and "rank 0 broke" in str(err.value), err.value
+        assert "died" not in str(err.value), err.value
     finally:
         group.shutdown(destroy_dist=False)
         release(pgs)
