@@ -2,9 +2,9 @@
 
 The command is the CLI's own (typer's test runner calls the app: argument parsing, the printed
 tables, the exit code); only the process is the test's. A run started this way joins the Ray the
-test process already has, so its rank processes can be warm ones (``dhp.runtime.warm_pool``)
-instead of a fresh Ray and fresh processes per command. Tests of the entry point itself (signals,
-exit codes of a real process) keep running ``python -m dhp.cli`` in a subprocess.
+test process already has, so a command costs neither a Ray start nor the CLI's imports in a new
+interpreter (~10 CPU-s on a small machine). Tests of the entry point itself (signals, exit codes of a
+real process) keep running ``python -m dhp.cli`` in a subprocess.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The plans run through the real runtime on the module's shared local Ray (``ray_local``) with
 ``verify_plan``, the function behind ``dhp verify``; two tests go through the CLI (its PASS table and
 exit 0 in this process, and exit 1 with FAIL beyond tolerance from the installed entry point in a
-process of its own). Plans with equal placement groups are next to each other: the shared Ray's
-warm workers (``dhp.runtime.warm_pool``) then re-use one plan's rank processes for the next.
+process of its own). The plans are grouped by placement (disaggregated on 4 and on 3 bundles,
+collocated on 2 and on 4).
 
 Tolerances are verify's own: loss and grad norm within 1e-5 relative, every gradient and every
 parameter after the update within 1e-4 absolute (fp32). ``test_verify_fails_beyond_tolerance`` proves the comparison can fail: an
