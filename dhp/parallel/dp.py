@@ -62,7 +62,8 @@ class Zero1AdamW(torch.optim.AdamW):
     """AdamW whose states live only on each parameter's owner in the dp group (ZeRO-1).
 
     It is a plain ``AdamW`` over this rank's owned parameters (so LR schedulers and DCP state dicts work);
-    ``step`` updates the owned parameters, then every owner broadcasts its parameters to the dp group.
+    ``step`` updates the owned parameters, then (its first step post-hook) every owner broadcasts its
+    parameters to the dp group.
     ``zero_grad`` clears the gradients of all parameters, owned or not.
     """
 
@@ -85,17 +86,21 @@ class Zero1AdamW(torch.optim.AdamW):
         for g in groups:
             g["params"] = [p for p in g["params"] if id(p) in owned]
         super().__init__(groups, **adamw)
+        # the broadcast is a step post-hook, not a ``step`` override calling AdamW's: torch wraps the
+        # ``step`` of every optimizer class it builds to run the hooks, so an override would run
+        # them twice once a plain AdamW exists in the process
+        self.register_step_post_hook(lambda opt, args, kwargs: opt._broadcast_owned())
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        loss = super().step(closure)
+    def _broadcast_owned(self) -> None:
+        """After AdamW updated this rank's own parameters: every owner broadcasts its parameters to
+        the dp group, so every replica holds the whole updated module."""
         for owner in range(self._dp):
             mine = [local(p) for p, o in zip(self._all, self._owner, strict=True) if o == owner]
             if mine:
                 _coalesced(
                     mine, lambda flat, src=owner: dist.broadcast(flat, group=self._group, group_src=src)
                 )
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._all:

@@ -70,8 +70,13 @@ def _check_zero1(mesh, parallel: ParallelConfig, model) -> None:
     )
     plain = build_optimizer(twin, mesh, parallel=parallel, train=TRAIN)
     assert isinstance(zero, Zero1AdamW) and not isinstance(plain, Zero1AdamW)
+    hooks: list[str] = []
+    zero.register_step_pre_hook(lambda *_: hooks.append("pre"))
+    zero.register_step_post_hook(lambda *_: hooks.append("post"))
     zero.step()
     plain.step()
+    # once each, although a plain AdamW (whose step torch wraps too) exists in this process
+    assert hooks == ["pre", "post"], hooks
     got, want = full_param_dict(model), full_param_dict(twin)
     for k in want:
         assert torch.allclose(got[k], want[k], rtol=0, atol=ZERO_ATOL), (
