@@ -43,6 +43,9 @@ class LayerShape:
     heads: int
     layers: int
     q_dim: int = 0  # num_heads * head_dim, the q/o projections' width; 0: == hidden
+    #: column-parallel projections reading the block's input (q, k, v, gate, up unfused: 5; a fused
+    #: qkv: 3; an ungated MLP: one fewer): under TP each one's input grad is all-reduced on its own
+    tp_input_grads: int = 5
 
 
 @dataclass(frozen=True)

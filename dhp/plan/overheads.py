@@ -16,12 +16,18 @@ coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrat
                         windows on the rank, per full
                         block the images it attends;
                         LLM: L
-    collectives         Ulysses 4 per full block; TP 2   the same (+ recompute);   collective_overhead_s
-                        per block (x2 under SP: RS+AG);  FSDP all-gather + reduce-
-                        FSDP 1 all-gather per block;     scatter per block; loss
-                        loss 1 per chunk (vocab TP)      1 per chunk
+    collectives         Ulysses 2 per full block (qkv,   Ulysses the same; TP 1    collective_overhead_s
+                        out) + 1 rotary gather; TP 2     all-reduce per column-
+                        per block (x2 under SP: RS+AG),  parallel input's grad
+                        LLM +1 embedding all-reduce;     (``tp_input_grads``, +2
+                        FSDP 1 all-gather per block;     AG under SP); FSDP all-
+                        loss 2 all-reduces per chunk     gather + reduce-scatter
+                        (vocab TP)                       per block; loss 1 (+1 AG
+                                                         under SP); + the
+                                                         recomputed forward's
     step (once)         tensors = the rank's parameter tensors (norm, clip, AdamW, zero_grad: a loop
-                        over them; x2 for DTensor parameters), and collectives: 1 grad-norm all-reduce,
+                        over them; x2 for DTensor parameters; ZeRO-1: AdamW's share on the owned ones
+                        only), and collectives: 1 grad-norm all-reduce,
                         1 SP and 1 DP gradient all-reduce, dp*sp ZeRO-1 owner broadcasts
 
 ``L`` blocks, ``ck`` the blocks recomputed under activation checkpointing (``backward`` runs about
@@ -40,16 +46,23 @@ from dhp.plan.memory import ModuleShape, checkpointed_blocks
 #: the rest: patch embedding + merger (norm, 2 linears with biases), or embedding + norm + lm_head).
 TENSORS_PER_BLOCK = {"vision": 12, "llm": 12}
 ROOT_TENSORS = {"vision": 6, "llm": 3}
+#: AdamW's share of the per-tensor ops of a step (about 10 of the 14: the rest are the grad norm,
+#: the clip and zero_grad, which every rank runs on every tensor)
+ADAMW_SHARE = 0.7
 #: A DTensor parameter costs about twice a plain one in the per-tensor loops (dispatch through
 #: DTensor's sharding propagation before the local kernel).
 DTENSOR_TENSOR_FACTOR = 2.0
 
 
 def param_tensors(shape: ModuleShape) -> float:
-    """Parameter tensors one rank steps over (the per-tensor loops of norm, clip and AdamW)."""
+    """Parameter tensors one rank steps over (the per-tensor loops of norm, clip and AdamW), in
+    whole-loop units: under ZeRO-1 AdamW's share of a tensor's ops runs on its owner only."""
     n = shape.layer.layers * TENSORS_PER_BLOCK[shape.name] + ROOT_TENSORS[shape.name]
-    dtensor = shape.parallel.tp > 1 or shape.parallel.fsdp > 1
-    return n * (DTENSOR_TENSOR_FACTOR if dtensor else 1.0)
+    par = shape.parallel
+    dtensor = par.tp > 1 or par.fsdp > 1
+    owners = par.dp * par.sp if par.zero == 1 else 1
+    share = (1.0 - ADAMW_SHARE) + ADAMW_SHARE / owners
+    return n * share * (DTENSOR_TENSOR_FACTOR if dtensor else 1.0)
 
 
 def attention_calls(shape: ModuleShape, tokens: float) -> float:
@@ -71,18 +84,22 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     par, lay = shape.parallel, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
     fwd = bwd = 0.0
-    if par.sp > 1:
+    if par.sp > 1:  # per full block: qkv (fused) and out; plus one rotary-table gather a forward
         n_full = len(shape.arch.fullatt_block_indexes) if shape.name == "vision" else lay.layers
-        fwd += 4 * n_full
-        bwd += 4 * n_full * (1 + ck / lay.layers)
+        fwd += 2 * n_full + 1
+        bwd += 2 * n_full + (2 * n_full + 1) * ck / lay.layers
     if par.tp > 1:
-        per = 2 * (2 if shape.sequence_parallel else 1)
-        fwd += per * lay.layers
-        bwd += per * (lay.layers + ck)
-        if shape.name == "llm":
+        sp = 2 if shape.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
+        fwd_block = 2 * sp  # the attention and MLP outputs
+        # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
+        bwd_block = lay.tp_input_grads + (2 if shape.sequence_parallel else 0)
+        fwd += fwd_block * lay.layers
+        bwd += bwd_block * lay.layers + fwd_block * ck
+        if shape.name == "llm":  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
+            # under SP the merged embeddings' grad is all-gathered back to the full sequence
             chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))
-            fwd += chunks
-            bwd += chunks
+            fwd += 1 + 2 * chunks
+            bwd += 1 + (1 if shape.sequence_parallel else 0)
     if par.fsdp > 1:
         fwd += lay.layers + 1
         bwd += 2 * (lay.layers + 1)

@@ -19,8 +19,11 @@ token, h hidden, span = attention span per query):
 
 Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency, lat per hop):
 
-    all-reduce   2 (n-1)/n * bytes / bw + 2 (n-1) lat      TP: 2 per block fwd, 2 bwd (+2 recompute);
+    all-reduce   2 (n-1)/n * bytes / bw + 2 (n-1) lat      TP: 2 per block fwd; bwd 1 per column-
+                                                           parallel input (tp_input_grads: q, k, v,
+                                                           gate, up = 5 unfused) + 2 recompute;
                                                            RS+AG under sequence_parallel: same volume
+                                                           (+ 2 AG of the outputs' grads in bwd)
     all-to-all   (n-1)/n * bytes / bw + (n-1) lat          Ulysses: q, k, v, out per full-attn block
     all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks)
@@ -180,7 +183,10 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         full_tokens = tokens  # TP ranks see every token; SP-in-TP moves the same volume as RS+AG
         one = all_reduce_s(full_tokens * h * a, par.tp, link.bw(par.tp), link.lat)
         fwd += 2 * lay.layers * one
-        bwd += (2 * lay.layers + 2 * ck) * one if shape.backward else 0.0
+        # backward: one all-reduce per column-parallel input's grad (torch's TP styles reduce each
+        # projection's on its own); SP adds the all-gathers of the two outputs' grads (one AR's bytes)
+        per = lay.tp_input_grads + (1 if shape.sequence_parallel else 0)
+        bwd += (per * lay.layers + 2 * ck) * one if shape.backward else 0.0
     fsdp = 0.0
     if par.fsdp > 1:
         span = RankLayout.from_parallel(par).span("fsdp")

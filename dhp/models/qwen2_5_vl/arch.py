@@ -57,7 +57,12 @@ def llm_params(llm: DictConfig) -> ParamCount:
 def vision_layer(vision: DictConfig) -> LayerShape:
     h = vision.hidden_size
     return LayerShape(
-        hidden=h, mlp=vision.intermediate_size, kv_dim=h, heads=vision.num_heads, layers=vision.depth
+        hidden=h,
+        mlp=vision.intermediate_size,
+        kv_dim=h,
+        heads=vision.num_heads,
+        layers=vision.depth,
+        tp_input_grads=3,  # fused qkv, gate, up
     )
 
 

@@ -218,6 +218,7 @@ def shape(name: str, n: Numbers) -> LayerShape:
             kv_dim=n.vision_hidden,
             heads=n.vision_heads,
             layers=n.depth,
+            tp_input_grads=2,  # fused qkv, linear_fc1
         )
     return LayerShape(
         hidden=n.hidden,

@@ -173,7 +173,9 @@ def test_comm_formulas() -> None:
     link = Link(intra=bw, inter=bw / 10, lat=lat, gpn=4)
     tp = module_comm(_shape("llm", tp=2), 4, link)
     one_ar = all_reduce_s(4 * 8 * 4, 2, bw, lat)
-    assert tp["fwd"] == pytest.approx(2 * 2 * one_ar) and tp["bwd"] == pytest.approx(2 * 2 * one_ar)
+    # 2 blocks: forward the 2 outputs' all-reduces a block; backward one per column-parallel input's
+    # grad (q, k, v, gate, up: 5 a block)
+    assert tp["fwd"] == pytest.approx(2 * 2 * one_ar) and tp["bwd"] == pytest.approx(2 * 5 * one_ar)
     sp = module_comm(_shape("vision", seq=16, sp=2), 8, link)
     assert sp["fwd"] == pytest.approx(
         4 * 1 * all_to_all_s(8 * 8 * 4, 2, bw, lat)
@@ -227,23 +229,32 @@ def test_grads_and_activations_coexist_as_the_driver_orders_them() -> None:
 def test_call_overhead_counts() -> None:
     from dhp.plan.overheads import phase_counts
 
-    # LLM, tp=2 with sequence parallelism, 4 tokens in loss chunks of 2: per block 2 RS + 2 AG
-    # forward (8 for 2 blocks) + 2 loss all-reduces; backward the same; blocks L+1 = 3 forward,
-    # 2 (L+1) = 6 backward, every one through DTensor
+    # LLM, tp=2 with sequence parallelism, 4 tokens in loss chunks of 2. Forward: per block 2 RS +
+    # 2 AG (8 for 2 blocks), the embedding's all-reduce, 2 loss all-reduces per chunk (2 chunks: 4).
+    # Backward: per block the 5 column-parallel inputs' grad all-reduces (q, k, v, gate, up, as
+    # torch's TP styles issue them) and the 2 outputs' grad all-gathers: 14, + the loss's input grad
+    # and the merged embeddings' grad all-gather (SP).
+    # Blocks L+1 = 3 forward, 2 (L+1) = 6 backward, every one through DTensor
     c = phase_counts(_shape("llm", tp=2, sequence_parallel=True, chunk=2), 4.0)
-    assert c["fwd"] == {"blocks": 3, "dtensor_blocks": 3, "attention_calls": 2, "collectives": 10}
-    assert c["bwd"] == {"blocks": 6, "dtensor_blocks": 6, "attention_calls": 2, "collectives": 10}
+    assert c["fwd"] == {"blocks": 3, "dtensor_blocks": 3, "attention_calls": 2, "collectives": 13}
+    assert c["bwd"] == {"blocks": 6, "dtensor_blocks": 6, "attention_calls": 2, "collectives": 16}
     # the step: (2 blocks x 12 + 3) parameter tensors, x2 as DTensors; the grad-norm all-reduce
     assert c["step"] == {"tensors": 54, "collectives": 1}
+    # without SP the backward has no all-gathers; full AC replays the forward's 2 all-reduces a block
+    n = phase_counts(_shape("llm", tp=2, chunk=2, ac="full"), 4.0)
+    assert n["bwd"]["collectives"] == 2 * 5 + 2 * 2 + 1
     # encoder, Ulysses sp=2 on 8 patches of one image (4 per rank), full AC: window block (4-patch
-    # windows) 1 call, the full block attends the 1 image; 4 all-to-alls per full block, recomputed
+    # windows) 1 call, the full block attends the 1 image; 2 all-to-alls per full block (fused qkv,
+    # out) and 1 rotary-table gather per forward; backward: their 2 grads + the recomputed forward's 3
     v = phase_counts(_shape("vision", seq=8, sp=2, ac="full"), 4.0)
-    assert v["fwd"] == {"blocks": 3, "dtensor_blocks": 0, "attention_calls": 2, "collectives": 4}
-    assert v["bwd"] == {"blocks": 8, "dtensor_blocks": 0, "attention_calls": 4, "collectives": 8}
+    assert v["fwd"] == {"blocks": 3, "dtensor_blocks": 0, "attention_calls": 2, "collectives": 3}
+    assert v["bwd"] == {"blocks": 8, "dtensor_blocks": 0, "attention_calls": 4, "collectives": 5}
     # vision: 2 x 12 + 6 tensors; grad norm + the SP gradient all-reduce
     assert v["step"] == {"tensors": 30, "collectives": 2}
     z = phase_counts(_shape("llm", dp=4, zero=1), 4.0)["step"]
     assert z["collectives"] == 1 + 1 + 4  # norm, DP all-reduce, one broadcast per ZeRO-1 owner
+    # ZeRO-1 over 4: AdamW's 0.7 of the per-tensor ops on a quarter of the 27 tensors, norm/clip on all
+    assert z["tensors"] == pytest.approx(27 * (0.3 + 0.7 / 4))
 
 
 def test_sp_ranks_hold_whole_windows() -> None:
