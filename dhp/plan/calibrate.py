@@ -27,6 +27,7 @@ from dhp.plan.estimate import (
     FEATURES,
     OVERHEAD_KEYS,
     coefficients,
+    concurrent_ranks,
     module_features,
     seconds,
     vision_tokens_per_rank,
@@ -84,8 +85,8 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
     for name, shape in module_shapes(config).items():
         world = int(config.modules[name].gpus)
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
-        procs = sum(int(m.gpus) for m in config.modules.values())
-        f = module_features(shape, tokens, config.cluster, world, procs)
+        worlds = {n: int(m.gpus) for n, m in config.modules.items()}
+        f = module_features(shape, tokens, config.cluster, world, concurrent_ranks(worlds, name, n_mb))
         per[name] = (f.fwd, f.bwd if shape.backward else {}, f.step if not shape.freeze else {})
         out.append(({k: n_mb * v for k, v in f.fwd.items()}, measured(rows, f"{name}_fwd_s"), f"{name}_fwd"))
         if shape.backward:
@@ -116,7 +117,7 @@ def _add(*rows: tuple[float, dict[str, float]]) -> dict[str, float]:
 def step_row(placement: str, per: dict[str, tuple], n_mb: int, prior: dict[str, float]) -> dict[str, float]:
     """The whole step's features, linearised like ``dhp.plan.schedule``: collocated sums every
     phase; disaggregated takes the bottleneck stage (by the prior coefficients) n_mb times plus
-    one micro-batch of the other stage and the bottleneck's finish. Plus n_mb dispatches."""
+    one micro-batch of the other stage and the longer finish. Plus n_mb dispatches."""
     stage = {n: _add((1.0, fwd), (1.0, bwd)) for n, (fwd, bwd, _) in per.items()}
     fin = {n: p[2] for n, p in per.items()}
     if placement == "collocated" or len(per) == 1:
@@ -124,7 +125,8 @@ def step_row(placement: str, per: dict[str, tuple], n_mb: int, prior: dict[str, 
     else:
         slow = max(stage, key=lambda n: seconds(stage[n], prior))
         fast = next(n for n in stage if n != slow)
-        row = _add((float(n_mb), stage[slow]), (1.0, stage[fast]), (1.0, fin[slow]))
+        last = max(fin, key=lambda n: seconds(fin[n], prior))  # the finishes run at once
+        row = _add((float(n_mb), stage[slow]), (1.0, stage[fast]), (1.0, fin[last]))
     row["dispatch"] = float(n_mb)
     return row
 

@@ -92,19 +92,40 @@ def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     return sp_rank_tokens(shape.arch, total, v.sp, shape.image_patches)
 
 
-def oversubscription(cluster: DictConfig, processes: int) -> float:
+def oversubscription(cluster: DictConfig, processes: float) -> float:
     """How much slower each rank runs when ``processes`` rank processes time-share
     ``cluster.host_cores`` cores (CPU clusters; 1 on GPUs, where host_cores is 0)."""
     cores = cluster.host_cores
     return max(1.0, processes / cores) if cores > 0 and processes > 0 else 1.0
 
 
+#: the driver: one more process on the host's cores while a step runs (routing, Ray calls)
+DRIVER_PROCESSES = 1.0
+
+
+def concurrent_ranks(worlds: dict[str, int], name: str, n_mb: int) -> tuple[float, float]:
+    """Rank processes busy while module ``name``'s ranks run, (forward/backward, finish), for
+    ``oversubscription``. On every placement the driver issues the producer's forward of micro-batch
+    m + 1 before the consumer's work on m, so the other module's ranks overlap this one's for about
+    (n_mb - 1) / n_mb of the forward/backward time (not at all with one micro-batch); the finishes
+    (grad sync, clip, AdamW) of all modules run at once. Both count the driver's process."""
+    own = float(worlds[name])
+    other = float(sum(worlds.values())) - own
+    return own + other * (n_mb - 1) / n_mb + DRIVER_PROCESSES, own + other + DRIVER_PROCESSES
+
+
 def module_features(
-    shape: ModuleShape, tokens: float, cluster: DictConfig, world: int, processes: int = 0
+    shape: ModuleShape,
+    tokens: float,
+    cluster: DictConfig,
+    world: int,
+    processes: tuple[float, float] = (0.0, 0.0),
 ) -> ModuleFeatures:
     """Features of one rank of ``shape``'s module when its layers see ``tokens`` tokens;
-    ``processes``: rank processes of the whole plan (for ``oversubscription``)."""
-    slow = oversubscription(cluster, processes)
+    ``processes``: rank processes busy at the same time in its forward/backward and in its finish
+    (``concurrent_ranks``, for ``oversubscription``)."""
+    slow = oversubscription(cluster, processes[0])
+    slow_fin = oversubscription(cluster, processes[1])
     peak = cluster.peak_bf16_tflops * 1e12
     fl = module_flops(shape, tokens)
     h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.parallel.tp
@@ -154,11 +175,15 @@ def module_features(
         recompute_flops=fl.recompute_matmul + fl.recompute_attn,
         flops=fl.fwd + (fl.bwd if shape.backward else 0.0),
     )
-    if slow == 1.0:
+    if slow == slow_fin == 1.0:
         return feats
-    scale = lambda d: {k: v * slow for k, v in d.items()}  # noqa: E731
+    scale = lambda d, x: {k: v * x for k, v in d.items()}  # noqa: E731
     return ModuleFeatures(
-        scale(feats.fwd), scale(feats.bwd), scale(feats.step), feats.recompute_flops, feats.flops
+        scale(feats.fwd, slow),
+        scale(feats.bwd, slow),
+        scale(feats.step, slow_fin),
+        feats.recompute_flops,
+        feats.flops,
     )
 
 
@@ -188,8 +213,8 @@ def estimate_step(
     for name, shape in shapes.items():
         world = plan.group(name).world_size
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
-        procs = sum(g.world_size for g in plan.groups)
-        f = module_features(shape, tokens, cluster, world, procs)
+        worlds = {g.name: g.world_size for g in plan.groups}
+        f = module_features(shape, tokens, cluster, world, concurrent_ranks(worlds, name, n_mb))
         per[name] = {
             "fwd_s": seconds(f.fwd, coef),
             "bwd_s": seconds(f.bwd, coef),

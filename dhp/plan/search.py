@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
-from dhp.plan.estimate import coefficients, module_features, seconds
+from dhp.plan.estimate import coefficients, concurrent_ranks, module_features, seconds
 from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
@@ -231,7 +231,8 @@ class Search:
             name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
         )
         terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
-        procs = self._procs
+        worlds = {name: world, "other": max(self._procs - world, 0)}
+        procs = concurrent_ranks(worlds, name, n_mb)
         f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
         time = {
             "fwd_s": seconds(f.fwd, self.coef),
