@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dhp.plan.compile import compile_plan
-from dhp.plan.search import Candidate, apply, auto_plan, reason
+from dhp.plan.search import Candidate, apply, auto_plan
 from dhp.plan.types import Plan
 
 GIB = float(1 << 30)
@@ -35,9 +35,8 @@ def save_recipe(config: DictConfig, path: str, *, why: str) -> Path:
 
 def run_auto(config: DictConfig, fixed: set[str], *, save: str | None) -> tuple[Plan, list, str]:
     """Search, compile the winner and optionally save it; returns (winner plan, ranked, reason)."""
-    ranked = auto_plan(config, fixed)
+    ranked, why = auto_plan(config, fixed)
     best = ranked[0][0]
-    why = reason(best, ranked[1][0] if len(ranked) > 1 else None)
     chosen = apply(config, ranked[0][1])
     OmegaConf.set_readonly(chosen, False)
     chosen.description = f"dhp plan --auto: {best.label()}"

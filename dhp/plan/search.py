@@ -2,7 +2,8 @@
 
 Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
-- placement: collocated on all N GPUs, or disaggregated with every split v + l = N;
+- placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
+  N/2, N/4, ... GPUs, which win only where more ranks are predicted slower (``Search.placements``);
 - per module and world size: every (dp, fsdp, sp, tp) whose product is the world (sp only for the
   encoder, sp and tp exclusive, tp inside a node and dividing the heads / KV heads / vocab), ZeRO-1
   on or off where dp*sp > 1 and fsdp = 1;
@@ -113,6 +114,12 @@ class Candidate:
         out.append(f"modules.vision.seq_len={self.vision_seq_len}")
         return out
 
+    @property
+    def gpus(self) -> int:
+        """GPUs the plan uses (collocated modules share theirs)."""
+        w = (self.vision.world, self.llm.world)
+        return max(w) if self.placement == "collocated" else sum(w)
+
     def label(self) -> str:
         def deg(m: ModuleChoice) -> str:
             d = m.degrees.as_dict()
@@ -170,6 +177,7 @@ class Search:
         self.patches_per_sample = v0.seq_len / share0
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self._procs = 0
+        self.best_full: Candidate | None = None  # the fastest candidate seen on all N GPUs
 
     # ---- what the user fixed ------------------------------------------------------------------
     def _keep(self, name: str, world: int, d: Degrees, ac: str) -> bool:
@@ -190,11 +198,25 @@ class Search:
             return [str(mod.activation_checkpointing)]
         return ["off", "selective", "full"]
 
+    def totals(self) -> list[int]:
+        """GPU counts a plan may use: the cluster's N, then N/2, N/4, ... (see ``placements``)."""
+        out, t = [self.n], self.n
+        while t % 2 == 0 and t > 1:
+            t //= 2
+            out.append(t)
+        return out
+
     def placements(self) -> list[tuple[str, int, int]]:
-        if _fixed(self.fixed, "placement") and self.cfg.placement == "collocated":
-            return [("collocated", self.n, self.n)]
-        out = [] if _fixed(self.fixed, "placement") else [("collocated", self.n, self.n)]
-        out += [("disaggregated", v, self.n - v) for v in range(1, self.n)]
+        """(placement, vision GPUs, LLM GPUs): collocated on t GPUs, or disaggregated with every split
+        of t, for every t of ``totals``. Plans on fewer GPUs than the cluster has compete on the same
+        predicted step time: they win only where more ranks are predicted slower (a CPU host whose
+        cores the ranks share, or too little work per rank for the collectives it adds)."""
+        colloc = not _fixed(self.fixed, "placement") or self.cfg.placement == "collocated"
+        disagg = not _fixed(self.fixed, "placement") or self.cfg.placement == "disaggregated"
+        out = []
+        for t in self.totals():
+            out += [("collocated", t, t)] if colloc else []
+            out += [("disaggregated", v, t - v) for v in range(1, t)] if disagg else []
         return out
 
     def micro_batches(self, l_reps: int, v_reps: int) -> list[int]:
@@ -300,6 +322,10 @@ class Search:
                                     cand = self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo)
                                     if cand is None:
                                         continue
+                                    if cand.gpus == self.n and (
+                                        self.best_full is None or cand.step_s < self.best_full.step_s
+                                    ):
+                                        self.best_full = cand
                                     best.append(cand)
                                     best.sort(key=lambda c: (c.step_s, c.label()))
                                     del best[keep:]
@@ -322,8 +348,11 @@ class Search:
         return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
 
 
-def reason(best: Candidate, runner_up: Candidate | None) -> str:
-    """One sentence on why the winner wins."""
+def reason(
+    best: Candidate, runner_up: Candidate | None, *, cluster_gpus: int = 0, best_full: Candidate | None = None
+) -> str:
+    """One sentence on why the winner wins (and, when it leaves GPUs idle, what all of them would
+    have predicted)."""
     if best.placement == "disaggregated":
         hide = (
             "the encoder stage hides behind the LLM stage"
@@ -335,6 +364,13 @@ def reason(best: Candidate, runner_up: Candidate | None) -> str:
         text = "collocated wins: both modules use every GPU, one after the other, with no pipeline bubble"
     if runner_up is not None:
         text += f"; {100 * (runner_up.step_s / best.step_s - 1):.1f}% faster than '{runner_up.label()}'"
+    if cluster_gpus and best.gpus < cluster_gpus:
+        text += f"; it uses {best.gpus} of the {cluster_gpus} GPUs: " + (
+            f"the fastest plan on all of them, '{best_full.label()}', is predicted "
+            f"{100 * (best_full.step_s / best.step_s - 1):.1f}% slower"
+            if best_full is not None
+            else "every plan on all of them is predicted slower than these"
+        )
     return text
 
 
@@ -350,14 +386,18 @@ def apply(config: DictConfig, overrides: list[str]) -> DictConfig:
     return out
 
 
-def auto_plan(config: DictConfig, fixed: set[str], *, top: int = 10) -> list[tuple[Candidate, list[str]]]:
-    """The ``top`` fastest valid plans that fit, each with the overrides that produce it."""
+def auto_plan(
+    config: DictConfig, fixed: set[str], *, top: int = 10
+) -> tuple[list[tuple[Candidate, list[str]]], str]:
+    """The ``top`` fastest valid plans that fit, each with the overrides that produce it, and one
+    sentence on why the first wins."""
     from dhp.config.validate import validate
 
     if "vision" not in config.modules:
         raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")
+    search = Search(config, fixed)
     out = []
-    for cand in Search(config, fixed).run():
+    for cand in search.run():
         ov = cand.overrides()
         if validate(apply(config, ov)):
             continue
@@ -369,4 +409,6 @@ def auto_plan(config: DictConfig, fixed: set[str], *, top: int = 10) -> list[tup
             "dhp plan --auto found no plan that fits and validates on this cluster. Fix: a larger "
             "cluster profile, shorter modules.*.seq_len, or fewer fixed settings on the command line"
         )
-    return out
+    runner_up = out[1][0] if len(out) > 1 else None
+    full = search.best_full if search.best_full is not None and search.best_full.gpus == search.n else None
+    return out, reason(out[0][0], runner_up, cluster_gpus=search.n, best_full=full)

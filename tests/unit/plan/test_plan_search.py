@@ -37,3 +37,30 @@ def test_overrides_apply_as_typed_values() -> None:
     out = apply(cfg, best.overrides())
     assert out.modules.llm.parallel.sequence_parallel is best.llm.degrees.sequence_parallel
     assert out.modules.llm.activation_checkpointing == best.llm.ac
+
+
+def test_search_may_use_fewer_gpus_than_the_cluster() -> None:
+    cfg = load_config("tiny_vlm", [])  # local_cpu: 4 CPU slots
+    search = Search(cfg, set())
+    assert search.totals() == [4, 2, 1]
+    places = search.placements()
+    assert ("collocated", 4, 4) in places and ("disaggregated", 1, 3) in places
+    assert ("collocated", 2, 2) in places and ("disaggregated", 1, 1) in places
+    assert ("collocated", 1, 1) in places and not any(v + lw > 4 for p, v, lw in places if p != "collocated")
+    fixed = Search(cfg, {"placement"})  # the recipe is collocated: no disaggregated split is tried
+    assert {p for p, _, _ in fixed.placements()} == {"collocated"}
+
+
+def test_oversubscription_counts_the_ranks_that_run_at_once() -> None:
+    from dhp.plan.estimate import DRIVER_PROCESSES, concurrent_ranks, oversubscription
+
+    worlds = {"vision": 2, "llm": 2}
+    d = DRIVER_PROCESSES
+    # one micro-batch: the driver never overlaps the modules' forward/backward; finishes run at once
+    assert concurrent_ranks(worlds, "vision", 1) == (2 + d, 4 + d)
+    # four: the other module's ranks overlap this one's for 3/4 of the time
+    assert concurrent_ranks(worlds, "llm", 4) == (2 + 2 * 3 / 4 + d, 4 + d)
+    cfg = load_config("tiny_vlm", [])  # host_cores: 2
+    assert oversubscription(cfg.cluster, 5.0) == 2.5 and oversubscription(cfg.cluster, 1.0) == 1.0
+    gpu = load_config("qwen_vl_7b", [])  # host_cores 0: GPUs never share
+    assert oversubscription(gpu.cluster, 9.0) == 1.0
