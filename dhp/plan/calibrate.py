@@ -85,8 +85,8 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
     for name, shape in module_shapes(config).items():
         world = int(config.modules[name].gpus)
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
-        worlds = {n: int(m.gpus) for n, m in config.modules.items()}
-        f = module_features(shape, tokens, config.cluster, world, concurrent_ranks(worlds, name, n_mb))
+        procs = concurrent_ranks(world, sum(int(m.gpus) for m in config.modules.values()), n_mb)
+        f = module_features(shape, tokens, config.cluster, world, procs)
         per[name] = (f.fwd, f.bwd if shape.backward else {}, f.step if not shape.freeze else {})
         out.append(({k: n_mb * v for k, v in f.fwd.items()}, measured(rows, f"{name}_fwd_s"), f"{name}_fwd"))
         if shape.backward:

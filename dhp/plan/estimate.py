@@ -103,15 +103,14 @@ def oversubscription(cluster: DictConfig, processes: float) -> float:
 DRIVER_PROCESSES = 1.0
 
 
-def concurrent_ranks(worlds: dict[str, int], name: str, n_mb: int) -> tuple[float, float]:
-    """Rank processes busy while module ``name``'s ranks run, (forward/backward, finish), for
-    ``oversubscription``. On every placement the driver issues the producer's forward of micro-batch
+def concurrent_ranks(own: int, total: int, n_mb: int) -> tuple[float, float]:
+    """Rank processes busy while a module's ``own`` ranks run, of the plan's ``total``, as
+    (forward/backward, finish), for ``oversubscription``. On every placement the driver issues the producer's forward of micro-batch
     m + 1 before the consumer's work on m, so the other module's ranks overlap this one's for about
     (n_mb - 1) / n_mb of the forward/backward time (not at all with one micro-batch); the finishes
     (grad sync, clip, AdamW) of all modules run at once. Both count the driver's process."""
-    own = float(worlds[name])
-    other = float(sum(worlds.values())) - own
-    return own + other * (n_mb - 1) / n_mb + DRIVER_PROCESSES, own + other + DRIVER_PROCESSES
+    other = float(total - own)
+    return own + other * (n_mb - 1) / n_mb + DRIVER_PROCESSES, total + DRIVER_PROCESSES
 
 
 def module_features(
@@ -213,8 +212,8 @@ def estimate_step(
     for name, shape in shapes.items():
         world = plan.group(name).world_size
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
-        worlds = {g.name: g.world_size for g in plan.groups}
-        f = module_features(shape, tokens, cluster, world, concurrent_ranks(worlds, name, n_mb))
+        procs = concurrent_ranks(world, sum(g.world_size for g in plan.groups), n_mb)
+        f = module_features(shape, tokens, cluster, world, procs)
         per[name] = {
             "fwd_s": seconds(f.fwd, coef),
             "bwd_s": seconds(f.bwd, coef),

@@ -253,8 +253,7 @@ class Search:
             name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
         )
         terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
-        worlds = {name: world, "other": max(self._procs - world, 0)}
-        procs = concurrent_ranks(worlds, name, n_mb)
+        procs = concurrent_ranks(world, max(self._procs, world), n_mb)
         f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
         time = {
             "fwd_s": seconds(f.fwd, self.coef),
@@ -410,5 +409,4 @@ def auto_plan(
             "cluster profile, shorter modules.*.seq_len, or fewer fixed settings on the command line"
         )
     runner_up = out[1][0] if len(out) > 1 else None
-    full = search.best_full if search.best_full is not None and search.best_full.gpus == search.n else None
-    return out, reason(out[0][0], runner_up, cluster_gpus=search.n, best_full=full)
+    return out, reason(out[0][0], runner_up, cluster_gpus=search.n, best_full=search.best_full)
