@@ -146,17 +146,27 @@ def plan(
 def calibrate(
     run_dirs: list[str] = typer.Argument(..., help="Run dirs (runs/<name>/<timestamp>), one cluster."),  # noqa: B008
     out: str = typer.Option(..., "--out", help="Profile YAML to write, e.g. conf/cluster/my_cluster.yaml."),
+    prior_weight: float = typer.Option(
+        None,
+        "--prior-weight",
+        min=0.0,
+        help="How much the runs' own cluster profile anchors each coefficient (0: the runs alone). "
+        "Default: dhp.plan.calibrate.PRIOR_WEIGHT.",
+    ),
 ) -> None:
     """Fit the step-time model's efficiencies to measured runs and write a cluster profile.
 
     Reads each run's config.yaml and metrics.jsonl (per-module fwd/bwd/step seconds), fits the
-    matmul/attention/communication/memory efficiencies and overheads by least squares, and writes
-    a cluster profile. Saved as conf/cluster/NAME.yaml, ``cluster=NAME`` uses it; `dhp plan`
+    matmul/attention/communication/memory efficiencies and overheads by least squares, each
+    anchored to the runs' own profile where the runs cannot tell two terms apart, and writes a
+    cluster profile. Saved as conf/cluster/NAME.yaml, ``cluster=NAME`` uses it; `dhp plan`
     prints the profile its estimate used.
     """
+    from dhp.plan.calibrate import PRIOR_WEIGHT
     from dhp.plan.calibrate import calibrate as fit_profile
 
-    report = fit_profile(run_dirs, out=out)
+    weight = PRIOR_WEIGHT if prior_weight is None else prior_weight
+    report = fit_profile(run_dirs, out=out, prior_weight=weight)
     prof = report["profile"]
     console.print(f"wrote [bold]{out}[/] ({prof['profile']})")
     for key in (

@@ -8,7 +8,11 @@ traffic, and a count of calls), where x = (1/matmul_eff, 1/attention_eff, 1/comm
 1/memory_eff, call_overhead_s). The fit minimises the squared RELATIVE error over all observations
 (each row divided by its measurement), with x >= 0: a coefficient the runs cannot determine (its
 feature is zero everywhere, or the unconstrained fit makes it negative) keeps the profile's prior
-value. ``dispatch_overhead_s`` is what the measured ``step_s`` has beyond the modelled schedule: one more observation per run, the whole ``step_s`` against
+value. Every coefficient is also anchored to its prior (``PRIOR_WEIGHT``): with eleven coefficients
+and a handful of runs, features that grow together (attention FLOPs and attention calls both grow
+with the image) leave the split between them undetermined, and an unanchored fit trades one for the
+other (an attention 27x faster than peak, paid back by 7x the per-call overhead), which predicts a
+new plan badly. ``dispatch_overhead_s`` is what the measured ``step_s`` has beyond the modelled schedule: one more observation per run, the whole ``step_s`` against
 the schedule's features (``step_row``) plus a dispatch per micro-batch. Measurements: the median over logged steps, the first one
 (warm-up) dropped when there are more.
 """
@@ -26,8 +30,8 @@ from dhp.errors import ConfigError, ConfigIssue
 from dhp.plan.estimate import (
     FEATURES,
     OVERHEAD_KEYS,
+    busy_processes,
     coefficients,
-    concurrent_ranks,
     module_features,
     seconds,
     vision_tokens_per_rank,
@@ -39,6 +43,12 @@ STEP_WEIGHT = 5.0
 # single measurements jump by 2x); a few reweighted rounds of the non-negative fit.
 HUBER_DELTA = 0.2
 HUBER_ROUNDS = 6
+# The prior profile's coefficient counts as one more observation of it, x_k / prior_k = 1, at this
+# weight (a module phase weighs 1, a run's step STEP_WEIGHT): where the runs determine a coefficient
+# they move it, where they cannot tell two terms apart the profile's physical estimate decides.
+# Chosen on the planner bench's held-out step times (4 runs, each calibration half, 32 predictions
+# within 25 %): weight 0 (no anchor) 25, 1 30, 2 31, 3 25, with conf/cluster/local_cpu.yaml's prior.
+PRIOR_WEIGHT = 2.0
 PROFILE_KEYS = {
     "matmul": "matmul_efficiency",
     "attention": "attention_efficiency",
@@ -85,7 +95,7 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
     for name, shape in module_shapes(config).items():
         world = int(config.modules[name].gpus)
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
-        procs = concurrent_ranks(world, sum(int(m.gpus) for m in config.modules.values()), n_mb)
+        procs = busy_processes(sum(int(m.gpus) for m in config.modules.values()))
         f = module_features(shape, tokens, config.cluster, world, procs)
         per[name] = (f.fwd, f.bwd if shape.backward else {}, f.step if not shape.freeze else {})
         out.append(({k: n_mb * v for k, v in f.fwd.items()}, measured(rows, f"{name}_fwd_s"), f"{name}_fwd"))
@@ -147,28 +157,36 @@ def nnls(a: np.ndarray, b: np.ndarray, sweeps: int = 5000) -> np.ndarray:
     return x
 
 
-def fit(obs: list[tuple[dict[str, float], float, str]], prior: dict[str, float]) -> dict[str, float]:
+def fit(
+    obs: list[tuple[dict[str, float], float, str]],
+    prior: dict[str, float],
+    prior_weight: float = PRIOR_WEIGHT,
+) -> dict[str, float]:
     """Non-negative robust least squares on relative errors (step rows weighted STEP_WEIGHT; Huber
-    reweighting beyond HUBER_DELTA). A coefficient whose feature is zero in every
-    observation keeps ``prior``; one the fit drives to 0 is floored at 1% of its prior (the runs
-    say the term is negligible here; a zero would mean an infinite efficiency)."""
+    reweighting beyond HUBER_DELTA), each free coefficient anchored to ``prior`` at ``prior_weight``
+    (0: the runs alone). A coefficient whose feature is zero in every observation keeps ``prior``;
+    one the fit drives to 0 is floored at 1% of its prior (the runs say the term is negligible here;
+    a zero would mean an infinite efficiency)."""
     free = [k for k in FEATURES if any(f.get(k, 0.0) > 0 for f, _, _ in obs)]
     fixed = {k: prior[k] for k in FEATURES if k not in free}
     rows = [(f, y, STEP_WEIGHT if label == "step" else 1.0) for f, y, label in obs if y > 0]
     if not free or not rows:
         return {**prior, **fixed}
     a = np.array([[f.get(k, 0.0) / y for k in free] for f, y, _ in rows])
+    anchor = np.diag([1.0 / prior[k] if prior[k] > 0 else 0.0 for k in free])
     w = np.array([wt for _, _, wt in rows])
     robust = np.ones(len(rows))
     for _ in range(HUBER_ROUNDS):  # iteratively reweighted: a noisy outlier cannot drag the fit
-        x = nnls(a * (w * robust)[:, None], w * robust)
+        wt = np.concatenate([w * robust, np.full(len(free), prior_weight)])
+        x = nnls(np.vstack([a, anchor]) * wt[:, None], wt)
         r = np.abs(a @ x - 1.0)  # relative residual of each observation
         robust = np.minimum(1.0, HUBER_DELTA / np.maximum(r, 1e-12)) ** 0.5
     return {**fixed, **{k: float(v) if v > 0 else 0.01 * prior[k] for k, v in zip(free, x, strict=True)}}
 
 
-def calibrate(run_dirs: list[str], *, out: str) -> dict:
-    """Fit the profile on ``run_dirs`` and write it to ``out`` (a cluster YAML); returns a report."""
+def calibrate(run_dirs: list[str], *, out: str, prior_weight: float = PRIOR_WEIGHT) -> dict:
+    """Fit the profile on ``run_dirs`` and write it to ``out`` (a cluster YAML); returns a report.
+    The runs' own cluster profile is the prior each coefficient is anchored to (``fit``)."""
     runs = [load_run(d) for d in run_dirs]
     clusters = {str(c.cluster.name) for c, _ in runs}
     if len(clusters) > 1:
@@ -179,7 +197,7 @@ def calibrate(run_dirs: list[str], *, out: str) -> dict:
         )
     base = runs[0][0].cluster
     obs = [o for cfg, rows in runs for o in run_observations(cfg, rows)]
-    coef = fit(obs, coefficients(base))
+    coef = fit(obs, coefficients(base), prior_weight)
     profile = OmegaConf.to_container(base)
     for key, name in PROFILE_KEYS.items():
         profile[name] = float(1.0 / coef[key])

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
-from dhp.plan.estimate import coefficients, concurrent_ranks, module_features, seconds
+from dhp.plan.estimate import busy_processes, coefficients, module_features, seconds
 from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
@@ -253,7 +253,7 @@ class Search:
             name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
         )
         terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
-        procs = concurrent_ranks(world, max(self._procs, world), n_mb)
+        procs = busy_processes(max(self._procs, world))
         f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
         time = {
             "fwd_s": seconds(f.fwd, self.coef),

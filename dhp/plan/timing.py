@@ -40,9 +40,8 @@ Disaggregated is a two-stage pipeline over the n_mb micro-batches:
     step = n_mb * max(V, L) + min(V, L) + max(sync + optimizer),  V = v_fwd + v_bwd,
     L = l_fwd + l_bwd + 2 handoff; the faster stage idles (reported as ``idle_s``).
 Both add the driver's own time, ``dispatch_overhead_s`` per micro-batch. On a CPU cluster
-(``host_cores`` > 0) a rank's phases stretch by max(1, busy processes / cores): its module's ranks,
-the other module's for the (n_mb - 1) / n_mb of the time that the driver overlaps them (all of
-them in the finish), and the driver (``estimate.concurrent_ranks``).
+(``host_cores`` > 0) a rank's phases stretch by max(1, processes / cores): every rank process of
+the plan, at work or waiting, and the driver (``estimate.busy_processes``).
 
 Defaults (conf/cluster): H100 SXM dense bf16 989 TFLOP/s and 3.35 TB/s HBM3 (NVIDIA H100 datasheet);
 matmul_efficiency 0.7 (cuBLAS large bf16 GEMMs reach ~70% of dense peak); attention_efficiency

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from dhp.config import load_config
 from dhp.config.loader import CONF_DIR
 from dhp.plan import compile_plan
-from dhp.plan.calibrate import calibrate, fit, run_observations
+from dhp.plan.calibrate import PRIOR_WEIGHT, calibrate, fit, run_observations
 from dhp.plan.estimate import FEATURES, seconds
 
 pytestmark = pytest.mark.unit
@@ -58,10 +58,32 @@ def test_fit_recovers_coefficients_and_keeps_priors() -> None:
     ]
     obs = [(f, seconds(f, TRUE), label) for f, _, label in rows]
     prior = dict.fromkeys(FEATURES, 7.0)
-    got = fit(obs, prior)
+    got = fit(obs, prior, prior_weight=0.0)
     for k in ("matmul", "attention", "memory", "calls"):
         assert got[k] == pytest.approx(TRUE[k], rel=1e-6)
     assert got["comm"] == got["dispatch"] == got["tensors"] == 7.0  # no observation has them: priors stay
+
+
+def test_prior_decides_what_the_runs_cannot_tell_apart() -> None:
+    """Attention FLOPs and attention calls that grow together in every run: the data fix only their
+    sum. Unanchored, the fit lands on some split of it (here away from the true one); anchored, the
+    prior's split, which the data agree with exactly, wins. A coefficient the runs do determine
+    still moves off a wrong prior."""
+    rows = [
+        ({"matmul": 1.0, "attention": a, "attention_calls": 5e4 * a, "calls": 1.0}, 0.0, f"r{a}")
+        for a in (0.1, 0.4, 1.0, 2.5)
+    ]
+    rows += [({"matmul": m, "calls": 1.0}, 0.0, f"m{m}") for m in (0.5, 3.0)]
+    obs = [(f, seconds(f, TRUE), label) for f, _, label in rows]
+    prior = {**TRUE, "matmul": 2 * TRUE["matmul"]}  # matmul prior wrong by 2x, the rest right
+    free = fit(obs, prior, prior_weight=0.0)
+    assert abs(free["attention"] / TRUE["attention"] - 1) > 0.1  # the data alone cannot tell
+    anchored = fit(obs, prior, prior_weight=PRIOR_WEIGHT)
+    assert anchored["attention"] == pytest.approx(TRUE["attention"], rel=0.05)
+    assert anchored["attention_calls"] == pytest.approx(TRUE["attention_calls"], rel=0.05)
+    # matmul: six rows against one prior observation pull it more than halfway to the truth
+    assert 1.0 < anchored["matmul"] / TRUE["matmul"] < 1.5
+    assert 1.0 < fit(obs, prior, prior_weight=0.5)["matmul"] / TRUE["matmul"] < 1.15
 
 
 def test_calibrate_writes_a_profile_that_cluster_names(tmp_path) -> None:
@@ -90,7 +112,7 @@ def test_calibrate_writes_a_profile_that_cluster_names(tmp_path) -> None:
         ),
     ]
     out = tmp_path / "cluster" / "fitted_cpu.yaml"
-    report = calibrate([str(r) for r in runs], out=str(out))
+    report = calibrate([str(r) for r in runs], out=str(out), prior_weight=0.0)
     prof = report["profile"]
     assert prof["matmul_efficiency"] == pytest.approx(0.31, rel=1e-6)
     assert prof["call_overhead_s"] == pytest.approx(0.004, rel=1e-6)
