@@ -122,6 +122,7 @@ class ClusterConfig:
     # kernels; a CPU profile or `dhp calibrate` sets them
     block_overhead_s: float = 0.0  # op dispatch of one block's forward (a backward counts 2)
     dtensor_block_overhead_s: float = 0.0  # extra per block when its weights are TP DTensors
+    fsdp_block_overhead_s: float = 0.0  # extra per FSDP-sharded block (unshard/reshard hooks)
     attention_call_overhead_s: float = 0.0  # per attention call (the encoder's window loop)
     collective_overhead_s: float = 0.0  # per collective call (gloo/NCCL setup, rendezvous)
     tensor_overhead_s: float = 0.0  # per parameter tensor in norm/clip/AdamW loops, per step

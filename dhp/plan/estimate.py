@@ -36,6 +36,7 @@ FEATURES = (
     "dispatch",
     "blocks",
     "dtensor_blocks",
+    "fsdp_blocks",
     "attention_calls",
     "collectives",
     "tensors",
@@ -44,6 +45,7 @@ FEATURES = (
 OVERHEAD_KEYS = {
     "blocks": "block_overhead_s",
     "dtensor_blocks": "dtensor_block_overhead_s",
+    "fsdp_blocks": "fsdp_block_overhead_s",
     "attention_calls": "attention_call_overhead_s",
     "collectives": "collective_overhead_s",
     "tensors": "tensor_overhead_s",

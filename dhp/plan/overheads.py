@@ -12,6 +12,9 @@ coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrat
     blocks              L + 1 (blocks + the head)        2 (L + 1) + ck            block_overhead_s
     dtensor_blocks      blocks, when the module's        same                      dtensor_block_overhead_s
                         weights are TP DTensors
+    fsdp_blocks         L + 1 when the module is         L + 1 + ck                fsdp_block_overhead_s
+                        FSDP-sharded (each block's
+                        unshard/reshard hooks)
     attention_calls     encoder: per window block the    same (+ ck/L of it)       attention_call_overhead_s
                         windows on the rank, per full
                         block the images it attends;
@@ -128,17 +131,21 @@ def phase_counts(shape: ModuleShape, tokens: float) -> dict[str, dict[str, float
     c_fwd, c_bwd = collectives(shape, tokens)
     fwd_blocks = float(lay.layers + 1)
     bwd_blocks = 2.0 * (lay.layers + 1) + ck if shape.backward else 0.0
+    fs = 1.0 if shape.parallel.fsdp > 1 else 0.0  # FSDP2: a pre- and post-hook per sharded block
+    fsdp_bwd = fs * (lay.layers + 1 + ck) if shape.backward else 0.0
     back = 1.0 if shape.backward else 0.0
     return {
         "fwd": {
             "blocks": fwd_blocks,
             "dtensor_blocks": dt * fwd_blocks,
+            "fsdp_blocks": fs * fwd_blocks,
             "attention_calls": attn,
             "collectives": c_fwd,
         },
         "bwd": {
             "blocks": bwd_blocks,
             "dtensor_blocks": dt * bwd_blocks,
+            "fsdp_blocks": fsdp_bwd,
             "attention_calls": back * attn * (1 + ck / lay.layers),
             "collectives": c_bwd,
         },

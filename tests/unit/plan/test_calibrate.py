@@ -26,6 +26,7 @@ TRUE = {
     "dispatch": 0.01,
     "blocks": 0.001,
     "dtensor_blocks": 0.002,
+    "fsdp_blocks": 0.0015,
     "attention_calls": 1e-4,
     "collectives": 5e-4,
     "tensors": 2e-4,

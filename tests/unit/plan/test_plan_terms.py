@@ -236,8 +236,10 @@ def test_call_overhead_counts() -> None:
     # and the merged embeddings' grad all-gather (SP).
     # Blocks L+1 = 3 forward, 2 (L+1) = 6 backward, every one through DTensor
     c = phase_counts(_shape("llm", tp=2, sequence_parallel=True, chunk=2), 4.0)
-    assert c["fwd"] == {"blocks": 3, "dtensor_blocks": 3, "attention_calls": 2, "collectives": 13}
-    assert c["bwd"] == {"blocks": 6, "dtensor_blocks": 6, "attention_calls": 2, "collectives": 16}
+    fwd = {"blocks": 3, "dtensor_blocks": 3, "fsdp_blocks": 0, "attention_calls": 2, "collectives": 13}
+    assert c["fwd"] == fwd
+    bwd = {"blocks": 6, "dtensor_blocks": 6, "fsdp_blocks": 0, "attention_calls": 2, "collectives": 16}
+    assert c["bwd"] == bwd
     # the step: (2 blocks x 12 + 3) parameter tensors, x2 as DTensors; the grad-norm all-reduce
     assert c["step"] == {"tensors": 54, "collectives": 1}
     # without SP the backward has no all-gathers; full AC replays the forward's 2 all-reduces a block
@@ -247,10 +249,30 @@ def test_call_overhead_counts() -> None:
     # windows) 1 call, the full block attends the 1 image; 2 all-to-alls per full block (fused qkv,
     # out) and 1 rotary-table gather per forward; backward: their 2 grads + the recomputed forward's 3
     v = phase_counts(_shape("vision", seq=8, sp=2, ac="full"), 4.0)
-    assert v["fwd"] == {"blocks": 3, "dtensor_blocks": 0, "attention_calls": 2, "collectives": 3}
-    assert v["bwd"] == {"blocks": 8, "dtensor_blocks": 0, "attention_calls": 4, "collectives": 5}
+    assert v["fwd"] == {
+        "blocks": 3,
+        "dtensor_blocks": 0,
+        "fsdp_blocks": 0,
+        "attention_calls": 2,
+        "collectives": 3,
+    }
+    assert v["bwd"] == {
+        "blocks": 8,
+        "dtensor_blocks": 0,
+        "fsdp_blocks": 0,
+        "attention_calls": 4,
+        "collectives": 5,
+    }
     # vision: 2 x 12 + 6 tensors; grad norm + the SP gradient all-reduce
     assert v["step"] == {"tensors": 30, "collectives": 2}
+    # FSDP2 over 2 with full AC: each of the L+1 = 3 sharded units runs its hooks once a forward and
+    # once a backward, plus its forward hooks again for each recomputed block (2). Collectives: an
+    # all-gather a unit forward; backward an all-gather and a reduce-scatter a unit (the recompute
+    # runs inside the unit's backward, on the weights already gathered)
+    f = phase_counts(_shape("llm", fsdp=2, ac="full"), 4.0)
+    assert (f["fwd"]["fsdp_blocks"], f["bwd"]["fsdp_blocks"]) == (3, 3 + 2)
+    assert (f["fwd"]["collectives"], f["bwd"]["collectives"]) == (3, 6)
+    assert f["fwd"]["dtensor_blocks"] == f["bwd"]["dtensor_blocks"] == 0
     z = phase_counts(_shape("llm", dp=4, zero=1), 4.0)["step"]
     assert z["collectives"] == 1 + 1 + 4  # norm, DP all-reduce, one broadcast per ZeRO-1 owner
     # ZeRO-1 over 4: AdamW's 0.7 of the per-tensor ops on a quarter of the 27 tensors, norm/clip on all
