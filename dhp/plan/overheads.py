@@ -131,9 +131,8 @@ def phase_counts(shape: ModuleShape, tokens: float) -> dict[str, dict[str, float
     c_fwd, c_bwd = collectives(shape, tokens)
     fwd_blocks = float(lay.layers + 1)
     bwd_blocks = 2.0 * (lay.layers + 1) + ck if shape.backward else 0.0
-    fs = 1.0 if shape.parallel.fsdp > 1 else 0.0  # FSDP2: a pre- and post-hook per sharded block
-    fsdp_bwd = fs * (lay.layers + 1 + ck) if shape.backward else 0.0
     back = 1.0 if shape.backward else 0.0
+    fs = 1.0 if shape.parallel.fsdp > 1 else 0.0  # FSDP2: a pre- and post-hook per sharded block
     return {
         "fwd": {
             "blocks": fwd_blocks,
@@ -145,7 +144,7 @@ def phase_counts(shape: ModuleShape, tokens: float) -> dict[str, dict[str, float
         "bwd": {
             "blocks": bwd_blocks,
             "dtensor_blocks": dt * bwd_blocks,
-            "fsdp_blocks": fsdp_bwd,
+            "fsdp_blocks": fs * back * (lay.layers + 1 + ck),
             "attention_calls": back * attn * (1 + ck / lay.layers),
             "collectives": c_bwd,
         },
