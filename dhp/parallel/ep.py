@@ -1,0 +1,382 @@
+"""Expert parallelism (EP) for transformers' own sparse-MoE blocks, applied from outside.
+
+What it does to placements
+--------------------------
+A sparse-MoE block in transformers (e.g. ``Qwen3VLMoeTextSparseMoeBlock``) is ``gate`` (the top-k
+router: softmax -> top-k -> renormalise) plus ``experts``, one module holding every expert as two
+3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+:func:`apply_ep` swaps each block's ``experts`` for :class:`ExpertParallelExperts`, which keeps that
+call signature, so the block's forward and the router stay transformers' unmodified code:
+
+- the router is REPLICATED (every rank routes its own tokens with the full ``gate.weight`` [E, H]);
+- EP rank ``r`` of an EP group of size ``ep`` owns experts ``[r*E/ep, (r+1)*E/ep)``: its
+  ``gate_up_proj``/``down_proj`` are DTensors on the 1-D ``ep`` mesh with placement ``Shard(0)``,
+  whose local tensors are those rows of the full tensors. The FQNs stay the checkpoint's
+  (``...mlp.experts.gate_up_proj``), so DCP saves/loads/reshards them (ep=2 -> ep=1 and back) like any
+  DTensor, ``full_tensor()`` gives the HF tensor for export, and a full HF checkpoint loads by
+  slicing rows :func:`local_expert_range`. DTensor rather than plain local parameters for exactly
+  this: the global shape and the shard's offset travel with the tensor, so nothing else needs a
+  mapping table.
+- forward, per block: each rank sorts its ``T*k`` (token, expert) assignments by expert, exchanges
+  the per-expert counts (one ``all_to_all_single`` of ``E`` int64), sends the token rows to the
+  experts' ranks (dispatch: ``all_to_all_single``, uneven splits), runs its local experts on what it
+  received (:func:`grouped_expert_mlp`), sends the outputs back (combine: the reverse
+  ``all_to_all_single``) and only then multiplies by the routing weights and sums over ``k`` on the
+  token's own rank. Dropless: no capacity factor, no padding, every assignment is computed, so the
+  result equals the single-process block up to float summation order. Because the weighting happens
+  on the token's own rank, the routing weights' gradient (and so the router's) is computed locally
+  from the combined expert outputs; nothing about the router crosses the wire.
+- backward: the autograd of both all-to-alls is the reverse all-to-all, so each rank's expert
+  gradients already hold the contributions of every token of its EP group, from every EP rank.
+
+The mesh ("MoE parallel folding", as in Megatron-Core)
+------------------------------------------------------
+Attention and the dense parts keep the module's own axes (dp, fsdp, sp, tp). For the MoE layers the
+ranks of the module's dp x fsdp x sp axes (the ranks that see DIFFERENT tokens) are folded into one
+axis of size ``n`` and re-split as ``edp x ep`` with ``ep`` innermost (consecutive ranks, so an EP group
+prefers SP neighbours, then FSDP, then DP: the most local links). :func:`ep_mesh` builds this as a
+3-D DeviceMesh ``("etp", "edp", "ep")``: ``etp`` is the module's tp axis. Expert tensor parallelism
+(sharding I inside each expert over ``etp``) is not implemented yet: with tp > 1 every TP rank of a
+TP group holds the same tokens and runs the same experts (correct, redundant compute).
+
+Gradient reduction contract (the caller's finalize step):
+
+- expert parameters: SUM over ``edp`` (:func:`reduce_expert_grads_`), never over dp/sp: the ranks of
+  an EP group hold different experts, so a dp all-reduce that included them would add unrelated
+  shards together. :func:`expert_params` lists them so a DP/ZeRO-1/FSDP step can exclude them.
+- everything else (router included): as the module's plan already does (SUM over dp, sp, ...).
+- the load-balancing loss is a product of two batch means, so a per-rank HF aux loss summed or
+  averaged over DP ranks is NOT the global one; :func:`load_balancing_loss` all-reduces the
+  per-expert counts and returns this rank's exact share of the global loss (shares sum to the HF
+  value on the concatenated batch; their gradients, summed, are its gradient).
+
+Memory per rank
+---------------
+- expert parameters, their gradients and their optimizer states: ``1/ep`` of the dense-replicated
+  amount (``3*E*I*H/ep`` parameters per MoE layer); router and dense parts unchanged.
+- dispatch and combine buffers, per MoE layer and per micro-batch: ``T*k`` rows of ``H`` each way
+  (the rows a rank sends, and the rows it receives: ``T*k`` on average, up to ``ep*T*k`` under a fully
+  unbalanced router, which is the planner's worst case), plus the sorted copy of the local
+  assignments (``T*k*H``) and the expert activations of the received rows (``rows*2I``), all kept
+  for backward unless the block is recomputed.
+
+Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
+``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)
+and a per-expert loop otherwise; ``grouped_mm_used`` says which, and this torch's CPU kernel has no
+backward, so the CPU path is the loop.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dhp.errors import PlanError
+
+EP_MESH_DIMS = ("etp", "edp", "ep")
+_FOLDED_AXES = ("dp", "fsdp", "sp")  # the module axes whose ranks see different tokens
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+
+
+def ep_mesh(module_mesh: DeviceMesh, *, ep: int) -> DeviceMesh:
+    """The MoE mesh ``("etp", "edp", "ep")`` folded from the module mesh's dp x fsdp x sp ranks.
+
+    ``module_mesh`` has axes among dp, fsdp, sp, tp (in that order). Collective over the module world
+    (creates the new axes' process groups). Raises PlanError when ``ep`` does not divide the folded
+    rank count.
+    """
+    names = tuple(module_mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in (*_FOLDED_AXES, "tp")]
+    if unknown:
+        raise PlanError(
+            f"ep_mesh: module mesh axes {names} include {unknown}; expected among dp, fsdp, sp, tp."
+        )
+    ranks = module_mesh.mesh
+    if "tp" in names:  # move tp first: each tp index gets its own (edp, ep) grid
+        ranks = ranks.movedim(names.index("tp"), 0)
+    tp = ranks.shape[0] if "tp" in names else 1
+    folded = ranks.reshape(tp, -1)
+    n = folded.shape[1]
+    if ep < 1 or n % ep:
+        raise PlanError(
+            f"parallel.ep={ep} must divide the module's dp x fsdp x sp ranks ({n}, mesh {names}); "
+            f"pick ep among {[d for d in range(1, n + 1) if n % d == 0]}."
+        )
+    grid = folded.reshape(tp, n // ep, ep)
+    return DeviceMesh(module_mesh.device_type, grid, mesh_dim_names=EP_MESH_DIMS)
+
+
+def local_expert_range(num_experts: int, ep_group_mesh: DeviceMesh) -> tuple[int, int]:
+    """[lo, hi) of the experts this rank owns on the 1-D ``ep`` mesh (rows of the full 3-D tensors)."""
+    ep = ep_group_mesh.size()
+    if num_experts % ep:
+        raise PlanError(
+            f"parallel.ep={ep} must divide the number of experts ({num_experts}); "
+            f"pick ep among {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}."
+        )
+    per = num_experts // ep
+    r = ep_group_mesh.get_local_rank()
+    return r * per, (r + 1) * per
+
+
+# ------------------------------------------------------------------------------------ expert compute
+
+
+def grouped_mm_used(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether :func:`grouped_expert_mlp` takes ``torch._grouped_mm`` for these tensors (else the loop).
+
+    ``torch._grouped_mm`` needs CUDA with compute capability >= 8.0, bf16 operands and rows whose byte
+    strides are 16-byte aligned (``H`` and ``I`` multiples of 8 in bf16). The CPU kernel of this torch
+    runs forward but has no backward, so CPU always loops.
+    """
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    same = x.dtype == gate_up.dtype == down.dtype == torch.bfloat16
+    return same and x.shape[-1] % 8 == 0 and down.shape[-1] % 8 == 0
+
+
+def grouped_expert_mlp(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``down_e(act(gate_e(x)) * up_e(x))`` for rows grouped by expert: ``counts[e]`` rows for expert ``e``.
+
+    ``x`` [N, H] sorted by expert; ``counts`` [E_local] int (sums to N); ``gate_up`` [E_local, 2I, H]
+    (gate rows first, then up, as transformers' fused layout); ``down`` [E_local, H, I]. Returns
+    [N, H] in the same row order. Every local expert takes part in autograd even with zero rows, so
+    each expert parameter always gets a (possibly zero) gradient on every rank.
+    """
+    if grouped_mm_used(x, gate_up, down):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+    outs = []
+    for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, down[e]))
+    return torch.cat(outs, dim=0)
+
+
+# --------------------------------------------------------------------------------- dispatch/combine
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable ``all_to_all_single`` of rows with uneven splits; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):  # type: ignore[override]
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        g = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return g, None, None, None
+
+
+def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[E] tokens this rank sends per expert -> [ep * E_local] tokens it receives, per source rank and local expert."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return received
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for a transformers experts module: this rank's ``E/ep`` experts, tokens exchanged by all-to-all.
+
+    Parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors ``Shard(0)`` on the
+    1-D ``ep`` mesh (local: [E/ep, 2I, H] and [E/ep, H, I]). ``forward(hidden [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H]`` is collective over the EP group: every EP rank must call it for
+    every MoE block in the same order (a rank with no tokens still calls it with T = 0).
+    """
+
+    def __init__(self, experts: nn.Module, ep_group_mesh: DeviceMesh) -> None:
+        super().__init__()
+        _check_layout(experts)
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.mesh = ep_group_mesh
+        self.group = ep_group_mesh.get_group()
+        self.ep = ep_group_mesh.size()
+        lo, hi = local_expert_range(self.num_experts, ep_group_mesh)
+        self.num_local_experts = hi - lo
+        self.act_fn = experts.act_fn
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            local = full.detach()[lo:hi].clone()  # this rank's rows only; the full tensor is dropped
+            dt = DTensor.from_local(local, ep_group_mesh, [Shard(0)], run_check=False)
+            setattr(self, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+        self.last_a2a_rows = 0  # rows this rank handed to dispatch + combine in its last forward
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        t, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, hence by EP rank
+        sent = hidden_states[order // k]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        received = _exchange_counts(counts, self.group).view(self.ep, self.num_local_experts)
+        in_splits = counts.view(self.ep, self.num_local_experts).sum(1).tolist()
+        out_splits = received.sum(1).tolist()
+
+        rows = _AllToAll.apply(sent, out_splits, in_splits, self.group)  # dispatch
+        # received rows are grouped by source rank, then by local expert: regroup by local expert
+        expert_of_row = torch.arange(self.num_local_experts, device=flat.device).repeat(self.ep)
+        by_expert = torch.argsort(torch.repeat_interleave(expert_of_row, received.reshape(-1)), stable=True)
+        y = grouped_expert_mlp(
+            rows[by_expert],
+            received.sum(0),
+            self.gate_up_proj.to_local(),
+            self.down_proj.to_local(),
+            self.act_fn,
+        )
+        y = y[torch.argsort(by_expert)]
+        back = _AllToAll.apply(y, in_splits, out_splits, self.group)  # combine
+        self.last_a2a_rows = sum(in_splits) + sum(out_splits)
+
+        out = back[torch.argsort(order)].view(t, k, -1)
+        return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(1).to(hidden_states.dtype)
+
+
+def _check_layout(experts: nn.Module) -> None:
+    """Refuse an experts module whose layout this strategy does not implement (clear error, no fallback)."""
+    for name in ("gate_up_proj", "down_proj", "act_fn"):
+        if not hasattr(experts, name):
+            raise PlanError(
+                f"expert parallelism: {type(experts).__name__} has no `{name}`; EP supports transformers' "
+                "fused 3-D experts (gate_up_proj [E, 2I, H], down_proj [E, H, I], act_fn)."
+            )
+    flags = {
+        "has_gate": True,
+        "is_transposed": False,
+        "has_bias": False,
+        "has_post_expert_norm": False,
+        "is_concatenated": True,
+    }
+    wrong = {
+        f: getattr(experts, f) for f, ok in flags.items() if hasattr(experts, f) and getattr(experts, f) != ok
+    }
+    if wrong:
+        raise PlanError(
+            f"expert parallelism: {type(experts).__name__} has {wrong}; only the untransposed, concatenated, "
+            "bias-free layout is implemented. Set parallel.ep=1 for this model."
+        )
+    if isinstance(experts.gate_up_proj, DTensor):
+        raise PlanError("expert parallelism: experts are already DTensors; apply EP before TP/FSDP, once.")
+
+
+# --------------------------------------------------------------------------------------------- apply
+
+
+def apply_ep(
+    module: nn.Module, mesh: DeviceMesh, *, block_glob: str, experts_attr: str = "experts"
+) -> list[str]:
+    """Swap ``experts_attr`` of every block matching ``block_glob`` for :class:`ExpertParallelExperts`.
+
+    ``mesh`` is :func:`ep_mesh`'s 3-D mesh (its ``ep`` axis is used). ``block_glob`` is an FQN glob the
+    family declares (e.g. ``"language_model.layers.*.mlp"``); blocks without ``experts_attr`` (dense
+    MLP layers) are skipped. Apply before TP/FSDP and before building the optimizer. Returns the FQNs
+    swapped; raises PlanError when none matched.
+    """
+    ep_axis = mesh["ep"]
+    done = []
+    for fqn, sub in list(module.named_modules()):
+        if fnmatch.fnmatchcase(fqn, block_glob) and hasattr(sub, experts_attr):
+            setattr(sub, experts_attr, ExpertParallelExperts(getattr(sub, experts_attr), ep_axis))
+            done.append(f"{fqn}.{experts_attr}")
+    if not done:
+        raise PlanError(
+            f"apply_ep: no module matches block glob {block_glob!r} with a `{experts_attr}` child."
+        )
+    return done
+
+
+def expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(FQN, parameter) of every expert-parallel parameter: reduce these over ``edp``, the rest as usual."""
+    return [
+        (f"{m}.{n}" if m else n, p)
+        for m, sub in module.named_modules()
+        if isinstance(sub, ExpertParallelExperts)
+        for n, p in sub.named_parameters(recurse=False)
+    ]
+
+
+def reduce_expert_grads_(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> None:
+    """SUM the local expert gradients over the ``edp`` axis of :func:`ep_mesh` (no-op when edp = 1)."""
+    edp = mesh["edp"]
+    if edp.size() == 1:
+        return
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=edp.get_group())
+
+
+# ------------------------------------------------------------------------------------ auxiliary loss
+
+
+def load_balancing_loss(
+    router_logits: Sequence[torch.Tensor],
+    *,
+    num_experts: int,
+    top_k: int,
+    group: dist.ProcessGroup | None,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's share, global value) of transformers' ``load_balancing_loss_func`` over ``group``'s tokens.
+
+    ``router_logits``: one [T_local, E] tensor per MoE layer (what transformers records with
+    ``output_router_logits``); ``group``: the ranks whose tokens form the global batch (dp x fsdp x sp,
+    never tp duplicates; None = this rank alone). The loss is ``E * sum_e f_e * P_e`` with ``f`` the
+    share of top-k assignments and ``P`` the mean router probability, both over all layers and all
+    ranks' tokens. ``f`` has no gradient, so with ``f`` all-reduced the loss is linear in each rank's
+    probability sums: the shares sum to the global value, and their gradients summed over ranks (as
+    DP sums gradients) are the global loss's. Memory: [T_local, E] probabilities per layer.
+    """
+    if not router_logits:
+        raise PlanError(
+            "load_balancing_loss: no router logits (call the model with output_router_logits=True)."
+        )
+    dev = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    rows = torch.zeros((), dtype=torch.float32, device=dev)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(dev, torch.float32)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        weight = (
+            torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.repeat_interleave(top_k)
+        )
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen, weight)
+        prob_sum = prob_sum + (probs if mask is None else probs * mask.unsqueeze(-1)).sum(0)
+        rows = rows + (probs.shape[0] if mask is None else mask.sum())
+    stats = torch.cat([counts, rows.view(1)]).detach()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    counts_g, rows_g = stats[:-1], stats[-1]
+    share = num_experts * torch.sum((counts_g / rows_g) * prob_sum) / rows_g
+    total = share.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return share, total

@@ -1,0 +1,227 @@
+"""Expert parallelism (ep=2, gloo) against transformers' single-process Qwen3-VL-MoE text model.
+
+One spawn of 2 ranks runs every case. Each rank also builds the single-process reference itself (the
+same seed gives the same weights), so nothing is shipped between processes:
+
+(a) one sparse-MoE block: rank 0 feeds 13 tokens, rank 1 feeds 7 (uneven dispatch splits); output,
+    input grads, expert grads (gathered from the Shard(0) DTensors) and the router grad (summed over
+    the ranks, as DP would) against the HF block on the 20 tokens;
+(b) the whole text model + lm_head with the load-balancing aux loss (``load_balancing_loss_func`` x
+    ``router_aux_loss_coef``, as ``Qwen3VLMoeForConditionalGeneration`` adds it): each rank feeds
+    different sequences, non-expert grads are SUMMED over the ranks (DP), the loss is the CE sum over
+    the GLOBAL label count plus the aux share; 3 steps, each followed by the same plain SGD update on
+    both sides so later steps run on updated weights;
+(c) refusals: ep that does not divide the ranks or the experts raises PlanError.
+
+Tolerances (fp32 on CPU; only float summation order differs: per-rank vs concatenated matmuls, the
+top-k sum order, the DP all-reduce): loss <= 1e-5 relative; every gradient and block output
+<= 1e-5 relative in the norm sense AND <= 1e-4 max absolute difference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from parallel_harness import spawn
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+    Qwen3VLMoeTextModel,
+    load_balancing_loss_func,
+)
+
+from dhp.errors import PlanError
+from dhp.parallel import CommCounter
+from dhp.parallel.ep import (
+    ExpertParallelExperts,
+    apply_ep,
+    ep_mesh,
+    expert_params,
+    load_balancing_loss,
+    reduce_expert_grads_,
+)
+
+pytestmark = pytest.mark.parity
+
+RTOL, ATOL, LOSS_RTOL = 1e-5, 1e-4, 1e-5
+E, K, H, VOCAB, SEQ = 4, 2, 64, 256, 16
+AUX_COEF = 0.05  # larger than the released 0.001 so the aux term's gradient is visible in the check
+
+
+def moe_config() -> Qwen3VLMoeTextConfig:
+    cfg = Qwen3VLMoeTextConfig(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=E,
+        num_experts_per_tok=K,
+        max_position_embeddings=256,
+        router_aux_loss_coef=AUX_COEF,
+        output_router_logits=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class TinyMoeLM(nn.Module):
+    """transformers' Qwen3-VL-MoE text model + an lm_head; forward gives (CE sum, router logits per layer)."""
+
+    def __init__(self, cfg: Qwen3VLMoeTextConfig) -> None:
+        super().__init__()
+        self.language_model = Qwen3VLMoeTextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        out = self.language_model(input_ids=ids, output_router_logits=True)
+        logits = self.lm_head(out.last_hidden_state).float()
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum")
+        return ce, out.router_logits
+
+
+def build(seed: int = 0) -> TinyMoeLM:
+    torch.manual_seed(seed)
+    return TinyMoeLM(moe_config()).float()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, name: str, *, rtol: float = RTOL) -> None:
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    rel = (got - want).norm().item() / max(want.norm().item(), 1e-12)
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    assert rel <= rtol and err <= ATOL, (
+        f"{name}: relative {rel:.2e} (<= {rtol:.0e}), max abs {err:.2e} (<= {ATOL:.0e})"
+    )
+
+
+def _dp_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full gradients: expert ones gathered from their shards, the rest SUMMED over the ranks (DP)."""
+    experts = {id(p) for _, p in expert_params(model)}
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if id(p) not in experts:
+            g = g.clone()
+            dist.all_reduce(g)
+        out[name] = _full(g)
+    return out
+
+
+def _block_case(rank: int, mesh) -> None:
+    ref = build().language_model.layers[0].mlp
+    holder = nn.ModuleDict({"block": copy.deepcopy(ref)})
+    assert apply_ep(holder, mesh, block_glob="block") == ["block.experts"]
+    experts = holder["block"].experts
+    assert isinstance(experts, ExpertParallelExperts)
+    # this rank holds E/ep experts: half of each 3-D tensor, rows [2*rank, 2*rank + 2)
+    assert experts.gate_up_proj.to_local().shape == (E // 2, 64, H)
+    torch.testing.assert_close(experts.down_proj.to_local(), ref.experts.down_proj[2 * rank : 2 * rank + 2])
+
+    g = torch.Generator().manual_seed(1)
+    x_all, w_all = torch.randn(1, 20, H, generator=g), torch.randn(1, 20, H, generator=g)
+    rows = slice(0, 13) if rank == 0 else slice(13, 20)  # uneven token counts per rank
+    x_ref = x_all.clone().requires_grad_(True)
+    out_ref = ref(x_ref)
+    (out_ref * w_all).sum().backward()
+
+    x = x_all[:, rows].clone().requires_grad_(True)
+    counter = CommCounter("llm")
+    with counter:
+        out = holder["block"](x)
+        (out * w_all[:, rows]).sum().backward()
+    a2a = counter.step()["llm/all_to_all"]
+    assert a2a.calls == 5  # forward: counts + dispatch + combine; backward: combine + dispatch grads
+    assert experts.last_a2a_rows > 0
+    _close(out, out_ref[:, rows], "block output")
+    _close(x.grad, x_ref.grad[:, rows], "block input grad")
+    for name in ("gate_up_proj", "down_proj"):
+        _close(
+            _full(getattr(experts, name).grad), getattr(ref.experts, name).grad, f"block experts.{name} grad"
+        )
+    router = holder["block"].gate.weight.grad.clone()
+    dist.all_reduce(router)
+    _close(router, ref.gate.weight.grad, "block router grad")
+
+
+def _model_case(rank: int, world: int, mesh) -> None:
+    ref, model = build(), build()
+    swapped = apply_ep(model, mesh, block_glob="language_model.layers.*.mlp")
+    assert swapped == [f"language_model.layers.{i}.mlp.experts" for i in range(2)]
+    lr = 0.5
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2 * world, SEQ), generator=torch.Generator().manual_seed(10 + step))
+        n_labels = ids[:, 1:].numel()  # the GLOBAL label count: every replica divides by it
+        ce, logits = ref(ids)
+        aux_ref = load_balancing_loss_func(logits, E, K)
+        loss_ref = ce / n_labels + AUX_COEF * aux_ref
+        loss_ref.backward()
+
+        ce_r, logits_r = model(ids[2 * rank : 2 * rank + 2])
+        share, aux = load_balancing_loss(logits_r, num_experts=E, top_k=K, group=dist.group.WORLD)
+        loss_r = ce_r / n_labels + AUX_COEF * share
+        loss_r.backward()
+        reduce_expert_grads_([p for _, p in expert_params(model)], mesh)  # edp = 1 here: a no-op
+        loss = loss_r.detach().clone()
+        dist.all_reduce(loss)
+
+        tag = f"step {step}"
+        _close(loss, loss_ref, f"{tag} loss", rtol=LOSS_RTOL)
+        _close(aux, aux_ref, f"{tag} aux loss", rtol=LOSS_RTOL)
+        grads, want = _dp_grads(model), {n: p.grad for n, p in ref.named_parameters()}
+        assert set(grads) == set(want), set(grads) ^ set(want)
+        for name in want:
+            _close(grads[name], want[name], f"{tag} grad {name}")
+        with torch.no_grad():  # the same plain SGD update on both sides (no optimizer state to hide errors)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                p.sub_(lr * (_shard_like(p, grads[name]) if isinstance(p, DTensor) else grads[name]))
+                q.sub_(lr * q.grad)
+                p.grad = q.grad = None
+
+
+def _shard_like(p: DTensor, full: torch.Tensor) -> DTensor:
+    """``full`` cut to ``p``'s local Shard(0) rows, as a DTensor with ``p``'s placement."""
+    n = p.to_local().shape[0]
+    r = p.device_mesh.get_local_rank()
+    return DTensor.from_local(full[r * n : (r + 1) * n], p.device_mesh, p.placements, run_check=False)
+
+
+def _refusals(module_mesh) -> None:
+    with pytest.raises(PlanError, match="must divide the module's"):
+        ep_mesh(module_mesh, ep=3)
+    with pytest.raises(PlanError, match="must divide the number of experts"):
+        _bad_experts(module_mesh)
+
+
+def _bad_experts(module_mesh) -> None:
+    cfg = moe_config()
+    cfg.num_experts = 3
+    torch.manual_seed(0)
+    block = Qwen3VLMoeTextModel(cfg).layers[0].mlp
+    apply_ep(nn.ModuleDict({"block": block}), ep_mesh(module_mesh, ep=2), block_glob="block")
+
+
+def _all_cases(rank: int, world: int) -> None:
+    module_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh = ep_mesh(module_mesh, ep=2)
+    assert mesh["ep"].size() == 2 and mesh["edp"].size() == 1
+    _block_case(rank, mesh)
+    _model_case(rank, world, mesh)
+    _refusals(module_mesh)
+
+
+def test_ep2_matches_single_process_hf():
+    spawn(_all_cases, 2)
