@@ -161,11 +161,26 @@ def grouped_expert_mlp(
     [N, H] in the same row order. Every local expert takes part in autograd even with zero rows, so
     each expert parameter always gets a (possibly zero) gradient on every rank.
     """
-    if grouped_mm_used(x, gate_up, down):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+    path = _grouped_path if grouped_mm_used(x, gate_up, down) else _loop_path
+    return path(x, counts, gate_up, down, act)
+
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _grouped_path(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
+) -> torch.Tensor:
+    """One ``torch._grouped_mm`` per projection; group ``e`` is rows ``[offs[e-1], offs[e])``."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+
+
+def _loop_path(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
+) -> torch.Tensor:
+    """One ``F.linear`` pair per local expert (the arithmetic of transformers' eager experts loop)."""
     outs = []
     for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
