@@ -10,7 +10,8 @@ same seed gives the same weights), so nothing is shipped between processes:
     ``router_aux_loss_coef``, as ``Qwen3VLMoeForConditionalGeneration`` adds it): each rank feeds
     different sequences, non-expert grads are SUMMED over the ranks (DP), the loss is the CE sum over
     the GLOBAL label count plus the aux share; 3 steps, each followed by the same plain SGD update on
-    both sides so later steps run on updated weights;
+    both sides so later steps run on updated weights. The whole-model case runs again for one step under activation checkpointing (full and selective),
+    where backward recomputes the blocks and so re-issues the all-to-alls;
 (c) checkpoints: a DCP save at ep=2 loads into the plain model and an ep=1 save into ep=2, exactly;
 (d) refusals: ep that does not divide the ranks or the experts raises PlanError.
 
@@ -42,7 +43,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 from dhp.errors import PlanError
-from dhp.parallel import CommCounter
+from dhp.parallel import AcSpec, CommCounter, apply_ac
 from dhp.parallel.ep import (
     ExpertParallelExperts,
     _grouped_path,
@@ -164,12 +165,14 @@ def _block_case(rank: int, mesh) -> None:
     _close(router, ref.gate.weight.grad, "block router grad")
 
 
-def _model_case(rank: int, world: int, mesh) -> None:
+def _model_case(rank: int, world: int, mesh, *, ac: str | None = None, steps: int = 3) -> None:
     ref, model = build(), build()
     swapped = apply_ep(model, mesh, block_glob="language_model.layers.*.mlp")
     assert swapped == [f"language_model.layers.{i}.mlp.experts" for i in range(2)]
+    if ac is not None:
+        apply_ac(model, None, AcSpec(kind=ac))
     lr = 0.5
-    for step in range(3):
+    for step in range(steps):
         ids = torch.randint(0, VOCAB, (2 * world, SEQ), generator=torch.Generator().manual_seed(10 + step))
         n_labels = ids[:, 1:].numel()  # the GLOBAL label count: every replica divides by it
         ce, logits = ref(ids)
@@ -177,15 +180,20 @@ def _model_case(rank: int, world: int, mesh) -> None:
         loss_ref = ce / n_labels + AUX_COEF * aux_ref
         loss_ref.backward()
 
-        ce_r, logits_r = model(ids[2 * rank : 2 * rank + 2])
-        share, aux = load_balancing_loss(logits_r, num_experts=E, top_k=K, group=dist.group.WORLD)
-        loss_r = ce_r / n_labels + AUX_COEF * share
-        loss_r.backward()
+        counter = CommCounter("llm")
+        with counter:
+            ce_r, logits_r = model(ids[2 * rank : 2 * rank + 2])
+            share, aux = load_balancing_loss(logits_r, num_experts=E, top_k=K, group=dist.group.WORLD)
+            loss_r = ce_r / n_labels + AUX_COEF * share
+            loss_r.backward()
+        # per MoE layer: counts + dispatch + combine forward, 2 backward; under AC (full, and selective,
+        # whose policy does not keep eager c10d outputs) the 3 forward exchanges run again in backward
+        assert counter.step()["llm/all_to_all"].calls == 2 * (5 if ac is None else 8)
         reduce_expert_grads_([p for _, p in expert_params(model)], mesh)  # edp = 1 here: a no-op
         loss = loss_r.detach().clone()
         dist.all_reduce(loss)
 
-        tag = f"step {step}"
+        tag = f"ac={ac} step {step}"
         _close(loss, loss_ref, f"{tag} loss", rtol=LOSS_RTOL)
         _close(aux, aux_ref, f"{tag} aux loss", rtol=LOSS_RTOL)
         grads, want = _dp_grads(model), {n: p.grad for n, p in ref.named_parameters()}
@@ -246,6 +254,8 @@ def _all_cases(rank: int, world: int, root: str) -> None:
     assert mesh["ep"].size() == 2 and mesh["edp"].size() == 1
     _block_case(rank, mesh)
     _model_case(rank, world, mesh)
+    _model_case(rank, world, mesh, ac="full", steps=1)
+    _model_case(rank, world, mesh, ac="selective", steps=1)
     _checkpoint_case(mesh, root)
     _refusals(module_mesh)
 
