@@ -61,6 +61,17 @@ Memory per rank
   assignments (``T*k*H``) and the expert activations of the received rows (``rows*2I``), all kept
   for backward unless the block is recomputed.
 
+Composition (what is proven, what is not yet)
+---------------------------------------------
+- activation checkpointing (``dhp.parallel.ac``, full and selective): exact; backward recomputes the
+  block and so re-issues the 3 forward exchanges of each MoE layer (the selective policy keeps no
+  eager c10d output), i.e. 8 all-to-alls per MoE layer per step instead of 5.
+- DCP checkpoints: ep=2 -> ep=1 and ep=1 -> ep=2, bit for bit.
+- DP: tested (non-expert grads SUMMED over the ranks, expert grads over ``edp``).
+- not yet: TP on attention beside EP, FSDP/ZeRO-1 on the non-expert parameters (their finalize step
+  must skip :func:`expert_params`, which today's ``finalize_grads`` does not), expert TP (``etp``),
+  LoRA on experts (the 3-D parameters are not ``nn.Linear``; refuse it in validation).
+
 Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
 ``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)
 and a per-expert loop otherwise; ``grouped_mm_used`` says which, and this torch's CPU kernel has no
