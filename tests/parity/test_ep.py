@@ -12,6 +12,7 @@ same seed gives the same weights), so nothing is shipped between processes:
     the GLOBAL label count plus the aux share; 3 steps, each followed by the same plain SGD update on
     both sides so later steps run on updated weights. The whole-model case runs again for one step under activation checkpointing (full and selective),
     where backward recomputes the blocks and so re-issues the all-to-alls;
+    The aux loss alone is also checked with padding (``attention_mask``) on random router logits;
 (c) checkpoints: a DCP save at ep=2 loads into the plain model and an ep=1 save into ep=2, exactly;
 (d) refusals: ep that does not divide the ranks or the experts raises PlanError.
 
@@ -207,6 +208,26 @@ def _model_case(rank: int, world: int, mesh, *, ac: str | None = None, steps: in
                 p.grad = q.grad = None
 
 
+def _aux_mask_case(rank: int) -> None:
+    """The aux loss with padding (``attention_mask``): shares over 2 ranks vs HF on the whole batch."""
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randn(4 * SEQ, E, generator=g).requires_grad_(True) for _ in range(2)]
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[1, -5:] = 0
+    mask[2, -3:] = 0  # rank 1's rows are padded differently from rank 0's
+    want = load_balancing_loss_func(tuple(layers), E, K, attention_mask=mask)
+    want.backward()
+    rows = slice(2 * SEQ * rank, 2 * SEQ * (rank + 1))
+    mine = [t.detach()[rows].clone().requires_grad_(True) for t in layers]
+    share, total = load_balancing_loss(
+        mine, num_experts=E, top_k=K, group=dist.group.WORLD, attention_mask=mask[2 * rank : 2 * rank + 2]
+    )
+    share.backward()
+    _close(total, want, "masked aux loss", rtol=LOSS_RTOL)
+    for i, (got, ref) in enumerate(zip(mine, layers, strict=True)):
+        _close(got.grad, ref.grad[rows], f"masked aux loss grad, layer {i} logits")
+
+
 def _shard_like(p: DTensor, full: torch.Tensor) -> DTensor:
     """``full`` cut to ``p``'s local Shard(0) rows, as a DTensor with ``p``'s placement."""
     n = p.to_local().shape[0]
@@ -257,6 +278,7 @@ def _all_cases(rank: int, world: int, root: str) -> None:
     _model_case(rank, world, mesh, ac="full", steps=1)
     _model_case(rank, world, mesh, ac="selective", steps=1)
     _checkpoint_case(mesh, root)
+    _aux_mask_case(rank)
     _refusals(module_mesh)
 
 
