@@ -99,20 +99,18 @@ _FOLDED_AXES = ("dp", "fsdp", "sp")  # the module axes whose ranks see different
 # ---------------------------------------------------------------------------------------------- mesh
 
 
-def ep_mesh(module_mesh: DeviceMesh, *, ep: int) -> DeviceMesh:
-    """The MoE mesh ``("etp", "edp", "ep")`` folded from the module mesh's dp x fsdp x sp ranks.
+def ep_rank_grid(ranks: torch.Tensor, names: tuple[str, ...], *, ep: int) -> torch.Tensor:
+    """The global ranks of the MoE mesh, [tp, edp, ep], from a module mesh's rank tensor (pure).
 
-    ``module_mesh`` has axes among dp, fsdp, sp, tp (in that order). Collective over the module world
-    (creates the new axes' process groups). Raises PlanError when ``ep`` does not divide the folded
-    rank count.
+    ``ranks`` has one dim per axis in ``names`` (among dp, fsdp, sp, tp, in that order). The dp x fsdp
+    x sp ranks of each tp index are folded row-major (sp fastest) and cut into EP groups of ``ep``
+    consecutive ones. Raises PlanError when ``ep`` does not divide the folded count.
     """
-    names = tuple(module_mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in (*_FOLDED_AXES, "tp")]
     if unknown:
         raise PlanError(
             f"ep_mesh: module mesh axes {names} include {unknown}; expected among dp, fsdp, sp, tp."
         )
-    ranks = module_mesh.mesh
     if "tp" in names:  # move tp first: each tp index gets its own (edp, ep) grid
         ranks = ranks.movedim(names.index("tp"), 0)
     tp = ranks.shape[0] if "tp" in names else 1
@@ -123,7 +121,16 @@ def ep_mesh(module_mesh: DeviceMesh, *, ep: int) -> DeviceMesh:
             f"parallel.ep={ep} must divide the module's dp x fsdp x sp ranks ({n}, mesh {names}); "
             f"pick ep among {[d for d in range(1, n + 1) if n % d == 0]}."
         )
-    grid = folded.reshape(tp, n // ep, ep)
+    return folded.reshape(tp, n // ep, ep)
+
+
+def ep_mesh(module_mesh: DeviceMesh, *, ep: int) -> DeviceMesh:
+    """The MoE mesh ``("etp", "edp", "ep")`` folded from the module mesh's dp x fsdp x sp ranks.
+
+    Layout: :func:`ep_rank_grid`. Collective over the module world (creates the new axes' process
+    groups); PlanError when ``ep`` does not divide the folded rank count.
+    """
+    grid = ep_rank_grid(module_mesh.mesh, tuple(module_mesh.mesh_dim_names or ()), ep=ep)
     return DeviceMesh(module_mesh.device_type, grid, mesh_dim_names=EP_MESH_DIMS)
 
 

@@ -51,6 +51,7 @@ from dhp.parallel.ep import (
     _loop_path,
     apply_ep,
     ep_mesh,
+    ep_rank_grid,
     expert_params,
     load_balancing_loss,
     reduce_expert_grads_,
@@ -298,3 +299,17 @@ def test_grouped_mm_path_matches_loop():
         want = _loop_path(x, counts, gate_up, down, F.silu)
         got = _grouped_path(x, counts, gate_up, down, F.silu)
     _close(got, want, "grouped_mm path")
+
+
+def test_ep_rank_grid_folds_dp_fsdp_sp_per_tp_index():
+    """Pure layout: dp=2 x sp=2 x tp=2 ranks, ep=2 -> EP groups are SP neighbours within one tp index."""
+    grid = ep_rank_grid(torch.arange(8).view(2, 2, 2), ("dp", "sp", "tp"), ep=2)
+    assert grid.tolist() == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]  # [tp][edp][ep]
+    assert ep_rank_grid(torch.arange(8).view(2, 2, 2), ("dp", "sp", "tp"), ep=4).tolist() == [
+        [[0, 2, 4, 6]],
+        [[1, 3, 5, 7]],
+    ]
+    with pytest.raises(PlanError, match="pick ep among"):
+        ep_rank_grid(torch.arange(8).view(2, 2, 2), ("dp", "sp", "tp"), ep=3)
+    with pytest.raises(PlanError, match="expected among"):
+        ep_rank_grid(torch.arange(4).view(2, 2), ("dp", "pp"), ep=2)
