@@ -66,10 +66,25 @@ def build_optimizer(
         **impl_kwargs(train.optimizer.impl),
     }
     params = optimizer_groups(module, param_groups=param_groups, train=train)
+    if train.optimizer.impl != "for_loop":
+        params = _split_dtensor_groups(params)
     group = _zero1_group(mesh) if parallel.zero == 1 else None
     if group is not None:
         return Zero1AdamW(params, dp_group=group, **adamw)
     return torch.optim.AdamW(params, **adamw)
+
+
+def _split_dtensor_groups(groups: list[dict]) -> list[dict]:
+    """Each group holding both DTensor and plain parameters (a TP module's sharded projections beside
+    its replicated norms) becomes two with the same settings: fused and foreach AdamW take one list
+    per group, and DTensor refuses a list mixing the two. The split depends only on the module's
+    structure, so every rank (ZeRO-1 owners included) gets the same groups in the same order."""
+    out = []
+    for g in groups:
+        dt = [p for p in g["params"] if isinstance(p, DTensor)]
+        plain = [p for p in g["params"] if not isinstance(p, DTensor)]
+        out += [{**g, "params": dt}, {**g, "params": plain}] if dt and plain else [g]
+    return out
 
 
 def impl_kwargs(impl: str) -> dict[str, bool]:
