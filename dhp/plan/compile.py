@@ -156,7 +156,10 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     )
     shapes = module_shapes(config)
     n_mb = micro_batches_per_step(config)
-    terms = {n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl) for n, s in shapes.items()}
+    terms = {
+        n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl)
+        for n, s in shapes.items()
+    }
     groups = []
     for layout in layouts:
         groups.append(
