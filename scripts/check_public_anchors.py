@@ -22,6 +22,7 @@ on the in-sample anchors (how the profiles' values were chosen).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -112,34 +113,37 @@ ANCHORS = [
 ]  # fmt: skip
 
 
-def anchor_config(a: Anchor, cluster_over: dict | None = None) -> DictConfig:
+_BASE: dict[str, DictConfig] = {}  # cluster profile -> the composed recipe (Hydra composes once each)
+
+
+def anchor_config(a: Anchor) -> DictConfig:
     """The recipe reshaped to the anchor's model and setting (see the module docstring)."""
     from dhp.config.loader import compose_config
 
+    if a.cluster not in _BASE:
+        _BASE[a.cluster] = compose_config("qwen_vl_7b", [f"cluster={a.cluster}"])
+    cfg = copy.deepcopy(_BASE[a.cluster])
     m = a.model
-    gpn = 8
     par = {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0, **a.parallel}
-    over = [
-        f"cluster={a.cluster}",
-        f"cluster.nodes={max(1, a.gpus // gpn)}",
-        "model.dtype=bfloat16",
-        "model.attn_implementation=flash_attention_2",
-        f"model.llm.hidden_size={m.hidden}",
-        f"model.llm.num_layers={m.layers}",
-        f"model.llm.num_heads={m.heads}",
-        f"model.llm.num_kv_heads={m.kv_heads}",
-        f"model.llm.intermediate_size={m.mlp}",
-        f"model.llm.vocab_size={m.vocab}",
-        f"modules.llm.gpus={a.gpus}",
-        f"modules.llm.seq_len={a.seq}",
-        f"modules.llm.activation_checkpointing={a.ac}",
-        "modules.llm.mixed_precision=bf16",
-        f"train.micro_batch_size={a.micro_batch}",
-        *[f"modules.llm.parallel.{k}={v}" for k, v in par.items()],
-    ]
-    cfg = compose_config("qwen_vl_7b", over)
-    if cluster_over:
-        cfg.cluster = OmegaConf.merge(cfg.cluster, cluster_over)
+    values = {
+        "cluster.nodes": max(1, a.gpus // cfg.cluster.gpus_per_node),
+        "model.dtype": "bfloat16",
+        "model.attn_implementation": "flash_attention_2",
+        "model.llm.hidden_size": m.hidden,
+        "model.llm.num_layers": m.layers,
+        "model.llm.num_heads": m.heads,
+        "model.llm.num_kv_heads": m.kv_heads,
+        "model.llm.intermediate_size": m.mlp,
+        "model.llm.vocab_size": m.vocab,
+        "modules.llm.gpus": a.gpus,
+        "modules.llm.seq_len": a.seq,
+        "modules.llm.activation_checkpointing": a.ac,
+        "modules.llm.mixed_precision": "bf16",
+        "train.micro_batch_size": a.micro_batch,
+        **{f"modules.llm.parallel.{k}": v for k, v in par.items()},
+    }
+    for key, value in values.items():
+        OmegaConf.update(cfg, key, value, merge=False)
     return cfg
 
 
