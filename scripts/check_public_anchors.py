@@ -37,6 +37,7 @@ IN_BOUNDS, HELD_BOUNDS = (0.9, 1.1), (0.8, 1.25)
 TT_H100 = "pytorch/torchtitan docs/performance.md @eaea6f6 (Dec 2024), Table {}"
 TT_A100 = "pytorch/torchtitan docs/performance.md @0413364 (Llama 2/3 on 64 A100 80GB)"
 FA2 = "Dao 2023, FlashAttention-2 (arXiv 2307.08691), Table 1 (8x A100 80GB SXM)"
+FMS = "foundation-model-stack/fms-fsdp README.md @0d31998 (Llama 2 on 128 A100, seq 4096)"
 MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @061f2c7, table 'H100 80GB BF16'"
 
 
@@ -52,7 +53,10 @@ class Model:
 
 LLAMA3_8B = Model(4096, 32, 32, 8, 14336, 128256)
 LLAMA3_70B = Model(8192, 80, 64, 8, 28672, 128256)
+LLAMA2_7B = Model(4096, 32, 32, 32, 11008, 32000)
 LLAMA2_13B = Model(5120, 40, 40, 40, 13824, 32000)
+LLAMA2_34B = Model(8192, 48, 64, 8, 22016, 32000)  # the 34B of the Llama 2 paper (Code Llama's shape)
+LLAMA2_70B = Model(8192, 80, 64, 8, 28672, 32000)
 GPT3_1B3 = Model(2048, 24, 16, 16, 5461, 50257)
 GPT3_2B7 = Model(2560, 32, 32, 32, 6827, 50257)
 MPT_1B = Model(2048, 24, 16, 16, 5461, 50368)
@@ -110,6 +114,14 @@ ANCHORS = [
            2048, 3, 21, "full", "tokens_per_s_per_gpu", 2002, True),
     Anchor("llm-foundry mpt-1b 2k fsdp8 h100", MPT, MPT_1B, "h100_8x", 8, {"fsdp": 8},
            2048, 14, 1, "off", "tokens_per_s_per_gpu", 45455, True),
+    Anchor("fms-fsdp llama2-7b hsdp a100", FMS, LLAMA2_7B, "a100_8x", 128, {"dp": 16, "fsdp": 8},
+           4096, 2, 1, "off", "tokens_per_s_per_gpu", 3760, True, "HSDP: sharded in a node, replicated across"),
+    Anchor("fms-fsdp llama2-13b hsdp a100", FMS, LLAMA2_13B, "a100_8x", 128, {"dp": 16, "fsdp": 8},
+           4096, 1, 1, "off", "tokens_per_s_per_gpu", 1700, True, "HSDP"),
+    Anchor("fms-fsdp llama2-34b fsdp128 a100 ac", FMS, LLAMA2_34B, "a100_8x", 128, {"fsdp": 128},
+           4096, 8, 1, "full", "tokens_per_s_per_gpu", 772, True, "AC kind not published: full assumed"),
+    Anchor("fms-fsdp llama2-70b fsdp128 a100 ac", FMS, LLAMA2_70B, "a100_8x", 128, {"fsdp": 128},
+           4096, 6, 1, "full", "tokens_per_s_per_gpu", 380, True, "AC kind not published: full assumed"),
 ]  # fmt: skip
 
 
