@@ -20,6 +20,11 @@ profile, 4 CPU "GPUs") picks a plan; it is trained too, and compared with the be
     .venv/bin/python scripts/bench_planner.py --out runs/bench_planner.json [--quick] [--steps 6] [--passes 2]
 
 Writes ``{"plans": [...], "auto": {...}, "profile": {...}}`` and prints a table.
+
+``--optimizer`` measures only the optimizer phase's peak of each AdamW implementation (fused, foreach,
+for_loop) against the planner's, in about a minute (``scripts/measure_optimizer_memory.py``):
+
+    .venv/bin/python scripts/bench_planner.py --optimizer --out runs/optimizer_memory.json
 """
 
 from __future__ import annotations
@@ -218,6 +223,16 @@ def load_corrected(rows: list[dict], plans: list, *, ref: float, tmp: Path, step
     return report
 
 
+def _optimizer_only(out: Path) -> None:
+    """Measured vs predicted optimizer-phase peak of fused, foreach and for_loop AdamW (CPU, one
+    process each; ``scripts/measure_optimizer_memory.py``), written to ``out``; exit 1 beyond +-10 %."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("measure_optimizer_memory.py")
+    sys.exit(subprocess.run([sys.executable, str(script), "--out", str(out)]).returncode)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -225,7 +240,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 plans instead of 8 (a busy machine)")
     ap.add_argument("--passes", type=int, default=2, help="runs of each plan; the fastest one counts")
     ap.add_argument("--only", default="", help="comma-separated plan names (memory check only)")
+    ap.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="only the optimizer phase's peak of each train.optimizer.impl (measure_optimizer_memory.py)",
+    )
     args = ap.parse_args()
+    if args.optimizer:
+        _optimizer_only(Path(args.out))
+        return
 
     import ray
 

@@ -91,6 +91,14 @@ run_check train 150 --train-timeout 120
 
 "$PY" scripts/gpu/summary.py "$PARTS" --out "$OUTDIR/gpu_check.json" --order "$ORDER" --mode "$MODE" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
+# the measured step(s) as a calibration file `dhp plan cluster=...` can use (docs/CLUSTER.md section 7)
+# (the train check's runs live under $PARTS/train_runs, removed below)
+mapfile -t RUNDIRS < <(find "$PARTS" -name metrics.jsonl -printf '%h\n' 2>/dev/null)
+if [ "${#RUNDIRS[@]}" -gt 0 ]; then
+  "$PY" -m dhp.cli calibrate "${RUNDIRS[@]}" --out "$OUTDIR/calibrated_cluster.yaml" 2>&1 | tee -a "$LOG"
+else
+  log "no run with metrics.jsonl (the train check did not train): no calibration file written"
+fi
 log "total $((SECONDS - START)) s; results in $OUTDIR/gpu_check.json"
 rm -rf "$PARTS"
 exit "$rc"

@@ -8,6 +8,12 @@ DTYPES = ("float32", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 DEVICES = ("cuda", "cpu")
 MIXED_PRECISIONS = ("bf16_master_fp32", "bf16", "fp32")
+# torch's AdamW implementations (``train.optimizer.impl``): one fused kernel per step, multi-tensor
+# ops over the parameter list, or a Python loop over the parameters (``dhp.parallel.optim``)
+OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
+# devices whose torch build runs AdamW(fused=True): CUDA, and CPU since torch 2.4 (the pinned 2.13
+# lists both in torch.utils._foreach_utils._get_fused_kernels_supported_devices)
+FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")
 PLACEMENTS = ("collocated", "disaggregated")
 HANDOFFS = ("auto", "object_store", "cuda_ipc", "p2p")
 MODULE_NAMES = ("vision", "llm")

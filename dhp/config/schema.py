@@ -127,6 +127,9 @@ class ClusterConfig:
     collective_overhead_s: float = 0.0  # per collective call (gloo/NCCL setup, rendezvous)
     tensor_overhead_s: float = 0.0  # per parameter tensor in norm/clip/AdamW loops, per step
     profile: str = "defaults"  # where the efficiencies come from (defaults | calibrated: runs)
+    # where the profile's step-time constants come from, printed with the estimate (e.g. "anchored to
+    # N public measurements, held-out error X %", or "calibrated on this cluster, N runs")
+    provenance: str = "built-in defaults"
 
 
 @dataclass
@@ -268,6 +271,19 @@ class DataConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """How torch's AdamW runs its update (``dhp.parallel.optim.build_optimizer``, ZeRO-1 included).
+
+    ``impl``: ``fused`` (one kernel per step, no parameter-sized temporaries; CUDA and CPU),
+    ``foreach`` (multi-tensor ops: one temporary the size of every owned parameter per step, torch's
+    default on CUDA) or ``for_loop`` (one parameter at a time: up to three temporaries of the largest).
+    The planner counts each one's temporaries in the optimizer phase (``dhp.plan.phases``).
+    """
+
+    impl: str = "fused"
+
+
+@dataclass
 class TrainConfig:
     """The optimisation loop: batch sizes, schedule, checkpoints, logging."""
 
@@ -296,6 +312,7 @@ class TrainConfig:
     max_restarts: int = 3
     restart_backoff_s: float = 5.0
     restart_wait_s: float = 300.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 
 @dataclass

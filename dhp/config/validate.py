@@ -22,6 +22,7 @@ from dhp.config.issues import Issues
 from dhp.config.validate_guards import validate_guards
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
+from dhp.config.validate_optimizer import validate_optimizer
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.config.validate_trainable import validate_trainable
 from dhp.errors import ConfigError, ConfigIssue
@@ -97,6 +98,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
         validate_model_dir(cfg.model, issues)
     if "cluster" not in roots:
         _validate_cluster(cfg.cluster, issues)
+        validate_optimizer(cfg.train, device=cfg.cluster.device, issues=issues)
     validate_metrics(cfg.metrics, issues)
     names = list(cfg.modules.keys())
     for name in names:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dhp.config.constants import OPTIMIZER_IMPLS
 from dhp.config.schema import ParallelConfig, ParamGroupConfig, TrainConfig
 from dhp.errors import PlanError
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
@@ -42,6 +43,9 @@ def build_optimizer(
     ZeRO-1 shards the optimizer over every rank that holds the same parameters after
     ``finalize_grads``: the ``dp`` and ``sp`` axes (SP ranks replicate the encoder's weights and hold
     identical summed grads), flattened into one group. TP/FSDP shards are already distinct per rank.
+    ``train.optimizer.impl`` picks torch's implementation (:func:`impl_kwargs`); ZeRO-1 runs the same
+    one over its owned parameters. Transients of the step: none with ``fused``, one temporary of every
+    owned element with ``foreach`` (``sqrt(v)``), up to three of the largest parameter with ``for_loop``.
     Memory: 2 states per local parameter element, in the parameter's dtype (torch's AdamW allocates
     them like the parameter: bf16 states for a ``model.dtype=bfloat16`` module, fp32 for fp32; the
     planner's ``dhp.plan.memory.precision`` counts the same); with ZeRO-1 only for the ~1/(dp*sp)
@@ -55,12 +59,43 @@ def build_optimizer(
         raise PlanError(
             f"parallel.zero={parallel.zero}: only 0 (plain DP) and 1 (ZeRO-1) exist. Fix: use fsdp for ZeRO-3."
         )
-    adamw = {"lr": train.lr, "betas": tuple(train.betas), "weight_decay": train.weight_decay}
+    adamw = {
+        "lr": train.lr,
+        "betas": tuple(train.betas),
+        "weight_decay": train.weight_decay,
+        **impl_kwargs(train.optimizer.impl),
+    }
     params = optimizer_groups(module, param_groups=param_groups, train=train)
+    if train.optimizer.impl != "for_loop":
+        params = _split_dtensor_groups(params)
     group = _zero1_group(mesh) if parallel.zero == 1 else None
     if group is not None:
         return Zero1AdamW(params, dp_group=group, **adamw)
     return torch.optim.AdamW(params, **adamw)
+
+
+def _split_dtensor_groups(groups: list[dict]) -> list[dict]:
+    """Each group holding both DTensor and plain parameters (a TP module's sharded projections beside
+    its replicated norms) becomes two with the same settings: fused and foreach AdamW take one list
+    per group, and DTensor refuses a list mixing the two. The split depends only on the module's
+    structure, so every rank (ZeRO-1 owners included) gets the same groups in the same order."""
+    out = []
+    for g in groups:
+        dt = [p for p in g["params"] if isinstance(p, DTensor)]
+        plain = [p for p in g["params"] if not isinstance(p, DTensor)]
+        out += [{**g, "params": dt}, {**g, "params": plain}] if dt and plain else [g]
+    return out
+
+
+def impl_kwargs(impl: str) -> dict[str, bool]:
+    """torch.optim.AdamW's keyword arguments selecting ``impl`` (``OPTIMIZER_IMPLS``)."""
+    if impl == "fused":
+        return {"fused": True}
+    if impl == "foreach":
+        return {"foreach": True}
+    if impl == "for_loop":
+        return {"foreach": False}
+    raise PlanError(f"train.optimizer.impl={impl!r}: unknown. Fix: use one of {', '.join(OPTIMIZER_IMPLS)}.")
 
 
 ZERO1_AXES = ("dp", "sp")

@@ -207,6 +207,8 @@ def calibrate(run_dirs: list[str], *, out: str, prior_weight: float = PRIOR_WEIG
     profile["dispatch_overhead_s"] = float(coef["dispatch"])
     profile["name"] = Path(out).stem
     profile["profile"] = "calibrated: " + ", ".join(str(Path(d)) for d in run_dirs)
+    # replaces the published-anchor provenance of the prior profile (conf/cluster/*.yaml)
+    profile["provenance"] = f"calibrated on this cluster, {len(run_dirs)} runs"
     fits = [
         {"observation": label, "measured_s": y, "fitted_s": seconds(f, {**coef}), "features": f}
         for f, y, label in obs

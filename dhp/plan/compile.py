@@ -121,6 +121,7 @@ def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:
         },
         phases=dict(alone.by_phase),
         peak_phase=alone.peak_phase,
+        optimizer_impl=terms.optimizer_impl,
         bytes_per_param={
             "params": pr.param,
             "grads": pr.grad if terms.grads else 0,
@@ -155,7 +156,10 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     )
     shapes = module_shapes(config)
     n_mb = micro_batches_per_step(config)
-    terms = {n: module_terms(s, micro_batches=n_mb, device=cluster.device) for n, s in shapes.items()}
+    terms = {
+        n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl)
+        for n, s in shapes.items()
+    }
     groups = []
     for layout in layouts:
         groups.append(

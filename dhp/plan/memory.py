@@ -37,7 +37,7 @@ eager attention scores, Ulysses all-to-all send/receive buffers (q, k, v: 2 * 3h
 token, full-attention blocks only), FSDP's all-gathered blocks (2 in flight with prefetch), the
 root unit it keeps gathered from forward to backward, one block's unsharded gradient before its
 reduce-scatter, the loss's logits chunk, the flat DP/SP gradient all-reduce buffer, the fp64
-squares of the grad norm, and AdamW's foreach temporaries.
+squares of the grad norm, and AdamW's temporaries (``train.optimizer.impl``: ``phases.adamw_temp_elems``).
 
 The loss (``dhp/ops/cross_entropy.py``: vocab-parallel, fp32, chunked, recomputed in backward):
 with ``c`` tokens per chunk (``loss_chunk_tokens``; 0 = ``default_loss_chunk``, never above the

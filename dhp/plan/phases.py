@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dhp.errors import PlanError
 from dhp.plan.memory import (
     ModuleShape,
     activations_of,
@@ -86,6 +87,7 @@ class ModuleTerms:
     sync: int = 0
     norm: int = 0
     optim: int = 0
+    optimizer_impl: str = ""  # train.optimizer.impl (sizes ``optim``)
 
     @property
     def saved_total(self) -> int:
@@ -135,8 +137,26 @@ class ModuleTerms:
         return max(cands, key=lambda c: (c[0] + c[1], c[1]))
 
 
-def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> ModuleTerms:
-    """All terms of one rank of ``shape``'s module; ``micro_batches`` per step per LLM replica."""
+def adamw_temp_elems(impl: str, *, owned: float, largest: float) -> float:
+    """Elements (in the states' dtype) of AdamW's temporaries at the peak of one step
+    (``train.optimizer.impl``; torch's ``torch/optim/adam.py``): ``fused`` updates in place in one
+    kernel (none); ``foreach`` builds ``sqrt(v)`` for every owned element at once (one temporary the
+    size of the owned parameters); ``for_loop`` goes one parameter at a time, and while it builds
+    ``sqrt(v)`` and ``sqrt(v) / bc2`` of one the previous one's ``denom`` is still bound: three of the
+    largest parameter at most (the largest sit side by side: gate/up). Measured on CPU by
+    ``scripts/bench_planner.py --optimizer`` (fused 0, foreach and for_loop as here)."""
+    if impl == "fused":
+        return 0.0
+    if impl == "foreach":
+        return owned
+    if impl == "for_loop":
+        return 3.0 * min(owned, largest)
+    raise PlanError(f"train.optimizer.impl={impl!r}: unknown. Fix: use fused, foreach or for_loop.")
+
+
+def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str) -> ModuleTerms:
+    """All terms of one rank of ``shape``'s module; ``micro_batches`` per step per LLM replica;
+    ``optimizer_impl`` (``train.optimizer.impl``) sizes AdamW's temporaries."""
     par, pr = shape.parallel, shape.precision
     params, grads, optimizer = model_states(shape)
     a, tokens, s = pr.act, shape.tokens, shape.seq_split
@@ -183,7 +203,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> Modu
     optim = 0
     if trains:
         owned = optimizer / pr.optimizer  # elements whose AdamW states live here
-        optim = int((owned if device == "cuda" else min(owned, local_largest)) * pr.optimizer / 2)
+        optim = int(adamw_temp_elems(optimizer_impl, owned=owned, largest=local_largest) * pr.optimizer / 2)
         if par.zero == 1 and par.dp * par.sp > 1:
             optim += int(params / (par.dp * par.sp))  # one owner's coalesced broadcast buffer
     return ModuleTerms(
@@ -202,6 +222,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> Modu
         sync=int(sync),
         norm=norm,
         optim=optim,
+        optimizer_impl=optimizer_impl if trains else "",
     )
 
 

@@ -127,6 +127,8 @@ def memory_table(plan: Plan) -> Table:
                 )
         if m.loss_chunk_tokens:
             notes.append(f"  loss chunk: {m.loss_chunk_tokens} tokens")
+        if m.optimizer_impl:
+            notes.append(f"  optimizer: AdamW {m.optimizer_impl} (train.optimizer.impl)")
     table.caption = "\n".join(notes)
     return table
 

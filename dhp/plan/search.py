@@ -252,7 +252,7 @@ class Search:
         shape = module_shape(
             name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
         )
-        terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
+        terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
         procs = busy_processes(max(self._procs, world))
         f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
         time = {

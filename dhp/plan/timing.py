@@ -26,7 +26,8 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                                                            (+ 2 AG of the outputs' grads in bwd)
     all-to-all   (n-1)/n * bytes / bw + (n-1) lat          Ulysses: q, k, v, out per full-attn block
     all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
-    FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks)
+    FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
+    compute at the profile's achieved efficiencies (``estimate.module_features``)
     DP/SP grad all-reduce and the ZeRO-1 parameter broadcast: once per step, not overlapped
     hand-off: merged tokens x LLM hidden x a, each way; cuda_ipc moves nothing (an HBM copy)
 
@@ -43,10 +44,9 @@ Both add the driver's own time, ``dispatch_overhead_s`` per micro-batch. On a CP
 (``host_cores`` > 0) a rank's phases stretch by max(1, processes / cores): every rank process of
 the plan, at work or waiting, and the driver (``estimate.busy_processes``).
 
-Defaults (conf/cluster): H100 SXM dense bf16 989 TFLOP/s and 3.35 TB/s HBM3 (NVIDIA H100 datasheet);
-matmul_efficiency 0.7 (cuBLAS large bf16 GEMMs reach ~70% of dense peak); attention_efficiency
-0.4 (FlashAttention-2 forward reaches ~35-40% of H100 peak, its paper); comm_efficiency 0.7 (NCCL
-bus bandwidth over NVLink4 ~ 70% of nominal); memory_efficiency 0.8 (STREAM-like kernels).
+Defaults: the schema's (``ClusterConfig``) are round priors; the GPU profiles in conf/cluster set
+their efficiencies from published training measurements (``scripts/check_public_anchors.py``; each
+YAML constant says whether it is fitted there or a prior, and the profile's ``provenance`` the error).
 ``dhp calibrate`` replaces them with least-squares fits from measured runs.
 """
 

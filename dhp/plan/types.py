@@ -33,6 +33,7 @@ class MemoryEstimate:
     # max over phases of params + grads + optimizer + saved activations (no transients, no reserve):
     # the definition dhp.metrics.accounting measures on a running rank
     accounted_peak: int = 0
+    optimizer_impl: str = ""  # AdamW's implementation (train.optimizer.impl); "" when frozen
 
     @property
     def total(self) -> int:
@@ -57,6 +58,8 @@ class MemoryEstimate:
         }
         if self.loss_chunk_tokens:
             out["loss_chunk_tokens"] = self.loss_chunk_tokens
+        if self.optimizer_impl:
+            out["optimizer_impl"] = self.optimizer_impl
         return out
 
 

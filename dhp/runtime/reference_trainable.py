@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dhp.parallel.optim import impl_kwargs
 from dhp.parallel.param_groups import glob_matches, trainable_names
 
 
@@ -45,7 +46,9 @@ def reference_optimizer(
         pg = modules[m].param_groups
         i = next((i for i, g in enumerate(pg) if glob_matches(fqn, g.match)), None)
         groups[0 if i is None else index[(m, i)]]["params"].append(p)
-    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=1e-8)
+    return torch.optim.AdamW(
+        groups, lr=train.lr, betas=tuple(train.betas), eps=1e-8, **impl_kwargs(train.optimizer.impl)
+    )
 
 
 def _group(lr: float, wd: float, base_lr: float) -> dict:

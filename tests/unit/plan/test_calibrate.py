@@ -115,6 +115,7 @@ def test_calibrate_writes_a_profile_that_cluster_names(tmp_path) -> None:
     out = tmp_path / "cluster" / "fitted_cpu.yaml"
     report = calibrate([str(r) for r in runs], out=str(out), prior_weight=0.0)
     prof = report["profile"]
+    assert prof["provenance"] == "calibrated on this cluster, 3 runs"  # overrides the anchored one
     assert prof["matmul_efficiency"] == pytest.approx(0.31, rel=1e-6)
     assert prof["call_overhead_s"] == pytest.approx(0.004, rel=1e-6)
     for o in report["observations"]:

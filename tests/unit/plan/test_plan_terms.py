@@ -73,38 +73,42 @@ P_LLM = 1736
 
 
 def test_model_states_bytes() -> None:
-    t = module_terms(_shape("llm"), micro_batches=1, device="cpu")
+    t = module_terms(_shape("llm"), micro_batches=1, optimizer_impl="for_loop")
     assert (t.params, t.grads, t.optimizer) == (4 * P_LLM, 4 * P_LLM, 8 * P_LLM)
-    tp2 = module_terms(_shape("llm", tp=2), micro_batches=1, device="cpu")
+    tp2 = module_terms(_shape("llm", tp=2), micro_batches=1, optimizer_impl="for_loop")
     assert tp2.params == 4 * (1696 // 2 + 40)
-    z1 = module_terms(_shape("llm", dp=2, zero=1), micro_batches=1, device="cpu")
+    z1 = module_terms(_shape("llm", dp=2, zero=1), micro_batches=1, optimizer_impl="for_loop")
     assert z1.optimizer == 8 * P_LLM // 2
 
 
 def test_saved_activations_per_ac_mode() -> None:
     # per token and layer: 4h + (4h + 3kv) + 4m = 32 + 44 + 64 = 140 elements; 4 tokens, 2 layers
-    off = module_terms(_shape("llm"), micro_batches=1, device="cpu").saved
+    off = module_terms(_shape("llm"), micro_batches=1, optimizer_impl="for_loop").saved
     assert off["layers"] == 4 * 2 * 140 * 4
     assert off["final_norm"] == 4 * 2 * 8 * 4
-    full = module_terms(_shape("llm", ac="full"), micro_batches=1, device="cpu")
+    full = module_terms(_shape("llm", ac="full"), micro_batches=1, optimizer_impl="for_loop")
     assert full.saved["layers"] == 4 * 2 * 8 * 4  # each block's input
     assert full.bwd_work["recompute_block"] == 4 * 140 * 4
     # selective: 2h + (2h + 2kv) + 2m = 16 + 24 + 32 = 72
     assert (
-        module_terms(_shape("llm", ac="selective"), micro_batches=1, device="cpu").saved["layers"]
+        module_terms(_shape("llm", ac="selective"), micro_batches=1, optimizer_impl="for_loop").saved[
+            "layers"
+        ]
         == 4 * 2 * 72 * 4
     )
     # every_n:2 on 2 layers: block 0 checkpointed (input h), block 1 keeps 140
     assert (
-        module_terms(_shape("llm", ac="every_n:2"), micro_batches=1, device="cpu").saved["layers"]
+        module_terms(_shape("llm", ac="every_n:2"), micro_batches=1, optimizer_impl="for_loop").saved[
+            "layers"
+        ]
         == 4 * (8 + 140) * 4
     )
 
 
 def test_sequence_parallel_cuts_the_norm_terms_by_tp() -> None:
     # tp=2: 4h/s + (4h+3kv)/2 + 4m/2; s=1 -> 32+22+32 = 86, s=2 -> 16+22+32 = 70
-    plain = module_terms(_shape("llm", tp=2), micro_batches=1, device="cpu")
-    sp = module_terms(_shape("llm", tp=2, sequence_parallel=True), micro_batches=1, device="cpu")
+    plain = module_terms(_shape("llm", tp=2), micro_batches=1, optimizer_impl="for_loop")
+    sp = module_terms(_shape("llm", tp=2, sequence_parallel=True), micro_batches=1, optimizer_impl="for_loop")
     assert plain.saved["layers"] == 4 * 2 * 86 * 4 and sp.saved["layers"] == 4 * 2 * 70 * 4
     assert sp.saved["final_norm"] == plain.saved["final_norm"] // 2
     assert sp.handoff == plain.handoff // 2  # each TP rank receives its sequence shard
@@ -113,35 +117,42 @@ def test_sequence_parallel_cuts_the_norm_terms_by_tp() -> None:
 def test_loss_unchunked_and_chunked() -> None:
     assert default_loss_chunk(32, 1, 4) == 4  # never longer than the micro-batch
     assert default_loss_chunk(152064, 8, 10**6) == 2048  # 2048 * 19008 * 4 B <= 256 MiB
-    whole = module_terms(_shape("llm"), micro_batches=1, device="cpu")
+    whole = module_terms(_shape("llm"), micro_batches=1, optimizer_impl="for_loop")
     # the loss recomputes its logits in backward whatever the chunk: it saves the 4 tokens' hidden
     # rows (8 fp32), targets (int64) and log-sum-exp (fp32) only
     assert whole.saved["loss_inputs"] == 4 * (8 * 4 + 8 + 4)
     assert whole.fwd_work["loss_chunk"] == 4 * 32 * (4 + 4)  # one chunk = the 4 tokens
     assert whole.bwd_work["lm_head_grad_fp32"] == 32 * 8 * 4  # fp32 accumulator of lm_head's grad
-    chunked = module_terms(_shape("llm", chunk=2), micro_batches=1, device="cpu")
+    chunked = module_terms(_shape("llm", chunk=2), micro_batches=1, optimizer_impl="for_loop")
     assert chunked.saved["loss_inputs"] == whole.saved["loss_inputs"]
     assert chunked.fwd_work["loss_chunk"] == 2 * 32 * (4 + 4)
     assert chunked.bwd_work["loss_chunk"] == 2 * 32 * (4 + 8)
 
 
 def test_buffers_grad_norm_optimizer_fsdp() -> None:
-    t = module_terms(_shape("llm", dp=2), micro_batches=1, device="cpu")
+    t = module_terms(_shape("llm", dp=2), micro_batches=1, optimizer_impl="for_loop")
     assert t.sync == 4 * P_LLM  # the flat all-reduce copy of every grad
     assert t.norm == 2 * 8 * 256  # fp64 square of the largest param (lm_head 32x8) and its sum
-    assert t.optim == 256 * 4  # CPU AdamW, one param at a time: one state-sized temp of 256
-    assert module_terms(_shape("llm"), micro_batches=1, device="cuda").optim == P_LLM * 4  # foreach
-    f = module_terms(_shape("llm", fsdp=2), micro_batches=1, device="cpu")
+    # AdamW's temporaries by implementation: for_loop sqrt(v), sqrt(v)/bc2 and the previous
+    # parameter's denom, of the largest parameter (256 elements, fp32); foreach sqrt(v) of every
+    # parameter; fused none
+    assert t.optim == 3 * 256 * 4
+    assert module_terms(_shape("llm"), micro_batches=1, optimizer_impl="foreach").optim == P_LLM * 4
+    assert module_terms(_shape("llm"), micro_batches=1, optimizer_impl="fused").optim == 0
+    f = module_terms(_shape("llm", fsdp=2), micro_batches=1, optimizer_impl="for_loop")
     # 2 gathered blocks (608 each) + the root unit (1736 - 2*608 = 520), fp32 (fp32 policy)
     assert f.fwd_work["fsdp_gather"] == (2 * 608 + 520) * 4
     assert f.bwd_work["fsdp_reduce_scatter"] == 608 * 4
 
 
 def test_phases_grads_only_after_backward_and_two_encoder_micro_batches() -> None:
-    one = module_terms(_shape("llm"), micro_batches=1, device="cpu")
+    one = module_terms(_shape("llm"), micro_batches=1, optimizer_impl="for_loop")
     assert "grads" not in one.live("llm_fwd") and one.live("llm_bwd")["grads"] == 4 * P_LLM
-    assert module_terms(_shape("llm"), micro_batches=2, device="cpu").live("llm_fwd")["grads"] == 4 * P_LLM
-    vis = module_terms(_shape("vision", seq=16), micro_batches=2, device="cpu")
+    assert (
+        module_terms(_shape("llm"), micro_batches=2, optimizer_impl="for_loop").live("llm_fwd")["grads"]
+        == 4 * P_LLM
+    )
+    vis = module_terms(_shape("vision", seq=16), micro_batches=2, optimizer_impl="for_loop")
     assert vis.live("llm_bwd")["activations"] == 2 * vis.saved_total
     assert "activations" not in vis.live("optimizer")
     line = gpu_timeline([vis, one])
@@ -207,7 +218,7 @@ def test_adamw_states_bytes_equal_the_planners(dtype: str) -> None:
 def test_grads_and_activations_coexist_as_the_driver_orders_them() -> None:
     # LLM, one micro-batch: forward holds S; backward writes lm_head's grad (32x8 fp32 = 1024 B, the
     # largest tensor) while S is alive, then frees S as it writes the rest: max(S + G1, G)
-    one = module_terms(_shape("llm", seq=64), micro_batches=1, device="cpu")
+    one = module_terms(_shape("llm", seq=64), micro_batches=1, optimizer_impl="for_loop")
     s, g = one.saved_total, 4 * P_LLM
     assert one.first_grad == 32 * 8 * 4
     assert one.grads_and_activations("llm_fwd") == (0, s)
@@ -215,12 +226,12 @@ def test_grads_and_activations_coexist_as_the_driver_orders_them() -> None:
     assert one.grads_and_activations("optimizer") == (g, 0)
     assert one.grads_and_activations("vision_fwd") == (0, 0)  # before its backward: no grads yet
     # encoder, two micro-batches: fwd 0, fwd 1 (2S, no grads), bwd 0 (S + G), bwd 1
-    two = module_terms(_shape("vision", seq=16), micro_batches=2, device="cpu")
+    two = module_terms(_shape("vision", seq=16), micro_batches=2, optimizer_impl="for_loop")
     sv, gv = two.saved_total, two.grads
     assert two.grads_and_activations("vision_fwd") == (0, 2 * sv)
     assert sum(two.grads_and_activations("llm_fwd")) == max(2 * sv, gv + sv)
     # three or more: fwd 2 runs after bwd 0, so G + 2S coexist
-    three = module_terms(_shape("vision", seq=16), micro_batches=3, device="cpu")
+    three = module_terms(_shape("vision", seq=16), micro_batches=3, optimizer_impl="for_loop")
     assert three.grads_and_activations("vision_fwd") == (gv, 2 * sv)
     # the accounted peak: params + optimizer + the largest (grads + activations), no transients
     assert two.accounted_peak() == two.params + two.optimizer + max(2 * sv, gv + sv)
