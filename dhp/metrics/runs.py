@@ -129,7 +129,11 @@ def render_runs(runs: list[RunInfo], *, console: Console, root: Path) -> None:
     table = Table(title=f"runs under {root} (run directories {root}/<name>/<started>)")
     for col in ("run", "status", "steps", "last loss", "checkpoints", "trackers", "note"):
         table.add_column(
-            col, justify="right" if col in ("steps", "last loss") else "left", no_wrap=col == "run"
+            col,
+            justify="right" if col in ("steps", "last loss") else "left",
+            no_wrap=col in ("run", "status", "steps"),
+            min_width={"status": 8, "steps": 5}.get(col),  # a narrow terminal wraps the note, not these
+            overflow="fold" if col == "note" else "ellipsis",
         )
     colour = {"finished": "green", "active": "cyan", "stopped": "yellow", "failed": "red", "empty": "dim"}
     for r in runs:

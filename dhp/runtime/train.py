@@ -1,6 +1,7 @@
 """``dhp train``: the training loop around the driver step, the run directory, metrics, checkpoints.
 
-Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` with ``config.yaml``,
+Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` (a resumed run continues the one it
+resumes: ``dhp.runtime.rundirs``) with ``config.yaml``,
 ``plan.json``, ``metrics.jsonl``, ``checkpoints/step_XXXXXX/{<module>/, meta.json}`` and ``tb/``
 when ``train.tensorboard``. Failures: a dead or failed actor, a hang or a non-finite step raise
 RuntimeFailure naming module, rank and the last good checkpoint; Ctrl-C saves a checkpoint when
@@ -26,6 +27,7 @@ from dhp.config.schema import RunConfig
 from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
 from dhp.runtime.failures import FailureLog, failed_event
+from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
 
 
@@ -54,6 +56,10 @@ def make_run_dir(*, output_dir: str, name: str) -> Path:
 def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     """Train ``config`` to ``train.steps`` (resuming per ``train.resume``); returns the RunResult.
 
+    ``train.resume=auto`` continues the run directory of the checkpoint it resumes (metrics.jsonl
+    gets a ``resume`` event, the trackers continue their runs); ``fork`` resumes the same checkpoint
+    into a new run directory; a checkpoint PATH of another run starts a new run directory from it.
+
     A dead actor, node or collective, or a step timeout, restarts the whole run from the newest
     checkpoint of this run dir that verifies (at most ``train.max_restarts`` times). SIGTERM is the
     first Ctrl-C: checkpoint at the step boundary, ``result.signal`` set (the CLI exits 128+signal).
@@ -69,13 +75,21 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
         console.print(f"[yellow]resume=auto: skipped {escape(str(path))}[/]: " + escape("; ".join(problems)))
 
     plan = _compile(config)
-    resume = resolve_resume(t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped)
+    fork = t.resume == FORK
+    resume = resolve_resume(
+        "auto" if fork else t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped
+    )
     checked = _check_resume(resume, config=config, plan=plan)  # refuse before any actor or run dir
-    run_dir = _make_run_dir_or_fail(config)
+    run_dir = None if fork else continued_run_dir(resume, output_dir=t.output_dir, name=config.name)
+    if run_dir is None:
+        run_dir = _make_run_dir_or_fail(config)
+        console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
+    else:
+        append_event(run_dir / "metrics.jsonl", resume_event(resume, step=checked[0].step))
+        console.print(f"[bold]dhp train[/] {config.name}: continuing run dir {run_dir} (from {resume.name})")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
     result = RunResult(run_dir=run_dir, last_checkpoint=resume)
-    console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
     from dhp.checkpoint import capture_rng_state
 
     initial_rng = capture_rng_state()
