@@ -8,7 +8,8 @@ on the shared test Ray). Checked:
 - the resolved config is the tracker run's config/params; config.yaml and plan.json are its files;
 - the resume continues its own run dir: one metrics.jsonl (steps 1, 2, a resume event, 3), one
   TensorBoard log dir, the same wandb id and the same MLflow run (steps 1..3 in one history);
-  ``dhp runs`` lists one finished run and ``dhp report`` draws one curve with the resume marked.
+  ``dhp runs`` lists one finished run and ``dhp report`` draws one curve with the resume marked;
+- ``train.resume=fork`` (to step 4, last) writes a new run dir with new tracker runs.
 """
 
 from __future__ import annotations
@@ -157,3 +158,15 @@ def test_tensorboard_logger_listed_in_metrics_loggers(runs):
     rows = _jsonl(run)
     assert {s: rows[s]["loss"] for s in rows} == {e.step: pytest.approx(e.value) for e in acc.Scalars("loss")}
     assert sorted(e.step for e in acc.Scalars("loss")) == [1, 2, 3]
+
+
+def test_fork_resumes_into_a_new_run_dir_and_new_tracker_runs(runs):
+    """``train.resume=fork``: the newest checkpoint (step 3) into a new run dir, with new W&B and
+    MLflow runs; the run it forked from is left as it was."""
+    out, run = runs
+    before = (run / "metrics.jsonl").read_text()
+    _train(out, "train.steps=4", "train.resume=fork")
+    (forked,) = [d for d in (out / "lg").iterdir() if d != run]
+    assert sorted(_jsonl(forked)) == [4] and (run / "metrics.jsonl").read_text() == before
+    old, new = (json.loads((d / "trackers.json").read_text()) for d in (run, forked))
+    assert new["wandb"]["id"] != old["wandb"]["id"] and new["mlflow"]["run_id"] != old["mlflow"]["run_id"]
