@@ -121,8 +121,9 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
                 return result
             except Exception as e:  # a bug in the driver's own code: its traceback goes to the run dir
                 if not isinstance(e, DhpError):
+                    step = max(result.losses, default=0) + 1
                     path = failures.write(
-                        e, attempt=restarts + 1, step=-1, verdict="run ended: an error in dhp"
+                        e, attempt=restarts + 1, step=step, verdict="run ended: an error in dhp"
                     )
                     e.add_note(f"traceback: {path}")
                 raise
