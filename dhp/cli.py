@@ -432,8 +432,9 @@ def main() -> None:
     except Exception as err:  # a bug of dhp's own: one line, the traceback only when asked for
         if os.environ.get("DHP_DEBUG"):
             raise
+        notes = "".join(f"{n}\n" for n in getattr(err, "__notes__", []))  # a run's traceback file
         err_console.print(
-            f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
+            f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n{notes}"
             "This is a bug in dhp. Run again with DHP_DEBUG=1 for the traceback and report it.",
             markup=False,
         )

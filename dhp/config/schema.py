@@ -301,7 +301,7 @@ class TrainConfig:
     log_every: int = 1
     checkpoint_every: int = 0  # 0 = only at the end
     keep_last: int = 2
-    resume: str | None = None  # null | auto | a checkpoint path
+    resume: str | None = None  # null | auto (continue its run dir) | fork (new run dir) | a checkpoint path
     save_on_interrupt: bool = True
     # a driver step (or a group's call) taking longer is a hang -> RuntimeFailure naming the ranks
     step_timeout_s: float = 900.0

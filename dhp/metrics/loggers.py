@@ -6,9 +6,11 @@ extras, imported only here and only when configured (``dhp.config.validate_metri
 checked they are installed). The resolved config is the tracker run's config/params; ``config.yaml``
 and ``plan.json`` are its files/artifacts.
 
-Resume: ``trackers.json`` in the run directory records each tracker's run id. A run resumed from
-``<old_run>/checkpoints/step_N`` reads ``<old_run>/trackers.json`` and continues the same tracker run
-(wandb ``id`` + ``resume="allow"``, MLflow ``run_id``), so the curve continues at step N+1.
+Resume: ``trackers.json`` in the run directory records each tracker's run id. A run that continues
+its run directory from ``<run>/checkpoints/step_N`` (``train.resume=auto``, or a restart) reads
+``<run>/trackers.json`` and continues the same tracker run (wandb ``id`` + ``resume="allow"``, MLflow
+``run_id``), and TensorBoard writes into the same ``tb/`` with the events after step N purged, so
+each curve continues at step N+1. A new run directory (``train.resume=fork``) starts new tracker runs.
 """
 
 from __future__ import annotations
@@ -58,12 +60,13 @@ def flat_config(tree: Any, prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoardLogger:
-    """Scalars as TensorBoard events under ``log_dir`` (``<run_dir>/tb``)."""
+    """Scalars as TensorBoard events under ``log_dir`` (``<run_dir>/tb``); ``purge_step``: a resumed
+    run hides the events a previous attempt logged at that step and after (TensorBoard's own rule)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(log_dir))
+        self._tb = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
@@ -113,7 +116,9 @@ class WandbLogger:
 class MlflowLogger:
     """An MLflow run (``metrics.mlflow.tracking_uri``; ``file:DIR`` is the file store)."""
 
-    def __init__(self, cfg: Any, *, name: str, config: dict, files: list[Path], run_id: str | None) -> None:
+    def __init__(
+        self, cfg: Any, *, name: str, config: dict, files: list[Path], run_id: str | None, segment: str
+    ) -> None:
         from mlflow.entities import Metric
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -139,7 +144,7 @@ class MlflowLogger:
             ) from e
         self.run_id = run_id
         for f in files:  # one folder per run segment: a resumed run's config does not overwrite
-            self.client.log_artifact(run_id, str(f), artifact_path=f.parent.name)
+            self.client.log_artifact(run_id, str(f), artifact_path=segment)
         self.ident = {"run_id": run_id, "tracking_uri": self.client.tracking_uri}
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -160,11 +165,17 @@ def _param(key: str, value: str) -> Any:
     return Param(key[:250], value[:6000])
 
 
-def previous_trackers(resumed_from: Path | None) -> dict[str, dict]:
-    """The tracker ids of the run a checkpoint ``<run>/checkpoints/step_N`` belongs to ({} if none)."""
-    if resumed_from is None:
-        return {}
-    path = Path(resumed_from).parent.parent / TRACKERS_FILE
+def continues(run_dir: Path, resumed_from: Path | None) -> int | None:
+    """The checkpoint step when ``resumed_from`` is one of ``run_dir``'s own (the run continues its
+    directory and tracker runs), else None (a fresh run, or a new run dir resumed from another's)."""
+    if resumed_from is None or Path(resumed_from).resolve().parent.parent != Path(run_dir).resolve():
+        return None
+    return int(Path(resumed_from).name.removeprefix("step_"))
+
+
+def previous_trackers(run_dir: Path) -> dict[str, dict]:
+    """The tracker ids recorded in ``<run_dir>/trackers.json`` ({} if none)."""
+    path = Path(run_dir) / TRACKERS_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
@@ -178,18 +189,21 @@ def open_loggers(
     resumed_from: Path | None,
 ) -> list[ExperimentLogger]:
     """Start the configured loggers for ``run_dir`` (``config.yaml`` and ``plan.json`` already written)
-    and record the tracker run ids in ``<run_dir>/trackers.json``. ``tensorboard`` is the legacy
+    and record the tracker run ids in ``<run_dir>/trackers.json``; a run resumed from one of
+    ``run_dir``'s own checkpoints continues its tracker runs and TensorBoard log dir. ``tensorboard`` is the legacy
     ``train.tensorboard`` switch, the same as listing ``tensorboard`` in ``metrics.loggers``."""
     names = list(metrics.loggers)
     files = [run_dir / "config.yaml", run_dir / "plan.json"]
     files = [f for f in files if f.is_file()]
-    before = previous_trackers(resumed_from)
+    step = continues(run_dir, resumed_from)
+    before = previous_trackers(run_dir) if step is not None else {}
     label = f"{name}/{run_dir.name}"
+    segment = run_dir.name if step is None else f"{run_dir.name}/resumed_at_step_{step}"
     out: list[ExperimentLogger] = []
     idents: dict[str, dict] = {}
     try:
         if tensorboard or "tensorboard" in names:
-            out.append(TensorBoardLogger(run_dir / "tb"))
+            out.append(TensorBoardLogger(run_dir / "tb", purge_step=None if step is None else step + 1))
         if "wandb" in names:
             prev = before["wandb"]["id"] if "wandb" in before else None
             wb = WandbLogger(
@@ -199,7 +213,9 @@ def open_loggers(
             idents["wandb"] = wb.ident
         if "mlflow" in names:
             prev = before["mlflow"]["run_id"] if "mlflow" in before else None
-            ml = MlflowLogger(metrics.mlflow, name=label, config=config, files=files, run_id=prev)
+            ml = MlflowLogger(
+                metrics.mlflow, name=label, config=config, files=files, run_id=prev, segment=segment
+            )
             out.append(ml)
             idents["mlflow"] = ml.ident
     except BaseException:

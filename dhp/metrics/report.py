@@ -2,53 +2,48 @@
 
 Plots (one PNG each, in ``--out`` or ``<run_dir>/report``): loss, grad norm, learning rate,
 tokens/s (vision and text), the per-module time split of each step (fwd/bwd/optimizer step and the
-LLM's wait on the hand-off), and peak memory per rank. Every restart is marked on each step plot
-with a dashed vertical line: a record whose step is not after the one before it (the run went back
-to a checkpoint), a rise of a ``restarts`` counter when records carry one, and the first step of a
-run resumed from a checkpoint. matplotlib is an optional extra (``pip install -e .[plots]``).
+LLM's wait on the hand-off), and peak memory per rank. One continuous curve per run directory:
+every restart and resume is marked on each step plot with a dashed vertical line, where a
+``restart``/``resume`` event sits in ``metrics.jsonl`` (for a run from an older dhp without
+events: a step that is not after the one before it, or a first step > 1). A plot or summary row
+whose metric an older dhp did not record is left out. matplotlib is an optional extra
+(``pip install -e .[plots]``).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from dhp.errors import ConfigError
-from dhp.metrics.writer import read_metrics
+from dhp.errors import ConfigError, ConfigIssue
+from dhp.metrics.rundir import Mark, RunLog, add_record, read_run_log
 
 PARTS = ("fwd", "bwd", "step")
 
 
-@dataclass(frozen=True)
-class Restart:
-    """Where the run restarted: before the record at ``index`` (its step ``step``) and why."""
-
-    index: int
-    step: int
-    why: str
+Restart = Mark  # where the run went back or resumed, and why (``dhp.metrics.rundir``)
 
 
-def find_restarts(rows: list[dict[str, Any]]) -> list[Restart]:
-    """Restarts recorded in the metrics (see the module docstring for the three signs)."""
-    out = []
-    if rows and rows[0]["step"] > 1:
-        out.append(Restart(0, rows[0]["step"], f"resumed at step {rows[0]['step']}"))
-    for i in range(1, len(rows)):
-        prev, cur = rows[i - 1], rows[i]
-        if cur["step"] <= prev["step"]:
-            out.append(Restart(i, cur["step"], f"restart: step {prev['step']} -> {cur['step']}"))
-        elif "restarts" in cur and "restarts" in prev and cur["restarts"] > prev["restarts"]:
-            out.append(Restart(i, cur["step"], f"restart #{cur['restarts']}"))
-    return out
+def find_restarts(rows: list[dict[str, Any]]) -> list[Mark]:
+    """The marks of a list of step records alone (no events: a run from an older dhp)."""
+    log = RunLog()
+    for r in rows:
+        add_record(log, r, [])
+    return log.marks
+
+
+def _has(rows: list[dict[str, Any]], key: str) -> bool:
+    """Whether every record has ``key`` (a record of an older dhp may not)."""
+    return all(key in r for r in rows)
 
 
 def _modules(rows: list[dict[str, Any]]) -> list[str]:
-    return [k.removesuffix("_fwd_s") for k in rows[0] if k.endswith("_fwd_s")]
+    mods = [k.removesuffix("_fwd_s") for k in rows[0] if k.endswith("_fwd_s")]
+    return [m for m in mods if all(_has(rows, f"{m}_{p}_s") for p in PARTS)]
 
 
 def _pyplot():
@@ -70,16 +65,14 @@ def write_report(run_dir: Path, *, out_dir: Path | None = None) -> tuple[list[Pa
     paths and the metrics rows. ConfigError when the run has no metrics yet."""
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
-    rows = read_metrics(path) if path.is_file() else []
+    log = read_run_log(path)
+    rows = log.records
     if not rows:
-        raise ConfigError(
-            f"{path}: no metrics to report (missing or empty). Fix: pass a run directory "
-            "runs/<name>/<timestamp> that logged at least one step (see `dhp runs`)"
-        )
+        raise _nothing_to_report(run_dir, log)
     out = Path(out_dir) if out_dir else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
-    restarts = find_restarts(rows)
+    restarts = log.marks
     x = list(range(len(rows)))  # record order: a restarted step appears again after the restart
     steps = [r["step"] for r in rows]
     title = f"{run_dir.parent.name}/{run_dir.name}"
@@ -117,17 +110,52 @@ def write_report(run_dir: Path, *, out_dir: Path | None = None) -> tuple[list[Pa
         ("grad_norm", "grad norm", "global grad norm (before clipping)"),
         ("lr", "learning rate", "lr"),
     ):
+        if not _has(rows, key):
+            continue
         fig, ax = plt.subplots(figsize=(8, 3.6))
         ax.plot(x, [r[key] for r in rows], marker="o", ms=3)
         finish(fig, ax, name, ylabel)
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.plot(x, [r["tokens_per_s_vision"] for r in rows], marker="o", ms=3, label="vision (patches)")
-    ax.plot(x, [r["tokens_per_s_text"] for r in rows], marker="s", ms=3, label="text (LLM tokens)")
-    finish(fig, ax, "tokens per s", "tokens / s")
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    if _has(rows, "tokens_per_s_vision") and _has(rows, "tokens_per_s_text"):
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        ax.plot(x, [r["tokens_per_s_vision"] for r in rows], marker="o", ms=3, label="vision (patches)")
+        ax.plot(x, [r["tokens_per_s_text"] for r in rows], marker="s", ms=3, label="text (LLM tokens)")
+        finish(fig, ax, "tokens per s", "tokens / s")
     mods = _modules(rows)
+    if mods and _has(rows, "wait_s") and _has(rows, "step_s"):
+        _time_split(plt, rows, x, mods, finish)
+    if _has(rows, "peak_mem_bytes"):
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        ranks = sorted({k for r in rows for k in r["peak_mem_bytes"]})
+        for k in ranks:
+            ax.plot(x, [r["peak_mem_bytes"].get(k, float("nan")) / 2**20 for r in rows], marker=".", label=k)
+        finish(fig, ax, "peak memory per rank", "MiB (cuda: allocated; cpu: RSS high-water)")
+    return written, rows
+
+
+def _nothing_to_report(run_dir: Path, log: RunLog) -> ConfigError:
+    """Why ``run_dir`` has no curve yet, and what to do."""
+    path = run_dir / "metrics.jsonl"
+    if log.failed is not None:
+        tb = log.failed.get("traceback")
+        rule = f"no step logged: the run failed at step {log.failed['step']}: {log.failed.get('reason', '')}"
+        fix = f"read the tracebacks in {run_dir / tb}, fix the cause and run again" if tb else "run again"
+    elif log.events:
+        kinds = ", ".join(e["event"] for e in log.events)
+        rule = f"no step logged in {path}, {len(log.events)} event(s) only ({kinds})"
+        fix = (
+            "resume the run (train.resume=auto), or pass a run directory that logged a step (see `dhp runs`)"
+        )
+    else:
+        state = "missing" if not path.is_file() else "empty" if not log.bad_lines else "unreadable"
+        rule = f"no step logged ({path}: {state})"
+        fix = "pass a run directory runs/<name>/<timestamp> that logged at least one step (see `dhp runs`)"
+    return ConfigError([ConfigIssue(path="RUN_DIR", value=str(run_dir), rule=rule, fix=fix)])
+
+
+def _time_split(plt, rows: list[dict[str, Any]], x: list[int], mods: list[str], finish) -> None:
+    """Per step, one stacked bar per module: fwd / bwd / optimizer step (and the LLM's wait)."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / len(mods)
     colours = {"fwd": "tab:blue", "bwd": "tab:orange", "step": "tab:green"}
     for j, m in enumerate(mods):  # one bar per module and step, side by side: modules overlap in time
@@ -151,18 +179,14 @@ def write_report(run_dir: Path, *, out_dir: Path | None = None) -> tuple[list[Pa
     ax.plot(x, [r["step_s"] for r in rows], "k.-", label="step wall time")
     finish(fig, ax, "time split", "s (max over a module's ranks)")
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ranks = sorted({k for r in rows for k in r["peak_mem_bytes"]})
-    for k in ranks:
-        ax.plot(x, [r["peak_mem_bytes"].get(k, float("nan")) / 2**20 for r in rows], marker=".", label=k)
-    finish(fig, ax, "peak memory per rank", "MiB (cuda: allocated; cpu: RSS high-water)")
-    return written, rows
-
 
 def render_report_summary(
     run_dir: Path, rows: list[dict[str, Any]], pngs: list[Path], *, console: Console
 ) -> None:
-    """The summary table: steps, loss, throughput, MFU, time split, memory per rank, restarts."""
+    """The summary table: steps, loss, throughput, MFU, time split, memory per rank, restarts and
+    resumes (from the run's events), a failure, unreadable lines."""
+    log = read_run_log(Path(run_dir) / "metrics.jsonl")
+    marks = log.marks if log.records else find_restarts(rows)
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     table = Table(title=f"dhp report: {run_dir}")
     table.add_column("metric")
@@ -172,21 +196,32 @@ def render_report_summary(
         "loss first -> last (min)",
         f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} ({min(r['loss'] for r in rows):.4f})",
     )
-    table.add_row("grad norm (median)", f"{med('grad_norm'):.3g}")
-    table.add_row("step time (median)", f"{med('step_s'):.3f} s")
+    for key, label, fmt in (
+        ("grad_norm", "grad norm (median)", "{:.3g}"),
+        ("step_s", "step time (median)", "{:.3f} s"),
+    ):
+        if _has(rows, key):
+            table.add_row(label, fmt.format(med(key)))
     for m in _modules(rows):
         split = " / ".join(f"{med(f'{m}_{p}_s'):.3f}" for p in PARTS)
         table.add_row(f"{m} fwd / bwd / step (median)", f"{split} s")
-    table.add_row("LLM wait on hand-off (median)", f"{med('wait_s'):.3f} s")
-    table.add_row(
-        "vision / text tokens/s (median)",
-        f"{med('tokens_per_s_vision'):.0f} / {med('tokens_per_s_text'):.0f}",
-    )
-    table.add_row("MFU (median)", f"{med('mfu'):.2e}")
-    for k in sorted({k for r in rows for k in r["peak_mem_bytes"]}):
-        peak = max(r["peak_mem_bytes"][k] for r in rows if k in r["peak_mem_bytes"])
-        table.add_row(f"peak memory {k}", f"{peak / 2**20:.0f} MiB")
-    restarts = find_restarts(rows)
-    table.add_row("restarts", "; ".join(r.why for r in restarts) or "none")
-    table.add_row("plots", f"{len(pngs)} PNGs in {pngs[0].parent}")
+    if _has(rows, "wait_s"):
+        table.add_row("LLM wait on hand-off (median)", f"{med('wait_s'):.3f} s")
+    if _has(rows, "tokens_per_s_vision") and _has(rows, "tokens_per_s_text"):
+        table.add_row(
+            "vision / text tokens/s (median)",
+            f"{med('tokens_per_s_vision'):.0f} / {med('tokens_per_s_text'):.0f}",
+        )
+    if _has(rows, "mfu"):
+        table.add_row("MFU (median)", f"{med('mfu'):.2e}")
+    if _has(rows, "peak_mem_bytes"):
+        for k in sorted({k for r in rows for k in r["peak_mem_bytes"]}):
+            peak = max(r["peak_mem_bytes"][k] for r in rows if k in r["peak_mem_bytes"])
+            table.add_row(f"peak memory {k}", f"{peak / 2**20:.0f} MiB")
+    table.add_row("restarts / resumes", "; ".join(r.why for r in marks) or "none")
+    if log.failed is not None:
+        table.add_row("failed", f"{log.failed.get('reason', '')} ({log.failed.get('traceback', '-')})")
+    if log.bad_lines:
+        table.add_row("unreadable lines", f"{log.bad_lines} (a write cut short by a kill)")
+    table.add_row("plots", f"{len(pngs)} PNGs in {pngs[0].parent}" if pngs else "none")
     console.print(table)

@@ -47,6 +47,8 @@ class MetricsWriter:
         self.path = path
         self.keys = set(METRIC_KEYS) | {f"{m}_{p}_s" for m in modules for p in ("fwd", "bwd", "step")}
         self._file = path.open("a", encoding="utf-8")
+        if path.stat().st_size and _ends_mid_line(path):  # a resumed run after a kill mid-record
+            self._file.write("\n")
         self.loggers = list(loggers or [])
         if tensorboard_dir is not None:
             self.loggers.append(TensorBoardLogger(tensorboard_dir))
@@ -76,3 +78,22 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a ``metrics.jsonl``."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def append_event(path: Path, event: dict[str, Any]) -> None:
+    """Append one event line (``{"event": "restart" | "resume" | "failed", "step": ..., ...}``) to a
+    ``metrics.jsonl``, on a line of its own even after a line a kill cut short."""
+    with path.open("a", encoding="utf-8") as f:
+        if _ends_mid_line(path):
+            f.write("\n")
+        f.write(json.dumps(event) + "\n")
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file's last byte is not a newline (a record cut short by a kill)."""
+    size = path.stat().st_size
+    if size == 0:
+        return False
+    with path.open("rb") as f:
+        f.seek(size - 1)
+        return f.read(1) != b"\n"

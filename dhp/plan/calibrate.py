@@ -74,6 +74,7 @@ def load_run(run_dir: str | Path) -> tuple[DictConfig, list[dict]]:
             "pass runs/<name>/<timestamp> directories written by dhp train",
         )
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "event" not in r]  # step records, not restart/resume/failed events
     if not rows:
         raise _bad(str(metrics), "has no records", "train at least one logged step")
     return load_config(str(cfg_path), []), rows

@@ -10,6 +10,7 @@ only object refs.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from dhp.errors import DhpError, PlanError, RuntimeFailure
 from dhp.layout import RankLayout
 from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
+from dhp.runtime.failures import FAULT_ENV, WorkerFailure, rank_error
 
 #: every rank actor's environment; NOSET_VISIBLE: each sees all GPUs of its node (dhp.runtime.devices)
 WORKER_ENV = {
@@ -133,7 +135,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
                 ),
-                runtime_env={"env_vars": WORKER_ENV},
+                runtime_env={"env_vars": _worker_env()},
             ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
             for rank, slot in enumerate(spec.slots)
         ]
@@ -219,8 +221,9 @@ class ActorGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                rank, err = self._blame(owner[ready[0]], e, pending, owner)
-                raise self._failure(rank, err) from err
+                failed = {owner[ready[0]]: e}
+                rank, err = self._blame(owner[ready[0]], e, pending, owner, failed)
+                raise self._failure(rank, err, failed) from err
         values = ray.get(flat)
         out, i = [], 0
         for ref in refs:
@@ -230,22 +233,32 @@ class ActorGroup:
         return out
 
     def _blame(
-        self, rank: int, err: BaseException, pending: list[Any], owner: dict[Any, int], grace_s: float = 3.0
+        self,
+        rank: int,
+        err: BaseException,
+        pending: list[Any],
+        owner: dict[Any, int],
+        failed: dict[int, BaseException],
+        grace_s: float = 3.0,
     ) -> tuple[int, BaseException]:
         """The rank to blame for a failed call: a rank whose actor died beats a rank whose call
         failed (a peer's collective breaks *because* a rank died, and often reports first). Waits
-        up to ``grace_s`` for the other ranks' results to tell them apart."""
+        up to ``grace_s`` for the other ranks' results to tell them apart; every rank seen failing
+        is added to ``failed`` (its traceback goes into the run's traceback file)."""
         died = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)
         if isinstance(err, died) or not pending:
             return rank, err
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        dead = None
         for r in sorted(ready, key=lambda x: owner[x]):
             try:
                 ray.get(r, timeout=0)
-            except died as e:
-                return owner[r], e
-            except ray.exceptions.RayError:
-                pass
+            except ray.exceptions.RayError as e:
+                failed.setdefault(owner[r], e)
+                if isinstance(e, died) and dead is None:
+                    dead = owner[r], e
+        if dead is not None:
+            return dead
         for r in range(len(self.actors)):  # a dead actor whose result was not asked for here
             if r != rank and not self._answers(r):
                 return r, ray.exceptions.ActorDiedError()
@@ -272,22 +285,30 @@ class ActorGroup:
             out.append(fn.remote(*args, **kwargs))
         return out
 
-    def _failure(self, rank: int, e: BaseException) -> RuntimeFailure:
-        """A RuntimeFailure naming module, rank and pid for a failed call on ``rank``."""
+    def _failure(
+        self, rank: int, e: BaseException, failed: dict[int, BaseException] | None = None
+    ) -> WorkerFailure:
+        """A RuntimeFailure naming module, rank and pid for a failed call on ``rank``, holding the
+        error and traceback of ``rank`` and of every other rank in ``failed`` (blamed rank first)."""
+        failed = dict(failed or {})
+        failed.pop(rank, None)
+        errors = [
+            rank_error(self.name, r, self._summary(r, x), x) for r, x in [(rank, e), *sorted(failed.items())]
+        ]
+        return WorkerFailure(self._summary(rank, e), errors=errors)
+
+    def _summary(self, rank: int, e: BaseException) -> str:
+        """One line: module, rank, pid and what happened on that rank."""
         if isinstance(e, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnavailableError):
-            return RuntimeFailure(
-                f"module '{self.name}' rank {rank}{self._pid_note(rank)} died: {_first_line(e)}"
-            )
+            return f"module '{self.name}' rank {rank}{self._pid_note(rank)} died: {_first_line(e)}"
         if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
             if isinstance(e.cause, DhpError):
-                return RuntimeFailure(f"module '{self.name}' rank {rank}: {e.cause}")
-            return RuntimeFailure(
+                return f"module '{self.name}' rank {rank}: {e.cause}"
+            return (
                 f"module '{self.name}' rank {rank}{self._pid_note(rank)} failed: "
                 f"{type(e.cause).__name__}: {_first_line(e.cause)}"
             )
-        return RuntimeFailure(
-            f"module '{self.name}' rank {rank}{self._pid_note(rank)} failed: {_first_line(e)}"
-        )
+        return f"module '{self.name}' rank {rank}{self._pid_note(rank)} failed: {_first_line(e)}"
 
     def _pid_note(self, rank: int) -> str:
         return f" (pid {self.pids[rank]})" if rank < len(self.pids) else ""
@@ -353,6 +374,13 @@ def release(pgs: Sequence[Any]) -> None:
     """Free reserved placement groups."""
     for pg in pgs:
         remove_placement_group(pg)
+
+
+def _worker_env() -> dict[str, str]:
+    """WORKER_ENV, plus the test-only fault hook when the driver has it set (a worker of an already
+    running Ray does not see the driver's later environment otherwise)."""
+    hook = os.environ.get(FAULT_ENV)
+    return {**WORKER_ENV, FAULT_ENV: hook} if hook else dict(WORKER_ENV)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")

@@ -158,9 +158,9 @@ def _run_member(m: SweepMember, *, conf: str, smoke: bool, console: Console) -> 
 
 
 def _fill_metrics(m: SweepMember, path: Path) -> None:
-    from dhp.metrics.writer import read_metrics
+    from dhp.metrics.rundir import read_run_log
 
-    rows = read_metrics(path) if path.is_file() else []
+    rows = read_run_log(path).records  # step records only: not the restart/resume/failed events
     if not rows:
         return
     m.steps = rows[-1]["step"]

@@ -1,6 +1,7 @@
 """``dhp train``: the training loop around the driver step, the run directory, metrics, checkpoints.
 
-Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` with ``config.yaml``,
+Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` (a resumed run continues the one it
+resumes: ``dhp.runtime.rundirs``) with ``config.yaml``,
 ``plan.json``, ``metrics.jsonl``, ``checkpoints/step_XXXXXX/{<module>/, meta.json}`` and ``tb/``
 when ``train.tensorboard``. Failures: a dead or failed actor, a hang or a non-finite step raise
 RuntimeFailure naming module, rank and the last good checkpoint; Ctrl-C saves a checkpoint when
@@ -23,7 +24,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from dhp.config.schema import RunConfig
-from dhp.errors import RuntimeFailure
+from dhp.errors import DhpError, RuntimeFailure
+from dhp.metrics.writer import append_event
+from dhp.runtime.failures import FailureLog, failed_event
+from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
 
 
@@ -52,6 +56,10 @@ def make_run_dir(*, output_dir: str, name: str) -> Path:
 def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     """Train ``config`` to ``train.steps`` (resuming per ``train.resume``); returns the RunResult.
 
+    ``train.resume=auto`` continues the run directory of the checkpoint it resumes (metrics.jsonl
+    gets a ``resume`` event, the trackers continue their runs); ``fork`` resumes the same checkpoint
+    into a new run directory; a checkpoint PATH of another run starts a new run directory from it.
+
     A dead actor, node or collective, or a step timeout, restarts the whole run from the newest
     checkpoint of this run dir that verifies (at most ``train.max_restarts`` times). SIGTERM is the
     first Ctrl-C: checkpoint at the step boundary, ``result.signal`` set (the CLI exits 128+signal).
@@ -67,21 +75,32 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
         console.print(f"[yellow]resume=auto: skipped {escape(str(path))}[/]: " + escape("; ".join(problems)))
 
     plan = _compile(config)
-    resume = resolve_resume(t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped)
+    fork = t.resume == FORK
+    resume = resolve_resume(
+        "auto" if fork else t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped
+    )
     checked = _check_resume(resume, config=config, plan=plan)  # refuse before any actor or run dir
-    run_dir = _make_run_dir_or_fail(config)
+    run_dir = None if fork else continued_run_dir(resume, output_dir=t.output_dir, name=config.name)
+    if run_dir is None:
+        run_dir = _make_run_dir_or_fail(config)
+        console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
+    else:
+        append_event(run_dir / "metrics.jsonl", resume_event(resume, step=checked[0].step))
+        console.print(f"[bold]dhp train[/] {config.name}: continuing run dir {run_dir} (from {resume.name})")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
     result = RunResult(run_dir=run_dir, last_checkpoint=resume)
-    console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
     from dhp.checkpoint import capture_rng_state
 
     initial_rng = capture_rng_state()
     restarts = 0
+    failures = FailureLog(run_dir)
     with _signals(result) as sig:
         while True:
             try:
-                _attempt(config, plan, resume, checked, result=result, console=console, sig=sig)
+                _attempt(
+                    config, plan, resume, checked, result=result, console=console, sig=sig, failures=failures
+                )
                 return result
             except _Restart as r:
                 restarts += 1
@@ -100,6 +119,14 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
                 last = result.last_checkpoint
                 console.print(f"interrupted before a step could run; last good checkpoint: {last or 'none'}")
                 return result
+            except Exception as e:  # a bug in the driver's own code: its traceback goes to the run dir
+                if not isinstance(e, DhpError):
+                    step = max(result.losses, default=0) + 1
+                    path = failures.write(
+                        e, attempt=restarts + 1, step=step, verdict="run ended: an error in dhp"
+                    )
+                    e.add_note(f"traceback: {path}")
+                raise
 
 
 class _Restart(Exception):
@@ -194,8 +221,6 @@ def _restart_point(run_dir: Path, *, console: Console, skipped) -> Path | None:
 
 def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: Console) -> None:
     """One ``{"event": "restart", ...}`` line in metrics.jsonl and a console line."""
-    import json
-
     from dhp.checkpoint import read_meta
 
     rec = {
@@ -206,13 +231,14 @@ def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: C
         "reason": str(failure).splitlines()[0],
         "resume_from": str(resume) if resume else None,
     }
-    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec) + "\n")
+    append_event(run_dir / "metrics.jsonl", rec)
     where = f"from {resume}" if resume else "from step 0 (no checkpoint yet)"
     console.print(f"[yellow]restart {restarts}[/] after: {escape(rec['reason'])}; resuming {escape(where)}")
 
 
-def _attempt(config, plan, resume, checked, *, result: RunResult, console: Console, sig: _Signals) -> None:
+def _attempt(
+    config, plan, resume, checked, *, result: RunResult, console: Console, sig: _Signals, failures: FailureLog
+) -> None:
     """One life of the actor groups: start them, resume, run the loop; on a restartable failure with
     restarts left, tear everything down and raise _Restart."""
     from dhp.data import build_run_loader
@@ -297,22 +323,30 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
             ray.shutdown()  # whatever that half-done ray.init started
     except RuntimeFailure as e:
         graceful = False
-        restartable = not isinstance(e, NonFiniteStep | SaveFailed) and trainer is not None
-        if restartable and result.restarts < t.max_restarts:
+        step = loop.failing_step() if loop is not None else 0
+        why = failures.verdict(e, step=step)
+        if why is None and isinstance(e, NonFiniteStep | SaveFailed):
+            why = "restarting would not change it"
+        if why is None and trainer is None:
+            why = "the actor groups did not start"
+        attempt = result.restarts + 1
+        if why is None and result.restarts < t.max_restarts:
+            failures.write(
+                e, attempt=attempt, step=step, verdict=f"restarted ({attempt} of {t.max_restarts})"
+            )
             result.restarts += 1
             raise _Restart(e) from e
+        if why is None:
+            why = f"no restart left (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
+        path = failures.write(e, attempt=attempt, step=step, verdict=f"run ended: {why}")
+        append_event(run_dir / "metrics.jsonl", failed_event(e, step=step, why=why, path=path))
         last = result.last_checkpoint
         hint = (
             f"last good checkpoint: {last} (resume with train.resume=auto)"
             if last
             else "no checkpoint was written yet"
         )
-        tried = (
-            f" (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
-            if restartable
-            else ""
-        )
-        raise RuntimeFailure(f"{e}{tried}\n  {hint}") from e
+        raise RuntimeFailure(f"{e}\n  not restarted: {why}\n  tracebacks: {path}\n  {hint}") from e
     finally:
         if trainer is not None:
             try:
@@ -516,6 +550,12 @@ class _Loop:
                 done = self.saver.finish()
         if done is not None:
             self.result.last_checkpoint = done
+
+    def failing_step(self) -> int:
+        """The step a failure interrupted: the one running, else the one after the last done."""
+        if self._running is not None:
+            return self._running
+        return (self.done_step or 0) + 1
 
     def settle_interrupted_step(self) -> int | None:
         """After Ctrl-C: finish an update already issued (that step counts), or drop the half-run

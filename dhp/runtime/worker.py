@@ -31,6 +31,7 @@ from dhp.models.loading import LoadReport, load_module_weights
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.failures import maybe_inject_fault
 from dhp.runtime.graph import Link
 from dhp.runtime.handoff import ProducerWork
 from dhp.runtime.spec import WorkerSpec
@@ -378,6 +379,7 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def optimizer_step(self, *, lr: float, clip_coef: float) -> None:
         """Scale grads by ``clip_coef`` (< 1 when clipping), AdamW step at ``lr``, zero the grads."""
+        maybe_inject_fault(self.module_name, self.rank)
         self.channel.release()
         if self.optimizer is None:
             return

@@ -1,10 +1,11 @@
 """Checkpoints end-to-end (Ray, gloo, tiny_vlm): exact resume and resharded resume.
 
 Run A trains 10 steps with a checkpoint every 5 (keep_last=1 keeps only step 10 at the end, so A
-also exercises pruning); run B resumes A's step-5 checkpoint under the same plan and must give
-BIT-IDENTICAL losses at steps 6-10 (CPU fp32, same reduction order); run C resumes the same
-checkpoint with the LLM at TP=1 instead of TP=2 (DCP reshards) and must match within 1e-5 relative
-(different reduction order in the TP matmuls, nothing else).
+also exercises pruning); run B, a copy of A stopped at its step-5 checkpoint, resumes with
+``train.resume=auto`` in its own run dir and must give BIT-IDENTICAL losses at steps 6-10 (CPU
+fp32, same reduction order); run C resumes the step-5 checkpoint from another run's dir (so in a
+new run dir of its own) with the LLM at TP=1 instead of TP=2 (DCP reshards) and must match within
+1e-5 relative (different reduction order in the TP matmuls, nothing else).
 
 The runs A, B, C and Z go through ``dhp.runtime.train.train`` (what ``dhp train`` calls) on the
 module's shared local Ray; the refused resume, the killed-actor restart and the export go through
@@ -90,12 +91,23 @@ def test_uninterrupted_run_checkpoints_every_n(full_run, tmp_path: Path) -> None
     assert meta["step"] == STEPS and set(meta["modules"]) == {"vision", "llm"}
 
 
-def test_resume_same_plan_is_bit_exact(full_run) -> None:
-    out, a, ckpt = full_run
-    train(out, "b", f"train.resume={ckpt}")
-    b = losses(out, "b")
-    assert sorted(b) == list(range(EVERY + 1, STEPS + 1)), "a resumed run logs only the steps it ran"
-    assert {s: a[s] for s in b} == b  # exact: CPU fp32, same plan, same data position and RNG
+def test_resume_auto_continues_its_run_dir_bit_exact(full_run) -> None:
+    """Run B stopped after its step-5 checkpoint (A's files up to step 5, copied into B's run dir);
+    ``train.resume=auto`` continues that run dir: one metrics.jsonl holding steps 1-5, a resume
+    event and steps 6-10, the steps after the checkpoint bit-identical to A's."""
+    out, a, _ = full_run
+    (run_a,) = (out / "a").iterdir()
+    run = out / "b" / "20000101-000000"
+    shutil.copytree(run_a / "checkpoints" / "step_000005", run / "checkpoints" / "step_000005")
+    shutil.copy(run_a / "config.yaml", run / "config.yaml")
+    head = (run_a / "metrics.jsonl").read_text().splitlines()[:EVERY]
+    (run / "metrics.jsonl").write_text("".join(x + "\n" for x in head))
+    train(out, "b", "train.resume=auto")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event", r["step"]) for r in rows] == [1, 2, 3, 4, 5, "resume", 6, 7, 8, 9, 10], rows
+    b = losses(out, "b")  # one run dir: the resume wrote no other
+    assert b == a  # exact: CPU fp32, same plan, same data position and RNG
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000005", "step_000010"]
 
 
 def _resume_under(full_run, name: str, *plan: str) -> None:
