@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.ops.cross_entropy import IGNORE_INDEX  # the one definition (re-exported here)
-
-TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
+from dhp.ops.packed import IMAGE, TEXT, VIDEO  # noqa: F401 (mm_token_type_ids values, re-exported here)
 
 
 @dataclass
