@@ -80,11 +80,6 @@ class VLBatch:
     second_per_grid_ts: torch.Tensor | None = None  # (N_videos,) float, videos in item order
 
     @property
-    def num_video_tokens(self) -> int:
-        """LLM positions that hold video embeddings."""
-        return int((self.mm_token_type_ids == VIDEO).sum())
-
-    @property
     def num_label_tokens(self) -> int:
         """Label tokens of the micro-batch after the causal shift (the runtime's loss normaliser part)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
