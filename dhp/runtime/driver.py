@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 
 from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
@@ -38,6 +39,7 @@ from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, s
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
+from dhp.runtime.reaper import start_for_local_ray
 from dhp.runtime.spec import WorkerSpec
 from dhp.runtime.worker import ModuleWorker
 
@@ -333,7 +335,6 @@ class Trainer:
     def close(self, *, graceful: bool = True) -> None:
         """Destroy each group's world (when ``graceful``), kill the actors, release the bundles,
         and shut Ray down if this trainer started it (no orphan processes)."""
-        import ray
 
         try:
             for g in self.groups.values():
@@ -354,7 +355,6 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan | None) -> bool:
         for b in pg.bundles:
             for k, v in b.items():
                 need[k] = need.get(k, 0.0) + v
-    from dhp.runtime.reaper import start_for_local_ray
 
     # a SIGKILLed driver's local Ray processes go within seconds, not minutes
     return _connect(cluster=cluster, resources=need, on_local_start=start_for_local_ray)
