@@ -25,6 +25,7 @@ from typing import Any
 
 from dhp.checkpoint import begin_checkpoint, commit_checkpoint, find_latest_checkpoint
 from dhp.errors import RuntimeFailure
+from dhp.runtime.worker import ModuleWorker
 
 
 def is_io_failure(text: str) -> bool:
@@ -79,7 +80,7 @@ class AsyncCheckpoints:
         t0 = time.perf_counter()
         groups = self.trainer.groups
         try:
-            pend = {n: g.submit("save_checkpoint_async", f"{tmp}/{n}") for n, g in groups.items()}
+            pend = {n: g.submit(ModuleWorker.save_checkpoint_async, f"{tmp}/{n}") for n, g in groups.items()}
             for n, g in groups.items():
                 g.collect(pend[n])
         except RuntimeFailure as e:
@@ -105,7 +106,10 @@ class AsyncCheckpoints:
         if self.inflight is None:
             return None
         try:
-            status = {n: g.call("checkpoint_write_status", wait=wait) for n, g in self.trainer.groups.items()}
+            status = {
+                n: g.call(ModuleWorker.checkpoint_write_status, wait=wait)
+                for n, g in self.trainer.groups.items()
+            }
         except RuntimeFailure as e:
             raise self._failed(e) from e
         ranks = [s for per_rank in status.values() for s in per_rank]

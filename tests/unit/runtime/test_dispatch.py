@@ -1,5 +1,8 @@
 """Dispatch/collect contracts: pure, no processes."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from dhp.errors import RuntimeFailure
@@ -84,3 +87,17 @@ def test_a_call_names_the_worker_function_not_a_string():
     with pytest.raises(RuntimeFailure, match=r"is not a method of _W"):
         contract_of(_W, _Other.fwd)
 
+
+
+def test_no_call_site_names_a_worker_method_by_string():
+    # group.submit/call("name") would fail only when the run reaches it (e.g. an async checkpoint)
+    root = Path(__file__).resolve().parents[3]
+    pattern = re.compile(r"\.(submit|call)\(\s*[\"']")
+    hits = [
+        f"{p.relative_to(root)}:{n}: {line.strip()}"
+        for folder in ("dhp", "scripts", "tests/integration")
+        for p in sorted((root / folder).rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits == [], "\n".join(hits)
