@@ -48,4 +48,4 @@ lint: install
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .grimp_cache .import_linter_cache
