@@ -1,7 +1,8 @@
 # dhp developer commands. Each creates the environment itself if needed.
-#   make install        .venv with torch pinned first (CPU wheel without CUDA), then dhp[dev]
+#   make install        .venv with torch pinned first, then dhp[dev]
 #   make install GPU=1  on a CUDA machine, also the [gpu] extra (flash-attn; compiles for long)
-#   make test           the whole suite (what CI runs through .ci/run)
+#   make test           the import contracts (lint-imports), then the whole suite (what CI runs through .ci/run)
+#   make test-fast      the import contracts, then the suite without the tests marked slow
 #   make demo           the tiny VLM trains on real photographs on this machine
 PY ?= python3
 VENV ?= .venv
@@ -17,13 +18,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-	  echo "CUDA machine: installing torch==$(TORCH_VERSION) (default CUDA build) first"; \
-	  $(BIN)/python -m pip install -q torch==$(TORCH_VERSION); \
-	else \
-	  echo "CPU machine: installing torch==$(TORCH_VERSION) (CPU wheel) first"; \
-	  $(BIN)/python -m pip install -q torch==$(TORCH_VERSION); \
-	fi
+	@echo "installing torch==$(TORCH_VERSION) first (the build the package index serves for this machine)"
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@if [ "$(GPU)" = "1" ]; then \
 	  echo "GPU=1: installing the [gpu] extra (flash-attn)"; \
@@ -32,9 +28,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 test-fast: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The tiny random Qwen2.5-VL learns to caption the shipped real photographs on this machine:
@@ -47,6 +45,7 @@ demo: install
 
 lint: install
 	$(BIN)/ruff check dhp tests scripts
+	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .grimp_cache .import_linter_cache

@@ -7,6 +7,8 @@ message and exits with status 2, never a traceback.
 
 To add a command: a thin function decorated with ``@app.command()`` (or on a sub-typer added with
 ``app.add_typer(sub, name="data")``) that calls ``parse_hydra_args(ctx.args)`` and ``load_config``.
+Each command imports its library function inside its body, so ``dhp --help`` starts without loading
+torch or Ray.
 """
 
 from __future__ import annotations

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import ray
 
 from dhp.errors import PlanError
 
@@ -49,7 +52,6 @@ def connect_ray(
     handler is put back afterwards. ``on_local_start`` runs once a new local instance is up (the
     driver starts its reaper there).
     """
-    import ray
 
     if ray.is_initialized():
         return False
@@ -101,9 +103,6 @@ def _check_reachable(address: str, *, source: str, timeout_s: float = 5.0) -> No
     ``ray.init`` keeps retrying an address with no head behind it (over 90 s seen here); a TCP
     connect tells in ``timeout_s``. ``auto`` and addresses without a port are left to Ray.
     """
-    import socket
-
-    from dhp.errors import PlanError
 
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dhp.checkpoint.layout import resolve_resume
 from dhp.checkpoint.lora_export import (
     ADAPTER_DIR,
     adapted_layers,
@@ -31,8 +32,11 @@ from dhp.checkpoint.lora_export import (
 )
 from dhp.checkpoint.meta import read_meta
 from dhp.checkpoint.module_state import MODEL_KEY, single_process_quiet
+from dhp.config import load_config
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError
+from dhp.models import get_family
+from dhp.models.dtypes import torch_dtype
 
 # files of a HF model directory that are not weights and are copied from ``model.path`` when set
 _SIDE_FILES = (
@@ -134,7 +138,6 @@ def export_hf(
     ``lora_mode``: ``merge`` them into the weights or write peft's ``adapter`` files beside the base
     (``dhp.checkpoint.lora_export``).
     """
-    from dhp.models import get_family
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     meta = read_meta(ckpt_dir)
@@ -223,9 +226,6 @@ def export_checkpoint(
 
     The run's resolved ``config.yaml`` sits at ``<run>/config.yaml`` for ``<run>/checkpoints/step_X``.
     """
-    from dhp.checkpoint.layout import resolve_resume
-    from dhp.config import load_config
-    from dhp.models.dtypes import torch_dtype
 
     ckpt = resolve_resume(str(checkpoint), output_dir=".", name="")
     run_config = Path(ckpt).resolve().parent.parent / "config.yaml"

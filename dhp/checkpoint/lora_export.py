@@ -86,7 +86,7 @@ def write_adapter(
     dtype: torch.dtype | None,
 ) -> None:
     """peft's adapter files for ``adapters`` (HF layer FQN -> (A, B, rank, alpha))."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # peft adds ~2 s of import: loaded only when LoRA is used
 
     tensors, ranks, alphas = {}, {}, {}
     for hf, (a, b, rank, alpha) in adapters.items():

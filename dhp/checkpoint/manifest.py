@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from dhp.checkpoint.meta import META_FILE
+from dhp.errors import CheckpointError
 
 MANIFEST_FILE = "manifest.json"
 HASH_NAME = "blake2b-128"
@@ -103,7 +104,6 @@ def verify_checkpoint(ckpt_dir: Path) -> list[str]:
 def verify_many(path: str | Path, *, console) -> bool:
     """``dhp checkpoint verify``: verify ``path`` (a checkpoint, a run dir, its ``checkpoints/``
     or a run name's dir), print one line per checkpoint; True when every one verifies."""
-    from dhp.errors import CheckpointError
 
     path = Path(path)
     if not path.exists():

@@ -11,8 +11,11 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dhp.errors import CheckpointError
 
@@ -47,8 +50,6 @@ class CheckpointMeta:
 
 
 def _dhp_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("dhp")
     except PackageNotFoundError:
@@ -57,7 +58,6 @@ def _dhp_version() -> str:
 
 def stable_hash(obj: Any) -> str:
     """A short sha256 of ``obj`` as sorted JSON (dicts, lists, scalars, dataclasses, OmegaConf configs)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     def plain(o: Any) -> Any:
         if isinstance(o, DictConfig | ListConfig):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -134,7 +135,6 @@ def load_module_state(
     (saved frozen) cannot resume a trainable module. Returns this rank's ``extra`` if the group's
     world size is the one that saved it, else None (resharded resume).
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     path = Path(path)
     info = read_module_info(path)

@@ -12,6 +12,7 @@ import re
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
+from dhp.config.constants import MODULE_NAMES
 from dhp.errors import ConfigError, ConfigIssue
 
 _OVERRIDE_KEY = re.compile(r"Could not (?:override|append to config\.) '([^']+)'")
@@ -51,8 +52,6 @@ def _omegaconf_issue(err: OmegaConfBaseException, overrides: list[str]) -> Confi
 
 
 def _module_names() -> tuple[str, ...]:
-    from dhp.config.constants import MODULE_NAMES
-
     return tuple(MODULE_NAMES)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dhp.config.issues import Issues
+from dhp.config.validate_guards import validate_model_type
 
 # schema key -> config.json key
 _LLM_KEYS = {
@@ -90,7 +91,6 @@ def validate_model_dir(model: DictConfig, issues: Issues) -> None:
     raw = _read_config_json(Path(model.path).expanduser(), issues)
     if raw is None:
         return
-    from dhp.config.validate_guards import validate_model_type
 
     validate_model_type(model, raw, issues)
     text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw

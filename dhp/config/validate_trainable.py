@@ -11,6 +11,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.issues import Issues
+from dhp.errors import ConfigError
 
 
 def _needs_check(module: DictConfig) -> bool:
@@ -38,9 +39,11 @@ def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
     todo = [(n, m) for n, m in cfg.modules.items() if _needs_check(m)]
     if not todo:
         return
+    # Inside the function: torch and the family load only when a module sets freeze/param-group/LoRA
+    # globs (validation and the planner's search stay torch-free otherwise), and these are the config ->
+    # models/parallel imports that the layers contract lists as its one exception (pyproject.toml).
     import torch
 
-    from dhp.errors import ConfigError
     from dhp.models import get_family
     from dhp.parallel.lora import named_sizes_with_lora
     from dhp.parallel.param_groups import check_trainable_config

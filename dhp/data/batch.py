@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.ops.cross_entropy import IGNORE_INDEX  # the one definition (re-exported here)
-
-TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
+from dhp.ops.packed import IMAGE, TEXT, VIDEO  # noqa: F401 (mm_token_type_ids values, re-exported here)
 
 
 @dataclass
@@ -79,11 +78,6 @@ class VLBatch:
     image_grid_thw: torch.Tensor | None
     sample_ids: list[str] = field(default_factory=list)
     second_per_grid_ts: torch.Tensor | None = None  # (N_videos,) float, videos in item order
-
-    @property
-    def num_video_tokens(self) -> int:
-        """LLM positions that hold video embeddings."""
-        return int((self.mm_token_type_ids == VIDEO).sum())
 
     @property
     def num_label_tokens(self) -> int:

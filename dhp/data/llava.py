@@ -16,33 +16,19 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
 from dhp.data.images import ImageRef, image_path
+from dhp.data.messages import validate_messages
+from dhp.data.record import IMAGE_PLACEHOLDER, ImagesFn, Record  # re-exported: the formats' readers use them
 from dhp.errors import DataError
 
-# value of a record's image field -> image references (None -> no image)
-ImagesFn = Callable[[object, str], tuple[ImageRef, ...]]
-
-IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 ALLOWED_KEYS = ("id", "image", "video", "conversations")
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-
-
-@dataclass(frozen=True)
-class Record:
-    """One validated conversation: ``turns`` are ``(role, text)`` with chat-template role names."""
-
-    location: str
-    images: tuple[ImageRef, ...]
-    turns: tuple[tuple[str, str], ...]
-    videos: tuple[Path, ...] = ()  # a folder of frames or a video file per <video> placeholder
 
 
 def resolve_path(path: str, *, key: str) -> Path:
@@ -185,8 +171,6 @@ class LlavaDataset:
 def validate_any(raw: object, *, location: str, images: ImagesFn, fmt: str) -> Record:
     """Validate ``raw`` as a ``llava`` or ``messages`` record (``fmt``)."""
     if fmt == "messages":
-        from dhp.data.messages import validate_messages
-
         return validate_messages(raw, location=location, images=images)
     return validate_record(raw, location=location, images=images)
 

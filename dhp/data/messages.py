@@ -9,13 +9,13 @@ A record is ``{"id"?: str, "messages": [{"role": "system"|"user"|"assistant", "c
   chat templates.
 
 An image is a path (relative to the image root) or, in parquet, a ``{"bytes", "path"}`` struct. The
-result is the same :class:`~dhp.data.llava.Record` as a LLaVA record's (``<image>`` in the text).
+result is the same :class:`~dhp.data.record.Record` as a LLaVA record's (``<image>`` in the text).
 """
 
 from __future__ import annotations
 
 from dhp.data import bad
-from dhp.data.llava import IMAGE_PLACEHOLDER, ImagesFn, Record
+from dhp.data.record import IMAGE_PLACEHOLDER, ImagesFn, Record
 
 ALLOWED_KEYS = ("id", "messages", "images")
 ROLES = ("system", "user", "assistant")

@@ -22,6 +22,7 @@ import torch
 
 from dhp.data.batch import IGNORE_INDEX, VIDEO, Sample, VLBatch
 from dhp.errors import DataError
+from dhp.ops.packed import is_packed, segments  # the one definition (re-exported here)
 
 
 def pack_rows(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
@@ -86,23 +87,6 @@ def pack(samples: list[Sample], *, max_tokens: int, pad_token_id: int) -> VLBatc
         sample_ids=["+".join(samples[i].sample_id for i in row) for row in rows],
         second_per_grid_ts=_cat([s.second_per_grid_ts for s in ordered]),
     )
-
-
-def is_packed(attention_mask: torch.Tensor) -> bool:
-    """True when some row of ``attention_mask`` holds more than one sample (a value above 1)."""
-    return bool(attention_mask.numel()) and int(attention_mask.max()) > 1
-
-
-def segments(mask_row: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(start, end, segment)`` runs of one ``attention_mask`` row; segment 0 is padding."""
-    row = mask_row.tolist()
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for t in range(1, len(row) + 1):
-        if t == len(row) or row[t] != row[start]:
-            runs.append((start, t, int(row[start])))
-            start = t
-    return runs
 
 
 def unpack(batch: VLBatch) -> list[VLBatch]:

@@ -31,12 +31,13 @@ places them at its audio-token positions. The runtime walks ``module_names`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from dhp.parallel.module_plan import AttentionSite, ModuleParallelPlan
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -83,46 +84,6 @@ class ProducerShard(Protocol):
     def num_patches(self) -> int: ...
 
     def forward_kwargs(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class AttentionSite:
-    """Where attention sits in a module, for Ulysses SP applied from outside (``dhp.parallel.ulysses``).
-
-    ``modules``: FQN glob of attention modules that attend over the whole sequence; ``qkv``: their child
-    Linear whose output is ``(L, 3*H*d)`` laid out (3, H, d); ``out``: the child Linear that takes
-    ``(L, H*d)``; ``heads``: the head-count attribute (set to H/sp while sharded by heads).
-    """
-
-    modules: str
-    qkv: str = "qkv"
-    out: str = "proj"
-    heads: str = "num_heads"
-
-
-@dataclass(frozen=True)
-class ModuleParallelPlan:
-    """What ``dhp.parallel.parallelize`` needs to know about one module of a family (data only).
-
-    ``blocks``: FQN globs of the repeated blocks (FSDP units). ``tp(sequence_parallel)``: ``{FQN glob:
-    DTensor style}``, None: no TP. ``tp_divides``: ``{what: size}`` every tp degree must divide.
-    ``tp_heads``: FQN globs of attention modules whose ``num_heads`` becomes H/tp. ``tp_sequence_parallel``:
-    Megatron SP inside TP is supported. ``sp``: attention sites for Ulysses SP (empty: no SP).
-    ``sp_divides``: sizes every sp degree must divide. ``loss``: the module has ``loss_fn`` (swapped for
-    the chunked / vocab-parallel loss). ``tied``: ``{fqn: source_fqn}`` re-shared after TP.
-    ``pad_token_id``: pads token inputs to a multiple of tp under sequence parallelism.
-    """
-
-    blocks: tuple[str, ...]
-    tp: Callable[[bool], Mapping[str, Any]] | None = None
-    tp_divides: Mapping[str, int] = field(default_factory=dict)
-    tp_heads: tuple[str, ...] = ()
-    tp_sequence_parallel: bool = False
-    sp: tuple[AttentionSite, ...] = ()
-    sp_divides: Mapping[str, int] = field(default_factory=dict)
-    loss: bool = False
-    tied: Mapping[str, str] = field(default_factory=dict)
-    pad_token_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -231,4 +192,13 @@ class ModelFamily(Protocol):
 # Lookup by name lives in dhp.models.registry (torch-free); re-exported here for old imports.
 from dhp.models.registry import family_names, get_family, register_family  # noqa: E402
 
-__all__ = ["HandOff", "LLMOutput", "ModelFamily", "family_names", "get_family", "register_family"]
+__all__ = [
+    "AttentionSite",
+    "HandOff",
+    "LLMOutput",
+    "ModelFamily",
+    "ModuleParallelPlan",
+    "family_names",
+    "get_family",
+    "register_family",
+]

@@ -137,10 +137,6 @@ class CommCounter(TorchDispatchMode):
         self._stats = defaultdict(CommStats)
         return out
 
-    def peek(self) -> dict[str, CommStats]:
-        """Like :meth:`step` without resetting."""
-        return {f"{self.module_name}/{k}": v for k, v in sorted(self._stats.items())}
-
 
 def comm_metrics(stats: dict[str, CommStats]) -> dict[str, float]:
     """Flatten :meth:`CommCounter.step` output for a metrics record: ``"comm/<module>/<kind>/<field>"``."""

@@ -7,7 +7,7 @@ so it sees TP DTensors as 2-D. DP needs nothing at this point: its gradient SUM 
 :func:`dhp.parallel.optim.finalize_grads` and ZeRO-1 is :func:`dhp.parallel.optim.build_optimizer`.
 
 What each module supports is data its family attached at build (``module.parallel_plan``, a
-:class:`~dhp.models.family.ModuleParallelPlan`: TP styles by FQN, attention sites for SP, FSDP blocks,
+:class:`~dhp.parallel.module_plan.ModuleParallelPlan`: TP styles by FQN, attention sites for SP, FSDP blocks,
 whether it has a loss); what each strategy does is one ``apply_<x>(module, mesh, spec)``; the table
 :data:`STEPS` says when a strategy is on. Nothing here names a model family.
 """
@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from dhp.config.ac import parse_ac_mode
 from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
-from dhp.models.family import ModuleParallelPlan
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp, mixed_precision_policy
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axis, axis_size
+from dhp.parallel.module_plan import ModuleParallelPlan
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
 
 

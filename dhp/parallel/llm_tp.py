@@ -66,6 +66,7 @@ from dhp.errors import PlanError
 from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
 from dhp.parallel.lora import lora_tp_plan
 from dhp.parallel.plan_match import match_plan, matching  # noqa: F401  (match_plan re-exported)
+from dhp.parallel.ulysses import module_plan
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -286,7 +287,6 @@ def apply_tp(
     ``sequence_parallel``: plus a forward pre-hook that right-pads the token inputs to a multiple of N
     (``plan.pad_token_id``, attention mask 0, labels ignored).
     """
-    from dhp.parallel.ulysses import module_plan
 
     plan = module_plan(module)
     tp = mesh.size()

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism, applied from outside the model by hooks on the attention a family declares.
 
-The family says where its attention is (``ModuleParallelPlan.sp``: :class:`~dhp.models.family.AttentionSite`
+The family says where its attention is (``ModuleParallelPlan.sp``: :class:`~dhp.parallel.module_plan.AttentionSite`
 = attention modules that attend over the whole sequence, their fused ``qkv`` Linear with output laid out
 (3, H, d), their ``out`` Linear, their head-count attribute). :func:`apply_ulysses_sp` installs, on each
 such module over an SP group of N ranks (parameters stay replicated, FQNs unchanged):
@@ -269,7 +269,7 @@ def apply_ulysses_sp(module: nn.Module, mesh: DeviceMesh, spec: UlyssesSpec | No
 
 
 def module_plan(module: nn.Module):
-    """The :class:`~dhp.models.family.ModuleParallelPlan` a family attached to ``module`` at build."""
+    """The :class:`~dhp.parallel.module_plan.ModuleParallelPlan` a family attached to ``module`` at build."""
     plan = getattr(module, "parallel_plan", None)
     if plan is None:
         raise PlanError(

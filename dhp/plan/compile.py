@@ -8,9 +8,11 @@ from omegaconf import DictConfig
 
 from dhp.config.handoff import resolve_handoff
 from dhp.layout import RankLayout
+from dhp.plan.estimate import estimate_step
 from dhp.plan.memory import ModuleShape, module_shape
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
+from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
 
 GIB = 1 << 30
@@ -69,13 +71,6 @@ def image_patches(config: DictConfig) -> int:
             )
         return int(syn.patches)
     return 0
-
-
-def micro_batches_per_step(config: DictConfig) -> int:
-    """Micro-batches each LLM replica runs per optimizer step (gradient accumulation)."""
-    replicas = RankLayout.from_parallel(config.modules["llm"].parallel).num_replicas
-    per = config.train.micro_batch_size * replicas
-    return max(1, config.train.global_batch_size // per)
 
 
 def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
@@ -209,8 +204,4 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     )
     if not estimate:
         return plan
-    from dataclasses import replace
-
-    from dhp.plan.estimate import estimate_step
-
-    return replace(plan, estimate=estimate_step(config, plan, shapes, cluster=cluster).to_json())
+    return dataclasses.replace(plan, estimate=estimate_step(config, plan, shapes, cluster=cluster).to_json())

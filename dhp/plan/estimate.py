@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from dhp.layout import RankLayout
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
-from dhp.plan.schedule import StepEstimate, schedule
+from dhp.plan.schedule import StepEstimate, micro_batches_per_step, schedule
 from dhp.plan.timing import (
     ATTN_HALF_SPAN,
     grad_sync_s,
@@ -206,8 +206,6 @@ def estimate_step(
     config: DictConfig, plan: Plan, shapes: dict[str, ModuleShape], *, cluster: DictConfig
 ) -> StepEstimate:
     """The step time, throughput and per-module breakdown of ``plan`` under ``cluster``'s profile."""
-    from dhp.plan.compile import micro_batches_per_step
-
     n_mb = micro_batches_per_step(config)
     coef = coefficients(cluster)
     per: dict[str, dict[str, float]] = {}

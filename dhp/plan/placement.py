@@ -45,11 +45,6 @@ class GroupLayout:
         return self.layout.tp
 
     @property
-    def replica_size(self) -> int:
-        """Ranks of one data-parallel replica (sp * tp)."""
-        return self.layout.ranks_per_replica
-
-    @property
     def replicas(self) -> int:
         return self.layout.num_replicas
 

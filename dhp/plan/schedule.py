@@ -1,9 +1,20 @@
 """How module phase times combine into a step: serial when collocated, a 2-stage pipeline when
-disaggregated (formulas in ``dhp/plan/timing.py``), and the estimate's JSON document."""
+disaggregated (formulas in ``dhp/plan/timing.py``), the micro-batches of one step, and the estimate's JSON document."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+from dhp.layout import RankLayout
+
+
+def micro_batches_per_step(config: DictConfig) -> int:
+    """Micro-batches each LLM replica runs per optimizer step (gradient accumulation)."""
+    replicas = RankLayout.from_parallel(config.modules["llm"].parallel).num_replicas
+    per = config.train.micro_batch_size * replicas
+    return max(1, config.train.global_batch_size // per)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.errors import DhpError, PlanError, RuntimeFailure
 from dhp.layout import RankLayout
+from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
 from dhp.runtime.failures import FAULT_ENV, WorkerFailure, rank_error
@@ -93,9 +94,13 @@ class Pending:
     """Refs of an issued call, one per rank (a list per rank when ``num_returns > 1``)."""
 
     group: ActorGroup
-    method: str
+    method: Callable[..., Any]  # the worker's function, e.g. ModuleWorker.produce
     refs: list[Any]
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.method.__name__
 
     def ref(self, rank: int, index: int = 0) -> Any:
         """The ref of return value ``index`` of ``rank``'s call (``num_returns > 1``: one per value)."""
@@ -103,12 +108,16 @@ class Pending:
         if isinstance(refs, list):
             return refs[index]
         if index:
-            raise RuntimeFailure(f"{self.method}: rank {rank} returned one value, asked for value {index}")
+            raise RuntimeFailure(f"{self.name}: rank {rank} returned one value, asked for value {index}")
         return refs
 
 
 class ActorGroup:
-    """Reserve, start and address one module's ranks. ``call`` applies each method's contract."""
+    """Reserve, start and address one module's ranks. ``call`` applies each method's contract.
+
+    A call names the worker class's own function (``group.call(ModuleWorker.zero_grads)``): the
+    contract comes from its ``@register`` line, and a function of another class is refused.
+    """
 
     def __init__(
         self,
@@ -139,7 +148,7 @@ class ActorGroup:
             ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
             for rank, slot in enumerate(spec.slots)
         ]
-        self._pid_refs = self._submit_raw("pid", [((), {})] * spec.world_size)
+        self._pid_refs = self._submit_raw(DistWorker.pid, [((), {})] * spec.world_size)
         if wait:
             self.wait_started()
 
@@ -162,13 +171,15 @@ class ActorGroup:
         addr, port = addr_port or self.master_address(avoid=set())
         backend = "nccl" if self.spec.device == "cuda" else "gloo"
         kwargs = {"master_addr": addr, "master_port": port, "backend": backend, "timeout_s": timeout_s}
-        refs = self._submit_raw("init_dist", [((), kwargs)] * self.spec.world_size)
-        return Pending(group=self, method="init_dist", refs=refs, extra={"where": f"{backend} {addr}:{port}"})
+        refs = self._submit_raw(DistWorker.init_dist, [((), kwargs)] * self.spec.world_size)
+        return Pending(
+            group=self, method=DistWorker.init_dist, refs=refs, extra={"where": f"{backend} {addr}:{port}"}
+        )
 
     def finish_init(self, pending: Pending, *, timeout_s: float) -> None:
         """Wait for ``begin_init``; a rank missing after ``timeout_s`` is a RuntimeFailure naming the group."""
         try:
-            self.get(pending.refs, what="init_dist", timeout_s=timeout_s)
+            self.get(pending.refs, what=pending.name, timeout_s=timeout_s)
         except RuntimeFailure as e:
             raise RuntimeFailure(
                 f"group '{self.name}': torch.distributed init ({pending.extra['where']}, "
@@ -181,18 +192,21 @@ class ActorGroup:
         self.finish_init(self.begin_init(timeout_s=timeout_s), timeout_s=timeout_s)
 
     # ---- calls -------------------------------------------------------------------------------
-    def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Pending:
-        """Issue ``method`` on every rank per its dispatch contract; do not wait."""
+    def submit(self, method: Callable[..., Any], *args: Any, num_returns: int = 1, **kwargs: Any) -> Pending:
+        """Issue ``method`` (a function of this group's worker class) on every rank per its dispatch
+        contract; do not wait."""
         contract = contract_of(self.worker_cls, method)
-        per_rank = split_args(contract, self.layout, method, args, kwargs)
+        per_rank = split_args(contract, self.layout, method.__name__, args, kwargs)
         return Pending(group=self, method=method, refs=self._submit_raw(method, per_rank, num_returns))
 
     def collect(self, pending: Pending, *, timeout_s: float | None = None) -> Any:
         """Wait for every rank of ``pending`` and return what its contract collects."""
-        values = self.get(pending.refs, what=pending.method, timeout_s=timeout_s)
+        values = self.get(pending.refs, what=pending.name, timeout_s=timeout_s)
         return collect_results(contract_of(self.worker_cls, pending.method), self.layout, values)
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+    def call(
+        self, method: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> Any:
         """``submit`` then ``collect``."""
         return self.collect(self.submit(method, *args, **kwargs), timeout_s=timeout_s)
 
@@ -276,10 +290,12 @@ class ActorGroup:
             return False
         return True
 
-    def _submit_raw(self, method: str, per_rank: list[tuple[tuple, dict]], num_returns: int = 1) -> list[Any]:
+    def _submit_raw(
+        self, method: Callable[..., Any], per_rank: list[tuple[tuple, dict]], num_returns: int = 1
+    ) -> list[Any]:
         out = []
         for actor, (args, kwargs) in zip(self.actors, per_rank, strict=True):
-            fn = getattr(actor, method)
+            fn = getattr(actor, method.__name__)  # the Ray actor handle's remote method of that function
             if num_returns != 1:
                 fn = fn.options(num_returns=num_returns)
             out.append(fn.remote(*args, **kwargs))

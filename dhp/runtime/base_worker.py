@@ -8,9 +8,11 @@ import os
 import signal
 import socket
 
+import ray
 import torch
 import torch.distributed as dist
 
+from dhp.runtime.devices import assigned_cuda_index
 from dhp.runtime.dispatch import Collect, Dispatch, register
 
 
@@ -39,8 +41,6 @@ class DistWorker:
     def init_dist(self, *, master_addr: str, master_port: int, backend: str, timeout_s: float) -> int:
         """Join this group's own default world. Blocks until every rank of the group joined."""
         if backend == "nccl":  # every GPU of the node is visible: pick Ray's (dhp.runtime.devices)
-            from dhp.runtime.devices import assigned_cuda_index
-
             torch.cuda.set_device(assigned_cuda_index())
         dist.init_process_group(
             backend,
@@ -67,8 +67,6 @@ class DistWorker:
 
 def _node_ip() -> str:
     try:
-        import ray
-
         return ray.util.get_node_ip_address()
     except Exception:  # not inside Ray (unit tests that build a worker directly)
         return "127.0.0.1"

@@ -23,7 +23,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dhp.checkpoint import begin_checkpoint, commit_checkpoint, find_latest_checkpoint
 from dhp.errors import RuntimeFailure
+from dhp.runtime.worker import ModuleWorker
+
+
+def is_io_failure(text: str) -> bool:
+    """A rank's save failed on the filesystem (DCP wraps the OSError in a CheckpointException)."""
+    return "[Errno" in text or "CheckpointException" in text or "No space left" in text
+
+
+class SaveFailed(RuntimeFailure):
+    """Writing a checkpoint failed (disk full, not writable): restarting would not help."""
+
+
+def save_failed(run_dir: Path, step: int, e: BaseException) -> SaveFailed:
+    """The SaveFailed for ``step``: what failed, the checkpoint kept, and the fix."""
+    prev = find_latest_checkpoint(output_dir=run_dir.parent.parent, name=run_dir.parent.name)
+    why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+    return SaveFailed(
+        f"saving the step {step} checkpoint under {run_dir / 'checkpoints'} failed: {why}; "
+        f"the previous checkpoint is kept: {prev or 'none'}. Fix: free disk space or make the "
+        "directory writable, then resume with train.resume=auto."
+    )
 
 
 @dataclass
@@ -49,19 +71,16 @@ class AsyncCheckpoints:
     def start(self, *, step: int, meta: Any) -> Path | None:
         """Begin saving ``step`` (meta already captured); returns the checkpoint committed on the way
         (the previous save, waited for), if any."""
-        from dhp.checkpoint import begin_checkpoint
-        from dhp.runtime.train import _save_failed
-
         committed = self.finish()
         try:
             tmp = begin_checkpoint(self.run_dir / "checkpoints", step=step)
         except OSError as e:
-            raise _save_failed(self.run_dir, step, e) from e
+            raise save_failed(self.run_dir, step, e) from e
         self.inflight = _InFlight(step=step, tmp=tmp, meta=meta, staging_s=0.0)
         t0 = time.perf_counter()
         groups = self.trainer.groups
         try:
-            pend = {n: g.submit("save_checkpoint_async", f"{tmp}/{n}") for n, g in groups.items()}
+            pend = {n: g.submit(ModuleWorker.save_checkpoint_async, f"{tmp}/{n}") for n, g in groups.items()}
             for n, g in groups.items():
                 g.collect(pend[n])
         except RuntimeFailure as e:
@@ -87,7 +106,10 @@ class AsyncCheckpoints:
         if self.inflight is None:
             return None
         try:
-            status = {n: g.call("checkpoint_write_status", wait=wait) for n, g in self.trainer.groups.items()}
+            status = {
+                n: g.call(ModuleWorker.checkpoint_write_status, wait=wait)
+                for n, g in self.trainer.groups.items()
+            }
         except RuntimeFailure as e:
             raise self._failed(e) from e
         ranks = [s for per_rank in status.values() for s in per_rank]
@@ -99,14 +121,11 @@ class AsyncCheckpoints:
         return self._commit(write_s=max(s["write_s"] for s in ranks))
 
     def _commit(self, *, write_s: float) -> Path:
-        from dhp.checkpoint import commit_checkpoint
-        from dhp.runtime.train import _save_failed
-
         f = self.inflight
         try:
             final = commit_checkpoint(f.tmp, meta=f.meta, keep_last=self.config.train.keep_last)
         except OSError as e:
-            raise _save_failed(self.run_dir, f.step, e) from e
+            raise save_failed(self.run_dir, f.step, e) from e
         self.inflight = None
         rec = {
             "event": "checkpoint",
@@ -125,10 +144,8 @@ class AsyncCheckpoints:
         """A failed write (disk full, not writable) is a SaveFailed (not restarted); a dead actor or
         collective stays what it is (the run may restart). The temp dir stays in flight until
         ``abandon`` (after the actors are gone, so no writer recreates files in it)."""
-        from dhp.runtime.train import _is_io_failure, _save_failed
-
         step = self.inflight.step if self.inflight else 0
         text = str(e)
-        if "asynchronous save to" in text or _is_io_failure(text):
-            return _save_failed(self.run_dir, step, e)
+        if "asynchronous save to" in text or is_io_failure(text):
+            return save_failed(self.run_dir, step, e)
         return e

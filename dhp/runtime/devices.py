@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import ray
+
 from dhp.errors import RuntimeFailure
 
 #: set in every actor's environment (see module docstring)
@@ -46,6 +48,5 @@ def local_cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
 
 def assigned_cuda_index() -> int:
     """This actor's CUDA device index (inside a Ray actor started with :data:`NOSET_VISIBLE`)."""
-    import ray
 
     return local_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -1,8 +1,10 @@
 """Explicit dispatch and collect contracts for worker methods (verl-style single controller).
 
 Every worker method the driver calls is declared with :func:`register`: how its arguments are
-split over the group's ranks (``Dispatch``) and whose results count (``Collect``). The
-:class:`~dhp.runtime.actor_group.ActorGroup` reads the contract; the driver never indexes ranks.
+split over the group's ranks (``Dispatch``) and whose results count (``Collect``). The driver calls
+it through the group with the method itself, ``group.call(ModuleWorker.finalize_grads)``; the
+:class:`~dhp.runtime.actor_group.ActorGroup` reads the contract from that function and never takes
+a method name as a string; the driver never indexes ranks.
 
 Rank layout inside a group is :class:`dhp.layout.RankLayout` (re-exported here): row-major over the
 mesh axes ``dp, fsdp, sp, tp``, so ranks of one data replica (same batch, different SP/TP shards) are
@@ -71,13 +73,23 @@ def register(*, dispatch: Dispatch, collect: Collect) -> Callable[[F], F]:
     return wrap
 
 
-def contract_of(worker_cls: type, method: str) -> Contract:
-    """The contract of ``worker_cls.method``; a method without one is a programming error."""
-    fn = getattr(worker_cls, method, None)
-    contract = getattr(fn, CONTRACT_ATTR, None)
+def contract_of(worker_cls: type, method: Callable[..., Any]) -> Contract:
+    """The contract of ``method``, a function of ``worker_cls`` such as ``ModuleWorker.build``.
+
+    Calls name the worker's function object, not a string, so a reader (or a tool) goes from the call
+    to the method and its :func:`register` line. A string, a function that ``worker_cls`` does not
+    have, or a method without a contract is a programming error.
+    """
+    name = getattr(method, "__name__", None)
+    if not callable(method) or name is None or getattr(worker_cls, name, None) is not method:
+        raise RuntimeFailure(
+            f"{method!r} is not a method of {worker_cls.__name__}; pass the worker's own function, "
+            f"e.g. group.call({worker_cls.__name__}.<method>, ...)"
+        )
+    contract = getattr(method, CONTRACT_ATTR, None)
     if contract is None:
         raise RuntimeFailure(
-            f"{worker_cls.__name__}.{method} has no dispatch/collect contract; "
+            f"{worker_cls.__name__}.{name} has no dispatch/collect contract; "
             "decorate it with dhp.runtime.dispatch.register(dispatch=..., collect=...)"
         )
     return contract

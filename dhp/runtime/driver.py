@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 
 from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
@@ -38,6 +39,7 @@ from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, s
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
+from dhp.runtime.reaper import start_for_local_ray
 from dhp.runtime.spec import WorkerSpec
 from dhp.runtime.worker import ModuleWorker
 
@@ -120,7 +122,7 @@ class Trainer:
             init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
             if self.links:
                 self._connect_channel(names, timeout_s=init_timeout_s)
-            pending = {n: g.submit("build") for n, g in self.groups.items()}
+            pending = {n: g.submit(ModuleWorker.build) for n, g in self.groups.items()}
             self.param_counts = {
                 n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
             }
@@ -134,7 +136,7 @@ class Trainer:
         addr, port = first.master_address(avoid=set())
         backend = "nccl" if first.spec.device == "cuda" else "gloo"
         kw = {"host": addr, "port": port, "backend": backend, "timeout_s": timeout_s}
-        pend = [g.submit("connect_channel", **kw) for g in self.groups.values()]
+        pend = [g.submit(ModuleWorker.connect_channel, **kw) for g in self.groups.values()]
         try:
             for p in pend:
                 p.group.collect(p, timeout_s=timeout_s + 10)
@@ -182,19 +184,23 @@ class Trainer:
         norm = math.sqrt(norm_sq) if norm_sq >= 0 else float("nan")
         if not (math.isfinite(loss) and math.isfinite(norm)):
             for g in self.groups.values():
-                g.call("zero_grads")
+                g.call(ModuleWorker.zero_grads)
             raise NonFiniteStep(
                 f"step {data.step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} "
                 f"(loss={loss}, grad_norm={norm}); the update was not applied. Samples: "
                 f"{[sid for mb in data.micro_batches for b in mb for sid in b.sample_ids]}. Fix: lower "
                 "train.lr, check the data, or use fp32 (model.dtype=float32) to find the overflow."
             )
-        grads = {n: g.call("full_grads") for n, g in self.groups.items()} if collect_grads else None
+        grads = (
+            {n: g.call(ModuleWorker.full_grads) for n, g in self.groups.items()} if collect_grads else None
+        )
         clip = self.train_cfg.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-        self._update = [g.submit("optimizer_step", lr=lr, clip_coef=coef) for g in self.groups.values()]
+        self._update = [
+            g.submit(ModuleWorker.optimizer_step, lr=lr, clip_coef=coef) for g in self.groups.values()
+        ]
         self.finish_update()
-        step_stats = {n: g.call("take_stats") for n, g in self.groups.items()}
+        step_stats = {n: g.call(ModuleWorker.take_stats) for n, g in self.groups.items()}
         return StepResult(
             loss=loss,
             grad_norm=norm,
@@ -220,7 +226,7 @@ class Trainer:
                 p.group.collect(p)
         self._backprops = []
         for g in self.groups.values():
-            g.call("zero_grads")
+            g.call(ModuleWorker.zero_grads)
 
     def _produce(self, data: StepData, m: int) -> dict[str, Any]:
         """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait).
@@ -250,7 +256,7 @@ class Trainer:
             out[link.producer] = (
                 routing,
                 group.submit(
-                    "produce",
+                    ModuleWorker.produce,
                     [routing.units[layout.unit_of(r)] for r in range(world)],
                     [m] * world,
                     [
@@ -277,7 +283,7 @@ class Trainer:
         grads = self._grads_wanted(sent)
         units = sum(self.groups[p].layout.num_units for p in sent)
         return self.consumer.submit(
-            "consume",
+            ModuleWorker.consume,
             data.micro_batches[m],
             inboxes,
             micro_batch=m,
@@ -299,7 +305,7 @@ class Trainer:
                 grad_refs = [
                     [consumed.ref(j, offset + layout.unit_of(r)) for j in leaders] for r in range(world)
                 ]
-                self._backprops.append(group.submit("backprop", [m] * world, grad_refs))
+                self._backprops.append(group.submit(ModuleWorker.backprop, [m] * world, grad_refs))
             offset += layout.num_units
 
     def _finalize_grads(self) -> float:
@@ -307,29 +313,28 @@ class Trainer:
         for p in self._backprops:
             p.group.collect(p, timeout_s=self._timeout)
         self._backprops = []
-        pend = {n: g.submit("finalize_grads") for n, g in self.groups.items()}
+        pend = {n: g.submit(ModuleWorker.finalize_grads) for n, g in self.groups.items()}
         return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
 
     # ---- whole-module views and checkpoints --------------------------------------------------
     def full_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{module: {fqn: full fp32 CPU tensor}}`` (tiny models: verify and parity)."""
-        return {n: g.call("full_state_dict") for n, g in self.groups.items()}
+        return {n: g.call(ModuleWorker.full_state_dict) for n, g in self.groups.items()}
 
     def save_modules(self, root: str) -> None:
         """Every group writes ``<root>/<module>`` collectively, all groups at once."""
-        pend = {n: g.submit("save_checkpoint", f"{root}/{n}") for n, g in self.groups.items()}
+        pend = {n: g.submit(ModuleWorker.save_checkpoint, f"{root}/{n}") for n, g in self.groups.items()}
         for n, g in self.groups.items():
             g.collect(pend[n])
 
     def load_modules(self, root: str) -> dict[str, bool]:
         """Every group loads ``<root>/<module>``; per module, whether rank RNG was restored."""
-        pend = {n: g.submit("load_checkpoint", f"{root}/{n}") for n, g in self.groups.items()}
+        pend = {n: g.submit(ModuleWorker.load_checkpoint, f"{root}/{n}") for n, g in self.groups.items()}
         return {n: g.collect(pend[n]) for n, g in self.groups.items()}
 
     def close(self, *, graceful: bool = True) -> None:
         """Destroy each group's world (when ``graceful``), kill the actors, release the bundles,
         and shut Ray down if this trainer started it (no orphan processes)."""
-        import ray
 
         try:
             for g in self.groups.values():
@@ -350,7 +355,6 @@ def connect_ray(*, cluster: ClusterConfig, plan: Plan | None) -> bool:
         for b in pg.bundles:
             for k, v in b.items():
                 need[k] = need.get(k, 0.0) + v
-    from dhp.runtime.reaper import start_for_local_ray
 
     # a SIGKILLed driver's local Ray processes go within seconds, not minutes
     return _connect(cluster=cluster, resources=need, on_local_start=start_for_local_ray)

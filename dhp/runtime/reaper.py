@@ -133,7 +133,7 @@ def watch(driver: int, started: str, session: str) -> None:
 def start_for_local_ray() -> int | None:
     """Start the watchdog for the local Ray this process (the driver) just started; its pid, or None
     (no /proc, or no session known)."""
-    import ray
+    import ray  # the watchdog process itself imports only the standard library (module docstring)
 
     node = getattr(ray._private.worker, "_global_node", None)  # Ray's own record of the session
     return start_reaper(getattr(node, "session_name", "") or "")

@@ -18,10 +18,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import ray
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from rich.console import Console
 from rich.table import Table
 
+from dhp.config import load_config
 from dhp.errors import ConfigError, ConfigIssue, DhpError
+from dhp.metrics.rundir import read_run_log
+from dhp.plan import compile_plan
+from dhp.runtime.driver import connect_ray
+from dhp.runtime.train import train
 
 
 @dataclass
@@ -46,8 +54,6 @@ def expand_sweep(overrides: list[str]) -> list[tuple[dict[str, str], list[str]]]
     """Every combination of the swept overrides: ``(swept key -> value, full override list)``.
 
     Raises ConfigError when an override does not parse, or when nothing is swept."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -78,9 +84,6 @@ def expand_sweep(overrides: list[str]) -> list[tuple[dict[str, str], list[str]]]
 
 def run_sweep(conf: str, overrides: list[str], *, smoke: bool, console: Console) -> list[SweepMember]:
     """Run every member of the sweep; write ``sweep.jsonl`` and print the summary table."""
-    import ray
-
-    from dhp.config import load_config
 
     combos = expand_sweep(overrides)
     members = [SweepMember(index=i, overrides=ov, swept=sw) for i, (sw, ov) in enumerate(combos)]
@@ -118,9 +121,6 @@ def _start_shared_ray(conf: str, combos: list, *, smoke: bool) -> bool:
     """One local Ray for every member, sized to the member needing the most CPU slots. Nothing is
     started when a cluster address is configured (each member joins it) or no member config is valid
     (each member then reports its own error)."""
-    from dhp.config import load_config
-    from dhp.plan import compile_plan
-    from dhp.runtime.driver import connect_ray
 
     best = None
     for _, ov in combos:
@@ -138,9 +138,6 @@ def _start_shared_ray(conf: str, combos: list, *, smoke: bool) -> bool:
 
 
 def _run_member(m: SweepMember, *, conf: str, smoke: bool, console: Console) -> None:
-    from dhp.config import load_config
-    from dhp.runtime.train import train
-
     t0 = time.monotonic()
     try:
         result = train(load_config(conf, m.overrides, smoke=smoke), console=console)
@@ -158,8 +155,6 @@ def _run_member(m: SweepMember, *, conf: str, smoke: bool, console: Console) -> 
 
 
 def _fill_metrics(m: SweepMember, path: Path) -> None:
-    from dhp.metrics.rundir import read_run_log
-
     rows = read_run_log(path).records  # step records only: not the restart/resume/failed events
     if not rows:
         return

@@ -26,6 +26,7 @@ from rich.markup import escape
 from dhp.config.schema import RunConfig
 from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
+from dhp.runtime.checkpointing import AsyncCheckpoints, SaveFailed, is_io_failure, save_failed
 from dhp.runtime.failures import FailureLog, failed_event
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
@@ -260,8 +261,6 @@ def _attempt(
         trainer = Trainer(config, plan, ready_timeout_s=ready)
         sig.reinstall()
         if config.checkpoint.async_save:
-            from dhp.runtime.checkpointing import AsyncCheckpoints
-
             saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir)
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
         loop = _Loop(
@@ -416,13 +415,13 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
     try:
         tmp = begin_checkpoint(run_dir / "checkpoints", step=step)
     except OSError as e:
-        raise _save_failed(run_dir, step, e) from e
+        raise save_failed(run_dir, step, e) from e
     try:
         trainer.save_modules(str(tmp))
     except BaseException as e:  # a failed or interrupted save leaves no temp dir behind
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and _is_io_failure(str(e))):
-            raise _save_failed(run_dir, step, e) from e
+        if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and is_io_failure(str(e))):
+            raise save_failed(run_dir, step, e) from e
         raise
     meta = _meta(config=config, plan=plan, step=step, loader=loader, schedule=schedule)
     try:
@@ -430,29 +429,8 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            raise _save_failed(run_dir, step, e) from e
+            raise save_failed(run_dir, step, e) from e
         raise
-
-
-def _is_io_failure(text: str) -> bool:
-    """A rank's save failed on the filesystem (DCP wraps the OSError in a CheckpointException)."""
-    return "[Errno" in text or "CheckpointException" in text or "No space left" in text
-
-
-class SaveFailed(RuntimeFailure):
-    """Writing a checkpoint failed (disk full, not writable): restarting would not help."""
-
-
-def _save_failed(run_dir: Path, step: int, e: BaseException) -> SaveFailed:
-    from dhp.checkpoint import find_latest_checkpoint
-
-    prev = find_latest_checkpoint(output_dir=run_dir.parent.parent, name=run_dir.parent.name)
-    why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-    return SaveFailed(
-        f"saving the step {step} checkpoint under {run_dir / 'checkpoints'} failed: {why}; "
-        f"the previous checkpoint is kept: {prev or 'none'}. Fix: free disk space or make the "
-        "directory writable, then resume with train.resume=auto."
-    )
 
 
 class _Loop:

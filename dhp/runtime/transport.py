@@ -32,8 +32,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from dhp.errors import PlanError
+from dhp.runtime.bridge import Bridge
 
 
 class Transport(Protocol):
@@ -132,7 +134,6 @@ class CudaIpcTransport(_RayTransport):
 
         Does not block the CPU. Keeps ``t`` and the event alive until ``release()``.
         """
-        from torch.multiprocessing.reductions import reduce_tensor
 
         t = t.detach().contiguous()
         if not t.is_cuda:
@@ -189,7 +190,6 @@ class BridgeTransport:
 
     def connect(self, *, host: str, port: int, backend: str, timeout_s: float) -> None:
         """Join the bridge (every rank of every group; blocks until all joined)."""
-        from dhp.runtime.bridge import Bridge
 
         self.bridge = Bridge(
             host=host,

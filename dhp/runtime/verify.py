@@ -24,15 +24,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich import box
+from rich.table import Table
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
+from dhp.data import build_run_loader
 from dhp.data.packing import unpacked
 from dhp.data.video import reference_visual_kwargs
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.models import get_family
 from dhp.ops.cross_entropy import shifted_ce_sum
 from dhp.parallel.lora import inject_reference_lora
 from dhp.parallel.param_groups import set_lr
+from dhp.plan import compile_plan
+from dhp.runtime.driver import Trainer
 from dhp.runtime.reference_trainable import reference_optimizer
+from dhp.runtime.schedule import WarmupCosine
 
 CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's clip_grad_norm_
 
@@ -103,8 +110,6 @@ class ReferenceModel:
         train: TrainConfig,
         initial: dict[str, dict[str, torch.Tensor]],
     ) -> None:
-        from dhp.models import get_family
-
         self.family = get_family(model.family)
         hf_config = self.family.hf_config(model)
         self.model = self.family.reference_model(hf_config)
@@ -276,9 +281,6 @@ def verify_plan(
     ``on_step(StepDiff, VerifyReport)`` is called after each step (live console output). Ray actors are shut down
     before returning, also on error.
     """
-    from dhp.data import build_run_loader
-    from dhp.plan import compile_plan
-    from dhp.runtime.schedule import WarmupCosine
 
     check_verifiable(config)
     plan = compile_plan(config)
@@ -294,7 +296,6 @@ def verify_plan(
         param_atol=param_atol,
         plan_summary=f"{meshes}, {config.placement}, hand-off {plan.handoff}",
     )
-    from dhp.runtime.driver import Trainer
 
     trainer = Trainer(config, plan)  # connects Ray, reserves the plan, builds the groups
     try:
@@ -366,8 +367,6 @@ def render_step(s: StepDiff, report: VerifyReport, *, console) -> None:
 
 def render_report(report: VerifyReport, *, console) -> None:
     """A rich table of every step and a one-line verdict naming the tolerances."""
-    from rich import box
-    from rich.table import Table
 
     modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
     table = Table(

@@ -10,15 +10,20 @@ its dispatch/collect contract; the driver (``dhp.runtime.driver``) is the only c
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from dhp import parallel as par
+from dhp.checkpoint import capture_rng_state, load_module_state, restore_rng_state, save_module_state
+from dhp.checkpoint.async_state import async_save_status, save_module_state_async
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
 from dhp.errors import RuntimeFailure
@@ -82,7 +87,6 @@ class ModuleWorker(DistWorker):
         frees the non-local parts: fine for tiny/benchmark models, not for real sizes (use a path).
         Returns the number of parameters.
         """
-        from torch.distributed.device_mesh import init_device_mesh
 
         cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -429,9 +433,6 @@ class ModuleWorker(DistWorker):
     # ---- checkpoints (dhp.checkpoint does the I/O, collectively) ------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def save_checkpoint(self, path: str) -> None:
-        from pathlib import Path
-
-        from dhp.checkpoint import capture_rng_state, save_module_state
 
         save_module_state(
             Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
@@ -441,10 +442,6 @@ class ModuleWorker(DistWorker):
     def save_checkpoint_async(self, path: str) -> float:
         """Stage this rank's state to host memory and write it in the background; returns the staging
         seconds (dhp.checkpoint.async_state; the write's status: ``checkpoint_write_status``)."""
-        from pathlib import Path
-
-        from dhp.checkpoint import capture_rng_state
-        from dhp.checkpoint.async_state import save_module_state_async
 
         return save_module_state_async(
             Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
@@ -453,16 +450,12 @@ class ModuleWorker(DistWorker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def checkpoint_write_status(self, wait: bool) -> dict[str, Any] | None:
         """This rank's in-flight checkpoint write (None: none); ``wait`` blocks until it is written."""
-        from dhp.checkpoint.async_state import async_save_status
 
         return async_save_status(wait=wait)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, path: str) -> bool:
         """Load model+optimizer (resharding if the plan changed); True if this rank's RNG was restored."""
-        from pathlib import Path
-
-        from dhp.checkpoint import load_module_state, restore_rng_state
 
         extra = load_module_state(Path(path), model=self.module, optimizer=self.optimizer)
         if extra is not None and "rng" in extra:
@@ -505,7 +498,6 @@ def _shard_to(shard: Any, device: torch.device) -> Any:
     """The shard with its tensors on ``device`` (a no-op on cpu)."""
     if device.type == "cpu":
         return shard
-    import dataclasses
 
     return dataclasses.replace(
         shard,

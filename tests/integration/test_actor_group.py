@@ -52,10 +52,10 @@ def test_two_groups_own_separate_worlds_and_follow_contracts(ray_local):
         # concurrent init: each group blocks until all its ranks join; neither waits on the other
         init_groups([vision, llm], timeout_s=60)
         # each world sums only its own ranks: 2 ranks -> 2.0, 4 ranks -> 4.0
-        assert vision.call("all_reduce_sum", 1.0) == [2.0, 2.0]
-        assert llm.call("all_reduce_sum", 1.0) == [4.0] * 4
-        assert llm.call("replica_item", ["a", "b"]) == [(0, "a"), (2, "b")]
-        assert llm.call("rank_item", [10, 11, 12, 13]) == [(0, 10), (1, 11), (2, 12), (3, 13)]
+        assert vision.call(EchoWorker.all_reduce_sum, 1.0) == [2.0, 2.0]
+        assert llm.call(EchoWorker.all_reduce_sum, 1.0) == [4.0] * 4
+        assert llm.call(EchoWorker.replica_item, ["a", "b"]) == [(0, "a"), (2, "b")]
+        assert llm.call(EchoWorker.rank_item, [10, 11, 12, 13]) == [(0, 10), (1, 11), (2, 12), (3, 13)]
         assert len(set(vision.pids + llm.pids)) == 6  # one process per rank
     finally:
         vision.shutdown()
@@ -75,7 +75,7 @@ def test_killed_actor_is_named_by_module_and_rank(ray_local):
     group, pgs = _group("vision", {"sp": 2})
     try:
         group.init_process_group(timeout_s=60)
-        pending = group.submit("sleep", 30)
+        pending = group.submit(EchoWorker.sleep, 30)
         time.sleep(1.0)
         os.kill(group.pids[1], signal.SIGKILL)
         with pytest.raises(RuntimeFailure, match=r"module 'vision' rank 1 \(pid \d+\) died"):
@@ -92,7 +92,7 @@ def test_failed_rank_is_blamed_not_its_busy_peer(ray_local):
     try:
         group.wait_started()
         with pytest.raises(RuntimeFailure) as err:
-            group.collect(group.submit("break_rank0", 12), timeout_s=60)
+            group.collect(group.submit(EchoWorker.break_rank0, 12), timeout_s=60)
         assert "module 'llm' rank 0" in str(err.value) and "rank 0 broke" in str(err.value), err.value
         assert "died" not in str(err.value), err.value
     finally:

@@ -16,6 +16,7 @@ import torch
 from dhp.config import load_config
 from dhp.models import build_and_load, get_family, make_tiny_checkpoint
 from dhp.runtime.verify import ReferenceModel, compare_grads
+from dhp.runtime.worker import ModuleWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,7 +46,7 @@ def _first_step(tiny_dir, *overrides):
     try:
         data = next(loader)
         res = trainer.step(data, lr=cfg.train.lr, collect_grads=True)
-        loads = trainer.llm.call("load_stats")
+        loads = trainer.llm.call(ModuleWorker.load_stats)
     finally:
         trainer.close()
     ref_loss, _, ref_grads = ref.step(data, lr=cfg.train.lr)

@@ -21,13 +21,13 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
-from dhp.data.packing import is_packed
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_text_only, check_vision_inputs
 from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
 from dhp.models.qwen2_5_vl.video import split_visual
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
+from dhp.ops.packed import is_packed
 
 #: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
 LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]

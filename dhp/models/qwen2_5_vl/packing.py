@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2_5_VLConfig
 
-from dhp.data.batch import IMAGE, VIDEO
-from dhp.data.packing import segments
+from dhp.ops.packed import IMAGE, VIDEO, segments
 
 
 def packed_positions(

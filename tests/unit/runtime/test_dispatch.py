@@ -1,5 +1,8 @@
 """Dispatch/collect contracts: pure, no processes."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from dhp.errors import RuntimeFailure
@@ -26,6 +29,16 @@ class _W:
         return None
 
 
+class _Other:
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def fwd(self, batch):
+        return batch
+
+
+class _Sub(_W):
+    pass
+
+
 def test_layout_from_mesh_groups_sp_and_tp_ranks_into_replicas():
     layout = RankLayout.from_mesh({"dp": 2, "tp": 2})
     assert layout.world_size == 4 and layout.num_replicas == 2
@@ -44,7 +57,7 @@ def test_units_are_tp_groups_and_their_leader_is_tp_rank_0():
 
 def test_split_and_collect_follow_the_contract():
     layout = RankLayout.from_mesh({"dp": 2, "sp": 2})
-    c = contract_of(_W, "fwd")
+    c = contract_of(_W, _W.fwd)
     per_rank = split_args(c, layout, "fwd", (["a", "b"],), {"k": 1})
     assert [a for a, _ in per_rank] == [("a",), ("a",), ("b",), ("b",)]
     assert all(kw == {"k": 1} for _, kw in per_rank)
@@ -60,6 +73,31 @@ def test_split_and_collect_follow_the_contract():
 def test_wrong_arity_and_missing_contract_are_errors():
     layout = RankLayout.from_mesh({"dp": 2})
     with pytest.raises(RuntimeFailure, match=r"fwd: argument 0 must have 2 items \(shard_by_dp\), got 3"):
-        split_args(contract_of(_W, "fwd"), layout, "fwd", ([1, 2, 3],), {})
+        split_args(contract_of(_W, _W.fwd), layout, "fwd", ([1, 2, 3],), {})
     with pytest.raises(RuntimeFailure, match=r"_W\.undeclared has no dispatch/collect contract"):
-        contract_of(_W, "undeclared")
+        contract_of(_W, _W.undeclared)
+
+
+def test_a_call_names_the_worker_function_not_a_string():
+    # the contract is read from the function itself; an inherited method is the worker's own
+    assert contract_of(_Sub, _W.fwd) == Contract(Dispatch.SHARD_BY_DP, Collect.DP_LEADERS)
+    with pytest.raises(RuntimeFailure, match=r"'fwd' is not a method of _W; pass the worker's own function"):
+        contract_of(_W, "fwd")
+    # a same-named method of another worker class has its own contract: refused, not looked up by name
+    with pytest.raises(RuntimeFailure, match=r"is not a method of _W"):
+        contract_of(_W, _Other.fwd)
+
+
+
+def test_no_call_site_names_a_worker_method_by_string():
+    # group.submit/call("name") would fail only when the run reaches it (e.g. an async checkpoint)
+    root = Path(__file__).resolve().parents[3]
+    pattern = re.compile(r"\.(submit|call)\(\s*[\"']")
+    hits = [
+        f"{p.relative_to(root)}:{n}: {line.strip()}"
+        for folder in ("dhp", "scripts", "tests/integration")
+        for p in sorted((root / folder).rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits == [], "\n".join(hits)
