@@ -112,7 +112,7 @@ class LlavaDataset:
             )
         self._images = path_images(self.image_root, allow_outside=allow_outside_root)
         self._raw: list[object] = []
-        self._offsets = array("q")
+        self._offsets, self._ends, self._lines = array("q"), array("q"), array("q")
         self._read()
         self.format = entry.format if entry.format in ("llava", "messages") else self._detect()
 
@@ -121,12 +121,16 @@ class LlavaDataset:
         if self.path.suffix == ".jsonl":
             self._jsonl = True
             data = self.path.read_bytes()
-            pos = 0
+            pos, line = 0, 0
             while pos < len(data):
-                self._offsets.append(pos)
                 nl = data.find(b"\n", pos)
-                pos = len(data) if nl < 0 else nl + 1
-            self._offsets.append(len(data))
+                end = len(data) if nl < 0 else nl + 1
+                line += 1
+                if data[pos:end].strip():  # blank lines are no records (as HF datasets/pyarrow read JSONL)
+                    self._offsets.append(pos)
+                    self._ends.append(end)
+                    self._lines.append(line)
+                pos = end
             return
         if self.path.suffix != ".json":
             raise DataError(f"dataset {self.name!r}: {self.path} is neither .json nor .jsonl. Fix: rename it")
@@ -160,16 +164,16 @@ class LlavaDataset:
         return "llava"
 
     def __len__(self) -> int:
-        return len(self._offsets) - 1 if self._jsonl else len(self._raw)
+        return len(self._offsets) if self._jsonl else len(self._raw)
 
     def location(self, index: int) -> str:
-        """``"<file>:<line>"`` (1-based line) for JSONL, ``"<file>[<index>]"`` (0-based record) for JSON."""
-        return f"{self.path}:{index + 1}" if self._jsonl else f"{self.path}[{index}]"
+        """``"<file>:<line>"`` (1-based line of the file, blank lines counted) for JSONL, ``"<file>[<index>]"`` (0-based record) for JSON."""
+        return f"{self.path}:{self._lines[index]}" if self._jsonl else f"{self.path}[{index}]"
 
     def _raw_record(self, index: int) -> object:
         if not self._jsonl:
             return self._raw[index]
-        a, b = self._offsets[index], self._offsets[index + 1]
+        a, b = self._offsets[index], self._ends[index]
         with open(self.path, "rb") as f:
             f.seek(a)
             line = f.read(b - a)

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dhp.errors import ConfigError
+from dhp.metrics.runs import count_skipped
 from dhp.metrics.writer import read_metrics
 
 PARTS = ("fwd", "bwd", "step")
@@ -188,5 +189,7 @@ def render_report_summary(
         table.add_row(f"peak memory {k}", f"{peak / 2**20:.0f} MiB")
     restarts = find_restarts(rows)
     table.add_row("restarts", "; ".join(r.why for r in restarts) or "none")
+    if skipped := count_skipped(run_dir):
+        table.add_row("bad samples skipped", f"{skipped}, named in {run_dir / 'bad_samples.jsonl'}")
     table.add_row("plots", f"{len(pngs)} PNGs in {pngs[0].parent}")
     console.print(table)

@@ -34,6 +34,7 @@ class RunInfo:
     last_loss: float | None
     checkpoints: tuple[int, ...]  # steps of the complete checkpoints
     trackers: tuple[str, ...]  # wandb / mlflow, from trackers.json
+    skipped: int = 0  # bad samples skipped (data.on_bad_sample=skip), each named in bad_samples.jsonl
 
 
 def _last_record(path: Path) -> dict | None:
@@ -75,7 +76,16 @@ def read_run(run_dir: Path, *, now: float | None = None) -> RunInfo:
         last_loss=float(last["loss"]) if last else None,
         checkpoints=ckpts,
         trackers=trackers,
+        skipped=count_skipped(run_dir),
     )
+
+
+def count_skipped(run_dir: Path) -> int:
+    """Skipped bad samples the run named in ``<run_dir>/bad_samples.jsonl`` (0 without the file)."""
+    path = run_dir / "bad_samples.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip())
 
 
 def list_runs(root: Path) -> list[RunInfo]:
@@ -106,3 +116,10 @@ def render_runs(runs: list[RunInfo], *, console: Console, root: Path) -> None:
             ", ".join(r.trackers) or "-",
         )
     console.print(table)
+    for r in runs:
+        if r.skipped:
+            console.print(
+                f"{r.run_dir.parent.name}/{r.run_dir.name}: {r.skipped} bad sample(s) skipped, "
+                f"each named in {r.run_dir / 'bad_samples.jsonl'}",
+                soft_wrap=True,
+            )
