@@ -205,6 +205,8 @@ class DatasetEntry:
     ``format``: ``auto`` detects it from the files (docs/DATA.md); ``image_root``: the folder image
     paths are relative to ("" = the folder of ``path``). ``text_column``/``image_column``: the
     parquet/arrow columns ("" = auto: ``messages`` or ``conversations``; ``images`` or ``image``).
+    ``formatting``/``columns``/``tags``: a LLaMA-Factory ``dataset_info.json`` entry's mapping;
+    ``info``: read that entry (``name``) from a ``dataset_info.json`` (docs/DATA.md).
     """
 
     name: str = MISSING
@@ -214,6 +216,12 @@ class DatasetEntry:
     format: str = "auto"  # auto | llava | messages | parquet | webdataset
     text_column: str = ""
     image_column: str = ""
+    # LLaMA-Factory's dataset_info.json entry fields: which record keys hold what (dhp.data.records)
+    formatting: str = ""  # "" | sharegpt (the only multimodal formatting)
+    columns: dict[str, str] = field(default_factory=dict)  # messages, system, images, videos, audios, tools
+    tags: dict[str, str] = field(default_factory=dict)  # role_tag, content_tag, user_tag, assistant_tag, ...
+    info: str = ""  # a dataset_info.json: the entry `name` there gives path, formatting, columns, tags
+    media_dir: str = ""  # LLaMA-Factory's name for image_root (set one of them)
 
 
 @dataclass

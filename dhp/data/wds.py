@@ -22,7 +22,8 @@ from pathlib import Path
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
 from dhp.data.images import ImageBlob, ImageRef
-from dhp.data.llava import Record, detect_record_format, resolve_path, validate_any
+from dhp.data.llava import Record, resolve_path, validate_record
+from dhp.data.records import IgnoredKeys, entry_layout
 from dhp.data.tabular import list_files
 from dhp.errors import DataError
 
@@ -76,7 +77,8 @@ class WebDataset:
         self._index: list[tuple[int, str, dict[str, tuple[int, int]]]] = []
         for s, shard in enumerate(self.shards):
             self._index += [(s, key, members) for key, members in _scan(shard, dataset=entry.name)]
-        self.format = entry.format if entry.format in ("llava", "messages") else None
+        self.layout = entry_layout(entry)
+        self.ignored = IgnoredKeys(entry.name)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -118,26 +120,41 @@ class WebDataset:
                 detail=f"{key}.json is not valid JSON ({e.msg})",
                 fix="repair the member",
             ) from e
-        fmt = self.format or detect_record_format(raw) or "llava"
+        if isinstance(raw, list):  # a member that is a bare list of turns
+            raw = {self.layout.messages[0]: raw}
+        if isinstance(raw, dict) and all(raw.get(k) is None for k in self.layout.images):
+            found = sorted(e for e in members if "." + e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS)
+            if found:  # no image field: the key's image members, in extension order
+                raw = {**raw, self.layout.images[0]: found}
+        rec = validate_record(
+            raw, location=loc, images=self._member_images(s, key, members), layout=self.layout
+        )
+        self.ignored.note(rec.ignored)
+        return rec
+
+    def _member_images(self, s: int, key: str, members: dict[str, tuple[int, int]]):
+        """The media reader of one sample: a record's ``image``/``images`` value names members by
+        extension (``"jpg"``, ``["0.png", "1.png"]``) or by file name (``"000123.jpg"``, as converters
+        that store a whole LLaVA record write it)."""
+        stem = key.rpartition("/")[2]
 
         def images(value: object, where: str) -> tuple[ImageRef, ...]:
-            if value is None:
-                exts = sorted(e for e in members if "." + e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS)
-            else:
-                exts = [value] if isinstance(value, str) else value
+            exts = [value] if isinstance(value, str) else value
             out = []
             for ext in exts:
+                if isinstance(ext, str) and ext not in members and ext.startswith(stem + "."):
+                    ext = ext[len(stem) + 1 :]
                 if not isinstance(ext, str) or ext not in members:
                     raise bad.BadSampleError(
                         location=where,
                         reason=bad.MISSING_FILE,
                         detail=f"no member {key}.{ext} in the shard",
-                        fix='name the key\'s image members by extension, e.g. "jpg"',
+                        fix='name the key\'s image members by extension ("jpg") or file name ("<key>.jpg")',
                     )
                 out.append(ImageBlob(name=f"{key}.{ext}", data=self._read(s, *members[ext])))
             return tuple(out)
 
-        return validate_any(raw, location=loc, images=images, fmt=fmt)
+        return images
 
 
 def _scan(shard: Path, *, dataset: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:

@@ -62,7 +62,7 @@ def write_messages_jsonl(root: Path, *, bad: bool = True) -> tuple[DatasetEntry,
 
 def write_parts_json(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str]:
     """transformers chat-template style: content as typed parts with inline image paths.
-    Record 2 holds a ``video`` part (bad_conversation)."""
+    Record 2 holds an audio part (unsupported_modality)."""
     path = root / "parts.json"
     out = []
     for rec in demo_records():
@@ -74,7 +74,7 @@ def write_parts_json(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str
         out.append({"id": rec["id"], "messages": msgs})
     if bad:
         out[2]["messages"][0]["content"] = [
-            {"type": "video", "video": "clip.mp4"},
+            {"type": "audio_url", "value": "clip.wav"},
             {"type": "text", "text": "Hi"},
         ]
     path.write_text(json.dumps(out))

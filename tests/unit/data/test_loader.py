@@ -195,7 +195,7 @@ def test_skip_policy_counts_by_reason_and_loses_nothing_else(tiny_model, demo_co
     assert step.bad_samples == {
         "missing_file": 2,
         "corrupt_image": 1,
-        "unknown_keys": 1,
+        "bad_conversation": 1,
         "malformed_record": 1,
     }
     log = loader.served_bad_log()  # up to step 3, whatever the prefetch thread has read since
@@ -204,7 +204,7 @@ def test_skip_policy_counts_by_reason_and_loses_nothing_else(tiny_model, demo_co
     assert f"{path}:8" in log.examples["corrupt_image"][0]
     assert "missing_file: 2" in log.summary()
     state = loader.state_dict()
-    assert state["bad"]["counts"]["unknown_keys"] == 1
+    assert state["bad"]["counts"]["bad_conversation"] == 1
 
 
 def test_all_bad_under_skip_is_an_error_not_a_hang(tiny_model, tmp_path):
