@@ -210,7 +210,7 @@ class DatasetEntry:
     """
 
     name: str = MISSING
-    path: str = MISSING
+    path: str = ""  # the file, folder, glob or shard range ("" only with info)
     image_root: str = ""
     weight: float = 1.0
     format: str = "auto"  # auto | llava | messages | parquet | webdataset
@@ -260,7 +260,11 @@ class DataConfig:
     engine: str = "local"  # local | ray
     prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
     cpus_per_worker: float = 0.0  # engine=ray: CPUs each data actor reserves (0: unreserved)
-    allow_outside_root: bool = False  # image paths may leave their dataset's image_root
+    allow_outside_root: bool = False  # relative media paths may climb out of their dataset's media root
+    restrict_media_to: list[str] = field(default_factory=list)  # allowed roots of every media path ([]: any)
+    # one-line use: path (+ format) stands for datasets=[{name: <file stem>, path, format}]
+    path: str = ""
+    format: str = "auto"
     # sequence packing: a micro-batch's samples share LLM rows of <= max_tokens tokens, each sample
     # attending only to itself with its own M-RoPE positions (0: modules.llm.seq_len)
     packing: bool = False

@@ -60,13 +60,16 @@ def resolve_path(path: str, *, key: str) -> Path:
 
 
 def entry_image_root(entry: DatasetEntry, path: Path) -> Path:
-    """The entry's image root; "" means the folder of the dataset file (or the folder itself)."""
-    if entry.image_root:
-        return resolve_path(entry.image_root, key=f"data.datasets[{entry.name}].image_root")
+    """The entry's media root (``image_root``, or LLaMA-Factory's name ``media_dir``); "" means the
+    folder of the dataset file (or the folder itself)."""
+    if entry.image_root or entry.media_dir:
+        return resolve_path(
+            entry.image_root or entry.media_dir, key=f"data.datasets[{entry.name}].image_root"
+        )
     return path if path.is_dir() else path.parent
 
 
-def path_images(root: Path, *, allow_outside: bool) -> ImagesFn:
+def path_images(root: Path, *, allow_outside: bool, restrict_to: tuple[Path, ...] = ()) -> ImagesFn:
     """The image-field reader of path-based records: a path or a non-empty list of paths under ``root``."""
 
     def read(value: object, loc: str) -> tuple[ImageRef, ...]:
@@ -80,7 +83,10 @@ def path_images(root: Path, *, allow_outside: bool) -> ImagesFn:
                 detail=f"media = {value!r}"[:120],
                 fix="give a path or a non-empty list of paths",
             )
-        return tuple(image_path(n, root=root, loc=loc, allow_outside=allow_outside) for n in names)
+        return tuple(
+            image_path(n, root=root, loc=loc, allow_outside=allow_outside, restrict_to=restrict_to)
+            for n in names
+        )
 
     return read
 
@@ -89,7 +95,9 @@ class LlavaDataset:
     """The records of one JSON/JSONL :class:`DatasetEntry` (LLaVA or messages records), validated
     one at a time by :meth:`record`. Holds the parsed list (JSON) or line offsets (JSONL)."""
 
-    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
+    def __init__(
+        self, entry: DatasetEntry, *, allow_outside_root: bool = False, restrict_to: tuple[Path, ...] = ()
+    ) -> None:
         self.name = entry.name
         self.path = resolve_path(entry.path, key=f"data.datasets[{entry.name}].path")
         if not self.path.is_file():
@@ -103,7 +111,7 @@ class LlavaDataset:
                 f"dataset {entry.name!r}: image_root {self.image_root} is not a directory. "
                 "Fix: set data.datasets[].image_root to the folder the image paths are relative to"
             )
-        self._images = path_images(self.image_root, allow_outside=allow_outside_root)
+        self._images = path_images(self.image_root, allow_outside=allow_outside_root, restrict_to=restrict_to)
         self._raw: list[object] = []
         self._offsets, self._ends, self._lines = array("q"), array("q"), array("q")
         self._read()

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dhp.config.validate_data_layouts import COLUMNS
 from dhp.data import bad
 
 log = logging.getLogger("dhp.data")
@@ -47,16 +48,6 @@ ROLE_NAMES = {
     "system": "system",
 }
 TOOL_ROLES = ("observation", "function_call", "function", "tool", "tool_call", "tool_response")
-COLUMNS = ("messages", "system", "images", "videos", "audios", "tools")  # LLaMA-Factory's sharegpt columns
-TAGS = (
-    "role_tag",
-    "content_tag",
-    "user_tag",
-    "assistant_tag",
-    "system_tag",
-    "observation_tag",
-    "function_tag",
-)
 _PART_VALUE = ("value", "url", "path")  # where a typed media part may hold its item, after its type's name
 FIX = 'give [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]'
 

@@ -43,7 +43,9 @@ def list_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
 class TabularDataset:
     """The rows of one parquet/arrow :class:`DatasetEntry` as records."""
 
-    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
+    def __init__(
+        self, entry: DatasetEntry, *, allow_outside_root: bool = False, restrict_to: tuple[Path, ...] = ()
+    ) -> None:
         import pyarrow.parquet as pq
 
         self.name = entry.name
@@ -56,6 +58,7 @@ class TabularDataset:
             )
         self.image_root = entry_image_root(entry, root if root.is_dir() else self.files[0])
         self.allow_outside = allow_outside_root
+        self.restrict_to = restrict_to
         counts, groups, self._schema = [], [], None
         for f in self.files:
             try:
@@ -158,7 +161,13 @@ class TabularDataset:
         if isinstance(cell, (bytes, bytearray)) and cell:
             return ImageBlob(name=f"image {k}", data=bytes(cell))
         if isinstance(cell, str) and cell:
-            return image_path(cell, root=self.image_root, loc=loc, allow_outside=self.allow_outside)
+            return image_path(
+                cell,
+                root=self.image_root,
+                loc=loc,
+                allow_outside=self.allow_outside,
+                restrict_to=self.restrict_to,
+            )
         raise bad.BadSampleError(
             location=loc,
             reason=bad.MALFORMED_RECORD,

@@ -56,7 +56,8 @@ def split_key(name: str) -> tuple[str, str]:
 class WebDataset:
     """The samples of one WebDataset :class:`DatasetEntry` (tar shards)."""
 
-    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
+    def __init__(self, entry: DatasetEntry, **_media_rules: object) -> None:
+        """``_media_rules`` (the path rules of file-based datasets) do not apply: media are members."""
         self.name = entry.name
         spec = entry.path if entry.path.startswith("pkg://") else str(Path(entry.path).expanduser())
         if spec.startswith("pkg://"):
