@@ -64,3 +64,40 @@ def expand_data_path(cfg: DictConfig) -> None:
     entry = OmegaConf.structured(DatasetEntry(name=name, path=str(data.path), format=str(data.format)))
     data.datasets = [entry]
     data.kind = "llava"
+
+
+def bare_data_config(overrides: list[str]):
+    """A ``DataConfig`` from ``data.*`` overrides alone (``dhp data check`` without a recipe):
+    ``data.path=FILE`` or ``data.datasets=[...]`` plus any other ``data.`` key. ConfigError for any
+    other key (those need a recipe)."""
+    from dhp.config.schema import DataConfig
+
+    dots, issues = [], []
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key.startswith("data."):
+            dots.append(f"{key[len('data.') :]}={value}")
+        else:
+            issues.append(
+                ConfigIssue(
+                    key,
+                    value,
+                    "without conf= only data.* keys are read",
+                    "add conf=RECIPE for token counts and model keys",
+                )
+            )
+    if issues:
+        raise ConfigError(issues)
+    try:
+        data = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(dots))
+    except Exception as e:  # OmegaConf raises several types for a bad key or value
+        raise ConfigError(
+            [ConfigIssue("data", " ".join(overrides), str(e).splitlines()[0], "fix the key")]
+        ) from None
+    wrapped = OmegaConf.create({"data": data})
+    expand_data_path(wrapped)
+    if not wrapped.data.datasets:
+        raise ConfigError(
+            [ConfigIssue("data.path", "", "no dataset given", "pass data.path=FILE (or conf=RECIPE)")]
+        )
+    return wrapped.data
