@@ -26,7 +26,6 @@ PLACEHOLDER_MISMATCH = "placeholder_mismatch"
 VISION_TOO_LONG = "vision_too_long"
 TEXT_TOO_LONG = "text_too_long"
 BAD_CONVERSATION = "bad_conversation"
-UNKNOWN_KEYS = "unknown_keys"
 MALFORMED_RECORD = "malformed_record"
 PATH_OUTSIDE_ROOT = "path_outside_root"  # ../ or an absolute path outside the image root
 NOT_A_FILE = "not_a_file"  # the image path is a directory (or a socket, fifo, ...)
@@ -43,7 +42,6 @@ REASONS = (
     VISION_TOO_LONG,
     TEXT_TOO_LONG,
     BAD_CONVERSATION,
-    UNKNOWN_KEYS,
     MALFORMED_RECORD,
     PATH_OUTSIDE_ROOT,
     NOT_A_FILE,
