@@ -15,9 +15,10 @@ What a record holds, and the rules (each chosen to match the peer that writes th
   parts: ``{"type": "text", "text"|"value": s}``, ``{"type": "image"}`` (the next listed image) or
   ``{"type": "image"|"image_url", <"image"|"value"|"url"|"path"|"image_url">: x}`` (x itself), and
   the same for ``video``/``video_url`` (transformers' chat templates; LLaMA-Factory v1).
-- media without tags: when a record lists images (videos) and no turn has a tag or a part for them,
-  they go, in order, at the start of the first non-system turn (ms-swift's rule; LLaMA-Factory refuses
-  such a record, so accepting it loses nothing there). Some tags but not one per item: refused.
+- media without tags: when a record lists more images (videos) than its tags and parts take, the
+  missing tags go at the start of the first non-system turn, so the first listed items land there
+  (ms-swift's rule; LLaMA-Factory refuses such a record, so accepting it loses nothing there). More
+  tags than listed items: refused (``placeholder_mismatch``).
 - structure: an optional system turn, then user/assistant alternating and ending with an assistant
   turn, or one assistant turn alone (a pre-training record). Media may sit in user and assistant turns
   (a pre-training caption holds its image); their tokens never carry loss.
@@ -308,12 +309,13 @@ def _check_roles(turns: list[tuple[str, list[Segment]]], *, loc: str) -> None:
 
 
 def _place_untagged(turns: list[tuple[str, list[Segment]]], *, kind: str, n: int) -> None:
-    """No tag or part takes a listed item of ``kind``: put the ``n`` items at the start of the first
-    non-system turn (ms-swift's rule)."""
-    if not n or any(k == kind and v is None for _, segs in turns for k, v in segs):
+    """Fewer tags/parts taking a listed item of ``kind`` than the ``n`` listed: the missing ones go at
+    the start of the first non-system turn (ms-swift's rule), so the first listed items land there."""
+    tagged = sum(1 for _, segs in turns for k, v in segs if k == kind and v is None)
+    if n <= tagged:
         return
     t = 1 if turns[0][0] == "system" else 0
-    turns[t] = (turns[t][0], [(kind, None)] * n + turns[t][1])
+    turns[t] = (turns[t][0], [(kind, None)] * (n - tagged) + turns[t][1])
 
 
 def _resolve(turns, *, listed: dict[str, tuple], media: MediaFn, loc: str) -> dict[str, list]:
@@ -348,8 +350,8 @@ def _mismatch(loc: str, kind: str, listed: dict, used: int | None = None) -> bad
         loc,
         bad.PLACEHOLDER_MISMATCH,
         detail,
-        f"write one {tag} (or {kind} part) per listed {kind}, in order, or none at all "
-        "(then they go at the start of the first turn)",
+        f"write at most one {tag} (or {kind} part) per listed {kind}, in order (untagged ones go at "
+        "the start of the first turn)",
     )
 
 

@@ -46,7 +46,7 @@ def _parts(text: str, images: list[str]) -> list[dict]:
 
 def write_messages_jsonl(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str]:
     """LLaMA-Factory/ms-swift style: string content with ``<image>`` and an ``images`` list.
-    Line 4 lists one image too many (placeholder_mismatch)."""
+    Line 4 lists one image too few for its tags (placeholder_mismatch)."""
     path = root / "messages.jsonl"
     lines = []
     for rec in demo_records():
@@ -55,7 +55,7 @@ def write_messages_jsonl(root: Path, *, bad: bool = True) -> tuple[DatasetEntry,
             out["images"] = _images(rec)
         lines.append(out)
     if bad:
-        lines[3]["images"] = [*lines[3]["images"], "cat.jpg"]
+        lines[3]["images"] = lines[3]["images"][:-1]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return DatasetEntry(name="messages", path=str(path), image_root=str(DEMO / "images")), f"{path}:4"
 

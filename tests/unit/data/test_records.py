@@ -57,9 +57,12 @@ def _dataset(tmp_path, records: list) -> LlavaDataset:
             "has no role/from and content/value",
         ),
         (
-            {**GOOD, "image": ["cat.jpg", "dog.jpg"]},
+            {
+                **GOOD,
+                "conversations": [{"from": "human", "value": "<image><image>"}, GOOD["conversations"][1]],
+            },
             bad.PLACEHOLDER_MISMATCH,
-            "1 <image> tag(s)/part(s) for the 2 listed image(s)",
+            "more <image> tags/parts than the 1 listed image(s)",
         ),
         ({"conversations": GOOD["conversations"]}, bad.PLACEHOLDER_MISMATCH, "than the 0 listed image"),
         (
@@ -149,3 +152,18 @@ def test_shipped_demo_set_is_complete():
     for name, records in (("captions.json", captions), ("mixed.jsonl", mixed)):
         for i, r in enumerate(records):
             validate_record(r, location=f"{name}:{i}", image_root=root / "images")
+
+
+def test_untagged_media_go_first_as_ms_swift_puts_them(tmp_path):
+    """Fewer tags than listed images: the missing tags are prepended to the first non-system turn."""
+    rec = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Compare with <image>."},
+            {"role": "assistant", "content": "Similar."},
+        ],
+        "images": ["a.jpg", "b.jpg", "c.jpg"],
+    }
+    r = _dataset(tmp_path, [rec]).record(0)
+    assert r.turns[1] == ("user", "<image><image>Compare with <image>.")
+    assert [p.name for p in r.images] == ["a.jpg", "b.jpg", "c.jpg"]
