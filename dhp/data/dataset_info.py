@@ -1,9 +1,12 @@
 """A LLaMA-Factory ``dataset_info.json`` read directly: ``{info: path/dataset_info.json, name: mllm_demo}``.
 
 The file maps dataset names to entries; dhp reads an entry's ``file_name`` (relative to the file's
-folder, as LLaMA-Factory's ``dataset_dir``), ``formatting``, ``columns`` and ``tags``. Media paths are
-relative to the same folder (LLaMA-Factory's default ``media_dir``) unless the dhp entry sets
-``image_root``/``media_dir``. The dhp entry's own ``columns``/``tags`` win over the file's, key by key.
+folder, as LLaMA-Factory's ``dataset_dir``), ``formatting``, ``columns``, ``tags`` and ``media_dir``.
+Media paths are relative to the entry's ``media_dir`` (relative to the folder), else the folder
+(LLaMA-Factory's default ``media_dir``), unless the dhp entry sets ``image_root``/``media_dir``.
+LLaMA-Factory falls back to the path as written (the working directory) when a media file is not
+under ``media_dir``; dhp does not (a run must read the same file on every node): such a record is
+``missing_file``. The dhp entry's own ``columns``/``tags`` win over the file's, key by key.
 Hub entries (``hf_hub_url``, ``ms_hub_url``, ``script_url``) are refused: download the data and point
 ``file_name`` (or ``path``) at it. Other entry keys (``ranking``, ``split``, ``num_samples``, ...) are
 ignored and listed once in the log.
@@ -20,7 +23,7 @@ from dhp.data.llava import resolve_path
 from dhp.errors import ConfigError, ConfigIssue
 
 log = logging.getLogger("dhp.data")
-READ = ("file_name", "formatting", "columns", "tags")
+READ = ("file_name", "formatting", "columns", "tags", "media_dir")
 HUB = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
@@ -75,5 +78,6 @@ def resolve_info(entry) -> DatasetEntry:
         formatting=plain.formatting or str(spec.get("formatting", "")),
         columns={**dict(spec.get("columns") or {}), **plain.columns},
         tags={**dict(spec.get("tags") or {}), **plain.tags},
-        media_dir=plain.media_dir or ("" if plain.image_root else str(folder)),
+        media_dir=plain.media_dir
+        or ("" if plain.image_root else str(folder / str(spec.get("media_dir") or ""))),
     )
