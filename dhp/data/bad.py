@@ -127,7 +127,8 @@ class BadSampleLog:
 
 class SkippedRecords:
     """Names every skipped sample: one JSON line ``{step, location, reason, detail}`` per sample in
-    ``path`` (the run dir's ``bad_samples.jsonl``), and the first :data:`SHOW_SKIPPED` on the console
+    ``path`` (the run dir's ``bad_samples.jsonl``; ``step`` is 1-based, the step whose batch skipped
+    it, as in ``metrics.jsonl``), and the first :data:`SHOW_SKIPPED` on the console
     (the ``dhp.data`` logger). Steps already in the file (a resumed run serves them again) are not
     written twice."""
 

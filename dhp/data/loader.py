@@ -244,7 +244,7 @@ class StepLoader:
                     100 * wait / period,
                 )
         self._last_return = now
-        self.skipped_records.record(data.step, data.skipped)
+        self.skipped_records.record(data.step + 1, data.skipped)  # 1-based, as metrics.jsonl's steps
         return data
 
     def _produce(self) -> tuple[tuple[StepData, float], dict]:

@@ -17,8 +17,8 @@ What a record holds, and the rules (each chosen to match the peer that writes th
   the same for ``video``/``video_url`` (transformers' chat templates; LLaMA-Factory v1).
 - media without tags: when a record lists more images (videos) than its tags and parts take, the
   missing tags go at the start of the first non-system turn, so the first listed items land there
-  (ms-swift's rule; LLaMA-Factory refuses such a record, so accepting it loses nothing there). More
-  tags than listed items: refused (``placeholder_mismatch``).
+  (ms-swift's rule; LLaMA-Factory puts a record's media there when it has no tag at all). More tags
+  than listed items: refused (``placeholder_mismatch``).
 - structure: an optional system turn, then user/assistant alternating and ending with an assistant
   turn, or one assistant turn alone (a pre-training record). Media may sit in user and assistant turns
   (a pre-training caption holds its image); their tokens never carry loss.
@@ -310,7 +310,8 @@ def _check_roles(turns: list[tuple[str, list[Segment]]], *, loc: str) -> None:
 
 def _place_untagged(turns: list[tuple[str, list[Segment]]], *, kind: str, n: int) -> None:
     """Fewer tags/parts taking a listed item of ``kind`` than the ``n`` listed: the missing ones go at
-    the start of the first non-system turn (ms-swift's rule), so the first listed items land there."""
+    the start of the first non-system turn (ms-swift's rule; LLaMA-Factory's for a record with no
+    tag), so the first listed items land there."""
     tagged = sum(1 for _, segs in turns for k, v in segs if k == kind and v is None)
     if n <= tagged:
         return

@@ -47,6 +47,8 @@ def test_llamafactory_mllm_demo_tags_take_the_images_in_order():
     assert [r for r, _ in first.turns] == ["user", "assistant", "user", "assistant"]
     assert first.turns[2][1] == "What colour are its eyes?<image>"  # the tag stays where it was written
     assert _media(first) == ["cat.jpg", "cat.jpg"]
+    # no tag (LLaMA-Factory's current mllm_demo.json): the image goes first in the first user turn
+    assert recs[1].turns[0] == ("user", "<image>What is in the cup?") and _media(recs[1]) == ["espresso.jpg"]
 
 
 def test_swift_untagged_images_go_first_and_pretraining_keeps_images_in_the_assistant_turn():

@@ -303,10 +303,10 @@ def test_skipped_samples_are_named_in_the_run_dir_and_on_the_console(tiny_model,
     loader.close()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["step"], r["location"], r["reason"]) for r in rows] == [
-        (1, f"{path}:3", "missing_file"),
-        (1, f"{path}:4", "missing_file"),
-        (2, f"{path}:3", "missing_file"),
+        (2, f"{path}:3", "missing_file"),  # steps 1-based, as metrics.jsonl's
         (2, f"{path}:4", "missing_file"),
+        (3, f"{path}:3", "missing_file"),
+        (3, f"{path}:4", "missing_file"),
     ]
     assert "missing_0.jpg" in rows[0]["detail"]
     assert steps[0].skipped == [] and len(steps[1].skipped) == 2
