@@ -11,8 +11,11 @@ from omegaconf import DictConfig
 from dhp.config.issues import Issues
 
 # LLaMA-Factory's dataset_info.json vocabulary (dhp.data.records reads these)
-FORMATTINGS = ("", "sharegpt")
-COLUMNS = ("messages", "system", "images", "videos", "audios", "tools")
+FORMATTINGS = ("", "sharegpt", "alpaca")
+COLUMNS = (
+    *("messages", "system", "images", "videos", "audios", "tools"),  # sharegpt
+    *("prompt", "query", "response", "history"),  # alpaca
+)
 TAGS = (
     "role_tag",
     "content_tag",
@@ -44,15 +47,7 @@ def validate_data_layouts(data: DictConfig, issues: Issues) -> None:
             f"differs from image_root={ds.image_root!r} (two names of one setting)",
             "set one of them",
         )
-        if ds.formatting == "alpaca":
-            issues.add(
-                f"{key}.formatting",
-                ds.formatting,
-                "alpaca (instruction/input/output) records are not read; multimodal sets use sharegpt",
-                "convert the records to sharegpt (messages + images), or drop formatting",
-            )
-        else:
-            issues.one_of(ds.formatting, f"{key}.formatting", FORMATTINGS)
+        issues.one_of(ds.formatting, f"{key}.formatting", FORMATTINGS)
         for col in ds.columns:
             issues.check(
                 col in COLUMNS,

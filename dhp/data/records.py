@@ -8,7 +8,9 @@ on LLaMA-Factory's ``dataset_info.json``) narrow it to exactly the keys given.
 What a record holds, and the rules (each chosen to match the peer that writes the layout):
 
 - turns: the first present key of ``messages``/``conversations``; each turn's role under ``role`` or
-  ``from`` and its text under ``content`` or ``value``. Roles ``human``/``user`` -> user,
+  ``from`` and its text under ``content`` or ``value``. Or ms-swift's ``conversation`` of ``{human,
+  assistant}`` pairs, or an instruction record (``instruction``/``query`` + ``input``, ``output``/
+  ``response``, ``history``: LLaMA-Factory's alpaca formatting, ms-swift's alpaca and query-response). Roles ``human``/``user`` -> user,
   ``gpt``/``assistant`` -> assistant, ``system``. A top-level ``system`` string is a system prompt.
 - content: a string whose ``<image>``/``<video>`` tags stand for the next entry of the record's
   ``images``/``videos`` (LLaMA-Factory, ms-swift, LLaVA's ``image``/``video``), or a list of typed
@@ -66,6 +68,12 @@ class Layout:
     videos: tuple[str, ...] = ("videos", "video")
     audios: tuple[str, ...] = ("audios", "audio")
     tools: tuple[str, ...] = ("tools",)
+    # instruction records (LLaMA-Factory alpaca; ms-swift query/response): user text, its appended
+    # input, the assistant's answer, earlier [user, assistant] pairs
+    prompt: tuple[str, ...] = ("instruction", "query")
+    query: tuple[str, ...] = ("input",)
+    response: tuple[str, ...] = ("output", "response")
+    history: tuple[str, ...] = ("history",)
     role_tag: tuple[str, ...] = ("role", "from")
     content_tag: tuple[str, ...] = ("content", "value")
     roles: Mapping[str, str] = field(default_factory=lambda: dict(ROLE_NAMES))
@@ -74,7 +82,9 @@ class Layout:
     @property
     def read_keys(self) -> set[str]:
         """Top-level keys this layout reads (everything else is ignored and listed)."""
-        return {"id", *self.messages, *self.system, *self.images, *self.videos, *self.audios, *self.tools}
+        media = (*self.images, *self.videos, *self.audios, *self.tools)
+        turns = (*self.messages, "conversation", *self.prompt, *self.query, *self.response, *self.history)
+        return {"id", *self.system, *media, *turns}
 
 
 def layout_from(columns: Mapping[str, str], tags: Mapping[str, str]) -> Layout:
@@ -95,6 +105,10 @@ def layout_from(columns: Mapping[str, str], tags: Mapping[str, str]) -> Layout:
         videos=cols.get("videos", base.videos),
         audios=cols.get("audios", base.audios),
         tools=cols.get("tools", base.tools),
+        prompt=cols.get("prompt", base.prompt),
+        query=cols.get("query", base.query),
+        response=cols.get("response", base.response),
+        history=cols.get("history", base.history),
         role_tag=(tags["role_tag"],) if tags.get("role_tag") else base.role_tag,
         content_tag=(tags["content_tag"],) if tags.get("content_tag") else base.content_tag,
         roles=roles,
@@ -242,14 +256,7 @@ def normalize(raw: object, *, location: str, layout: Layout, media: MediaFn):
         raise _bad(
             loc, bad.MALFORMED_RECORD, f"record is {type(raw).__name__}, not an object", "use a JSON object"
         )
-    mkey, turns_raw = _first(raw, layout.messages)
-    if mkey is None or not isinstance(turns_raw, list) or not turns_raw:
-        raise _bad(
-            loc,
-            bad.BAD_CONVERSATION,
-            f"no turns under {'/'.join(layout.messages)} (keys: {sorted(raw)[:12]})",
-            FIX + "; or map the key with the dataset's columns.messages",
-        )
+    turns_raw = _raw_turns(raw, layout=layout, loc=loc)
     _, audios = _first(raw, layout.audios)
     if audios:
         raise _audio(loc, "the record's audio list")
@@ -285,6 +292,60 @@ def normalize(raw: object, *, location: str, layout: Layout, media: MediaFn):
         )
     ignored = tuple(sorted(set(raw) - layout.read_keys))
     return Record(location=loc, images=tuple(refs["image"]), turns=texts, videos=videos, ignored=ignored)
+
+
+def _raw_turns(raw: Mapping, *, layout: Layout, loc: str) -> list:
+    """The record's turns as written: a ``messages``/``conversations`` list; ms-swift's ShareGPT
+    ``conversation`` of ``{human, assistant}`` pairs; or an instruction record (``instruction`` +
+    ``input`` -> user, joined by a newline; ``output`` -> assistant; LLaMA-Factory's alpaca and ms-swift's
+    ``query``/``response``), each after its ``history`` of ``[user, assistant]`` pairs."""
+    mkey, turns = _first(raw, layout.messages)
+    if mkey is not None and isinstance(turns, list) and turns:
+        return turns
+    role, content = layout.role_tag[0], layout.content_tag[0]
+    user, assistant = _role_name(layout, "user"), _role_name(layout, "assistant")
+
+    def pair(q: object, a: object) -> list[dict]:
+        return [{role: user, content: q}, {role: assistant, content: a}]
+
+    _, pairs = _first(raw, ("conversation",))
+    if (
+        isinstance(pairs, list)
+        and pairs
+        and all(isinstance(p, dict) and {"human", "assistant"} <= set(p) for p in pairs)
+    ):
+        return [t for p in pairs for t in pair(p["human"], p["assistant"])]
+    pkey, prompt = _first(raw, layout.prompt)
+    _, response = _first(raw, layout.response)
+    if pkey is not None and response is not None:
+        _, extra = _first(raw, layout.query)
+        if isinstance(prompt, str) and isinstance(extra, str) and extra:
+            prompt = f"{prompt}\n{extra}" if prompt else extra
+        _, history = _first(raw, layout.history)
+        out: list = []
+        for h in history or []:
+            if not (isinstance(h, list) and len(h) == 2):
+                raise _bad(
+                    loc,
+                    bad.BAD_CONVERSATION,
+                    f"history entry {str(h)[:60]!r}",
+                    "give [[user, assistant], ...]",
+                )
+            out += pair(*h)
+        return out + pair(prompt, response)
+    raise _bad(
+        loc,
+        bad.BAD_CONVERSATION,
+        f"no turns under {'/'.join(layout.messages)} (keys: {sorted(raw)[:12]})",
+        FIX + "; or map the key with the dataset's columns.messages",
+    )
+
+
+def _role_name(layout: Layout, role: str) -> str:
+    """A name the layout maps to ``role`` (the default name when it still maps)."""
+    if layout.roles.get(role) == role:
+        return role
+    return next(k for k, v in layout.roles.items() if v == role)
 
 
 def _check_roles(turns: list[tuple[str, list[Segment]]], *, loc: str) -> None:

@@ -175,3 +175,42 @@ def test_bare_file_check_needs_no_recipe(tmp_path):
     assert (report.num_records, report.num_good) == (4, 3)
     assert report.images_per_sample == {"1": 2, "2": 1} and report.bad_counts == {bad.MISSING_FILE: 1}
     assert report.failed  # on_bad_sample=raise: a run would stop at line 4
+
+
+def test_instruction_and_pair_records_as_ms_swift_and_llamafactory_read_them(tiny_model, tmp_path):
+    """ms-swift's AutoPreprocessor formats beside messages (ShareGPT `conversation` pairs, alpaca,
+    query-response with history) and LLaMA-Factory's alpaca formatting, with images."""
+    img = str(DEMO / "images" / "coins.jpg")
+    rows = [
+        {
+            "system": "Be brief.",
+            "conversation": [{"human": "<image>What is this?", "assistant": "Coins."}],
+            "images": [img],
+        },
+        {
+            "instruction": "Describe the photo.",
+            "input": "One sentence.",
+            "output": "Silver coins in rows.",
+            "images": [img],
+        },
+        {
+            "query": "And now?",
+            "response": "Still coins.",
+            "history": [["<image>What is it?", "Coins."]],
+            "images": [img],
+        },
+    ]
+    path = tmp_path / "swift_formats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    entry = DatasetEntry(name="sf", path=str(path))
+    pair, alpaca, qr = _records(entry)
+    assert pair.turns == (("system", "Be brief."), ("user", "<image>What is this?"), ("assistant", "Coins."))
+    assert alpaca.turns == (
+        ("user", "<image>Describe the photo.\nOne sentence."),
+        ("assistant", "Silver coins in rows."),
+    )
+    assert [r for r, _ in qr.turns] == ["user", "assistant", "user", "assistant"] and qr.turns[2] == (
+        "user",
+        "And now?",
+    )
+    assert _check(tiny_model, entry).num_bad == 0
