@@ -80,6 +80,11 @@ class Layout:
     tool_roles: tuple[str, ...] = TOOL_ROLES
 
     @property
+    def turn_keys(self) -> tuple[str, ...]:
+        """Top-level keys that hold a record's turns (in any of the accepted shapes)."""
+        return (*self.messages, "conversation", *self.prompt)
+
+    @property
     def read_keys(self) -> set[str]:
         """Top-level keys this layout reads (everything else is ignored and listed)."""
         media = (*self.images, *self.videos, *self.audios, *self.tools)

@@ -97,13 +97,52 @@ class WebDataset:
         """Read and validate sample ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""
         s, key, members = self._index[index]
         loc = self.location(index)
-        if "json" not in members:
+        if "json" not in members and "txt" not in members:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.MALFORMED_RECORD,
-                detail=f"no {key}.json member (members: {sorted(members)})",
-                fix="write the conversation of each sample as <key>.json",
+                detail=f"no {key}.json or {key}.txt member (members: {sorted(members)})",
+                fix="write the conversation of each sample as <key>.json (or its caption as <key>.txt)",
             )
+        raw = self._json(s, key, members, loc) if "json" in members else {}
+        raw = self._caption_record(raw, s=s, key=key, members=members, loc=loc)
+        if isinstance(raw, list):  # a member that is a bare list of turns
+            raw = {self.layout.messages[0]: raw}
+        if isinstance(raw, dict) and all(raw.get(k) is None for k in self.layout.images):
+            found = sorted(e for e in members if "." + e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS)
+            if found:  # no image field: the key's image members, in extension order
+                raw = {**raw, self.layout.images[0]: found}
+        rec = validate_record(
+            raw, location=loc, images=self._member_images(s, key, members), layout=self.layout
+        )
+        self.ignored.note(rec.ignored)
+        return rec
+
+    def _caption_record(self, raw: object, *, s: int, key: str, members: dict, loc: str) -> object:
+        """A caption shard's sample (img2dataset writes ``<key>.jpg``, ``<key>.txt`` and a metadata
+        ``<key>.json`` with ``caption``): no turns -> a pre-training record, one assistant turn holding
+        the caption (its image goes first). Anything else is returned as it is."""
+        if not isinstance(raw, dict) or any(k in raw for k in self.layout.turn_keys):
+            return raw
+        if "txt" in members:
+            try:
+                caption = self._read(s, *members["txt"]).decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise bad.BadSampleError(
+                    location=loc,
+                    reason=bad.INVALID_UTF8,
+                    detail=f"{key}.txt byte {e.start} is not UTF-8",
+                    fix="re-encode the member as UTF-8",
+                ) from e
+        elif isinstance(raw.get("caption"), str):
+            caption = raw["caption"]
+        else:
+            return raw
+        rest = {k: v for k, v in raw.items() if k != "caption"}
+        return {**rest, self.layout.messages[0]: [{"role": "assistant", "content": caption}]}
+
+    def _json(self, s: int, key: str, members: dict, loc: str) -> object:
+        """The parsed ``<key>.json`` member (invalid UTF-8 or JSON: one bad sample)."""
         data = self._read(s, *members["json"])
         try:
             raw = json.loads(data.decode("utf-8"))
@@ -121,17 +160,7 @@ class WebDataset:
                 detail=f"{key}.json is not valid JSON ({e.msg})",
                 fix="repair the member",
             ) from e
-        if isinstance(raw, list):  # a member that is a bare list of turns
-            raw = {self.layout.messages[0]: raw}
-        if isinstance(raw, dict) and all(raw.get(k) is None for k in self.layout.images):
-            found = sorted(e for e in members if "." + e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS)
-            if found:  # no image field: the key's image members, in extension order
-                raw = {**raw, self.layout.images[0]: found}
-        rec = validate_record(
-            raw, location=loc, images=self._member_images(s, key, members), layout=self.layout
-        )
-        self.ignored.note(rec.ignored)
-        return rec
+        return raw
 
     def _member_images(self, s: int, key: str, members: dict[str, tuple[int, int]]):
         """The media reader of one sample: a record's ``image``/``images`` value names members by

@@ -90,4 +90,20 @@ def every_layout(root: Path) -> list[DatasetEntry]:
         wds_turn_list(root),
         wds_llava_record(root),
         wds_extension(root),
+        wds_captions(root),
     ]
+
+
+def wds_captions(root: Path) -> DatasetEntry:
+    """img2dataset's caption shards: ``<key>.jpg``, ``<key>.txt`` (the caption) and a metadata
+    ``<key>.json`` (url, size, status; its ``caption`` too)."""
+    meta = {"url": "https://example.invalid/cat.jpg", "key": "000000000", "status": "success", "width": 448}
+    members = {
+        "000000000.jpg": _photo("cat.jpg"),
+        "000000000.txt": b"A close-up of a tabby cat with yellow-green eyes.",
+        "000000000.json": json.dumps({**meta, "caption": "A close-up of a tabby cat."}).encode(),
+        "000000001.jpg": _photo("gravel.jpg"),
+        "000000001.json": json.dumps({**meta, "key": "000000001", "caption": "Loose grey gravel."}).encode(),
+    }
+    _tar(root / "captions-00000.tar", members)
+    return DatasetEntry(name="wds_captions", path=str(root / "captions-00000.tar"))

@@ -7,7 +7,15 @@ import json
 from dataclasses import replace
 
 import pytest
-from layouts_build import DEMO, PKG, shipped_entries, wds_extension, wds_llava_record, wds_turn_list
+from layouts_build import (
+    DEMO,
+    PKG,
+    shipped_entries,
+    wds_captions,
+    wds_extension,
+    wds_llava_record,
+    wds_turn_list,
+)
 
 from dhp.config.schema import DataConfig, DatasetEntry
 from dhp.data import bad
@@ -85,7 +93,7 @@ def test_audio_records_are_refused_by_name_and_the_rest_loads(tiny_model, tmp_pa
     assert any("audio module" in e for e in report.bad_examples[bad.UNSUPPORTED_MODALITY])
 
 
-@pytest.mark.parametrize("build", [wds_turn_list, wds_llava_record, wds_extension])
+@pytest.mark.parametrize("build", [wds_turn_list, wds_llava_record, wds_extension, wds_captions])
 def test_webdataset_layouts_check_clean(tiny_model, tmp_path, build):
     entry = build(tmp_path)
     report = _check(tiny_model, entry)
@@ -214,3 +222,12 @@ def test_instruction_and_pair_records_as_ms_swift_and_llamafactory_read_them(tin
         "And now?",
     )
     assert _check(tiny_model, entry).num_bad == 0
+
+
+def test_caption_shards_are_pre_training_records(tmp_path):
+    """img2dataset's layout: the .txt caption (else the metadata's caption) is one assistant turn
+    holding its image; the metadata keys are ignored and listed."""
+    a, b = _records(wds_captions(tmp_path))
+    assert a.turns == (("assistant", "<image>A close-up of a tabby cat with yellow-green eyes."),)
+    assert b.turns == (("assistant", "<image>Loose grey gravel."),)
+    assert "url" in a.ignored and "caption" not in b.ignored
