@@ -1,6 +1,6 @@
 """Training on the layouts users already have: one run whose dataset list holds one entry per layout
 (LLaMA-Factory v0 images/videos through dataset_info.json, ShareGPT, LLaMA-Factory v1 typed parts,
-ms-swift, three WebDataset layouts) trains 2 steps on the tiny model, and the one-line
+ms-swift, four WebDataset layouts) trains 2 steps on the tiny model, and the one-line
 ``dhp train conf=... data.path=FILE`` trains on a LLaMA-Factory-style file. Each layout's records are
 checked one by one in tests/unit/data/test_layouts.py."""
 
@@ -38,8 +38,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_a_mix_of_every_layout_trains_two_steps(ray_local, tmp_path, tiny_dir):
-    """data=PATH.yaml names a data file listing one dataset per layout; 2 steps of 8 samples, unshuffled,
-    reach every dataset (17 records, dataset after dataset)."""
+    """data=PATH.yaml names a data file listing one dataset per layout; 2 steps of 10 samples, unshuffled,
+    reach every dataset (19 records, dataset after dataset)."""
     entries = []
     for e in every_layout(tmp_path):
         entry = {"name": e.name, "path": e.path}
@@ -56,11 +56,16 @@ def test_a_mix_of_every_layout_trains_two_steps(ray_local, tmp_path, tiny_dir):
             "name=layouts",
             "train.steps=2",
             "train.warmup_steps=0",
-            "train.global_batch_size=8",
+            "train.global_batch_size=10",
             *ALL_ONE,
         ],
     )
     assert [d.name for d in cfg.data.datasets] == [e["name"] for e in entries]
+    from dhp.data import build_run_loader
+
+    loader = build_run_loader(cfg)
+    loader.close()
+    assert sum(loader.sizes) == 19 and all(loader.sizes)  # 2 steps x 10 samples reach every dataset
     train(cfg)
     (run_dir,) = (tmp_path / "runs" / "layouts").iterdir()
     rows = _rows(run_dir)
