@@ -353,15 +353,29 @@ app.add_typer(data_app, name="data")
 def data_check(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+    show: int = typer.Option(
+        0, "--show", help="Print the first N samples decoded: roles, media, loss tokens."
+    ),
 ) -> None:
     """Scan every configured sample once: counts, vision tokens, text lengths, bad samples.
 
-    Usage: dhp data check conf=RECIPE|PATH [key=value ...] [--json]. Exits 1 when a sample is bad
-    and data.on_bad_sample=raise (a run would stop there).
+    Usage: dhp data check conf=RECIPE|PATH [key=value ...] [--json] [--show N]. Without conf=,
+    `dhp data check data.path=FILE` runs the checks that need no tokenizer (records, media, counts).
+    Exits 1 when a sample is bad and data.on_bad_sample=raise (a run would stop there).
     """
     from dhp.config import load_config
     from dhp.data.check import check_data, render_report
 
+    if not any(a.startswith("conf=") for a in ctx.args):
+        from dhp.config.data_shortcuts import bare_data_config
+        from dhp.data.check_records import check_records
+
+        report = check_records(bare_data_config(list(ctx.args)))
+        if as_json:
+            print(json.dumps(report.to_json(), indent=1))
+        else:
+            render_report(report, console=console)
+        raise typer.Exit(1 if report.failed else 0)
     conf, overrides, smoke = parse_hydra_args(ctx.args)
     cfg = load_config(conf, overrides, smoke=smoke)
     from dhp.metrics.bars import progress_bar
@@ -374,6 +388,7 @@ def data_check(
             llm_seq_len=cfg.modules["llm"].seq_len,
             seed=cfg.train.seed,
             on_progress=bar,
+            show=show,
         )
     if as_json:
         print(json.dumps(report.to_json(), indent=1))

@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.data_shortcuts import data_file_override, expand_data_path, remove_folder
 from dhp.config.hydra_errors import to_config_error
 from dhp.config.schema import RunConfig
 from dhp.config.smoke import smoke_config
@@ -79,13 +80,15 @@ def compose_config(conf: str, overrides: list[str]) -> DictConfig:
     Missing mandatory values (``???``) are left in place for :func:`validate` to report.
     """
     search_dir, name = resolve_conf(conf)
+    overrides, data_dir = data_file_override(list(overrides))
+    searchpath = [f"file://{search_dir}"] + ([f"file://{data_dir}"] if data_dir else [])
     store = ConfigStore.instance()
     store.store(name=_SCHEMA_NAME, node=RunConfig)
     store.store(
         name=_PRIMARY_NAME,
         node={
             "defaults": [_SCHEMA_NAME, name, "_self_"],
-            "hydra": {"searchpath": [f"file://{search_dir}"]},
+            "hydra": {"searchpath": searchpath},
         },
     )
     GlobalHydra.instance().clear()
@@ -96,10 +99,13 @@ def compose_config(conf: str, overrides: list[str]) -> DictConfig:
         raise to_config_error(exc, conf=conf, overrides=overrides) from None
     finally:
         GlobalHydra.instance().clear()
+        remove_folder(data_dir)
     if "hydra" in cfg:
         with _writable(cfg):
             del cfg["hydra"]
-    return _retype(cfg, conf=conf, overrides=overrides)
+    cfg = _retype(cfg, conf=conf, overrides=overrides)
+    expand_data_path(cfg)
+    return cfg
 
 
 def _retype(cfg: DictConfig, *, conf: str, overrides: list[str]) -> DictConfig:

@@ -208,15 +208,23 @@ class DatasetEntry:
     ``format``: ``auto`` detects it from the files (docs/DATA.md); ``image_root``: the folder image
     paths are relative to ("" = the folder of ``path``). ``text_column``/``image_column``: the
     parquet/arrow columns ("" = auto: ``messages`` or ``conversations``; ``images`` or ``image``).
+    ``formatting``/``columns``/``tags``: a LLaMA-Factory ``dataset_info.json`` entry's mapping;
+    ``info``: read that entry (``name``) from a ``dataset_info.json`` (docs/DATA.md).
     """
 
     name: str = MISSING
-    path: str = MISSING
+    path: str = ""  # the file, folder, glob or shard range ("" only with info)
     image_root: str = ""
     weight: float = 1.0
     format: str = "auto"  # auto | llava | messages | parquet | webdataset
     text_column: str = ""
     image_column: str = ""
+    # LLaMA-Factory's dataset_info.json entry fields: which record keys hold what (dhp.data.records)
+    formatting: str = ""  # "" | sharegpt (the only multimodal formatting)
+    columns: dict[str, str] = field(default_factory=dict)  # messages, system, images, videos, audios, tools
+    tags: dict[str, str] = field(default_factory=dict)  # role_tag, content_tag, user_tag, assistant_tag, ...
+    info: str = ""  # a dataset_info.json: the entry `name` there gives path, formatting, columns, tags
+    media_dir: str = ""  # LLaMA-Factory's name for image_root (set one of them)
 
 
 @dataclass
@@ -255,7 +263,11 @@ class DataConfig:
     engine: str = "local"  # local | ray
     prefetch_depth: int = 2  # engine=ray: steps of samples in flight ahead of the one being built
     cpus_per_worker: float = 0.0  # engine=ray: CPUs each data actor reserves (0: unreserved)
-    allow_outside_root: bool = False  # image paths may leave their dataset's image_root
+    allow_outside_root: bool = False  # relative media paths may climb out of their dataset's media root
+    restrict_media_to: list[str] = field(default_factory=list)  # allowed roots of every media path ([]: any)
+    # one-line use: path (+ format) stands for datasets=[{name: <file stem>, path, format}]
+    path: str = ""
+    format: str = "auto"
     # sequence packing: a micro-batch's samples share LLM rows of <= max_tokens tokens, each sample
     # attending only to itself with its own M-RoPE positions (0: modules.llm.seq_len)
     packing: bool = False

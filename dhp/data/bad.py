@@ -7,9 +7,15 @@ line or record index, the reason and a fix. Under ``raise`` (the default) it pro
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dhp.errors import DataError
+
+log = logging.getLogger("dhp.data")
+SHOW_SKIPPED = 5  # skipped samples named on the console; every one goes to the run dir's file
 
 ON_BAD_SAMPLE = ("raise", "skip")
 
@@ -20,7 +26,6 @@ PLACEHOLDER_MISMATCH = "placeholder_mismatch"
 VISION_TOO_LONG = "vision_too_long"
 TEXT_TOO_LONG = "text_too_long"
 BAD_CONVERSATION = "bad_conversation"
-UNKNOWN_KEYS = "unknown_keys"
 MALFORMED_RECORD = "malformed_record"
 PATH_OUTSIDE_ROOT = "path_outside_root"  # ../ or an absolute path outside the image root
 NOT_A_FILE = "not_a_file"  # the image path is a directory (or a socket, fifo, ...)
@@ -29,6 +34,7 @@ DECOMPRESSION_BOMB = "decompression_bomb"  # more pixels than PIL's MAX_IMAGE_PI
 INVALID_UTF8 = "invalid_utf8"  # a JSONL line (or a shard's JSON) that is not UTF-8
 CORRUPT_VIDEO = "corrupt_video"  # a video file that cannot be decoded (or frames of mixed sizes)
 EMPTY_VIDEO = "empty_video"  # a video with zero frames (an empty frames folder)
+UNSUPPORTED_MODALITY = "unsupported_modality"  # audio: no family has an audio module
 REASONS = (
     MISSING_FILE,
     CORRUPT_IMAGE,
@@ -36,7 +42,6 @@ REASONS = (
     VISION_TOO_LONG,
     TEXT_TOO_LONG,
     BAD_CONVERSATION,
-    UNKNOWN_KEYS,
     MALFORMED_RECORD,
     PATH_OUTSIDE_ROOT,
     NOT_A_FILE,
@@ -45,6 +50,7 @@ REASONS = (
     INVALID_UTF8,
     CORRUPT_VIDEO,
     EMPTY_VIDEO,
+    UNSUPPORTED_MODALITY,
 )
 
 
@@ -71,10 +77,13 @@ class BadSampleLog:
     keep: int = 5
     counts: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    # every sample added since the last take_recent(): {location, reason, detail} (not in the state)
+    recent: list[dict[str, str]] = field(default_factory=list)
 
     def add(self, err: BadSampleError) -> None:
         """Count ``err`` under its reason and remember its location while fewer than ``keep`` are kept."""
         self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
+        self.recent.append({"location": err.location, "reason": err.reason, "detail": err.detail})
         kept = self.examples.setdefault(err.reason, [])
         if len(kept) < self.keep:
             kept.append(f"{err.location}: {err.detail}")
@@ -98,6 +107,12 @@ class BadSampleLog:
         """Restore counts and examples saved by :meth:`state_dict`."""
         self.counts = {str(k): int(v) for k, v in state["counts"].items()}
         self.examples = {str(k): list(v) for k, v in state["examples"].items()}
+        self.recent = []
+
+    def take_recent(self) -> list[dict[str, str]]:
+        """The samples added since the last call (the records one step skipped), and forget them."""
+        out, self.recent = self.recent, []
+        return out
 
     def summary(self) -> str:
         """One line per reason, e.g. for the end-of-run summary."""
@@ -108,3 +123,40 @@ class BadSampleLog:
             first = "; ".join(self.examples[reason][:2])
             lines.append(f"  {reason}: {n} (first: {first})")
         return "\n".join(lines)
+
+
+class SkippedRecords:
+    """Names every skipped sample: one JSON line ``{step, location, reason, detail}`` per sample in
+    ``path`` (the run dir's ``bad_samples.jsonl``; ``step`` is 1-based, the step whose batch skipped
+    it, as in ``metrics.jsonl``), and the first :data:`SHOW_SKIPPED` on the console
+    (the ``dhp.data`` logger). Steps already in the file (a resumed run serves them again) are not
+    written twice."""
+
+    FILE = "bad_samples.jsonl"
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.shown = 0
+        self.written_upto = -1  # the last step whose skipped samples the file holds
+        if path is not None and path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    self.written_upto = max(self.written_upto, int(json.loads(line)["step"]))
+                    self.shown += 1
+
+    def record(self, step: int, skipped: list[dict[str, str]]) -> None:
+        """Write and show the samples that step ``step`` skipped."""
+        if not skipped or step <= self.written_upto:
+            return
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                for s in skipped:
+                    f.write(json.dumps({"step": step, **s}) + "\n")
+            self.written_upto = step
+        for s in skipped:
+            if self.shown < SHOW_SKIPPED:
+                log.warning("skipped bad sample at %s (%s): %s", s["location"], s["reason"], s["detail"])
+            elif self.shown == SHOW_SKIPPED:
+                where = f"; every one is in {self.path}" if self.path is not None else ""
+                log.warning("more bad samples skipped (counted in metrics.jsonl's bad_samples%s)", where)
+            self.shown += 1

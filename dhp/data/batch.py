@@ -56,6 +56,16 @@ class Sample:
         return int((self.mm_token_type_ids == IMAGE).sum())
 
     @property
+    def num_videos(self) -> int:
+        """Number of videos of the sample (they are counted in ``num_images``' grid rows too)."""
+        return 0 if self.second_per_grid_ts is None else int(self.second_per_grid_ts.numel())
+
+    @property
+    def num_video_tokens(self) -> int:
+        """LLM positions that hold video embeddings."""
+        return int((self.mm_token_type_ids == VIDEO).sum())
+
+    @property
     def num_label_tokens(self) -> int:
         """Label tokens after the causal shift (HF convention: the loss drops ``labels[0]``)."""
         return int((self.labels[1:] != IGNORE_INDEX).sum())

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from dhp.config.schema import DataConfig, ModelConfig
 from dhp.data import bad
+from dhp.data.show import describe_sample
 from dhp.data.source import build_source
 
 PATCH_BINS = (0, 256, 1024, 4096, 16384, 65536)  # histogram edges of encoder patches per sample
@@ -40,6 +41,12 @@ class DataReport:
     bad_counts: dict[str, int] = field(default_factory=dict)
     bad_examples: dict[str, list[str]] = field(default_factory=dict)
     seconds_per_sample: float = 0.0
+    videos_per_sample: dict[str, int] = field(default_factory=dict)
+    image_tokens: int = 0  # LLM positions holding image embeddings, all samples
+    video_tokens: int = 0  # LLM positions holding video embeddings, all samples
+    text_tokens: int = 0  # every other LLM position
+    ignored_keys: dict[str, list[str]] = field(default_factory=dict)  # dataset -> record keys no reader uses
+    shown: list[str] = field(default_factory=list)  # --show N: decoded samples (dhp.data.show)
 
     @property
     def num_bad(self) -> int:
@@ -102,14 +109,18 @@ def check_data(
     llm_seq_len: int,
     seed: int = 0,
     on_progress=None,
+    show: int = 0,
 ) -> DataReport:
     """Process every record of the configured data once and return a :class:`DataReport`.
-    ``on_progress(done, total)`` is called after each chunk of samples (the CLI's progress bar)."""
+    ``on_progress(done, total)`` is called after each chunk of samples (the CLI's progress bar);
+    ``show``: decode the first ``show`` good samples (roles, media, loss tokens) into ``shown``."""
     source, _, _ = build_source(
         data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
     )
     log = bad.BadSampleLog(keep=5)
-    patches, text_tokens, tokens, images = [], [], [], {}
+    patches, text_tokens, tokens, images, videos = [], [], [], {}, {}
+    image_tok = video_tok = 0
+    shown: list[str] = []
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
         chunks = (range(a, min(a + CHUNK, len(source))) for a in range(0, len(source), CHUNK))
@@ -123,8 +134,14 @@ def check_data(
                 continue
             patches.append(sample.num_patches)
             tokens.append(sample.num_tokens)
-            text_tokens.append(sample.num_tokens - sample.num_image_tokens)
-            images[str(sample.num_images)] = images.get(str(sample.num_images), 0) + 1
+            text_tokens.append(sample.num_tokens - sample.num_image_tokens - sample.num_video_tokens)
+            image_tok += sample.num_image_tokens
+            video_tok += sample.num_video_tokens
+            n_img, n_vid = str(sample.num_images - sample.num_videos), str(sample.num_videos)
+            images[n_img] = images.get(n_img, 0) + 1
+            videos[n_vid] = videos.get(n_vid, 0) + 1
+            if len(shown) < show and hasattr(source, "processor"):
+                shown.append(describe_sample(sample, tokenizer=source.processor.tokenizer))
     elapsed = time.perf_counter() - start
     return DataReport(
         num_records=len(source),
@@ -138,6 +155,14 @@ def check_data(
         bad_counts=dict(sorted(log.counts.items())),
         bad_examples={k: log.examples[k] for k in sorted(log.examples)},
         seconds_per_sample=elapsed / max(1, len(source)),
+        videos_per_sample=dict(sorted(videos.items(), key=lambda kv: int(kv[0]))),
+        image_tokens=image_tok,
+        video_tokens=video_tok,
+        text_tokens=sum(text_tokens),
+        ignored_keys={
+            ds.name: sorted(ds.ignored.keys) for ds in getattr(source, "datasets", []) if ds.ignored.keys
+        },
+        shown=shown,
     )
 
 
@@ -146,9 +171,41 @@ def render_report(report: DataReport, *, console: Console) -> None:
     console.print(
         f"[bold]{report.num_records}[/] samples: [green]{report.num_good} good[/], "
         f"[{'red' if report.num_bad else 'green'}]{report.num_bad} bad[/] "
-        f"(on_bad_sample={report.on_bad_sample}); {report.total_patches} encoder patches in all; "
-        f"{report.seconds_per_sample * 1e3:.1f} ms/sample to load and process"
+        f"(on_bad_sample={report.on_bad_sample})"
+        + (
+            f"; {report.total_patches} encoder patches in all; "
+            f"{report.seconds_per_sample * 1e3:.1f} ms/sample to load and process"
+            if report.patch_histogram
+            else ""
+        )
     )
+    if not report.patch_histogram:  # the record-only check (no recipe): no token counts
+        console.print("token and patch counts need the model's tokenizer: add conf=RECIPE")
+    else:
+        _render_tokens(report, console=console)
+    imgs = ", ".join(f"{k} image(s): {v}" for k, v in report.images_per_sample.items())
+    console.print(f"images per sample: {imgs}")
+    vids = ", ".join(f"{k} video(s): {v}" for k, v in report.videos_per_sample.items())
+    console.print(f"videos per sample: {vids}")
+    for name, keys in report.ignored_keys.items():
+        console.print(f"dataset {escape(name)}: ignored record keys {escape(str(keys))} (not read)")
+    for text in report.shown:
+        console.print(escape(text), soft_wrap=True)
+    if report.num_bad:
+        console.print("[bold red]bad samples by reason[/] (first locations):")
+        for reason, n in report.bad_counts.items():
+            console.print(f"  [red]{reason}[/]: {n}")
+            for example in report.bad_examples[reason]:
+                console.print(f"    - {escape(example)}", soft_wrap=True)
+    if report.failed:
+        console.print(
+            "[bold red]FAILED[/]: a run with data.on_bad_sample=raise would stop at the first bad sample. "
+            "Fix the samples above, or set data.on_bad_sample=skip to skip and count them."
+        )
+
+
+def _render_tokens(report: DataReport, *, console: Console) -> None:
+    """The patch histogram and the token percentiles."""
     hist = Table(title="encoder patches per sample")
     hist.add_column("patches")
     hist.add_column("samples", justify="right")
@@ -163,18 +220,8 @@ def render_report(report: DataReport, *, console: Console) -> None:
         for q in report.tokens_percentiles:
             pct.add_column(q, justify="right")
         pct.add_row("text", *map(str, report.text_tokens_percentiles.values()))
-        pct.add_row("text + image", *map(str, report.tokens_percentiles.values()))
+        pct.add_row("text + image + video", *map(str, report.tokens_percentiles.values()))
         console.print(pct)
-    imgs = ", ".join(f"{k} image(s): {v}" for k, v in report.images_per_sample.items())
-    console.print(f"images per sample: {imgs}")
-    if report.num_bad:
-        console.print("[bold red]bad samples by reason[/] (first locations):")
-        for reason, n in report.bad_counts.items():
-            console.print(f"  [red]{reason}[/]: {n}")
-            for example in report.bad_examples[reason]:
-                console.print(f"    - {escape(example)}", soft_wrap=True)
-    if report.failed:
-        console.print(
-            "[bold red]FAILED[/]: a run with data.on_bad_sample=raise would stop at the first bad sample. "
-            "Fix the samples above, or set data.on_bad_sample=skip to skip and count them."
-        )
+    console.print(
+        f"LLM tokens in all: text {report.text_tokens}, image {report.image_tokens}, video {report.video_tokens}"
+    )

@@ -50,8 +50,14 @@ def detect_format(entry: DatasetEntry) -> str:
     return "llava"
 
 
-def open_dataset(entry: DatasetEntry, *, allow_outside_root: bool) -> Dataset:
-    """The reader of ``entry`` (DataError when its files are missing or unreadable)."""
+def open_dataset(
+    entry: DatasetEntry, *, allow_outside_root: bool, restrict_to: tuple[Path, ...] = ()
+) -> Dataset:
+    """The reader of ``entry`` (DataError when its files are missing or unreadable). An entry with
+    ``info`` is first read from that ``dataset_info.json`` (:mod:`dhp.data.dataset_info`)."""
+    from dhp.data.dataset_info import resolve_info
+
+    entry = resolve_info(entry)
     if entry.format not in FORMATS:
         raise ConfigError(
             [
@@ -67,9 +73,9 @@ def open_dataset(entry: DatasetEntry, *, allow_outside_root: bool) -> Dataset:
     if fmt == "parquet":
         from dhp.data.tabular import TabularDataset
 
-        return TabularDataset(entry, allow_outside_root=allow_outside_root)
+        return TabularDataset(entry, allow_outside_root=allow_outside_root, restrict_to=restrict_to)
     if fmt == "webdataset":
         from dhp.data.wds import WebDataset
 
         return WebDataset(entry, allow_outside_root=allow_outside_root)
-    return LlavaDataset(entry, allow_outside_root=allow_outside_root)
+    return LlavaDataset(entry, allow_outside_root=allow_outside_root, restrict_to=restrict_to)

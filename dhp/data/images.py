@@ -2,7 +2,8 @@
 
 A record names its images either by path (LLaVA/messages JSON, parquet ``path`` entries) or by
 embedded bytes (parquet ``bytes``, WebDataset members). Paths go through :func:`image_path`
-(may not leave the dataset's image root unless ``data.allow_outside_root``); every image goes
+(absolute as given; relative ones may not climb out of the dataset's media root unless
+``data.allow_outside_root``; all under ``data.restrict_media_to`` when set); every image goes
 through :func:`open_image` (not a directory, no symlink loop, no decompression bomb, decodes in
 full). Each failure is one :class:`~dhp.data.bad.BadSampleError` with its own reason.
 """
@@ -43,21 +44,35 @@ def _bad(loc: str, reason: str, detail: str, fix: str) -> bad.BadSampleError:
     return bad.BadSampleError(location=loc, reason=reason, detail=detail, fix=fix)
 
 
-def image_path(name: str, *, root: Path, loc: str, allow_outside: bool) -> Path:
-    """``root / name`` (or ``name`` when absolute), refused when it leaves ``root``.
+def image_path(
+    name: str, *, root: Path, loc: str, allow_outside: bool, restrict_to: tuple[Path, ...] = ()
+) -> Path:
+    """The media file ``name`` names: as given when absolute, else ``root / name``.
 
-    The check is lexical (``..`` and absolute paths are normalised, symlinks are not followed), so a
-    dataset may keep symlinks of its own inside its root; ``allow_outside`` turns the check off.
+    A relative path may not climb out of ``root`` with ``..`` (checked lexically: symlinks inside the
+    root are the dataset's own) unless ``allow_outside``. With ``restrict_to`` (``data.restrict_media_to``),
+    every path, absolute or relative, must lie under one of those roots after symlinks are resolved.
     """
-    full = Path(os.path.normpath(name if os.path.isabs(name) else os.path.join(root, name)))
-    if not allow_outside:
+    absolute = os.path.isabs(name)
+    full = Path(os.path.normpath(name if absolute else os.path.join(root, name)))
+    if not absolute and not allow_outside:
         base = Path(os.path.normpath(os.path.abspath(root)))
         if not Path(os.path.abspath(full)).is_relative_to(base):
             raise _bad(
                 loc,
                 bad.PATH_OUTSIDE_ROOT,
-                f"image {name!r} resolves to {full}, outside the image root {base}",
-                "keep image paths inside the dataset's image_root, or set data.allow_outside_root=true",
+                f"media {name!r} climbs out of the dataset's media root {base} (to {full})",
+                "keep relative paths inside image_root/media_dir, use an absolute path, or set "
+                "data.allow_outside_root=true",
+            )
+    if restrict_to:
+        real = Path(os.path.realpath(full))
+        if not any(real.is_relative_to(r) for r in restrict_to):
+            raise _bad(
+                loc,
+                bad.PATH_OUTSIDE_ROOT,
+                f"media {name!r} resolves to {real}, outside data.restrict_media_to {[str(r) for r in restrict_to]}",
+                "move the file under an allowed root, or ask whoever set data.restrict_media_to",
             )
     return full
 

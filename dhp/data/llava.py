@@ -1,34 +1,48 @@
-"""LLaVA-format datasets: a JSON list or JSONL file of conversations plus an image root.
+"""JSON and JSONL datasets: a list (or one line each) of conversation records plus a media root.
 
-A record is ``{"id"?: str, "image"?: str | [str, ...], "conversations": [{"from": "human"|"gpt"|
-"system", "value": str}, ...]}``. Each ``<image>`` placeholder in a human turn stands for the next
-image of ``image``, in order. Image paths are relative to the dataset's ``image_root`` (or
-absolute). Paths may start with ``pkg://<package>/`` to point inside an installed package, e.g.
+A record is any layout :mod:`dhp.data.records` reads: LLaVA (``image``/``video`` + ``conversations``
+of ``from``/``value``), ShareGPT, LLaMA-Factory (``messages``/``conversations`` + ``images``/
+``videos``; v1 typed parts) or ms-swift (``messages`` + ``images``/``videos``). Media paths are
+resolved by :func:`path_images` (the dataset's media root; absolute paths as given). Paths may start
+with ``pkg://<package>/`` to point inside an installed package, e.g.
 ``pkg://dhp.data_assets/demo/captions.json`` for the shipped demo set.
 
-The same file may hold ``messages`` records instead (``dhp.data.messages``); ``format`` picks the
-validator, ``auto`` reads it off the first records. Only an index is held in memory: JSONL lines
-are byte offsets, read and decoded when a record is read, so a malformed line (bad JSON, not an
-object, not UTF-8) is one bad sample, not a failed dataset. Images are opened by the processor.
+Only an index is held in memory: JSONL lines are byte offsets, read and decoded when a record is
+read, so a malformed line (bad JSON, not an object, not UTF-8) is one bad sample, not a failed
+dataset; blank lines are no records. Images are opened by the processor.
 """
 
 from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
 from dhp.data.images import ImageRef, image_path
-from dhp.data.messages import validate_messages
-from dhp.data.record import IMAGE_PLACEHOLDER, ImagesFn, Record  # re-exported: the formats' readers use them
+from dhp.data.records import IMAGE_TAG, VIDEO_TAG, IgnoredKeys, Layout, entry_layout, normalize
 from dhp.errors import DataError
 
-VIDEO_PLACEHOLDER = "<video>"
-ALLOWED_KEYS = ("id", "image", "video", "conversations")
-ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+# value of a record's image field -> image references (None -> no image)
+ImagesFn = Callable[[object, str], tuple[ImageRef, ...]]
+
+IMAGE_PLACEHOLDER = IMAGE_TAG
+VIDEO_PLACEHOLDER = VIDEO_TAG
+
+
+@dataclass(frozen=True)
+class Record:
+    """One validated conversation: ``turns`` are ``(role, text)`` with chat-template role names."""
+
+    location: str
+    images: tuple[ImageRef, ...]
+    turns: tuple[tuple[str, str], ...]
+    videos: tuple[Path, ...] = ()  # a folder of frames or a video file per <video> placeholder
+    ignored: tuple[str, ...] = ()  # the record's top-level keys no reader uses (ids, scores, ...)
 
 
 def resolve_path(path: str, *, key: str) -> Path:
@@ -46,13 +60,16 @@ def resolve_path(path: str, *, key: str) -> Path:
 
 
 def entry_image_root(entry: DatasetEntry, path: Path) -> Path:
-    """The entry's image root; "" means the folder of the dataset file (or the folder itself)."""
-    if entry.image_root:
-        return resolve_path(entry.image_root, key=f"data.datasets[{entry.name}].image_root")
+    """The entry's media root (``image_root``, or LLaMA-Factory's name ``media_dir``); "" means the
+    folder of the dataset file (or the folder itself)."""
+    if entry.image_root or entry.media_dir:
+        return resolve_path(
+            entry.image_root or entry.media_dir, key=f"data.datasets[{entry.name}].image_root"
+        )
     return path if path.is_dir() else path.parent
 
 
-def path_images(root: Path, *, allow_outside: bool) -> ImagesFn:
+def path_images(root: Path, *, allow_outside: bool, restrict_to: tuple[Path, ...] = ()) -> ImagesFn:
     """The image-field reader of path-based records: a path or a non-empty list of paths under ``root``."""
 
     def read(value: object, loc: str) -> tuple[ImageRef, ...]:
@@ -60,29 +77,27 @@ def path_images(root: Path, *, allow_outside: bool) -> ImagesFn:
             return ()
         names = [value] if isinstance(value, str) else value
         if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
-            raise _bad(
-                loc, bad.MALFORMED_RECORD, f"image = {value!r}", "give a path or a non-empty list of paths"
+            raise bad.BadSampleError(
+                location=loc,
+                reason=bad.MALFORMED_RECORD,
+                detail=f"media = {value!r}"[:120],
+                fix="give a path or a non-empty list of paths",
             )
-        return tuple(image_path(n, root=root, loc=loc, allow_outside=allow_outside) for n in names)
+        return tuple(
+            image_path(n, root=root, loc=loc, allow_outside=allow_outside, restrict_to=restrict_to)
+            for n in names
+        )
 
     return read
-
-
-def detect_record_format(raw: object) -> str | None:
-    """``messages`` or ``llava`` from one parsed record's keys; None when it says neither."""
-    if isinstance(raw, dict):
-        if "messages" in raw:
-            return "messages"
-        if "conversations" in raw:
-            return "llava"
-    return None
 
 
 class LlavaDataset:
     """The records of one JSON/JSONL :class:`DatasetEntry` (LLaVA or messages records), validated
     one at a time by :meth:`record`. Holds the parsed list (JSON) or line offsets (JSONL)."""
 
-    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
+    def __init__(
+        self, entry: DatasetEntry, *, allow_outside_root: bool = False, restrict_to: tuple[Path, ...] = ()
+    ) -> None:
         self.name = entry.name
         self.path = resolve_path(entry.path, key=f"data.datasets[{entry.name}].path")
         if not self.path.is_file():
@@ -96,23 +111,28 @@ class LlavaDataset:
                 f"dataset {entry.name!r}: image_root {self.image_root} is not a directory. "
                 "Fix: set data.datasets[].image_root to the folder the image paths are relative to"
             )
-        self._images = path_images(self.image_root, allow_outside=allow_outside_root)
+        self._images = path_images(self.image_root, allow_outside=allow_outside_root, restrict_to=restrict_to)
         self._raw: list[object] = []
-        self._offsets = array("q")
+        self._offsets, self._ends, self._lines = array("q"), array("q"), array("q")
         self._read()
-        self.format = entry.format if entry.format in ("llava", "messages") else self._detect()
+        self.layout = entry_layout(entry)
+        self.ignored = IgnoredKeys(entry.name)
 
     def _read(self) -> None:
         """JSON: the parsed list (a parse error fails the dataset). JSONL: the byte offset of each line."""
         if self.path.suffix == ".jsonl":
             self._jsonl = True
             data = self.path.read_bytes()
-            pos = 0
+            pos, line = 0, 0
             while pos < len(data):
-                self._offsets.append(pos)
                 nl = data.find(b"\n", pos)
-                pos = len(data) if nl < 0 else nl + 1
-            self._offsets.append(len(data))
+                end = len(data) if nl < 0 else nl + 1
+                line += 1
+                if data[pos:end].strip():  # blank lines are no records (as HF datasets/pyarrow read JSONL)
+                    self._offsets.append(pos)
+                    self._ends.append(end)
+                    self._lines.append(line)
+                pos = end
             return
         if self.path.suffix != ".json":
             raise DataError(f"dataset {self.name!r}: {self.path} is neither .json nor .jsonl. Fix: rename it")
@@ -133,29 +153,17 @@ class LlavaDataset:
             raise DataError(f"dataset {self.name!r}: {self.path} must hold a JSON list of records")
         self._raw = data
 
-    def _detect(self) -> str:
-        """The format of the first records that say one (``llava`` when none does)."""
-        for i in range(min(len(self), 64)):
-            try:
-                raw = self._raw_record(i)
-            except bad.BadSampleError:
-                continue
-            found = detect_record_format(raw)
-            if found:
-                return found
-        return "llava"
-
     def __len__(self) -> int:
-        return len(self._offsets) - 1 if self._jsonl else len(self._raw)
+        return len(self._offsets) if self._jsonl else len(self._raw)
 
     def location(self, index: int) -> str:
-        """``"<file>:<line>"`` (1-based line) for JSONL, ``"<file>[<index>]"`` (0-based record) for JSON."""
-        return f"{self.path}:{index + 1}" if self._jsonl else f"{self.path}[{index}]"
+        """``"<file>:<line>"`` (1-based line of the file, blank lines counted) for JSONL, ``"<file>[<index>]"`` (0-based record) for JSON."""
+        return f"{self.path}:{self._lines[index]}" if self._jsonl else f"{self.path}[{index}]"
 
     def _raw_record(self, index: int) -> object:
         if not self._jsonl:
             return self._raw[index]
-        a, b = self._offsets[index], self._offsets[index + 1]
+        a, b = self._offsets[index], self._ends[index]
         with open(self.path, "rb") as f:
             f.seek(a)
             line = f.read(b - a)
@@ -165,14 +173,9 @@ class LlavaDataset:
         """Parse and validate record ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""
         loc = self.location(index)
         raw = self._raw_record(index)
-        return validate_any(raw, location=loc, images=self._images, fmt=self.format)
-
-
-def validate_any(raw: object, *, location: str, images: ImagesFn, fmt: str) -> Record:
-    """Validate ``raw`` as a ``llava`` or ``messages`` record (``fmt``)."""
-    if fmt == "messages":
-        return validate_messages(raw, location=location, images=images)
-    return validate_record(raw, location=location, images=images)
+        rec = validate_record(raw, location=loc, images=self._images, layout=self.layout)
+        self.ignored.note(rec.ignored)
+        return rec
 
 
 def _parse_line(line: object, *, loc: str) -> object:
@@ -199,10 +202,6 @@ def _parse_line(line: object, *, loc: str) -> object:
         ) from e
 
 
-def _bad(loc: str, reason: str, detail: str, fix: str) -> bad.BadSampleError:
-    return bad.BadSampleError(location=loc, reason=reason, detail=detail, fix=fix)
-
-
 def validate_record(
     raw: object,
     *,
@@ -210,91 +209,13 @@ def validate_record(
     image_root: Path | None = None,
     images: ImagesFn | None = None,
     allow_outside_root: bool = False,
+    layout: Layout | None = None,
 ) -> Record:
-    """Check keys, turn structure and placeholders of one raw LLaVA record and return a :class:`Record`.
+    """Check one raw record (any layout of :mod:`dhp.data.records`) and return its :class:`Record`.
 
-    Image fields are read by ``images`` (default: paths under ``image_root``)."""
-    loc = location
+    Media fields are read by ``images`` (default: paths under ``image_root``)."""
     if images is None:
-        assert image_root is not None, "validate_record needs image_root or images"
+        if image_root is None:
+            raise ValueError("validate_record needs image_root or images")
         images = path_images(image_root, allow_outside=allow_outside_root)
-    if not isinstance(raw, dict):
-        raise _bad(
-            loc, bad.MALFORMED_RECORD, f"record is {type(raw).__name__}, not an object", "use a JSON object"
-        )
-    unknown = sorted(set(raw) - set(ALLOWED_KEYS))
-    if unknown:
-        raise _bad(loc, bad.UNKNOWN_KEYS, f"unknown keys {unknown}", f"use only {list(ALLOWED_KEYS)}")
-    image_refs = images(raw.get("image"), loc)
-    turns = _turns(raw.get("conversations"), loc=loc)
-    placeholders = 0
-    for i, (role, text) in enumerate(turns):
-        n = text.count(IMAGE_PLACEHOLDER)
-        if n and role != "user":
-            raise _bad(
-                loc,
-                bad.PLACEHOLDER_MISMATCH,
-                f"conversations[{i}] ({role}) contains {IMAGE_PLACEHOLDER}",
-                "put image placeholders in human turns only",
-            )
-        placeholders += n
-    if placeholders != len(image_refs):
-        raise _bad(
-            loc,
-            bad.PLACEHOLDER_MISMATCH,
-            f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(image_refs)} image(s)",
-            f"write one {IMAGE_PLACEHOLDER} per image, in image order",
-        )
-    videos = _videos(raw.get("video"), images=images, loc=loc, turns=turns)
-    return Record(location=loc, images=image_refs, turns=turns, videos=videos)
-
-
-def _videos(value: object, *, images: ImagesFn, loc: str, turns) -> tuple[Path, ...]:
-    """The record's ``video`` field (a path or a list: frame folders or video files, relative to the
-    image root like images), one per ``<video>`` placeholder of the user turns."""
-    refs = () if value is None else images(value, loc)
-    count = sum(text.count(VIDEO_PLACEHOLDER) for role, text in turns if role == "user")
-    if any(VIDEO_PLACEHOLDER in text for role, text in turns if role != "user"):
-        raise _bad(
-            loc,
-            bad.PLACEHOLDER_MISMATCH,
-            f"a non-user turn contains {VIDEO_PLACEHOLDER}",
-            "put videos in user turns",
-        )
-    if count != len(refs):
-        raise _bad(
-            loc,
-            bad.PLACEHOLDER_MISMATCH,
-            f"{count} {VIDEO_PLACEHOLDER} placeholder(s) but {len(refs)} video(s)",
-            f"write one {VIDEO_PLACEHOLDER} per video, in video order",
-        )
-    return tuple(Path(str(r)) for r in refs)
-
-
-def _turns(value: object, *, loc: str) -> tuple[tuple[str, str], ...]:
-    """Turns must be: optional system first, then human/gpt alternating, ending with gpt."""
-    fix = 'give [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]'
-    if not isinstance(value, list) or not value:
-        raise _bad(loc, bad.BAD_CONVERSATION, "conversations is missing or empty", fix)
-    turns: list[tuple[str, str]] = []
-    for i, turn in enumerate(value):
-        if not isinstance(turn, dict) or set(turn) != {"from", "value"}:
-            raise _bad(
-                loc, bad.BAD_CONVERSATION, f"conversations[{i}] = {turn!r} is not {{from, value}}", fix
-            )
-        role, text = turn["from"], turn["value"]
-        if role not in ROLES or not isinstance(text, str):
-            raise _bad(loc, bad.BAD_CONVERSATION, f"conversations[{i}] has from={role!r}", fix)
-        if not text.strip():
-            raise _bad(
-                loc, bad.BAD_CONVERSATION, f"conversations[{i}] has an empty value", "remove or fill it"
-            )
-        turns.append((ROLES[role], text))
-    body = turns[1:] if turns[0][0] == "system" else turns
-    expected = ["user", "assistant"] * ((len(body) + 1) // 2)
-    if not body or [r for r, _ in body] != expected[: len(body)] or body[-1][0] != "assistant":
-        roles = [r for r, _ in turns]
-        raise _bad(
-            loc, bad.BAD_CONVERSATION, f"roles {roles} do not alternate human/gpt ending with gpt", fix
-        )
-    return tuple(turns)
+    return normalize(raw, location=location, layout=layout or Layout(), media=images)

@@ -18,6 +18,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dhp.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
 from dhp.data import bad
@@ -40,6 +41,7 @@ class StepData:
     normaliser, see docs/INTERFACES.md "Loss and gradient scaling"). ``bad_samples`` holds the
     cumulative skip counts by reason (empty under ``on_bad_sample=raise``). ``metrics``: the
     loader's figures for this step (wait, samples/s, workers; see :meth:`StepLoader.next_step`).
+    ``skipped``: ``{location, reason, detail}`` of each sample skipped while building this step.
     """
 
     step: int
@@ -47,6 +49,7 @@ class StepData:
     num_label_tokens: int
     bad_samples: dict[str, int]
     metrics: dict[str, float] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # this step's skipped samples, named
 
     def replica(self, r: int) -> list[VLBatch]:
         """All micro-batches of data replica ``r``, in order."""
@@ -125,6 +128,7 @@ class StepLoader:
         self._served = self._snapshot()  # state after the last step handed out
         self._last_return: float | None = None  # when the previous step was handed out
         self._warned_wait = False
+        self.skipped_records = bad.SkippedRecords(None)
 
     def _order_of(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -157,22 +161,36 @@ class StepLoader:
         try:
             while len(good) < n:
                 want = n - len(good)
-                indices = [self._index_at(self.position + k) for k in range(want)]
+                start = self.position
+                indices = [self._index_at(start + k) for k in range(want)]
                 self.position += want
                 results = list(pool.map(self._try_load, indices) if pool else map(self._try_load, indices))
-                for res in results:
-                    if isinstance(res, bad.BadSampleError):
-                        self.bad_log.add(res)
-                        bad_run += 1
-                    else:
+                for k, res in enumerate(results):
+                    bad_run = self._count_bad(start + k, res, bad_run)
+                    if not isinstance(res, bad.BadSampleError):
                         good.append(res)
-                        bad_run = 0
-                if bad_run >= self.epoch_len:
-                    raise DataError(f"every sample of an epoch was bad: {self.bad_log.summary()}")
         finally:
             if pool:
                 pool.shutdown()
         return good
+
+    def _count_bad(self, position: int, res: object, bad_run: int) -> int:
+        """The run of bad samples after the one at stream ``position``; raises ``DataError`` when it
+        covers a whole epoch pass. The run restarts at each epoch's first position: bad records at the
+        end of one epoch's order and the start of the next are not "every sample of an epoch"."""
+        if position % self.epoch_len == 0:
+            bad_run = 0
+        if not isinstance(res, bad.BadSampleError):
+            return 0
+        self.bad_log.add(res)
+        if bad_run + 1 >= self.epoch_len:
+            raise DataError(f"every sample of an epoch was bad: {self.bad_log.summary()}")
+        return bad_run + 1
+
+    def record_skipped_to(self, path: Path | None) -> None:
+        """Name every sample skipped from now on in ``path`` (a run dir's ``bad_samples.jsonl``, one JSON
+        line each) and the first few on the console (:class:`~dhp.data.bad.SkippedRecords`)."""
+        self.skipped_records = bad.SkippedRecords(path)
 
     def __iter__(self) -> StepLoader:
         return self
@@ -226,6 +244,7 @@ class StepLoader:
                     100 * wait / period,
                 )
         self._last_return = now
+        self.skipped_records.record(data.step + 1, data.skipped)  # 1-based, as metrics.jsonl's steps
         return data
 
     def _produce(self) -> tuple[tuple[StepData, float], dict]:
@@ -282,6 +301,7 @@ class StepLoader:
             micro_batches=micro,
             num_label_tokens=sum(b.num_label_tokens for row in micro for b in row),
             bad_samples=dict(self.bad_log.counts),
+            skipped=self.bad_log.take_recent(),
         )
 
     def fingerprint(self) -> dict:

@@ -31,13 +31,20 @@ def missing_data_paths(data: DataConfig) -> list[str]:
     if data.kind != "llava":
         return []
     problems = []
-    for i, entry in enumerate(data.datasets):
+    from dhp.data.dataset_info import resolve_info
+    from dhp.errors import ConfigError
+
+    for i, raw in enumerate(data.datasets):
+        try:
+            entry = resolve_info(raw)
+        except ConfigError as e:
+            problems.append(f"data.datasets[{i}] ({raw.name}): {e}")
+            continue
         if not _exists(entry.path):
             problems.append(f"data.datasets[{i}] ({entry.name}).path = {entry.path!r} does not exist")
-        if entry.image_root and not resolve_path(entry.image_root, key="image_root").is_dir():
-            problems.append(
-                f"data.datasets[{i}] ({entry.name}).image_root = {entry.image_root!r} is not a directory"
-            )
+        root = entry.image_root or entry.media_dir
+        if root and not resolve_path(root, key="image_root").is_dir():
+            problems.append(f"data.datasets[{i}] ({entry.name}).image_root = {root!r} is not a directory")
     return problems
 
 

@@ -185,7 +185,10 @@ class SampleProcessor:
         for i, (role, _) in enumerate(record.turns):
             if role != "assistant":
                 continue
-            prefix = self._render(messages[:i], generation_prompt=True)
+            # the text before turn i's content: its content swapped for a marker (a turn may be the
+            # first one, as in an assistant-only pre-training record, so no generation prompt is used)
+            probe = [*messages[:i], {"role": role, "content": _TURN_MARK}]
+            prefix = self._render(probe, generation_prompt=False).split(_TURN_MARK)[0]
             upto = self._render(messages[: i + 1], generation_prompt=False)
             if not (full.startswith(prefix) and full.startswith(upto) and len(prefix) < len(upto)):
                 raise DataError(
@@ -227,6 +230,9 @@ class SampleProcessor:
         pieces_lab.append(labels[prev:])
         pieces_typ.append(torch.full((ids.numel() - prev,), TEXT, dtype=torch.long))
         return torch.cat(pieces_ids), torch.cat(pieces_lab), torch.cat(pieces_typ)
+
+
+_TURN_MARK = "\x00dhp-turn-content\x00"  # never in real text; marks where a turn's content starts
 
 
 def _message(role: str, text: str) -> dict:

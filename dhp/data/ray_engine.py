@@ -179,16 +179,13 @@ class RayStepLoader(StepLoader):
                 if self.spec.on_bad_sample == "raise":
                     self._reset_inflight()
                     raise err
-                self.bad_log.add(err)
-                bad_run += 1
-                if bad_run >= self.epoch_len:
-                    raise DataError(f"every sample of an epoch was bad: {self.bad_log.summary()}")
+                bad_run = self._count_bad(self.position - 1, err, bad_run)
                 continue
+            bad_run = self._count_bad(self.position - 1, None, bad_run)
             _, sample, rows, width = meta
             if rows:
                 sample.pixel_values = RemoteRows(((px_ref, 0, rows),), width)
             good.append(sample)
-            bad_run = 0
         return good
 
     def load_state_dict(self, state: dict) -> None:

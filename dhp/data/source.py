@@ -12,6 +12,8 @@ Mixing weights: ``weight`` is how many times each record of a dataset is seen pe
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from dhp.config.schema import DataConfig, ModelConfig
 from dhp.data.batch import Sample
 from dhp.data.formats import Dataset, open_dataset
+from dhp.data.llava import resolve_path
 from dhp.data.processing import Limits, SampleProcessor, load_image_processor, load_tokenizer
 from dhp.data.synthetic import SyntheticSource
 from dhp.data.video import video_spec
@@ -130,7 +133,13 @@ def build_source(
         )
     if issues:
         raise ConfigError(issues)
-    datasets = [open_dataset(entry, allow_outside_root=data.allow_outside_root) for entry in data.datasets]
+    restrict = tuple(
+        Path(os.path.realpath(resolve_path(r, key="data.restrict_media_to"))) for r in data.restrict_media_to
+    )
+    datasets = [
+        open_dataset(entry, allow_outside_root=data.allow_outside_root, restrict_to=restrict)
+        for entry in data.datasets
+    ]
     processor = SampleProcessor(
         tokenizer=load_tokenizer(model.path, tokens=model.tokens, family=model.family),
         image_processor=load_image_processor(model.path, data=data, family=model.family),

@@ -2,7 +2,7 @@
 
 ``path`` is a ``.parquet``/``.arrow`` file, a folder holding them (searched recursively, sorted), or
 a glob. The text column is ``text_column`` (default: ``messages`` if present, else
-``conversations``) and is validated as a messages or LLaVA record; the image column is
+``conversations``) and is read as a record's turns (:mod:`dhp.data.records`); the image column is
 ``image_column`` (default: ``images``, else ``image``, else none). An image cell is an HF
 ``Image`` struct ``{"bytes", "path"}`` (bytes win; a path alone is read under the image root), a
 path string, raw bytes, or a list of those. A record's location is ``<file>[<row>]`` (0-based row
@@ -23,7 +23,8 @@ from pathlib import Path
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
 from dhp.data.images import ImageBlob, ImageRef, image_path
-from dhp.data.llava import Record, entry_image_root, resolve_path, validate_any
+from dhp.data.llava import Record, entry_image_root, resolve_path, validate_record
+from dhp.data.records import IgnoredKeys, entry_layout
 from dhp.errors import DataError
 
 SUFFIXES = (".parquet", ".arrow")
@@ -42,7 +43,9 @@ def list_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
 class TabularDataset:
     """The rows of one parquet/arrow :class:`DatasetEntry` as records."""
 
-    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
+    def __init__(
+        self, entry: DatasetEntry, *, allow_outside_root: bool = False, restrict_to: tuple[Path, ...] = ()
+    ) -> None:
         import pyarrow.parquet as pq
 
         self.name = entry.name
@@ -55,6 +58,7 @@ class TabularDataset:
             )
         self.image_root = entry_image_root(entry, root if root.is_dir() else self.files[0])
         self.allow_outside = allow_outside_root
+        self.restrict_to = restrict_to
         counts, groups, self._schema = [], [], None
         for f in self.files:
             try:
@@ -81,11 +85,9 @@ class TabularDataset:
                     f"dataset {entry.name!r}: {self.files[0]} has no column {col!r} (columns: "
                     f"{sorted(names)}). Fix: set data.datasets[].text_column / image_column"
                 )
-        if entry.format in ("llava", "messages"):
-            self.format = entry.format
-        else:
-            self.format = "messages" if self.text_column == "messages" else "llava"
-        self._columns = [c for c in (self.text_column, self.image_column, "id") if c and c in names]
+        self.layout = entry_layout(entry)
+        self.ignored = IgnoredKeys(entry.name)
+        self._columns = [c for c in (self.text_column, self.image_column) if c and c in names]
         self._offsets = [0]
         for n in counts:
             self._offsets.append(self._offsets[-1] + n)
@@ -139,15 +141,10 @@ class TabularDataset:
         """Read and validate row ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""
         loc = self.location(index)
         row = self._row(*self._split(index))
-        text_key, image_key = (
-            ("messages", "images") if self.format == "messages" else ("conversations", "image")
-        )
-        raw = {text_key: row[self.text_column]}
+        raw = {self.layout.messages[0]: row[self.text_column]}
         if self.image_column and row[self.image_column] is not None:
-            raw[image_key] = row[self.image_column]
-        if isinstance(row.get("id"), str):
-            raw["id"] = row["id"]
-        return validate_any(raw, location=loc, images=self._images, fmt=self.format)
+            raw[self.layout.images[0]] = row[self.image_column]
+        return validate_record(raw, location=loc, images=self._images, layout=self.layout)
 
     def _images(self, value: object, loc: str) -> tuple[ImageRef, ...]:
         if value is None:
@@ -164,7 +161,13 @@ class TabularDataset:
         if isinstance(cell, (bytes, bytearray)) and cell:
             return ImageBlob(name=f"image {k}", data=bytes(cell))
         if isinstance(cell, str) and cell:
-            return image_path(cell, root=self.image_root, loc=loc, allow_outside=self.allow_outside)
+            return image_path(
+                cell,
+                root=self.image_root,
+                loc=loc,
+                allow_outside=self.allow_outside,
+                restrict_to=self.restrict_to,
+            )
         raise bad.BadSampleError(
             location=loc,
             reason=bad.MALFORMED_RECORD,

@@ -22,7 +22,8 @@ from pathlib import Path
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
 from dhp.data.images import ImageBlob, ImageRef
-from dhp.data.llava import Record, detect_record_format, resolve_path, validate_any
+from dhp.data.llava import Record, resolve_path, validate_record
+from dhp.data.records import IgnoredKeys, entry_layout
 from dhp.data.tabular import list_files
 from dhp.errors import DataError
 
@@ -55,7 +56,8 @@ def split_key(name: str) -> tuple[str, str]:
 class WebDataset:
     """The samples of one WebDataset :class:`DatasetEntry` (tar shards)."""
 
-    def __init__(self, entry: DatasetEntry, *, allow_outside_root: bool = False) -> None:
+    def __init__(self, entry: DatasetEntry, **_media_rules: object) -> None:
+        """``_media_rules`` (the path rules of file-based datasets) do not apply: media are members."""
         self.name = entry.name
         spec = entry.path if entry.path.startswith("pkg://") else str(Path(entry.path).expanduser())
         if spec.startswith("pkg://"):
@@ -76,7 +78,8 @@ class WebDataset:
         self._index: list[tuple[int, str, dict[str, tuple[int, int]]]] = []
         for s, shard in enumerate(self.shards):
             self._index += [(s, key, members) for key, members in _scan(shard, dataset=entry.name)]
-        self.format = entry.format if entry.format in ("llava", "messages") else None
+        self.layout = entry_layout(entry)
+        self.ignored = IgnoredKeys(entry.name)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -94,13 +97,52 @@ class WebDataset:
         """Read and validate sample ``index``; raises :class:`~dhp.data.bad.BadSampleError`."""
         s, key, members = self._index[index]
         loc = self.location(index)
-        if "json" not in members:
+        if "json" not in members and "txt" not in members:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.MALFORMED_RECORD,
-                detail=f"no {key}.json member (members: {sorted(members)})",
-                fix="write the conversation of each sample as <key>.json",
+                detail=f"no {key}.json or {key}.txt member (members: {sorted(members)})",
+                fix="write the conversation of each sample as <key>.json (or its caption as <key>.txt)",
             )
+        raw = self._json(s, key, members, loc) if "json" in members else {}
+        raw = self._caption_record(raw, s=s, key=key, members=members, loc=loc)
+        if isinstance(raw, list):  # a member that is a bare list of turns
+            raw = {self.layout.messages[0]: raw}
+        if isinstance(raw, dict) and all(raw.get(k) is None for k in self.layout.images):
+            found = sorted(e for e in members if "." + e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS)
+            if found:  # no image field: the key's image members, in extension order
+                raw = {**raw, self.layout.images[0]: found}
+        rec = validate_record(
+            raw, location=loc, images=self._member_images(s, key, members), layout=self.layout
+        )
+        self.ignored.note(rec.ignored)
+        return rec
+
+    def _caption_record(self, raw: object, *, s: int, key: str, members: dict, loc: str) -> object:
+        """A caption shard's sample (img2dataset writes ``<key>.jpg``, ``<key>.txt`` and a metadata
+        ``<key>.json`` with ``caption``): no turns -> a pre-training record, one assistant turn holding
+        the caption (its image goes first). Anything else is returned as it is."""
+        if not isinstance(raw, dict) or any(k in raw for k in self.layout.turn_keys):
+            return raw
+        if "txt" in members:
+            try:
+                caption = self._read(s, *members["txt"]).decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise bad.BadSampleError(
+                    location=loc,
+                    reason=bad.INVALID_UTF8,
+                    detail=f"{key}.txt byte {e.start} is not UTF-8",
+                    fix="re-encode the member as UTF-8",
+                ) from e
+        elif isinstance(raw.get("caption"), str):
+            caption = raw["caption"]
+        else:
+            return raw
+        rest = {k: v for k, v in raw.items() if k != "caption"}
+        return {**rest, self.layout.messages[0]: [{"role": "assistant", "content": caption}]}
+
+    def _json(self, s: int, key: str, members: dict, loc: str) -> object:
+        """The parsed ``<key>.json`` member (invalid UTF-8 or JSON: one bad sample)."""
         data = self._read(s, *members["json"])
         try:
             raw = json.loads(data.decode("utf-8"))
@@ -118,26 +160,31 @@ class WebDataset:
                 detail=f"{key}.json is not valid JSON ({e.msg})",
                 fix="repair the member",
             ) from e
-        fmt = self.format or detect_record_format(raw) or "llava"
+        return raw
+
+    def _member_images(self, s: int, key: str, members: dict[str, tuple[int, int]]):
+        """The media reader of one sample: a record's ``image``/``images`` value names members by
+        extension (``"jpg"``, ``["0.png", "1.png"]``) or by file name (``"000123.jpg"``, as converters
+        that store a whole LLaVA record write it)."""
+        stem = key.rpartition("/")[2]
 
         def images(value: object, where: str) -> tuple[ImageRef, ...]:
-            if value is None:
-                exts = sorted(e for e in members if "." + e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS)
-            else:
-                exts = [value] if isinstance(value, str) else value
+            exts = [value] if isinstance(value, str) else value
             out = []
             for ext in exts:
+                if isinstance(ext, str) and ext not in members and ext.startswith(stem + "."):
+                    ext = ext[len(stem) + 1 :]
                 if not isinstance(ext, str) or ext not in members:
                     raise bad.BadSampleError(
                         location=where,
                         reason=bad.MISSING_FILE,
                         detail=f"no member {key}.{ext} in the shard",
-                        fix='name the key\'s image members by extension, e.g. "jpg"',
+                        fix='name the key\'s image members by extension ("jpg") or file name ("<key>.jpg")',
                     )
                 out.append(ImageBlob(name=f"{key}.{ext}", data=self._read(s, *members[ext])))
             return tuple(out)
 
-        return validate_any(raw, location=loc, images=images, fmt=fmt)
+        return images
 
 
 def _scan(shard: Path, *, dataset: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.metrics.rundir import Mark, RunLog, add_record, read_run_log
+from dhp.metrics.runs import count_skipped
 
 PARTS = ("fwd", "bwd", "step")
 
@@ -223,5 +224,7 @@ def render_report_summary(
         table.add_row("failed", f"{log.failed.get('reason', '')} ({log.failed.get('traceback', '-')})")
     if log.bad_lines:
         table.add_row("unreadable lines", f"{log.bad_lines} (a write cut short by a kill)")
+    if skipped := count_skipped(Path(run_dir)):
+        table.add_row("bad samples skipped", f"{skipped}, named in {run_dir / 'bad_samples.jsonl'}")
     table.add_row("plots", f"{len(pngs)} PNGs in {pngs[0].parent}" if pngs else "none")
     console.print(table)

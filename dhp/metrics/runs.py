@@ -41,6 +41,7 @@ class RunInfo:
     checkpoints: tuple[int, ...]  # steps of the complete checkpoints
     trackers: tuple[str, ...]  # wandb / mlflow, from trackers.json
     note: str = ""  # what else a reader should know (why it failed, lines cut short, ...)
+    skipped: int = 0  # bad samples skipped (data.on_bad_sample=skip), each named in bad_samples.jsonl
 
 
 def _target_steps(run_dir: Path) -> tuple[str | None, int | None, str]:
@@ -102,6 +103,7 @@ def read_run(run_dir: Path, *, now: float | None = None) -> RunInfo:
         checkpoints=ckpts,
         trackers=_trackers(run_dir),
         note="; ".join(notes),
+        skipped=count_skipped(run_dir),
     )
 
 
@@ -113,6 +115,14 @@ def _is_run_dir(path: Path) -> bool:
     if (path / "config.yaml").is_file() or (path / "metrics.jsonl").is_file():
         return True
     return _STARTED.fullmatch(path.name) is not None and not any(path.iterdir())
+
+
+def count_skipped(run_dir: Path) -> int:
+    """Skipped bad samples the run named in ``<run_dir>/bad_samples.jsonl`` (0 without the file)."""
+    path = run_dir / "bad_samples.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip())
 
 
 def list_runs(root: Path) -> list[RunInfo]:
@@ -148,3 +158,10 @@ def render_runs(runs: list[RunInfo], *, console: Console, root: Path) -> None:
             escape(r.note) or "-",
         )
     console.print(table)
+    for r in runs:
+        if r.skipped:
+            console.print(
+                f"{r.run_dir.parent.name}/{r.run_dir.name}: {r.skipped} bad sample(s) skipped, "
+                f"each named in {r.run_dir / 'bad_samples.jsonl'}",
+                soft_wrap=True,
+            )

@@ -249,6 +249,7 @@ def _attempt(
     t = config.train
     run_dir = result.run_dir
     loader = build_run_loader(config)
+    loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
     )

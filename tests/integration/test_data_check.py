@@ -108,7 +108,7 @@ def test_all_four_formats_through_the_cli(tiny_dir, tmp_path):
     assert "100 samples: 96 good, 4 bad" in " ".join(text.split())
     for reason in (
         "placeholder_mismatch: 1",
-        "bad_conversation: 1",
+        "unsupported_modality: 1",
         "corrupt_image: 1",
         "malformed_record: 1",
     ):

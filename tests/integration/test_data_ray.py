@@ -122,3 +122,36 @@ def test_train_losses_equal_local_and_resume_under_ray(ray_local, tmp_path):
     assert sorted(resumed.losses) == [3, 4]
     for step in (3, 4):  # the data position restored under ray: the uninterrupted losses
         assert abs(resumed.losses[step] - ray_run.losses[step]) <= 1e-6 * abs(ray_run.losses[step])
+
+
+def test_ray_skip_policy_counts_bad_runs_within_one_epoch_pass(ray_local, tiny_model, tmp_path):
+    """The Ray engine's skip policy, as the local one's (tests/unit/data/test_loader.py): seed 0 orders 4
+    records [0,1,3,2] (epoch 2) then [2,3,1,0] (epoch 3); with 2 and 3 bad, four bad records in a row
+    span the boundary and the run goes on; each skipped record is named in the step's ``skipped``."""
+    import json
+
+    turns = [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat."}]
+    rows = [{"image": "cat.jpg", "conversations": turns}] * 2
+    rows += [{"image": f"missing_{i}.jpg", "conversations": turns} for i in range(2)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(
+        kind="llava",
+        datasets=[DatasetEntry(name="d", path=str(path), image_root=f"{DEMO}/images")],
+        engine="ray",
+        num_workers=1,
+        on_bad_sample="skip",
+        prefetch=False,
+    )
+    train = TrainConfig(global_batch_size=2, micro_batch_size=1, seed=0)
+    loader = build_loader(
+        data=data, model=tiny_model, train=train, dp_size=1, vision_seq_len=4096, llm_seq_len=2048
+    )
+    try:
+        steps = [next(loader) for _ in range(6)]
+    finally:
+        loader.close()
+    served = [sid for s in steps for b in s.replica(0) for sid in b.sample_ids]
+    assert sorted({s.rsplit(":", 1)[1] for s in served}) == ["1", "2"]
+    named = [k["location"].rsplit(":", 1)[1] for s in steps for k in s.skipped]
+    assert sorted(set(named)) == ["3", "4"] and len(named) == steps[-1].bad_samples["missing_file"]

@@ -120,6 +120,8 @@ def test_skipped_bad_samples_reach_metrics(ray_local, tmp_path, tiny_dir):
     (row,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["bad_samples"] == {"missing_file": 1}
     assert math.isfinite(row["loss"])
+    (skipped,) = [json.loads(x) for x in (run_dir / "bad_samples.jsonl").read_text().splitlines()]
+    assert (skipped["step"], skipped["location"], skipped["reason"]) == (1, f"{data}:1", "missing_file")
 
 
 def test_vision_fsdp_replica_without_images_matches(ray_local, tmp_path, tiny_dir):

@@ -46,7 +46,7 @@ def _parts(text: str, images: list[str]) -> list[dict]:
 
 def write_messages_jsonl(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str]:
     """LLaMA-Factory/ms-swift style: string content with ``<image>`` and an ``images`` list.
-    Line 4 lists one image too many (placeholder_mismatch)."""
+    Line 4 lists one image too few for its tags (placeholder_mismatch)."""
     path = root / "messages.jsonl"
     lines = []
     for rec in demo_records():
@@ -55,14 +55,14 @@ def write_messages_jsonl(root: Path, *, bad: bool = True) -> tuple[DatasetEntry,
             out["images"] = _images(rec)
         lines.append(out)
     if bad:
-        lines[3]["images"] = [*lines[3]["images"], "cat.jpg"]
+        lines[3]["images"] = lines[3]["images"][:-1]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return DatasetEntry(name="messages", path=str(path), image_root=str(DEMO / "images")), f"{path}:4"
 
 
 def write_parts_json(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str]:
     """transformers chat-template style: content as typed parts with inline image paths.
-    Record 2 holds a ``video`` part (bad_conversation)."""
+    Record 2 holds an audio part (unsupported_modality)."""
     path = root / "parts.json"
     out = []
     for rec in demo_records():
@@ -74,7 +74,7 @@ def write_parts_json(root: Path, *, bad: bool = True) -> tuple[DatasetEntry, str
         out.append({"id": rec["id"], "messages": msgs})
     if bad:
         out[2]["messages"][0]["content"] = [
-            {"type": "video", "video": "clip.mp4"},
+            {"type": "audio_url", "value": "clip.wav"},
             {"type": "text", "text": "Hi"},
         ]
     path.write_text(json.dumps(out))

@@ -45,7 +45,7 @@ def hostile(tmp_path):
     lines = [json.dumps(_rec("cat.jpg")).encode()] * 2
     cases = {
         3: (json.dumps(_rec("../../outside.jpg")).encode(), bad.PATH_OUTSIDE_ROOT),
-        4: (json.dumps(_rec(str(outside))).encode(), bad.PATH_OUTSIDE_ROOT),
+        4: (json.dumps(_rec(str(outside))).encode(), None),  # absolute: accepted as given
         5: (json.dumps(_rec("adir.jpg")).encode(), bad.NOT_A_FILE),
         6: (json.dumps(_rec("loop_a.jpg")).encode(), bad.SYMLINK_LOOP),
         7: (json.dumps(_rec("bomb.png")).encode(), bad.DECOMPRESSION_BOMB),
@@ -56,7 +56,7 @@ def hostile(tmp_path):
     lines.append(json.dumps(_rec("espresso.jpg")).encode())
     path = root / "d.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    return path, images, {k: reason for k, (_, reason) in cases.items()}
+    return path, images, {k: reason for k, (_, reason) in cases.items() if reason}
 
 
 def _data(path, images, **kw) -> DataConfig:
@@ -69,14 +69,16 @@ def test_each_hostile_line_is_one_named_bad_sample(tiny_model, hostile):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no raw DecompressionBombWarning may escape
         report = check_data(data=_data(path, images), model=tiny_model, vision_seq_len=4096, llm_seq_len=2048)
-    assert report.num_records == 10 and report.num_good == 3
+    assert report.num_records == 10 and report.num_good == 4
     want: dict[str, int] = {}
     for reason in cases.values():
         want[reason] = want.get(reason, 0) + 1
     assert report.bad_counts == dict(sorted(want.items()))
     found = {ex.split(": ", 1)[0] for exs in report.bad_examples.values() for ex in exs}
     assert found == {f"{path}:{k}" for k in cases}
-    assert any("outside the image root" in e for e in report.bad_examples[bad.PATH_OUTSIDE_ROOT])
+    assert any(
+        "climbs out of the dataset's media root" in e for e in report.bad_examples[bad.PATH_OUTSIDE_ROOT]
+    )
 
 
 def test_allow_outside_root_admits_paths_elsewhere(tiny_model, hostile):
@@ -90,14 +92,28 @@ def test_allow_outside_root_admits_paths_elsewhere(tiny_model, hostile):
     assert bad.PATH_OUTSIDE_ROOT not in report.bad_counts and report.num_good == 5
 
 
+def test_restrict_media_to_refuses_every_other_root(tiny_model, hostile, tmp_path):
+    """A shared cluster's allow-list: absolute and relative paths alike, symlinks resolved first."""
+    path, images, _ = hostile
+    (images / "escape.jpg").symlink_to(tmp_path / "outside.jpg")  # inside the root, pointing out
+    lines = path.read_bytes().splitlines()
+    lines.append(json.dumps(_rec("escape.jpg")).encode())
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    data = _data(path, images, restrict_media_to=[str(images)], allow_outside_root=True)
+    report = check_data(data=data, model=tiny_model, vision_seq_len=4096, llm_seq_len=2048)
+    refused = {e.split(": ", 1)[0] for e in report.bad_examples[bad.PATH_OUTSIDE_ROOT]}
+    assert refused == {f"{path}:3", f"{path}:4", f"{path}:11"}  # ../, absolute, symlink out
+    assert all("restrict_media_to" in e for e in report.bad_examples[bad.PATH_OUTSIDE_ROOT])
+
+
 def test_skip_trains_on_the_rest_and_raise_names_the_line(tiny_model, hostile):
     path, images, _ = hostile
     train = TrainConfig(global_batch_size=3, micro_batch_size=1)
     kw = {"model": tiny_model, "train": train, "dp_size": 1, "vision_seq_len": 4096, "llm_seq_len": 2048}
     loader = build_loader(data=_data(path, images, on_bad_sample="skip", shuffle=False, prefetch=False), **kw)
     step = next(loader)
-    assert [b.sample_ids[0] for mb in step.micro_batches for b in mb] == [f"{path}:{k}" for k in (1, 2, 10)]
-    assert sum(step.bad_samples.values()) == 7
+    assert [b.sample_ids[0] for mb in step.micro_batches for b in mb] == [f"{path}:{k}" for k in (1, 2, 4)]
+    assert sum(step.bad_samples.values()) == 1
     loader = build_loader(data=_data(path, images, shuffle=False, prefetch=False), **kw)
     with pytest.raises(bad.BadSampleError, match=rf"bad sample at {path}:3 \(path_outside_root\)"):
         next(loader)

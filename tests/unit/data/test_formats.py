@@ -17,7 +17,7 @@ from dhp.data.source import build_source
 pytestmark = pytest.mark.unit
 EXPECTED_BAD = {
     "messages": bad.PLACEHOLDER_MISMATCH,
-    "parts": bad.BAD_CONVERSATION,
+    "parts": bad.UNSUPPORTED_MODALITY,
     "parquet": bad.CORRUPT_IMAGE,
     "webdataset": bad.MALFORMED_RECORD,
 }

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import demo_data, jsonl_data
+from conftest import DEMO, demo_data, jsonl_data
 
 from dhp.config.schema import DataConfig, SyntheticData, TrainConfig
 from dhp.data import bad
@@ -16,6 +16,7 @@ from dhp.data.batch import Sample, collate
 from dhp.data.loader import balance, build_loader
 from dhp.data.source import epoch_order
 from dhp.errors import ConfigError, DataError
+from dhp.metrics.runs import count_skipped
 
 pytestmark = pytest.mark.unit
 N_DEMO = 25  # 18 records in captions.json + 7 in mixed.jsonl
@@ -194,7 +195,7 @@ def test_skip_policy_counts_by_reason_and_loses_nothing_else(tiny_model, demo_co
     assert step.bad_samples == {
         "missing_file": 2,
         "corrupt_image": 1,
-        "unknown_keys": 1,
+        "bad_conversation": 1,
         "malformed_record": 1,
     }
     log = loader.served_bad_log()  # up to step 3, whatever the prefetch thread has read since
@@ -203,7 +204,7 @@ def test_skip_policy_counts_by_reason_and_loses_nothing_else(tiny_model, demo_co
     assert f"{path}:8" in log.examples["corrupt_image"][0]
     assert "missing_file: 2" in log.summary()
     state = loader.state_dict()
-    assert state["bad"]["counts"]["unknown_keys"] == 1
+    assert state["bad"]["counts"]["bad_conversation"] == 1
 
 
 def test_all_bad_under_skip_is_an_error_not_a_hang(tiny_model, tmp_path):
@@ -261,3 +262,61 @@ def test_collate_pads_right_and_concatenates_images_in_order():
     assert batch.labels[0, 3:].tolist() == [-100, -100]
     assert batch.pixel_values.shape == (64, 4) and batch.image_grid_thw.tolist() == [[1, 8, 8]]
     assert batch.sample_ids == ["s0", "s64"]
+
+
+def _two_good_two_bad(tmp_path):
+    """Records 0 and 1 are good demo captions; 2 and 3 name missing images."""
+    turns = [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat."}]
+    good = {"image": "cat.jpg", "conversations": turns}
+    lines = [dict(good, id=f"g{i}") for i in range(2)]
+    lines += [dict(good, id=f"b{i}", image=f"missing_{i}.jpg") for i in range(2)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + "\n\n")  # trailing blank lines
+    return path
+
+
+def test_skip_policy_counts_bad_runs_within_one_epoch_pass(tiny_model, tmp_path):
+    """Seed 0 orders 4 records [0,1,3,2] (epoch 2) then [2,3,1,0] (epoch 3): with 2 and 3 bad, four bad
+    records in a row span the epoch boundary; no epoch pass is all bad, so the run goes on."""
+    assert epoch_order(sizes=[4], weights=[1.0], seed=0, epoch=2, shuffle=True) == [0, 1, 3, 2]
+    assert epoch_order(sizes=[4], weights=[1.0], seed=0, epoch=3, shuffle=True) == [2, 3, 1, 0]
+    path = _two_good_two_bad(tmp_path)
+    data = jsonl_data(path, DEMO / "images", on_bad_sample="skip", prefetch=False)
+    loader = _loader(tiny_model, data, dp=1, gbs=2, seed=0)
+    assert loader.epoch_len == 4  # the trailing blank lines are no records
+    served = [sid for _ in range(6) for sid in _ids(next(loader))[0]]
+    assert sorted({int(s.rsplit(":", 1)[1]) for s in served}) == [1, 2]
+    assert loader.bad_log.counts == {"missing_file": loader.position - len(served)}
+
+
+def test_skipped_samples_are_named_in_the_run_dir_and_on_the_console(tiny_model, tmp_path, caplog):
+    path = _two_good_two_bad(tmp_path)
+    data = jsonl_data(path, DEMO / "images", on_bad_sample="skip", shuffle=False)
+    loader = _loader(tiny_model, data, dp=1, gbs=2)
+    out = tmp_path / "run" / "bad_samples.jsonl"
+    out.parent.mkdir()
+    loader.record_skipped_to(out)
+    with caplog.at_level("WARNING", logger="dhp.data"):
+        steps = [next(loader)]
+        state0 = loader.state_dict()
+        steps += [next(loader) for _ in range(2)]  # 0,1 | 2,3 bad, 0,1 | 2,3 bad, 0,1
+    loader.close()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["step"], r["location"], r["reason"]) for r in rows] == [
+        (2, f"{path}:3", "missing_file"),  # steps 1-based, as metrics.jsonl's
+        (2, f"{path}:4", "missing_file"),
+        (3, f"{path}:3", "missing_file"),
+        (3, f"{path}:4", "missing_file"),
+    ]
+    assert "missing_0.jpg" in rows[0]["detail"]
+    assert steps[0].skipped == [] and len(steps[1].skipped) == 2
+    shown = [r.getMessage() for r in caplog.records if "skipped bad sample" in r.getMessage()]
+    assert len(shown) == 4 and f"{path}:3 (missing_file)" in shown[0]
+    # a resumed run serves steps 1..2 again: the file does not name their samples twice
+    again = _loader(tiny_model, data, dp=1, gbs=2)
+    again.record_skipped_to(out)
+    again.load_state_dict(state0)
+    next(again), next(again)
+    again.close()
+    assert len(out.read_text().splitlines()) == 4
+    assert count_skipped(out.parent) == 4  # what `dhp runs` and `dhp report` point to

@@ -31,8 +31,7 @@ def _dataset(tmp_path, records: list) -> LlavaDataset:
 @pytest.mark.parametrize(
     ("record", "reason", "needle"),
     [
-        ({**GOOD, "extra": 1}, bad.UNKNOWN_KEYS, "extra"),
-        ({**GOOD, "conversations": []}, bad.BAD_CONVERSATION, "empty"),
+        ({**GOOD, "conversations": []}, bad.BAD_CONVERSATION, "no turns under messages/conversations"),
         (
             {**GOOD, "conversations": [{"from": "human", "value": "<image> hi"}]},
             bad.BAD_CONVERSATION,
@@ -50,28 +49,31 @@ def _dataset(tmp_path, records: list) -> LlavaDataset:
                 "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "  "}],
             },
             bad.BAD_CONVERSATION,
-            "empty value",
+            "turn 1 has empty content",
         ),
         (
             {**GOOD, "conversations": [{"from": "human", "text": "<image>"}]},
             bad.BAD_CONVERSATION,
-            "from, value",
+            "has no role/from and content/value",
         ),
-        (
-            {**GOOD, "image": ["cat.jpg", "dog.jpg"]},
-            bad.PLACEHOLDER_MISMATCH,
-            "1 <image> placeholder(s) but 2",
-        ),
-        ({"conversations": GOOD["conversations"]}, bad.PLACEHOLDER_MISMATCH, "but 0 image"),
         (
             {
                 **GOOD,
-                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "<image>"}],
+                "conversations": [{"from": "human", "value": "<image><image>"}, GOOD["conversations"][1]],
             },
             bad.PLACEHOLDER_MISMATCH,
-            "human turns only",
+            "more <image> tags/parts than the 1 listed image(s)",
         ),
-        ({**GOOD, "image": 7}, bad.MALFORMED_RECORD, "image = 7"),
+        ({"conversations": GOOD["conversations"]}, bad.PLACEHOLDER_MISMATCH, "than the 0 listed image"),
+        (
+            {
+                **GOOD,
+                "conversations": [{"from": "system", "value": "<image>"}, *GOOD["conversations"][1:]],
+            },
+            bad.PLACEHOLDER_MISMATCH,
+            "the system turn holds media",
+        ),
+        ({**GOOD, "image": 7}, bad.MALFORMED_RECORD, "media = 7"),
         ([1, 2], bad.MALFORMED_RECORD, "not an object"),
         ("{not json", bad.MALFORMED_RECORD, "invalid JSON"),
     ],
@@ -112,9 +114,9 @@ def test_multi_image_and_text_only_records(tmp_path):
 
 def test_json_record_location_is_the_record_index(tmp_path):
     path = tmp_path / "d.json"
-    path.write_text(json.dumps([GOOD, {**GOOD, "bogus": 1}]))
+    path.write_text(json.dumps([GOOD, {**GOOD, "conversations": [{"from": "bot", "value": "x"}]}]))
     ds = LlavaDataset(DatasetEntry(name="t", path=str(path), image_root=str(tmp_path)))
-    with pytest.raises(bad.BadSampleError, match=rf"{re.escape(str(path))}\[1\] \(unknown_keys\)"):
+    with pytest.raises(bad.BadSampleError, match=rf"{re.escape(str(path))}\[1\] \(bad_conversation\)"):
         ds.record(1)
 
 
@@ -150,3 +152,18 @@ def test_shipped_demo_set_is_complete():
     for name, records in (("captions.json", captions), ("mixed.jsonl", mixed)):
         for i, r in enumerate(records):
             validate_record(r, location=f"{name}:{i}", image_root=root / "images")
+
+
+def test_untagged_media_go_first_as_ms_swift_puts_them(tmp_path):
+    """Fewer tags than listed images: the missing tags are prepended to the first non-system turn."""
+    rec = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Compare with <image>."},
+            {"role": "assistant", "content": "Similar."},
+        ],
+        "images": ["a.jpg", "b.jpg", "c.jpg"],
+    }
+    r = _dataset(tmp_path, [rec]).record(0)
+    assert r.turns[1] == ("user", "<image><image>Compare with <image>.")
+    assert [p.name for p in r.images] == ["a.jpg", "b.jpg", "c.jpg"]

@@ -1,0 +1,83 @@
+"""A LLaMA-Factory ``dataset_info.json`` read directly: ``{info: path/dataset_info.json, name: mllm_demo}``.
+
+The file maps dataset names to entries; dhp reads an entry's ``file_name`` (relative to the file's
+folder, as LLaMA-Factory's ``dataset_dir``), ``formatting``, ``columns``, ``tags`` and ``media_dir``.
+Media paths are relative to the entry's ``media_dir`` (relative to the folder), else the folder
+(LLaMA-Factory's default ``media_dir``), unless the dhp entry sets ``image_root``/``media_dir``.
+LLaMA-Factory falls back to the path as written (the working directory) when a media file is not
+under ``media_dir``; dhp does not (a run must read the same file on every node): such a record is
+``missing_file``. The dhp entry's own ``columns``/``tags`` win over the file's, key by key.
+Hub entries (``hf_hub_url``, ``ms_hub_url``, ``script_url``) are refused: download the data and point
+``file_name`` (or ``path``) at it. Other entry keys (``ranking``, ``split``, ``num_samples``, ...) are
+ignored and listed once in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import fields, replace
+
+from dhp.config.schema import DatasetEntry
+from dhp.data.llava import resolve_path
+from dhp.errors import ConfigError, ConfigIssue
+
+log = logging.getLogger("dhp.data")
+READ = ("file_name", "formatting", "columns", "tags", "media_dir")
+HUB = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+
+
+def plain_entry(entry) -> DatasetEntry:
+    """A ``DatasetEntry`` dataclass copy of a config node (or of a dataclass)."""
+    out = {}
+    for f in fields(DatasetEntry):
+        value = getattr(entry, f.name)
+        out[f.name] = dict(value) if f.name in ("columns", "tags") else value
+    return DatasetEntry(**out)
+
+
+def _issue(entry, key: str, value: object, rule: str, fix: str) -> ConfigError:
+    return ConfigError([ConfigIssue(f"data.datasets[{entry.name}].{key}", value, rule, fix)])
+
+
+def resolve_info(entry) -> DatasetEntry:
+    """``entry`` with ``path``, ``formatting``, ``columns``, ``tags`` (and ``media_dir``) read from
+    its ``info`` file; ``entry`` unchanged (as a dataclass) when it has none. ConfigError when the
+    file or the name is missing, or the entry points at a hub."""
+    plain = plain_entry(entry)
+    if not plain.info:
+        return plain
+    path = resolve_path(plain.info, key=f"data.datasets[{plain.name}].info")
+    if not path.is_file():
+        raise _issue(plain, "info", plain.info, "file does not exist", "point info at a dataset_info.json")
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _issue(plain, "info", str(path), f"is not valid JSON ({e})", "repair the file") from e
+    if not isinstance(table, dict) or plain.name not in table or not isinstance(table[plain.name], dict):
+        names = sorted(table) if isinstance(table, dict) else []
+        raise _issue(plain, "name", plain.name, f"is not an entry of {path}", f"use one of {names[:20]}")
+    spec = table[plain.name]
+    hub = [k for k in HUB if spec.get(k)]
+    if hub and not spec.get("file_name"):
+        raise _issue(
+            plain,
+            "info",
+            str(path),
+            f"entry {plain.name!r} is on a hub ({hub[0]}), with no local file_name",
+            "download the data once and set file_name (or the dhp entry's path) to the local file",
+        )
+    ignored = sorted(set(spec) - set(READ) - set(HUB))
+    if ignored:
+        log.warning("dataset %r: ignoring %s entry key(s) %s", plain.name, path.name, ignored)
+    folder = path.parent
+    file_path = plain.path or str(folder / str(spec["file_name"]))
+    return replace(
+        plain,
+        path=file_path,
+        formatting=plain.formatting or str(spec.get("formatting", "")),
+        columns={**dict(spec.get("columns") or {}), **plain.columns},
+        tags={**dict(spec.get("tags") or {}), **plain.tags},
+        media_dir=plain.media_dir
+        or ("" if plain.image_root else str(folder / str(spec.get("media_dir") or ""))),
+    )
