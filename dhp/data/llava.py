@@ -16,33 +16,21 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dhp.config.schema import DatasetEntry
 from dhp.data import bad
 from dhp.data.images import ImageRef, image_path
-from dhp.data.records import IMAGE_TAG, VIDEO_TAG, IgnoredKeys, Layout, entry_layout, normalize
+from dhp.data.records import (  # Record and friends re-exported: the formats' readers use them
+    IgnoredKeys,
+    ImagesFn,
+    Layout,
+    Record,
+    entry_layout,
+    normalize,
+)
 from dhp.errors import DataError
-
-# value of a record's image field -> image references (None -> no image)
-ImagesFn = Callable[[object, str], tuple[ImageRef, ...]]
-
-IMAGE_PLACEHOLDER = IMAGE_TAG
-VIDEO_PLACEHOLDER = VIDEO_TAG
-
-
-@dataclass(frozen=True)
-class Record:
-    """One validated conversation: ``turns`` are ``(role, text)`` with chat-template role names."""
-
-    location: str
-    images: tuple[ImageRef, ...]
-    turns: tuple[tuple[str, str], ...]
-    videos: tuple[Path, ...] = ()  # a folder of frames or a video file per <video> placeholder
-    ignored: tuple[str, ...] = ()  # the record's top-level keys no reader uses (ids, scores, ...)
 
 
 def resolve_path(path: str, *, key: str) -> Path:

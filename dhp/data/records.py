@@ -1,4 +1,4 @@
-"""Conversation records in the layouts users already have, read into one :class:`~dhp.data.llava.Record`.
+"""Conversation records in the layouts users already have, read into one :class:`Record`.
 
 One reader serves LLaVA, ShareGPT, LLaMA-Factory (v0 ``sharegpt`` formatting and v1 typed parts) and
 ms-swift records, in JSON/JSONL, parquet rows and WebDataset members. A :class:`Layout` says which
@@ -39,10 +39,27 @@ from pathlib import Path
 
 from dhp.config.validate_data_layouts import COLUMNS
 from dhp.data import bad
+from dhp.data.images import ImageRef
+
+# value of a record's image field -> image references (None -> no image)
+ImagesFn = Callable[[object, str], tuple[ImageRef, ...]]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One validated conversation: ``turns`` are ``(role, text)`` with chat-template role names."""
+
+    location: str
+    images: tuple[ImageRef, ...]
+    turns: tuple[tuple[str, str], ...]
+    videos: tuple[Path, ...] = ()  # a folder of frames or a video file per <video> placeholder
+    ignored: tuple[str, ...] = ()  # the record's top-level keys no reader uses (ids, scores, ...)
+
 
 log = logging.getLogger("dhp.data")
 
 IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = IMAGE_TAG, VIDEO_TAG
 ROLE_NAMES = {
     "human": "user",
     "user": "user",
@@ -253,9 +270,7 @@ def _listed(value: object, media: MediaFn, loc: str) -> tuple:
 
 
 def normalize(raw: object, *, location: str, layout: Layout, media: MediaFn):
-    """Check one raw record in any supported layout and return its :class:`~dhp.data.llava.Record`."""
-    from dhp.data.llava import Record
-
+    """Check one raw record in any supported layout and return its :class:`Record`."""
     loc = location
     if not isinstance(raw, dict):
         raise _bad(
