@@ -16,9 +16,9 @@ import os
 import sys
 
 import typer
-from rich.console import Console
 
 from dhp.errors import DhpError
+from dhp.term import make_console
 
 HYDRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -31,8 +31,8 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain click help: no "<bool>" type column beside flags
     context_settings={"max_content_width": 120},
 )
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()  # off a terminal: a fixed wide width, nothing cut (dhp.term)
+err_console = make_console(stderr=True)
 
 
 def _print_version(value: bool) -> None:
@@ -109,7 +109,7 @@ def plan(
     auto: bool = typer.Option(
         False, "--auto", help="Search for the fastest plan that fits; keeps key=value settings."
     ),
-    save: str = typer.Option("", "--save", help="With --auto: write the chosen run as a recipe YAML."),
+    save: str = typer.Option("", "--save", help="With --auto: write the chosen run as a recipe YAML, run name <name>_auto (unless name= is given)."),
 ) -> None:
     """Compile a run's plan: groups, placement, routing, memory by phase and a step-time estimate.
 
@@ -128,6 +128,14 @@ def plan(
         compiled, ranked, why = run_auto(cfg, {o.partition("=")[0] for o in overrides}, save=save or None)
         if not as_json:
             render_auto(ranked, why, compiled, console)
+        if save:  # stderr under --json: stdout stays one JSON document
+            out = err_console if as_json else console
+            out.print(
+                f"saved the winning plan as run name {compiled.name!r}: {os.path.abspath(save)}\n"
+                f"  train it with: dhp train conf={save}",
+                markup=False,
+                soft_wrap=True,
+            )
     else:
         compiled = compile_plan(cfg)
     if dry_run:  # the data must be reachable where the run starts
