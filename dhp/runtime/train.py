@@ -59,6 +59,9 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     from dhp.checkpoint import remove_stale_temps, resolve_resume
 
     console = console or Console()
+    from dhp.metrics.tracker_check import check_trackers
+
+    check_trackers(config.metrics)  # before a run dir, Ray or a tracker run exists
     t = config.train
     for p in remove_stale_temps(t.output_dir, name=config.name):
         console.print(f"removed a stale temp checkpoint dir left by a crashed save: {escape(str(p))}")
