@@ -109,7 +109,11 @@ def plan(
     auto: bool = typer.Option(
         False, "--auto", help="Search for the fastest plan that fits; keeps key=value settings."
     ),
-    save: str = typer.Option("", "--save", help="With --auto: write the chosen run as a recipe YAML, run name <name>_auto (unless name= is given)."),
+    save: str = typer.Option(
+        "",
+        "--save",
+        help="With --auto: write the chosen run as a recipe YAML, run name <name>_auto (unless name= is given).",
+    ),
 ) -> None:
     """Compile a run's plan: groups, placement, routing, memory by phase and a step-time estimate.
 

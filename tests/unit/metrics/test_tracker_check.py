@@ -42,7 +42,9 @@ def test_unreachable_mlflow_server_fails_fast_with_one_fix() -> None:
 
 
 def test_file_store_needs_mlflows_opt_in(tmp_path, monkeypatch) -> None:
-    m = _metrics(loggers=["jsonl", "mlflow"], mlflow={"tracking_uri": f"file:{tmp_path}/ml", "experiment": "x"})
+    m = _metrics(
+        loggers=["jsonl", "mlflow"], mlflow={"tracking_uri": f"file:{tmp_path}/ml", "experiment": "x"}
+    )
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     with pytest.raises(ConfigError, match="MLflow cannot use this store"):
         check_trackers(m)
@@ -58,7 +60,9 @@ def test_wandb_online_without_a_key_names_offline_mode(tmp_path, monkeypatch) ->
         check_trackers(_metrics(loggers=["jsonl", "wandb"]))
     (issue,) = info.value.issues
     assert issue.path == "metrics.wandb.mode" and "metrics.wandb.mode=offline" in issue.fix
-    check_trackers(_metrics(loggers=["jsonl", "wandb"], wandb={"project": "d", "entity": None, "mode": "offline"}))
+    check_trackers(
+        _metrics(loggers=["jsonl", "wandb"], wandb={"project": "d", "entity": None, "mode": "offline"})
+    )
     monkeypatch.setenv("WANDB_MODE", "offline")
     check_trackers(_metrics(loggers=["jsonl", "wandb"]))
 
