@@ -481,6 +481,7 @@ class _Loop:
                     result=res,
                     data=data,
                     lr=lr,
+                    base_lr=t.lr,
                     model=self.config.model,
                     modules=dict(self.config.modules),
                     cluster=self.config.cluster,
