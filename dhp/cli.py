@@ -6,7 +6,7 @@ other ``key=value`` is a Hydra override. A user error (:class:`dhp.errors.DhpErr
 message and exits with status 2, never a traceback.
 
 To add a command: a thin function decorated with ``@app.command()`` (or on a sub-typer added with
-``app.add_typer(sub, name="data")``) that calls ``parse_hydra_args(ctx.args)`` and ``load_config``.
+``app.add_typer(sub, name="data")``) that calls ``parse_hydra_args(command_words(ctx, words))`` and ``load_config``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,19 @@ import sys
 
 import typer
 
+from dhp.completion import complete_word
 from dhp.errors import DhpError
 from dhp.term import make_console
 
 HYDRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+#: the key=value words of a command: shell completion of conf= recipe names (dhp.completion)
+KEY_VALUES = typer.Argument(
+    None,
+    help="conf=RECIPE|PATH, smoke=true|false and key=value overrides.",
+    autocompletion=complete_word,
+    show_default=False,
+    metavar="KEY=VALUE...",
+)
 
 app = typer.Typer(
     name="dhp",
@@ -50,6 +59,11 @@ def _root(
     ),
 ) -> None:
     """Train multimodal models with disaggregated hybrid parallelism (one Ray group per module)."""
+
+
+def command_words(ctx: typer.Context, words: list[str] | None) -> list[str]:
+    """The key=value words of a command, in order: the declared argument's, then any extra ones."""
+    return [*(words or []), *ctx.args]
 
 
 def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
@@ -104,6 +118,7 @@ def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
 @app.command(context_settings=HYDRA_ARGS)
 def plan(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; do not contact Ray."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
     auto: bool = typer.Option(
@@ -124,7 +139,7 @@ def plan(
     from dhp.plan import compile_plan, render_plan
     from dhp.plan.reserve import reserve_plan
 
-    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = load_config(conf, overrides, smoke=smoke)
     if auto:
         from dhp.plan.auto import render_auto, run_auto
@@ -212,6 +227,7 @@ def recipes() -> None:
 @app.command(context_settings=HYDRA_ARGS)
 def train(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     multirun: bool = typer.Option(
         False, "-m", "--multirun", help="Sweep: key=a,b runs one training per combination, in turn."
     ),
@@ -227,7 +243,7 @@ def train(
     """
     from dhp.config import load_config
 
-    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     if multirun:
         from dhp.runtime.sweep import run_sweep, sweep_exit_code
 
@@ -243,6 +259,7 @@ def train(
 @app.command(context_settings=HYDRA_ARGS)
 def verify(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to compare (also accepted as steps=N)."),
     loss_rtol: float = typer.Option(1e-5, "--loss-rtol", help="Max relative loss difference per step."),
     grad_atol: float = typer.Option(
@@ -262,8 +279,9 @@ def verify(
     from dhp.config import load_config
     from dhp.runtime.verify import render_report, render_step, verify_plan
 
-    args = [a for a in ctx.args if not a.startswith("steps=")]
-    steps = next((int(a.partition("=")[2]) for a in ctx.args if a.startswith("steps=")), steps)
+    given = command_words(ctx, words)
+    args = [a for a in given if not a.startswith("steps=")]
+    steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
     report = verify_plan(
@@ -362,6 +380,7 @@ app.add_typer(data_app, name="data")
 @data_app.command("check", context_settings=HYDRA_ARGS)
 def data_check(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Scan every configured sample once: counts, vision tokens, text lengths, bad samples.
@@ -372,7 +391,7 @@ def data_check(
     from dhp.config import load_config
     from dhp.data.check import check_data, render_report
 
-    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = load_config(conf, overrides, smoke=smoke)
     from dhp.metrics.bars import progress_bar
 
