@@ -308,6 +308,12 @@ def export(
         "--lora",
         help="LoRA adapters: merge | adapter (peft files beside the base; default: export.lora).",
     ),
+    adapter_base: str = typer.Option(
+        "",
+        "--adapter-base",
+        help="With adapter export: base_model_name_or_path in adapter_config.json (a hub id or a "
+        "path; default: OUT's absolute path, which breaks once OUT moves).",
+    ),
 ) -> None:
     """Export a dhp checkpoint to a Hugging Face directory (config.json + safetensors shards).
 
@@ -319,7 +325,12 @@ def export(
 
     with progress_bar(err_console, "export shards") as bar:
         ckpt, path = export_checkpoint(
-            checkpoint, out_dir=out, dtype=dtype or None, on_progress=bar, lora_mode=lora or None
+            checkpoint,
+            out_dir=out,
+            dtype=dtype or None,
+            on_progress=bar,
+            lora_mode=lora or None,
+            adapter_base=adapter_base or None,
         )
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
 
