@@ -61,6 +61,29 @@ def _root(
     """Train multimodal models with disaggregated hybrid parallelism (one Ray group per module)."""
 
 
+def machine_profile(cfg):
+    """``cfg`` with this machine's cluster numbers when it plans for this machine (dhp.machine)."""
+    from dhp.machine import machine_profile as this_machine
+
+    return this_machine(cfg)
+
+
+def refine_machine_profile(run_dir, cfg) -> None:
+    """Fold a finished local run's phase times into this machine's profile cache (dhp.machine)."""
+    from dhp.errors import DhpError
+    from dhp.machine import record_run
+
+    if run_dir is None:
+        return
+    try:
+        line = record_run(run_dir, cfg)
+    except DhpError as e:  # a run the fit cannot use leaves the cache as it was; say why
+        err_console.print(f"machine profile not refined: {e}", markup=False, soft_wrap=True)
+        return
+    if line:
+        console.print(f"estimates on this machine now use: {line}", markup=False, soft_wrap=True)
+
+
 def command_words(ctx: typer.Context, words: list[str] | None) -> list[str]:
     """The key=value words of a command, in order: the declared argument's, then any extra ones."""
     return [*(words or []), *ctx.args]
@@ -140,7 +163,7 @@ def plan(
     from dhp.plan.reserve import reserve_plan
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
-    cfg = load_config(conf, overrides, smoke=smoke)
+    cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
     if auto:
         from dhp.plan.auto import render_auto, run_auto
 
@@ -250,7 +273,9 @@ def train(
         raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
     from dhp.runtime.train import train as run_training
 
-    result = run_training(load_config(conf, overrides, smoke=smoke), console=console)
+    cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    result = run_training(cfg, console=console)
+    refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise typer.Exit(128 + (result.signal or 2))
     raise typer.Exit(0)

@@ -127,6 +127,9 @@ class ClusterConfig:
     collective_overhead_s: float = 0.0  # per collective call (gloo/NCCL setup, rendezvous)
     tensor_overhead_s: float = 0.0  # per parameter tensor in norm/clip/AdamW loops, per step
     profile: str = "defaults"  # where the efficiencies come from (defaults | calibrated: runs)
+    # how the numbers above were obtained, printed beside every estimate: "built-in defaults", a
+    # probe of this machine (dhp.machine), its cached profile refined by N runs, or public anchors
+    provenance: str = "built-in defaults"
 
 
 @dataclass

@@ -69,7 +69,7 @@ def render_auto(ranked: list, why: str, plan: Plan, console: Console) -> None:
     console.print(f"winner: {ranked[0][0].label()}\n  {why}")
     if est is not None:
         console.print(
-            f"  estimate ({est['profile']}): {est['step_time_s']:.3f} s/step, "
+            f"  estimate ({est['profile']}; {est['provenance']}): {est['step_time_s']:.3f} s/step, "
             f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s"
         )
     console.print("  overrides: " + " ".join(ranked[0][1]))
