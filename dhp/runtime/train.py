@@ -25,6 +25,7 @@ from rich.markup import escape
 from dhp.config.schema import RunConfig
 from dhp.errors import RuntimeFailure
 from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.startup import Startup
 
 
 @dataclass
@@ -37,6 +38,7 @@ class RunResult:
     interrupted: bool = False
     signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM), if any
     restarts: int = 0
+    startup: Startup = field(default_factory=Startup)  # the first attempt's phases (dhp.runtime.startup)
 
 
 def make_run_dir(*, output_dir: str, name: str) -> Path:
@@ -59,6 +61,7 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     from dhp.checkpoint import remove_stale_temps, resolve_resume
 
     console = console or Console()
+    startup = Startup.from_process_start()
     from dhp.metrics.tracker_check import check_trackers
 
     check_trackers(config.metrics)  # before a run dir, Ray or a tracker run exists
@@ -75,7 +78,8 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     run_dir = _make_run_dir_or_fail(config)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
-    result = RunResult(run_dir=run_dir, last_checkpoint=resume)
+    startup.mark("plan + run dir")
+    result = RunResult(run_dir=run_dir, last_checkpoint=resume, startup=startup)
     console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
     from dhp.checkpoint import capture_rng_state
 
@@ -224,7 +228,9 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
 
     t = config.train
     run_dir = result.run_dir
+    clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
     loader = build_run_loader(config)
+    clock.mark("data loader")
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
     )
@@ -234,13 +240,14 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
     graceful = True
     try:
         ready = 60.0 if result.restarts == 0 else t.restart_wait_s
-        trainer = Trainer(config, plan, ready_timeout_s=ready)
+        trainer = Trainer(config, plan, ready_timeout_s=ready, startup=clock)
         sig.reinstall()
         if config.checkpoint.async_save:
             from dhp.runtime.checkpointing import AsyncCheckpoints
 
             saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir)
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
+        clock.mark("resume")
         loop = _Loop(
             config=config,
             plan=plan,
@@ -255,6 +262,10 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
         with TrainProgress(console=console, total=t.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
         progress.summary(result, loop.records)
+        if loop.records and clock is result.startup:
+            clock.add("step 1 (its own wall time)", loop.records[0]["step_s"])
+            clock.render(console)
+            clock.write(run_dir / "startup.json")
     except KeyboardInterrupt:
         result.interrupted = True
         if trainer is None:
