@@ -229,6 +229,7 @@ def _attempt(config, plan, resume, checked, *, result: RunResult, console: Conso
     t = config.train
     run_dir = result.run_dir
     clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
+    clock.mark("driver imports (runtime, worker and model code)")  # the imports above, first time
     loader = build_run_loader(config)
     clock.mark("data loader")
     schedule = WarmupCosine(
