@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_FIRST_RUN = True  # this process has not started a run yet
+
 
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), None where that cannot be read."""
@@ -37,9 +39,12 @@ class Startup:
 
     @classmethod
     def from_process_start(cls) -> Startup:
-        """A timeline whose first phase is everything this process did before now."""
+        """A timeline whose first phase is everything this process did before now; from the second
+        run of one process on (a sweep), that time belongs to the earlier runs and is left out."""
+        global _FIRST_RUN
         out = cls()
-        age = process_age_s()
+        age = process_age_s() if _FIRST_RUN else None
+        _FIRST_RUN = False
         if age is not None:
             out.phases.append(("imports + config (this process)", age))
         return out

@@ -11,7 +11,8 @@ from rich.console import Console
 from dhp.runtime.startup import Startup, process_age_s
 
 
-def test_phases_sum_to_the_wall_time_and_render(tmp_path) -> None:
+def test_phases_sum_to_the_wall_time_and_render(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("dhp.runtime.startup._FIRST_RUN", True)
     age = process_age_s()
     assert age is not None and age > 0  # this process started before the test
     clock = Startup.from_process_start()
@@ -32,3 +33,9 @@ def test_phases_sum_to_the_wall_time_and_render(tmp_path) -> None:
     buf = io.StringIO()
     clock.render(Console(file=buf, width=100))
     assert "start-up:" in buf.getvalue() and "Ray start" in buf.getvalue()
+
+
+def test_a_second_run_of_one_process_does_not_count_the_first(monkeypatch) -> None:
+    monkeypatch.setattr("dhp.runtime.startup._FIRST_RUN", True)
+    assert Startup.from_process_start().phases  # the process's own start-up
+    assert Startup.from_process_start().phases == []  # a sweep's next run: its phases only
