@@ -6,9 +6,9 @@ other ``key=value`` is a Hydra override. A user error (:class:`dhp.errors.DhpErr
 message and exits with status 2, never a traceback.
 
 To add a command: a thin function decorated with ``@app.command()`` (or on a sub-typer added with
-``app.add_typer(sub, name="data")``) that calls ``parse_hydra_args(ctx.args)`` and ``load_config``.
-Each command imports its library function inside its body, so ``dhp --help`` starts without loading
-torch or Ray.
+``app.add_typer(sub, name="data")``) that calls ``parse_hydra_args(command_words(ctx, words))``
+and ``load_config``. Each command imports its library function inside its body, so ``dhp --help``
+starts without loading torch or Ray.
 """
 
 from __future__ import annotations
@@ -18,11 +18,20 @@ import os
 import sys
 
 import typer
-from rich.console import Console
 
+from dhp.completion import complete_word
 from dhp.errors import DhpError
+from dhp.term import make_console
 
 HYDRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+#: the key=value words of a command: shell completion of conf= recipe names (dhp.completion)
+KEY_VALUES = typer.Argument(
+    None,
+    help="conf=RECIPE|PATH, smoke=true|false and key=value overrides.",
+    autocompletion=complete_word,
+    show_default=False,
+    metavar="KEY=VALUE...",
+)
 
 app = typer.Typer(
     name="dhp",
@@ -33,8 +42,8 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain click help: no "<bool>" type column beside flags
     context_settings={"max_content_width": 120},
 )
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()  # off a terminal: a fixed wide width, nothing cut (dhp.term)
+err_console = make_console(stderr=True)
 
 
 def _print_version(value: bool) -> None:
@@ -52,6 +61,34 @@ def _root(
     ),
 ) -> None:
     """Train multimodal models with disaggregated hybrid parallelism (one Ray group per module)."""
+
+
+def machine_profile(cfg):
+    """``cfg`` with this machine's cluster numbers when it plans for this machine (dhp.machine)."""
+    from dhp.machine import machine_profile as this_machine
+
+    return this_machine(cfg)
+
+
+def refine_machine_profile(run_dir, cfg) -> None:
+    """Fold a finished local run's phase times into this machine's profile cache (dhp.machine)."""
+    from dhp.errors import DhpError
+    from dhp.machine import record_run
+
+    if run_dir is None:
+        return
+    try:
+        line = record_run(run_dir, cfg)
+    except DhpError as e:  # a run the fit cannot use leaves the cache as it was; say why
+        err_console.print(f"machine profile not refined: {e}", markup=False, soft_wrap=True)
+        return
+    if line:
+        console.print(f"estimates on this machine now use: {line}", markup=False, soft_wrap=True)
+
+
+def command_words(ctx: typer.Context, words: list[str] | None) -> list[str]:
+    """The key=value words of a command, in order: the declared argument's, then any extra ones."""
+    return [*(words or []), *ctx.args]
 
 
 def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
@@ -106,12 +143,17 @@ def parse_hydra_args(args: list[str]) -> tuple[str, list[str], bool]:
 @app.command(context_settings=HYDRA_ARGS)
 def plan(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; do not contact Ray."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
     auto: bool = typer.Option(
         False, "--auto", help="Search for the fastest plan that fits; keeps key=value settings."
     ),
-    save: str = typer.Option("", "--save", help="With --auto: write the chosen run as a recipe YAML."),
+    save: str = typer.Option(
+        "",
+        "--save",
+        help="With --auto: write the chosen run as a recipe YAML, run name <name>_auto (unless name= is given).",
+    ),
 ) -> None:
     """Compile a run's plan: groups, placement, routing, memory by phase and a step-time estimate.
 
@@ -122,14 +164,22 @@ def plan(
     from dhp.plan import compile_plan, render_plan
     from dhp.plan.reserve import reserve_plan
 
-    conf, overrides, smoke = parse_hydra_args(ctx.args)
-    cfg = load_config(conf, overrides, smoke=smoke)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
+    cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
     if auto:
         from dhp.plan.auto import render_auto, run_auto
 
         compiled, ranked, why = run_auto(cfg, {o.partition("=")[0] for o in overrides}, save=save or None)
         if not as_json:
             render_auto(ranked, why, compiled, console)
+        if save:  # stderr under --json: stdout stays one JSON document
+            out = err_console if as_json else console
+            out.print(
+                f"saved the winning plan as run name {compiled.name!r}: {os.path.abspath(save)}\n"
+                f"  train it with: dhp train conf={save}",
+                markup=False,
+                soft_wrap=True,
+            )
     else:
         compiled = compile_plan(cfg)
     if dry_run:  # the data must be reachable where the run starts
@@ -202,6 +252,7 @@ def recipes() -> None:
 @app.command(context_settings=HYDRA_ARGS)
 def train(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     multirun: bool = typer.Option(
         False, "-m", "--multirun", help="Sweep: key=a,b runs one training per combination, in turn."
     ),
@@ -217,14 +268,16 @@ def train(
     """
     from dhp.config import load_config
 
-    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     if multirun:
         from dhp.runtime.sweep import run_sweep, sweep_exit_code
 
         raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
     from dhp.runtime.train import train as run_training
 
-    result = run_training(load_config(conf, overrides, smoke=smoke), console=console)
+    cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    result = run_training(cfg, console=console)
+    refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise typer.Exit(128 + (result.signal or 2))
     raise typer.Exit(0)
@@ -233,6 +286,7 @@ def train(
 @app.command(context_settings=HYDRA_ARGS)
 def verify(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to compare (also accepted as steps=N)."),
     loss_rtol: float = typer.Option(1e-5, "--loss-rtol", help="Max relative loss difference per step."),
     grad_atol: float = typer.Option(
@@ -252,8 +306,9 @@ def verify(
     from dhp.config import load_config
     from dhp.runtime.verify import render_report, render_step, verify_plan
 
-    args = [a for a in ctx.args if not a.startswith("steps=")]
-    steps = next((int(a.partition("=")[2]) for a in ctx.args if a.startswith("steps=")), steps)
+    given = command_words(ctx, words)
+    args = [a for a in given if not a.startswith("steps=")]
+    steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
     report = verify_plan(
@@ -280,6 +335,12 @@ def export(
         "--lora",
         help="LoRA adapters: merge | adapter (peft files beside the base; default: export.lora).",
     ),
+    adapter_base: str = typer.Option(
+        "",
+        "--adapter-base",
+        help="With adapter export: base_model_name_or_path in adapter_config.json (a hub id or a "
+        "path; default: OUT's absolute path, which breaks once OUT moves).",
+    ),
 ) -> None:
     """Export a dhp checkpoint to a Hugging Face directory (config.json + safetensors shards).
 
@@ -291,7 +352,12 @@ def export(
 
     with progress_bar(err_console, "export shards") as bar:
         ckpt, path = export_checkpoint(
-            checkpoint, out_dir=out, dtype=dtype or None, on_progress=bar, lora_mode=lora or None
+            checkpoint,
+            out_dir=out,
+            dtype=dtype or None,
+            on_progress=bar,
+            lora_mode=lora or None,
+            adapter_base=adapter_base or None,
         )
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
 
@@ -352,6 +418,7 @@ app.add_typer(data_app, name="data")
 @data_app.command("check", context_settings=HYDRA_ARGS)
 def data_check(
     ctx: typer.Context,
+    words: list[str] = KEY_VALUES,
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
     show: int = typer.Option(
         0, "--show", help="Print the first N samples decoded: roles, media, loss tokens."
@@ -366,17 +433,17 @@ def data_check(
     from dhp.config import load_config
     from dhp.data.check import check_data, render_report
 
-    if not any(a.startswith("conf=") for a in ctx.args):
+    if not any(a.startswith("conf=") for a in command_words(ctx, words)):
         from dhp.config.data_shortcuts import bare_data_config
         from dhp.data.check_records import check_records
 
-        report = check_records(bare_data_config(list(ctx.args)))
+        report = check_records(bare_data_config(command_words(ctx, words)))
         if as_json:
             print(json.dumps(report.to_json(), indent=1))
         else:
             render_report(report, console=console)
         raise typer.Exit(1 if report.failed else 0)
-    conf, overrides, smoke = parse_hydra_args(ctx.args)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = load_config(conf, overrides, smoke=smoke)
     from dhp.metrics.bars import progress_bar
 

@@ -19,6 +19,8 @@ class ConfigIssue:
     fix: str
 
     def __str__(self) -> str:
+        if not self.fix:  # a message written whole (ConfigError(str)): it carries its own fix
+            return self.rule
         return f"{self.path} = {self.value!r}: {self.rule}. Fix: {self.fix}"
 
 
@@ -27,7 +29,7 @@ class ConfigError(DhpError):
 
     def __init__(self, issues: list[ConfigIssue] | str) -> None:
         if isinstance(issues, str):
-            issues = [ConfigIssue(path="<config>", value=None, rule=issues, fix="see the message")]
+            issues = [ConfigIssue(path="<config>", value=None, rule=issues, fix="")]
         self.issues = list(issues)
         lines = [f"{len(self.issues)} config error(s):"] + [f"  - {i}" for i in self.issues]
         super().__init__("\n".join(lines))

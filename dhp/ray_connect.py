@@ -7,13 +7,15 @@ Neutral on purpose: ``dhp.plan`` must not import ``dhp.runtime``, and both need 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -84,11 +86,40 @@ def connect_ray(
     gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
     kwargs = {"num_gpus": gpus} if gpus else {}
     # address="local": always a new instance of our own, never a `ray start` head found on this machine
-    ray.init(address="local", num_cpus=cpus, **LOCAL_RAY, **kwargs)
+    with _quiet_default_token_auth():
+        ray.init(address="local", num_cpus=cpus, **LOCAL_RAY, **kwargs)
     _keep_handler(signal.SIGTERM, term)
     if on_local_start is not None:
         on_local_start()
     return True
+
+
+#: Ray's logger for the notice it prints when it turns token authentication on by itself
+_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+@contextlib.contextmanager
+def _quiet_default_token_auth() -> Iterator[None]:
+    """Drop Ray's "Token authentication is enabled for this Ray cluster" notice while dhp starts
+    its own local instance, and nothing else.
+
+    Ray >= 2.60 turns token authentication on for a new local instance and says so on every start.
+    The protection stays exactly as Ray sets it (a token is still required to join this instance;
+    only the notice goes). That is safe to hide because the instance is dhp's own: started here for
+    this command, never shared, stopped when the command ends. The notice that auth is *disabled*,
+    and every other Ray message, still shows.
+    """
+    log, notice = logging.getLogger(_AUTH_LOGGER), _DropAuthNotice()
+    log.addFilter(notice)
+    try:
+        yield
+    finally:
+        log.removeFilter(notice)
 
 
 def _keep_handler(signum: int, handler: Any) -> None:

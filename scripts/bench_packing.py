@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -69,18 +70,27 @@ def step(module, batch: VLBatch, hidden: int, device: torch.device) -> None:
     (out.loss_sum / max(out.num_tokens, 1)).backward()
 
 
-def run(module, batches: list[VLBatch], *, warmup: int, hidden: int, device: torch.device) -> dict:
+def progress(msg: str) -> None:
+    """One line on stderr per micro-batch: the run is long on a CPU and stdout holds the table."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(module, batches: list[VLBatch], *, warmup: int, hidden: int, device: torch.device, name: str) -> dict:
     """Time forward + backward over ``batches`` (after ``warmup`` untimed ones)."""
-    for b in batches[:warmup]:
+    start = time.perf_counter()
+    for i, b in enumerate(batches[:warmup], 1):
         step(module, b, hidden, device)
+        progress(f"{name}: warm-up {i}/{warmup} ({time.perf_counter() - start:.1f} s)")
     real = total = 0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    for b in batches[warmup:]:
+    timed = batches[warmup:]
+    for i, b in enumerate(timed, 1):
         step(module, b, hidden, device)
         real += int((b.attention_mask > 0).sum())
         total += b.input_ids.numel()
+        progress(f"{name}: micro-batch {i}/{len(timed)} ({time.perf_counter() - t0:.1f} s)")
     sync()
     secs = time.perf_counter() - t0
     rows = sum(b.input_ids.shape[0] for b in batches[warmup:])
@@ -124,6 +134,7 @@ def main() -> None:
     cfg.llm.num_kv_heads = cfg.llm.num_heads // 2
     hf = family.hf_config(cfg)
     torch.manual_seed(0)
+    progress(f"building the {args.layers}-layer LLM (hidden {args.hidden}) on {device}")
     module = family.build_module("llm", hf, device=device, dtype=torch.float32)
     n = args.micro_batches * args.micro_batch_size
     lengths = length_mix(n, lo=args.min_len, hi=args.max_len, median=args.median, sigma=args.sigma, seed=0)
@@ -137,7 +148,8 @@ def main() -> None:
     packed = [pack(g, max_tokens=args.max_tokens, pad_token_id=pad) for g in groups]
     res = {}
     for name, batches in (("padded", padded), ("packed", packed)):
-        res[name] = run(module, batches, warmup=args.warmup, hidden=hf.text_config.hidden_size, device=device)
+        hidden = hf.text_config.hidden_size
+        res[name] = run(module, batches, warmup=args.warmup, hidden=hidden, device=device, name=name)
     speedup = res["packed"]["tokens_per_s"] / res["padded"]["tokens_per_s"]
     out = {
         "config": {**vars(args), "device": str(device), "lengths_mean": sum(lengths) / n},

@@ -126,6 +126,7 @@ def measure(conf: str, overrides: list[str], *, steps: int, warmup: int) -> dict
                 result=res,
                 data=data,
                 lr=cfg.train.lr,
+                base_lr=cfg.train.lr,
                 model=cfg.model,
                 modules=dict(cfg.modules),
                 cluster=cfg.cluster,

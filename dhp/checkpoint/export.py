@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dhp.checkpoint.export_processor import make_processor_loadable
 from dhp.checkpoint.layout import resolve_resume
 from dhp.checkpoint.lora_export import (
     ADAPTER_DIR,
@@ -128,6 +129,7 @@ def export_hf(
     on_progress=None,
     lora: dict[str, Any] | None = None,
     lora_mode: str = "merge",
+    adapter_base: str | None = None,
 ) -> Path:
     """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer/processor side files).
 
@@ -136,7 +138,10 @@ def export_hf(
     ``on_progress(done, total)`` is called after each written shard (the CLI's progress bar).
     ``lora`` (module -> its ``lora`` config) is needed when the checkpoint holds LoRA adapters;
     ``lora_mode``: ``merge`` them into the weights or write peft's ``adapter`` files beside the base
-    (``dhp.checkpoint.lora_export``).
+    (``dhp.checkpoint.lora_export``). ``adapter_base``: what ``adapter_config.json`` names as
+    ``base_model_name_or_path`` (a hub id, or a path as the adapter will be loaded: e.g. ``..``
+    when it is loaded from inside the adapter folder); None: ``out_dir``'s absolute path, which
+    loads from anywhere on this machine but not once the export is moved.
     """
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -182,7 +187,9 @@ def export_hf(
     if adapters and lora_mode == "adapter":
         by_layer = {k.rsplit(".", 1)[0]: v for k, v in adapters.items()}
         # the base weights are out_dir itself (the frozen base as trained, also for a random init)
-        write_adapter(out_dir / ADAPTER_DIR, by_layer, base_path=str(out_dir.resolve()), dtype=dtype)
+        write_adapter(
+            out_dir / ADAPTER_DIR, by_layer, base_path=adapter_base or str(out_dir.resolve()), dtype=dtype
+        )
     if dtype is not None:
         hf_config.dtype = dtype
     hf_config.save_pretrained(str(out_dir))
@@ -190,6 +197,7 @@ def export_hf(
         for f in _SIDE_FILES:
             if (Path(model.path) / f).is_file():
                 shutil.copy2(Path(model.path) / f, out_dir / f)
+        make_processor_loadable(out_dir)  # AutoProcessor without torchvision (export_processor)
     return out_dir
 
 
@@ -219,6 +227,7 @@ def export_checkpoint(
     dtype: str | None,
     on_progress=None,
     lora_mode: str | None = None,
+    adapter_base: str | None = None,
 ) -> tuple[Path, Path]:
     """CLI entry: resolve ``checkpoint`` (a step dir or a run dir), read the run's config.yaml, export.
 
@@ -245,4 +254,5 @@ def export_checkpoint(
         on_progress=on_progress,
         lora=lora,
         lora_mode=lora_mode or cfg.export.lora,  # the CLI's --lora, else the run's export.lora
+        adapter_base=adapter_base,
     )

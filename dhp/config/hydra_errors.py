@@ -94,6 +94,41 @@ def _missing_option_issue(msg: str, conf: str) -> ConfigIssue:
     )
 
 
+_SPECIAL = re.compile(r"[\[\]{}()*?,:= ]")
+
+
+def _parse_issue(err: OverrideParseException, overrides: list[str]) -> ConfigIssue:
+    """The override Hydra's grammar refused; a value holding brackets or globs gets the quoting fix."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    bad, reason = "", str(err).splitlines()[0]
+    for override in overrides:  # Hydra names the grammar's complaint, not the override: find it
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as e:
+            bad, reason = override, str(e).splitlines()[0]
+            break
+    key, eq, value = bad.partition("=")
+    if not eq:
+        fix = "write overrides as key=value, e.g. modules.vision.parallel.sp=4"
+    elif value.startswith("[") or value.startswith("{"):
+        body = value[1:-1] if value[-1:] in "]}" else value[1:]
+        inner = [v.strip() for v in body.split(",") if v.strip()]
+        quoted = ",".join(f"'{v.strip(chr(39) + chr(34))}'" for v in inner) or "'...'"
+        fix = (
+            "quote each list element that holds brackets, globs or spaces, and the whole override "
+            f'for the shell, e.g. "{key}=[{quoted}]"'
+        )
+    elif _SPECIAL.search(value):
+        fix = f"quote the value for Hydra, and the override for the shell: \"{key}='{value}'\""
+    else:
+        fix = "write overrides as key=value, e.g. modules.vision.parallel.sp=4"
+    return ConfigIssue(
+        path=key or "<override>", value=bad or value, rule=f"not a valid Hydra override ({reason})", fix=fix
+    )
+
+
 def to_config_error(exc: BaseException, *, conf: str, overrides: list[str]) -> ConfigError:
     """Map any composition failure to a ConfigError (keeps an existing ConfigError as is)."""
     if isinstance(exc, ConfigError):
@@ -101,17 +136,7 @@ def to_config_error(exc: BaseException, *, conf: str, overrides: list[str]) -> C
     chain = _chain(exc)
     for err in chain:
         if isinstance(err, OverrideParseException):
-            bad = str(err).splitlines()[0].removeprefix("Error parsing override ").strip("'")
-            return ConfigError(
-                [
-                    ConfigIssue(
-                        path=bad.partition("=")[0] or "<override>",
-                        value=bad,
-                        rule="not a valid Hydra override",
-                        fix="write overrides as key=value, e.g. modules.vision.parallel.sp=4",
-                    )
-                ]
-            )
+            return ConfigError([_parse_issue(err, overrides)])
         if isinstance(err, MissingConfigException):
             return ConfigError([_missing_option_issue(str(err), conf)])
     for err in chain:

@@ -127,8 +127,8 @@ class ClusterConfig:
     collective_overhead_s: float = 0.0  # per collective call (gloo/NCCL setup, rendezvous)
     tensor_overhead_s: float = 0.0  # per parameter tensor in norm/clip/AdamW loops, per step
     profile: str = "defaults"  # where the efficiencies come from (defaults | calibrated: runs)
-    # where the profile's step-time constants come from, printed with the estimate (e.g. "anchored to
-    # N public measurements, held-out error X %", or "calibrated on this cluster, N runs")
+    # how the numbers above were obtained, printed beside every estimate: "built-in defaults", a
+    # probe of this machine (dhp.machine), its cached profile refined by N runs, or public anchors
     provenance: str = "built-in defaults"
 
 

@@ -16,6 +16,7 @@ each curve continues at step N+1. A new run directory (``train.resume=fork``) st
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,8 +99,12 @@ class WandbLogger:
         )
         if run_id:  # a resumed run may change e.g. train.steps; keep the newest values
             self.run.config.update(config, allow_val_change=True)
-        for f in files:
-            self.run.save(str(f), base_path=str(f.parent.parent), policy="now")
+        for f in files:  # a copy in the run's files dir: run.save of a file outside it symlinks it
+            # and warns "Symlinked 1 file ..." once per file; a file already there is saved quietly
+            dst = Path(self.run.dir) / f.parent.name / f.name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
+            self.run.save(str(dst), base_path=self.run.dir, policy="now")
         self.ident = {
             "id": self.run.id,
             "project": cfg.project,

@@ -19,18 +19,38 @@ def step_tokens(data: Any, *, merge: int) -> tuple[list[int], list[int]]:
     return patches, seqs
 
 
+def group_lrs(modules: dict[str, ModuleConfig], *, lr: float, base_lr: float) -> dict[str, float]:
+    """The LR each optimizer param group runs at this step, ``{"<module>/<group>": lr}``.
+
+    ``lr`` is the schedule's LR for the step; ``base_lr`` is ``train.lr``. Group ``default`` holds the
+    parameters no ``param_groups`` glob matches; each glob's group runs at ``lr * its_lr / base_lr``,
+    as ``dhp.parallel.param_groups.set_lr`` applies it (schedule scales every group alike). Frozen
+    modules have no optimizer and no entry.
+    """
+    out: dict[str, float] = {}
+    for name, mod in modules.items():
+        if mod.freeze:
+            continue
+        out[f"{name}/default"] = lr
+        for g in mod.param_groups:
+            scale = (g.lr / base_lr if base_lr > 0 else 1.0) if g.lr is not None else 1.0
+            out[f"{name}/{g.match}"] = lr * scale
+    return out
+
+
 def build_record(
     *,
     step: int,
     result: Any,
     data: Any,
     lr: float,
+    base_lr: float,
     model: ModelConfig,
     modules: dict[str, ModuleConfig],
     cluster: ClusterConfig,
     world_devices: int,
 ) -> dict[str, Any]:
-    """The fixed-name record (see ``dhp.metrics.METRIC_KEYS``).
+    """The fixed-name record (see ``dhp.metrics.METRIC_KEYS``); ``lr_groups`` per :func:`group_lrs`.
 
     tokens/s: vision = encoder patches, text = LLM tokens (attention mask), per step wall time.
     MFU = (encoder + LLM model FLOPs) / step_s / (cluster.peak_bf16_tflops * devices), PaLM formula.
@@ -52,6 +72,7 @@ def build_record(
         "step": step,
         "loss": result.loss,
         "lr": lr,
+        "lr_groups": group_lrs(modules, lr=lr, base_lr=base_lr),
         "grad_norm": result.grad_norm,
         "tokens_per_s_vision": sum(patches) / dt,
         "tokens_per_s_text": sum(seqs) / dt,

@@ -14,6 +14,7 @@ METRIC_KEYS = (
     "step",
     "loss",
     "lr",
+    "lr_groups",  # {"<module>/<param group>": LR this step}; "default" = parameters no glob matches
     "grad_norm",
     "tokens_per_s_vision",
     "tokens_per_s_text",

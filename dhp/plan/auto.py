@@ -33,13 +33,28 @@ def save_recipe(config: DictConfig, path: str, *, why: str) -> Path:
     return out
 
 
+AUTO_SUFFIX = "_auto"
+
+
+def auto_name(name: str) -> str:
+    """The run name of a saved auto plan: ``<name>_auto``, so its run dirs and checkpoints live apart
+    from the original recipe's and ``train.resume=auto`` of either never picks up the other's."""
+    return name if name.endswith(AUTO_SUFFIX) else name + AUTO_SUFFIX
+
+
 def run_auto(config: DictConfig, fixed: set[str], *, save: str | None) -> tuple[Plan, list, str]:
-    """Search, compile the winner and optionally save it; returns (winner plan, ranked, reason)."""
+    """Search, compile the winner and optionally save it; returns (winner plan, ranked, reason).
+
+    The saved recipe runs under :func:`auto_name` (``name=`` given on the command line is kept
+    as the user wrote it: it is theirs to choose).
+    """
     ranked, why = auto_plan(config, fixed)
     best = ranked[0][0]
     chosen = apply(config, ranked[0][1])
     OmegaConf.set_readonly(chosen, False)
     chosen.description = f"dhp plan --auto: {best.label()}"
+    if save and "name" not in fixed:
+        chosen.name = auto_name(str(chosen.name))
     OmegaConf.set_readonly(chosen, True)
     plan = compile_plan(chosen)
     if save:
@@ -54,7 +69,7 @@ def render_auto(ranked: list, why: str, plan: Plan, console: Console) -> None:
     console.print(f"winner: {ranked[0][0].label()}\n  {why}")
     if est is not None:
         console.print(
-            f"  estimate ({est['profile']}): {est['step_time_s']:.3f} s/step, "
+            f"  estimate ({est['profile']}; {est['provenance']}): {est['step_time_s']:.3f} s/step, "
             f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s"
         )
     console.print("  overrides: " + " ".join(ranked[0][1]))

@@ -254,4 +254,5 @@ def estimate_step(
         idle_s=step.idle_s,
         profile=str(cluster.profile),
         modules=per,
+        provenance=str(cluster.provenance),
     )

@@ -170,7 +170,8 @@ def estimate_table(plan: Plan) -> Table | None:
         return None
     table = Table(
         title=(
-            f"step-time estimate (profile: {est['profile']}): {est['step_time_s']:.3f} s/step, "
+            f"step-time estimate (profile: {est['profile']}; {est['provenance']}): "
+            f"{est['step_time_s']:.3f} s/step, "
             f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s, "
             f"MFU {100 * est['mfu']:.1f}%, {est['micro_batches']} micro-batches, bottleneck {est['bottleneck']}"
         )

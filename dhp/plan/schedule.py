@@ -62,6 +62,7 @@ class StepEstimate:
     idle_s: dict[str, float]
     profile: str
     modules: dict[str, dict[str, float]] = field(default_factory=dict)
+    provenance: str = "built-in defaults"  # ClusterConfig.provenance: how the profile was obtained
 
     def to_json(self) -> dict:
         mods = {}
@@ -85,5 +86,6 @@ class StepEstimate:
             "handoff_s": self.handoff_s,
             "bottleneck": self.bottleneck,
             "profile": self.profile,
+            "provenance": self.provenance,
             "modules": mods,
         }

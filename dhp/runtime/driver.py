@@ -41,6 +41,7 @@ from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
 from dhp.runtime.reaper import start_for_local_ray
 from dhp.runtime.spec import WorkerSpec
+from dhp.runtime.startup import Startup
 from dhp.runtime.worker import ModuleWorker
 
 
@@ -66,7 +67,13 @@ class Trainer:
     """The actor groups of one run and the step across them. ``close()`` frees everything."""
 
     def __init__(
-        self, config: RunConfig, plan: Plan, *, ready_timeout_s: float = 60.0, init_timeout_s: float = 300.0
+        self,
+        config: RunConfig,
+        plan: Plan,
+        *,
+        ready_timeout_s: float = 60.0,
+        init_timeout_s: float = 300.0,
+        startup: Startup | None = None,
     ) -> None:
         """Connect Ray (``cluster.ray_address``, ``$RAY_ADDRESS`` or a local one), reserve the plan's
         placement groups (PlanError if they cannot be placed in ``ready_timeout_s``), start one actor
@@ -78,10 +85,13 @@ class Trainer:
         self._update: list[Any] = []
         self._pgs: list[Any] = []
         self._timeout = config.train.step_timeout_s
+        self.startup = startup if startup is not None else Startup()  # phase times (dhp.runtime.startup)
         self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
+        self.startup.mark("Ray start")
         try:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
+            self.startup.mark("placement groups")
             self.family = get_family(config.model.family)
             self.hf_config = _hf_config(self.family, config.model)
             names = [n for n in self.family.module_names if n in specs]  # producers first
@@ -119,13 +129,16 @@ class Trainer:
                 )
             for group in self.groups.values():  # every group's processes start at once
                 group.wait_started()
+            self.startup.mark("actors start (a process per rank, its imports)")
             init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
             if self.links:
                 self._connect_channel(names, timeout_s=init_timeout_s)
+            self.startup.mark("process groups + hand-off channel")
             pending = {n: g.submit(ModuleWorker.build) for n, g in self.groups.items()}
             self.param_counts = {
                 n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
             }
+            self.startup.mark("build (modules, weight load, parallelism, optimizer)")
         except BaseException:
             self.close(graceful=False)
             raise

@@ -30,6 +30,7 @@ from dhp.runtime.checkpointing import AsyncCheckpoints, SaveFailed, is_io_failur
 from dhp.runtime.failures import FailureLog, failed_event
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.startup import Startup
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RunResult:
     interrupted: bool = False
     signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM), if any
     restarts: int = 0
+    startup: Startup = field(default_factory=Startup)  # the first attempt's phases (dhp.runtime.startup)
 
 
 def make_run_dir(*, output_dir: str, name: str) -> Path:
@@ -68,6 +70,10 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     from dhp.checkpoint import remove_stale_temps, resolve_resume
 
     console = console or Console()
+    startup = Startup.from_process_start()
+    from dhp.metrics.tracker_check import check_trackers
+
+    check_trackers(config.metrics)  # before a run dir, Ray or a tracker run exists
     t = config.train
     for p in remove_stale_temps(t.output_dir, name=config.name):
         console.print(f"removed a stale temp checkpoint dir left by a crashed save: {escape(str(p))}")
@@ -90,7 +96,8 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
         console.print(f"[bold]dhp train[/] {config.name}: continuing run dir {run_dir} (from {resume.name})")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
     (run_dir / "plan.json").write_text(plan.to_json_str())
-    result = RunResult(run_dir=run_dir, last_checkpoint=resume)
+    startup.mark("plan + run dir")
+    result = RunResult(run_dir=run_dir, last_checkpoint=resume, startup=startup)
     from dhp.checkpoint import capture_rng_state
 
     initial_rng = capture_rng_state()
@@ -248,8 +255,11 @@ def _attempt(
 
     t = config.train
     run_dir = result.run_dir
+    clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
+    clock.mark("driver imports (runtime, worker and model code)")  # the imports above, first time
     loader = build_run_loader(config)
     loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
+    clock.mark("data loader")
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
     )
@@ -259,11 +269,12 @@ def _attempt(
     graceful = True
     try:
         ready = 60.0 if result.restarts == 0 else t.restart_wait_s
-        trainer = Trainer(config, plan, ready_timeout_s=ready)
+        trainer = Trainer(config, plan, ready_timeout_s=ready, startup=clock)
         sig.reinstall()
         if config.checkpoint.async_save:
             saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir)
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
+        clock.mark("resume")
         loop = _Loop(
             config=config,
             plan=plan,
@@ -278,6 +289,10 @@ def _attempt(
         with TrainProgress(console=console, total=t.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
         progress.summary(result, loop.records)
+        if loop.records and clock is result.startup:
+            clock.add("step 1 (its own wall time)", loop.records[0]["step_s"])
+            clock.render(console)
+            clock.write(run_dir / "startup.json")
     except KeyboardInterrupt:
         result.interrupted = True
         if trainer is None:
@@ -491,6 +506,7 @@ class _Loop:
                     result=res,
                     data=data,
                     lr=lr,
+                    base_lr=t.lr,
                     model=self.config.model,
                     modules=dict(self.config.modules),
                     cluster=self.config.cluster,

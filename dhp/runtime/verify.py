@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
@@ -366,30 +367,43 @@ def render_step(s: StepDiff, report: VerifyReport, *, console) -> None:
 
 
 def render_report(report: VerifyReport, *, console) -> None:
-    """A rich table of every step and a one-line verdict naming the tolerances."""
+    """The summary after the per-step lines (:func:`render_step`), without repeating them: the plan
+    on a line of its own (never cut to a table's width), one row per module with the largest
+    gradient and parameter difference over all steps and the step it came from, the worst loss and
+    grad-norm differences, the failing steps, and a one-line verdict naming the tolerances."""
 
-    modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
-    table = Table(
-        title=f"dhp verify vs unsplit transformers: {report.plan_summary}",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
+    console.print(
+        f"[bold]dhp verify[/] vs unsplit transformers: {escape(report.plan_summary)}", soft_wrap=True
     )
-    for col in ("step", "loss", "ref loss", "rel", "|g|", "ref |g|"):
-        table.add_column(
-            col, justify="right", no_wrap=True, min_width={"step": 4, "loss": 8, "ref loss": 8}.get(col, 7)
+    modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("module", "max|dg|", "at step", "tensor", "max|dp|", "at step ", "tensor "):
+        left = col.strip() in ("module", "tensor")  # a long FQN folds onto the next line, never "…"
+        table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
+    for m in modules:
+        g = max((s for s in report.steps if m in s.grad_max_abs_diff), key=lambda s: s.grad_max_abs_diff[m])
+        row = [m, f"{g.grad_max_abs_diff[m]:.1e}", str(g.step), g.worst_param[m]]
+        with_p = [s for s in report.steps if m in s.param_max_abs_diff]
+        if with_p:
+            p = max(with_p, key=lambda s: s.param_max_abs_diff[m])
+            row += [f"{p.param_max_abs_diff[m]:.1e}", str(p.step), p.worst_param_after[m]]
+        else:
+            row += ["-", "-", "-"]
+        table.add_row(*row)
+    if modules:
+        console.print(table)
+    if report.steps:
+        loss = max(report.steps, key=lambda s: s.loss_rel_diff)
+        norm = max(report.steps, key=lambda s: s.grad_norm_rel_diff)
+        console.print(
+            f"worst loss rel diff {loss.loss_rel_diff:.1e} (step {loss.step}), "
+            f"worst grad-norm rel diff {norm.grad_norm_rel_diff:.1e} (step {norm.step})"
         )
-    for m in modules:
-        table.add_column(f"max|dg|\n{m}", justify="right", no_wrap=True, min_width=7)
-    for m in modules:
-        table.add_column(f"max|dp|\n{m}", justify="right", no_wrap=True, min_width=7)
-    for s in report.steps:
-        cells = [str(s.step), f"{s.loss:.6f}", f"{s.ref_loss:.6f}", f"{s.loss_rel_diff:.1e}"]
-        cells += [f"{s.grad_norm:.4f}", f"{s.ref_grad_norm:.4f}"]
-        cells += [f"{s.grad_max_abs_diff[m]:.1e}" if m in s.grad_max_abs_diff else "-" for m in modules]
-        cells += [f"{s.param_max_abs_diff[m]:.1e}" if m in s.param_max_abs_diff else "-" for m in modules]
-        table.add_row(*cells, style=None if report.step_ok(s) else "bold red")  # a failing step in red
-    console.print(table)
+    failing = [str(s.step) for s in report.steps if not report.step_ok(s)]
+    if failing:
+        console.print(
+            f"[bold red]failing steps[/]: {', '.join(failing)} (their lines above say which module)"
+        )
     verdict = "[bold green]PASS" if report.passed else "[bold red]FAIL"
     console.print(
         f"{verdict}[/]: loss and grad norm within {report.loss_rtol:g} relative, every parameter's gradient "

@@ -52,6 +52,13 @@ def test_run_directory_and_fixed_metric_names(reference):
     assert rows[0]["lr"] < rows[1]["lr"]  # warmup (train/tiny: warmup_steps=2)
     assert result.losses == {r["step"]: r["loss"] for r in rows}
     assert result.last_checkpoint is not None and (result.last_checkpoint / "meta.json").is_file()
+    # the start-up breakdown: every phase from the process's start to the end of step 1, timed
+    startup = json.loads((run_dir / "startup.json").read_text())
+    phases = [p["phase"] for p in startup["phases"]]
+    for want in ("Ray start", "actors start", "process groups", "build", "step 1"):
+        assert any(p.startswith(want) for p in phases), phases
+    assert all(p["seconds"] >= 0 for p in startup["phases"])
+    assert startup["total_s"] >= rows[0]["step_s"]
 
 
 def test_non_finite_loss_stops_before_the_update(ray_local, tmp_path):

@@ -122,3 +122,26 @@ def test_export_with_model_path_copies_tokenizer_and_processor(tmp_path: Path) -
     _assert_loads_exactly(out, mods, torch.float32)
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.decode(tok("a cat")["input_ids"]).strip() == "a cat"
+    # AutoProcessor loads the export here, where torchvision does not import beside the CPU torch
+    # (dhp.checkpoint.export_processor), and one real photo runs through it and the model class
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from dhp.models import load_processor
+
+    photo = sorted((Path(__file__).parents[3] / "dhp" / "data_assets" / "demo" / "images").glob("*.*"))[0]
+    image = Image.open(photo).convert("RGB")
+    proc = AutoProcessor.from_pretrained(str(out), trust_remote_code=True)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = proc(images=[image], text=[text], return_tensors="pt")
+    ours = load_processor(out)(images=[image], text=[text], return_tensors="pt")
+    assert torch.equal(inputs["input_ids"], ours["input_ids"])  # the same expansion as dhp's processor
+    assert torch.equal(inputs["pixel_values"], ours["pixel_values"])
+    assert int((inputs["input_ids"] == model_cfg.tokens.image_token_id).sum()) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()

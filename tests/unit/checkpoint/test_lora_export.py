@@ -145,3 +145,25 @@ def test_lora_checkpoint_without_lora_config_is_a_checkpoint_error(lora_checkpoi
         export_hf(ckpt, out_dir=tmp_path / "x", model=model_cfg)
     with pytest.raises(CheckpointError, match=r"export\.lora"):
         export_hf(ckpt, out_dir=tmp_path / "y", model=model_cfg, lora=LORA, lora_mode="fold")
+
+
+def test_adapter_base_path_is_configurable_and_relative_loads(lora_checkpoint, monkeypatch):
+    """``--adapter-base ..``: the adapter names its base relative to itself, so the export moves."""
+    import json
+    import shutil
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    ckpt, mods, model_cfg, hf, root = lora_checkpoint
+    out = export_hf(
+        ckpt, out_dir=root / "rel", model=model_cfg, lora=LORA, lora_mode="adapter", adapter_base=".."
+    )
+    conf = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == ".."
+    moved = shutil.move(str(out), str(root / "moved"))  # the export dir moved elsewhere
+    monkeypatch.chdir(Path(moved) / "adapter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _logits(Qwen2_5_VLForConditionalGeneration.from_pretrained(".").eval(), hf)
+    want = _logits(_trained_reference(mods, hf), hf)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()

@@ -103,3 +103,21 @@ def test_planner_adapter_counts_equal_peft_layers():
         for n, p in apply_lora(_module("vision"), module_name="vision", lora=lora).named_parameters()
     }
     assert fast == real
+
+
+def test_logged_group_lrs_are_the_optimizers():
+    """metrics.jsonl's ``lr_groups`` names each optimizer group's LR as the workers' optimizer has it."""
+    from dhp.metrics.record import group_lrs
+
+    m = _module("vision")
+    cfg = OmegaConf.structured(
+        ModuleConfig(param_groups=[ParamGroupConfig(match="visual.merger", lr=1e-2, weight_decay=0.0)])
+    )
+    train = OmegaConf.structured(TrainConfig(lr=1e-3))
+    groups = optimizer_groups(m, param_groups=cfg.param_groups, train=train)
+    opt = torch.optim.AdamW([{**g, "params": []} for g in groups])
+    set_lr(opt, 2.5e-4)  # mid-warmup: the schedule's LR, not train.lr
+    frozen = OmegaConf.structured(ModuleConfig(freeze=True))
+    logged = group_lrs({"vision": cfg, "llm": frozen}, lr=2.5e-4, base_lr=train.lr)
+    assert logged == pytest.approx({f"vision/{g['name']}": g["lr"] for g in opt.param_groups})
+    assert logged["vision/visual.merger"] == pytest.approx(2.5e-3)  # 10x the base group, as configured
