@@ -2,7 +2,7 @@
 
 What it does to placements
 --------------------------
-A sparse-MoE block in transformers (e.g. ``Qwen3VLMoeTextSparseMoeBlock``) is ``gate`` (the top-k
+A sparse-MoE block in transformers (the fused-experts layout of its recent MoE models) is ``gate`` (the top-k
 router: softmax -> top-k -> renormalise) plus ``experts``, one module holding every expert as two
 3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as
 ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
