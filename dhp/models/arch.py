@@ -9,6 +9,7 @@ keys in their ``extra`` maps) and return plain numbers. ``dhp.plan`` reaches the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -91,6 +92,187 @@ class Geometry:
     handoff_width: int
 
 
+# --- the typed architecture the planner reads ------------------------------------------------------
+ATTENTION_KINDS = ("full", "window", "linear")
+MLP_KINDS = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One block's token mixer.
+
+    ``full``: every token of a span attends to the span (``causal``: a sequence, each query sees
+    S/2 keys on average, one kernel call per block; not causal: each image of a varlen batch, one call
+    per image). ``window``: non-causal attention inside windows of ``window`` tokens (Ulysses SP cuts
+    on window boundaries, so these blocks exchange nothing). ``linear``: a recurrent state of
+    ``state`` elements per head instead of a KV cache (Gated DeltaNet); its mixing cost per token is
+    counted as a span of ``state / head_dim``.
+    """
+
+    kind: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int = 0  # tokens per window (``window``)
+    state: int = 0  # recurrent state elements per head (``linear``)
+    causal: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def span(self, *, seq_len: float, sample: float) -> float:
+        """Keys one query attends to (the FLOPs' span): ``sample`` is one image's tokens."""
+        if self.kind == "window":
+            return float(min(self.window, sample))
+        if self.kind == "linear":
+            return float(self.state) / self.head_dim
+        return seq_len / 2.0 if self.causal else float(sample)
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """One block's MLP: ``dense`` (``intermediate`` wide) or ``moe`` (``experts`` experts of
+    ``intermediate`` each, ``top_k`` active per token, plus a ``shared`` always-on expert width)."""
+
+    kind: str
+    intermediate: int
+    gated: bool = True  # SwiGLU-style gate/up/down (3 matrices) or up/down (2)
+    experts: int = 0
+    top_k: int = 0
+    shared: int = 0
+
+    @property
+    def active(self) -> int:
+        """MLP width one token passes through (top-k experts + shared for an MoE)."""
+        return self.intermediate * self.top_k + self.shared if self.kind == "moe" else self.intermediate
+
+    @property
+    def matrices(self) -> int:
+        return 3 if self.gated else 2
+
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer block: its token mixer and its MLP."""
+
+    attention: Attention
+    mlp: Mlp
+
+
+@dataclass(frozen=True)
+class ModuleArch:
+    """What the planner knows about one module (an actor group's model): its blocks as data, its
+    parameter counts, and its ends.
+
+    ``inputs``/``outputs`` are the hand-off edges it consumes / produces (by edge name); a module with
+    no inputs needs no backward when frozen. ``input_row`` > 0: the module reads fp32 rows of that many
+    elements (patches) instead of token ids; ``merge`` input rows become one output row of
+    ``out_width`` columns (the merger); ``head_macs`` are the matmul multiply-accumulates per input
+    token outside the blocks (merger, lm_head); ``vocab`` > 0: the module computes the loss over a
+    vocab-parallel head. ``sp_unit``: Ulysses SP cuts an image's tokens on multiples of this many.
+    """
+
+    hidden: int
+    blocks: tuple[Block, ...]
+    params: ParamCount
+    block_params: ParamCount  # ONE block (an FSDP unit); the largest when blocks differ
+    largest_param: int
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    handoff_width: int = 0  # columns of one output row summed over every edge out
+    out_width: int = 0  # columns of the main output row (the merger's)
+    input_row: int = 0
+    merge: int = 1
+    temporal_patch: int = 1  # video frames folded into one input row
+    head_macs: float = 0.0
+    vocab: int = 0
+    sp_unit: int = 1
+    tp_input_grads: int = 5  # see LayerShape
+    tensors_per_block: int = 12
+    root_tensors: int = 3
+
+    @property
+    def layers(self) -> int:
+        return len(self.blocks)
+
+    def count(self, *kinds: str) -> int:
+        """Blocks whose attention is one of ``kinds``."""
+        return sum(1 for b in self.blocks if b.attention.kind in kinds)
+
+    @property
+    def sp_exchange_blocks(self) -> int:
+        """Blocks whose attention needs Ulysses' all-to-all (all but window blocks)."""
+        return self.layers - self.count("window")
+
+    def spans(self, *, seq_len: float, sample: float) -> list[tuple[int, float]]:
+        """(blocks, span per query) groups, in block order of first appearance."""
+        out: dict[float, int] = {}
+        for b in self.blocks:
+            s = b.attention.span(seq_len=seq_len, sample=sample)
+            out[s] = out.get(s, 0) + 1
+        return [(n, s) for s, n in out.items()]
+
+    def block_macs(self) -> float:
+        """Matmul multiply-accumulates per token of all blocks: q/o, k/v, the MLP's active width."""
+        total = 0.0
+        for b in self.blocks:
+            a, m = b.attention, b.mlp
+            total += (
+                2 * self.hidden * a.q_dim + 2 * self.hidden * a.kv_dim + m.matrices * self.hidden * m.active
+            )
+        return total
+
+    def layer_shape(self) -> LayerShape:
+        """The activation sizes of the widest block (every block, when they are alike)."""
+        b = max(self.blocks, key=lambda x: (x.mlp.active, x.attention.q_dim, x.attention.kv_dim))
+        q = b.attention.q_dim
+        return LayerShape(
+            hidden=self.hidden,
+            mlp=b.mlp.active,
+            kv_dim=b.attention.kv_dim,
+            heads=b.attention.heads,
+            layers=self.layers,
+            q_dim=0 if q == self.hidden else q,
+            tp_input_grads=self.tp_input_grads,
+        )
+
+
+PARALLEL_AXES = ("dp", "fsdp", "sp", "tp", "zero")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family's runtime code does exactly; anything not declared is refused by validation.
+
+    ``packing``: several samples in one row (``data.packing``); ``video``: video inputs;
+    ``axes``: per module, the parallel axes it supports (``PARALLEL_AXES``); ``tp_sharded``: per
+    module, the parameter FQN globs tensor parallelism shards (the rest are replicated).
+    """
+
+    packing: bool
+    video: bool
+    axes: Mapping[str, tuple[str, ...]]
+    tp_sharded: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model as the generic layers see it: its modules (producers before consumers) and capabilities."""
+
+    modules: Mapping[str, ModuleArch]
+    capabilities: Capabilities
+
+
+def uniform_blocks(n: int, attention: Attention, mlp: Mlp) -> tuple[Block, ...]:
+    """``n`` identical blocks."""
+    return tuple(Block(attention, mlp) for _ in range(n))
+
+
 class FamilyArch(Protocol):
     """Architecture numbers -> validation, geometry and parameter counts of one family (pure)."""
 
@@ -100,6 +282,10 @@ class FamilyArch(Protocol):
 
     def geometry(self, model: DictConfig) -> Geometry:
         """The numbers the planner reads."""
+        ...
+
+    def architecture(self, model: DictConfig) -> Architecture:
+        """The typed architecture: every module's blocks, ends and counts, and the capabilities."""
         ...
 
     def module_params(self, name: str, model: DictConfig) -> ParamCount:

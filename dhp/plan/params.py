@@ -8,19 +8,27 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from dhp.models.arch import Geometry, LayerShape, ParamCount
+from dhp.models.arch import Architecture, Geometry, LayerShape, ModuleArch, ParamCount
 from dhp.models.registry import get_arch
 
 __all__ = [
+    "Architecture",
     "Geometry",
     "LayerShape",
+    "ModuleArch",
     "ParamCount",
+    "architecture",
     "geometry",
     "largest_param",
     "layer_params",
     "layer_shape",
     "module_params",
 ]
+
+
+def architecture(model: DictConfig) -> Architecture:
+    """The family's typed architecture of ``model``: what the planner's memory, FLOPs and time read."""
+    return get_arch(model.family).architecture(model)
 
 
 def geometry(model: DictConfig) -> Geometry:

@@ -174,7 +174,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, device: str) -> Modu
             bwd["lm_head_grad_fp32"] = int(v_shard * h * 4)
         handoff = int(tokens * h / s * a)
     else:
-        merge = shape.arch.spatial_merge_size**2
+        merge = shape.arch.merge
         handoff = int(tokens / merge * (shape.handoff_width or shape.out_hidden) * a)
     trains = grads > 0
     sync = grads if trains and par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0

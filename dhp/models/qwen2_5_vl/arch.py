@@ -14,7 +14,36 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from dhp.config.issues import Issues
-from dhp.models.arch import Geometry, LayerShape, LLMGeometry, ParamCount, VisionGeometry
+from dhp.models.arch import (
+    Architecture,
+    Attention,
+    Block,
+    Capabilities,
+    Geometry,
+    LayerShape,
+    LLMGeometry,
+    Mlp,
+    ModuleArch,
+    ParamCount,
+    VisionGeometry,
+    uniform_blocks,
+)
+
+#: What this family's runtime does exactly (packing and video have parity tests).
+CAPABILITIES = Capabilities(
+    packing=True,
+    video=True,
+    axes={"vision": ("dp", "fsdp", "sp", "tp", "zero"), "llm": ("dp", "fsdp", "tp", "zero")},
+    tp_sharded={
+        "vision": (
+            "visual.blocks.*.attn.qkv",
+            "visual.blocks.*.attn.proj",
+            "visual.blocks.*.mlp.*",
+            "visual.merger.mlp.*",
+        ),
+        "llm": ("*.embed_tokens", "*.layers.*.self_attn.*_proj", "*.layers.*.mlp.*", "lm_head"),
+    },
+)
 
 
 def vision_params(vision: DictConfig, *, out_hidden: int) -> ParamCount:
@@ -208,6 +237,61 @@ def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
             )
 
 
+def vision_arch(model: DictConfig) -> ModuleArch:
+    """The encoder: window attention except in ``fullatt_block_indexes``; a 2x2 merger to the LLM width."""
+    v, out = model.vision, model.llm.hidden_size
+    h, head = v.hidden_size, v.hidden_size // v.num_heads
+    window = (v.window_size // v.patch_size) ** 2
+    full = Attention(kind="full", heads=v.num_heads, kv_heads=v.num_heads, head_dim=head)
+    win = Attention(kind="window", heads=v.num_heads, kv_heads=v.num_heads, head_dim=head, window=window)
+    mlp = Mlp(kind="dense", intermediate=v.intermediate_size)
+    full_at = set(v.fullatt_block_indexes)
+    merge, merged = v.spatial_merge_size**2, h * v.spatial_merge_size**2
+    return ModuleArch(
+        hidden=h,
+        blocks=tuple(Block(full if i in full_at else win, mlp) for i in range(v.depth)),
+        params=module_params("vision", model),
+        block_params=layer_params("vision", model),
+        largest_param=largest_param("vision", model),
+        outputs=("image_embeds",),
+        handoff_width=out,
+        out_width=out,
+        input_row=v.in_channels * v.temporal_patch_size * v.patch_size**2,
+        merge=merge,
+        temporal_patch=v.temporal_patch_size,
+        head_macs=(merged * merged + merged * out) / merge,
+        sp_unit=window,
+        tp_input_grads=3,  # fused qkv, gate, up
+        tensors_per_block=12,
+        root_tensors=6,
+    )
+
+
+def llm_arch(model: DictConfig) -> ModuleArch:
+    """The decoder: causal GQA attention and a SwiGLU MLP in every layer; a vocab-parallel lm_head."""
+    lm = model.llm
+    attn = Attention(
+        kind="full",
+        heads=lm.num_heads,
+        kv_heads=lm.num_kv_heads,
+        head_dim=lm.hidden_size // lm.num_heads,
+        causal=True,
+    )
+    return ModuleArch(
+        hidden=lm.hidden_size,
+        blocks=uniform_blocks(lm.num_layers, attn, Mlp(kind="dense", intermediate=lm.intermediate_size)),
+        params=module_params("llm", model),
+        block_params=layer_params("llm", model),
+        largest_param=largest_param("llm", model),
+        inputs=("image_embeds",),
+        head_macs=float(lm.hidden_size * lm.vocab_size),
+        vocab=lm.vocab_size,
+        tp_input_grads=5,  # q, k, v, gate, up
+        tensors_per_block=12,
+        root_tensors=3,
+    )
+
+
 class Qwen25VLArch:
     """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (it uses no ``extra`` keys)."""
 
@@ -229,6 +313,11 @@ class Qwen25VLArch:
             vision=_vision_geometry(model.vision),
             llm=_llm_geometry(model.llm),
             handoff_width=model.llm.hidden_size,
+        )
+
+    def architecture(self, model: DictConfig) -> Architecture:
+        return Architecture(
+            modules={"vision": vision_arch(model), "llm": llm_arch(model)}, capabilities=CAPABILITIES
         )
 
     def module_params(self, name: str, model: DictConfig) -> ParamCount:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.plan.memory import llm_activations, module_shape, vision_activations
+from dhp.plan.memory import activations_of, module_shape
 
 pytestmark = pytest.mark.unit
 
@@ -121,7 +121,7 @@ def test_llm_layers_match_saved_tensors(hf_model) -> None:
     positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
     measured = _saved_bytes(hf_model, lambda: lm(inputs_embeds=embeds, position_ids=positions))
     model, shape = _shape("llm", seq)
-    detail = llm_activations(shape, model.llm)
+    detail = activations_of(shape)
     estimate = detail["layers"] + detail["final_norm"]
     assert estimate == pytest.approx(measured, rel=TOLERANCE)
 
@@ -133,7 +133,7 @@ def test_vision_encoder_matches_saved_tensors(hf_model) -> None:
     pixels = torch.randn(1024, 3 * 2 * 14 * 14)
     measured = _saved_bytes(hf_model, lambda: hf_model.model.visual(pixels, grid_thw=grid))
     model, shape = _shape("vision", 1024)
-    estimate = sum(vision_activations(shape, model.vision, out_hidden=ARCH["llm"]["hidden_size"]).values())
+    estimate = sum(activations_of(shape).values())
     assert estimate == pytest.approx(measured, rel=TOLERANCE)
 
 
