@@ -120,7 +120,7 @@ def test_llm_layers_match_saved_tensors(hf_model) -> None:
     embeds = torch.randn(1, seq, ARCH["llm"]["hidden_size"], requires_grad=True)
     positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
     measured = _saved_bytes(hf_model, lambda: lm(inputs_embeds=embeds, position_ids=positions))
-    model, shape = _shape("llm", seq)
+    _, shape = _shape("llm", seq)
     detail = activations_of(shape)
     estimate = detail["layers"] + detail["final_norm"]
     assert estimate == pytest.approx(measured, rel=TOLERANCE)
@@ -132,7 +132,7 @@ def test_vision_encoder_matches_saved_tensors(hf_model) -> None:
     grid = torch.tensor([[1, 32, 32]])  # one 448x448 image: 1024 patches, 16 windows of 64
     pixels = torch.randn(1024, 3 * 2 * 14 * 14)
     measured = _saved_bytes(hf_model, lambda: hf_model.model.visual(pixels, grid_thw=grid))
-    model, shape = _shape("vision", 1024)
+    _, shape = _shape("vision", 1024)
     estimate = sum(activations_of(shape).values())
     assert estimate == pytest.approx(measured, rel=TOLERANCE)
 
