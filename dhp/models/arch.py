@@ -288,6 +288,11 @@ class FamilyArch(Protocol):
         """The typed architecture: every module's blocks, ends and counts, and the capabilities."""
         ...
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the family's runtime does exactly (no architecture numbers needed)."""
+        ...
+
     def module_params(self, name: str, model: DictConfig) -> ParamCount:
         """Parameters of module ``name``, split by how TP shards them."""
         ...

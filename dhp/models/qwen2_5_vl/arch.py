@@ -315,6 +315,10 @@ class Qwen25VLArch:
             handoff_width=model.llm.hidden_size,
         )
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
     def architecture(self, model: DictConfig) -> Architecture:
         return Architecture(
             modules={"vision": vision_arch(model), "llm": llm_arch(model)}, capabilities=CAPABILITIES

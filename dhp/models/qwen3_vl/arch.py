@@ -432,6 +432,10 @@ class Qwen3VLArch:
         )
         return Geometry(vision=vision, llm=llm, handoff_width=(1 + len(n.deepstack)) * n.out_hidden)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
     def architecture(self, model: Any) -> Architecture:
         n = numbers(model)
         return Architecture(modules={"vision": vision_arch(n), "llm": llm_arch(n)}, capabilities=CAPABILITIES)

@@ -109,6 +109,7 @@ class LLMModule(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
         **deepstack_embeds: torch.Tensor,
     ) -> LLMOutput:
         """One micro-batch -> ``LLMOutput(loss_sum, num_tokens)``.
@@ -117,11 +118,18 @@ class LLMModule(nn.Module):
         image-token positions: the first in the input embeddings, feature k added after decoder layer k.
         Make them leaves with ``requires_grad`` to receive the gradients for the encoder's backward.
         Raises DataError when image tokens and embeddings disagree, when a DeepStack level is missing
-        or extra, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D).
+        or extra, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D), and for
+        videos (``second_per_grid_ts``): this family declares no video capability (``arch.CAPABILITIES``).
         """
         sample_ids = (
             sample_ids if sample_ids is not None else [f"batch[{i}]" for i in range(input_ids.shape[0])]
         )
+        if second_per_grid_ts is not None:
+            raise DataError(
+                f"samples {sample_ids}: hold videos, but the qwen3_vl family has no video path proven "
+                f"against transformers (it declares video=False). Fix: drop the video records from the "
+                f"dataset, or train them with a family that declares video (qwen2_5_vl)."
+            )
         deepstack = self._deepstack_list(image_embeds, deepstack_embeds, sample_ids)
         inputs_embeds = self.embed(
             input_ids=input_ids,
