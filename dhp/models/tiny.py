@@ -119,7 +119,7 @@ def make_tiny_checkpoint(
     processor.save_pretrained(out)
     image_processor.save_pretrained(out)  # preprocessor_config.json, for tools that read it alone
     # A standard HF directory: AutoProcessor resolves the stock class (it needs torchvision for
-    # its video part); dhp.models.load_processor needs nothing more than what is written here.
+    # its video part); dhp.models.qwen2_5_vl.load_processor needs nothing more than what is written here.
     for name in ("processor_config.json", "tokenizer_config.json", "preprocessor_config.json"):
         cfg_file = out / name
         cfg = json.loads(cfg_file.read_text())

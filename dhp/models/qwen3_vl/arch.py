@@ -67,39 +67,6 @@ CAPABILITIES = Capabilities(
 VISION_EXTRA = ("num_position_embeddings", "deepstack_visual_indexes", "hidden_act")
 LLM_EXTRA = ("head_dim", "hidden_act", "mrope_interleaved")
 
-#: The tiny test architecture (conf/model/tiny_qwen3_vl.yaml): seconds on CPU, every Qwen3-VL feature
-#: present: patch 16, a learned 4x4 position table interpolated to each grid, full attention in every
-#: block, 2 DeepStack levels, interleaved M-RoPE touching all three axes, head_dim set explicitly.
-TINY_VISION = {
-    "depth": 3,
-    "hidden_size": 32,
-    "num_heads": 4,
-    "intermediate_size": 64,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "in_channels": 3,
-    "extra": {
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0, 1],
-        "hidden_act": "gelu_pytorch_tanh",
-    },
-}
-TINY_LLM = {
-    "hidden_size": 64,
-    "num_layers": 3,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 1024,
-    "tie_word_embeddings": False,
-    "rope_theta": 5000000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 128000,
-    "mrope_section": [2, 3, 3],
-    "extra": {"head_dim": 16, "hidden_act": "silu", "mrope_interleaved": True},
-}
-
 
 @dataclass(frozen=True)
 class Numbers:
