@@ -125,6 +125,7 @@ class Qwen25VLFamily:
         """Build the transformers config from the schema's numbers (no file is read)."""
         v, t, tok = model_cfg.vision, model_cfg.llm, model_cfg.tokens
         return Qwen2_5_VLConfig(
+            architectures=["Qwen2_5_VLForConditionalGeneration"],  # config.json names the class that loads it
             vision_config=dict(
                 depth=v.depth,
                 hidden_size=v.hidden_size,
