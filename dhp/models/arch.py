@@ -268,6 +268,35 @@ class Architecture:
     capabilities: Capabilities
 
 
+def palm_flops(arch: ModuleArch, samples: list[int], *, frozen: bool) -> float:
+    """Model FLOPs of one module by the PaLM formula (appendix B), as MFU counts them.
+
+    Per token, training = 6 N + 12 h x (sum over blocks of the span), N = the matmul MACs per token
+    (blocks, head, and the patch embedding of a pixel-input module); a causal block's span counts
+    as the full S, as PaLM does. ``samples``: tokens of each image (a pixel-input module) or of each
+    sequence. Forward only (a frozen module): a third.
+    """
+    n = arch.block_macs() + arch.head_macs + arch.input_row * arch.hidden
+    total = 0.0
+    for p in samples:
+        # seq_len=2p: a causal block's S/2 is the PaLM span p
+        span = sum(b.attention.span(seq_len=2.0 * p, sample=p) for b in arch.blocks)
+        total += p * (6.0 * n + 12.0 * arch.hidden * span)
+    return total * (1 / 3 if frozen else 1.0)
+
+
+def model_flops(
+    arch: Architecture, *, images: list[int], seq_lens: list[int], frozen: Mapping[str, bool]
+) -> float:
+    """PaLM FLOPs of a step over the modules in ``frozen`` (the run's): images feed the pixel-input
+    modules, sequence lengths the others."""
+    return sum(
+        palm_flops(m, images if m.input_row else seq_lens, frozen=frozen[name])
+        for name, m in arch.modules.items()
+        if name in frozen
+    )
+
+
 def uniform_blocks(n: int, attention: Attention, mlp: Mlp) -> tuple[Block, ...]:
     """``n`` identical blocks."""
     return tuple(Block(attention, mlp) for _ in range(n))

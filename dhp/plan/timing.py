@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.layout import RankLayout
+from dhp.models.arch import model_flops
 from dhp.plan.memory import ModuleShape, checkpointed_blocks
 from dhp.plan.params import architecture
 
@@ -221,22 +222,7 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
 
 
 def palm_model_flops(config: DictConfig, images: list[int], seq_lens: list[int]) -> float:
-    """Model FLOPs of a step by the PaLM formula, as ``metrics.jsonl``'s MFU counts them
-    (``dhp/metrics/flops.py``; a test keeps the two equal), from the family's typed architecture:
-    per token 6 N (matmul MACs: blocks + head, + the patch embedding for a pixel module) + 12 h per
-    block x its span (a causal block counted as the full S, as PaLM does). The sequence lengths go
-    to the module with the vocabulary head, the image sizes to the pixel-input modules. Not imported
-    from ``dhp.metrics``: that package imports torch, and the planner stays pure."""
-    total = 0.0
-    for name, arch in architecture(config.model).modules.items():
-        if name not in config.modules:
-            continue
-        n = arch.block_macs() + arch.head_macs + arch.input_row * arch.hidden
-        samples = images if arch.input_row else seq_lens
-        flops = 0.0
-        for p in samples:
-            # PaLM counts a causal block's span as the full S: seq_len=2p makes its S/2 equal p
-            span = sum(b.attention.span(seq_len=2.0 * p, sample=p) for b in arch.blocks)
-            flops += p * (6.0 * n + 12.0 * arch.hidden * span)
-        total += flops * (1 / 3 if config.modules[name].freeze else 1.0)
-    return total
+    """Model FLOPs of a step by the PaLM formula from the family's typed architecture: the one
+    formula (``dhp.models.arch.model_flops``) that ``metrics.jsonl``'s MFU counts too."""
+    frozen = {name: bool(mod.freeze) for name, mod in config.modules.items()}
+    return model_flops(architecture(config.model), images=images, seq_lens=seq_lens, frozen=frozen)
