@@ -1,10 +1,15 @@
-"""What the planner knows about a model family, without torch: geometry and parameter counts.
+"""What the generic layers know about a model family, without torch: its typed architecture.
 
 A family's ``arch.py`` exposes ``ARCH``, an object with the :class:`FamilyArch` methods. They read
 the run's architecture numbers (``model.vision`` / ``model.llm`` of the schema, plus the family's own
-keys in their ``extra`` maps) and return plain numbers. ``dhp.plan`` reaches them through
-``dhp.plan.params`` (same function names for every family), ``dhp.config.validate`` through
-:meth:`FamilyArch.validate`. Nothing here imports torch: the planner stays pure.
+keys in their ``extra`` maps) and return typed data: :class:`Architecture` holds, per module, its
+blocks (:class:`Attention` kind full / window / linear with heads and dims, :class:`Mlp` kind dense
+/ MoE with widths, experts and top-k), parameter counts split by TP, its hand-off ends and its
+input/head sizes, plus the family's :class:`Capabilities`. The planner's memory, FLOPs and time read
+only this (``dhp.plan.params.architecture``); validation reads :meth:`FamilyArch.validate` and the
+capabilities. A new family (an MoE LLM, a hybrid linear-attention LLM) declares data here, e.g.
+``blocks`` with per-layer attention kinds and an ``Mlp(kind="moe", experts=..., top_k=...)``.
+Nothing here imports torch: the planner stays pure.
 """
 
 from __future__ import annotations
@@ -47,49 +52,6 @@ class LayerShape:
     #: column-parallel projections reading the block's input (q, k, v, gate, up unfused: 5; a fused
     #: qkv: 3; an ungated MLP: one fewer): under TP each one's input grad is all-reduced on its own
     tp_input_grads: int = 5
-
-
-@dataclass(frozen=True)
-class VisionGeometry:
-    """The encoder numbers the planner reads (names as in the schema's ``model.vision``).
-
-    Full attention in every block: ``fullatt_block_indexes = tuple(range(depth))`` and ``window_size = 0``.
-    """
-
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    patch_size: int
-    spatial_merge_size: int
-    temporal_patch_size: int
-    window_size: int
-    in_channels: int
-    fullatt_block_indexes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class LLMGeometry:
-    """The language-model numbers the planner reads (names as in the schema's ``model.llm``)."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """A model's geometry: its encoder (None for a text-only model), its LLM, and the hand-off width
-    (columns per image token, summed over every edge into the LLM)."""
-
-    vision: VisionGeometry | None
-    llm: LLMGeometry
-    handoff_width: int
 
 
 # --- the typed architecture the planner reads ------------------------------------------------------
@@ -307,10 +269,6 @@ class FamilyArch(Protocol):
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         """Add an issue for every architecture number this family cannot build (incl. ``extra`` keys)."""
-        ...
-
-    def geometry(self, model: DictConfig) -> Geometry:
-        """The numbers the planner reads."""
         ...
 
     def architecture(self, model: DictConfig) -> Architecture:

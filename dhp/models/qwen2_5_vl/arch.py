@@ -19,13 +19,10 @@ from dhp.models.arch import (
     Attention,
     Block,
     Capabilities,
-    Geometry,
     LayerShape,
-    LLMGeometry,
     Mlp,
     ModuleArch,
     ParamCount,
-    VisionGeometry,
     uniform_blocks,
 )
 
@@ -135,34 +132,6 @@ def largest_param(name: str, model: DictConfig) -> int:
     return max(lm.vocab_size * lm.hidden_size, lm.hidden_size * lm.intermediate_size)
 
 
-def _llm_geometry(llm: DictConfig) -> LLMGeometry:
-    return LLMGeometry(
-        hidden_size=llm.hidden_size,
-        num_layers=llm.num_layers,
-        num_heads=llm.num_heads,
-        num_kv_heads=llm.num_kv_heads,
-        head_dim=llm.hidden_size // llm.num_heads,
-        intermediate_size=llm.intermediate_size,
-        vocab_size=llm.vocab_size,
-        tie_word_embeddings=bool(llm.tie_word_embeddings),
-    )
-
-
-def _vision_geometry(v: DictConfig) -> VisionGeometry:
-    return VisionGeometry(
-        depth=v.depth,
-        hidden_size=v.hidden_size,
-        num_heads=v.num_heads,
-        intermediate_size=v.intermediate_size,
-        patch_size=v.patch_size,
-        spatial_merge_size=v.spatial_merge_size,
-        temporal_patch_size=v.temporal_patch_size,
-        window_size=v.window_size,
-        in_channels=v.in_channels,
-        fullatt_block_indexes=tuple(v.fullatt_block_indexes),
-    )
-
-
 _VISION_SIZES = [
     "depth",
     "hidden_size",
@@ -171,9 +140,9 @@ _VISION_SIZES = [
     "patch_size",
     "spatial_merge_size",
     "temporal_patch_size",
-    "window_size",
     "in_channels",
 ]
+VISION_EXTRA = ("window_size", "fullatt_block_indexes")
 
 
 def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
@@ -186,20 +155,30 @@ def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
             f"must be divisible by model.vision.num_heads={v.num_heads}",
             "pick a head count that divides the hidden size",
         )
+    have = sorted(v.extra) if "extra" in v else []
+    if not issues.check(
+        have == sorted(VISION_EXTRA),
+        "model.vision.extra",
+        have,
+        f"qwen2_5_vl needs exactly {list(VISION_EXTRA)} here (its window geometry)",
+        "copy model.vision.extra from conf/model/qwen_vl_7b.yaml",
+    ):
+        return
+    window, full = v.extra["window_size"], list(v.extra["fullatt_block_indexes"])
     unit = v.patch_size * v.spatial_merge_size
     if unit > 0:
         issues.check(
-            v.window_size % unit == 0,
-            "model.vision.window_size",
-            v.window_size,
-            f"must be a multiple of patch_size*spatial_merge_size={unit}",
+            window > 0 and window % unit == 0,
+            "model.vision.extra.window_size",
+            window,
+            f"must be a positive multiple of patch_size*spatial_merge_size={unit}",
             f"use a multiple of {unit}",
         )
-    bad = [i for i in v.fullatt_block_indexes if not 0 <= i < v.depth]
+    bad = [i for i in full if not 0 <= i < v.depth]
     issues.check(
         not bad,
-        "model.vision.fullatt_block_indexes",
-        list(v.fullatt_block_indexes),
+        "model.vision.extra.fullatt_block_indexes",
+        full,
         f"indexes {bad} outside [0, depth={v.depth})",
         "list block indexes smaller than model.vision.depth",
     )
@@ -238,14 +217,14 @@ def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
 
 
 def vision_arch(model: DictConfig) -> ModuleArch:
-    """The encoder: window attention except in ``fullatt_block_indexes``; a 2x2 merger to the LLM width."""
+    """The encoder: window attention except in ``extra.fullatt_block_indexes``; a 2x2 merger to the LLM width."""
     v, out = model.vision, model.llm.hidden_size
     h, head = v.hidden_size, v.hidden_size // v.num_heads
-    window = (v.window_size // v.patch_size) ** 2
+    window = (v.extra["window_size"] // v.patch_size) ** 2
     full = Attention(kind="full", heads=v.num_heads, kv_heads=v.num_heads, head_dim=head)
     win = Attention(kind="window", heads=v.num_heads, kv_heads=v.num_heads, head_dim=head, window=window)
     mlp = Mlp(kind="dense", intermediate=v.intermediate_size)
-    full_at = set(v.fullatt_block_indexes)
+    full_at = set(v.extra["fullatt_block_indexes"])
     merge, merged = v.spatial_merge_size**2, h * v.spatial_merge_size**2
     return ModuleArch(
         hidden=h,
@@ -293,26 +272,18 @@ def llm_arch(model: DictConfig) -> ModuleArch:
 
 
 class Qwen25VLArch:
-    """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (it uses no ``extra`` keys)."""
+    """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (``vision.extra``: its window geometry)."""
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         _validate_vision_arch(model.vision, issues)
         _validate_llm_arch(model.llm, issues)
-        for part in ("vision", "llm"):
-            extra = dict(model[part].extra) if "extra" in model[part] else {}
-            issues.check(
-                not extra,
-                f"model.{part}.extra",
-                extra,
-                "qwen2_5_vl has no family-specific numbers",
-                f"remove model.{part}.extra",
-            )
-
-    def geometry(self, model: DictConfig) -> Geometry:
-        return Geometry(
-            vision=_vision_geometry(model.vision),
-            llm=_llm_geometry(model.llm),
-            handoff_width=model.llm.hidden_size,
+        extra = dict(model.llm.extra) if "extra" in model.llm else {}
+        issues.check(
+            not extra,
+            "model.llm.extra",
+            extra,
+            "qwen2_5_vl has no family-specific LLM numbers",
+            "remove model.llm.extra",
         )
 
     @property

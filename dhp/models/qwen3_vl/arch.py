@@ -35,13 +35,10 @@ from dhp.models.arch import (
     Architecture,
     Attention,
     Capabilities,
-    Geometry,
     LayerShape,
-    LLMGeometry,
     Mlp,
     ModuleArch,
     ParamCount,
-    VisionGeometry,
     uniform_blocks,
 )
 
@@ -372,32 +369,6 @@ class Qwen3VLArch:
 
     def validate(self, model: Any, issues: Issues) -> None:
         validate(model, issues)
-
-    def geometry(self, model: Any) -> Geometry:
-        n = numbers(model)
-        vision = VisionGeometry(
-            depth=n.depth,
-            hidden_size=n.vision_hidden,
-            num_heads=n.vision_heads,
-            intermediate_size=n.vision_mlp,
-            patch_size=n.patch_size,
-            spatial_merge_size=n.merge,
-            temporal_patch_size=n.temporal_patch_size,
-            window_size=0,
-            in_channels=n.in_channels,
-            fullatt_block_indexes=tuple(range(n.depth)),
-        )
-        llm = LLMGeometry(
-            hidden_size=n.hidden,
-            num_layers=n.layers,
-            num_heads=n.heads,
-            num_kv_heads=n.kv_heads,
-            head_dim=n.head_dim,
-            intermediate_size=n.mlp,
-            vocab_size=n.vocab,
-            tie_word_embeddings=n.tied,
-        )
-        return Geometry(vision=vision, llm=llm, handoff_width=(1 + len(n.deepstack)) * n.out_hidden)
 
     @property
     def capabilities(self) -> Capabilities:

@@ -25,9 +25,8 @@ ARCH = {
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "window_size": 112,
         "in_channels": 3,
-        "fullatt_block_indexes": [1, 3],
+        "extra": {"window_size": 112, "fullatt_block_indexes": [1, 3]},
     },
     "llm": {
         "hidden_size": 256,

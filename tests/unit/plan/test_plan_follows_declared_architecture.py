@@ -70,7 +70,7 @@ def _vision(cfg: DictConfig):
 
 def test_the_shape_is_the_declared_one(odd) -> None:
     cfg = _cfg(ODD)
-    assert list(cfg.model.vision.fullatt_block_indexes) == [1, 3]  # the raw numbers say otherwise
+    assert list(cfg.model.vision.extra.fullatt_block_indexes) == [1, 3]  # the raw numbers say otherwise
     shape = _vision(cfg)
     assert shape.arch == AllWindowedArch().architecture(cfg.model).modules["vision"]
     depth = cfg.model.vision.depth

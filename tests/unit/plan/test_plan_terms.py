@@ -35,9 +35,8 @@ MODEL = OmegaConf.create(
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "window_size": 28,  # 2x2 patches = 4 per window
             "in_channels": 3,
-            "fullatt_block_indexes": [1],
+            "extra": {"window_size": 28, "fullatt_block_indexes": [1]},  # 2x2 patches = 4 per window
         },
         "llm": {
             "hidden_size": 8,
