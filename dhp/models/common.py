@@ -129,6 +129,23 @@ class KeyMap:
         return out
 
 
+#: the LLM module's tied pair (``lm_head`` shares ``embed_tokens``' weight when embeddings are tied)
+TIED_LM_HEAD = {"lm_head.weight": "language_model.embed_tokens.weight"}
+
+
+def lm_head(text_config: PretrainedConfig, *, device: torch.device | str, dtype: torch.dtype) -> nn.Linear:
+    """The vocabulary head ``hidden -> vocab`` (no bias), transformers' init off the meta device."""
+    head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    if not str(device).startswith("meta"):
+        nn.init.normal_(head.weight, std=text_config.initializer_range)
+    return head
+
+
+def tie_lm_head(module: nn.Module) -> None:
+    """Make ``lm_head`` share ``language_model.embed_tokens``' weight again (after building or ``to_empty``)."""
+    module.lm_head.weight = module.language_model.embed_tokens.weight
+
+
 def reference_model(model_class: Any, hf_config: PretrainedConfig) -> nn.Module:
     """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
     cfg = copy.deepcopy(hf_config)

@@ -25,7 +25,14 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError, ConfigError, ConfigIssue
-from dhp.models.common import KeyMap, init_rotary_buffers, reference_model
+from dhp.models.common import (
+    TIED_LM_HEAD,
+    KeyMap,
+    init_rotary_buffers,
+    lm_head,
+    reference_model,
+    tie_lm_head,
+)
 from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
 from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
@@ -236,10 +243,7 @@ class Qwen25VLFamily:
                 return module
             text_cfg = cfg.text_config if isinstance(cfg, Qwen2_5_VLConfig) else cfg
             language_model = Qwen2_5_VLTextModel._from_config(text_cfg, dtype=dtype)
-            lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
-            if not str(device).startswith("meta"):
-                nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
-            module = LLMModule(language_model, lm_head, cfg)
+            module = LLMModule(language_model, lm_head(text_cfg, device=device, dtype=dtype), cfg)
             self.tie(name, module, cfg)
             module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
             return module
@@ -250,13 +254,13 @@ class Qwen25VLFamily:
         """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
         # a transformers config attribute (absent on a bare text config means "not tied")
         if name == "llm" and getattr(hf_config, "tie_word_embeddings", False):
-            return {"lm_head.weight": "language_model.embed_tokens.weight"}
+            return dict(TIED_LM_HEAD)
         return {}
 
     def tie(self, name: str, module: nn.Module, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> None:
         """Make tied parameters share storage again (after building or ``to_empty``)."""
         if self.tied_parameters(name, hf_config):
-            module.lm_head.weight = module.language_model.embed_tokens.weight
+            tie_lm_head(module)
 
     def init_buffers(self, name: str, module: nn.Module) -> None:
         """Recompute the rotary ``inv_freq`` buffers after ``to_empty`` (``common.init_rotary_buffers``)."""
