@@ -55,7 +55,6 @@ class LLMArch:
     rope_theta: float = 1000000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 128000
-    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
     # numbers only this model family has (any keys); the family validates them (dhp.models.arch)
     extra: dict[str, Any] = field(default_factory=dict)
 

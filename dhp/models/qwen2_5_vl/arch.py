@@ -143,6 +143,7 @@ _VISION_SIZES = [
     "in_channels",
 ]
 VISION_EXTRA = ("window_size", "fullatt_block_indexes")
+LLM_EXTRA = ("mrope_section",)
 
 
 def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
@@ -205,12 +206,12 @@ def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
             f"must divide model.llm.num_heads={lm.num_heads} (grouped-query attention)",
             "pick a KV head count that divides the head count",
         )
-        if ok_h:
+        if ok_h and "extra" in lm and "mrope_section" in lm.extra:
             half = lm.hidden_size // lm.num_heads // 2
             issues.check(
-                sum(lm.mrope_section) == half,
-                "model.llm.mrope_section",
-                list(lm.mrope_section),
+                sum(lm.extra["mrope_section"]) == half,
+                "model.llm.extra.mrope_section",
+                list(lm.extra["mrope_section"]),
                 f"must sum to head_dim/2 = {half}",
                 "use the published [16, 24, 24] for head_dim 128",
             )
@@ -276,15 +277,15 @@ class Qwen25VLArch:
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         _validate_vision_arch(model.vision, issues)
-        _validate_llm_arch(model.llm, issues)
-        extra = dict(model.llm.extra) if "extra" in model.llm else {}
+        have = sorted(model.llm.extra) if "extra" in model.llm else []
         issues.check(
-            not extra,
+            have == sorted(LLM_EXTRA),
             "model.llm.extra",
-            extra,
-            "qwen2_5_vl has no family-specific LLM numbers",
-            "remove model.llm.extra",
+            have,
+            f"qwen2_5_vl needs exactly {list(LLM_EXTRA)} here (its M-RoPE split)",
+            "copy model.llm.extra from conf/model/qwen_vl_7b.yaml",
         )
+        _validate_llm_arch(model.llm, issues)
 
     @property
     def capabilities(self) -> Capabilities:

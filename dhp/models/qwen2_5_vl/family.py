@@ -159,7 +159,7 @@ class Qwen25VLFamily:
                 rope_parameters={
                     "rope_type": "default",
                     "rope_theta": t.rope_theta,
-                    "mrope_section": list(t.mrope_section),
+                    "mrope_section": list(t.extra["mrope_section"]),
                 },
                 bos_token_id=tok.bos_token_id,
                 eos_token_id=tok.eos_token_id,

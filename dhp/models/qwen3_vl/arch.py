@@ -62,7 +62,7 @@ CAPABILITIES = Capabilities(
 )
 
 VISION_EXTRA = ("num_position_embeddings", "deepstack_visual_indexes", "hidden_act")
-LLM_EXTRA = ("head_dim", "hidden_act", "mrope_interleaved")
+LLM_EXTRA = ("head_dim", "hidden_act", "mrope_interleaved", "mrope_section")
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def numbers(model: Any) -> Numbers:
         vocab=t.vocab_size,
         tied=bool(t.tie_word_embeddings),
         llm_act=te["hidden_act"],
-        mrope_section=tuple(t.mrope_section),
+        mrope_section=tuple(te["mrope_section"]),
         mrope_interleaved=bool(te["mrope_interleaved"]),
         rope_theta=float(t.rope_theta),
         rms_norm_eps=float(t.rms_norm_eps),
@@ -300,7 +300,7 @@ def validate(model: Any, issues: Issues) -> None:
     )
     issues.check(
         len(n.mrope_section) == 3 and 2 * sum(n.mrope_section) == n.head_dim,
-        "model.llm.mrope_section",
+        "model.llm.extra.mrope_section",
         list(n.mrope_section),
         f"must be 3 numbers summing to head_dim / 2 = {n.head_dim // 2}",
         "use the published [24, 20, 20] for head_dim 128",

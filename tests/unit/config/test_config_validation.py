@@ -107,7 +107,12 @@ MALFORMED = [
         "model.vision.extra.fullatt_block_indexes",
         "outside",
     ),
-    ("qwen_vl_32b", ["model.llm.mrope_section=[16,24,16]"], "model.llm.mrope_section", "head_dim/2"),
+    (
+        "qwen_vl_32b",
+        ["model.llm.extra.mrope_section=[16,24,16]"],
+        "model.llm.extra.mrope_section",
+        "head_dim/2",
+    ),
     ("qwen_vl_32b", ["data.kind=llava"], "data.datasets", "at least one dataset"),
     ("tiny_vlm", ["data=demo"], "modules.vision.seq_len", "data.max_pixels"),
     ("qwen_vl_32b", ["data.kind=webdataset"], "data.kind", "unknown value"),
@@ -232,7 +237,7 @@ def test_model_path_checked_against_config_json(tmp_path) -> None:
             [
                 f"model.path={ckpt}",
                 "model.llm.hidden_size=64",
-                "model.llm.mrope_section=[1,1,2]",
+                "model.llm.extra.mrope_section=[1,1,2]",
                 "model.vision.depth=5",
                 "model.vision.extra.fullatt_block_indexes=[1]",
             ],

@@ -49,7 +49,7 @@ def test_published_numbers(name: str) -> None:
     )
     assert got == PUBLISHED[name]
     assert OmegaConf.to_container(cfg.vision) == VISION
-    assert list(lm.mrope_section) == [16, 24, 24]
+    assert list(lm.extra.mrope_section) == [16, 24, 24]
     assert lm.rope_theta == 1_000_000.0
     assert lm.rms_norm_eps == 1e-6
     assert lm.max_position_embeddings == 128000

@@ -110,13 +110,13 @@ def test_qwen3_vl_32b_typed_architecture(family):
 
 def test_qwen3_vl_bad_arch_numbers_are_config_errors(family):
     bad = _yaml("tiny_qwen3_vl")
-    bad.llm.mrope_section = [4, 4, 4]
+    bad.llm.extra.mrope_section = [4, 4, 4]
     bad.vision.extra.deepstack_visual_indexes = [0, 3]
     bad.vision.extra.num_position_embeddings = 15
     issues = Issues()
     get_arch("qwen3_vl").validate(bad, issues)
     assert {i.path for i in issues.items} == {
-        "model.llm.mrope_section",
+        "model.llm.extra.mrope_section",
         "model.vision.extra.deepstack_visual_indexes",
         "model.vision.extra.num_position_embeddings",
     }

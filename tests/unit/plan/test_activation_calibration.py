@@ -36,7 +36,7 @@ ARCH = {
         "intermediate_size": 688,
         "vocab_size": 1024,
         "tie_word_embeddings": False,
-        "mrope_section": [8, 12, 12],
+        "extra": {"mrope_section": [8, 12, 12]},
         "max_position_embeddings": 4096,
     },
 }
@@ -63,7 +63,7 @@ def hf_model():
             "pad_token_id": 0,
             "rope_parameters": {
                 "rope_type": "default",
-                "mrope_section": t["mrope_section"],
+                "mrope_section": t["extra"]["mrope_section"],
                 "rope_theta": 1e6,
             },
         },

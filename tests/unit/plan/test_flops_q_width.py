@@ -19,7 +19,7 @@ from dhp.plan.timing import module_flops
 
 def test_llm_matmul_flops_use_heads_times_head_dim() -> None:
     # q/o: 4 heads x 32 = 128 columns against hidden 64
-    over = ["model.llm.extra.head_dim=32", "model.llm.mrope_section=[4,6,6]"]
+    over = ["model.llm.extra.head_dim=32", "model.llm.extra.mrope_section=[4,6,6]"]
     over += [
         "modules.llm.parallel.tp=1",
         "modules.llm.parallel.sequence_parallel=false",
