@@ -16,7 +16,7 @@ import pytest
 from omegaconf import DictConfig
 
 from dhp.config import load_config
-from dhp.models.arch import Architecture, Attention, uniform_blocks
+from dhp.models.arch import Architecture, Attention, Block, Mlp, uniform_blocks
 from dhp.models.qwen2_5_vl.arch import ARCH as QWEN25
 from dhp.models.registry import get_family, register_family, unregister_family
 from dhp.plan.compile import compile_plan
@@ -106,3 +106,45 @@ def test_the_compiled_plan_follows_the_declaration(odd) -> None:
     assert ov["fwd_s"] < rv["fwd_s"]  # window spans instead of full images in 2 blocks
     assert odd_plan.estimate["handoff_s"] < real.estimate["handoff_s"]  # 9 patches per row, not 4
     assert odd_plan.estimate["modules"]["llm"] == real.estimate["modules"]["llm"]
+
+
+class HybridMoeArch:
+    """The tiny LLM's sizes, declared as the next families will: every other layer linear attention
+    (a recurrent state instead of scores) and a mixture of 8 experts of width 64, 2 active per token."""
+
+    capabilities = QWEN25.capabilities
+    STATE = 16 * 32  # d_k x d_v per head: a span of 32 keys per query (head_dim 16)
+
+    def validate(self, model: DictConfig, issues) -> None:
+        QWEN25.validate(model, issues)
+
+    def architecture(self, model: DictConfig) -> Architecture:
+        real = QWEN25.architecture(model)
+        lm = real.modules["llm"]
+        full = lm.blocks[0].attention
+        linear = dataclasses.replace(full, kind="linear", state=self.STATE, causal=False)
+        moe = Mlp(kind="moe", intermediate=64, experts=8, top_k=2)
+        blocks = tuple(Block(linear if i % 2 == 0 else full, moe) for i in range(lm.layers))
+        return dataclasses.replace(
+            real, modules={**real.modules, "llm": dataclasses.replace(lm, blocks=blocks)}
+        )
+
+
+def test_a_hybrid_moe_llm_is_planned_from_its_declared_blocks() -> None:
+    name = "throwaway_hybrid_moe"
+    register_family(name, lambda: get_family("qwen2_5_vl"), arch=HybridMoeArch())
+    try:
+        cfg = load_config("tiny_vlm", [f"model.family={name}"])
+        shape = module_shape("llm", model=cfg.model, module=cfg.modules["llm"], micro_batch=1)
+        h, layers, seq = shape.arch.hidden, shape.arch.layers, cfg.modules["llm"].seq_len
+        assert shape.layer.mlp == 2 * 64  # the active experts' width, not 8 x 64
+        att = shape.arch.blocks[1].attention
+        per_block = 2 * h * att.q_dim + 2 * h * att.kv_dim + 3 * h * 128
+        assert shape.arch.block_macs() == layers * per_block
+        linear_span = HybridMoeArch.STATE / att.head_dim
+        assert sorted(attention_spans(shape)) == sorted(
+            [(layers // 2, linear_span), (layers // 2, seq / 2.0)]
+        )
+        assert compile_plan(cfg).estimate["modules"]["llm"]["fwd_s"] > 0
+    finally:
+        unregister_family(name)
