@@ -344,8 +344,9 @@ def export(
 ) -> None:
     """Export a dhp checkpoint to a Hugging Face directory (config.json + safetensors shards).
 
-    The result loads with ``Qwen2_5_VLForConditionalGeneration.from_pretrained(out)``. The model
-    architecture is read from the run's ``config.yaml`` next to ``checkpoints/``.
+    The result loads with the model family's transformers class (named in the written config.json's
+    ``architectures`` and printed here). The model architecture is read from the run's
+    ``config.yaml`` next to ``checkpoints/``.
     """
     from dhp.checkpoint.export import export_checkpoint
     from dhp.metrics.bars import progress_bar
@@ -360,6 +361,8 @@ def export(
             adapter_base=adapter_base or None,
         )
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
+    classes = json.loads((path / "config.json").read_text())["architectures"]
+    console.print(f"load it with transformers' {classes[0]}.from_pretrained({str(path)!r})")
 
 
 ckpt_app = typer.Typer(help="Inspect checkpoints.", no_args_is_help=True)

@@ -86,7 +86,7 @@ def _build(hidden: int, layers: int, inter: int, vocab: int):
         hidden_size=hidden,
         num_layers=layers,
         intermediate_size=inter,
-        mrope_section=section,
+        extra={**model_cfg.llm.extra, "mrope_section": section},
         vocab_size=vocab,
     )
     hf = family.hf_config(dataclasses.replace(model_cfg, llm=llm))

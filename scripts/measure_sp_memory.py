@@ -35,7 +35,7 @@ def _arch(args: argparse.Namespace) -> VisionArch:
         hidden_size=args.hidden,
         num_heads=args.heads,
         intermediate_size=args.intermediate,
-        fullatt_block_indexes=list(args.fullatt),
+        extra={"window_size": 112, "fullatt_block_indexes": list(args.fullatt)},
     )
 
 
@@ -74,7 +74,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) 
         thw = torch.tensor([args.grid], dtype=torch.long)
         row = arch.in_channels * arch.temporal_patch_size * arch.patch_size**2
         pixels = torch.randn(int(thw.prod()), row, generator=torch.Generator().manual_seed(1))
-        shard = shard_vision_batch(pixels, thw, sp_size=world, arch=arch)[rank]
+        hf_vision = (
+            get_family("qwen2_5_vl")
+            .hf_config(dataclasses.replace(get_family("qwen2_5_vl").tiny_model_config(), vision=arch))
+            .vision_config
+        )
+        shard = shard_vision_batch(pixels, thw, sp_size=world, arch=hf_vision)[rank]
         nbytes, out = _saved_activation_bytes(module, shard)
         out.sum().backward()  # every rank joins the backward all-to-alls
         Path(tmp, f"{rank}.json").write_text(json.dumps({"bytes": nbytes, "patches": shard.num_patches}))

@@ -39,7 +39,11 @@ def _build(hidden: int, layers: int, inter: int):
     half = hidden // model_cfg.llm.num_heads // 2  # M-RoPE sections (t, h, w) must sum to head_dim / 2
     section = [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]
     llm = dataclasses.replace(
-        model_cfg.llm, hidden_size=hidden, num_layers=layers, intermediate_size=inter, mrope_section=section
+        model_cfg.llm,
+        hidden_size=hidden,
+        num_layers=layers,
+        intermediate_size=inter,
+        extra={**model_cfg.llm.extra, "mrope_section": section},
     )
     model_cfg = dataclasses.replace(model_cfg, llm=llm)
     hf = family.hf_config(model_cfg)

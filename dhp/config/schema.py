@@ -21,7 +21,8 @@ class VisionArch:
     """Architecture numbers of the vision encoder (incl. the patch merger) that most families share.
 
     The defaults are one published encoder's; the model family says which fields it reads and
-    validates them (``dhp.models.arch.FamilyArch.validate``), family-only numbers go into ``extra``.
+    validates them (``dhp.models.arch.FamilyArch.validate``). Family-only numbers (e.g. a windowed
+    encoder's window geometry) go into ``extra``; the family turns them into its typed architecture.
     """
 
     depth: int = 32
@@ -31,9 +32,7 @@ class VisionArch:
     patch_size: int = 14
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
-    window_size: int = 112
     in_channels: int = 3
-    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
     # numbers only this model family has (any keys); the family validates them (dhp.models.arch)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -56,7 +55,6 @@ class LLMArch:
     rope_theta: float = 1000000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 128000
-    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
     # numbers only this model family has (any keys); the family validates them (dhp.models.arch)
     extra: dict[str, Any] = field(default_factory=dict)
 

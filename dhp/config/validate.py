@@ -19,6 +19,7 @@ from dhp.config.constants import (
     REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
+from dhp.config.validate_capabilities import validate_capabilities
 from dhp.config.validate_data_layouts import validate_data_layouts
 from dhp.config.validate_guards import validate_guards
 from dhp.config.validate_metrics import validate_metrics
@@ -124,6 +125,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_run(cfg, issues)
     validate_data(cfg, issues)
     validate_data_layouts(cfg.data, issues)
+    validate_capabilities(cfg, issues)
     validate_trainable(cfg, issues)  # freeze_patterns / param_groups / lora globs against real FQNs
     return issues.items
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.issues import Issues
 from dhp.config.validate_guards import validate_model_type
@@ -33,7 +33,6 @@ _VISION_KEYS = {
     "patch_size": "patch_size",
     "spatial_merge_size": "spatial_merge_size",
     "temporal_patch_size": "temporal_patch_size",
-    "window_size": "window_size",
 }
 
 
@@ -97,6 +96,24 @@ def validate_model_dir(model: DictConfig, issues: Issues) -> None:
     _compare(model.llm, "model.llm", text, _LLM_KEYS, issues)
     if "tie_word_embeddings" in raw:
         _compare(model.llm, "model.llm", raw, {"tie_word_embeddings": "tie_word_embeddings"}, issues)
+    _compare_extra(model.llm, "model.llm", text, issues)
     vision = raw.get("vision_config")
     if isinstance(vision, dict):
         _compare(model.vision, "model.vision", vision, _VISION_KEYS, issues)
+        _compare_extra(model.vision, "model.vision", vision, issues)
+
+
+def _compare_extra(node: DictConfig, prefix: str, raw: dict, issues: Issues) -> None:
+    """A family's own numbers (``extra``) named as in config.json must agree with it too."""
+    extra = node.extra if "extra" in node else {}
+    for key in extra:
+        if key not in raw:
+            continue
+        ours = OmegaConf.to_container(extra[key]) if OmegaConf.is_config(extra[key]) else extra[key]
+        issues.check(
+            ours == raw[key],
+            f"{prefix}.extra.{key}",
+            ours,
+            f"model.path's config.json has {key}={raw[key]}",
+            "pick the conf/model entry of this checkpoint, or override the number to match",
+        )

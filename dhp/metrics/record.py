@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dhp.config.schema import ClusterConfig, ModelConfig, ModuleConfig
-from dhp.metrics.flops import llm_flops_per_step, vision_flops_per_step
+from dhp.metrics.flops import model_flops_per_step
 
 
 def step_tokens(data: Any, *, merge: int) -> tuple[list[int], list[int]]:
@@ -59,14 +59,8 @@ def build_record(
     ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``).
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
-    flops = llm_flops_per_step(arch=model.llm, seq_lens=seqs, frozen=modules["llm"].freeze)
-    if "vision" in modules and patches:
-        flops += vision_flops_per_step(
-            arch=model.vision,
-            llm_hidden=model.llm.hidden_size,
-            image_patches=patches,
-            frozen=modules["vision"].freeze,
-        )
+    frozen = {name: bool(mod.freeze) for name, mod in modules.items()}
+    flops = model_flops_per_step(model, image_patches=patches, seq_lens=seqs, frozen=frozen)
     dt = max(result.step_s, 1e-9)
     rec: dict[str, Any] = {
         "step": step,

@@ -1,7 +1,8 @@
 """Model families as module graphs (see ``family.py``, ``registry.py``); no parallelism code lives here.
 
 Importing ``dhp.models`` loads nothing heavy: ``registry`` and each family's ``arch.py`` are
-torch-free (the planner uses them); the names below are imported on first use.
+torch-free (the planner uses them); the names below are imported on first use. A family's own
+classes are reached through ``get_family(name)`` or its package, never under a generic name here.
 """
 
 from __future__ import annotations
@@ -15,16 +16,11 @@ _LAZY = {
     "HandOff": "dhp.models.family",
     "LLMOutput": "dhp.models.family",
     "ModelFamily": "dhp.models.family",
-    "TINY_TOKENS": "dhp.models.qwen2_5_vl.family",
-    "Qwen25VLFamily": "dhp.models.qwen2_5_vl.family",
-    "LLMModule": "dhp.models.qwen2_5_vl.modules",
-    "VisionModule": "dhp.models.qwen2_5_vl.modules",
+    "TINY_TOKENS": "dhp.models.tokens",
     "LoadReport": "dhp.models.loading",
     "build_and_load": "dhp.models.loading",
     "checkpoint_index": "dhp.models.loading",
     "load_module_weights": "dhp.models.loading",
-    "Qwen2_5_VLImageTextProcessor": "dhp.models.qwen2_5_vl.processor",
-    "load_processor": "dhp.models.qwen2_5_vl.processor",
     "make_tiny_checkpoint": "dhp.models.tiny",
 }
 

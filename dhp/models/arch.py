@@ -1,14 +1,20 @@
-"""What the planner knows about a model family, without torch: geometry and parameter counts.
+"""What the generic layers know about a model family, without torch: its typed architecture.
 
 A family's ``arch.py`` exposes ``ARCH``, an object with the :class:`FamilyArch` methods. They read
 the run's architecture numbers (``model.vision`` / ``model.llm`` of the schema, plus the family's own
-keys in their ``extra`` maps) and return plain numbers. ``dhp.plan`` reaches them through
-``dhp.plan.params`` (same function names for every family), ``dhp.config.validate`` through
-:meth:`FamilyArch.validate`. Nothing here imports torch: the planner stays pure.
+keys in their ``extra`` maps) and return typed data: :class:`Architecture` holds, per module, its
+blocks (:class:`Attention` kind full / window / linear with heads and dims, :class:`Mlp` kind dense
+/ MoE with widths, experts and top-k), parameter counts split by TP, its hand-off ends and its
+input/head sizes, plus the family's :class:`Capabilities`. The planner's memory, FLOPs and time read
+only this (``dhp.plan.params.architecture``); validation reads :meth:`FamilyArch.validate` and the
+capabilities. A new family (an MoE LLM, a hybrid linear-attention LLM) declares data here, e.g.
+``blocks`` with per-layer attention kinds and an ``Mlp(kind="moe", experts=..., top_k=...)``.
+Nothing here imports torch: the planner stays pure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -48,47 +54,214 @@ class LayerShape:
     tp_input_grads: int = 5
 
 
-@dataclass(frozen=True)
-class VisionGeometry:
-    """The encoder numbers the planner reads (names as in the schema's ``model.vision``).
+# --- the typed architecture the planner reads ------------------------------------------------------
+ATTENTION_KINDS = ("full", "window", "linear")
+MLP_KINDS = ("dense", "moe")
 
-    Full attention in every block: ``fullatt_block_indexes = tuple(range(depth))`` and ``window_size = 0``.
+
+@dataclass(frozen=True)
+class Attention:
+    """One block's token mixer.
+
+    ``full``: every token of a span attends to the span (``causal``: a sequence, each query sees
+    S/2 keys on average, one kernel call per block; not causal: each image of a varlen batch, one call
+    per image). ``window``: non-causal attention inside windows of ``window`` tokens (Ulysses SP cuts
+    on window boundaries, so these blocks exchange nothing). ``linear``: a recurrent state of
+    ``state`` elements per head instead of a KV cache (Gated DeltaNet); its mixing cost per token is
+    counted as a span of ``state / head_dim``.
     """
 
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    patch_size: int
-    spatial_merge_size: int
-    temporal_patch_size: int
-    window_size: int
-    in_channels: int
-    fullatt_block_indexes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class LLMGeometry:
-    """The language-model numbers the planner reads (names as in the schema's ``model.llm``)."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    kind: str
+    heads: int
+    kv_heads: int
     head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
+    window: int = 0  # tokens per window (``window``)
+    state: int = 0  # recurrent state elements per head (``linear``)
+    causal: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def span(self, *, seq_len: float, sample: float) -> float:
+        """Keys one query attends to (the FLOPs' span): ``sample`` is one image's tokens."""
+        if self.kind == "window":
+            return float(min(self.window, sample))
+        if self.kind == "linear":
+            return float(self.state) / self.head_dim
+        return seq_len / 2.0 if self.causal else float(sample)
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """A model's geometry: its encoder (None for a text-only model), its LLM, and the hand-off width
-    (columns per image token, summed over every edge into the LLM)."""
+class Mlp:
+    """One block's MLP: ``dense`` (``intermediate`` wide) or ``moe`` (``experts`` experts of
+    ``intermediate`` each, ``top_k`` active per token, plus a ``shared`` always-on expert width)."""
 
-    vision: VisionGeometry | None
-    llm: LLMGeometry
-    handoff_width: int
+    kind: str
+    intermediate: int
+    gated: bool = True  # SwiGLU-style gate/up/down (3 matrices) or up/down (2)
+    experts: int = 0
+    top_k: int = 0
+    shared: int = 0
+
+    @property
+    def active(self) -> int:
+        """MLP width one token passes through (top-k experts + shared for an MoE)."""
+        return self.intermediate * self.top_k + self.shared if self.kind == "moe" else self.intermediate
+
+    @property
+    def matrices(self) -> int:
+        return 3 if self.gated else 2
+
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer block: its token mixer and its MLP."""
+
+    attention: Attention
+    mlp: Mlp
+
+
+@dataclass(frozen=True)
+class ModuleArch:
+    """What the planner knows about one module (an actor group's model): its blocks as data, its
+    parameter counts, and its ends.
+
+    ``inputs``/``outputs`` are the hand-off edges it consumes / produces (by edge name); a module with
+    no inputs needs no backward when frozen. ``input_row`` > 0: the module reads fp32 rows of that many
+    elements (patches) instead of token ids; ``merge`` input rows become one output row of
+    ``out_width`` columns (the merger); ``head_macs`` are the matmul multiply-accumulates per input
+    token outside the blocks (merger, lm_head); ``vocab`` > 0: the module computes the loss over a
+    vocab-parallel head. ``sp_unit``: Ulysses SP cuts an image's tokens on multiples of this many.
+    """
+
+    hidden: int
+    blocks: tuple[Block, ...]
+    params: ParamCount
+    block_params: ParamCount  # ONE block (an FSDP unit); the largest when blocks differ
+    largest_param: int
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    handoff_width: int = 0  # columns of one output row summed over every edge out
+    out_width: int = 0  # columns of the main output row (the merger's)
+    input_row: int = 0
+    merge: int = 1
+    temporal_patch: int = 1  # video frames folded into one input row
+    head_macs: float = 0.0
+    vocab: int = 0
+    sp_unit: int = 1
+    tp_input_grads: int = 5  # see LayerShape
+    tensors_per_block: int = 12
+    root_tensors: int = 3
+
+    @property
+    def layers(self) -> int:
+        return len(self.blocks)
+
+    def count(self, *kinds: str) -> int:
+        """Blocks whose attention is one of ``kinds``."""
+        return sum(1 for b in self.blocks if b.attention.kind in kinds)
+
+    @property
+    def sp_exchange_blocks(self) -> int:
+        """Blocks whose attention needs Ulysses' all-to-all (all but window blocks)."""
+        return self.layers - self.count("window")
+
+    def spans(self, *, seq_len: float, sample: float) -> list[tuple[int, float]]:
+        """(blocks, span per query) groups, in block order of first appearance."""
+        out: dict[float, int] = {}
+        for b in self.blocks:
+            s = b.attention.span(seq_len=seq_len, sample=sample)
+            out[s] = out.get(s, 0) + 1
+        return [(n, s) for s, n in out.items()]
+
+    def block_macs(self) -> float:
+        """Matmul multiply-accumulates per token of all blocks: q/o, k/v, the MLP's active width."""
+        total = 0.0
+        for b in self.blocks:
+            a, m = b.attention, b.mlp
+            total += (
+                2 * self.hidden * a.q_dim + 2 * self.hidden * a.kv_dim + m.matrices * self.hidden * m.active
+            )
+        return total
+
+    def layer_shape(self) -> LayerShape:
+        """The activation sizes of the widest block (every block, when they are alike)."""
+        b = max(self.blocks, key=lambda x: (x.mlp.active, x.attention.q_dim, x.attention.kv_dim))
+        q = b.attention.q_dim
+        return LayerShape(
+            hidden=self.hidden,
+            mlp=b.mlp.active,
+            kv_dim=b.attention.kv_dim,
+            heads=b.attention.heads,
+            layers=self.layers,
+            q_dim=0 if q == self.hidden else q,
+            tp_input_grads=self.tp_input_grads,
+        )
+
+
+PARALLEL_AXES = ("dp", "fsdp", "sp", "tp", "zero")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family's runtime code does exactly; anything not declared is refused by validation.
+
+    ``packing``: several samples in one row (``data.packing``); ``video``: video inputs;
+    ``axes``: per module, the parallel axes it supports (``PARALLEL_AXES``); ``tp_sharded``: per
+    module, the parameter FQN globs tensor parallelism shards (the rest are replicated).
+    """
+
+    packing: bool
+    video: bool
+    axes: Mapping[str, tuple[str, ...]]
+    tp_sharded: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model as the generic layers see it: its modules (producers before consumers) and capabilities."""
+
+    modules: Mapping[str, ModuleArch]
+    capabilities: Capabilities
+
+
+def palm_flops(arch: ModuleArch, samples: list[int], *, frozen: bool) -> float:
+    """Model FLOPs of one module by the PaLM formula (appendix B), as MFU counts them.
+
+    Per token, training = 6 N + 12 h x (sum over blocks of the span), N = the matmul MACs per token
+    (blocks, head, and the patch embedding of a pixel-input module); a causal block's span counts
+    as the full S, as PaLM does. ``samples``: tokens of each image (a pixel-input module) or of each
+    sequence. Forward only (a frozen module): a third.
+    """
+    n = arch.block_macs() + arch.head_macs + arch.input_row * arch.hidden
+    total = 0.0
+    for p in samples:
+        # seq_len=2p: a causal block's S/2 is the PaLM span p
+        span = sum(b.attention.span(seq_len=2.0 * p, sample=p) for b in arch.blocks)
+        total += p * (6.0 * n + 12.0 * arch.hidden * span)
+    return total * (1 / 3 if frozen else 1.0)
+
+
+def model_flops(
+    arch: Architecture, *, images: list[int], seq_lens: list[int], frozen: Mapping[str, bool]
+) -> float:
+    """PaLM FLOPs of a step over the modules in ``frozen`` (the run's): images feed the pixel-input
+    modules, sequence lengths the others."""
+    return sum(
+        palm_flops(m, images if m.input_row else seq_lens, frozen=frozen[name])
+        for name, m in arch.modules.items()
+        if name in frozen
+    )
+
+
+def uniform_blocks(n: int, attention: Attention, mlp: Mlp) -> tuple[Block, ...]:
+    """``n`` identical blocks."""
+    return tuple(Block(attention, mlp) for _ in range(n))
 
 
 class FamilyArch(Protocol):
@@ -98,8 +271,13 @@ class FamilyArch(Protocol):
         """Add an issue for every architecture number this family cannot build (incl. ``extra`` keys)."""
         ...
 
-    def geometry(self, model: DictConfig) -> Geometry:
-        """The numbers the planner reads."""
+    def architecture(self, model: DictConfig) -> Architecture:
+        """The typed architecture: every module's blocks, ends and counts, and the capabilities."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the family's runtime does exactly (no architecture numbers needed)."""
         ...
 
     def module_params(self, name: str, model: DictConfig) -> ParamCount:

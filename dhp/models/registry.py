@@ -20,11 +20,21 @@ if TYPE_CHECKING:
 
 _HERE = Path(__file__).resolve().parent
 _EXTRA: dict[str, Callable[[], Any]] = {}  # families registered by hand (tests)
+_EXTRA_ARCH: dict[str, FamilyArch] = {}
 
 
-def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
-    """Make ``get_family(name)`` return ``factory()`` (a family that is not a folder here)."""
+def register_family(name: str, factory: Callable[[], ModelFamily], arch: FamilyArch | None = None) -> None:
+    """Make ``get_family(name)`` return ``factory()`` (a family that is not a folder here) and, when
+    given, ``get_arch(name)`` return ``arch`` (so the planner can plan it)."""
     _EXTRA[name] = factory
+    if arch is not None:
+        _EXTRA_ARCH[name] = arch
+
+
+def unregister_family(name: str) -> None:
+    """Forget a family registered by hand."""
+    _EXTRA.pop(name, None)
+    _EXTRA_ARCH.pop(name, None)
 
 
 def family_names() -> list[str]:
@@ -56,7 +66,10 @@ def get_family(name: str) -> ModelFamily:
 
 
 def get_arch(name: str) -> FamilyArch:
-    """The family's pure architecture object (``dhp.models.<name>.arch.ARCH``), no torch imported."""
+    """The family's pure architecture object (``dhp.models.<name>.arch.ARCH``, or the one registered
+    with it), no torch imported."""
+    if name in _EXTRA_ARCH:
+        return _EXTRA_ARCH[name]
     if name not in family_names() or name in _EXTRA:
         raise _unknown(name)
     return importlib.import_module(f"dhp.models.{name}.arch").ARCH

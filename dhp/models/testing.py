@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import Qwen2_5_VLConfig
+from transformers import PretrainedConfig
 
+from dhp.models.checks import image_token_counts
 from dhp.models.family import ModelFamily
-from dhp.models.qwen2_5_vl.checks import image_token_counts
 from dhp.ops.cross_entropy import IGNORE_INDEX
 
 
 def tiny_vl_batch(
-    hf_config: Qwen2_5_VLConfig,
+    hf_config: PretrainedConfig,
     *,
     images: list[list[tuple[int, int]]],
     text_lens: list[int],
@@ -116,7 +116,7 @@ def split_step(
 
 
 def modules_from_reference(
-    family: ModelFamily, ref: nn.Module, hf_config: Qwen2_5_VLConfig, *, device: str = "cpu"
+    family: ModelFamily, ref: nn.Module, hf_config: PretrainedConfig, *, device: str = "cpu"
 ) -> dict[str, nn.Module]:
     """Build each module on meta and copy the reference's weights into it (strict): ``{name: module}``."""
     parts = family.split_state_dict(ref.state_dict())

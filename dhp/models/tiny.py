@@ -1,13 +1,16 @@
-"""Tiny, complete HF directories for tests and the demo, made offline in about a second.
+"""Tiny, complete HF directories for tests and the demo, made offline in about a second, per family.
 
-``make_tiny_checkpoint(out_dir)`` writes what a real Qwen2.5-VL directory holds: ``config.json``,
-``model.safetensors`` (or shards + ``model.safetensors.index.json``), a byte-level BPE tokenizer
-trained here with the ``tokenizers`` library (Qwen's special tokens first, so their ids are
-fixed: see ``TINY_TOKENS``), a Qwen-style chat template and ``preprocessor_config.json``.
+``make_tiny_checkpoint(out_dir, family=...)`` writes what a released directory of that family holds:
+``config.json``, ``model.safetensors`` (or shards + ``model.safetensors.index.json``), a byte-level BPE
+tokenizer trained here with the ``tokenizers`` library (Qwen's special tokens first, so their ids are
+fixed: see ``TINY_TOKENS``) and ``preprocessor_config.json``. The parts every family shares are here
+(:func:`write_tiny_base`); a family's ``tiny.py`` (``write_tiny_checkpoint``) adds its own (a
+processor class, a chat template).
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 from pathlib import Path
@@ -21,9 +24,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from dhp.config.schema import ModelConfig
 from dhp.models.family import get_family
-from dhp.models.qwen2_5_vl.processor import QWEN_CHAT_TEMPLATE, Qwen2_5_VLImageTextProcessor
 
-# Qwen2.5-VL's special tokens, in this order: ids 0..13 in the tiny tokenizer.
+# Qwen's special tokens, in this order: ids 0..13 in the tiny tokenizer.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -88,22 +90,36 @@ def train_tiny_tokenizer(*, vocab_size: int) -> Qwen2Tokenizer:
 
 
 def make_tiny_checkpoint(
-    out_dir: str | Path, *, sharded: bool = False, seed: int = 0, model_cfg: ModelConfig | None = None
+    out_dir: str | Path,
+    *,
+    family: str = "qwen2_5_vl",
+    sharded: bool = False,
+    seed: int = 0,
+    model_cfg: ModelConfig | None = None,
 ) -> Path:
-    """Write a complete tiny Qwen2.5-VL HF directory to ``out_dir`` and return its path.
+    """Write a complete tiny HF directory of ``family`` (``model_cfg.family`` when given) to ``out_dir``.
 
     Weights: transformers' own random init under ``seed`` (the caller's RNG is left untouched),
-    saved by ``save_pretrained`` in ``model_cfg.dtype``; ``sharded`` writes several
-    ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``.
+    saved by ``save_pretrained`` in ``model_cfg.dtype`` (default: the family's tiny model);
+    ``sharded`` writes several ``model-0000i-of-0000n.safetensors`` files and the index.
     """
-    family = get_family("qwen2_5_vl")
-    model_cfg = model_cfg if model_cfg is not None else family.tiny_model_config()
-    out = Path(out_dir)
+    name = model_cfg.family if model_cfg is not None else family
+    writer = importlib.import_module(f"dhp.models.{name}.tiny").write_tiny_checkpoint
+    return writer(Path(out_dir), sharded=sharded, seed=seed, model_cfg=model_cfg)
+
+
+def write_tiny_base(
+    out: Path, *, family: str, sharded: bool, seed: int, model_cfg: ModelConfig | None
+) -> tuple[ModelConfig, Qwen2Tokenizer, Qwen2VLImageProcessorPil]:
+    """Weights, config.json, the tiny tokenizer and ``preprocessor_config.json`` of ``family``'s tiny
+    model (or ``model_cfg``); returns them for the family to add its own files."""
+    fam = get_family(family)
+    model_cfg = model_cfg if model_cfg is not None else fam.tiny_model_config()
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = family.hf_config(model_cfg)
+    hf_config = fam.hf_config(model_cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = family.reference_model(hf_config)
+        model = fam.reference_model(hf_config)
     model.save_pretrained(out, max_shard_size=SHARD_SIZE if sharded else "50GB")
     tokenizer = train_tiny_tokenizer(vocab_size=model_cfg.llm.vocab_size)
     image_processor = Qwen2VLImageProcessorPil(
@@ -113,21 +129,8 @@ def make_tiny_checkpoint(
         min_pixels=TINY_MIN_PIXELS,
         max_pixels=TINY_MAX_PIXELS,
     )
-    processor = Qwen2_5_VLImageTextProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE
-    )
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)  # preprocessor_config.json, for tools that read it alone
-    # A standard HF directory: AutoProcessor resolves the stock class (it needs torchvision for
-    # its video part); dhp.models.load_processor needs nothing more than what is written here.
-    for name in ("processor_config.json", "tokenizer_config.json", "preprocessor_config.json"):
-        cfg_file = out / name
-        cfg = json.loads(cfg_file.read_text())
-        if "processor_class" in cfg:
-            cfg["processor_class"] = "Qwen2_5_VLProcessor"
-            cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
     _check_token_ids(tokenizer, model_cfg)
-    return out
+    return model_cfg, tokenizer, image_processor
 
 
 def _check_token_ids(tokenizer: Qwen2Tokenizer, model_cfg: ModelConfig) -> None:

@@ -194,7 +194,7 @@ def handoff_s(
 ) -> float:
     """One hand-off (or hand-back) of a micro-batch's merged embeddings, vision rank -> LLM."""
     width = shape.handoff_width or shape.out_hidden  # every edge's columns (DeepStack: 1 + levels)
-    nbytes = tokens / shape.arch.spatial_merge_size**2 * width * shape.precision.act
+    nbytes = tokens / shape.arch.merge * width * shape.precision.act
     if plan.handoff == "cuda_ipc":
         return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
     span = len({r.global_gpu for g in plan.groups for r in g.ranks})

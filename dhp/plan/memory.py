@@ -56,15 +56,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
-from dhp.plan.params import (
-    LayerShape,
-    ParamCount,
-    geometry,
-    largest_param,
-    layer_params,
-    layer_shape,
-    module_params,
-)
+from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.trainable import trainable_fraction
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
@@ -118,18 +110,23 @@ class ModuleShape:
     attn_implementation: str
     sequence_parallel: bool = False
     loss_chunk_tokens: int = 0  # resolved (never 0 for the LLM)
-    image_patches: int = 0  # vision: the span of a full-attention block (patches of one image)
-    vocab: int = 0
-    out_hidden: int = 0  # vision: the merger's output width (the LLM hidden)
-    handoff_width: int = 0  # vision: columns of one hand-off row over all edges
-    arch: DictConfig | None = None  # model.vision or model.llm
+    image_patches: int = 0  # a pixel-input module: the span of a full-attention block (one image)
+    vocab: int = 0  # > 0: the module computes the loss (``arch.vocab``)
+    out_hidden: int = 0  # a producer: the merger's output width (``arch.out_width``)
+    handoff_width: int = 0  # a producer: columns of one hand-off row over all edges
+    arch: ModuleArch | None = None  # the family's typed architecture of this module
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
 
     @property
+    def pixels(self) -> bool:
+        """The module reads patch rows (an encoder: ``seq_len`` counts the micro-batch's patches)."""
+        return self.arch is not None and self.arch.input_row > 0
+
+    @property
     def tokens(self) -> float:
-        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms); the encoder:
+        """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms); an encoder:
         the fullest SP rank's (``sp_rank_tokens``)."""
-        if self.name == "vision":
+        if self.pixels:
             return sp_rank_tokens(self.arch, self.seq_len, self.parallel.sp, self.image_patches)
         return self.micro_batch * self.seq_len
 
@@ -139,15 +136,16 @@ class ModuleShape:
         return self.parallel.tp if self.sequence_parallel else 1
 
 
-def sp_rank_tokens(vision: DictConfig | None, patches: float, sp: int, image: int) -> float:
-    """Patches the fullest of ``sp`` Ulysses ranks encodes out of ``patches``: the runtime cuts the
-    window order on window boundaries (``dhp/parallel/sp_shard.py``), so a rank holds whole windows:
-    ceil(windows / sp) of them (an image of ``image`` patches has ceil(image / window) windows of
-    equal share). With fewer windows than ranks some ranks idle and the others hold a whole window."""
-    if sp <= 1 or vision is None:
+def sp_rank_tokens(arch: ModuleArch | None, patches: float, sp: int, image: int) -> float:
+    """Patches the fullest of ``sp`` Ulysses ranks encodes out of ``patches``: the runtime cuts an
+    image on multiples of the family's ``sp_unit`` (a window for a windowed encoder, a merge unit
+    otherwise), so a rank holds whole units: ceil(units / sp) of them (an image of ``image`` patches
+    has ceil(image / unit) units of equal share). With fewer units than ranks some ranks idle and
+    the others hold a whole unit."""
+    if sp <= 1 or arch is None:
         return float(patches)
     image = image or int(patches)
-    window = (vision.window_size // vision.patch_size) ** 2
+    window = arch.sp_unit
     per_image = max(math.ceil(image / window), 1)
     size = image / per_image  # patches of one window
     windows = max(math.ceil(patches / size), 1)
@@ -221,95 +219,87 @@ def eager_scores_bytes(shape: ModuleShape, *, seqs: float, seq: float, layers: i
     return int(2 * heads * seq * seq * seqs * layers * shape.precision.act)
 
 
-def _eager_saved_and_work(shape: ModuleShape, vision: DictConfig | None) -> tuple[int, int]:
-    """(saved, one-block transient) bytes of eager attention scores."""
-    if shape.attn_implementation != "eager":
+def _eager_saved_and_work(shape: ModuleShape) -> tuple[int, int]:
+    """(saved, one-block transient) bytes of eager attention scores, per block by its attention:
+    causal -> the micro-batch's sequences of ``seq_len``; non-causal full -> one image per span;
+    window -> ``seq_len / window`` windows; linear -> no score matrix."""
+    if shape.attn_implementation != "eager" or shape.arch is None:
         return 0, 0
-    if vision is None:
-        one = eager_scores_bytes(shape, seqs=shape.micro_batch, seq=shape.seq_len, layers=1)
-        kept = shape.layer.layers - checkpointed_blocks(shape.ac, shape.layer.layers)
-        return (one * kept if shape.backward and shape.ac.kind != "selective" else 0), one
-    window = (vision.window_size // vision.patch_size) ** 2
-    n_full = len(vision.fullatt_block_indexes)
     span = shape.image_patches or shape.seq_len
-    full = eager_scores_bytes(shape, seqs=shape.seq_len / span, seq=span, layers=1)
-    win = eager_scores_bytes(shape, seqs=max(shape.seq_len // window, 1), seq=window, layers=1)
-    frac = 1 - checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers
-    saved = int((full * n_full + win * (vision.depth - n_full)) * frac) if shape.backward else 0
-    return (saved if shape.ac.kind != "selective" else 0), max(full, win)
+    per_block: list[int] = []
+    for block in shape.arch.blocks:
+        att = block.attention
+        if att.kind == "linear":
+            per_block.append(0)
+        elif att.kind == "window":
+            seqs = max(shape.seq_len // att.window, 1)
+            per_block.append(eager_scores_bytes(shape, seqs=seqs, seq=att.window, layers=1))
+        elif att.causal:
+            per_block.append(eager_scores_bytes(shape, seqs=shape.micro_batch, seq=shape.seq_len, layers=1))
+        else:
+            per_block.append(eager_scores_bytes(shape, seqs=shape.seq_len / span, seq=span, layers=1))
+    kept = 1 - checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers
+    saved = int(sum(per_block) * kept) if shape.backward and shape.ac.kind != "selective" else 0
+    return saved, max(per_block, default=0)
 
 
 def eager_block_bytes(shape: ModuleShape) -> int:
     """One block's eager attention scores (a transient of the block that runs)."""
-    return _eager_saved_and_work(shape, shape.arch if shape.name == "vision" else None)[1]
+    return _eager_saved_and_work(shape)[1]
 
 
-def vision_activations(shape: ModuleShape, vision: DictConfig, *, out_hidden: int) -> dict[str, int]:
-    """Saved-for-backward bytes of one vision rank and micro-batch, by component."""
-    a = shape.precision.act
-    tokens = shape.tokens
-    h, merge = vision.hidden_size, vision.spatial_merge_size**2
-    row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    eager, _ = _eager_saved_and_work(shape, vision)
+def activations_of(shape: ModuleShape) -> dict[str, int]:
+    """Saved-for-backward bytes of one rank and micro-batch of ``shape``'s module, by component:
+    the blocks, eager scores, and the module's ends as its architecture declares them (patch rows
+    in fp32 and the merger for a pixel-input producer; the loss inputs and final norm for a module
+    with a vocabulary head)."""
+    arch, a, tokens = shape.arch, shape.precision.act, shape.tokens
+    eager, _ = _eager_saved_and_work(shape)
+    out = {"layers": saved_layers_bytes(shape), "attention_scores": eager}
     keep = 1 if shape.backward else 0
-    return {
-        "layers": saved_layers_bytes(shape),
-        "attention_scores": eager,
-        "inputs": int(tokens * row * 4),
-        "merger": keep * int(tokens * (2 * h + 3 * h) * a + tokens / merge * out_hidden * a),
-    }
-
-
-def llm_activations(shape: ModuleShape, llm: DictConfig) -> dict[str, int]:
-    """Saved-for-backward bytes of one LLM rank and micro-batch, by component."""
-    a, tokens = shape.precision.act, shape.tokens
-    eager, _ = _eager_saved_and_work(shape, None)
-    return {
-        "layers": saved_layers_bytes(shape),
-        "attention_scores": eager,
-        "loss_inputs": int(tokens * (llm.hidden_size * a + 8 + 4)) if shape.backward else 0,
-        "final_norm": int(tokens * 2 * llm.hidden_size / shape.seq_split * a),
-    }
+    h = arch.hidden
+    if arch.input_row:
+        out["inputs"] = int(tokens * arch.input_row * 4)
+    if arch.out_width:
+        out["merger"] = keep * int(tokens * (2 * h + 3 * h) * a + tokens / arch.merge * arch.out_width * a)
+    if arch.vocab:
+        out["loss_inputs"] = int(tokens * (h * a + 8 + 4)) if shape.backward else 0
+        out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)
+    return out
 
 
 def module_shape(
     name: str, *, model: DictConfig, module: DictConfig, micro_batch: int, image_patches: int = 0
 ) -> ModuleShape:
-    """Collect the sizes of module ``name`` that the estimate reads."""
-    layer = layer_shape(name, model)
+    """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
+    architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers."""
+    arch = architecture(model).modules[name]
     par = module.parallel
     tokens = micro_batch * module.seq_len
     chunk = int(module.loss_chunk_tokens) if "loss_chunk_tokens" in module else 0
-    if name == "llm" and chunk == 0:
-        chunk = default_loss_chunk(model.llm.vocab_size, par.tp, tokens)
+    if arch.vocab and chunk == 0:
+        chunk = default_loss_chunk(arch.vocab, par.tp, tokens)
     dtype = model.dtype if "dtype" in model else "float32"
     return ModuleShape(
         name=name,
-        params=module_params(name, model),
-        layer_params=layer_params(name, model),
-        largest_param=largest_param(name, model),
-        layer=layer,
+        params=arch.params,
+        layer_params=arch.block_params,
+        largest_param=arch.largest_param,
+        layer=arch.layer_shape(),
         parallel=par,
         seq_len=module.seq_len,
         micro_batch=micro_batch,
         ac=parse_ac_mode(module.activation_checkpointing),
         freeze=module.freeze,
-        backward=not (module.freeze and name == "vision"),
+        backward=not (module.freeze and not arch.inputs),
         precision=precision(dtype, module.mixed_precision, par.fsdp),
         attn_implementation=model.attn_implementation,
-        sequence_parallel=bool(name == "llm" and "sequence_parallel" in par and par.sequence_parallel),
-        loss_chunk_tokens=chunk if name == "llm" else 0,
-        image_patches=image_patches if name == "vision" else 0,
-        vocab=model.llm.vocab_size,
-        out_hidden=model.llm.hidden_size,
-        handoff_width=geometry(model).handoff_width if name == "vision" else 0,
-        arch=model.vision if name == "vision" else model.llm,
+        sequence_parallel=bool("sequence_parallel" in par and par.sequence_parallel),
+        loss_chunk_tokens=chunk if arch.vocab else 0,
+        image_patches=image_patches if arch.input_row else 0,
+        vocab=arch.vocab,
+        out_hidden=arch.out_width,
+        handoff_width=arch.handoff_width,
+        arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
     )
-
-
-def activations_of(shape: ModuleShape) -> dict[str, int]:
-    """Saved-for-backward bytes of one rank and micro-batch of ``shape``'s module, by component."""
-    if shape.name == "vision":
-        return vision_activations(shape, shape.arch, out_hidden=shape.out_hidden)
-    return llm_activations(shape, shape.arch)

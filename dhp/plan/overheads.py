@@ -44,11 +44,6 @@ import math
 
 from dhp.plan.memory import ModuleShape, checkpointed_blocks
 
-#: Parameter tensors of one block and of the rest of a module (pre-norm block: 2 norms, q/k/v (or
-#: fused qkv) weights and biases, the output projection, a gated MLP with or without biases;
-#: the rest: patch embedding + merger (norm, 2 linears with biases), or embedding + norm + lm_head).
-TENSORS_PER_BLOCK = {"vision": 12, "llm": 12}
-ROOT_TENSORS = {"vision": 6, "llm": 3}
 #: AdamW's share of the per-tensor ops of a step (about 10 of the 14: the rest are the grad norm,
 #: the clip and zero_grad, which every rank runs on every tensor)
 ADAMW_SHARE = 0.7
@@ -60,7 +55,7 @@ DTENSOR_TENSOR_FACTOR = 2.0
 def param_tensors(shape: ModuleShape) -> float:
     """Parameter tensors one rank steps over (the per-tensor loops of norm, clip and AdamW), in
     whole-loop units: under ZeRO-1 AdamW's share of a tensor's ops runs on its owner only."""
-    n = shape.layer.layers * TENSORS_PER_BLOCK[shape.name] + ROOT_TENSORS[shape.name]
+    n = shape.layer.layers * shape.arch.tensors_per_block + shape.arch.root_tensors
     par = shape.parallel
     dtensor = par.tp > 1 or par.fsdp > 1
     owners = par.dp * par.sp if par.zero == 1 else 1
@@ -69,17 +64,22 @@ def param_tensors(shape: ModuleShape) -> float:
 
 
 def attention_calls(shape: ModuleShape, tokens: float) -> float:
-    """Attention calls of one forward on a rank seeing ``tokens`` tokens (see the module docstring)."""
-    if shape.name != "vision":
-        return float(shape.layer.layers)
-    v = shape.arch
-    window = (v.window_size // v.patch_size) ** 2
+    """Attention calls of one forward on a rank seeing ``tokens`` tokens (see the module docstring),
+    per block by its declared attention: a causal block is one call; a non-causal full block one per
+    image (all images under Ulysses: it sees every token); a window block one per window."""
     image = shape.image_patches or shape.seq_len
-    n_full = len(v.fullatt_block_indexes)
     all_tokens = tokens * shape.parallel.sp  # Ulysses: full blocks see every token, heads/sp
     images = max(all_tokens / image, 1.0) if shape.parallel.sp > 1 else max(tokens / image, 1.0)
-    windows = max(tokens / min(window, image), 1.0)
-    return n_full * math.ceil(images) + (v.depth - n_full) * math.ceil(windows)
+    calls = 0.0
+    for block in shape.arch.blocks:
+        att = block.attention
+        if att.causal or att.kind == "linear":
+            calls += 1
+        elif att.kind == "window":
+            calls += math.ceil(max(tokens / min(att.window, image), 1.0))
+        else:
+            calls += math.ceil(images)
+    return float(calls)
 
 
 def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
@@ -88,7 +88,7 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
     fwd = bwd = 0.0
     if par.sp > 1:  # per full block: qkv (fused) and out; plus one rotary-table gather a forward
-        n_full = len(shape.arch.fullatt_block_indexes) if shape.name == "vision" else lay.layers
+        n_full = shape.arch.sp_exchange_blocks
         fwd += 2 * n_full + 1
         bwd += 2 * n_full + (2 * n_full + 1) * ck / lay.layers
     if par.tp > 1:
@@ -98,7 +98,7 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
         bwd_block = lay.tp_input_grads + (2 if shape.sequence_parallel else 0)
         fwd += fwd_block * lay.layers
         bwd += bwd_block * lay.layers + fwd_block * ck
-        if shape.name == "llm":  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
+        if shape.arch.vocab:  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
             # under SP the merged embeddings' grad is all-gathered back to the full sequence
             chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))
             fwd += 1 + 2 * chunks

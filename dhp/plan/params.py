@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from dhp.models.arch import Geometry, LayerShape, ParamCount
+from dhp.models.arch import Architecture, LayerShape, ModuleArch, ParamCount
 from dhp.models.registry import get_arch
 
 __all__ = [
-    "Geometry",
+    "Architecture",
     "LayerShape",
+    "ModuleArch",
     "ParamCount",
-    "geometry",
+    "architecture",
     "largest_param",
     "layer_params",
     "layer_shape",
@@ -23,9 +24,9 @@ __all__ = [
 ]
 
 
-def geometry(model: DictConfig) -> Geometry:
-    """The numbers the planner reads (``.vision``, ``.llm``, ``.handoff_width``), from the family."""
-    return get_arch(model.family).geometry(model)
+def architecture(model: DictConfig) -> Architecture:
+    """The family's typed architecture of ``model``: what the planner's memory, FLOPs and time read."""
+    return get_arch(model.family).architecture(model)
 
 
 def module_params(name: str, model: DictConfig) -> ParamCount:

@@ -173,7 +173,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         bwd["grad_hidden"] = int(2 * tokens * h / s * a)
     if eager_one:
         fwd["attention_scores"] = bwd["attention_scores"] = eager_one
-    if shape.name == "vision" and par.sp > 1:
+    if par.sp > 1 and shape.arch.sp_exchange_blocks:  # Ulysses' q/k/v exchange buffers
         fwd["all_to_all"] = bwd["all_to_all"] = int(2 * 3 * tokens * h / par.tp * a)
     if s > 1:
         fwd["sp_gather"] = bwd["sp_gather"] = int(tokens * h * a)
@@ -185,7 +185,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         if shape.backward:
             bwd["fsdp_gather"] = gathered
             bwd["fsdp_reduce_scatter"] = int(layer_full * pr.reduce) if grads else 0
-    if shape.name == "llm":
+    if shape.arch.vocab:  # the module computes the loss: its logits chunk; it receives the hand-off
         v_shard = shape.vocab / par.tp
         chunk = min(shape.loss_chunk_tokens, tokens)
         fwd["loss_chunk"] = int(chunk * v_shard * (a + 4))
@@ -194,7 +194,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
             bwd["lm_head_grad_fp32"] = int(v_shard * h * 4)
         handoff = int(tokens * h / s * a)
     else:
-        merge = shape.arch.spatial_merge_size**2
+        merge = shape.arch.merge
         handoff = int(tokens / merge * (shape.handoff_width or shape.out_hidden) * a)
     trains = grads > 0
     sync = grads if trains and par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
@@ -212,7 +212,8 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         grads=grads,
         optimizer=optimizer,
         saved=saved,
-        live_micro_batches=2 if shape.name == "vision" and micro_batches > 1 and shape.backward else 1,
+        # a producer (no hand-off inputs) runs the next micro-batch's forward before this one's backward
+        live_micro_batches=2 if not shape.arch.inputs and micro_batches > 1 and shape.backward else 1,
         accumulates=micro_batches > 1,
         micro_batches=micro_batches,
         first_grad=int(local_largest * pr.grad) if trains else 0,

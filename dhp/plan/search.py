@@ -37,6 +37,7 @@ from dhp.errors import PlanError
 from dhp.layout import RankLayout
 from dhp.plan.estimate import busy_processes, coefficients, module_features, seconds
 from dhp.plan.memory import module_shape, sp_rank_tokens
+from dhp.plan.params import architecture
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
 
@@ -232,7 +233,7 @@ class Search:
     def vision_seq_len(self, mb: int, l_reps: int, v_reps: int, sp: int) -> int:
         if _fixed(self.fixed, "modules.vision.seq_len"):
             return int(self.cfg.modules["vision"].seq_len)
-        unit = self.cfg.model.vision.spatial_merge_size**2 * sp
+        unit = architecture(self.cfg.model).modules["vision"].merge * sp
         need = self.patches_per_sample * mb * l_reps / v_reps
         return int(math.ceil(need / unit) * unit)
 
@@ -270,7 +271,7 @@ class Search:
 
     def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
         total = min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas)
-        return sp_rank_tokens(self.cfg.model.vision, total, d.sp, self._image())
+        return sp_rank_tokens(architecture(self.cfg.model).modules["vision"], total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:

@@ -57,7 +57,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.layout import RankLayout
+from dhp.models.arch import model_flops
 from dhp.plan.memory import ModuleShape, checkpointed_blocks
+from dhp.plan.params import architecture
 
 ATTN_HALF_SPAN = 128.0
 ATTN_BWD_FACTOR = 2.5
@@ -65,29 +67,15 @@ ATTN_BWD_FACTOR = 2.5
 
 # ---- FLOPs ------------------------------------------------------------------------------------
 def matmul_params_per_token(shape: ModuleShape) -> float:
-    """N: multiply-accumulates per token of the module's matmuls (blocks + merger / lm_head)."""
-    lay = shape.layer
-    h, m, kv = lay.hidden, lay.mlp, lay.kv_dim
-    if shape.name == "vision":
-        v = shape.arch
-        merge = v.spatial_merge_size**2
-        merged = h * merge
-        block = 3 * h * h + h * h + 3 * h * m
-        return lay.layers * block + (merged * merged + merged * shape.out_hidden) / merge
-    q = lay.q_dim or h  # q/o width: heads * head_dim, which need not equal the hidden size
-    block = 2 * h * q + 2 * h * kv + 3 * h * m
-    return lay.layers * block + h * shape.vocab
+    """N: multiply-accumulates per token of the module's matmuls: every block's q/o, k/v and active
+    MLP (the family's typed blocks), plus its head (merger / merge, or lm_head)."""
+    return shape.arch.block_macs() + shape.arch.head_macs
 
 
 def attention_spans(shape: ModuleShape) -> list[tuple[int, float]]:
-    """(blocks, span per query) groups: the encoder's full and window blocks, the LLM's causal S/2."""
-    if shape.name == "vision":
-        v = shape.arch
-        window = (v.window_size // v.patch_size) ** 2
-        image = shape.image_patches or shape.seq_len
-        n_full = len(v.fullatt_block_indexes)
-        return [(n_full, float(image)), (v.depth - n_full, float(min(window, image)))]
-    return [(shape.layer.layers, shape.seq_len / 2.0)]
+    """(blocks, span per query) groups from each block's declared attention (full over an image or,
+    causal, S/2; a window; a linear state)."""
+    return shape.arch.spans(seq_len=shape.seq_len, sample=shape.image_patches or shape.seq_len)
 
 
 @dataclass(frozen=True)
@@ -125,7 +113,7 @@ def module_flops(shape: ModuleShape, tokens: float) -> Flops:
         attn += f
         weighted += f * span
     frac = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
-    block_mm = mm - (2.0 * tokens * h * shape.vocab / tp if shape.name == "llm" else 0.0)
+    block_mm = 2.0 * tokens * shape.arch.block_macs() / tp  # recompute re-runs blocks, not the head
     return Flops(
         matmul_fwd=mm,
         attn_fwd=attn,
@@ -178,7 +166,7 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
     fwd = bwd = 0.0
     if par.sp > 1:
-        n_full = len(shape.arch.fullatt_block_indexes) if shape.name == "vision" else lay.layers
+        n_full = shape.arch.sp_exchange_blocks
         one = all_to_all_s(tokens * h * a, par.sp, link.bw(par.sp), link.lat)
         fwd += 4 * n_full * one
         bwd += (4 * n_full + 4 * n_full * ck / lay.layers) * one if shape.backward else 0.0
@@ -234,25 +222,7 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
 
 
 def palm_model_flops(config: DictConfig, images: list[int], seq_lens: list[int]) -> float:
-    """Model FLOPs of a step by the PaLM formula, as ``metrics.jsonl``'s MFU counts them
-    (``dhp/metrics/flops.py``; a test keeps the two equal). Not imported from there: that package
-    imports torch, and the planner stays pure."""
-    lm, v = config.model.llm, config.model.vision
-    h, i = lm.hidden_size, lm.intermediate_size
-    kv = lm.num_kv_heads * (h // lm.num_heads)
-    n = lm.num_layers * (2 * h * h + 2 * h * kv + 3 * h * i) + h * lm.vocab_size
-    total = sum(s * (6.0 * n + 12.0 * lm.num_layers * h * s) for s in seq_lens)
-    total *= 1 / 3 if config.modules["llm"].freeze else 1.0
-    if "vision" not in config.modules or not images:
-        return total
-    vh, vi = v.hidden_size, v.intermediate_size
-    merged = vh * v.spatial_merge_size**2
-    nv = (
-        v.depth * (4 * vh * vh + 3 * vh * vi)
-        + (merged * merged + merged * h) / v.spatial_merge_size**2
-        + v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh
-    )
-    window = (v.window_size // v.patch_size) ** 2
-    full = len(v.fullatt_block_indexes)
-    vis = sum(p * (6.0 * nv + 12.0 * vh * (full * p + (v.depth - full) * min(window, p))) for p in images)
-    return total + vis * (1 / 3 if config.modules["vision"].freeze else 1.0)
+    """Model FLOPs of a step by the PaLM formula from the family's typed architecture: the one
+    formula (``dhp.models.arch.model_flops``) that ``metrics.jsonl``'s MFU counts too."""
+    frozen = {name: bool(mod.freeze) for name, mod in config.modules.items()}
+    return model_flops(architecture(config.model), images=images, seq_lens=seq_lens, frozen=frozen)

@@ -92,7 +92,10 @@ def model_cfg(kind: str, *, dtype: str = "float32", attn: str = "sdpa", llm_laye
     raw = yaml.safe_load((ROOT / "conf/model/qwen_vl_7b.yaml").read_text())
     vision = dict(raw["vision"], depth=vision_depth)
     # keep the encoder's window/full mix: every 8th block full, as in the 32-block original
-    vision["fullatt_block_indexes"] = [i for i in range(vision_depth) if i % 8 == 7] or [vision_depth - 1]
+    vision["extra"] = dict(
+        vision["extra"],
+        fullatt_block_indexes=[i for i in range(vision_depth) if i % 8 == 7] or [vision_depth - 1],
+    )
     llm = dict(raw["llm"], num_layers=llm_layers)
     return ModelConfig(
         name=f"qwen_vl_7b_widths_{llm_layers}l",

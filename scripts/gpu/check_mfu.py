@@ -19,7 +19,7 @@ def check_mfu(ctx: Ctx, args) -> str:
 
     from dhp import parallel as par
     from dhp.config.schema import ParallelConfig, TrainConfig
-    from dhp.metrics import llm_flops_per_step, vision_flops_per_step
+    from dhp.metrics import model_flops_per_step
     from dhp.models import get_family
 
     init_world(ctx)
@@ -102,9 +102,9 @@ def check_mfu(ctx: Ctx, args) -> str:
     t0 = time.perf_counter()
     losses = [step(True) for _ in range(steps)]
     step_s = (time.perf_counter() - t0) / steps
-    flops = vision_flops_per_step(
-        arch=mc.vision, llm_hidden=mc.llm.hidden_size, image_patches=[patches], frozen=False
-    ) + llm_flops_per_step(arch=mc.llm, seq_lens=[seq], frozen=False)
+    flops = model_flops_per_step(
+        mc, image_patches=[patches], seq_lens=[seq], frozen={"vision": False, "llm": False}
+    )
     peak = yaml.safe_load((ROOT / "conf/cluster/h200_1x.yaml").read_text())["peak_bf16_tflops"]
     ctx.fig("step_s", step_s)
     for k, v in phases.items():

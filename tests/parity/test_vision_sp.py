@@ -47,12 +47,19 @@ CASES = {
 }
 
 
+def _tiny_hf_vision():
+    """The tiny encoder's transformers config (its window geometry is what the SP cut reads)."""
+    family = get_family("qwen2_5_vl")
+    return family.hf_config(family.tiny_model_config()).vision_config
+
+
 def _tiny_vision():
     family = get_family("qwen2_5_vl")
     model_cfg = family.tiny_model_config()
     torch.manual_seed(0)
-    module = family.build_module("vision", family.hf_config(model_cfg), device="cpu", dtype=torch.float32)
-    return module, model_cfg.vision
+    hf = family.hf_config(model_cfg)
+    module = family.build_module("vision", hf, device="cpu", dtype=torch.float32)
+    return module, hf.vision_config
 
 
 def _grads(module) -> dict[str, torch.Tensor]:
@@ -62,7 +69,7 @@ def _grads(module) -> dict[str, torch.Tensor]:
 def _check_case(module, ref, group, rank: int, world: int, case: str, *, gathered: bool = True) -> None:
     batch = vision_batch(seed=len(case), grids=CASES[case])
     pixels, thw = batch["pixel_values"], batch["image_grid_thw"]
-    arch = get_family("qwen2_5_vl").tiny_model_config().vision
+    arch = _tiny_hf_vision()
     ref.zero_grad(set_to_none=True)
     ref_out = ref(pixels, thw)["image_embeds"]
     weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(7))
@@ -106,7 +113,7 @@ def _sp_cases(rank: int, world: int) -> None:
 
     # CommCounter sees the all-to-alls: 2 per full-attention block in forward, 2 in backward
     shard = shard_vision_batch(**vision_batch(seed=3, grids=CASES["fewer_windows_than_ranks"]), sp_size=world,
-                               arch=get_family("qwen2_5_vl").tiny_model_config().vision)[rank]  # fmt: skip
+                               arch=_tiny_hf_vision())[rank]  # fmt: skip
     counter = CommCounter("vision")
     with counter:
         vision_shard_forward(module, shard).sum().backward()
@@ -127,7 +134,7 @@ def _sp_cases(rank: int, world: int) -> None:
     # i+1's encoder forward before i's backward), again in a recompute: both passes must still line up
     apply_ac(module, mesh, AcSpec(kind="selective"))
     batches = [shard_vision_batch(**vision_batch(seed=s, grids=CASES["two_unequal_images"]), sp_size=world,
-                                  arch=get_family("qwen2_5_vl").tiny_model_config().vision)[rank]
+                                  arch=_tiny_hf_vision())[rank]
                for s in (11, 12)]  # fmt: skip
     outs = [vision_shard_forward(module, b) for b in batches]  # two forwards in flight, then backwards
     for out in outs:

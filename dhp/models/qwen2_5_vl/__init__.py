@@ -10,12 +10,12 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "TINY_TOKENS": "dhp.models.qwen2_5_vl.family",
     "Qwen25VLFamily": "dhp.models.qwen2_5_vl.family",
     "LLMModule": "dhp.models.qwen2_5_vl.modules",
     "VisionModule": "dhp.models.qwen2_5_vl.modules",
     "mrope_positions": "dhp.models.qwen2_5_vl.modules",
-    "shifted_ce_sum": "dhp.models.qwen2_5_vl.modules",
+    "Qwen2_5_VLImageTextProcessor": "dhp.models.qwen2_5_vl.processor",
+    "load_processor": "dhp.models.qwen2_5_vl.processor",
 }
 
 __all__ = sorted(_LAZY)

@@ -14,7 +14,33 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from dhp.config.issues import Issues
-from dhp.models.arch import Geometry, LayerShape, LLMGeometry, ParamCount, VisionGeometry
+from dhp.models.arch import (
+    Architecture,
+    Attention,
+    Block,
+    Capabilities,
+    LayerShape,
+    Mlp,
+    ModuleArch,
+    ParamCount,
+    uniform_blocks,
+)
+
+#: What this family's runtime does exactly (packing and video have parity tests).
+CAPABILITIES = Capabilities(
+    packing=True,
+    video=True,
+    axes={"vision": ("dp", "fsdp", "sp", "tp", "zero"), "llm": ("dp", "fsdp", "tp", "zero")},
+    tp_sharded={
+        "vision": (
+            "visual.blocks.*.attn.qkv",
+            "visual.blocks.*.attn.proj",
+            "visual.blocks.*.mlp.*",
+            "visual.merger.mlp.*",
+        ),
+        "llm": ("*.embed_tokens", "*.layers.*.self_attn.*_proj", "*.layers.*.mlp.*", "lm_head"),
+    },
+)
 
 
 def vision_params(vision: DictConfig, *, out_hidden: int) -> ParamCount:
@@ -106,34 +132,6 @@ def largest_param(name: str, model: DictConfig) -> int:
     return max(lm.vocab_size * lm.hidden_size, lm.hidden_size * lm.intermediate_size)
 
 
-def _llm_geometry(llm: DictConfig) -> LLMGeometry:
-    return LLMGeometry(
-        hidden_size=llm.hidden_size,
-        num_layers=llm.num_layers,
-        num_heads=llm.num_heads,
-        num_kv_heads=llm.num_kv_heads,
-        head_dim=llm.hidden_size // llm.num_heads,
-        intermediate_size=llm.intermediate_size,
-        vocab_size=llm.vocab_size,
-        tie_word_embeddings=bool(llm.tie_word_embeddings),
-    )
-
-
-def _vision_geometry(v: DictConfig) -> VisionGeometry:
-    return VisionGeometry(
-        depth=v.depth,
-        hidden_size=v.hidden_size,
-        num_heads=v.num_heads,
-        intermediate_size=v.intermediate_size,
-        patch_size=v.patch_size,
-        spatial_merge_size=v.spatial_merge_size,
-        temporal_patch_size=v.temporal_patch_size,
-        window_size=v.window_size,
-        in_channels=v.in_channels,
-        fullatt_block_indexes=tuple(v.fullatt_block_indexes),
-    )
-
-
 _VISION_SIZES = [
     "depth",
     "hidden_size",
@@ -142,9 +140,10 @@ _VISION_SIZES = [
     "patch_size",
     "spatial_merge_size",
     "temporal_patch_size",
-    "window_size",
     "in_channels",
 ]
+VISION_EXTRA = ("window_size", "fullatt_block_indexes")
+LLM_EXTRA = ("mrope_section",)
 
 
 def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
@@ -157,20 +156,30 @@ def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
             f"must be divisible by model.vision.num_heads={v.num_heads}",
             "pick a head count that divides the hidden size",
         )
+    have = sorted(v.extra) if "extra" in v else []
+    if not issues.check(
+        have == sorted(VISION_EXTRA),
+        "model.vision.extra",
+        have,
+        f"qwen2_5_vl needs exactly {list(VISION_EXTRA)} here (its window geometry)",
+        "copy model.vision.extra from conf/model/qwen_vl_7b.yaml",
+    ):
+        return
+    window, full = v.extra["window_size"], list(v.extra["fullatt_block_indexes"])
     unit = v.patch_size * v.spatial_merge_size
     if unit > 0:
         issues.check(
-            v.window_size % unit == 0,
-            "model.vision.window_size",
-            v.window_size,
-            f"must be a multiple of patch_size*spatial_merge_size={unit}",
+            window > 0 and window % unit == 0,
+            "model.vision.extra.window_size",
+            window,
+            f"must be a positive multiple of patch_size*spatial_merge_size={unit}",
             f"use a multiple of {unit}",
         )
-    bad = [i for i in v.fullatt_block_indexes if not 0 <= i < v.depth]
+    bad = [i for i in full if not 0 <= i < v.depth]
     issues.check(
         not bad,
-        "model.vision.fullatt_block_indexes",
-        list(v.fullatt_block_indexes),
+        "model.vision.extra.fullatt_block_indexes",
+        full,
         f"indexes {bad} outside [0, depth={v.depth})",
         "list block indexes smaller than model.vision.depth",
     )
@@ -197,38 +206,94 @@ def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
             f"must divide model.llm.num_heads={lm.num_heads} (grouped-query attention)",
             "pick a KV head count that divides the head count",
         )
-        if ok_h:
+        if ok_h and "extra" in lm and "mrope_section" in lm.extra:
             half = lm.hidden_size // lm.num_heads // 2
             issues.check(
-                sum(lm.mrope_section) == half,
-                "model.llm.mrope_section",
-                list(lm.mrope_section),
+                sum(lm.extra["mrope_section"]) == half,
+                "model.llm.extra.mrope_section",
+                list(lm.extra["mrope_section"]),
                 f"must sum to head_dim/2 = {half}",
                 "use the published [16, 24, 24] for head_dim 128",
             )
 
 
+def vision_arch(model: DictConfig) -> ModuleArch:
+    """The encoder: window attention except in ``extra.fullatt_block_indexes``; a 2x2 merger to the LLM width."""
+    v, out = model.vision, model.llm.hidden_size
+    h, head = v.hidden_size, v.hidden_size // v.num_heads
+    window = (v.extra["window_size"] // v.patch_size) ** 2
+    full = Attention(kind="full", heads=v.num_heads, kv_heads=v.num_heads, head_dim=head)
+    win = Attention(kind="window", heads=v.num_heads, kv_heads=v.num_heads, head_dim=head, window=window)
+    mlp = Mlp(kind="dense", intermediate=v.intermediate_size)
+    full_at = set(v.extra["fullatt_block_indexes"])
+    merge, merged = v.spatial_merge_size**2, h * v.spatial_merge_size**2
+    return ModuleArch(
+        hidden=h,
+        blocks=tuple(Block(full if i in full_at else win, mlp) for i in range(v.depth)),
+        params=module_params("vision", model),
+        block_params=layer_params("vision", model),
+        largest_param=largest_param("vision", model),
+        outputs=("image_embeds",),
+        handoff_width=out,
+        out_width=out,
+        input_row=v.in_channels * v.temporal_patch_size * v.patch_size**2,
+        merge=merge,
+        temporal_patch=v.temporal_patch_size,
+        head_macs=(merged * merged + merged * out) / merge,
+        sp_unit=window,
+        tp_input_grads=3,  # fused qkv, gate, up
+        tensors_per_block=12,
+        root_tensors=6,
+    )
+
+
+def llm_arch(model: DictConfig) -> ModuleArch:
+    """The decoder: causal GQA attention and a SwiGLU MLP in every layer; a vocab-parallel lm_head."""
+    lm = model.llm
+    attn = Attention(
+        kind="full",
+        heads=lm.num_heads,
+        kv_heads=lm.num_kv_heads,
+        head_dim=lm.hidden_size // lm.num_heads,
+        causal=True,
+    )
+    return ModuleArch(
+        hidden=lm.hidden_size,
+        blocks=uniform_blocks(lm.num_layers, attn, Mlp(kind="dense", intermediate=lm.intermediate_size)),
+        params=module_params("llm", model),
+        block_params=layer_params("llm", model),
+        largest_param=largest_param("llm", model),
+        inputs=("image_embeds",),
+        head_macs=float(lm.hidden_size * lm.vocab_size),
+        vocab=lm.vocab_size,
+        tp_input_grads=5,  # q, k, v, gate, up
+        tensors_per_block=12,
+        root_tensors=3,
+    )
+
+
 class Qwen25VLArch:
-    """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (it uses no ``extra`` keys)."""
+    """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (``vision.extra``: its window geometry)."""
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         _validate_vision_arch(model.vision, issues)
+        have = sorted(model.llm.extra) if "extra" in model.llm else []
+        issues.check(
+            have == sorted(LLM_EXTRA),
+            "model.llm.extra",
+            have,
+            f"qwen2_5_vl needs exactly {list(LLM_EXTRA)} here (its M-RoPE split)",
+            "copy model.llm.extra from conf/model/qwen_vl_7b.yaml",
+        )
         _validate_llm_arch(model.llm, issues)
-        for part in ("vision", "llm"):
-            extra = dict(model[part].extra) if "extra" in model[part] else {}
-            issues.check(
-                not extra,
-                f"model.{part}.extra",
-                extra,
-                "qwen2_5_vl has no family-specific numbers",
-                f"remove model.{part}.extra",
-            )
 
-    def geometry(self, model: DictConfig) -> Geometry:
-        return Geometry(
-            vision=_vision_geometry(model.vision),
-            llm=_llm_geometry(model.llm),
-            handoff_width=model.llm.hidden_size,
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    def architecture(self, model: DictConfig) -> Architecture:
+        return Architecture(
+            modules={"vision": vision_arch(model), "llm": llm_arch(model)}, capabilities=CAPABILITIES
         )
 
     def module_params(self, name: str, model: DictConfig) -> ParamCount:

@@ -18,37 +18,39 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
 )
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
     Qwen2_5_VLTextModel,
 )
 
-from dhp.config.schema import LLMArch, ModelConfig, SpecialTokens, VisionArch
+from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError, ConfigError, ConfigIssue
+from dhp.models.common import (
+    TIED_LM_HEAD,
+    KeyMap,
+    init_rotary_buffers,
+    lm_head,
+    reference_model,
+    tie_lm_head,
+)
 from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
+from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
 from dhp.models.qwen2_5_vl.parallel import parallel_plan
 from dhp.models.qwen2_5_vl.sp_shard import VisionShard, shard_vision_batch
+from dhp.models.tokens import TOKEN_STRINGS
 
-#: ``SpecialTokens`` field -> the token's text in Qwen's tokenizers
-TOKEN_STRINGS = {
-    "image_token_id": "<|image_pad|>",
-    "video_token_id": "<|video_pad|>",
-    "vision_start_token_id": "<|vision_start|>",
-    "vision_end_token_id": "<|vision_end|>",
-}
-
-# Special token ids of the tiny tokenizer written by make_tiny_checkpoint (specials come first).
-TINY_TOKENS = SpecialTokens(
-    image_token_id=12,
-    video_token_id=13,
-    vision_start_token_id=9,
-    vision_end_token_id=10,
-    bos_token_id=0,
-    eos_token_id=2,
-    pad_token_id=0,
+#: checkpoint prefix -> (module, module FQN prefix); the hub's older layout (``visual.*``, ``model.*``) too
+KEYS = KeyMap(
+    family="qwen2_5_vl",
+    owners=(
+        ("model.visual.", "vision", "visual."),
+        ("visual.", "vision", "visual."),
+        ("model.language_model.", "llm", "language_model."),
+        ("lm_head.", "llm", "lm_head."),
+        ("model.", "llm", "language_model."),  # hub's older layout: model.layers.*
+    ),
 )
 
 
@@ -130,6 +132,7 @@ class Qwen25VLFamily:
         """Build the transformers config from the schema's numbers (no file is read)."""
         v, t, tok = model_cfg.vision, model_cfg.llm, model_cfg.tokens
         return Qwen2_5_VLConfig(
+            architectures=["Qwen2_5_VLForConditionalGeneration"],  # config.json names the class that loads it
             vision_config=dict(
                 depth=v.depth,
                 hidden_size=v.hidden_size,
@@ -138,9 +141,9 @@ class Qwen25VLFamily:
                 patch_size=v.patch_size,
                 spatial_merge_size=v.spatial_merge_size,
                 temporal_patch_size=v.temporal_patch_size,
-                window_size=v.window_size,
+                window_size=v.extra["window_size"],
                 in_channels=v.in_channels,
-                fullatt_block_indexes=list(v.fullatt_block_indexes),
+                fullatt_block_indexes=list(v.extra["fullatt_block_indexes"]),
                 out_hidden_size=t.hidden_size,
                 hidden_act="silu",
             ),
@@ -156,7 +159,7 @@ class Qwen25VLFamily:
                 rope_parameters={
                     "rope_type": "default",
                     "rope_theta": t.rope_theta,
-                    "mrope_section": list(t.mrope_section),
+                    "mrope_section": list(t.extra["mrope_section"]),
                 },
                 bos_token_id=tok.bos_token_id,
                 eos_token_id=tok.eos_token_id,
@@ -193,40 +196,8 @@ class Qwen25VLFamily:
         return cfg
 
     def tiny_model_config(self) -> ModelConfig:
-        """The tiny test architecture (same numbers as ``conf/model/tiny.yaml``), fp32."""
-        return ModelConfig(
-            name="tiny",
-            family=self.name,
-            path=None,
-            dtype="float32",
-            attn_implementation="sdpa",
-            vision=VisionArch(
-                depth=4,
-                hidden_size=32,
-                num_heads=4,
-                intermediate_size=64,
-                patch_size=14,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                window_size=112,
-                in_channels=3,
-                fullatt_block_indexes=[1, 3],
-            ),
-            llm=LLMArch(
-                hidden_size=128,
-                num_layers=2,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=256,
-                vocab_size=1024,
-                tie_word_embeddings=False,
-                rope_theta=1000000.0,
-                rms_norm_eps=1e-6,
-                max_position_embeddings=128000,
-                mrope_section=[2, 3, 3],
-            ),
-            tokens=copy.deepcopy(TINY_TOKENS),
-        )
+        """The tiny test architecture: ``conf/model/tiny.yaml`` (fp32), where its numbers are written."""
+        return model_entry("tiny")
 
     # --- modules -------------------------------------------------------------------------------
     def modules_for(self, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> tuple[str, ...]:
@@ -272,10 +243,7 @@ class Qwen25VLFamily:
                 return module
             text_cfg = cfg.text_config if isinstance(cfg, Qwen2_5_VLConfig) else cfg
             language_model = Qwen2_5_VLTextModel._from_config(text_cfg, dtype=dtype)
-            lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
-            if not str(device).startswith("meta"):
-                nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
-            module = LLMModule(language_model, lm_head, cfg)
+            module = LLMModule(language_model, lm_head(text_cfg, device=device, dtype=dtype), cfg)
             self.tie(name, module, cfg)
             module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
             return module
@@ -286,71 +254,30 @@ class Qwen25VLFamily:
         """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
         # a transformers config attribute (absent on a bare text config means "not tied")
         if name == "llm" and getattr(hf_config, "tie_word_embeddings", False):
-            return {"lm_head.weight": "language_model.embed_tokens.weight"}
+            return dict(TIED_LM_HEAD)
         return {}
 
     def tie(self, name: str, module: nn.Module, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig) -> None:
         """Make tied parameters share storage again (after building or ``to_empty``)."""
         if self.tied_parameters(name, hf_config):
-            module.lm_head.weight = module.language_model.embed_tokens.weight
+            tie_lm_head(module)
 
     def init_buffers(self, name: str, module: nn.Module) -> None:
-        """Recompute the rotary ``inv_freq`` buffers (non-persistent) as transformers' init does.
-
-        After ``to_empty`` they hold garbage; forgetting this is the classic meta-init bug. Any
-        other non-persistent buffer would be left unset, so it is an error here.
-        """
-        handled = set()
-        with torch.no_grad():
-            for path, sub in module.named_modules():
-                if "RotaryEmbedding" not in type(sub).__name__:
-                    continue
-                rope_fns = {
-                    "axial": getattr(sub, "compute_axial_rope_parameters", None),
-                    "default": getattr(sub, "compute_default_rope_parameters", None),
-                    **ROPE_INIT_FUNCTIONS,
-                }
-                value, _ = rope_fns[sub.rope_type](sub.config)
-                for buf in ("inv_freq", "original_inv_freq"):
-                    getattr(sub, buf).copy_(value)
-                    handled.add(f"{path}.{buf}")
-        persistent = set(module.state_dict())
-        left = [n for n, _ in module.named_buffers() if n not in persistent and n not in handled]
-        if left:
-            raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {self.name}")
+        """Recompute the rotary ``inv_freq`` buffers after ``to_empty`` (``common.init_rotary_buffers``)."""
+        init_rotary_buffers(self.name, name, module)
 
     # --- checkpoint keys -----------------------------------------------------------------------
     def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
         """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
-        for prefix, module, fqn_prefix in (
-            ("model.visual.", "vision", "visual."),
-            ("visual.", "vision", "visual."),
-            ("model.language_model.", "llm", "language_model."),
-            ("lm_head.", "llm", "lm_head."),
-            ("model.", "llm", "language_model."),  # hub's older layout: model.layers.*
-        ):
-            if key.startswith(prefix):
-                return module, fqn_prefix + key[len(prefix) :]
-        return None
+        return KEYS.owner(key)
 
     def split_state_dict(self, ref_state_dict: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """Reference (or checkpoint) state dict -> ``{"vision": {...}, "llm": {...}}`` keyed by module FQN."""
-        out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.module_names}
-        unowned = []
-        for key, tensor in ref_state_dict.items():
-            owner = self.checkpoint_owner(key)
-            if owner is None:
-                unowned.append(key)
-                continue
-            out[owner[0]][owner[1]] = tensor
-        if unowned:
-            raise CheckpointError(f"keys that belong to no {self.name} module: {sorted(unowned)}")
-        return out
+        return KEYS.split(ref_state_dict, self.module_names)
 
     def reference_model(self, hf_config: Qwen2_5_VLConfig) -> Qwen2_5_VLForConditionalGeneration:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
-        cfg = copy.deepcopy(hf_config)
-        return Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)
+        return reference_model(Qwen2_5_VLForConditionalGeneration, hf_config)
 
 
 FAMILY = Qwen25VLFamily

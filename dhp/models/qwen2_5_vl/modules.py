@@ -8,9 +8,7 @@ LLM's input embeddings at the image-token positions; M-RoPE positions come from 
 
 from __future__ import annotations
 
-import functools
 import types
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,16 +19,14 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.models.checks import check_image_alignment, check_text_only, check_vision_inputs
+from dhp.models.common import LossFn, loss_output, rope_index, scatter_rows, shifted_ce_sum
 from dhp.models.family import LLMOutput
-from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_text_only, check_vision_inputs
 from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
 from dhp.models.qwen2_5_vl.video import split_visual
-from dhp.ops.cross_entropy import IGNORE_INDEX
-from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 from dhp.ops.packed import is_packed
 
-#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
-LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]
+__all__ = ["LLMModule", "LossFn", "VisionModule", "mrope_positions", "shifted_ce_sum"]
 
 
 class VisionModule(nn.Module):
@@ -222,9 +218,7 @@ class LLMModule(nn.Module):
         if image_embeds is None:
             return inputs_embeds
         visual = (input_ids == self.vl_config.image_token_id) | (input_ids == self.vl_config.video_token_id)
-        mask = visual.unsqueeze(-1).to(inputs_embeds.device)
-        image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-        return inputs_embeds.masked_scatter(mask, image_embeds)
+        return scatter_rows(inputs_embeds, visual, image_embeds)
 
     def positions(
         self,
@@ -250,24 +244,8 @@ class LLMModule(nn.Module):
         )
 
     def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
-        """``loss_fn(hidden, lm_head, labels)`` and the number of label tokens after the shift.
-
-        The loss reads ``lm_head``'s weight itself, chunk by chunk, so full-sequence logits never
-        exist; under TP/SP ``dhp.parallel`` swaps ``loss_fn`` for the vocab-parallel variant of the
-        same op (``dhp.ops.cross_entropy``, INTERFACES.md).
-        """
-        loss_sum = self.loss_fn(hidden, self.lm_head, labels)
-        num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        return LLMOutput(loss_sum=loss_sum, num_tokens=num_tokens)
-
-
-def shifted_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    """The default ``LLMModule.loss_fn``: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
-
-    One process, the whole vocab, chunked over tokens (``dhp.ops.cross_entropy``, default chunk):
-    equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"``.
-    """
-    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias)
+        """``loss_fn(hidden, lm_head, labels)`` and the label-token count (``common.loss_output``)."""
+        return loss_output(self.loss_fn, hidden=hidden, lm_head=self.lm_head, labels=labels)
 
 
 def mrope_positions(
@@ -282,25 +260,20 @@ def mrope_positions(
 ) -> torch.Tensor:
     """``(3, B, S)`` M-RoPE positions computed by ``Qwen2_5_VLModel.get_rope_index`` itself.
 
-    The method only reads ``config.vision_config`` and ``get_vision_position_ids`` from ``self``,
-    so it is called on a stand-in rather than on a full (vision + LLM) model object.
+    A text-only config (None) has no vision tower: a stand-in vision config with merge 1 (``common.rope_index``).
     """
     vision = (
         config.vision_config
         if config is not None
         else types.SimpleNamespace(spatial_merge_size=1, tokens_per_second=1)
     )
-    stand_in = types.SimpleNamespace(
-        config=types.SimpleNamespace(vision_config=vision),
-        get_vision_position_ids=functools.partial(Qwen2_5_VLModel.get_vision_position_ids, None),
-    )
-    position_ids, _ = Qwen2_5_VLModel.get_rope_index(
-        stand_in,
-        input_ids,
+    return rope_index(
+        Qwen2_5_VLModel,
+        vision,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
         mm_token_type_ids=mm_token_type_ids,
         image_grid_thw=image_grid_thw,
         video_grid_thw=video_grid_thw,
         second_per_grid_ts=second_per_grid_ts,
-        attention_mask=attention_mask,
     )
-    return position_ids

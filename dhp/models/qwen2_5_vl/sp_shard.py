@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import Qwen2_5_VLVisionConfig
 from transformers.vision_utils import (
     get_vision_cu_seqlens,
     get_vision_position_ids,
     get_vision_window_index,
 )
 
-from dhp.config.schema import VisionArch
 from dhp.errors import ConfigError, ConfigIssue, DataError
 from dhp.parallel.ulysses import SPLIT_SIZES_KWARG
 
@@ -151,7 +151,7 @@ def _segments_needed(prefix: list[int], cap: int) -> list[int]:
 
 
 def shard_vision_batch(
-    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, *, sp_size: int, arch: VisionArch
+    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, *, sp_size: int, arch: Qwen2_5_VLVisionConfig
 ) -> list[VisionShard]:
     """Split one micro-batch's patches over ``sp_size`` Ulysses ranks (pure; copies only each rank's rows).
 
@@ -208,7 +208,7 @@ def shard_vision_batch(
 
 
 def _check_inputs(
-    pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, arch: VisionArch
+    pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, arch: Qwen2_5_VLVisionConfig
 ) -> None:
     """Raise DataError naming the mismatch between pixel rows, grids and the vision architecture."""
     if pixel_values is None or image_grid_thw is None:

@@ -8,7 +8,7 @@ own go into their ``extra`` maps and are checked here:
   features are added to the LLM's hidden states after layers 0, 1, ...), ``hidden_act``;
 - ``llm.extra``: ``head_dim`` (not ``hidden / heads`` in the 32B), ``hidden_act``, ``mrope_interleaved``.
 
-``window_size`` / ``fullatt_block_indexes`` are not read: every encoder block is full attention.
+Every encoder block is full attention (the typed architecture, :func:`vision_arch`, says so).
 
 Parameter counts follow transformers' modeling code exactly (a unit test builds the modules on the
 meta device and compares). ``tp_sharded`` parameters are divided by the TP degree, ``replicated`` ones
@@ -31,43 +31,38 @@ from dataclasses import dataclass
 from typing import Any
 
 from dhp.config.issues import Issues
-from dhp.models.arch import Geometry, LayerShape, LLMGeometry, ParamCount, VisionGeometry
+from dhp.models.arch import (
+    Architecture,
+    Attention,
+    Capabilities,
+    LayerShape,
+    Mlp,
+    ModuleArch,
+    ParamCount,
+    uniform_blocks,
+)
+
+#: What this family's runtime does exactly. Packing and video are not declared: the LLM's position
+#: ids and DeepStack placement have no per-sample (packed) path and no video parity test, so
+#: validation refuses ``data.packing`` and video data for this family.
+CAPABILITIES = Capabilities(
+    packing=False,
+    video=False,
+    axes={"vision": ("dp", "fsdp", "sp", "tp", "zero"), "llm": ("dp", "fsdp", "tp", "zero")},
+    tp_sharded={
+        "vision": (
+            "visual.blocks.*.attn.qkv",
+            "visual.blocks.*.attn.proj",
+            "visual.blocks.*.mlp.*",
+            "visual.merger.linear_fc*",
+            "visual.deepstack_merger_list.*.linear_fc*",
+        ),
+        "llm": ("*.embed_tokens", "*.layers.*.self_attn.*_proj", "*.layers.*.mlp.*", "lm_head"),
+    },
+)
 
 VISION_EXTRA = ("num_position_embeddings", "deepstack_visual_indexes", "hidden_act")
-LLM_EXTRA = ("head_dim", "hidden_act", "mrope_interleaved")
-
-#: The tiny test architecture (conf/model/tiny_qwen3_vl.yaml): seconds on CPU, every Qwen3-VL feature
-#: present: patch 16, a learned 4x4 position table interpolated to each grid, full attention in every
-#: block, 2 DeepStack levels, interleaved M-RoPE touching all three axes, head_dim set explicitly.
-TINY_VISION = {
-    "depth": 3,
-    "hidden_size": 32,
-    "num_heads": 4,
-    "intermediate_size": 64,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "in_channels": 3,
-    "extra": {
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0, 1],
-        "hidden_act": "gelu_pytorch_tanh",
-    },
-}
-TINY_LLM = {
-    "hidden_size": 64,
-    "num_layers": 3,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 1024,
-    "tie_word_embeddings": False,
-    "rope_theta": 5000000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 128000,
-    "mrope_section": [2, 3, 3],
-    "extra": {"head_dim": 16, "hidden_act": "silu", "mrope_interleaved": True},
-}
+LLM_EXTRA = ("head_dim", "hidden_act", "mrope_interleaved", "mrope_section")
 
 
 @dataclass(frozen=True)
@@ -136,7 +131,7 @@ def numbers(model: Any) -> Numbers:
         vocab=t.vocab_size,
         tied=bool(t.tie_word_embeddings),
         llm_act=te["hidden_act"],
-        mrope_section=tuple(t.mrope_section),
+        mrope_section=tuple(te["mrope_section"]),
         mrope_interleaved=bool(te["mrope_interleaved"]),
         rope_theta=float(t.rope_theta),
         rms_norm_eps=float(t.rms_norm_eps),
@@ -305,7 +300,7 @@ def validate(model: Any, issues: Issues) -> None:
     )
     issues.check(
         len(n.mrope_section) == 3 and 2 * sum(n.mrope_section) == n.head_dim,
-        "model.llm.mrope_section",
+        "model.llm.extra.mrope_section",
         list(n.mrope_section),
         f"must be 3 numbers summing to head_dim / 2 = {n.head_dim // 2}",
         "use the published [24, 20, 20] for head_dim 128",
@@ -319,37 +314,69 @@ def validate(model: Any, issues: Issues) -> None:
     )
 
 
+def edges(n: Numbers) -> tuple[str, ...]:
+    """The hand-off edges encoder -> LLM: the merged image features, then one per DeepStack level."""
+    return ("image_embeds", *(f"deepstack_embeds_{k}" for k in range(len(n.deepstack))))
+
+
+def vision_arch(n: Numbers) -> ModuleArch:
+    """The encoder: full attention in every block, an ungated MLP, the main merger and one merger per
+    DeepStack level (each 2x2-merged rows to the LLM width)."""
+    h = n.vision_hidden
+    attn = Attention(kind="full", heads=n.vision_heads, kv_heads=n.vision_heads, head_dim=h // n.vision_heads)
+    merge, wide = n.merge**2, h * n.merge**2
+    mergers = 1 + len(n.deepstack)
+    return ModuleArch(
+        hidden=h,
+        blocks=uniform_blocks(n.depth, attn, Mlp(kind="dense", intermediate=n.vision_mlp, gated=False)),
+        params=module_counts("vision", n),
+        block_params=block_counts("vision", n),
+        largest_param=largest("vision", n),
+        outputs=edges(n),
+        handoff_width=mergers * n.out_hidden,
+        out_width=n.out_hidden,
+        input_row=n.in_channels * n.temporal_patch_size * n.patch_size**2,
+        merge=merge,
+        temporal_patch=n.temporal_patch_size,
+        head_macs=mergers * (wide * wide + wide * n.out_hidden) / merge,
+        sp_unit=merge,  # the SP cut is a contiguous slice of whole merge units (sp.py)
+        tp_input_grads=2,  # fused qkv, linear_fc1
+        tensors_per_block=12,  # 2 LayerNorms, qkv, proj, fc1, fc2: weight + bias each
+        root_tensors=3 + 6 * mergers,  # patch conv weight + bias, position table; per merger 6
+    )
+
+
+def llm_arch(n: Numbers) -> ModuleArch:
+    """The decoder: causal GQA attention with ``head_dim`` per head, a SwiGLU MLP; vocab-parallel lm_head."""
+    attn = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True)
+    return ModuleArch(
+        hidden=n.hidden,
+        blocks=uniform_blocks(n.layers, attn, Mlp(kind="dense", intermediate=n.mlp)),
+        params=module_counts("llm", n),
+        block_params=block_counts("llm", n),
+        largest_param=largest("llm", n),
+        inputs=edges(n),
+        head_macs=float(n.hidden * n.vocab),
+        vocab=n.vocab,
+        tp_input_grads=5,  # q, k, v, gate, up
+        tensors_per_block=11,  # 2 norms, q/k/v/o, q_norm, k_norm, gate/up/down (no biases)
+        root_tensors=3,
+    )
+
+
 class Qwen3VLArch:
     """:class:`dhp.models.arch.FamilyArch` of Qwen3-VL (reads ``model.vision.extra`` / ``model.llm.extra``)."""
 
     def validate(self, model: Any, issues: Issues) -> None:
         validate(model, issues)
 
-    def geometry(self, model: Any) -> Geometry:
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    def architecture(self, model: Any) -> Architecture:
         n = numbers(model)
-        vision = VisionGeometry(
-            depth=n.depth,
-            hidden_size=n.vision_hidden,
-            num_heads=n.vision_heads,
-            intermediate_size=n.vision_mlp,
-            patch_size=n.patch_size,
-            spatial_merge_size=n.merge,
-            temporal_patch_size=n.temporal_patch_size,
-            window_size=0,
-            in_channels=n.in_channels,
-            fullatt_block_indexes=tuple(range(n.depth)),
-        )
-        llm = LLMGeometry(
-            hidden_size=n.hidden,
-            num_layers=n.layers,
-            num_heads=n.heads,
-            num_kv_heads=n.kv_heads,
-            head_dim=n.head_dim,
-            intermediate_size=n.mlp,
-            vocab_size=n.vocab,
-            tie_word_embeddings=n.tied,
-        )
-        return Geometry(vision=vision, llm=llm, handoff_width=(1 + len(n.deepstack)) * n.out_hidden)
+        return Architecture(modules={"vision": vision_arch(n), "llm": llm_arch(n)}, capabilities=CAPABILITIES)
 
     def module_params(self, name: str, model: Any) -> ParamCount:
         return module_counts(name, numbers(model))

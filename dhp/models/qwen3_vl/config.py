@@ -15,6 +15,7 @@ def build_hf_config(
 ) -> Qwen3VLConfig:
     """The transformers config of validated numbers (every merger projects to the LLM hidden size)."""
     return Qwen3VLConfig(
+        architectures=["Qwen3VLForConditionalGeneration"],  # config.json names the class that loads it
         vision_config=dict(
             depth=n.depth,
             hidden_size=n.vision_hidden,

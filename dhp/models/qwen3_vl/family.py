@@ -22,28 +22,39 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
 
 from dhp.config.issues import Issues
-from dhp.config.schema import LLMArch, ModelConfig, VisionArch
+from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError, ConfigError, ConfigIssue
+from dhp.models.common import (
+    TIED_LM_HEAD,
+    KeyMap,
+    init_rotary_buffers,
+    lm_head,
+    reference_model,
+    tie_lm_head,
+)
 from dhp.models.dtypes import torch_dtype
+from dhp.models.entries import model_entry
 from dhp.models.family import AttentionSite, HandOff, ModuleParallelPlan
-from dhp.models.qwen2_5_vl.family import TINY_TOKENS, TOKEN_STRINGS
-from dhp.models.qwen3_vl.arch import TINY_LLM, TINY_VISION, numbers, validate
+from dhp.models.qwen3_vl.arch import numbers, validate
 from dhp.models.qwen3_vl.config import build_hf_config
 from dhp.models.qwen3_vl.modules import IMAGE_EMBEDS, LLMModule, VisionModule, deepstack_kwarg
 from dhp.models.qwen3_vl.sp import Qwen3VLShard, shard_images
 from dhp.models.qwen3_vl.tp import llm_plan, vision_tp_plan
+from dhp.models.tokens import TOKEN_STRINGS
 
 IMAGE_TOKENS = "image_tokens"
 
-# checkpoint prefix -> (module, module FQN prefix)
-_OWNERS = (
-    ("model.visual.", "vision", "visual."),
-    ("model.language_model.", "llm", "language_model."),
-    ("lm_head.", "llm", "lm_head."),
+#: checkpoint prefix -> (module, module FQN prefix)
+KEYS = KeyMap(
+    family="qwen3_vl",
+    owners=(
+        ("model.visual.", "vision", "visual."),
+        ("model.language_model.", "llm", "language_model."),
+        ("lm_head.", "llm", "lm_head."),
+    ),
 )
 
 
@@ -156,17 +167,8 @@ class Qwen3VLFamily:
         )
 
     def tiny_model_config(self) -> ModelConfig:
-        """The tiny test architecture (same numbers as ``conf/model/tiny_qwen3_vl.yaml``), fp32."""
-        return ModelConfig(
-            name="tiny_qwen3_vl",
-            family=self.name,
-            path=None,
-            dtype="float32",
-            attn_implementation="sdpa",
-            vision=VisionArch(**copy.deepcopy(TINY_VISION)),
-            llm=LLMArch(**copy.deepcopy(TINY_LLM)),
-            tokens=copy.deepcopy(TINY_TOKENS),
-        )
+        """The tiny test architecture: ``conf/model/tiny_qwen3_vl.yaml`` (fp32), where its numbers are written."""
+        return model_entry("tiny_qwen3_vl")
 
     def tiny_hf_config(self, *, tie_word_embeddings: bool = False) -> Qwen3VLConfig:
         """``hf_config(tiny_model_config())``, optionally with tied embeddings."""
@@ -217,10 +219,7 @@ class Qwen3VLFamily:
             else:
                 text_cfg = cfg.text_config
                 language_model = Qwen3VLTextModel._from_config(text_cfg, dtype=dtype)
-                lm_head = nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False, dtype=dtype)
-                if not str(device).startswith("meta"):
-                    nn.init.normal_(lm_head.weight, std=text_cfg.initializer_range)
-                module = LLMModule(language_model, lm_head, cfg)
+                module = LLMModule(language_model, lm_head(text_cfg, device=device, dtype=dtype), cfg)
                 self.tie(name, module, cfg)
         module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
         return module
@@ -228,74 +227,36 @@ class Qwen3VLFamily:
     def tied_parameters(self, name: str, hf_config: Qwen3VLConfig) -> dict[str, str]:
         """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
         if name == "llm" and hf_config.tie_word_embeddings:
-            return {"lm_head.weight": "language_model.embed_tokens.weight"}
+            return dict(TIED_LM_HEAD)
         return {}
 
     def tie(self, name: str, module: nn.Module, hf_config: Qwen3VLConfig) -> None:
         """Make tied parameters share storage again (after building or ``to_empty``)."""
         if self.tied_parameters(name, hf_config):
-            module.lm_head.weight = module.language_model.embed_tokens.weight
+            tie_lm_head(module)
 
     def init_buffers(self, name: str, module: nn.Module) -> None:
-        """Recompute the rotary ``inv_freq`` buffers (non-persistent) as transformers' init does.
-
-        The vision rotary is ``axial`` (2D h/w), the text one ``default`` (interleaved M-RoPE). Any
-        other non-persistent buffer would be left unset after ``to_empty``, so it is an error here.
-        """
-        handled = set()
-        with torch.no_grad():
-            for path, sub in module.named_modules():
-                if "RotaryEmbedding" not in type(sub).__name__:
-                    continue
-                if sub.rope_type == "axial":
-                    value, _ = sub.compute_axial_rope_parameters(sub.config)
-                elif sub.rope_type == "default":
-                    value, _ = sub.compute_default_rope_parameters(sub.config)
-                else:
-                    value, _ = ROPE_INIT_FUNCTIONS[sub.rope_type](sub.config)
-                for buf in ("inv_freq", "original_inv_freq"):
-                    getattr(sub, buf).copy_(value)
-                    handled.add(f"{path}.{buf}")
-        persistent = set(module.state_dict())
-        left = [n for n, _ in module.named_buffers() if n not in persistent and n not in handled]
-        if left:
-            raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {self.name}")
+        """Recompute the rotary ``inv_freq`` buffers after ``to_empty`` (vision ``axial``, text ``default``)."""
+        init_rotary_buffers(self.name, name, module)
 
     # --- checkpoint keys and the HF export name map --------------------------------------------
     def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
         """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
-        for prefix, module, fqn_prefix in _OWNERS:
-            if key.startswith(prefix):
-                return module, fqn_prefix + key[len(prefix) :]
-        return None
+        return KEYS.owner(key)
 
     def hf_key(self, module: str, fqn: str) -> str:
         """``(module_name, module_fqn)`` -> the released checkpoint's key (inverse of ``checkpoint_owner``)."""
-        for prefix, owner, fqn_prefix in _OWNERS:
-            if owner == module and fqn.startswith(fqn_prefix):
-                return prefix + fqn[len(fqn_prefix) :]
-        raise CheckpointError(f"{self.name}: no checkpoint key for {module}.{fqn}")
+        return KEYS.hf_key(module, fqn)
 
     def split_state_dict(
         self, ref_state_dict: Mapping[str, torch.Tensor]
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Reference (or checkpoint) state dict -> ``{"vision": {...}, "llm": {...}}`` keyed by module FQN."""
-        out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.module_names}
-        unowned = []
-        for key, tensor in ref_state_dict.items():
-            owner = self.checkpoint_owner(key)
-            if owner is None:
-                unowned.append(key)
-                continue
-            out[owner[0]][owner[1]] = tensor
-        if unowned:
-            raise CheckpointError(f"keys that belong to no {self.name} module: {sorted(unowned)}")
-        return out
+        return KEYS.split(ref_state_dict, self.module_names)
 
     def reference_model(self, hf_config: Qwen3VLConfig) -> Qwen3VLForConditionalGeneration:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
-        cfg = copy.deepcopy(hf_config)
-        return Qwen3VLForConditionalGeneration._from_config(cfg, dtype=cfg.dtype)
+        return reference_model(Qwen3VLForConditionalGeneration, hf_config)
 
 
 FAMILY = Qwen3VLFamily

@@ -11,23 +11,17 @@ positions after decoder layer k. Interleaved M-RoPE positions come from transfor
 
 from __future__ import annotations
 
-import functools
-import types
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel, Qwen3VLVisionModel
 
 from dhp.errors import DataError
+from dhp.models.checks import check_image_alignment, check_vision_inputs
+from dhp.models.common import LossFn, loss_output, rope_index, scatter_rows, shifted_ce_sum
 from dhp.models.family import LLMOutput
-from dhp.models.qwen2_5_vl.checks import check_image_alignment, check_vision_inputs
-from dhp.ops.cross_entropy import IGNORE_INDEX
-from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 
-#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
-LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]
+__all__ = ["LLMModule", "LossFn", "VisionModule", "deepstack_kwarg", "mrope_positions", "shifted_ce_sum"]
 
 IMAGE_EMBEDS = "image_embeds"
 DEEPSTACK_PREFIX = "deepstack_embeds_"
@@ -109,6 +103,7 @@ class LLMModule(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
         **deepstack_embeds: torch.Tensor,
     ) -> LLMOutput:
         """One micro-batch -> ``LLMOutput(loss_sum, num_tokens)``.
@@ -117,11 +112,18 @@ class LLMModule(nn.Module):
         image-token positions: the first in the input embeddings, feature k added after decoder layer k.
         Make them leaves with ``requires_grad`` to receive the gradients for the encoder's backward.
         Raises DataError when image tokens and embeddings disagree, when a DeepStack level is missing
-        or extra, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D).
+        or extra, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D), and for
+        videos (``second_per_grid_ts``): this family declares no video capability (``arch.CAPABILITIES``).
         """
         sample_ids = (
             sample_ids if sample_ids is not None else [f"batch[{i}]" for i in range(input_ids.shape[0])]
         )
+        if second_per_grid_ts is not None:
+            raise DataError(
+                f"samples {sample_ids}: hold videos, but the qwen3_vl family has no video path proven "
+                f"against transformers (it declares video=False). Fix: drop the video records from the "
+                f"dataset, or train them with a family that declares video (qwen2_5_vl)."
+            )
         deepstack = self._deepstack_list(image_embeds, deepstack_embeds, sample_ids)
         inputs_embeds = self.embed(
             input_ids=input_ids,
@@ -205,29 +207,11 @@ class LLMModule(nn.Module):
         inputs_embeds = self.language_model.embed_tokens(input_ids)
         if image_embeds is None:
             return inputs_embeds
-        mask = (input_ids == self.vl_config.image_token_id).unsqueeze(-1).to(inputs_embeds.device)
-        image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-        return inputs_embeds.masked_scatter(mask, image_embeds)
+        return scatter_rows(inputs_embeds, input_ids == self.vl_config.image_token_id, image_embeds)
 
     def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
-        """``loss_fn(hidden, lm_head, labels)`` and the number of label tokens after the shift.
-
-        The loss reads ``lm_head``'s weight itself, chunk by chunk, so full-sequence logits never
-        exist; under TP/SP ``dhp.parallel`` swaps ``loss_fn`` for the vocab-parallel variant of the
-        same op (``dhp.ops.cross_entropy``).
-        """
-        loss_sum = self.loss_fn(hidden, self.lm_head, labels)
-        num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        return LLMOutput(loss_sum=loss_sum, num_tokens=num_tokens)
-
-
-def shifted_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    """The default ``LLMModule.loss_fn``: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
-
-    One process, the whole vocab, chunked over tokens (``dhp.ops.cross_entropy``, default chunk):
-    equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"``.
-    """
-    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias)
+        """``loss_fn(hidden, lm_head, labels)`` and the label-token count (``common.loss_output``)."""
+        return loss_output(self.loss_fn, hidden=hidden, lm_head=self.lm_head, labels=labels)
 
 
 def mrope_positions(
@@ -240,21 +224,14 @@ def mrope_positions(
 ) -> torch.Tensor:
     """``(3, B, S)`` interleaved-M-RoPE positions computed by ``Qwen3VLModel.get_rope_index`` itself.
 
-    The method only reads ``config.vision_config`` and ``get_vision_position_ids`` from ``self``, so
-    it is called on a stand-in rather than on a full (vision + LLM) model object. A batch without
-    images needs no ``mm_token_type_ids`` (all text: plain 1D positions in the 3 rows).
+    A batch without images needs no ``mm_token_type_ids`` (all text: plain 1D positions in the 3 rows;
+    ``common.rope_index``).
     """
-    if mm_token_type_ids is None:  # checked in embed: only allowed when no image is present
-        mm_token_type_ids = torch.zeros_like(input_ids)
-    stand_in = types.SimpleNamespace(
-        config=types.SimpleNamespace(vision_config=config.vision_config),
-        get_vision_position_ids=functools.partial(Qwen3VLModel.get_vision_position_ids, None),
-    )
-    position_ids, _ = Qwen3VLModel.get_rope_index(
-        stand_in,
-        input_ids,
+    return rope_index(
+        Qwen3VLModel,
+        config.vision_config,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
         mm_token_type_ids=mm_token_type_ids,
         image_grid_thw=image_grid_thw,
-        attention_mask=attention_mask,
     )
-    return position_ids

@@ -104,6 +104,7 @@ def test_cli_export_reads_the_run_config(tmp_path: Path) -> None:
     proc = subprocess.run([*cli, "--dtype", "float32"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ckpt.name in proc.stdout.replace("\n", "")
+    assert "Qwen2_5_VLForConditionalGeneration.from_pretrained" in proc.stdout.replace("\n", "")
     _assert_loads_exactly(tmp_path / "hf", mods, torch.float32)
 
 

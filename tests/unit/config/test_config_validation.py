@@ -103,11 +103,16 @@ MALFORMED = [
     ("qwen_vl_32b", ["model.family=llava"], "model.family", "unknown value"),
     (
         "qwen_vl_32b",
-        ["model.vision.fullatt_block_indexes=[7,15,23,40]"],
-        "model.vision.fullatt_block_indexes",
+        ["model.vision.extra.fullatt_block_indexes=[7,15,23,40]"],
+        "model.vision.extra.fullatt_block_indexes",
         "outside",
     ),
-    ("qwen_vl_32b", ["model.llm.mrope_section=[16,24,16]"], "model.llm.mrope_section", "head_dim/2"),
+    (
+        "qwen_vl_32b",
+        ["model.llm.extra.mrope_section=[16,24,16]"],
+        "model.llm.extra.mrope_section",
+        "head_dim/2",
+    ),
     ("qwen_vl_32b", ["data.kind=llava"], "data.datasets", "at least one dataset"),
     ("tiny_vlm", ["data=demo"], "modules.vision.seq_len", "data.max_pixels"),
     ("qwen_vl_32b", ["data.kind=webdataset"], "data.kind", "unknown value"),
@@ -232,12 +237,17 @@ def test_model_path_checked_against_config_json(tmp_path) -> None:
             [
                 f"model.path={ckpt}",
                 "model.llm.hidden_size=64",
-                "model.llm.mrope_section=[1,1,2]",
+                "model.llm.extra.mrope_section=[1,1,2]",
                 "model.vision.depth=5",
-                "model.vision.fullatt_block_indexes=[1]",
+                "model.vision.extra.fullatt_block_indexes=[1]",
             ],
         )
-    assert sorted(i.path for i in info.value.issues) == ["model.llm.hidden_size", "model.vision.depth"]
+    # the family's own numbers (extra) are compared too, under the name config.json gives them
+    assert sorted(i.path for i in info.value.issues) == [
+        "model.llm.hidden_size",
+        "model.vision.depth",
+        "model.vision.extra.fullatt_block_indexes",
+    ]
     with pytest.raises(ConfigError) as info:
         load_config("tiny_vlm", [f"model.path={tmp_path / 'missing'}"])
     assert [i.path for i in info.value.issues] == ["model.path"]

@@ -29,9 +29,8 @@ VISION = {
     "patch_size": 14,
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
-    "window_size": 112,
     "in_channels": 3,
-    "fullatt_block_indexes": [7, 15, 23, 31],
+    "extra": {"window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
 }
 
 
@@ -50,7 +49,7 @@ def test_published_numbers(name: str) -> None:
     )
     assert got == PUBLISHED[name]
     assert OmegaConf.to_container(cfg.vision) == VISION
-    assert list(lm.mrope_section) == [16, 24, 24]
+    assert list(lm.extra.mrope_section) == [16, 24, 24]
     assert lm.rope_theta == 1_000_000.0
     assert lm.rms_norm_eps == 1e-6
     assert lm.max_position_embeddings == 128000
@@ -77,8 +76,8 @@ def test_72b_matches_transformers_defaults() -> None:
         "patch_size",
         "spatial_merge_size",
         "temporal_patch_size",
-        "window_size",
         "in_channels",
     ):
         assert getattr(v, key) == VISION[key], key
-    assert list(v.fullatt_block_indexes) == VISION["fullatt_block_indexes"]
+    assert v.window_size == VISION["extra"]["window_size"]
+    assert list(v.fullatt_block_indexes) == VISION["extra"]["fullatt_block_indexes"]

@@ -6,32 +6,48 @@ import pytest
 import torch
 
 from dhp.errors import RuntimeFailure
-from dhp.metrics import METRIC_KEYS, MetricsWriter, llm_flops_per_step, vision_flops_per_step
+from dhp.metrics import METRIC_KEYS, MetricsWriter, model_flops_per_step, palm_flops
 from dhp.metrics.writer import read_metrics
-from dhp.models import get_family
+from dhp.models import get_arch, get_family
 
 pytestmark = pytest.mark.unit
 
 TINY = get_family("qwen2_5_vl").tiny_model_config()
+ARCH = get_arch("qwen2_5_vl").architecture(TINY)
 
 
 def test_llm_flops_follow_palm_formula():
-    a = TINY.llm
-    n = a.num_layers * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 128 * 1024
-    assert llm_flops_per_step(arch=a, seq_lens=[10], frozen=False) == 10 * (6 * n + 12 * 2 * 128 * 10)
-    assert llm_flops_per_step(arch=a, seq_lens=[10, 10], frozen=True) == pytest.approx(
-        2 * llm_flops_per_step(arch=a, seq_lens=[10], frozen=False) / 3
-    )
+    a = ARCH.modules["llm"]
+    n = 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 128 * 1024  # 2 layers + lm_head
+    assert palm_flops(a, [10], frozen=False) == 10 * (6 * n + 12 * 2 * 128 * 10)
+    assert palm_flops(a, [10, 10], frozen=True) == pytest.approx(2 * palm_flops(a, [10], frozen=False) / 3)
 
 
 def test_vision_flops_grow_with_patches_and_drop_when_frozen():
-    v = TINY.vision
-    small = vision_flops_per_step(arch=v, llm_hidden=128, image_patches=[64], frozen=False)
-    big = vision_flops_per_step(arch=v, llm_hidden=128, image_patches=[256], frozen=False)
+    v = ARCH.modules["vision"]
+    small = palm_flops(v, [64], frozen=False)
+    big = palm_flops(v, [256], frozen=False)
     assert big > 4 * small  # linear part x4, full-attention part x16
-    assert vision_flops_per_step(arch=v, llm_hidden=128, image_patches=[64], frozen=True) == pytest.approx(
-        small / 3
+    assert palm_flops(v, [64], frozen=True) == pytest.approx(small / 3)
+
+
+def test_qwen3_vl_mfu_counts_every_encoder_block_as_full_attention():
+    """The measured MFU reads the family's typed blocks: 27 full-attention blocks, no windows."""
+    from omegaconf import OmegaConf
+
+    from dhp.config.loader import CONF_DIR
+
+    model = OmegaConf.load(CONF_DIR / "model" / "qwen3_vl_8b.yaml")
+    frozen = {"vision": False, "llm": True}
+    v = get_arch("qwen3_vl").architecture(model).modules["vision"]
+    assert v.count("full") == v.layers == 27
+    one, four = (
+        model_flops_per_step(model, image_patches=[p], seq_lens=[], frozen=frozen) for p in (1024, 4096)
     )
+    # attention grows with the whole image in every block: more than 4x for 4x the patches
+    n = v.block_macs() + v.head_macs + v.input_row * v.hidden
+    assert four - 4 * one == pytest.approx(12 * v.hidden * 27 * (4096**2 - 4 * 1024**2))
+    assert one == pytest.approx(1024 * (6 * n + 12 * v.hidden * 27 * 1024))
 
 
 def test_writer_enforces_fixed_keys(tmp_path):

@@ -11,7 +11,8 @@ from transformers import Qwen2_5_VLTextConfig
 
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError, ConfigError
-from dhp.models import TINY_TOKENS, LLMModule, ModelFamily, VisionModule, get_family
+from dhp.models import TINY_TOKENS, ModelFamily, get_family
+from dhp.models.qwen2_5_vl import LLMModule, VisionModule
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[3]
@@ -172,3 +173,13 @@ def test_tied_embeddings_share_storage(family):
     assert family.tied_parameters("llm", hf_config) == {
         "lm_head.weight": "language_model.embed_tokens.weight"
     }
+
+
+def test_families_are_found_by_folder() -> None:
+    from pathlib import Path
+
+    from dhp.models.registry import family_names
+
+    models = Path(__file__).resolve().parents[3] / "dhp" / "models"
+    folders = sorted(p.parent.name for p in models.glob("*/family.py"))
+    assert family_names() == folders and "qwen2_5_vl" in folders

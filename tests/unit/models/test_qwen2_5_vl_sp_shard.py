@@ -7,15 +7,17 @@ import random
 
 import pytest
 import torch
+from transformers import Qwen2_5_VLVisionConfig
 from transformers.vision_utils import get_vision_window_index
 
-from dhp.config.schema import VisionArch
 from dhp.errors import ConfigError, DataError
 from dhp.models.qwen2_5_vl.sp_shard import SPLIT_SIZES_KWARG, balance_cuts, shard_vision_batch
 
 pytestmark = pytest.mark.unit
 
-ARCH = VisionArch(depth=4, hidden_size=32, num_heads=4, intermediate_size=64, fullatt_block_indexes=[1, 3])
+ARCH = Qwen2_5_VLVisionConfig(
+    depth=4, hidden_size=32, num_heads=4, intermediate_size=64, fullatt_block_indexes=[1, 3], window_size=112
+)
 ROW = 3 * 2 * 14 * 14
 
 
@@ -136,11 +138,11 @@ def test_sp1_shard_forward_equals_stock_forward() -> None:
     from dhp.models import get_family
 
     family = get_family("qwen2_5_vl")
-    cfg = family.tiny_model_config()
-    module = family.build_module("vision", family.hf_config(cfg), device="cpu", dtype=torch.float32)
+    hf = family.hf_config(family.tiny_model_config())
+    module = family.build_module("vision", hf, device="cpu", dtype=torch.float32)
     pixels = torch.randn(int(torch.tensor([[1, 16, 24], [1, 8, 12]]).prod(-1).sum()), ROW)
     thw = torch.tensor([[1, 16, 24], [1, 8, 12]])
-    (shard,) = shard_vision_batch(pixels, thw, sp_size=1, arch=cfg.vision)
+    (shard,) = shard_vision_batch(pixels, thw, sp_size=1, arch=hf.vision_config)
     with torch.no_grad():
         assert torch.equal(
             module(**shard.forward_kwargs())["image_embeds"], module(pixels, thw)["image_embeds"]

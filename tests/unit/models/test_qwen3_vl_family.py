@@ -94,25 +94,29 @@ def test_qwen3_vl_planner_counts_match_the_modules(family, which):
             assert arch.largest_param(name, model_cfg) == biggest
 
 
-def test_qwen3_vl_32b_geometry(family):
+def test_qwen3_vl_32b_typed_architecture(family):
     arch = get_arch("qwen3_vl")
     model = _yaml("qwen3_vl_32b")
-    geo = arch.geometry(model)
-    assert geo.llm.head_dim == 128 and geo.llm.hidden_size == 5120  # not 5120 / 64
-    assert geo.vision.fullatt_block_indexes == tuple(range(27)) and geo.vision.window_size == 0
-    assert geo.handoff_width == 4 * 5120  # image_embeds + 3 DeepStack levels
-    assert arch.layer_shape("llm", model).kv_dim == 8 * 128
+    typed = arch.architecture(model)
+    llm, vision = typed.modules["llm"], typed.modules["vision"]
+    assert {b.attention.head_dim for b in llm.blocks} == {128} and llm.hidden == 5120  # not 5120 / 64
+    assert vision.count("full") == vision.layers == 27 and vision.sp_exchange_blocks == 27
+    assert {b.mlp.gated for b in vision.blocks} == {False}  # linear_fc1 -> act -> linear_fc2
+    assert vision.handoff_width == 4 * 5120  # image_embeds + 3 DeepStack levels
+    assert vision.outputs == llm.inputs == ("image_embeds", *(f"deepstack_embeds_{k}" for k in range(3)))
+    assert llm.layer_shape().kv_dim == 8 * 128 == arch.layer_shape("llm", model).kv_dim
+    assert not typed.capabilities.packing and not typed.capabilities.video
 
 
 def test_qwen3_vl_bad_arch_numbers_are_config_errors(family):
     bad = _yaml("tiny_qwen3_vl")
-    bad.llm.mrope_section = [4, 4, 4]
+    bad.llm.extra.mrope_section = [4, 4, 4]
     bad.vision.extra.deepstack_visual_indexes = [0, 3]
     bad.vision.extra.num_position_embeddings = 15
     issues = Issues()
     get_arch("qwen3_vl").validate(bad, issues)
     assert {i.path for i in issues.items} == {
-        "model.llm.mrope_section",
+        "model.llm.extra.mrope_section",
         "model.vision.extra.deepstack_visual_indexes",
         "model.vision.extra.num_position_embeddings",
     }

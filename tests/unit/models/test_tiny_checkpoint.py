@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from dhp.models import TINY_TOKENS, get_family, load_processor
+from dhp.models import TINY_TOKENS, get_family
+from dhp.models.qwen2_5_vl import load_processor
 from dhp.models.testing import modules_from_reference, reference_step
 from dhp.models.tiny import SPECIAL_TOKENS
 

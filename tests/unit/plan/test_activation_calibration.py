@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.plan.memory import llm_activations, module_shape, vision_activations
+from dhp.plan.memory import activations_of, module_shape
 
 pytestmark = pytest.mark.unit
 
@@ -25,9 +25,8 @@ ARCH = {
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "window_size": 112,
         "in_channels": 3,
-        "fullatt_block_indexes": [1, 3],
+        "extra": {"window_size": 112, "fullatt_block_indexes": [1, 3]},
     },
     "llm": {
         "hidden_size": 256,
@@ -37,7 +36,7 @@ ARCH = {
         "intermediate_size": 688,
         "vocab_size": 1024,
         "tie_word_embeddings": False,
-        "mrope_section": [8, 12, 12],
+        "extra": {"mrope_section": [8, 12, 12]},
         "max_position_embeddings": 4096,
     },
 }
@@ -64,7 +63,7 @@ def hf_model():
             "pad_token_id": 0,
             "rope_parameters": {
                 "rope_type": "default",
-                "mrope_section": t["mrope_section"],
+                "mrope_section": t["extra"]["mrope_section"],
                 "rope_theta": 1e6,
             },
         },
@@ -120,8 +119,8 @@ def test_llm_layers_match_saved_tensors(hf_model) -> None:
     embeds = torch.randn(1, seq, ARCH["llm"]["hidden_size"], requires_grad=True)
     positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
     measured = _saved_bytes(hf_model, lambda: lm(inputs_embeds=embeds, position_ids=positions))
-    model, shape = _shape("llm", seq)
-    detail = llm_activations(shape, model.llm)
+    _, shape = _shape("llm", seq)
+    detail = activations_of(shape)
     estimate = detail["layers"] + detail["final_norm"]
     assert estimate == pytest.approx(measured, rel=TOLERANCE)
 
@@ -132,8 +131,8 @@ def test_vision_encoder_matches_saved_tensors(hf_model) -> None:
     grid = torch.tensor([[1, 32, 32]])  # one 448x448 image: 1024 patches, 16 windows of 64
     pixels = torch.randn(1024, 3 * 2 * 14 * 14)
     measured = _saved_bytes(hf_model, lambda: hf_model.model.visual(pixels, grid_thw=grid))
-    model, shape = _shape("vision", 1024)
-    estimate = sum(vision_activations(shape, model.vision, out_hidden=ARCH["llm"]["hidden_size"]).values())
+    _, shape = _shape("vision", 1024)
+    estimate = sum(activations_of(shape).values())
     assert estimate == pytest.approx(measured, rel=TOLERANCE)
 
 

@@ -19,7 +19,7 @@ from dhp.plan.timing import module_flops
 
 def test_llm_matmul_flops_use_heads_times_head_dim() -> None:
     # q/o: 4 heads x 32 = 128 columns against hidden 64
-    over = ["model.llm.extra.head_dim=32", "model.llm.mrope_section=[4,6,6]"]
+    over = ["model.llm.extra.head_dim=32", "model.llm.extra.mrope_section=[4,6,6]"]
     over += [
         "modules.llm.parallel.tp=1",
         "modules.llm.parallel.sequence_parallel=false",
@@ -46,11 +46,13 @@ def test_handoff_counts_every_edge_of_a_row() -> None:
     """Qwen3-VL sends image_embeds plus one DeepStack feature per level: the planner's hand-off
     payload is (1 + levels) x hidden columns per merged token, not hidden alone."""
     from dhp.plan.memory import module_shape as shape_of
-    from dhp.plan.params import geometry
+    from dhp.plan.params import architecture
 
     cfg = load_config("tiny_qwen3_vl", [])
     shape = shape_of("vision", model=cfg.model, module=cfg.modules.vision, micro_batch=1)
     levels = len(cfg.model.vision.extra.deepstack_visual_indexes)
     assert (
-        shape.handoff_width == (1 + levels) * cfg.model.llm.hidden_size == geometry(cfg.model).handoff_width
+        shape.handoff_width
+        == (1 + levels) * cfg.model.llm.hidden_size
+        == architecture(cfg.model).modules["vision"].handoff_width
     )

@@ -28,9 +28,9 @@ def _hf_model_on_meta(model):
             "patch_size": v.patch_size,
             "spatial_merge_size": v.spatial_merge_size,
             "temporal_patch_size": v.temporal_patch_size,
-            "window_size": v.window_size,
+            "window_size": v.extra.window_size,
             "in_channels": v.in_channels,
-            "fullatt_block_indexes": list(v.fullatt_block_indexes),
+            "fullatt_block_indexes": list(v.extra.fullatt_block_indexes),
             "out_hidden_size": t.hidden_size,
         },
         text_config={

@@ -35,9 +35,8 @@ MODEL = OmegaConf.create(
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "window_size": 28,  # 2x2 patches = 4 per window
             "in_channels": 3,
-            "fullatt_block_indexes": [1],
+            "extra": {"window_size": 28, "fullatt_block_indexes": [1]},  # 2x2 patches = 4 per window
         },
         "llm": {
             "hidden_size": 8,
@@ -292,8 +291,10 @@ def test_call_overhead_counts() -> None:
 
 def test_sp_ranks_hold_whole_windows() -> None:
     from dhp.plan.memory import sp_rank_tokens
+    from dhp.plan.params import architecture
 
-    v = MODEL.vision  # windows of (28 / 14)^2 = 4 patches
+    v = architecture(MODEL).modules["vision"]  # windows of (28 / 14)^2 = 4 patches
+    assert v.sp_unit == 4
     assert sp_rank_tokens(v, 16, 2, 16) == 8  # 4 windows over 2 ranks: 2 each
     assert sp_rank_tokens(v, 16, 8, 16) == 4  # 4 windows over 8 ranks: the fullest holds one window
     assert sp_rank_tokens(v, 12, 2, 12) == 8  # 3 windows over 2 ranks: ceil(3/2) = 2 windows

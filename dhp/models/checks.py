@@ -1,4 +1,8 @@
-"""Input checks at the cut between the encoder and the LLM: every mismatch is a DataError.
+"""Input checks at the cut between an encoder and an LLM: every mismatch is a DataError.
+
+Family-neutral: they read the transformers config's ``vision_config`` (patch, temporal patch, merge
+sizes, channels), ``image_token_id`` / ``video_token_id`` and ``text_config.hidden_size``, which every
+Qwen-style vision-language config has.
 
 Image tokens and image embeddings must agree exactly, image by image and sample by sample.
 Nothing is truncated or padded to make them fit.
@@ -9,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLVisionConfig
+from transformers import PretrainedConfig
 
 from dhp.errors import DataError
 
@@ -26,7 +30,7 @@ def check_vision_inputs(
     *,
     pixel_values: torch.Tensor,
     image_grid_thw: torch.Tensor,
-    config: Qwen2_5_VLVisionConfig,
+    config: PretrainedConfig,
     shard_rows: int | None = None,
 ) -> None:
     """Pixel rows must be ``sum(t*h*w)`` patches of width C*T*P*P; h and w divisible by the merge size.
@@ -73,7 +77,7 @@ def check_image_alignment(
     mm_token_type_ids: torch.Tensor | None,
     image_grid_thw: torch.Tensor | None,
     image_embeds: torch.Tensor | None,
-    config: Qwen2_5_VLConfig,
+    config: PretrainedConfig,
     sample_ids: list[str],
 ) -> None:
     """Each image's token run must match its grid, and all grids must match the embedding rows.

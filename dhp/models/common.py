@@ -1,0 +1,178 @@
+"""Pieces every family composes instead of copying: the LLM's loss and image scatter, M-RoPE
+positions from transformers' own ``get_rope_index`` on a stand-in, checkpoint key maps, the
+reference model, and the rotary buffers' re-initialisation after a meta build.
+
+Nothing here names a family: a family passes its transformers classes and its key prefixes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from dhp.errors import CheckpointError
+from dhp.models.family import LLMOutput
+from dhp.ops.cross_entropy import IGNORE_INDEX
+from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
+
+#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
+LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]
+
+
+def shifted_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The default ``loss_fn`` of an LLM module: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
+
+    One process, the whole vocab, chunked over tokens (``dhp.ops.cross_entropy``, default chunk):
+    equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"``.
+    """
+    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias)
+
+
+def loss_output(
+    loss_fn: LossFn, *, hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor
+) -> LLMOutput:
+    """``loss_fn(hidden, lm_head, labels)`` and the number of label tokens after the shift.
+
+    The loss reads ``lm_head``'s weight itself, chunk by chunk, so full-sequence logits never exist;
+    under TP/SP ``dhp.parallel`` swaps ``loss_fn`` for the vocab-parallel variant of the same op
+    (``dhp.ops.cross_entropy``, INTERFACES.md).
+    """
+    loss_sum = loss_fn(hidden, lm_head, labels)
+    num_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return LLMOutput(loss_sum=loss_sum, num_tokens=num_tokens)
+
+
+def scatter_rows(inputs_embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``inputs_embeds`` (B, S, H) with ``rows`` (N, H) placed, in order, where ``mask`` (B, S) is true."""
+    rows = rows.to(inputs_embeds.device, inputs_embeds.dtype)
+    return inputs_embeds.masked_scatter(mask.unsqueeze(-1).to(inputs_embeds.device), rows)
+
+
+def rope_index(
+    model_class: Any,
+    vision_config: Any,
+    *,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mm_token_type_ids: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    **video: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(3, B, S)`` M-RoPE positions from ``model_class.get_rope_index`` itself (no model state).
+
+    The method reads only ``config.vision_config`` and ``get_vision_position_ids`` from ``self``, so
+    it runs on a stand-in rather than on a full (vision + LLM) model object. Without
+    ``mm_token_type_ids`` every token is text (plain 1D positions in the 3 rows); callers check that
+    no image is present then. ``video``: the family's video keywords (grids, seconds per grid).
+    """
+    if mm_token_type_ids is None:
+        mm_token_type_ids = torch.zeros_like(input_ids)
+    stand_in = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=vision_config),
+        get_vision_position_ids=functools.partial(model_class.get_vision_position_ids, None),
+    )
+    position_ids, _ = model_class.get_rope_index(
+        stand_in,
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=image_grid_thw,
+        attention_mask=attention_mask,
+        **video,
+    )
+    return position_ids
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Checkpoint keys <-> module FQNs: ``(key_prefix, module, fqn_prefix)`` rules, first match wins."""
+
+    family: str
+    owners: tuple[tuple[str, str, str], ...]
+
+    def owner(self, key: str) -> tuple[str, str] | None:
+        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
+        for prefix, module, fqn_prefix in self.owners:
+            if key.startswith(prefix):
+                return module, fqn_prefix + key[len(prefix) :]
+        return None
+
+    def hf_key(self, module: str, fqn: str) -> str:
+        """``(module_name, module_fqn)`` -> the checkpoint key (the inverse of :meth:`owner`)."""
+        for prefix, owner, fqn_prefix in self.owners:
+            if owner == module and fqn.startswith(fqn_prefix):
+                return prefix + fqn[len(fqn_prefix) :]
+        raise CheckpointError(f"{self.family}: no checkpoint key for {module}.{fqn}")
+
+    def split(
+        self, state_dict: Mapping[str, torch.Tensor], module_names: tuple[str, ...]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """A whole-model state dict -> ``{module: {fqn: tensor}}``; CheckpointError on a key no module owns."""
+        out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in module_names}
+        unowned = []
+        for key, tensor in state_dict.items():
+            owner = self.owner(key)
+            if owner is None:
+                unowned.append(key)
+                continue
+            out[owner[0]][owner[1]] = tensor
+        if unowned:
+            raise CheckpointError(f"keys that belong to no {self.family} module: {sorted(unowned)}")
+        return out
+
+
+#: the LLM module's tied pair (``lm_head`` shares ``embed_tokens``' weight when embeddings are tied)
+TIED_LM_HEAD = {"lm_head.weight": "language_model.embed_tokens.weight"}
+
+
+def lm_head(text_config: PretrainedConfig, *, device: torch.device | str, dtype: torch.dtype) -> nn.Linear:
+    """The vocabulary head ``hidden -> vocab`` (no bias), transformers' init off the meta device."""
+    head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    if not str(device).startswith("meta"):
+        nn.init.normal_(head.weight, std=text_config.initializer_range)
+    return head
+
+
+def tie_lm_head(module: nn.Module) -> None:
+    """Make ``lm_head`` share ``language_model.embed_tokens``' weight again (after building or ``to_empty``)."""
+    module.lm_head.weight = module.language_model.embed_tokens.weight
+
+
+def reference_model(model_class: Any, hf_config: PretrainedConfig) -> nn.Module:
+    """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
+    cfg = copy.deepcopy(hf_config)
+    return model_class._from_config(cfg, dtype=cfg.dtype)
+
+
+def init_rotary_buffers(family: str, name: str, module: nn.Module) -> None:
+    """Recompute the rotary ``inv_freq`` buffers (non-persistent) as transformers' init does.
+
+    After ``to_empty`` they hold garbage; forgetting this is the classic meta-init bug. Any other
+    non-persistent buffer would be left unset, so it is an error here.
+    """
+    handled = set()
+    with torch.no_grad():
+        for path, sub in module.named_modules():
+            if "RotaryEmbedding" not in type(sub).__name__:
+                continue
+            rope_fns = {  # the module's own rules (2D axial vision, default text) before the shared table
+                **ROPE_INIT_FUNCTIONS,
+                "axial": getattr(sub, "compute_axial_rope_parameters", None),
+                "default": getattr(sub, "compute_default_rope_parameters", None),
+            }
+            value, _ = rope_fns[sub.rope_type](sub.config)
+            for buf in ("inv_freq", "original_inv_freq"):
+                getattr(sub, buf).copy_(value)
+                handled.add(f"{path}.{buf}")
+    persistent = set(module.state_dict())
+    left = [n for n, _ in module.named_buffers() if n not in persistent and n not in handled]
+    if left:
+        raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {family}")
