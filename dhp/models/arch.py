@@ -9,7 +9,8 @@ keys in their ``extra`` maps) and return plain numbers. ``dhp.plan`` reaches the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -91,6 +92,24 @@ class Geometry:
     handoff_width: int
 
 
+@dataclass(frozen=True)
+class ModuleAxes:
+    """Which parallel axes one module of a family supports, and the sizes each degree must divide.
+
+    ``tp``/``sp``: tensor parallelism / Ulysses SP exist for the module; ``tp_divides``/``sp_divides``
+    name every size the degree must divide (each rank holds 1/degree of it); ``tp_sequence_parallel``:
+    Megatron sequence parallelism inside the TP group exists. ``fsdp`` and ``dp`` apply to any module.
+    The plan-validity rule (``dhp.config.plan_space``) reads this; the runtime's
+    ``ModuleParallelPlan`` describes the same facts (a test keeps them equal).
+    """
+
+    tp: bool
+    sp: bool
+    tp_sequence_parallel: bool
+    tp_divides: Mapping[str, int] = field(default_factory=dict)
+    sp_divides: Mapping[str, int] = field(default_factory=dict)
+
+
 class FamilyArch(Protocol):
     """Architecture numbers -> validation, geometry and parameter counts of one family (pure)."""
 
@@ -116,4 +135,8 @@ class FamilyArch(Protocol):
 
     def layer_shape(self, name: str, model: DictConfig) -> LayerShape:
         """Activation-relevant sizes of one block of module ``name``."""
+        ...
+
+    def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
+        """The parallel axes module ``name`` supports and what each degree must divide."""
         ...

@@ -4,11 +4,12 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
   N/2, N/4, ... GPUs, which win only where more ranks are predicted slower (``Search.placements``);
-- per module and world size: every (dp, fsdp, sp, tp) whose product is the world (sp only for the
-  encoder, sp and tp exclusive, tp inside a node and dividing the heads / KV heads / vocab), ZeRO-1
-  on or off where dp*sp > 1 and fsdp = 1;
+- per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP) that
+  :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and ``parallelize``
+  apply (the axes the family declares for the module, sp and tp exclusive, tp inside a node and
+  dividing what the family names, ZeRO-1 only without FSDP);
 - activation checkpointing off | selective | full per module;
-- the LLM's sequence parallelism inside TP (on or off, where tp > 1);
+- sequence parallelism inside TP (on or off, where tp > 1 and the module has it);
 - micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
   ``seq_len`` (patches per micro-batch and replica) scales with it from the patches per sample.
 
@@ -33,8 +34,11 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.plan_space import module_problems
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
+from dhp.models.arch import ModuleAxes
+from dhp.models.registry import get_arch
 from dhp.plan.estimate import busy_processes, coefficients, module_features, seconds
 from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
@@ -104,11 +108,7 @@ class Candidate:
         out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
         for m in (self.vision, self.llm):
             out.append(f"modules.{m.name}.gpus={m.world}")
-            degs = (
-                {"sequence_parallel": False, **m.degrees.as_dict()}
-                if m.name == "llm"
-                else m.degrees.as_dict()
-            )
+            degs = {**m.degrees.as_dict(), "sequence_parallel": m.degrees.sequence_parallel}
             out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
         out.append(f"modules.vision.seq_len={self.vision_seq_len}")
@@ -135,23 +135,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def module_degrees(name: str, world: int, model: DictConfig, gpn: int) -> list[Degrees]:
-    """Every valid (dp, fsdp, sp, tp, zero) of module ``name`` on ``world`` GPUs."""
+def module_degrees(
+    name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
+) -> list[Degrees]:
+    """Every (dp, fsdp, sp, tp, zero, sequence_parallel) of module ``name`` on ``world`` GPUs that the
+    plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's space."""
     out = []
-    heads = model.vision.num_heads if name == "vision" else model.llm.num_heads
     for tp in _divisors(world):
-        if tp > gpn or gpn % tp or heads % tp:
-            continue
-        if name == "llm" and (model.llm.num_kv_heads % tp or model.llm.vocab_size % tp):
-            continue
-        for sp in _divisors(world // tp) if name == "vision" else [1]:
-            if (sp > 1 and tp > 1) or heads % sp:
-                continue
+        for sp in _divisors(world // tp):
             for fsdp in _divisors(world // (tp * sp)):
                 dp = world // (tp * sp * fsdp)
-                zeros = (0, 1) if fsdp == 1 and dp * sp > 1 else (0,)
-                seqs = (False, True) if name == "llm" and tp > 1 else (False,)
-                out += [Degrees(dp, fsdp, sp, tp, z, q) for z in zeros for q in seqs]
+                for z in (0, 1):
+                    for q in (False, True):
+                        d = Degrees(dp, fsdp, sp, tp, z, q)
+                        if (z and dp * sp == 1) or (q and tp == 1):
+                            continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
+                        problems = module_problems(
+                            name,
+                            gpus=world,
+                            parallel=d,
+                            axes=axes,
+                            gpus_per_node=gpus_per_node,
+                            activation_checkpointing="off",
+                            mixed_precision=mixed_precision,
+                        )
+                        if not problems:
+                            out.append(d)
     return out
 
 
@@ -265,6 +274,15 @@ class Search:
         self._cache[key] = choice
         return choice
 
+    def _degrees(self, name: str, world: int) -> list[Degrees]:
+        return module_degrees(
+            name,
+            world,
+            axes=get_arch(self.cfg.model.family).module_axes(name, self.cfg.model),
+            gpus_per_node=self.gpn,
+            mixed_precision=self.cfg.modules[name].mixed_precision,
+        )
+
     def _image(self) -> int:
         return int(self.cfg.data.synthetic.patches) if self.cfg.data.kind == "synthetic" else 0
 
@@ -277,14 +295,13 @@ class Search:
         """Candidates that fit, fastest first (at most ``keep``), before full validation."""
         best: list[Candidate] = []
         worst = math.inf
-        model = self.cfg.model
         for placement, vw, lw in self.placements():
             self._procs = vw + lw
             procs = 2 if placement == "collocated" else 1
             budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
             solo = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
-            l_opts = [d for d in module_degrees("llm", lw, model, self.gpn)]
-            v_opts = [d for d in module_degrees("vision", vw, model, self.gpn)]
+            l_opts = self._degrees("llm", lw)
+            v_opts = self._degrees("vision", vw)
             for ld in l_opts:
                 for v_reps in sorted({d.replicas for d in v_opts}):
                     if max(v_reps, ld.replicas) % min(v_reps, ld.replicas):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from dhp.config.issues import Issues
-from dhp.models.arch import Geometry, LayerShape, LLMGeometry, ParamCount, VisionGeometry
+from dhp.models.arch import Geometry, LayerShape, LLMGeometry, ModuleAxes, ParamCount, VisionGeometry
 
 
 def vision_params(vision: DictConfig, *, out_hidden: int) -> ParamCount:
@@ -239,6 +239,28 @@ class Qwen25VLArch:
 
     def largest_param(self, name: str, model: DictConfig) -> int:
         return largest_param(name, model)
+
+    def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
+        """Encoder: TP (heads, merger width) and Ulysses SP (heads). LLM: TP with SP inside it."""
+        if name == "vision":
+            v = model.vision
+            heads = {"model.vision.num_heads": v.num_heads}
+            wide = {"model.vision.hidden_size*spatial_merge_size^2": v.hidden_size * v.spatial_merge_size**2}
+            return ModuleAxes(
+                tp=True, sp=True, tp_sequence_parallel=False, tp_divides=heads | wide, sp_divides=heads
+            )
+        lm = model.llm
+        return ModuleAxes(
+            tp=True,
+            sp=False,
+            tp_sequence_parallel=True,
+            tp_divides={
+                "model.llm.num_heads": lm.num_heads,
+                "model.llm.num_kv_heads": lm.num_kv_heads,
+                "model.llm.vocab_size": lm.vocab_size,
+                "model.llm.intermediate_size": lm.intermediate_size,
+            },
+        )
 
     def layer_shape(self, name: str, model: DictConfig) -> LayerShape:
         return vision_layer(model.vision) if name == "vision" else llm_layer(model.llm)
