@@ -19,7 +19,9 @@ from dhp.config.constants import (
     REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
+from dhp.config.validate_data_keys import validate_data_keys
 from dhp.config.validate_guards import validate_guards
+from dhp.config.validate_loop import validate_loop
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
@@ -98,6 +100,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     if "cluster" not in roots:
         _validate_cluster(cfg.cluster, issues)
     validate_metrics(cfg.metrics, issues)
+    validate_loop(cfg, issues)
     names = list(cfg.modules.keys())
     for name in names:
         issues.check(
@@ -120,6 +123,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_modules(cfg, issues)
     validate_run(cfg, issues)
     validate_data(cfg, issues)
+    validate_data_keys(cfg, issues)
     validate_trainable(cfg, issues)  # freeze_patterns / param_groups / lora globs against real FQNs
     return issues.items
 

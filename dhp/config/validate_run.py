@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from dhp.config.constants import BAD_SAMPLE_POLICIES, DATA_KINDS
 from dhp.config.issues import Issues
 from dhp.config.plan_space import layout_ok, module_problems, placement_problems
+from dhp.config.validate_data_keys import MARKERS_PER_VISUAL, synthetic_sample_tokens
 from dhp.layout import RankLayout
 from dhp.models.arch import ModuleAxes
 from dhp.models.registry import family_names, get_arch
@@ -222,8 +223,10 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
         f"use a multiple of {unit}",
     )
     micro = cfg.train.micro_batch_size
+    temporal = max(int(v.temporal_patch_size), 1)
+    video_patches = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
     if "vision" in mods and micro > 0:
-        need = syn.patches * syn.images_per_sample * micro
+        need = (syn.patches * syn.images_per_sample + video_patches) * micro
         issues.check(
             need <= mods.vision.seq_len,
             "modules.vision.seq_len",
@@ -232,12 +235,17 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
             f"set it >= {need}",
         )
     if "llm" in mods:
-        # each image: its merged tokens between <|vision_start|> and <|vision_end|>
-        need = (syn.patches // unit + 2) * syn.images_per_sample + syn.text_tokens
+        need = synthetic_sample_tokens(
+            syn,
+            spatial_merge_size=v.spatial_merge_size,
+            temporal_patch_size=temporal,
+            text_tokens=max(syn.text_tokens, syn.text_tokens_max),
+        )
         issues.check(
             need <= mods.llm.seq_len,
             "modules.llm.seq_len",
             mods.llm.seq_len,
-            f"a synthetic sample has {need} tokens (image tokens + 2 markers per image + text)",
+            f"the longest synthetic sample has {need} tokens (image and video tokens, "
+            f"{MARKERS_PER_VISUAL} markers each, and text)",
             f"set it >= {need}",
         )

@@ -279,10 +279,10 @@ def module_shape(
     layer = layer_shape(name, model)
     par = module.parallel
     tokens = micro_batch * module.seq_len
-    chunk = int(module.loss_chunk_tokens) if "loss_chunk_tokens" in module else 0
+    chunk = int(module.loss_chunk_tokens)
     if name == "llm" and chunk == 0:
         chunk = default_loss_chunk(model.llm.vocab_size, par.tp, tokens)
-    dtype = model.dtype if "dtype" in model else "float32"
+    dtype = model.dtype
     return ModuleShape(
         name=name,
         params=module_params(name, model),

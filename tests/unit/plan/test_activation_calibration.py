@@ -105,6 +105,7 @@ def _shape(name: str, seq_len: int):
             "parallel": {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0},
             "seq_len": seq_len,
             "activation_checkpointing": False,
+            "loss_chunk_tokens": 0,
             "freeze": False,
             "mixed_precision": "fp32",
         }
