@@ -64,7 +64,7 @@ def image_patches(config: DictConfig) -> int:
     """Patches of one image (the span of the encoder's full-attention blocks); 0 when unknown."""
     if config.data.kind == "synthetic":
         syn = config.data.synthetic
-        if "videos_per_sample" in syn and syn.videos_per_sample:  # a video is one item of t frames' patches
+        if syn.videos_per_sample:  # a video is one item of t frames' patches
             return int(syn.patches) * max(
                 1, int(syn.video_frames) // int(config.model.vision.temporal_patch_size)
             )

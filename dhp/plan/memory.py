@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
+from dhp.layout import ZERO1_AXES
 from dhp.plan.params import (
     LayerShape,
     ParamCount,
@@ -68,8 +69,6 @@ from dhp.plan.params import (
 from dhp.plan.trainable import trainable_fraction
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
-# ZeRO-1 shards the optimizer over the ranks holding identical parameters (docs/INTERFACES.md).
-ZERO1_AXES = ("dp", "sp")
 FSDP_LAYERS_IN_FLIGHT = 2  # the block being computed and the prefetched next one
 # Loss chunk chosen when ``loss_chunk_tokens`` is 0: fp32 logits of one chunk <= this many bytes.
 LOSS_CHUNK_TARGET_BYTES = 256 << 20

@@ -34,12 +34,21 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.handoff import resolve_handoff
 from dhp.config.plan_space import module_problems
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
 from dhp.models.arch import ModuleAxes
 from dhp.models.registry import get_arch
-from dhp.plan.estimate import busy_processes, coefficients, module_features, seconds
+from dhp.plan.compile import image_patches
+from dhp.plan.estimate import (
+    busy_processes,
+    coefficients,
+    handoff_seconds,
+    module_features,
+    module_time,
+    vision_patches_per_replica,
+)
 from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
@@ -83,8 +92,9 @@ class ModuleChoice:
     world: int
     degrees: Degrees
     ac: str
-    time: dict[str, float]  # fwd_s, bwd_s (per micro-batch), grad_sync_s, optim_s
+    time: dict[str, float]  # dhp.plan.estimate.module_time (+ handoff_s of the producer)
     terms: object  # phases.ModuleTerms
+    shape: object = None  # memory.ModuleShape
 
     @property
     def per_mb(self) -> float:
@@ -186,6 +196,7 @@ class Search:
         self.patches_per_sample = v0.seq_len / share0
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self._procs = 0
+        self._placement = "collocated"
         self.best_full: Candidate | None = None  # the fastest candidate seen on all N GPUs
 
     # ---- what the user fixed ------------------------------------------------------------------
@@ -249,7 +260,7 @@ class Search:
     def module(
         self, name: str, world: int, d: Degrees, ac: str, mb: int, n_mb: int, seq: int, tokens: float
     ) -> ModuleChoice | None:
-        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs)
+        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs, self._placement)
         if key in self._cache:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
@@ -264,15 +275,22 @@ class Search:
         terms = module_terms(shape, micro_batches=n_mb, device=self.cluster.device)
         procs = busy_processes(max(self._procs, world))
         f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
-        time = {
-            "fwd_s": seconds(f.fwd, self.coef),
-            "bwd_s": seconds(f.bwd, self.coef),
-            "grad_sync_s": f.step["comm"] * self.coef["comm"],
-            "optim_s": seconds({**f.step, "comm": 0.0}, self.coef),
-        }
-        choice = ModuleChoice(name, world, d, ac, time, terms)
+        time = module_time(f, self.coef, n_mb=n_mb)
+        if name == "vision":  # one hand-off (and one hand-back) per micro-batch, as the estimate
+            span = world if self._placement == "collocated" else self._procs
+            time["handoff_s"] = handoff_seconds(
+                shape, tokens * d.sp, self.cluster, handoff=self._handoff(), span=span
+            )
+        choice = ModuleChoice(name, world, d, ac, time, terms, shape)
         self._cache[key] = choice
         return choice
+
+    def _handoff(self) -> str:
+        """The hand-off the runtime resolves for this device and the placement being searched."""
+        resolved, _ = resolve_handoff(
+            device=self.cluster.device, placement=self._placement, handoff=self.cfg.handoff
+        )
+        return resolved
 
     def _degrees(self, name: str, world: int) -> list[Degrees]:
         return module_degrees(
@@ -284,10 +302,12 @@ class Search:
         )
 
     def _image(self) -> int:
-        return int(self.cfg.data.synthetic.patches) if self.cfg.data.kind == "synthetic" else 0
+        return image_patches(self.cfg)  # the estimate's span of one image or video
 
     def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
-        total = min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas)
+        total = vision_patches_per_replica(
+            self.cfg, seq_len=seq, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.replicas
+        )
         return sp_rank_tokens(self.cfg.model.vision, total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
@@ -296,7 +316,7 @@ class Search:
         best: list[Candidate] = []
         worst = math.inf
         for placement, vw, lw in self.placements():
-            self._procs = vw + lw
+            self._procs, self._placement = vw + lw, placement
             procs = 2 if placement == "collocated" else 1
             budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
             solo = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
@@ -359,7 +379,7 @@ class Search:
         if peak > cap:
             return None
         per = {"vision": vc.time, "llm": lc.time}
-        hand = 0.0
+        hand = vc.time["handoff_s"]
         sch = schedule(placement, per, n_mb=n_mb, handoff=hand, dispatch=self.cluster.dispatch_overhead_s)
         return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
 
