@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from dhp.config.schema import ModuleConfig
 from dhp.plan.memory import llm_activations, module_shape, vision_activations
 
 pytestmark = pytest.mark.unit
@@ -100,7 +101,8 @@ def _shape(name: str, seq_len: int):
             "llm": ARCH["llm"],
         }
     )
-    module = OmegaConf.create(
+    module = OmegaConf.merge(
+        OmegaConf.structured(ModuleConfig),
         {
             "parallel": {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0},
             "seq_len": seq_len,
@@ -108,7 +110,7 @@ def _shape(name: str, seq_len: int):
             "loss_chunk_tokens": 0,
             "freeze": False,
             "mixed_precision": "fp32",
-        }
+        },
     )
     return model, module_shape(name, model=model, module=module, micro_batch=1)
 
