@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 PARALLEL_AXES = ("dp", "fsdp", "sp", "tp")  # mesh order, outer -> inner (re-exported by dhp.config.constants)
+#: ZeRO-1 shards the optimizer state over the ranks that hold identical parameters and gradients:
+#: the dp and sp axes (flattened). The planner's memory (dhp.plan.memory) and the optimizer
+#: (dhp.parallel.optim) both read this one definition.
+ZERO1_AXES = ("dp", "sp")
 
 
 @dataclass(frozen=True)

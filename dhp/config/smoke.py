@@ -8,6 +8,7 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
 - every parallel degree > 1 becomes 2, so the axes in use stay in use (SP stays SP, TP stays TP,
   FSDP stays FSDP); ``gpus`` is recomputed. When the groups would still need more than the local
   ranks, ``dp`` is dropped first (it is the axis least specific to a strategy), then ``fsdp``;
+  collocated groups left with different rank counts get ``dp`` up to the largest count;
 - train: 2 steps, no warmup, micro batch 1 (or the encoder/LLM replica ratio), global batch =
   micro * LLM replicas, no checkpoints;
 - data: small synthetic samples; sequence lengths sized to them.
@@ -55,6 +56,18 @@ def _fit(cfg: DictConfig, ranks: int) -> None:
                 _recount(mod)
 
 
+def _share_gpus(cfg: DictConfig) -> None:
+    """Collocated groups share one GPU set: a group that shrank to fewer ranks than another (sp8 -> 2
+    beside fsdp4 x tp2 -> 4) gets data parallelism up to the others' count, keeping its strategy."""
+    if cfg.placement != "collocated" or not cfg.modules:
+        return
+    most = max(m.gpus for m in cfg.modules.values())
+    for mod in cfg.modules.values():
+        if mod.gpus < most and most % mod.gpus == 0:
+            mod.parallel.dp *= most // mod.gpus
+            _recount(mod)
+
+
 def _replicas(cfg: DictConfig, name: str) -> int:
     if name not in cfg.modules:
         return 1
@@ -74,6 +87,7 @@ def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: Dict
         _shrink_degrees(mod)
         mod.mixed_precision = "fp32"
     _fit(out, out.cluster.nodes * out.cluster.gpus_per_node)
+    _share_gpus(out)
     if "vision" in out.modules:
         out.modules.vision.seq_len = SMOKE_VISION_SEQ
     if "llm" in out.modules:

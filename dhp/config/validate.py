@@ -20,8 +20,10 @@ from dhp.config.constants import (
 )
 from dhp.config.issues import Issues
 from dhp.config.validate_capabilities import validate_capabilities
+from dhp.config.validate_data_keys import validate_data_keys
 from dhp.config.validate_data_layouts import validate_data_layouts
 from dhp.config.validate_guards import validate_guards
+from dhp.config.validate_loop import validate_loop
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_optimizer import validate_optimizer
@@ -102,6 +104,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
         _validate_cluster(cfg.cluster, issues)
         validate_optimizer(cfg.train, device=cfg.cluster.device, issues=issues)
     validate_metrics(cfg.metrics, issues)
+    validate_loop(cfg, issues)
     names = list(cfg.modules.keys())
     for name in names:
         issues.check(
@@ -126,6 +129,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_data(cfg, issues)
     validate_data_layouts(cfg.data, issues)
     validate_capabilities(cfg, issues)
+    validate_data_keys(cfg, issues)
     validate_trainable(cfg, issues)  # freeze_patterns / param_groups / lora globs against real FQNs
     return issues.items
 

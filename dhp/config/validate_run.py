@@ -8,18 +8,12 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from dhp.config.ac import parse_ac_mode
-from dhp.config.constants import (
-    BAD_SAMPLE_POLICIES,
-    DATA_KINDS,
-    HANDOFFS,
-    MIXED_PRECISIONS,
-    PARALLEL_AXES,
-    PLACEMENTS,
-)
-from dhp.config.handoff import resolve_handoff
+from dhp.config.constants import BAD_SAMPLE_POLICIES, DATA_KINDS
 from dhp.config.issues import Issues
+from dhp.config.plan_space import ModuleAxes, layout_ok, module_problems, placement_problems
+from dhp.config.validate_data_keys import MARKERS_PER_VISUAL, synthetic_sample_tokens
 from dhp.layout import RankLayout
+from dhp.models.registry import family_names, get_arch
 
 
 def _divides(issues: Issues, *, path: str, value: int, by: int, by_name: str, what: str) -> None:
@@ -33,95 +27,35 @@ def _divides(issues: Issues, *, path: str, value: int, by: int, by_name: str, wh
         )
 
 
-def _validate_degrees(name: str, mod: DictConfig, issues: Issues) -> bool:
-    prefix = f"modules.{name}"
-    par = mod.parallel
-    ok = True
-    for axis in PARALLEL_AXES:
-        ok &= issues.check(
-            par[axis] >= 1, f"{prefix}.parallel.{axis}", par[axis], "must be >= 1", "use 1 to disable"
-        )
-    ok &= issues.check(
-        mod.gpus > 0, f"{prefix}.gpus", mod.gpus, "must be > 0", "set the GPU count of this group"
-    )
-    issues.check(
-        par.zero in (0, 1),
-        f"{prefix}.parallel.zero",
-        par.zero,
-        "must be 0 (plain DP) or 1 (ZeRO-1)",
-        "use fsdp=N for ZeRO-3-style sharding",
-    )
-    issues.check(
-        not (par.zero == 1 and par.fsdp > 1),
-        f"{prefix}.parallel.zero",
-        par.zero,
-        "ZeRO-1 and FSDP both shard the optimizer state",
-        "set zero=0 when fsdp > 1",
-    )
-    issues.check(
-        not (par.sp > 1 and par.tp > 1),
-        f"{prefix}.parallel",
-        {"sp": par.sp, "tp": par.tp},
-        "sp and tp are mutually exclusive inside one module",
-        "use sp for the vision encoder and tp for the LLM",
-    )
-    if ok:
-        product = RankLayout.from_parallel(par).world_size
-        issues.check(
-            product == mod.gpus,
-            f"{prefix}.gpus",
-            mod.gpus,
-            f"must equal dp*fsdp*sp*tp = {par.dp}*{par.fsdp}*{par.sp}*{par.tp} = {product}",
-            f"set {prefix}.gpus={product} or change the degrees",
-        )
-    return ok
+def module_axes(name: str, model: DictConfig) -> ModuleAxes | None:
+    """What module ``name`` of the model's family supports (None: unknown family, or architecture
+    numbers the family rejected: those are reported by the family's own validation)."""
+    if model.family not in family_names():
+        return None
+    try:
+        return get_arch(model.family).module_axes(name, model)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues) -> None:
     prefix = f"modules.{name}"
     par = mod.parallel
     issues.check(mod.seq_len > 0, f"{prefix}.seq_len", mod.seq_len, "must be > 0", "set a positive length")
-    issues.one_of(mod.mixed_precision, f"{prefix}.mixed_precision", MIXED_PRECISIONS)
-    try:
-        parse_ac_mode(mod.activation_checkpointing)
-    except ValueError as e:
-        issues.add(
-            f"{prefix}.activation_checkpointing",
-            mod.activation_checkpointing,
-            str(e),
-            f"set {prefix}.activation_checkpointing=full (or off, every_n:2)",
-        )
-    if not _validate_degrees(name, mod, issues):
-        return  # a degree < 1: divisibility checks would divide by zero
-    gpn = cfg.cluster.gpus_per_node
-    if par.tp > 1:
-        ok = issues.check(
-            par.tp <= gpn,
-            f"{prefix}.parallel.tp",
-            par.tp,
-            f"a TP group must stay inside one node (cluster.gpus_per_node={gpn})",
-            f"use tp <= {gpn} and scale with dp/fsdp across nodes",
-        )
-        if ok:
-            _divides(
-                issues,
-                path=f"{prefix}.parallel.tp",
-                value=gpn,
-                by=par.tp,
-                by_name="gpus_per_node",
-                what="TP groups must tile a node",
-            )
+    problems = module_problems(
+        name,
+        gpus=mod.gpus,
+        parallel=par,
+        axes=module_axes(name, cfg.model),
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        activation_checkpointing=mod.activation_checkpointing,
+        mixed_precision=mod.mixed_precision,
+    )
+    issues.items.extend(problems)
+    if not layout_ok(mod.gpus, par):
+        return  # a degree < 1: the length checks below would divide by zero
     if name == "vision":
         v = cfg.model.vision
-        for axis in ("sp", "tp"):
-            _divides(
-                issues,
-                path=f"{prefix}.parallel.{axis}",
-                value=v.num_heads,
-                by=par[axis],
-                by_name="model.vision.num_heads",
-                what="encoder heads",
-            )
         unit = v.spatial_merge_size**2
         if mod.seq_len > 0:
             issues.check(
@@ -134,22 +68,6 @@ def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues
             )
     if name == "llm":
         lm = cfg.model.llm
-        for key in ("num_heads", "num_kv_heads", "vocab_size"):
-            _divides(
-                issues,
-                path=f"{prefix}.parallel.tp",
-                value=lm[key],
-                by=par.tp,
-                by_name=f"model.llm.{key}",
-                what=f"LLM {key}",
-            )
-        issues.check(
-            par.sp == 1,
-            f"{prefix}.parallel.sp",
-            par.sp,
-            "sequence parallelism is implemented for the vision encoder only",
-            "use tp (and dp/fsdp) for the LLM",
-        )
         issues.check(
             mod.seq_len <= lm.max_position_embeddings,
             f"{prefix}.seq_len",
@@ -173,62 +91,23 @@ def validate_modules(cfg: DictConfig, issues: Issues) -> None:
     )
 
 
-def _module_ok(mod: DictConfig) -> bool:
-    par = mod.parallel
-    return (
-        mod.gpus > 0
-        and all(par[a] >= 1 for a in PARALLEL_AXES)
-        and RankLayout.from_parallel(par).world_size == mod.gpus
-    )
-
-
 def validate_run(cfg: DictConfig, issues: Issues) -> None:
-    """Placement, cluster fit, N:M routing between groups, and the optimisation loop."""
-    mods = {str(n): m for n, m in cfg.modules.items()}
-    total = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    if issues.one_of(cfg.placement, "placement", PLACEMENTS) and all(m.gpus > 0 for m in mods.values()):
-        gpus = {n: m.gpus for n, m in mods.items()}
-        if cfg.placement == "collocated":
-            issues.check(
-                len(set(gpus.values())) <= 1,
-                "placement",
-                cfg.placement,
-                f"collocated groups must share one GPU set, but the GPU counts differ: {gpus}",
-                "give every module the same gpus, or use placement=disaggregated",
+    """Placement, cluster fit, N:M routing between groups, hand-off, and the optimisation loop."""
+    mods = {str(n): m for n, m in cfg.modules.items() if layout_ok(m.gpus, m.parallel)}
+    reps = {n: RankLayout.from_parallel(m.parallel).num_replicas for n, m in mods.items()}
+    if len(mods) == len(cfg.modules):
+        issues.items.extend(
+            placement_problems(
+                {n: m.gpus for n, m in mods.items()},
+                reps,
+                placement=cfg.placement,
+                handoff=cfg.handoff,
+                device=cfg.cluster.device,
+                total_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
             )
-            need = max(gpus.values(), default=0)
-        else:
-            need = sum(gpus.values())
-        issues.check(
-            need <= total,
-            "cluster",
-            cfg.cluster.name,
-            f"the {cfg.placement} groups need {need} GPUs but the cluster has "
-            f"{cfg.cluster.nodes}x{cfg.cluster.gpus_per_node}={total}",
-            "use a larger cluster profile or fewer GPUs per module",
         )
-        if "vision" in mods and "llm" in mods and _module_ok(mods["vision"]) and _module_ok(mods["llm"]):
-            rv = RankLayout.from_parallel(mods["vision"].parallel).num_replicas
-            rl = RankLayout.from_parallel(mods["llm"].parallel).num_replicas
-            issues.check(
-                max(rv, rl) % min(rv, rl) == 0,
-                "modules.vision.parallel",
-                {"vision_replicas": rv, "llm_replicas": rl},
-                "data-parallel replicas (dp*fsdp) of one module must divide the other's for N:M routing",
-                "make one replica count a multiple of the other",
-            )
-            _validate_batch(cfg.train, rv, rl, issues)
-        if issues.one_of(cfg.handoff, "handoff", HANDOFFS):
-            _, problem = resolve_handoff(
-                device=cfg.cluster.device, placement=cfg.placement, handoff=cfg.handoff
-            )
-            issues.check(
-                problem is None,
-                "handoff",
-                cfg.handoff,
-                f"{problem} (cluster.device={cfg.cluster.device}, placement={cfg.placement})",
-                "use handoff=auto",
-            )
+        if len(reps) == 2 and max(reps.values()) % min(reps.values()) == 0:
+            _validate_batch(cfg.train, reps["vision"], reps["llm"], issues)
     _validate_train(cfg.train, issues)
 
 
@@ -343,8 +222,10 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
         f"use a multiple of {unit}",
     )
     micro = cfg.train.micro_batch_size
+    temporal = max(int(v.temporal_patch_size), 1)
+    video_patches = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
     if "vision" in mods and micro > 0:
-        need = syn.patches * syn.images_per_sample * micro
+        need = (syn.patches * syn.images_per_sample + video_patches) * micro
         issues.check(
             need <= mods.vision.seq_len,
             "modules.vision.seq_len",
@@ -353,12 +234,17 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
             f"set it >= {need}",
         )
     if "llm" in mods:
-        # each image: its merged tokens between <|vision_start|> and <|vision_end|>
-        need = (syn.patches // unit + 2) * syn.images_per_sample + syn.text_tokens
+        need = synthetic_sample_tokens(
+            syn,
+            spatial_merge_size=v.spatial_merge_size,
+            temporal_patch_size=temporal,
+            text_tokens=max(syn.text_tokens, syn.text_tokens_max),
+        )
         issues.check(
             need <= mods.llm.seq_len,
             "modules.llm.seq_len",
             mods.llm.seq_len,
-            f"a synthetic sample has {need} tokens (image tokens + 2 markers per image + text)",
+            f"the longest synthetic sample has {need} tokens (image and video tokens, "
+            f"{MARKERS_PER_VISUAL} markers each, and text)",
             f"set it >= {need}",
         )

@@ -11,16 +11,45 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.issues import Issues
-from dhp.errors import ConfigError
+from dhp.errors import ConfigError, ConfigIssue
 
 
-def _needs_check(module: DictConfig) -> bool:
+def needs_trainable_check(module: DictConfig) -> bool:
+    """The module sets anything that makes its trainable set differ from "all" or "none":
+    ``freeze_patterns``, ``param_groups`` or ``lora`` (rank or targets). The planner's trainable
+    fraction and this validation both decide by this."""
     return (
         bool(module.freeze_patterns)
         or bool(module.param_groups)
         or module.lora.rank != 0
         or bool(module.lora.targets)
     )
+
+
+def trainable_sizes(
+    name: str, *, model: DictConfig, module: DictConfig, lr: float
+) -> tuple[dict[str, int], list[ConfigIssue]]:
+    """``{fqn: elements}`` of module ``name`` built on ``meta`` (LoRA adapters included) and every
+    problem of its freeze/param-group/LoRA settings against those FQNs (one rule for validation and
+    the planner). FQNs do not depend on the attention kernel: built with sdpa."""
+    # Inside the function: torch and the family load only when a module sets freeze/param-group/LoRA
+    # globs (validation and the planner's search stay torch-free otherwise), and these are the config ->
+    # models/parallel imports that the layers contract lists as its one exception (pyproject.toml).
+    import torch
+
+    from dhp.models import get_family
+    from dhp.parallel.lora import named_sizes_with_lora
+    from dhp.parallel.param_groups import check_trainable_config
+
+    model = OmegaConf.create(OmegaConf.to_container(model, resolve=True))
+    model.attn_implementation = "sdpa"
+    family = get_family(model.family)
+    built = family.build_module(name, family.hf_config(model), device="meta", dtype=torch.float32)
+    try:
+        sizes = named_sizes_with_lora(built, module_name=name, lora=module.lora)
+    except ConfigError as e:
+        return {}, list(e.issues)
+    return sizes, check_trainable_config(name, list(sizes), module_cfg=module, lr=lr)
 
 
 def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
@@ -36,33 +65,18 @@ def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
             f"LoRA dropout is not supported with tensor parallelism (modules.{name}.parallel.tp={m.parallel.tp})",
             "set lora.dropout: 0, or shard this module with sp/fsdp/dp instead of tp",
         )
-    todo = [(n, m) for n, m in cfg.modules.items() if _needs_check(m)]
+    todo = [(n, m) for n, m in cfg.modules.items() if needs_trainable_check(m)]
     if not todo:
         return
-    # Inside the function: torch and the family load only when a module sets freeze/param-group/LoRA
-    # globs (validation and the planner's search stay torch-free otherwise), and these are the config ->
-    # models/parallel imports that the layers contract lists as its one exception (pyproject.toml).
-    import torch
+    from dhp.models import get_family  # the declared config -> models exception (pyproject.toml)
 
-    from dhp.models import get_family
-    from dhp.parallel.lora import named_sizes_with_lora
-    from dhp.parallel.param_groups import check_trainable_config
-
-    # FQNs do not depend on the attention kernel: build with sdpa (flash-attn may not be installed here)
-    model = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
-    model.attn_implementation = "sdpa"
     try:
-        family = get_family(model.family)
-        hf_config = family.hf_config(model)
+        family = get_family(cfg.model.family)
+        family.hf_config(cfg.model)
     except Exception:  # an unknown family or a broken architecture: the model validators report it
         return
     for name, module in todo:
         if name not in family.module_names:
             continue
-        built = family.build_module(name, hf_config, device="meta", dtype=torch.float32)
-        try:
-            names = list(named_sizes_with_lora(built, module_name=name, lora=module.lora))
-        except ConfigError as e:
-            issues.items.extend(e.issues)
-            continue
-        issues.items.extend(check_trainable_config(name, names, module_cfg=module, lr=cfg.train.lr))
+        _, problems = trainable_sizes(name, model=cfg.model, module=module, lr=cfg.train.lr)
+        issues.items.extend(problems)

@@ -11,11 +11,12 @@ import glob
 from pathlib import Path
 from typing import Protocol
 
+from dhp.config.constants import DATASET_FORMATS
 from dhp.config.schema import DatasetEntry
 from dhp.data.llava import LlavaDataset, Record, resolve_path
 from dhp.errors import ConfigError, ConfigIssue
 
-FORMATS = ("auto", "llava", "messages", "parquet", "webdataset")
+FORMATS = DATASET_FORMATS
 
 
 class Dataset(Protocol):

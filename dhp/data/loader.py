@@ -20,7 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dhp.config.constants import DATA_ENGINES
 from dhp.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
+from dhp.config.validate_data_keys import data_engine_problems
 from dhp.data import bad
 from dhp.data.batch import Sample, VLBatch, collate
 from dhp.data.packing import pack, packed_max_tokens
@@ -30,7 +32,7 @@ from dhp.layout import RankLayout
 
 log = logging.getLogger("dhp.data")
 WAIT_WARN_FRACTION = 0.10  # a step waiting longer than this share of its time on data is reported
-ENGINES = ("local", "ray")
+ENGINES = DATA_ENGINES
 
 
 @dataclass
@@ -360,16 +362,9 @@ def balance(samples: list[Sample], *, num_slots: int, slot_size: int) -> list[li
 
 
 def check_engine(data: DataConfig) -> None:
-    """ConfigError for an unknown ``data.engine`` or a negative prefetch depth / CPU share."""
-    issues = []
-    if data.engine not in ENGINES:
-        issues.append(
-            ConfigIssue("data.engine", data.engine, f"must be one of {ENGINES}", "use local or ray")
-        )
-    if data.prefetch_depth < 1:
-        issues.append(ConfigIssue("data.prefetch_depth", data.prefetch_depth, "must be >= 1", "use 2"))
-    if data.cpus_per_worker < 0:
-        issues.append(ConfigIssue("data.cpus_per_worker", data.cpus_per_worker, "must be >= 0", "use 0 or 1"))
+    """ConfigError for an unknown ``data.engine`` or a negative prefetch depth / CPU share (the
+    config validation's rule, :func:`dhp.config.validate_data_keys.data_engine_problems`)."""
+    issues = data_engine_problems(data)
     if issues:
         raise ConfigError(issues)
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.data.batch import IGNORE_INDEX, VIDEO, Sample, VLBatch
-from dhp.errors import DataError
+from dhp.errors import ConfigError, DataError
 from dhp.ops.packed import is_packed, segments  # the one definition (re-exported here)
 
 
@@ -144,35 +145,14 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 def packed_max_tokens(data, *, llm_seq_len: int) -> int:
     """The packed row length of ``data`` (DataConfig): 0 when packing is off, else ``data.max_tokens``
-    (0 there: ``modules.llm.seq_len``). ConfigError when a sample could not fit a row."""
-    from dhp.errors import ConfigError, ConfigIssue
-
-    if not data.packing:
-        if data.max_tokens:
-            raise ConfigError(
-                [
-                    ConfigIssue(
-                        "data.max_tokens",
-                        data.max_tokens,
-                        "is set but data.packing is false",
-                        "set data.packing=true, or drop data.max_tokens",
-                    )
-                ]
-            )
-        return 0
-    max_tokens = data.max_tokens or llm_seq_len
-    if max_tokens < llm_seq_len:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "data.max_tokens",
-                    max_tokens,
-                    f"must be >= modules.llm.seq_len={llm_seq_len} (the longest sample must fit a row)",
-                    f"set data.max_tokens >= {llm_seq_len}, or lower modules.llm.seq_len",
-                )
-            ]
-        )
-    return max_tokens
+    (0 there: ``modules.llm.seq_len``). ConfigError when a sample could not fit a row (the config
+    validation's rule, :func:`dhp.config.validate_data_keys.packed_row_tokens`)."""
+    row, problems = packed_row_tokens(
+        packing=data.packing, max_tokens=data.max_tokens, llm_seq_len=llm_seq_len
+    )
+    if problems:
+        raise ConfigError(problems)
+    return row
 
 
 def unpacked(batch: VLBatch) -> list[VLBatch]:

@@ -16,6 +16,7 @@ from dataclasses import fields
 import torch
 
 from dhp.config.schema import SpecialTokens, SyntheticData, VisionArch
+from dhp.config.validate_data_keys import synthetic_sample_tokens
 from dhp.data import bad
 from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, VIDEO, Sample
 from dhp.data.processing import Limits
@@ -135,7 +136,12 @@ class SyntheticSource:
             )
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         n_text = self.text_length(gen)
-        total = n_img * (merged + 2) + self.cfg.videos_per_sample * (self.video_tokens + 2) + n_text
+        total = synthetic_sample_tokens(
+            self.cfg,
+            spatial_merge_size=self.vision.spatial_merge_size,
+            temporal_patch_size=self.vision.temporal_patch_size,
+            text_tokens=n_text,
+        )
         if total > self.limits.llm_seq_len:
             raise bad.BadSampleError(
                 location=loc,

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from dhp.config.plan_space import ModuleAxes as ModuleAxes  # declared by each family, read by the rule
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -204,21 +206,18 @@ class ModuleArch:
         )
 
 
-PARALLEL_AXES = ("dp", "fsdp", "sp", "tp", "zero")
-
-
 @dataclass(frozen=True)
 class Capabilities:
     """What a family's runtime code does exactly; anything not declared is refused by validation.
 
     ``packing``: several samples in one row (``data.packing``); ``video``: video inputs;
-    ``axes``: per module, the parallel axes it supports (``PARALLEL_AXES``); ``tp_sharded``: per
-    module, the parameter FQN globs tensor parallelism shards (the rest are replicated).
+    ``tp_sharded``: per module, the parameter FQN globs tensor parallelism shards (the rest are
+    replicated). The parallel axes each module supports, with the sizes each degree must divide, are
+    the family's ``module_axes`` (:class:`ModuleAxes`), which the plan-validity rule reads.
     """
 
     packing: bool
     video: bool
-    axes: Mapping[str, tuple[str, ...]]
     tp_sharded: Mapping[str, tuple[str, ...]]
 
 
@@ -294,4 +293,8 @@ class FamilyArch(Protocol):
 
     def layer_shape(self, name: str, model: DictConfig) -> LayerShape:
         """Activation-relevant sizes of one block of module ``name``."""
+        ...
+
+    def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
+        """The parallel axes module ``name`` supports and what each degree must divide."""
         ...

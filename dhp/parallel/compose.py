@@ -22,10 +22,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dhp.config.ac import parse_ac_mode
+from dhp.config.plan_space import ModuleAxes, module_problems
 from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
 from dhp.parallel.ac import AcSpec, apply_ac
-from dhp.parallel.fsdp import FsdpSpec, apply_fsdp, mixed_precision_policy
+from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
@@ -71,15 +72,6 @@ class Step:
     apply: Callable[[nn.Module, DeviceMesh, _Ctx], nn.Module]
 
 
-def _need(supported: bool, fn, what: str, ctx: _Ctx):
-    if not supported:
-        raise PlanError(
-            f"module {ctx.name!r} does not support {what} (modules.{ctx.name}.parallel.{what}>1). "
-            f"Fix: use {'tp' if what == 'sp' else 'sp'} or fsdp/dp for this module."
-        )
-    return fn
-
-
 def _ac_spec(value: str) -> AcSpec:
     mode = parse_ac_mode(value)
     return AcSpec(kind=mode.kind, every_n_layers=mode.every_n)
@@ -89,10 +81,10 @@ STEPS: tuple[Step, ...] = (
     Step(
         "tp",
         lambda c: c.parallel.tp > 1,
-        lambda m, mesh, c: _need(c.plan.tp is not None, _tp, "tp", c)(m, axis(mesh, "tp"), c),
+        lambda m, mesh, c: _tp(m, axis(mesh, "tp"), c),
     ),
     Step("loss", lambda c: c.plan.loss and c.parallel.tp == 1, lambda m, mesh, c: _loss(m, c)),
-    Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _need(bool(c.plan.sp), _sp, "sp", c)(m, mesh)),
+    Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
     Step(
         "ac",
         lambda c: parse_ac_mode(c.activation_checkpointing).enabled,
@@ -116,22 +108,33 @@ def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
         raise PlanError(
             f"module {ctx.name!r}: mesh degrees {got} differ from modules.{ctx.name}.parallel {want}."
         )
-    if ctx.parallel.sp > 1 and ctx.parallel.tp > 1:
-        raise PlanError(
-            f"modules.{ctx.name}.parallel: sp and tp are mutually exclusive. Fix: set one of them to 1."
-        )
-    if ctx.parallel.sequence_parallel and not ctx.plan.tp_sequence_parallel:
-        raise PlanError(
-            f"modules.{ctx.name}.parallel.sequence_parallel=true: module {ctx.name!r} has no sequence "
-            "parallelism inside TP. Fix: set it to false (the vision encoder shards sequences with sp)."
-        )
+    problems = module_problems(
+        ctx.name,
+        gpus=mesh.size(),
+        parallel=ctx.parallel,
+        axes=module_axes(ctx.plan),
+        gpus_per_node=None,  # the plan placed the mesh; its TP group was checked against the cluster
+        activation_checkpointing=ctx.activation_checkpointing,
+        mixed_precision=ctx.mixed_precision,
+    )
+    if problems:
+        raise PlanError(f"module {ctx.name!r}: " + "; ".join(str(p) for p in problems))
     if ctx.loss_chunk_tokens < 0:
         raise PlanError(
             f"modules.{ctx.name}.loss_chunk_tokens={ctx.loss_chunk_tokens}: must be >= 0 tokens per "
             "cross-entropy chunk. Fix: 0 (the default, 4096) or a positive token count."
         )
-    mixed_precision_policy(ctx.mixed_precision)
-    parse_ac_mode(ctx.activation_checkpointing)
+
+
+def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
+    """The axes a family's runtime plan supports, in the terms of the plan-validity rule."""
+    return ModuleAxes(
+        tp=plan.tp is not None,
+        sp=bool(plan.sp),
+        tp_sequence_parallel=plan.tp_sequence_parallel,
+        tp_divides=dict(plan.tp_divides),
+        sp_divides=dict(plan.sp_divides),
+    )
 
 
 def parallelize(

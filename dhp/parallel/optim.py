@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from dhp.config.constants import OPTIMIZER_IMPLS
 from dhp.config.schema import ParallelConfig, ParamGroupConfig, TrainConfig
 from dhp.errors import PlanError
+from dhp.layout import ZERO1_AXES
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
 from dhp.parallel.meshutil import axes, axis, group_world
 from dhp.parallel.param_groups import optimizer_groups
@@ -49,7 +50,7 @@ def build_optimizer(
     Memory: 2 states per local parameter element, in the parameter's dtype (torch's AdamW allocates
     them like the parameter: bf16 states for a ``model.dtype=bfloat16`` module, fp32 for fp32; the
     planner's ``dhp.plan.memory.precision`` counts the same); with ZeRO-1 only for the ~1/(dp*sp)
-    owned here (the planner's ``dhp.plan.memory.ZERO1_AXES`` uses the same axes).
+    owned here (``dhp.layout.ZERO1_AXES``, the planner's too).
 
     ``param_groups``: per-glob lr/weight_decay (``dhp.parallel.param_groups.optimizer_groups``); the
     optimizer's groups are the default one first, then these, in the same order on every rank. Only
@@ -96,9 +97,6 @@ def impl_kwargs(impl: str) -> dict[str, bool]:
     if impl == "for_loop":
         return {"foreach": False}
     raise PlanError(f"train.optimizer.impl={impl!r}: unknown. Fix: use one of {', '.join(OPTIMIZER_IMPLS)}.")
-
-
-ZERO1_AXES = ("dp", "sp")
 
 
 def _zero1_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

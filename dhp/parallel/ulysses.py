@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from dhp.errors import ConfigError, ConfigIssue, PlanError, RuntimeFailure
+from dhp.parallel.dp import allreduce_grads_
 from dhp.parallel.plan_match import match_sites
 
 #: forward kwarg that carries the per-rank row counts to the attention hooks (set by the family's
@@ -283,22 +284,11 @@ def reduce_sp_grads(module: nn.Module, sp_group: dist.ProcessGroup) -> None:
     """SUM every trainable parameter's gradient over the SP group, in place (one all-reduce per dtype).
 
     Each SP rank holds the partial gradient of its own tokens; a missing grad (a rank with no tokens)
-    counts as zeros. Needs the full module replicated on each SP rank (plain tensors, not DTensors).
+    counts as zeros. Plain tensors (the module replicated on each SP rank) are summed whole; FSDP2's
+    DTensor grads are summed shard by shard: the ranks of one SP group sit at the same fsdp coordinate,
+    so they hold the same shard index, already reduce-scattered over fsdp in backward.
     """
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=sp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    allreduce_grads_([p for p in module.parameters() if p.requires_grad], sp_group)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -7,6 +7,7 @@ import dataclasses
 from omegaconf import DictConfig
 
 from dhp.config.handoff import resolve_handoff
+from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.layout import RankLayout
 from dhp.plan.estimate import estimate_step
 from dhp.plan.memory import ModuleShape, module_shape
@@ -65,7 +66,7 @@ def image_patches(config: DictConfig) -> int:
     """Patches of one image (the span of the encoder's full-attention blocks); 0 when unknown."""
     if config.data.kind == "synthetic":
         syn = config.data.synthetic
-        if "videos_per_sample" in syn and syn.videos_per_sample:  # a video is one item of t frames' patches
+        if syn.videos_per_sample:  # a video is one item of t frames' patches
             return int(syn.patches) * max(
                 1, int(syn.video_frames) // int(config.model.vision.temporal_patch_size)
             )
@@ -85,11 +86,15 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
         )
         for name, mod in config.modules.items()
     }
-    if "llm" in shapes and "packing" in config.data and config.data.packing:
+    row, _ = packed_row_tokens(
+        packing=config.data.packing,
+        max_tokens=config.data.max_tokens,
+        llm_seq_len=int(config.modules.llm.seq_len) if "llm" in shapes else 0,
+    )  # validated already: the row holds the longest sample
+    if "llm" in shapes and row:
         # packed rows of data.max_tokens (0: seq_len); first-fit never needs more rows than
         # 2 * tokens / row + 1 (any two rows together overflow one), nor more than samples
         llm = shapes["llm"]
-        row = max(int(config.data.max_tokens), llm.seq_len)
         rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
         shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row)
     return shapes

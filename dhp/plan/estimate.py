@@ -85,13 +85,28 @@ def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     """Patches one vision rank encodes per driver micro-batch: the real share when the data is
     synthetic (known patches per sample), else the configured capacity ``seq_len``."""
     v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
-    total = float(shape.seq_len)
-    if config.data.kind == "synthetic":
-        pps = config.data.synthetic.patches * config.data.synthetic.images_per_sample
-        l_reps, v_reps = RankLayout.from_parallel(lm).num_replicas, RankLayout.from_parallel(v).num_replicas
-        share = l_reps * config.train.micro_batch_size * pps / v_reps
-        total = min(total, share)
+    total = vision_patches_per_replica(
+        config,
+        seq_len=shape.seq_len,
+        micro_batch=config.train.micro_batch_size,
+        llm_replicas=RankLayout.from_parallel(lm).num_replicas,
+        vision_replicas=RankLayout.from_parallel(v).num_replicas,
+    )
     return sp_rank_tokens(shape.arch, total, v.sp, shape.image_patches)
+
+
+def vision_patches_per_replica(
+    config: DictConfig, *, seq_len: int, micro_batch: int, llm_replicas: int, vision_replicas: int
+) -> float:
+    """Patches one encoder replica encodes per driver micro-batch: its share of the LLM replicas'
+    samples when the data is synthetic (images and videos of known size), else its capacity
+    ``seq_len``. The estimate and the ``--auto`` search both time the encoder with this."""
+    if config.data.kind != "synthetic":
+        return float(seq_len)
+    syn, temporal = config.data.synthetic, config.model.vision.temporal_patch_size
+    video = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
+    per_sample = syn.patches * syn.images_per_sample + video
+    return min(float(seq_len), llm_replicas * micro_batch * per_sample / vision_replicas)
 
 
 def oversubscription(cluster: DictConfig, processes: float) -> float:
@@ -193,13 +208,36 @@ def handoff_s(
     config: DictConfig, plan: Plan, shape: ModuleShape, tokens: float, cluster: DictConfig
 ) -> float:
     """One hand-off (or hand-back) of a micro-batch's merged embeddings, vision rank -> LLM."""
+    span = len({r.global_gpu for g in plan.groups for r in g.ranks})
+    return handoff_seconds(shape, tokens, cluster, handoff=plan.handoff, span=span)
+
+
+def handoff_seconds(
+    shape: ModuleShape, tokens: float, cluster: DictConfig, *, handoff: str, span: int
+) -> float:
+    """One hand-off of ``tokens`` encoder patches' merged embeddings (every edge's columns) over the
+    resolved ``handoff`` (``cuda_ipc``: a copy in device memory; else the link across ``span`` GPUs)."""
     width = shape.handoff_width or shape.out_hidden  # every edge's columns (DeepStack: 1 + levels)
     nbytes = tokens / shape.arch.merge * width * shape.precision.act
-    if plan.handoff == "cuda_ipc":
+    if handoff == "cuda_ipc":
         return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
-    span = len({r.global_gpu for g in plan.groups for r in g.ranks})
     link = link_of(cluster)
     return nbytes / link.bw(span) + link.lat
+
+
+def module_time(f: ModuleFeatures, coef: dict[str, float], *, n_mb: int) -> dict[str, float]:
+    """One module's time terms from its features: fwd_s / bwd_s per micro-batch, the step's
+    collectives (comm_s), grad sync and optimizer per step, and the FLOPs of ``n_mb`` micro-batches.
+    The one assembly the estimate and the ``--auto`` search both rank with."""
+    return {
+        "fwd_s": seconds(f.fwd, coef),
+        "bwd_s": seconds(f.bwd, coef),
+        "comm_s": n_mb * (f.fwd["comm"] + f.bwd["comm"]) * coef["comm"] + f.step["comm"] * coef["comm"],
+        "grad_sync_s": f.step["comm"] * coef["comm"],
+        "optim_s": seconds({**f.step, "comm": 0.0}, coef),
+        "recompute_flops": n_mb * f.recompute_flops,
+        "flops_per_rank": n_mb * f.flops,
+    }
 
 
 def estimate_step(
@@ -215,15 +253,7 @@ def estimate_step(
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
         procs = busy_processes(sum(g.world_size for g in plan.groups))
         f = module_features(shape, tokens, cluster, world, procs)
-        per[name] = {
-            "fwd_s": seconds(f.fwd, coef),
-            "bwd_s": seconds(f.bwd, coef),
-            "comm_s": n_mb * (f.fwd["comm"] + f.bwd["comm"]) * coef["comm"] + f.step["comm"] * coef["comm"],
-            "grad_sync_s": f.step["comm"] * coef["comm"],
-            "optim_s": seconds({**f.step, "comm": 0.0}, coef),
-            "recompute_flops": n_mb * f.recompute_flops,
-            "flops_per_rank": n_mb * f.flops,
-        }
+        per[name] = module_time(f, coef, n_mb=n_mb)
         if name == "vision":
             hand = handoff_s(config, plan, shape, tokens * shape.parallel.sp, cluster)
     step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s)
@@ -233,7 +263,7 @@ def estimate_step(
         if config.data.kind == "synthetic":
             syn = config.data.synthetic
             images = [syn.patches] * (syn.images_per_sample * config.train.global_batch_size)
-            if "videos_per_sample" in syn and syn.videos_per_sample:  # video items: t x patches each
+            if syn.videos_per_sample:  # video items: t x patches each
                 video_item = syn.patches * (syn.video_frames // config.model.vision.temporal_patch_size)
                 images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:

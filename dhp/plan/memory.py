@@ -56,12 +56,11 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
+from dhp.layout import ZERO1_AXES
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.trainable import trainable_fraction
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
-# ZeRO-1 shards the optimizer over the ranks holding identical parameters (docs/INTERFACES.md).
-ZERO1_AXES = ("dp", "sp")
 FSDP_LAYERS_IN_FLIGHT = 2  # the block being computed and the prefetched next one
 # Loss chunk chosen when ``loss_chunk_tokens`` is 0: fp32 logits of one chunk <= this many bytes.
 LOSS_CHUNK_TARGET_BYTES = 256 << 20
@@ -276,10 +275,10 @@ def module_shape(
     arch = architecture(model).modules[name]
     par = module.parallel
     tokens = micro_batch * module.seq_len
-    chunk = int(module.loss_chunk_tokens) if "loss_chunk_tokens" in module else 0
+    chunk = int(module.loss_chunk_tokens)
     if arch.vocab and chunk == 0:
         chunk = default_loss_chunk(arch.vocab, par.tp, tokens)
-    dtype = model.dtype if "dtype" in model else "float32"
+    dtype = model.dtype
     return ModuleShape(
         name=name,
         params=arch.params,

@@ -15,15 +15,6 @@ from dhp.plan.types import Plan
 DEFAULT_TIMEOUT_S = 30.0
 
 
-def _needed(plan: Plan) -> dict[str, float]:
-    need: dict[str, float] = {}
-    for pg in plan.placement_groups:
-        for bundle in pg.bundles:
-            for key, value in bundle.items():
-                need[key] = need.get(key, 0.0) + value
-    return need
-
-
 def _missing(need: dict[str, float], have: dict[str, float]) -> dict[str, float]:
     return {k: round(v - have.get(k, 0.0), 6) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
 
@@ -43,7 +34,7 @@ def reserve_plan(plan: Plan, *, cluster: DictConfig, timeout_s: float = DEFAULT_
     started = connect_ray(cluster=cluster, resources={"CPU": float(_local_cpus(plan))})
     try:
         have = ray.cluster_resources()
-        need = _needed(plan)
+        need = plan.resources
         missing = _missing(need, have)
         if missing:
             raise PlanError(
@@ -59,7 +50,7 @@ def reserve_plan(plan: Plan, *, cluster: DictConfig, timeout_s: float = DEFAULT_
 
 def _local_cpus(plan: Plan) -> int:
     """A local Ray for CPU plans gets just enough CPU slots for the bundles (at least 1)."""
-    need = _needed(plan).get("CPU", 1.0)
+    need = plan.resources.get("CPU", 1.0)
     return max(1, int(-(-need // 1)))
 
 

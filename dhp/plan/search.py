@@ -4,11 +4,12 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
   N/2, N/4, ... GPUs, which win only where more ranks are predicted slower (``Search.placements``);
-- per module and world size: every (dp, fsdp, sp, tp) whose product is the world (sp only for the
-  encoder, sp and tp exclusive, tp inside a node and dividing the heads / KV heads / vocab), ZeRO-1
-  on or off where dp*sp > 1 and fsdp = 1;
+- per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP) that
+  :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and ``parallelize``
+  apply (the axes the family declares for the module, sp and tp exclusive, tp inside a node and
+  dividing what the family names, ZeRO-1 only without FSDP);
 - activation checkpointing off | selective | full per module;
-- the LLM's sequence parallelism inside TP (on or off, where tp > 1);
+- sequence parallelism inside TP (on or off, where tp > 1 and the module has it);
 - micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
   ``seq_len`` (patches per micro-batch and replica) scales with it from the patches per sample.
 
@@ -33,9 +34,21 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.handoff import resolve_handoff
+from dhp.config.plan_space import module_problems
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
-from dhp.plan.estimate import busy_processes, coefficients, module_features, seconds
+from dhp.models.arch import ModuleAxes
+from dhp.models.registry import get_arch
+from dhp.plan.compile import image_patches
+from dhp.plan.estimate import (
+    busy_processes,
+    coefficients,
+    handoff_seconds,
+    module_features,
+    module_time,
+    vision_patches_per_replica,
+)
 from dhp.plan.memory import module_shape, sp_rank_tokens
 from dhp.plan.params import architecture
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
@@ -80,8 +93,9 @@ class ModuleChoice:
     world: int
     degrees: Degrees
     ac: str
-    time: dict[str, float]  # fwd_s, bwd_s (per micro-batch), grad_sync_s, optim_s
+    time: dict[str, float]  # dhp.plan.estimate.module_time (+ handoff_s of the producer)
     terms: object  # phases.ModuleTerms
+    shape: object = None  # memory.ModuleShape
 
     @property
     def per_mb(self) -> float:
@@ -105,11 +119,7 @@ class Candidate:
         out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
         for m in (self.vision, self.llm):
             out.append(f"modules.{m.name}.gpus={m.world}")
-            degs = (
-                {"sequence_parallel": False, **m.degrees.as_dict()}
-                if m.name == "llm"
-                else m.degrees.as_dict()
-            )
+            degs = {**m.degrees.as_dict(), "sequence_parallel": m.degrees.sequence_parallel}
             out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
         out.append(f"modules.vision.seq_len={self.vision_seq_len}")
@@ -136,23 +146,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def module_degrees(name: str, world: int, model: DictConfig, gpn: int) -> list[Degrees]:
-    """Every valid (dp, fsdp, sp, tp, zero) of module ``name`` on ``world`` GPUs."""
+def module_degrees(
+    name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
+) -> list[Degrees]:
+    """Every (dp, fsdp, sp, tp, zero, sequence_parallel) of module ``name`` on ``world`` GPUs that the
+    plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's space."""
     out = []
-    heads = model.vision.num_heads if name == "vision" else model.llm.num_heads
     for tp in _divisors(world):
-        if tp > gpn or gpn % tp or heads % tp:
-            continue
-        if name == "llm" and (model.llm.num_kv_heads % tp or model.llm.vocab_size % tp):
-            continue
-        for sp in _divisors(world // tp) if name == "vision" else [1]:
-            if (sp > 1 and tp > 1) or heads % sp:
-                continue
+        for sp in _divisors(world // tp):
             for fsdp in _divisors(world // (tp * sp)):
                 dp = world // (tp * sp * fsdp)
-                zeros = (0, 1) if fsdp == 1 and dp * sp > 1 else (0,)
-                seqs = (False, True) if name == "llm" and tp > 1 else (False,)
-                out += [Degrees(dp, fsdp, sp, tp, z, q) for z in zeros for q in seqs]
+                for z in (0, 1):
+                    for q in (False, True):
+                        d = Degrees(dp, fsdp, sp, tp, z, q)
+                        if (z and dp * sp == 1) or (q and tp == 1):
+                            continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
+                        problems = module_problems(
+                            name,
+                            gpus=world,
+                            parallel=d,
+                            axes=axes,
+                            gpus_per_node=gpus_per_node,
+                            activation_checkpointing="off",
+                            mixed_precision=mixed_precision,
+                        )
+                        if not problems:
+                            out.append(d)
     return out
 
 
@@ -178,6 +197,7 @@ class Search:
         self.patches_per_sample = v0.seq_len / share0
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self._procs = 0
+        self._placement = "collocated"
         self.best_full: Candidate | None = None  # the fastest candidate seen on all N GPUs
 
     # ---- what the user fixed ------------------------------------------------------------------
@@ -241,7 +261,7 @@ class Search:
     def module(
         self, name: str, world: int, d: Degrees, ac: str, mb: int, n_mb: int, seq: int, tokens: float
     ) -> ModuleChoice | None:
-        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs)
+        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs, self._placement)
         if key in self._cache:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
@@ -256,21 +276,39 @@ class Search:
         terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
         procs = busy_processes(max(self._procs, world))
         f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
-        time = {
-            "fwd_s": seconds(f.fwd, self.coef),
-            "bwd_s": seconds(f.bwd, self.coef),
-            "grad_sync_s": f.step["comm"] * self.coef["comm"],
-            "optim_s": seconds({**f.step, "comm": 0.0}, self.coef),
-        }
-        choice = ModuleChoice(name, world, d, ac, time, terms)
+        time = module_time(f, self.coef, n_mb=n_mb)
+        if name == "vision":  # one hand-off (and one hand-back) per micro-batch, as the estimate
+            span = world if self._placement == "collocated" else self._procs
+            time["handoff_s"] = handoff_seconds(
+                shape, tokens * d.sp, self.cluster, handoff=self._handoff(), span=span
+            )
+        choice = ModuleChoice(name, world, d, ac, time, terms, shape)
         self._cache[key] = choice
         return choice
 
+    def _handoff(self) -> str:
+        """The hand-off the runtime resolves for this device and the placement being searched."""
+        resolved, _ = resolve_handoff(
+            device=self.cluster.device, placement=self._placement, handoff=self.cfg.handoff
+        )
+        return resolved
+
+    def _degrees(self, name: str, world: int) -> list[Degrees]:
+        return module_degrees(
+            name,
+            world,
+            axes=get_arch(self.cfg.model.family).module_axes(name, self.cfg.model),
+            gpus_per_node=self.gpn,
+            mixed_precision=self.cfg.modules[name].mixed_precision,
+        )
+
     def _image(self) -> int:
-        return int(self.cfg.data.synthetic.patches) if self.cfg.data.kind == "synthetic" else 0
+        return image_patches(self.cfg)  # the estimate's span of one image or video
 
     def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
-        total = min(float(seq), self.patches_per_sample * mb * l_reps / d.replicas)
+        total = vision_patches_per_replica(
+            self.cfg, seq_len=seq, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.replicas
+        )
         return sp_rank_tokens(architecture(self.cfg.model).modules["vision"], total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
@@ -278,14 +316,13 @@ class Search:
         """Candidates that fit, fastest first (at most ``keep``), before full validation."""
         best: list[Candidate] = []
         worst = math.inf
-        model = self.cfg.model
         for placement, vw, lw in self.placements():
-            self._procs = vw + lw
+            self._procs, self._placement = vw + lw, placement
             procs = 2 if placement == "collocated" else 1
             budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
             solo = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
-            l_opts = [d for d in module_degrees("llm", lw, model, self.gpn)]
-            v_opts = [d for d in module_degrees("vision", vw, model, self.gpn)]
+            l_opts = self._degrees("llm", lw)
+            v_opts = self._degrees("vision", vw)
             for ld in l_opts:
                 for v_reps in sorted({d.replicas for d in v_opts}):
                     if max(v_reps, ld.replicas) % min(v_reps, ld.replicas):
@@ -343,7 +380,7 @@ class Search:
         if peak > cap:
             return None
         per = {"vision": vc.time, "llm": lc.time}
-        hand = 0.0
+        hand = vc.time["handoff_s"]
         sch = schedule(placement, per, n_mb=n_mb, handoff=hand, dispatch=self.cluster.dispatch_overhead_s)
         return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
 

@@ -17,19 +17,15 @@ import functools
 
 from omegaconf import DictConfig, OmegaConf
 
-
-def _has(module: DictConfig, key: str) -> bool:
-    return key in module and module[key] is not None
+from dhp.config.validate_trainable import needs_trainable_check, trainable_sizes
+from dhp.errors import ConfigError
 
 
 def trainable_fraction(name: str, *, model: DictConfig, module: DictConfig) -> float:
     """Trainable elements / base parameter elements of module ``name`` (LoRA: adapters / base)."""
     if module.freeze:
         return 0.0
-    patterns = list(module.freeze_patterns) if _has(module, "freeze_patterns") else []
-    lora_on = _has(module, "lora") and module.lora.rank > 0
-    groups = _has(module, "param_groups") and len(module.param_groups) > 0
-    if not (patterns or lora_on or groups):
+    if not needs_trainable_check(module):
         return 1.0
     key = (name, OmegaConf.to_yaml(model), OmegaConf.to_yaml(module))
     return _count(key)
@@ -37,20 +33,11 @@ def trainable_fraction(name: str, *, model: DictConfig, module: DictConfig) -> f
 
 @functools.lru_cache(maxsize=64)
 def _count(key: tuple[str, str, str]) -> float:
-    import torch
-
-    from dhp.errors import ConfigError
-    from dhp.models import get_family
-    from dhp.parallel.lora import named_sizes_with_lora
-    from dhp.parallel.param_groups import check_trainable_config, is_lora_param, trainable_names
+    from dhp.parallel.param_groups import is_lora_param, trainable_names
 
     name, model_yaml, module_yaml = key
     model, module = OmegaConf.create(model_yaml), OmegaConf.create(module_yaml)
-    model.attn_implementation = "sdpa"  # FQNs do not depend on the kernel; flash-attn may be absent here
-    family = get_family(model.family)
-    built = family.build_module(name, family.hf_config(model), device="meta", dtype=torch.float32)
-    sizes = named_sizes_with_lora(built, module_name=name, lora=module.lora)
-    issues = check_trainable_config(name, list(sizes), module_cfg=module, lr=1.0)
+    sizes, issues = trainable_sizes(name, model=model, module=module, lr=1.0)
     if issues:
         raise ConfigError(issues)
     base = sum(v for n, v in sizes.items() if not is_lora_param(n))

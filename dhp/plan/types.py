@@ -8,6 +8,7 @@ encoder's outputs to the LLM ranks (``routing``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 
@@ -163,6 +164,15 @@ class DeviceUsage:
         return out
 
 
+def bundle_total(bundles: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Resources every bundle asks for, summed per key (rounded to 1e-6: fractional CPUs/GPUs)."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            need[key] = round(need.get(key, 0.0) + value, 6)
+    return need
+
+
 @dataclass(frozen=True)
 class Plan:
     """The compiled plan of a run: groups, Ray placement, routing and the memory verdict."""
@@ -179,6 +189,11 @@ class Plan:
     handoff: str = "object_store"  # resolved: object_store | cuda_ipc | p2p (dhp.config.handoff)
     estimate: dict | None = None  # step-time model (dhp.plan.timing), JSON-able
     loss_chunk_tokens: dict[str, int] = field(default_factory=dict)  # resolved per module (0 -> planner)
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """What all of the plan's placement groups reserve together (Ray resource -> amount)."""
+        return bundle_total(b for pg in self.placement_groups for b in pg.bundles)
 
     @property
     def fits(self) -> bool:

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.errors import DhpError, PlanError, RuntimeFailure
 from dhp.layout import RankLayout
+from dhp.plan.types import bundle_total
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
@@ -373,11 +374,7 @@ def reserve(pgs: Sequence[tuple[list[dict[str, float]], str]], *, timeout_s: flo
     if len(ready) == len(reserved):
         return reserved
     release(reserved)
-    need: dict[str, float] = {}
-    for bundles, _ in pgs:
-        for b in bundles:
-            for k, v in b.items():
-                need[k] = round(need.get(k, 0.0) + v, 6)
+    need = bundle_total(b for bundles, _ in pgs for b in bundles)
     raise PlanError(
         f"cannot place the plan: placement groups {[(len(b), b[0], st) for b, st in pgs]} (total {need}) "
         f"were not reserved within {timeout_s:.0f}s; the Ray cluster has {ray.available_resources()} "

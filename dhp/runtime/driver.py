@@ -363,11 +363,7 @@ class Trainer:
 
 def connect_ray(*, cluster: ClusterConfig, plan: Plan | None) -> bool:
     """:func:`dhp.ray_connect.connect_ray` with a local instance sized to the plan's bundles."""
-    need: dict[str, float] = {}
-    for pg in plan.placement_groups if plan is not None else ():
-        for b in pg.bundles:
-            for k, v in b.items():
-                need[k] = need.get(k, 0.0) + v
+    need = plan.resources if plan is not None else {}
 
     # a SIGKILLed driver's local Ray processes go within seconds, not minutes
     return _connect(cluster=cluster, resources=need, on_local_start=start_for_local_ray)

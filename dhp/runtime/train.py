@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from dhp.config.schema import RunConfig
+from dhp.config.schema import RunConfig, TrainConfig
 from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
 from dhp.runtime.checkpointing import AsyncCheckpoints, SaveFailed, is_io_failure, save_failed
@@ -518,7 +518,7 @@ class _Loop:
                 progress.update(step=step, record=rec)
                 if self.saver is not None:
                     self._checkpoint_async(step)
-                elif (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
+                elif _checkpoint_due(t, step):
                     self.result.last_checkpoint = _save(
                         self.trainer,
                         config=self.config,
@@ -536,7 +536,7 @@ class _Loop:
         is waited for: the run ends with its final checkpoint committed)."""
         t = self.config.train
         done = self.saver.poll()
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
+        if _checkpoint_due(t, step):
             meta = _meta(
                 config=self.config, plan=self.plan, step=step, loader=self.loader, schedule=self.schedule
             )
@@ -566,3 +566,9 @@ class _Loop:
             self.loader.load_state_dict(self._before[0])
             self.schedule.load_state_dict(self._before[1])
         return self.done_step
+
+
+def _checkpoint_due(train: TrainConfig, step: int) -> bool:
+    """A checkpoint is written after ``step``: every ``train.checkpoint_every`` steps (0: never on a
+    stride) and always after the last step. The one rule for the synchronous and async savers."""
+    return bool(train.checkpoint_every and step % train.checkpoint_every == 0) or step == train.steps

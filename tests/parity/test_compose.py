@@ -34,7 +34,7 @@ def _refusals(mesh) -> None:
     with pytest.raises(PlanError, match="has no parallel_plan"):  # not built by a model family
         parallelize("llm", torch.nn.Linear(2, 2), mesh, parallel=ParallelConfig(tp=2),
                     activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
-    with pytest.raises(PlanError, match="mixed_precision='fp16'"):
+    with pytest.raises(PlanError, match="mixed_precision = 'fp16'"):
         parallelize(
             "llm",
             build_llm(),

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from parallel_harness import assert_grads_match, assert_rel_close, spawn, vision_batch
+from parallel_harness import assert_grads_match, assert_rel_close, full_grads, spawn, vision_batch
 from torch.distributed.device_mesh import init_device_mesh
 
 from dhp.config.schema import ParallelConfig, TrainConfig
@@ -24,6 +24,7 @@ from dhp.parallel import build_optimizer, finalize_grads, parallelize
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter
 from dhp.parallel.dp import Zero1AdamW
+from dhp.parallel.optim import grad_norm_sq
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
 
 
@@ -250,3 +251,45 @@ def _bf16_case(rank: int, world: int) -> None:
 
 def test_vision_sp2_bf16_within_documented_tolerance() -> None:
     spawn(_bf16_case, 2)
+
+
+def _fsdp_sp_cases(rank: int, world: int) -> None:
+    """FSDP x SP = 2 x 2 through ``parallelize`` + ``finalize_grads``: each FSDP rank its own micro-batch,
+    cut over its SP group. FSDP reduce-scatters each shard's grads over fsdp (a SUM); the SP SUM then
+    adds the local shards over sp (same shard index on both SP ranks), so every rank ends with its
+    1/fsdp slice of the full gradient."""
+    module, arch = _tiny_vision()
+    ref = copy.deepcopy(module)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "sp"))
+    parallel = ParallelConfig(fsdp=2, sp=2)
+    module = parallelize(
+        "vision", module, mesh, parallel=parallel, activation_checkpointing="full", mixed_precision="fp32"
+    )
+    replicas = [
+        vision_batch(seed=21, grids=[(1, 16, 24)]),
+        vision_batch(seed=22, grids=[(1, 8, 12), (1, 8, 8)]),
+    ]
+    weights, ref_loss = [], torch.zeros(())
+    for batch in replicas:
+        out = ref(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"]
+        weights.append(torch.randn(out.shape, generator=torch.Generator().manual_seed(out.shape[0])))
+        ref_loss = ref_loss + (out * weights[-1]).sum()
+    ref_loss.backward()
+    f_rank, sp_rank = mesh.get_local_rank("fsdp"), mesh.get_local_rank("sp")
+    batch = replicas[f_rank]
+    shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], sp_size=2, arch=arch)[sp_rank]
+    loss = (vision_shard_forward(module, shard) * weights[f_rank][shard.token_index]).sum()
+    loss.backward()
+    finalize_grads(module, mesh, parallel=parallel)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    tag = f"fsdp x sp = 2 x 2, rank {rank} (fsdp {f_rank}, sp {sp_rank})"
+    assert_rel_close(total, ref_loss, rtol=RTOL, name=f"{tag}: loss")
+    assert_grads_match(full_grads(module), _grads(ref), rtol=RTOL, tag=tag)
+    norm = grad_norm_sq(module, mesh)
+    want = sum(g.double().pow(2).sum().item() for g in _grads(ref).values())
+    assert abs(norm - want) <= RTOL * want, f"{tag}: grad norm^2 {norm} != {want}"
+
+
+def test_vision_fsdp2_x_sp2_matches_single_process() -> None:
+    spawn(_fsdp_sp_cases, 4)

@@ -22,6 +22,7 @@ from dhp.models.arch import (
     LayerShape,
     Mlp,
     ModuleArch,
+    ModuleAxes,
     ParamCount,
     uniform_blocks,
 )
@@ -30,7 +31,6 @@ from dhp.models.arch import (
 CAPABILITIES = Capabilities(
     packing=True,
     video=True,
-    axes={"vision": ("dp", "fsdp", "sp", "tp", "zero"), "llm": ("dp", "fsdp", "tp", "zero")},
     tp_sharded={
         "vision": (
             "visual.blocks.*.attn.qkv",
@@ -304,6 +304,28 @@ class Qwen25VLArch:
 
     def largest_param(self, name: str, model: DictConfig) -> int:
         return largest_param(name, model)
+
+    def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
+        """Encoder: TP (heads, merger width) and Ulysses SP (heads). LLM: TP with SP inside it."""
+        if name == "vision":
+            v = model.vision
+            heads = {"model.vision.num_heads": v.num_heads}
+            wide = {"model.vision.hidden_size*spatial_merge_size^2": v.hidden_size * v.spatial_merge_size**2}
+            return ModuleAxes(
+                tp=True, sp=True, tp_sequence_parallel=False, tp_divides=heads | wide, sp_divides=heads
+            )
+        lm = model.llm
+        return ModuleAxes(
+            tp=True,
+            sp=False,
+            tp_sequence_parallel=True,
+            tp_divides={
+                "model.llm.num_heads": lm.num_heads,
+                "model.llm.num_kv_heads": lm.num_kv_heads,
+                "model.llm.vocab_size": lm.vocab_size,
+                "model.llm.intermediate_size": lm.intermediate_size,
+            },
+        )
 
     def layer_shape(self, name: str, model: DictConfig) -> LayerShape:
         return vision_layer(model.vision) if name == "vision" else llm_layer(model.llm)

@@ -38,6 +38,7 @@ from dhp.models.arch import (
     LayerShape,
     Mlp,
     ModuleArch,
+    ModuleAxes,
     ParamCount,
     uniform_blocks,
 )
@@ -48,7 +49,6 @@ from dhp.models.arch import (
 CAPABILITIES = Capabilities(
     packing=False,
     video=False,
-    axes={"vision": ("dp", "fsdp", "sp", "tp", "zero"), "llm": ("dp", "fsdp", "tp", "zero")},
     tp_sharded={
         "vision": (
             "visual.blocks.*.attn.qkv",
@@ -389,6 +389,28 @@ class Qwen3VLArch:
 
     def layer_shape(self, name: str, model: Any) -> LayerShape:
         return shape(name, numbers(model))
+
+    def module_axes(self, name: str, model: Any) -> ModuleAxes:
+        """Encoder: TP (heads, merger width) and Ulysses SP (heads, every block). LLM: TP without
+        sequence parallelism inside it (the DeepStack adds need the full sequence)."""
+        n = numbers(model)
+        if name == "vision":
+            heads = {"model.vision.num_heads": n.vision_heads}
+            wide = {"model.vision.hidden_size*spatial_merge_size^2": n.vision_hidden * n.merge**2}
+            return ModuleAxes(
+                tp=True, sp=True, tp_sequence_parallel=False, tp_divides=heads | wide, sp_divides=heads
+            )
+        return ModuleAxes(
+            tp=True,
+            sp=False,
+            tp_sequence_parallel=False,
+            tp_divides={
+                "model.llm.num_heads": n.heads,
+                "model.llm.num_kv_heads": n.kv_heads,
+                "model.llm.vocab_size": n.vocab,
+                "model.llm.intermediate_size": n.mlp,
+            },
+        )
 
 
 ARCH = Qwen3VLArch()

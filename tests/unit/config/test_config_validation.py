@@ -23,7 +23,7 @@ MALFORMED = [
             "train.global_batch_size=3",
         ],
         "modules.vision.parallel.sp",
-        "encoder heads",
+        "model.vision.num_heads",
     ),
     (
         "qwen_vl_32b",
@@ -93,7 +93,7 @@ MALFORMED = [
         "qwen_vl_32b",
         ["modules.llm.parallel.sp=2", "modules.llm.parallel.tp=4"],
         "modules.llm.parallel.sp",
-        "vision encoder only",
+        "does not support sp",
     ),
     ("qwen_vl_32b", ["modules.vision.parallel.zero=2"], "modules.vision.parallel.zero", "ZeRO-1"),
     ("qwen_vl_32b_zero3", ["modules.llm.parallel.zero=1"], "modules.llm.parallel.zero", "FSDP"),

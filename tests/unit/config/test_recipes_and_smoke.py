@@ -95,3 +95,14 @@ def test_smoke_drops_dp_first_when_too_wide() -> None:
     vision, llm = cfg.modules.vision.parallel, cfg.modules.llm.parallel
     assert (vision.dp, vision.sp, llm.fsdp, llm.tp) == (1, 2, 1, 2)
     assert cfg.modules.vision.gpus + cfg.modules.llm.gpus == 4
+
+
+def test_smoke_keeps_collocated_groups_on_one_gpu_set() -> None:
+    """vision sp8 beside llm fsdp4 x tp2 shrinks to sp2 (2 ranks) beside fsdp2 x tp2 (4): the encoder
+    gets dp2 so both collocated groups share the 4 ranks, and the shrunk plan validates."""
+    over = ["modules.vision.parallel.sp=8", "modules.vision.parallel.fsdp=1", "modules.vision.parallel.zero=1",
+            "modules.llm.parallel.fsdp=4", "modules.llm.parallel.tp=2", "placement=collocated"]  # fmt: skip
+    cfg = load_config("qwen_vl_32b", over, smoke=True)
+    v, lm = cfg.modules.vision, cfg.modules.llm
+    assert (v.gpus, v.parallel.dp, v.parallel.sp, v.parallel.zero) == (4, 2, 2, 1)
+    assert (lm.gpus, lm.parallel.fsdp, lm.parallel.tp) == (4, 2, 2)

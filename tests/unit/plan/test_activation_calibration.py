@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from dhp.config.schema import ModuleConfig
 from dhp.plan.memory import activations_of, module_shape
 
 pytestmark = pytest.mark.unit
@@ -99,14 +100,16 @@ def _shape(name: str, seq_len: int):
             "llm": ARCH["llm"],
         }
     )
-    module = OmegaConf.create(
+    module = OmegaConf.merge(
+        OmegaConf.structured(ModuleConfig),
         {
             "parallel": {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0},
             "seq_len": seq_len,
             "activation_checkpointing": False,
+            "loss_chunk_tokens": 0,
             "freeze": False,
             "mixed_precision": "fp32",
-        }
+        },
     )
     return model, module_shape(name, model=model, module=module, micro_batch=1)
 

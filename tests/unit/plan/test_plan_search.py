@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 
 from dhp.config import load_config
-from dhp.plan.search import Search, apply, module_degrees
+from dhp.plan.search import Search, apply
 
 pytestmark = pytest.mark.unit
 
 
 def test_search_space_has_selective_ac_and_llm_sequence_parallel() -> None:
     cfg = load_config("tiny_vlm", [])
-    llm = module_degrees("llm", 4, cfg.model, 4)
+    search = Search(cfg, set())
+    llm = search._degrees("llm", 4)
     assert {d.sequence_parallel for d in llm if d.tp > 1} == {False, True}
     assert not any(d.sequence_parallel for d in llm if d.tp == 1)  # SP-in-TP needs a TP group
-    assert not any(d.sequence_parallel for d in module_degrees("vision", 4, cfg.model, 4))
-    search = Search(cfg, set())
+    assert not any(d.sequence_parallel for d in search._degrees("vision", 4))
     assert search._acs("llm") == search._acs("vision") == ["off", "selective", "full"]
     with_sp = next(d for d in llm if d.tp == 2 and d.sequence_parallel)
     without = next(d for d in llm if d.tp == 2 and not d.sequence_parallel and d.zero == with_sp.zero)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from dhp.config.schema import ModuleConfig
 from dhp.plan.memory import default_loss_chunk, module_shape
 from dhp.plan.phases import PHASES, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.timing import (
@@ -53,7 +54,8 @@ MODEL = OmegaConf.create(
 
 def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int = 0, **par):
     degrees = {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0, "sequence_parallel": False} | par
-    module = OmegaConf.create(
+    module = OmegaConf.merge(
+        OmegaConf.structured(ModuleConfig),
         {
             "parallel": degrees,
             "seq_len": seq,
@@ -61,7 +63,7 @@ def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int 
             "loss_chunk_tokens": chunk,
             "freeze": False,
             "mixed_precision": "fp32",
-        }
+        },
     )
     return module_shape(name, model=MODEL, module=module, micro_batch=mb, image_patches=seq)
 

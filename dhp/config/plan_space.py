@@ -1,0 +1,250 @@
+"""The space of valid plans: one rule, asked by validation, the ``--auto`` search and ``parallelize``.
+
+:func:`module_problems` answers "is this plan valid for this module, and if not why" for one
+module's GPU count, degrees (dp, fsdp, sp, tp, ZeRO-1, sequence parallelism inside TP), the axes the
+module supports (:class:`~dhp.models.arch.ModuleAxes`, declared by its family), a TP group inside one
+node, the activation-checkpointing mode and the mixed-precision policy. :func:`placement_problems`
+answers it for the modules together: placement, the cluster's GPUs, N:M routing of replicas and the
+hand-off. Each problem is a :class:`~dhp.errors.ConfigIssue` (key path, value, rule, fix).
+
+- ``dhp.config.validate`` turns the problems into the ConfigError of a run config;
+- ``dhp.plan.search`` generates only degrees with no problem, so ``--auto`` never offers a plan the
+  runtime refuses;
+- ``dhp.parallel.parallelize`` raises PlanError on any problem before touching the module.
+
+Pure: no torch; degrees are read by attribute or key (a DictConfig, ``ParallelConfig`` or the
+search's ``Degrees`` alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dhp.config.ac import parse_ac_mode
+from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PARALLEL_AXES, PLACEMENTS
+from dhp.config.handoff import resolve_handoff
+from dhp.errors import ConfigIssue
+from dhp.layout import RankLayout
+
+
+@dataclass(frozen=True)
+class ModuleAxes:
+    """Which parallel axes one module of a family supports, and the sizes each degree must divide.
+
+    ``tp``/``sp``: tensor parallelism / Ulysses SP exist for the module; ``tp_divides``/``sp_divides``
+    name every size the degree must divide (each rank holds 1/degree of it); ``tp_sequence_parallel``:
+    Megatron sequence parallelism inside the TP group exists. ``fsdp`` and ``dp`` apply to any module.
+    The plan-validity rule (``dhp.config.plan_space``) reads this; the runtime's
+    ``ModuleParallelPlan`` describes the same facts (a test keeps them equal).
+    """
+
+    tp: bool
+    sp: bool
+    tp_sequence_parallel: bool
+    tp_divides: Mapping[str, int] = field(default_factory=dict)
+    sp_divides: Mapping[str, int] = field(default_factory=dict)
+
+
+def _get(par: Any, key: str) -> Any:
+    return par[key] if isinstance(par, Mapping) else getattr(par, key)
+
+
+@dataclass(frozen=True)
+class _Out:
+    items: list[ConfigIssue]
+
+    def check(self, ok: bool, path: str, value: Any, rule: str, fix: str) -> bool:
+        if not ok:
+            self.items.append(ConfigIssue(path=path, value=value, rule=rule, fix=fix))
+        return ok
+
+    def one_of(self, value: Any, path: str, allowed: tuple[str, ...]) -> bool:
+        return self.check(
+            value in allowed,
+            path,
+            value,
+            f"unknown value; allowed: {', '.join(allowed)}",
+            f"use one of {allowed}",
+        )
+
+
+def _degree_problems(prefix: str, gpus: int, par: Any, out: _Out) -> bool:
+    degs = {a: int(_get(par, a)) for a in PARALLEL_AXES}
+    ok = True
+    for axis, d in degs.items():
+        ok &= out.check(d >= 1, f"{prefix}.parallel.{axis}", d, "must be >= 1", "use 1 to disable")
+    ok &= out.check(gpus > 0, f"{prefix}.gpus", gpus, "must be > 0", "set the GPU count of this group")
+    zero = int(_get(par, "zero"))
+    out.check(
+        zero in (0, 1),
+        f"{prefix}.parallel.zero",
+        zero,
+        "must be 0 (plain DP) or 1 (ZeRO-1)",
+        "use fsdp=N for ZeRO-3-style sharding",
+    )
+    out.check(
+        not (zero == 1 and degs["fsdp"] > 1),
+        f"{prefix}.parallel.zero",
+        zero,
+        "ZeRO-1 and FSDP both shard the optimizer state",
+        "set zero=0 when fsdp > 1",
+    )
+    out.check(
+        not (degs["sp"] > 1 and degs["tp"] > 1),
+        f"{prefix}.parallel",
+        {"sp": degs["sp"], "tp": degs["tp"]},
+        "sp and tp are mutually exclusive inside one module",
+        "set one of them to 1 (sp for long encoder sequences, tp for wide layers)",
+    )
+    if ok:
+        product = RankLayout(**degs).world_size
+        out.check(
+            product == gpus,
+            f"{prefix}.gpus",
+            gpus,
+            "must equal dp*fsdp*sp*tp = " + "*".join(str(d) for d in degs.values()) + f" = {product}",
+            f"set {prefix}.gpus={product} or change the degrees",
+        )
+    return ok  # False: a degree or the GPU count < 1 (nothing below may divide by it)
+
+
+def layout_ok(gpus: int, parallel: Any) -> bool:
+    """The degrees are >= 1 and multiply to ``gpus`` (what every rank-layout computation needs)."""
+    degs = {a: int(_get(parallel, a)) for a in PARALLEL_AXES}
+    return gpus > 0 and min(degs.values()) >= 1 and RankLayout(**degs).world_size == gpus
+
+
+def _divides(out: _Out, path: str, degree: int, sizes: Mapping[str, int]) -> None:
+    axis = path.rsplit(".", 1)[1]
+    for key, size in sizes.items():
+        out.check(
+            degree <= 1 or size % degree == 0,
+            path,
+            degree,
+            f"{key}={size} is not divisible by {axis}={degree} (each rank holds 1/{axis} of it)",
+            f"choose {axis} among the divisors of {size}",
+        )
+
+
+def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: _Out) -> None:
+    sp, tp = int(_get(par, "sp")), int(_get(par, "tp"))
+    seq = bool(_get(par, "sequence_parallel"))
+    if out.check(
+        sp == 1 or axes.sp,
+        f"{prefix}.parallel.sp",
+        sp,
+        "this module does not support sp (Ulysses sequence parallelism)",
+        "use tp (and dp/fsdp) for this module",
+    ):
+        _divides(out, f"{prefix}.parallel.sp", sp, axes.sp_divides)
+    if out.check(
+        tp == 1 or axes.tp,
+        f"{prefix}.parallel.tp",
+        tp,
+        "this module does not support tp",
+        "use sp (and dp/fsdp) for this module",
+    ):
+        _divides(out, f"{prefix}.parallel.tp", tp, axes.tp_divides)
+    out.check(
+        not seq or axes.tp_sequence_parallel,
+        f"{prefix}.parallel.sequence_parallel",
+        seq,
+        "this module has no sequence parallelism inside TP",
+        "set it to false",
+    )
+
+
+def module_problems(
+    name: str,
+    *,
+    gpus: int,
+    parallel: Any,
+    axes: ModuleAxes | None,
+    gpus_per_node: int | None,
+    activation_checkpointing: Any,
+    mixed_precision: str,
+) -> list[ConfigIssue]:
+    """Every reason module ``name``'s plan is invalid (empty: valid).
+
+    ``parallel``: the degrees (dp, fsdp, sp, tp, zero, sequence_parallel by key or attribute);
+    ``axes``: what the module supports (None: not known here, e.g. the family failed validation);
+    ``gpus_per_node``: a TP group must fit inside and tile one node (None: no cluster to check).
+    """
+    prefix = f"modules.{name}"
+    out = _Out([])
+    out.one_of(mixed_precision, f"{prefix}.mixed_precision", MIXED_PRECISIONS)
+    try:
+        parse_ac_mode(activation_checkpointing)
+    except ValueError as e:
+        out.check(False, f"{prefix}.activation_checkpointing", activation_checkpointing, str(e),
+                  f"set {prefix}.activation_checkpointing=full (or off, selective, every_n:2)")  # fmt: skip
+    if not _degree_problems(prefix, gpus, parallel, out):
+        return out.items  # a degree < 1: divisibility would divide by zero
+    tp = int(_get(parallel, "tp"))
+    if gpus_per_node is not None and tp > 1:
+        out.check(
+            tp <= gpus_per_node and gpus_per_node % tp == 0,
+            f"{prefix}.parallel.tp",
+            tp,
+            f"a TP group must stay inside one node and tile it (cluster.gpus_per_node={gpus_per_node})",
+            f"use a divisor of {gpus_per_node} and scale with dp/fsdp across nodes",
+        )
+    if axes is not None:
+        _axes_problems(prefix, parallel, axes, out)
+    return out.items
+
+
+def placement_problems(
+    gpus: Mapping[str, int],
+    replicas: Mapping[str, int],
+    *,
+    placement: str,
+    handoff: str,
+    device: str,
+    total_gpus: int,
+) -> list[ConfigIssue]:
+    """Every reason the modules cannot run together (empty: they can): the placement and its GPU
+    sets, the cluster's GPU count, N:M routing (one module's replicas divide the other's) and the
+    hand-off for this device and placement. ``gpus``/``replicas``: per module, of modules whose own
+    plan is valid."""
+    out = _Out([])
+    if out.one_of(placement, "placement", PLACEMENTS):
+        if placement == "collocated":
+            out.check(
+                len(set(gpus.values())) <= 1,
+                "placement",
+                placement,
+                f"collocated groups must share one GPU set, but the GPU counts differ: {dict(gpus)}",
+                "give every module the same gpus, or use placement=disaggregated",
+            )
+            need = max(gpus.values(), default=0)
+        else:
+            need = sum(gpus.values())
+        out.check(
+            need <= total_gpus,
+            "cluster",
+            total_gpus,
+            f"the {placement} groups need {need} GPUs but the cluster has {total_gpus}",
+            "use a larger cluster profile or fewer GPUs per module",
+        )
+        if out.one_of(handoff, "handoff", HANDOFFS):
+            _, problem = resolve_handoff(device=device, placement=placement, handoff=handoff)
+            out.check(
+                problem is None,
+                "handoff",
+                handoff,
+                f"{problem} (cluster.device={device}, placement={placement})",
+                "use handoff=auto",
+            )
+    reps = [r for r in replicas.values() if r > 0]
+    if len(reps) == 2:
+        out.check(
+            max(reps) % min(reps) == 0,
+            f"modules.{next(iter(replicas))}.parallel",
+            dict(replicas),
+            "data-parallel replicas (dp*fsdp) of one module must divide the other's for N:M routing",
+            "make one replica count a multiple of the other",
+        )
+    return out.items

@@ -1,0 +1,238 @@
+"""The plan space is the runtime space: every per-module combination ``dhp plan --auto`` can emit on
+the 4-rank CPU cluster trains one exact step, per family; every other combination is refused by
+validation.
+
+The space: for each family's tiny recipe, each module and each world size a plan may give it (1..4
+ranks: collocated or any disaggregated split), every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP) the
+search generates (:meth:`dhp.plan.search.Search._degrees`), each under one of the AC modes it
+searches (off, selective, full), assigned so that every mode meets every axis, ZeRO-1 and SP inside
+TP (AC wraps each block whatever the degrees; the full product would triple the cost).
+
+One step, per combination, on gloo ranks (one set of processes per family and world size runs all
+that world's combinations in turn): the family's module through ``parallelize`` (the runtime's
+entry point) on its mesh, each data-parallel replica (dp x fsdp) its own micro-batch, the encoder's
+input cut by the family over SP, the LLM's hand-off rows cut to its sequence shard under SP inside
+TP; forward, backward of the runtime's loss, ``finalize_grads``, and then EVERY parameter's full
+gradient is compared with the single-process module's on all replicas' micro-batches, before a
+clipped optimizer step (ZeRO-1 where the plan has it) that must leave finite parameters.
+
+Tolerance: fp32 on CPU, the parallel strategies only reorder sums: every gradient within 1e-4
+relative (norm sense); the stricter per-strategy parity tests hold 1e-5.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from parallel_harness import assert_grads_match, full_grads, spawn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dhp.config import load_config
+from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.validate import validate
+from dhp.layout import RankLayout
+from dhp.models import get_family
+from dhp.models.testing import tiny_vl_batch
+from dhp.parallel import build_optimizer, clip_grads_, finalize_grads, parallelize
+from dhp.parallel.llm_tp import sequence_shard_rows
+from dhp.plan.search import Degrees, Search, apply
+
+pytestmark = pytest.mark.parity
+
+RTOL = 1e-4
+RECIPES = {"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl"}
+IMAGES = ([[(4, 8)], [(4, 4), (2, 4)]], [[(4, 4)], [(2, 4)]], [[(2, 8)], [(4, 4)]], [[(4, 4)], []])
+TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
+
+
+def _features(d: Degrees) -> set[str]:
+    axes = {a for a in ("dp", "fsdp", "sp", "tp") if getattr(d, a) > 1}
+    return axes | ({"zero"} if d.zero else set()) | ({"sequence_parallel"} if d.sequence_parallel else set())
+
+
+def _space(recipe: str) -> dict[int, list[tuple[str, Degrees, str]]]:
+    """{world: [(module, degrees, ac)]}: every degree combination the search can emit on this recipe's
+    cluster, each with one of the AC modes it searches, chosen so that every AC mode meets every
+    feature (each axis > 1, ZeRO-1, SP inside TP) of the module at least once."""
+    search = Search(load_config(recipe, []), set())
+    worlds = sorted({w for _, v, lw in search.placements() for w in (v, lw)})
+    out: dict[int, list[tuple[str, Degrees, str]]] = {w: [] for w in worlds}
+    for name in search.cfg.modules:
+        acs, seen, i = search._acs(name), set(), 0
+        for w in worlds:
+            for d in search._degrees(name, w):
+                new = {ac: len({(f, ac) for f in _features(d)} - seen) for ac in acs}
+                ac = max(acs, key=lambda a: (new[a], a == acs[i % len(acs)]))
+                seen |= {(f, ac) for f in _features(d)}
+                out[w].append((name, d, ac))
+                i += 1
+        features = {f for w in worlds for d in search._degrees(name, w) for f in _features(d)}
+        assert seen == {(f, ac) for f in features for ac in acs}, (name, sorted(seen))
+    return out
+
+
+def _replica_batch(hf, replica: int) -> dict:
+    return tiny_vl_batch(hf, images=IMAGES[replica], text_lens=TEXT[replica], seed=replica)
+
+
+def _vision_loss(out: dict, token_index: torch.Tensor, replica: int) -> torch.Tensor:
+    """A fixed random linear functional of every edge's rows (so every row's gradient matters)."""
+    total = torch.zeros(())
+    for k in sorted(out):
+        g = torch.Generator().manual_seed(1000 * replica + len(k))
+        w = torch.randn(
+            int(token_index.max()) + 1 if token_index.numel() else 0, out[k].shape[1], generator=g
+        )
+        total = total + (out[k] * w[token_index]).sum()
+    return total
+
+
+def _edges(family, hf, batch: dict, replica: int) -> dict[str, torch.Tensor]:
+    """The LLM's hand-off leaves (random rows of every edge's width), as the runtime assembles them."""
+    if batch["image_grid_thw"] is None:
+        return {}
+    n = sum(family.tokens_per_image(hf, batch["image_grid_thw"]))
+    out = {}
+    for e in family.handoffs_for(hf):
+        g = torch.Generator().manual_seed(2000 * replica + len(e.kwarg))
+        out[e.kwarg] = torch.randn(n, e.width, generator=g)
+    return out
+
+
+def _llm_loss(module, family, hf, batch, replica, total_tokens, own_rows=None) -> torch.Tensor:
+    edges = _edges(family, hf, batch, replica)
+    if own_rows is not None:  # SP inside TP: only this rank's sequence shard's rows arrive
+        edges = {k: v * own_rows.unsqueeze(1) for k, v in edges.items()}
+    out = module(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+        mm_token_type_ids=batch["mm_token_type_ids"],
+        image_grid_thw=batch["image_grid_thw"],
+        sample_ids=batch["sample_ids"],
+        **edges,
+    )
+    return out.loss_sum / total_tokens
+
+
+def _label_tokens(hf, replicas: int) -> int:
+    return sum(int((_replica_batch(hf, r)["labels"][:, 1:] != -100).sum()) for r in range(replicas))
+
+
+def _reference_grads(family, hf, name: str, replicas: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ref = family.build_module(name, hf, device="cpu", dtype=torch.float32)
+    ref.train()
+    total = _label_tokens(hf, replicas)
+    for r in range(replicas):
+        batch = _replica_batch(hf, r)
+        if name == "vision":
+            (shard,) = family.shard_inputs(name, hf, pixel_values=batch["pixel_values"],
+                                          image_grid_thw=batch["image_grid_thw"], sp_size=1)  # fmt: skip
+            _vision_loss(ref(**shard.forward_kwargs()), shard.token_index, r).backward()
+        else:
+            _llm_loss(ref, family, hf, batch, r, total).backward()
+    return {k: p.grad.detach().clone() for k, p in ref.named_parameters()}
+
+
+def _one_step(family, hf, name: str, d: Degrees, ac: str, refs: dict) -> None:
+    par = ParallelConfig(
+        dp=d.dp, fsdp=d.fsdp, sp=d.sp, tp=d.tp, zero=d.zero, sequence_parallel=d.sequence_parallel
+    )
+    layout = RankLayout.from_parallel(par)
+    shape = layout.mesh()
+    mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+    torch.manual_seed(0)
+    module = family.build_module(name, hf, device="cpu", dtype=torch.float32)
+    module.train()
+    module = parallelize(
+        name, module, mesh, parallel=par, activation_checkpointing=ac, mixed_precision="fp32"
+    )
+    coord = layout.coords(torch.distributed.get_rank())
+    replica = coord["dp"] * d.fsdp + coord["fsdp"]
+    batch = _replica_batch(hf, replica)
+    if name == "vision":
+        shards = family.shard_inputs(name, hf, pixel_values=batch["pixel_values"],
+                                     image_grid_thw=batch["image_grid_thw"], sp_size=d.sp)  # fmt: skip
+        shard = shards[coord["sp"]]
+        loss = _vision_loss(module(**shard.forward_kwargs()), shard.token_index, replica)
+    else:
+        own = None
+        if d.sequence_parallel:
+            ids = (hf.image_token_id, hf.video_token_id)
+            own = sequence_shard_rows(batch["input_ids"], ids, tp=d.tp, rank=coord["tp"]).float()
+        loss = _llm_loss(module, family, hf, batch, replica, _label_tokens(hf, layout.num_replicas), own)
+    loss.backward()
+    finalize_grads(module, mesh, parallel=par)
+    key = (name, layout.num_replicas)
+    if key not in refs:
+        refs[key] = _reference_grads(family, hf, name, layout.num_replicas)
+    tag = f"{family.name} {name} {d.as_dict()} ac={ac}"
+    assert_grads_match(full_grads(module), refs[key], rtol=RTOL, tag=tag)
+    clip_grads_(module, 0.5)
+    optimizer = build_optimizer(module, mesh, parallel=par, train=TrainConfig(lr=1e-3))
+    optimizer.step()
+    for k, p in module.named_parameters():
+        assert torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p.detach()).all(), (
+            f"{tag}: {k}"
+        )
+
+
+def _run_world(rank: int, world: int, family_name: str, combos: list) -> None:
+    family = get_family(family_name)
+    hf = family.hf_config(family.tiny_model_config())
+    refs: dict = {}
+    for name, d, ac in combos:
+        _one_step(family, hf, name, d, ac, refs)
+
+
+@pytest.mark.parametrize("family", sorted(RECIPES))
+def test_every_emitted_module_plan_trains_one_exact_step(family: str) -> None:
+    space = _space(RECIPES[family])
+    assert sum(len(c) for c in space.values()) >= 35, space  # the space is not trivially small
+    for world, combos in sorted(space.items()):
+        spawn(_run_world, world, family, combos)
+
+
+@pytest.mark.parametrize("family", sorted(RECIPES))
+def test_every_other_module_plan_is_refused_by_validation(family: str) -> None:
+    """The complement: each (dp, fsdp, sp, tp, zero, sequence_parallel) on 1..4 ranks that the
+    search does not generate is refused by the run config's validation (with the other module on a
+    plain plan of the same size, collocated): an issue at the module's own degrees. (Batch sizes and
+    lengths are the other rules' business: only the module's own keys are asserted on.)"""
+    cfg = load_config(RECIPES[family], [])
+    space = {(name, w, d) for w, combos in _space(RECIPES[family]).items() for name, d, _ in combos}
+    refused = 0
+    for w in (1, 2, 3, 4):
+        for tp, sp, fsdp in itertools.product((1, 2, 4, 3), repeat=3):
+            if w % (tp * sp * fsdp):
+                continue
+            dp = w // (tp * sp * fsdp)
+            for zero, seq in itertools.product((0, 1), (False, True)):
+                d = Degrees(dp, fsdp, sp, tp, zero, seq)
+                for name in cfg.modules:
+                    other = next(n for n in cfg.modules if n != name)
+                    ov = [f"modules.{name}.gpus={w}", f"modules.{other}.gpus={w}", f"train.global_batch_size={4 * w}",
+                          "train.micro_batch_size=1", "placement=collocated"]  # fmt: skip
+                    ov += [f"modules.{name}.parallel.{k}={str(v).lower()}" for k, v in d.as_dict().items()]
+                    ov += [f"modules.{name}.parallel.sequence_parallel={str(seq).lower()}"]
+                    ov += [f"modules.{other}.parallel.{k}={v}" for k, v in
+                           {"dp": w, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0}.items()]  # fmt: skip
+                    ov += [f"modules.{other}.parallel.sequence_parallel=false"]
+                    issues = validate(apply(cfg, ov))
+                    mine = [
+                        i
+                        for i in issues
+                        if i.path.startswith((f"modules.{name}.parallel", f"modules.{name}.gpus"))
+                    ]
+                    noop = (zero and dp * sp == 1) or (seq and tp == 1)  # the search skips these no-ops
+                    if (name, w, d) in space:
+                        assert not mine, (d, mine)
+                    elif not noop:
+                        assert mine, (
+                            f"{family} {name} on {w}: {d} is outside the search's space but validates"
+                        )
+                        refused += 1
+    assert refused >= 20
