@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dhp.checkpoint.export_processor import make_processor_loadable
 from dhp.checkpoint.layout import resolve_resume
 from dhp.checkpoint.lora_export import (
     ADAPTER_DIR,
@@ -197,7 +196,7 @@ def export_hf(
         for f in _SIDE_FILES:
             if (Path(model.path) / f).is_file():
                 shutil.copy2(Path(model.path) / f, out_dir / f)
-        make_processor_loadable(out_dir)  # AutoProcessor without torchvision (export_processor)
+        family.finish_export(out_dir)  # e.g. a processor class AutoProcessor loads without torchvision
     return out_dir
 
 

@@ -32,6 +32,7 @@ places them at its audio-token positions. The runtime walks ``module_names`` and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -140,6 +141,12 @@ class ModelFamily(Protocol):
 
     def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
         """The image processor of ``model_path`` (``merge_size``, ``get_number_of_image_patches``, call)."""
+        ...
+
+    def finish_export(self, out_dir: Path) -> None:
+        """Make an HF export directory (weights, config and the model's side files already written)
+        load with transformers' Auto classes in dhp's own environment, e.g. a processor class that
+        needs no torchvision. A no-op where nothing is needed."""
         ...
 
     def hf_config(self, model_cfg: ModelConfig) -> PretrainedConfig:

@@ -36,6 +36,7 @@ from dhp.models.common import (
 from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
 from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
+from dhp.models.qwen2_5_vl.export_processor import make_processor_loadable
 from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
 from dhp.models.qwen2_5_vl.parallel import parallel_plan
 from dhp.models.qwen2_5_vl.sp_shard import VisionShard, shard_vision_batch
@@ -118,6 +119,11 @@ class Qwen25VLFamily:
     def token_strings(self) -> dict[str, str]:
         """The tokenizer's text of the special tokens the graph relies on."""
         return dict(TOKEN_STRINGS)
+
+    def finish_export(self, out_dir: Path) -> None:
+        """Where torchvision does not import, name a processor class without the video part
+        (:mod:`dhp.models.qwen2_5_vl.export_processor`), so ``AutoProcessor`` loads the export."""
+        make_processor_loadable(out_dir)
 
     def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
         """transformers' Qwen2-VL PIL image processor from ``preprocessor_config.json`` (no torchvision)."""

@@ -140,6 +140,9 @@ class Qwen3VLFamily:
         """The tokenizer's text of the special tokens the graph relies on (Qwen3-VL keeps Qwen's)."""
         return dict(TOKEN_STRINGS)
 
+    def finish_export(self, out_dir: Path) -> None:
+        """Nothing to add: the export keeps the checkpoint's own processor files."""
+
     def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
         """transformers' Qwen2-VL PIL image processor (Qwen3-VL ships the same class with patch 16)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

@@ -124,11 +124,11 @@ def test_export_with_model_path_copies_tokenizer_and_processor(tmp_path: Path) -
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.decode(tok("a cat")["input_ids"]).strip() == "a cat"
     # AutoProcessor loads the export here, where torchvision does not import beside the CPU torch
-    # (dhp.checkpoint.export_processor), and one real photo runs through it and the model class
+    # (dhp.models.qwen2_5_vl.export_processor), and one real photo runs through it and the model class
     from PIL import Image
     from transformers import AutoProcessor
 
-    from dhp.models import load_processor
+    from dhp.models.qwen2_5_vl import load_processor
 
     photo = sorted((Path(__file__).parents[3] / "dhp" / "data_assets" / "demo" / "images").glob("*.*"))[0]
     image = Image.open(photo).convert("RGB")

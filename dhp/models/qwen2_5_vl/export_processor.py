@@ -4,7 +4,7 @@ transformers' ``Qwen2_5_VLProcessor`` owns a video processor that requires torch
 CPU torch wheel dhp pins, torchvision does not import, so ``AutoProcessor.from_pretrained(export)``
 fails there. When that is the case at export time, the export's processor configs name
 ``Qwen2_5_VLImageTextProcessor`` (the same tokenizer, image processor, chat template and
-``<|image_pad|>`` expansion, without the video part, as ``dhp.models.load_processor`` uses) and
+``<|image_pad|>`` expansion, without the video part, as ``dhp.models.qwen2_5_vl.load_processor`` uses) and
 carry its code as ``processing_dhp_image_text.py`` with an ``auto_map``, so
 ``AutoProcessor.from_pretrained(export, trust_remote_code=True)`` loads it with transformers alone.
 Where torchvision imports, the stock class is kept (it adds video).
