@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config.schema import DatasetEntry
+from dhp.config.schema import DataConfig, DatasetEntry
 from dhp.errors import ConfigError, ConfigIssue
 
 USER_OPTION = "user_file"  # the group option name the file is composed under
@@ -70,7 +70,6 @@ def bare_data_config(overrides: list[str]):
     """A ``DataConfig`` from ``data.*`` overrides alone (``dhp data check`` without a recipe):
     ``data.path=FILE`` or ``data.datasets=[...]`` plus any other ``data.`` key. ConfigError for any
     other key (those need a recipe)."""
-    from dhp.config.schema import DataConfig
 
     dots, issues = [], []
     for arg in overrides:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -99,7 +100,6 @@ _SPECIAL = re.compile(r"[\[\]{}()*?,:= ]")
 
 def _parse_issue(err: OverrideParseException, overrides: list[str]) -> ConfigIssue:
     """The override Hydra's grammar refused; a value holding brackets or globs gets the quoting fix."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
     bad, reason = "", str(err).splitlines()[0]

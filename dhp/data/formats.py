@@ -13,7 +13,9 @@ from typing import Protocol
 
 from dhp.config.constants import DATASET_FORMATS
 from dhp.config.schema import DatasetEntry
+from dhp.data.dataset_info import resolve_info
 from dhp.data.llava import LlavaDataset, Record, resolve_path
+from dhp.data.wds import WebDataset
 from dhp.errors import ConfigError, ConfigIssue
 
 FORMATS = DATASET_FORMATS
@@ -56,7 +58,6 @@ def open_dataset(
 ) -> Dataset:
     """The reader of ``entry`` (DataError when its files are missing or unreadable). An entry with
     ``info`` is first read from that ``dataset_info.json`` (:mod:`dhp.data.dataset_info`)."""
-    from dhp.data.dataset_info import resolve_info
 
     entry = resolve_info(entry)
     if entry.format not in FORMATS:
@@ -71,12 +72,10 @@ def open_dataset(
             ]
         )
     fmt = entry.format if entry.format in ("parquet", "webdataset") else detect_format(entry)
-    if fmt == "parquet":
+    if fmt == "parquet":  # pyarrow loads only for parquet/arrow datasets
         from dhp.data.tabular import TabularDataset
 
         return TabularDataset(entry, allow_outside_root=allow_outside_root, restrict_to=restrict_to)
     if fmt == "webdataset":
-        from dhp.data.wds import WebDataset
-
         return WebDataset(entry, allow_outside_root=allow_outside_root)
     return LlavaDataset(entry, allow_outside_root=allow_outside_root, restrict_to=restrict_to)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import glob
 
 from dhp.config.schema import DataConfig
-from dhp.errors import DataError
+from dhp.data.dataset_info import resolve_info
+from dhp.data.llava import resolve_path
+from dhp.data.wds import expand_shards
+from dhp.errors import ConfigError, DataError
 
 
 def _exists(path: str) -> bool:
-    from dhp.data.llava import resolve_path
-    from dhp.data.wds import expand_shards
 
     if "{" in path:
         shards = expand_shards(path)
@@ -26,13 +27,10 @@ def _exists(path: str) -> bool:
 
 def missing_data_paths(data: DataConfig) -> list[str]:
     """One line per dataset file or image root that does not exist (empty: all there)."""
-    from dhp.data.llava import resolve_path
 
     if data.kind != "llava":
         return []
     problems = []
-    from dhp.data.dataset_info import resolve_info
-    from dhp.errors import ConfigError
 
     for i, raw in enumerate(data.datasets):
         try:

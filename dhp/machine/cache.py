@@ -129,7 +129,7 @@ def record_run(run_dir: Path, config: DictConfig) -> str | None:
     Returns the new provenance line, or None when the run does not count (another cluster, the
     probe off, no step measured). A fit that fails leaves the previous cache as it was.
     """
-    from dhp.plan.calibrate import calibrate
+    from dhp.plan.calibrate import calibrate  # the fitter loads only when a run refines the cache
 
     cluster = config.cluster
     if not str(cluster.provenance).startswith("profile: this machine"):

@@ -57,7 +57,7 @@ def _rate(fn, *, budget_s: float) -> float:
 
 
 def _allreduce(latency_iters: int = 20, bw_iters: int = 3) -> tuple[float, float]:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch loads only when the probe runs (dhp plan's other paths stay torch-free)
 
     store, out, errors = dist.HashStore(), {}, []
 

@@ -77,9 +77,9 @@ def _netrc_has(host: str) -> bool:
 
 
 def _mlflow_issues(cfg: Any) -> list[ConfigIssue]:
-    import mlflow
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    import mlflow  # mlflow is an optional extra: loaded only when configured
+    from mlflow.exceptions import MlflowException  # (optional extra)
+    from mlflow.tracking import MlflowClient  # (optional extra)
 
     uri = cfg.tracking_uri or mlflow.get_tracking_uri()
     where = "metrics.mlflow.tracking_uri"

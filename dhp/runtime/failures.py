@@ -26,6 +26,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
+import torch
+
 from dhp.errors import DhpError, RuntimeFailure
 
 INFRA = "infrastructure"
@@ -40,7 +43,6 @@ FAULT_ENV = "DHP_INJECT_FAULT"
 def _ray_infra() -> tuple[type, ...]:
     """Ray's errors for a lost actor, node, worker or object, an OOM kill, and a timeout (ray is
     imported here, not at module import: ``dhp plan`` never needs it)."""
-    import ray
 
     e = ray.exceptions
     return (
@@ -81,7 +83,6 @@ class RankError:
 
 def classify(err: BaseException) -> str:
     """INFRA or CODE for one rank's error as the driver received it from Ray."""
-    import ray
 
     infra = _ray_infra()
     if isinstance(err, infra):
@@ -95,7 +96,6 @@ def classify(err: BaseException) -> str:
         return INFRA
     if isinstance(cause, DhpError):  # a DataError, ConfigError, ... recurs
         return CODE
-    import torch
 
     if isinstance(
         cause, torch.distributed.DistError | torch.OutOfMemoryError | ConnectionError | TimeoutError
@@ -108,7 +108,6 @@ def classify(err: BaseException) -> str:
 
 def rank_error(module: str, rank: int, summary: str, err: BaseException) -> RankError:
     """The RankError of ``err`` (a RayTaskError carries the rank's own traceback)."""
-    import ray
 
     if isinstance(err, ray.exceptions.RayTaskError):  # its text is the rank's traceback
         text = _ANSI.sub("", str(err))

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.table import Table
+
 _FIRST_RUN = True  # this process has not started a run yet
 
 
@@ -67,7 +69,6 @@ class Startup:
         path.write_text(json.dumps({**data, "total_s": round(self.total_s, 4)}, indent=1))
 
     def render(self, console) -> None:
-        from rich.table import Table
 
         table = Table(title=f"start-up: {self.total_s:.1f} s to the end of step 1")
         table.add_column("phase")

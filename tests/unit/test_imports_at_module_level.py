@@ -20,8 +20,14 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: Files whose every function-level import has one stated reason, given here once.
+WHOLE_FILE_REASONS = {
+    # each command imports its library inside its body: `dhp --help` and shell completion load no
+    # torch, Ray or transformers (the module docstring says so)
+    "dhp/cli.py",
+}
+
 UNREVIEWED = {
-    "dhp/cli.py": 31,
     "dhp/data/formats.py": 2,
     "dhp/data/loader.py": 2,
     "dhp/data/packing.py": 3,
@@ -80,6 +86,8 @@ def test_imports_inside_functions_say_why() -> None:
     over = []
     for path in sorted((ROOT / "dhp").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
+        if rel in WHOLE_FILE_REASONS:
+            continue
         lines = uncommented_function_imports(path)
         if len(lines) > UNREVIEWED.get(rel, 0):
             over.append(f"{rel}: lines {lines} (allowed without a reason: {UNREVIEWED.get(rel, 0)})")

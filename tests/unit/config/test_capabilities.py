@@ -35,7 +35,10 @@ def test_a_family_that_declares_packing_and_video_is_accepted() -> None:
     caps = get_arch("qwen2_5_vl").capabilities
     assert caps.packing and caps.video
     load_config("tiny_vlm", ["data.packing=true"])
-    load_config("tiny_vlm", ["data.kind=synthetic", "data.synthetic.videos_per_sample=1"])
+    load_config(
+        "tiny_vlm",
+        ["data.kind=synthetic", "data.synthetic.videos_per_sample=1", "modules.vision.seq_len=512"],
+    )
 
 
 def test_qwen3_vl_llm_refuses_a_video_batch_at_run_time() -> None:

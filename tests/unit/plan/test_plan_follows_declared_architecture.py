@@ -38,6 +38,9 @@ class AllWindowedArch:
     def validate(self, model: DictConfig, issues) -> None:
         QWEN25.validate(model, issues)
 
+    def module_axes(self, name: str, model: DictConfig):
+        return QWEN25.module_axes(name, model)
+
     def architecture(self, model: DictConfig) -> Architecture:
         real = QWEN25.architecture(model)
         v = real.modules["vision"]
@@ -117,6 +120,9 @@ class HybridMoeArch:
 
     def validate(self, model: DictConfig, issues) -> None:
         QWEN25.validate(model, issues)
+
+    def module_axes(self, name: str, model: DictConfig):
+        return QWEN25.module_axes(name, model)
 
     def architecture(self, model: DictConfig) -> Architecture:
         real = QWEN25.architecture(model)
