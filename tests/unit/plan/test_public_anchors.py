@@ -32,6 +32,11 @@ def test_every_anchor_within_its_bound_and_enough_sources() -> None:
     assert len(rows) >= 8
     assert len({r["source"].split(" @")[0].split(",")[0] for r in rows}) >= 3
     assert any(r["held_out"] for r in rows) and any(not r["held_out"] for r in rows)
+    # TP is checked only on held-out anchors (the fit never sees it), with and without DP
+    tp = [r for r in rows if "tp" in r["parallel"] and r["parallel"]["tp"] > 1]
+    assert tp and all(r["held_out"] for r in tp)
+    assert any("dp" in r["parallel"] for r in tp)
+    assert any(r["gpus"] == r["parallel"]["tp"] for r in tp)
     for r in rows:
         lo, hi = s.HELD_BOUNDS if r["held_out"] else s.IN_BOUNDS
         assert lo <= r["ratio"] <= hi, r
