@@ -362,6 +362,7 @@ def export(
             on_progress=bar,
             lora_mode=lora or None,
             adapter_base=adapter_base or None,
+            say=lambda line: err_console.print(escape(line)),
         )
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
     classes = json.loads((path / "config.json").read_text())["architectures"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -105,3 +106,11 @@ def test_one_line_data_path_trains_a_llamafactory_file(ray_local, tmp_path, monk
     assert [r["step"] for r in _rows(run_dir)] == [1, 2]
     (skipped,) = [json.loads(x) for x in (run_dir / "bad_samples.jsonl").read_text().splitlines()]
     assert skipped["location"] == f"{my}[6]" and skipped["reason"] == "unsupported_modality"
+    # a cleared cache: export writes the same tiny checkpoint again and copies its tokenizer and processor
+    shutil.rmtree(ckpt)
+    exported = dhp_here("export", str(run_dir), str(tmp_path / "hf"))
+    assert exported.exit_code == 0, explain(exported)
+    assert (ckpt / "config.json").is_file()
+    assert {"tokenizer_config.json", "preprocessor_config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
