@@ -85,9 +85,9 @@ class ModelConfig:
     name: str = MISSING
     family: str = MISSING  # a folder of dhp/models (dhp.models.registry.family_names())
     path: str | None = None
-    # True for a family's tiny random test model (conf/model/tiny*.yaml): with real data
-    # (data.kind=llava) and no path, the run reads the tiny checkpoint that
-    # dhp.models.tiny_cache writes once under $DHP_CACHE_DIR (see dhp.config.data_shortcuts).
+    # True for a tiny random test model whose family writes a complete tiny checkpoint (tokenizer with
+    # a chat template, processor; conf/model/tiny.yaml): with real data (data.kind=llava) and no path,
+    # the run reads that checkpoint, written once under $DHP_CACHE_DIR by dhp.models.tiny_cache.
     tiny: bool = False
     dtype: str = "bfloat16"  # parameter/compute dtype of the model: float32 | bfloat16
     attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager
