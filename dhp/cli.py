@@ -18,6 +18,7 @@ import os
 import sys
 
 import typer
+from rich.markup import escape
 
 from dhp.completion import complete_word
 from dhp.errors import DhpError
@@ -304,6 +305,7 @@ def verify(
     gradient and parameter 1e-4 absolute; fp32 only).
     """
     from dhp.config import load_config
+    from dhp.models.tiny_cache import ensure_tiny_checkpoint
     from dhp.runtime.verify import render_report, render_step, verify_plan
 
     given = command_words(ctx, words)
@@ -311,6 +313,7 @@ def verify(
     steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
+    ensure_tiny_checkpoint(cfg.model, say=lambda line: console.print(escape(line)))
     report = verify_plan(
         cfg,
         steps=steps,
@@ -359,6 +362,7 @@ def export(
             on_progress=bar,
             lora_mode=lora or None,
             adapter_base=adapter_base or None,
+            say=lambda line: err_console.print(escape(line)),
         )
     console.print(f"exported {ckpt} -> [bold]{path}[/]")
     classes = json.loads((path / "config.json").read_text())["architectures"]
@@ -449,6 +453,9 @@ def data_check(
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = load_config(conf, overrides, smoke=smoke)
     from dhp.metrics.bars import progress_bar
+    from dhp.models.tiny_cache import ensure_tiny_checkpoint
+
+    ensure_tiny_checkpoint(cfg.model, say=lambda line: err_console.print(escape(line)))  # stdout: --json
 
     with progress_bar(err_console, "data check") as bar:  # stderr: --json output stays clean
         report = check_data(

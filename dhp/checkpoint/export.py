@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError
 from dhp.models import get_family
 from dhp.models.dtypes import torch_dtype
+from dhp.models.tiny_cache import ensure_tiny_checkpoint
 
 # files of a HF model directory that are not weights and are copied from ``model.path`` when set
 _SIDE_FILES = (
@@ -227,10 +229,13 @@ def export_checkpoint(
     on_progress=None,
     lora_mode: str | None = None,
     adapter_base: str | None = None,
+    say: Callable[[str], None] = print,
 ) -> tuple[Path, Path]:
     """CLI entry: resolve ``checkpoint`` (a step dir or a run dir), read the run's config.yaml, export.
 
-    Returns (the checkpoint dir exported, the HF dir written).
+    Returns (the checkpoint dir exported, the HF dir written). A run that read the tiny checkpoint from
+    the cache (``model.tiny``, no ``model.path`` given) gets it rewritten when the cache was cleared
+    (its tokenizer and processor files go into the export); ``say`` receives the line naming it.
 
     The run's resolved ``config.yaml`` sits at ``<run>/config.yaml`` for ``<run>/checkpoints/step_X``.
     """
@@ -243,6 +248,7 @@ def export_checkpoint(
             "Fix: export a checkpoint inside its run directory (runs/<name>/<ts>/checkpoints/step_X)."
         )
     cfg = load_config(str(run_config), [])
+    ensure_tiny_checkpoint(cfg.model, say=say)
     cast = None if dtype is None else torch_dtype(dtype)
     lora = {m: c.lora for m, c in cfg.modules.items()}
     return Path(ckpt), export_hf(

@@ -5,10 +5,17 @@
   copied under a temporary search-path folder for the one composition.
 - ``data.path=FILE`` (with ``data.format=``, default ``auto``) stands for
   ``data.datasets=[{name: <file stem>, path: FILE, format: ...}]`` and ``data.kind=llava``.
+- Real data on a tiny test model (``model.tiny``) with no ``model.path``: ``model.path`` becomes the
+  family's tiny checkpoint in the cache (:func:`tiny_checkpoint_dir`), which
+  ``dhp.models.tiny_cache.ensure_tiny_checkpoint`` writes before the run reads it and names on the
+  console. Any other model given real data without ``model.path`` is refused when the data is built.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +26,9 @@ from dhp.config.schema import DataConfig, DatasetEntry
 from dhp.errors import ConfigError, ConfigIssue
 
 USER_OPTION = "user_file"  # the group option name the file is composed under
+CACHE_ENV = "DHP_CACHE_DIR"  # the cache root, as dhp.machine.cache reads it (default ~/.cache/dhp)
+TINY_CHECKPOINT_SEED = 0  # the random weights' seed, as scripts/make_tiny_checkpoint.py's default
+TINY_CHECKPOINT_FORMAT = 1  # bump when the writer's output changes, so old cache entries are not read
 
 
 def data_file_override(overrides: list[str]) -> tuple[list[str], Path | None]:
@@ -100,3 +110,37 @@ def bare_data_config(overrides: list[str]):
             [ConfigIssue("data.path", "", "no dataset given", "pass data.path=FILE (or conf=RECIPE)")]
         )
     return wrapped.data
+
+
+def tiny_checkpoint_dir(model: DictConfig) -> Path:
+    """Where the tiny checkpoint of ``model``'s numbers lives: ``$DHP_CACHE_DIR/tiny_checkpoints/
+    <family>-<digest>``; the digest covers every number the writer reads (family, dtype, vision,
+    llm, tokens), the seed and the format, so an overridden architecture gets its own directory."""
+    numbers = {
+        key: OmegaConf.to_container(model[key], resolve=True)
+        if OmegaConf.is_config(model[key])
+        else model[key]
+        for key in ("family", "dtype", "vision", "llm", "tokens")
+    }
+    numbers.update(seed=TINY_CHECKPOINT_SEED, format=TINY_CHECKPOINT_FORMAT)
+    digest = hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dhp")
+    return root / "tiny_checkpoints" / f"{model.family}-{digest}"
+
+
+def use_tiny_checkpoint(cfg: DictConfig) -> None:
+    """Real data on a tiny test model with no ``model.path``: point it at the tiny checkpoint, in place.
+
+    Synthetic data keeps ``model.path=null`` (seeded random init, no tokenizer), and a model that is
+    not ``tiny`` keeps it too (real data then needs the user's own directory)."""
+    if cfg.data.kind == "llava" and cfg.model.path is None and cfg.model.tiny:
+        cfg.model.path = str(tiny_checkpoint_dir(cfg.model))
+
+
+def is_pending_tiny_checkpoint(model: DictConfig) -> bool:
+    """``model.path`` is this model's tiny checkpoint and has not been written yet (the run writes it
+    from these same numbers, so its config.json cannot disagree with them)."""
+    if not model.tiny or model.path is None:
+        return False
+    path = Path(str(model.path))
+    return path == tiny_checkpoint_dir(model) and not (path / "config.json").is_file()

@@ -20,7 +20,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config.data_shortcuts import data_file_override, expand_data_path, remove_folder
+from dhp.config.data_shortcuts import (
+    data_file_override,
+    expand_data_path,
+    remove_folder,
+    use_tiny_checkpoint,
+)
 from dhp.config.hydra_errors import to_config_error
 from dhp.config.schema import RunConfig
 from dhp.config.smoke import smoke_config
@@ -166,7 +171,9 @@ def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
     Returns an OmegaConf DictConfig typed as RunConfig: attribute access like the dataclass,
     struct mode (unknown keys raise) and read-only. ``smoke=True`` applies
     :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2)
-    before validation. Raises ConfigError listing every problem found.
+    before validation. Real data on a tiny model without ``model.path`` names the tiny checkpoint
+    (:func:`dhp.config.data_shortcuts.use_tiny_checkpoint`; the run writes it). Raises ConfigError
+    listing every problem found.
     """
     cfg = compose_config(conf, list(overrides or []))
     if smoke:
@@ -175,6 +182,7 @@ def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
             tiny_model=OmegaConf.load(_tiny_model_file(cfg.model.family)),
             local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
         )
+    use_tiny_checkpoint(cfg)
     raise_if_invalid(cfg)
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)

@@ -78,12 +78,17 @@ class ModelConfig:
 
     ``path``: a local HF directory (config.json, safetensors, tokenizer, preprocessor). When it is
     set, its config.json must agree with ``vision``/``llm``. When it is null, modules are built with
-    random init from the architecture numbers (benchmarks, planning, smoke tests).
+    random init from the architecture numbers (benchmarks, planning, smoke tests); a ``tiny`` model
+    given real data instead reads its family's tiny checkpoint from the cache.
     """
 
     name: str = MISSING
     family: str = MISSING  # a folder of dhp/models (dhp.models.registry.family_names())
     path: str | None = None
+    # True for a tiny random test model whose family writes a complete tiny checkpoint (tokenizer with
+    # a chat template, processor; conf/model/tiny.yaml): with real data (data.kind=llava) and no path,
+    # the run reads that checkpoint, written once under $DHP_CACHE_DIR by dhp.models.tiny_cache.
+    tiny: bool = False
     dtype: str = "bfloat16"  # parameter/compute dtype of the model: float32 | bfloat16
     attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager
     vision: VisionArch = field(default_factory=VisionArch)

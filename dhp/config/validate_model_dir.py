@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.data_shortcuts import is_pending_tiny_checkpoint
 from dhp.config.issues import Issues
 from dhp.config.validate_guards import validate_model_type
 
@@ -85,7 +86,7 @@ def _compare(node: DictConfig, prefix: str, raw: dict, keys: dict[str, str], iss
 
 def validate_model_dir(model: DictConfig, issues: Issues) -> None:
     """``model.path`` exists and its config.json agrees with the architecture numbers."""
-    if model.path is None:
+    if model.path is None or is_pending_tiny_checkpoint(model):
         return
     raw = _read_config_json(Path(model.path).expanduser(), issues)
     if raw is None:

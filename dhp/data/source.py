@@ -127,8 +127,10 @@ def build_source(
             ConfigIssue(
                 "model.path",
                 None,
-                "data.kind=llava needs the tokenizer and image processor",
-                "set model.path",
+                f"data.kind=llava needs the tokenizer and image processor, and {model.name} has no tiny "
+                "checkpoint to stand in",
+                "set model.path=DIR, a local HF directory of this model (config.json, safetensors, "
+                "tokenizer, preprocessor_config.json)",
             )
         )
     if issues:

@@ -26,6 +26,7 @@ from rich.markup import escape
 from dhp.config.schema import RunConfig, TrainConfig
 from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
+from dhp.models.tiny_cache import ensure_tiny_checkpoint
 from dhp.runtime.checkpointing import AsyncCheckpoints, SaveFailed, is_io_failure, save_failed
 from dhp.runtime.failures import FailureLog, failed_event
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
@@ -74,6 +75,7 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     from dhp.metrics.tracker_check import check_trackers
 
     check_trackers(config.metrics)  # before a run dir, Ray or a tracker run exists
+    ensure_tiny_checkpoint(config.model, say=lambda line: console.print(escape(line)))  # before any reader
     t = config.train
     for p in remove_stale_temps(t.output_dir, name=config.name):
         console.print(f"removed a stale temp checkpoint dir left by a crashed save: {escape(str(p))}")

@@ -23,9 +23,10 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def check(tiny_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    """`dhp data check` on the tiny recipe with the demo data group and seq_lens that fit it."""
+    """`dhp data check` on the tiny recipe with the demo data group at its full 448x448 photo size and
+    seq_lens that fit it."""
     args = ["conf=tiny_vlm", "data=demo", f"model.path={tiny_dir}"]
-    args += ["modules.vision.seq_len=4096", "modules.llm.seq_len=2048", *extra]
+    args += ["data.max_pixels=200704", "modules.vision.seq_len=4096", "modules.llm.seq_len=2048", *extra]
     cmd = [sys.executable, "-m", "dhp.cli", "data", "check", *args]
     env = {**os.environ, "COLUMNS": "400"}  # long tmp paths: keep rich from folding or eliding them
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from cli_here import dhp_here, explain
 from plans import ALL_ONE
 
 from dhp.config import load_config
+from dhp.config.data_shortcuts import CACHE_ENV
 from dhp.runtime.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))  # the layout builders
@@ -74,21 +76,22 @@ def test_a_mix_of_every_layout_trains_two_steps(ray_local, tmp_path, tiny_dir):
     assert not (run_dir / "bad_samples.jsonl").exists()
 
 
-def test_one_line_data_path_trains_a_llamafactory_file(ray_local, tmp_path, tiny_dir):
-    """`dhp train conf=tiny_vlm_demo data.path=my.json train.steps=2` on LLaMA-Factory's mllm_demo layout
-    (absolute image paths); a record with an audio list is skipped and named in bad_samples.jsonl."""
+def test_one_line_data_path_trains_a_llamafactory_file(ray_local, tmp_path, monkeypatch):
+    """`dhp train conf=tiny_vlm data.path=my.json train.steps=2` on LLaMA-Factory's mllm_demo layout
+    (absolute image paths), with no model.path: the run writes the tiny checkpoint to the cache and names
+    it; a record with an audio list is skipped and named in bad_samples.jsonl."""
     rows = json.loads((DEMO / "mllm_demo.json").read_text()) * 2
     for r in rows:
         r["images"] = [str(DEMO / p) for p in r["images"]]
     rows.append(json.loads((DEMO / "mllm_audio_demo.json").read_text())[0])
     my = tmp_path / "my.json"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # the run writes the tiny checkpoint here
     my.write_text(json.dumps(rows))
     result = dhp_here(
         "train",
-        "conf=tiny_vlm_demo",
+        "conf=tiny_vlm",
         f"data.path={my}",
         "train.steps=2",
-        f"model.path={tiny_dir}",
         f"train.output_dir={tmp_path / 'runs'}",
         "train.warmup_steps=0",
         "data.shuffle=false",
@@ -96,7 +99,18 @@ def test_one_line_data_path_trains_a_llamafactory_file(ray_local, tmp_path, tiny
         *ALL_ONE,
     )
     assert result.exit_code == 0, explain(result)
-    (run_dir,) = (tmp_path / "runs" / "tiny_vlm_demo").iterdir()
+    (ckpt,) = (tmp_path / "cache" / "tiny_checkpoints").iterdir()
+    said = f"using the tiny random qwen2_5_vl checkpoint at {ckpt}"
+    assert "".join(said.split()) in "".join(result.output.split())  # the console may wrap inside the path
+    (run_dir,) = (tmp_path / "runs" / "tiny_vlm").iterdir()
     assert [r["step"] for r in _rows(run_dir)] == [1, 2]
     (skipped,) = [json.loads(x) for x in (run_dir / "bad_samples.jsonl").read_text().splitlines()]
     assert skipped["location"] == f"{my}[6]" and skipped["reason"] == "unsupported_modality"
+    # a cleared cache: export writes the same tiny checkpoint again and copies its tokenizer and processor
+    shutil.rmtree(ckpt)
+    exported = dhp_here("export", str(run_dir), str(tmp_path / "hf"))
+    assert exported.exit_code == 0, explain(exported)
+    assert (ckpt / "config.json").is_file()
+    assert {"tokenizer_config.json", "preprocessor_config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }

@@ -114,7 +114,7 @@ MALFORMED = [
         "head_dim/2",
     ),
     ("qwen_vl_32b", ["data.kind=llava"], "data.datasets", "at least one dataset"),
-    ("tiny_vlm", ["data=demo"], "modules.vision.seq_len", "data.max_pixels"),
+    ("tiny_vlm", ["data=demo", "data.max_pixels=200704"], "modules.vision.seq_len", "data.max_pixels"),
     ("qwen_vl_32b", ["data.kind=webdataset"], "data.kind", "unknown value"),
     ("qwen_vl_32b", ["data.synthetic.patches=5000"], "modules.vision.seq_len", "patches"),
     ("qwen_vl_32b", ["train.betas=[0.9]"], "train.betas", "two numbers"),

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 def test_packed_rows_and_video_items_reach_the_shapes() -> None:
     plain = module_shapes(load_config("tiny_vlm"))["llm"]
     packed = module_shapes(load_config("tiny_vlm_packed"))["llm"]
-    assert (plain.micro_batch, plain.seq_len) == (2, 128)
+    assert (plain.micro_batch, plain.seq_len) == (2, 256)  # tiny_vlm sizes its LLM for real conversations
     # 4 samples of <= 128 tokens in rows of 256: first-fit needs at most 2*4*128/256 + 1 = 5 -> 4 rows
     assert (packed.micro_batch, packed.seq_len) == (4, 256)
     # rows of 1024: at most 2*4*128/1024 + 1 = 2 rows
