@@ -11,6 +11,7 @@ from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.layout import RankLayout
 from dhp.plan.estimate import estimate_step
 from dhp.plan.memory import ModuleShape, module_shape
+from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
 from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
@@ -68,7 +69,7 @@ def image_patches(config: DictConfig) -> int:
         syn = config.data.synthetic
         if syn.videos_per_sample:  # a video is one item of t frames' patches
             return int(syn.patches) * max(
-                1, int(syn.video_frames) // int(config.model.vision.temporal_patch_size)
+                1, int(syn.video_frames) // video_frames_per_row(config.model)
             )
         return int(syn.patches)
     return 0

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from dhp.layout import RankLayout
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
+from dhp.plan.params import video_frames_per_row
 from dhp.plan.schedule import StepEstimate, micro_batches_per_step, schedule
 from dhp.plan.timing import (
     ATTN_HALF_SPAN,
@@ -103,7 +104,7 @@ def vision_patches_per_replica(
     ``seq_len``. The estimate and the ``--auto`` search both time the encoder with this."""
     if config.data.kind != "synthetic":
         return float(seq_len)
-    syn, temporal = config.data.synthetic, config.model.vision.temporal_patch_size
+    syn, temporal = config.data.synthetic, video_frames_per_row(config.model)
     video = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
     per_sample = syn.patches * syn.images_per_sample + video
     return min(float(seq_len), llm_replicas * micro_batch * per_sample / vision_replicas)
@@ -264,7 +265,7 @@ def estimate_step(
             syn = config.data.synthetic
             images = [syn.patches] * (syn.images_per_sample * config.train.global_batch_size)
             if syn.videos_per_sample:  # video items: t x patches each
-                video_item = syn.patches * (syn.video_frames // config.model.vision.temporal_patch_size)
+                video_item = syn.patches * (syn.video_frames // video_frames_per_row(config.model))
                 images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:
             vp = config.modules["vision"].parallel

@@ -21,12 +21,20 @@ __all__ = [
     "layer_params",
     "layer_shape",
     "module_params",
+    "video_frames_per_row",
 ]
 
 
 def architecture(model: DictConfig) -> Architecture:
     """The family's typed architecture of ``model``: what the planner's memory, FLOPs and time read."""
     return get_arch(model.family).architecture(model)
+
+
+def video_frames_per_row(model: DictConfig) -> int:
+    """Video frames the model's pixel-input module folds into one input row (its declared
+    ``temporal_patch``; 1 for a model without one)."""
+    pixel = [m for m in architecture(model).modules.values() if m.input_row]
+    return pixel[0].temporal_patch if pixel else 1
 
 
 def module_params(name: str, model: DictConfig) -> ParamCount:
