@@ -25,6 +25,7 @@ from typing import Any
 from dhp.config.ac import parse_ac_mode
 from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PARALLEL_AXES, PLACEMENTS
 from dhp.config.handoff import resolve_handoff
+from dhp.config.issues import Issues
 from dhp.errors import ConfigIssue
 from dhp.layout import RankLayout
 
@@ -51,26 +52,7 @@ def _get(par: Any, key: str) -> Any:
     return par[key] if isinstance(par, Mapping) else getattr(par, key)
 
 
-@dataclass(frozen=True)
-class _Out:
-    items: list[ConfigIssue]
-
-    def check(self, ok: bool, path: str, value: Any, rule: str, fix: str) -> bool:
-        if not ok:
-            self.items.append(ConfigIssue(path=path, value=value, rule=rule, fix=fix))
-        return ok
-
-    def one_of(self, value: Any, path: str, allowed: tuple[str, ...]) -> bool:
-        return self.check(
-            value in allowed,
-            path,
-            value,
-            f"unknown value; allowed: {', '.join(allowed)}",
-            f"use one of {allowed}",
-        )
-
-
-def _degree_problems(prefix: str, gpus: int, par: Any, out: _Out) -> bool:
+def _degree_problems(prefix: str, gpus: int, par: Any, out: Issues) -> bool:
     degs = {a: int(_get(par, a)) for a in PARALLEL_AXES}
     ok = True
     for axis, d in degs.items():
@@ -116,7 +98,7 @@ def layout_ok(gpus: int, parallel: Any) -> bool:
     return gpus > 0 and min(degs.values()) >= 1 and RankLayout(**degs).world_size == gpus
 
 
-def _divides(out: _Out, path: str, degree: int, sizes: Mapping[str, int]) -> None:
+def _divides(out: Issues, path: str, degree: int, sizes: Mapping[str, int]) -> None:
     axis = path.rsplit(".", 1)[1]
     for key, size in sizes.items():
         out.check(
@@ -128,7 +110,7 @@ def _divides(out: _Out, path: str, degree: int, sizes: Mapping[str, int]) -> Non
         )
 
 
-def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: _Out) -> None:
+def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: Issues) -> None:
     sp, tp = int(_get(par, "sp")), int(_get(par, "tp"))
     seq = bool(_get(par, "sequence_parallel"))
     if out.check(
@@ -173,7 +155,7 @@ def module_problems(
     ``gpus_per_node``: a TP group must fit inside and tile one node (None: no cluster to check).
     """
     prefix = f"modules.{name}"
-    out = _Out([])
+    out = Issues()
     out.one_of(mixed_precision, f"{prefix}.mixed_precision", MIXED_PRECISIONS)
     try:
         parse_ac_mode(activation_checkpointing)
@@ -209,7 +191,7 @@ def placement_problems(
     sets, the cluster's GPU count, N:M routing (one module's replicas divide the other's) and the
     hand-off for this device and placement. ``gpus``/``replicas``: per module, of modules whose own
     plan is valid."""
-    out = _Out([])
+    out = Issues()
     if out.one_of(placement, "placement", PLACEMENTS):
         if placement == "collocated":
             out.check(
