@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from dhp.errors import PlanError
+from dhp.parallel.llm_tp import check_divides
 
 
 @dataclass(frozen=True)
@@ -267,19 +268,15 @@ class GatedDeltaNetParallel(ParallelStyle):
     ``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim`` and ``conv_dim`` become the local ones.
     """
 
-    def __init__(self, *, sequence_parallel: bool = False) -> None:
+    def __init__(self, *, sequence_parallel: bool = False, module_name: str = "<module>") -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        self.module_name = module_name  # for the PlanError's key path
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         layout = gated_deltanet_layout(module)
+        check_divides(layout.divides, degree=device_mesh.size(), axis="tp", module=self.module_name)
         tp = device_mesh.size()
-        bad = [f"{k}={v}" for k, v in layout.divides.items() if v % tp]
-        if bad:
-            raise PlanError(
-                f"tp={tp} must divide the Gated DeltaNet head counts {', '.join(bad)} (each rank holds "
-                "1/tp of the heads). Fix: pick a tp among their common divisors, or use fsdp/dp."
-            )
         placements = {
             **{f: Shard(0) for f in (*layout.fused, *layout.colwise)},
             **{f: Shard(1) for f in layout.rowwise},
