@@ -19,6 +19,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 from parallel_harness import (
     HIDDEN,
     IMAGE_TOKEN,
@@ -29,6 +30,7 @@ from parallel_harness import (
     full_grads,
     llm_batch,
     spawn,
+    split_llm,
 )
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,6 +38,8 @@ from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5TextModel
 
+from dhp.config.schema import ParallelConfig
+from dhp.parallel import finalize_grads, parallelize
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.linear_attn_tp import deltanet_tp_plan, head_norm_tp_plan, local_fraction
 from dhp.parallel.llm_tp import apply_tp, decoder_tp_plan, local_loss_sum
@@ -136,8 +140,10 @@ def build(seed: int = 0) -> TinyHybridLLM:
     return TinyHybridLLM(text_config()).float()
 
 
-def _check_deltanet_sharded(model: nn.Module, world: int) -> None:
-    """Every DeltaNet parameter but the shared gated-norm weight holds exactly 1/world of its elements."""
+def _check_deltanet_sharded(model: nn.Module, world: int, *, fsdp: int = 1) -> None:
+    """Every DeltaNet parameter holds exactly 1/world of its elements on each rank (1/(world*fsdp) under
+    FSDP2; the tiny sizes divide evenly, so no FSDP padding), except the gated norm's weight: one dv-sized
+    weight shared by every head, replicated over TP (1/fsdp under FSDP2)."""
     layers = [m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
     assert layers, "no Gated DeltaNet layer in the model"
     for layer in layers:
@@ -145,12 +151,8 @@ def _check_deltanet_sharded(model: nn.Module, world: int) -> None:
         names = {n for n, _ in layer.named_parameters()}
         assert set(frac) == names, f"not every DeltaNet parameter is a DTensor: {names - set(frac)}"
         for name, (local, whole) in frac.items():
-            want = whole if name == "norm.weight" else whole // world  # norm: one dv-sized weight, replicated
-            assert local * (1 if name == "norm.weight" else world) == whole and local == want, (
-                name,
-                local,
-                whole,
-            )
+            share = fsdp if name == "norm.weight" else world * fsdp
+            assert local * share == whole, f"{name}: {local} of {whole} elements, want 1/{share}"
         assert (layer.num_k_heads, layer.num_v_heads) == (2 // world, 4 // world)
 
 
@@ -188,3 +190,29 @@ def _cases(rank: int, world: int, cases: tuple[str, ...]) -> None:
 def test_qwen3_5_text_tp2_matches_single_process() -> None:
     """TP=2: plain, with sequence parallelism, with full activation checkpointing (one spawn)."""
     spawn(_cases, 2, ("tp", "sp", "ac_full"))
+
+
+def _fsdp_tp_case(rank: int, world: int) -> None:
+    """fsdp=2 x tp=2 with SP and full AC through ``parallelize`` (TP, then AC, then FSDP2 per layer):
+    each FSDP replica runs half of the batch; the summed loss and every full grad equal one process."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    parallel = ParallelConfig(fsdp=2, tp=2, sequence_parallel=True)
+    batch = llm_batch(6, batch=4, seq=SEQ)
+    n_tok = int((batch["labels"][:, 1:] != -100).sum())
+    ref = build()
+    ref_loss, _ = step(ref, batch, n_tok)
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    model = parallelize(
+        "llm", build(), mesh, parallel=parallel, activation_checkpointing="full", mixed_precision="fp32"
+    )
+    _check_deltanet_sharded(model, 2, fsdp=2)
+    loss, _ = step(model, split_llm(batch, mesh["fsdp"].get_local_rank(), 2), n_tok)
+    finalize_grads(model, mesh, parallel=parallel)
+    dist.all_reduce(loss, group=mesh["fsdp"].get_group())
+    assert_rel_close(loss, ref_loss, rtol=LOSS_RTOL, name="fsdp x tp loss")
+    assert_grads_match(full_grads(model), ref_grads, rtol=GRAD_RTOL, tag="fsdp x tp")
+
+
+def test_qwen3_5_text_fsdp2_tp2_sp_ac_matches_single_process() -> None:
+    """4 ranks: FSDP2 over the TP-sharded DeltaNet layers, with SP-in-TP and full AC."""
+    spawn(_fsdp_tp_case, 4)
