@@ -5,7 +5,8 @@ gated full-attention layer, 2 key / 4 value linear heads, 96 tokens (two delta-r
 right padding), under ``apply_tp`` at TP=2 on gloo: the decoder plan of ``dhp.parallel.llm_tp`` for
 the full-attention layer, MLPs, embeddings and ``lm_head``, the per-head q/k norms, and
 ``dhp.parallel.linear_attn_tp``'s Gated DeltaNet style. Cases: plain TP, TP with sequence parallelism
-(SP-in-TP), TP with full activation checkpointing. Each compares the loss, every parameter's FULL
+(SP-in-TP), TP with full activation checkpointing, and FSDP2 x TP (4 ranks, with SP and AC) through
+``parallelize``. The plain case also loads a one-process DCP checkpoint at TP=2 and gets its loss. Each compares the loss, every parameter's FULL
 gradient and the gradient w.r.t. the image embeddings with the same module in one process, and checks
 that every sharded DeltaNet parameter holds exactly 1/2 of its elements on each rank.
 
@@ -15,11 +16,14 @@ TP only reorders fp32 sums (all-reduces, reduce-scatters); measured ~1e-7.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from parallel_harness import (
     HIDDEN,
     IMAGE_TOKEN,
@@ -33,6 +37,7 @@ from parallel_harness import (
     split_llm,
 )
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -185,6 +190,31 @@ def _cases(rank: int, world: int, cases: tuple[str, ...]) -> None:
         assert_rel_close(loss, ref_loss, rtol=LOSS_RTOL, name=f"{case} loss")
         assert_grads_match(full_grads(model), ref_grads, rtol=GRAD_RTOL, tag=case)
         assert_rel_close(gin, ref_gin, rtol=GRAD_RTOL, name=f"{case} d/d image_embeds")
+        if case == "tp":
+            _check_checkpoint_maps(model, batch, n_tok)
+
+
+def _check_checkpoint_maps(model: nn.Module, batch: dict, n_tok: int) -> None:
+    """A DCP checkpoint of a one-process model (other weights: seed 1) loads into the TP=2 model, which then
+    computes that model's loss: the DTensors' global layout is transformers' own (no permuted shard)."""
+    path = [tempfile.mkdtemp(prefix="dcp_deltanet_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    other = build(seed=1)
+    if dist.get_rank() == 0:
+        dcp.save(other.state_dict(), checkpoint_id=path[0], no_dist=True)
+    dist.barrier()
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path[0])
+    set_model_state_dict(model, state)
+    model.zero_grad(set_to_none=True)
+    loss, _ = step(model, batch, n_tok)
+    want, _ = step(other, batch, n_tok)
+    assert_rel_close(loss, want, rtol=LOSS_RTOL, name="loss after loading a TP=1 DCP checkpoint at TP=2")
+    qkv = model.language_model.layers[0].linear_attn.in_proj_qkv.weight.full_tensor()
+    assert torch.equal(qkv, other.language_model.layers[0].linear_attn.in_proj_qkv.weight)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
 
 
 def test_qwen3_5_text_tp2_matches_single_process() -> None:
