@@ -5,8 +5,8 @@ gated full-attention layer, 2 key / 4 value linear heads, 96 tokens (two delta-r
 right padding), under ``apply_tp`` at TP=2 on gloo: the decoder plan of ``dhp.parallel.llm_tp`` for
 the full-attention layer, MLPs, embeddings and ``lm_head``, the per-head q/k norms, and
 ``dhp.parallel.linear_attn_tp``'s Gated DeltaNet style. Cases: plain TP, TP with sequence parallelism
-(SP-in-TP), TP with full activation checkpointing, and FSDP2 x TP (4 ranks, with SP and AC) through
-``parallelize``. Each compares the loss, every parameter's FULL gradient (and the gradient w.r.t. the
+(SP-in-TP), TP with full and with selective activation checkpointing, and FSDP2 x TP (4 ranks, with SP
+and full AC) through ``parallelize``. Each compares the loss, every parameter's FULL gradient (and the gradient w.r.t. the
 image embeddings) with the same module in one process, and checks that every sharded DeltaNet
 parameter holds exactly 1/2 of its elements on each rank. The plain case also loads a one-process
 DCP checkpoint at TP=2 and computes that checkpoint's loss.
@@ -172,8 +172,8 @@ def _cases(rank: int, world: int, cases: tuple[str, ...]) -> None:
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     for case in cases:
         model = build()
-        if case == "ac_full":
-            apply_ac(model, None, AcSpec(kind="full"))
+        if case.startswith("ac_"):
+            apply_ac(model, None, AcSpec(kind=case.removeprefix("ac_")))
         model = apply_tp(model, mesh, sequence_parallel=case == "sp")
         _check_deltanet_sharded(model, world)
         seen: list = []
@@ -187,7 +187,7 @@ def _cases(rank: int, world: int, cases: tuple[str, ...]) -> None:
         loss, gin = step(model, batch, n_tok)
         if case == "sp":  # the residual stream really is sequence-sharded around the DeltaNet layer
             assert isinstance(seen[0], DTensor) and seen[0].to_local().shape[1] == SEQ // world
-        if case == "ac_full":  # the DeltaNet forward ran again in backward (recompute)
+        if case.startswith("ac_"):  # the DeltaNet forward ran again in backward (recompute)
             assert len(calls) == 2, calls
         assert_rel_close(loss, ref_loss, rtol=LOSS_RTOL, name=f"{case} loss")
         assert_grads_match(full_grads(model), ref_grads, rtol=GRAD_RTOL, tag=case)
@@ -220,8 +220,9 @@ def _check_checkpoint_maps(model: nn.Module, batch: dict, n_tok: int) -> None:
 
 
 def test_qwen3_5_text_tp2_matches_single_process() -> None:
-    """TP=2: plain, with sequence parallelism, with full activation checkpointing (one spawn)."""
-    spawn(_cases, 2, ("tp", "sp", "ac_full"))
+    """TP=2: plain, with sequence parallelism, with full and with selective activation checkpointing
+    (one spawn)."""
+    spawn(_cases, 2, ("tp", "sp", "ac_full", "ac_selective"))
 
 
 def _fsdp_tp_case(rank: int, world: int) -> None:
