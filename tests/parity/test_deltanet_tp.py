@@ -5,11 +5,11 @@ gated full-attention layer, 2 key / 4 value linear heads, 96 tokens (two delta-r
 right padding), under ``apply_tp`` at TP=2 on gloo: the decoder plan of ``dhp.parallel.llm_tp`` for
 the full-attention layer, MLPs, embeddings and ``lm_head``, the per-head q/k norms, and
 ``dhp.parallel.linear_attn_tp``'s Gated DeltaNet style. Cases: plain TP, TP with sequence parallelism
-(SP-in-TP), TP with full and with selective activation checkpointing, and FSDP2 x TP (4 ranks, with SP
-and full AC) through ``parallelize``. Each compares the loss, every parameter's FULL gradient (and the gradient w.r.t. the
-image embeddings) with the same module in one process, and checks that every sharded DeltaNet
-parameter holds exactly 1/2 of its elements on each rank. The plain case also loads a one-process
-DCP checkpoint at TP=2 and computes that checkpoint's loss.
+(SP-in-TP), TP with full and with selective activation checkpointing, and FSDP2 x TP (4 ranks, with
+SP and full AC) through ``parallelize``. Each compares the loss, every parameter's FULL gradient (and
+the gradient w.r.t. the image embeddings) with the same module in one process, and checks that every
+sharded DeltaNet parameter holds exactly 1/2 of its elements on each rank. The plain case also loads a
+one-process DCP checkpoint at TP=2 and computes that checkpoint's loss.
 
 Tolerance (fp32, CPU): loss within 1e-5 relative; every gradient within 1e-4 relative (norm sense).
 TP only reorders fp32 sums (all-reduces, reduce-scatters); measured at TP=2: loss equal, the largest
