@@ -7,7 +7,9 @@ experts as two 3-D tensors ``experts.gate_up_proj`` [E, 2I, H] and ``experts.dow
 The schema's ``model.vision`` / ``model.llm`` carry the numbers every Qwen-style VLM has; the rest go
 into their ``extra`` maps and are checked here:
 
-- ``vision.extra``: ``num_position_embeddings``, ``deepstack_visual_indexes``, ``hidden_act`` (as Qwen3-VL);
+- ``vision.extra``: ``num_position_embeddings``, ``deepstack_visual_indexes``, ``hidden_act``: the shared
+  Qwen3 vision encoder's (``dhp/models/qwen3_vision/arch.py``, with DeepStack: numbers, validation,
+  counts and typed module come from there);
 - ``llm.extra``: ``head_dim``, ``hidden_act``, ``mrope_interleaved``, ``mrope_section`` (as Qwen3-VL)
   and the MoE numbers: ``num_experts`` (E), ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``
   (I, one expert's width), ``decoder_sparse_step`` and ``mlp_only_layers`` (which layers are sparse:
@@ -32,7 +34,6 @@ layer and everything else whole: :func:`active_params`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +49,11 @@ from dhp.models.arch import (
     ModuleAxes,
     ParamCount,
 )
+from dhp.models.qwen3_vision import arch as vision
+from dhp.models.qwen3_vision.arch import VisionNumbers, check_extra_keys
 
 FAMILY_NAME = "qwen3_vl_moe"
+EXAMPLE = "qwen3_vl_30b_a3b"  # the conf/model entry a validation message points at
 
 #: What this family's runtime does exactly. Packing and video are not declared (as Qwen3-VL: the LLM's
 #: position ids and DeepStack placement have no per-sample path, no video parity test).
@@ -57,14 +61,8 @@ CAPABILITIES = Capabilities(
     packing=False,
     video=False,
     tp_sharded={
-        "vision": (
-            "visual.blocks.*.attn.qkv",
-            "visual.blocks.*.attn.proj",
-            "visual.blocks.*.mlp.*",
-            "visual.merger.linear_fc*",
-            "visual.deepstack_merger_list.*.linear_fc*",
-        ),
-        # the sparse layers' router (mlp.gate.weight) and experts (mlp.experts.*) are not TP-sharded
+        "vision": vision.vision_tp_sharded(deepstack=True),
+        # the sparse layers' router (mlp.gate) and experts (mlp.experts) are not TP-sharded
         "llm": (
             "*.embed_tokens",
             "*.layers.*.self_attn.*_proj",
@@ -76,7 +74,6 @@ CAPABILITIES = Capabilities(
     },
 )
 
-VISION_EXTRA = ("num_position_embeddings", "deepstack_visual_indexes", "hidden_act")
 MOE_EXTRA = (
     "num_experts",
     "num_experts_per_tok",
@@ -93,17 +90,7 @@ LLM_EXTRA = ("head_dim", "hidden_act", "mrope_interleaved", "mrope_section", *MO
 class Numbers:
     """Every architecture number of a Qwen3-VL-MoE model, from the schema or from a transformers config."""
 
-    depth: int
-    vision_hidden: int
-    vision_heads: int
-    vision_mlp: int
-    patch_size: int
-    merge: int
-    temporal_patch_size: int
-    in_channels: int
-    num_position_embeddings: int
-    deepstack: tuple[int, ...]
-    vision_act: str
+    vision: VisionNumbers
     hidden: int
     layers: int
     heads: int
@@ -127,11 +114,6 @@ class Numbers:
     norm_topk_prob: bool
 
     @property
-    def out_hidden(self) -> int:
-        """Width of every merger's output (= the LLM hidden size)."""
-        return self.hidden
-
-    @property
     def q_dim(self) -> int:
         """Width of the query / attention output: ``heads * head_dim``."""
         return self.heads * self.head_dim
@@ -148,20 +130,10 @@ class Numbers:
 
 def numbers(model: Any) -> Numbers:
     """The numbers of a schema ``model`` block (DictConfig or dataclass; ``extra`` keys validated first)."""
-    v, t = model.vision, model.llm
-    ve, te = v.extra, t.extra
+    t = model.llm
+    te = t.extra
     return Numbers(
-        depth=v.depth,
-        vision_hidden=v.hidden_size,
-        vision_heads=v.num_heads,
-        vision_mlp=v.intermediate_size,
-        patch_size=v.patch_size,
-        merge=v.spatial_merge_size,
-        temporal_patch_size=v.temporal_patch_size,
-        in_channels=v.in_channels,
-        num_position_embeddings=ve["num_position_embeddings"],
-        deepstack=tuple(ve["deepstack_visual_indexes"]),
-        vision_act=ve["hidden_act"],
+        vision=vision.vision_numbers(model.vision, out_hidden=t.hidden_size, deepstack=True),
         hidden=t.hidden_size,
         layers=t.num_layers,
         heads=t.num_heads,
@@ -186,36 +158,7 @@ def numbers(model: Any) -> Numbers:
     )
 
 
-# --- parameter counts: the encoder (Qwen3-VL's) -----------------------------------------------------
-def _merger(n: Numbers, *, postshuffle: bool) -> ParamCount:
-    wide = n.vision_hidden * n.merge**2
-    norm = 2 * (wide if postshuffle else n.vision_hidden)
-    return ParamCount(tp_sharded=wide * wide + wide + wide * n.out_hidden, replicated=norm + n.out_hidden)
-
-
-def vision_block(n: Numbers) -> ParamCount:
-    """One encoder block (an FSDP unit): LayerNorm x2, fused qkv, proj, linear_fc1/fc2, with biases."""
-    h, m = n.vision_hidden, n.vision_mlp
-    return ParamCount(tp_sharded=3 * h * h + 3 * h + h * h + h * m + m + m * h, replicated=2 * 2 * h + h + h)
-
-
-def vision_counts(n: Numbers) -> ParamCount:
-    """Blocks, patch + position embeddings, merger, DeepStack mergers."""
-    h = n.vision_hidden
-    patch = n.in_channels * n.temporal_patch_size * n.patch_size**2 * h + h
-    block, main, deep = vision_block(n), _merger(n, postshuffle=False), _merger(n, postshuffle=True)
-    k = len(n.deepstack)
-    return ParamCount(
-        tp_sharded=n.depth * block.tp_sharded + main.tp_sharded + k * deep.tp_sharded,
-        replicated=n.depth * block.replicated
-        + patch
-        + n.num_position_embeddings * h
-        + main.replicated
-        + k * deep.replicated,
-    )
-
-
-# --- parameter counts: the MoE LLM -----------------------------------------------------------------
+# --- parameter counts ------------------------------------------------------------------------------
 def _attention(n: Numbers) -> ParamCount:
     """q/k/v/o (no biases, TP-sharded), input + post-attention RMSNorm and q_norm/k_norm (replicated)."""
     kv = n.kv_heads * n.head_dim
@@ -255,14 +198,14 @@ def llm_counts(n: Numbers) -> ParamCount:
 
 def module_counts(name: str, n: Numbers) -> ParamCount:
     """Parameters of module ``name`` (``vision`` or ``llm``), split TP-sharded / replicated / expert."""
-    return vision_counts(n) if name == "vision" else llm_counts(n)
+    return vision.module_counts(n.vision) if name == "vision" else llm_counts(n)
 
 
 def active_params(name: str, n: Numbers) -> int:
     """Parameters one token passes through: the module's total with ``top_k`` of ``E`` experts per
     sparse layer (the encoder and the dense parts count whole)."""
     total = module_counts(name, n)
-    if name == "vision" or n.experts == 0:
+    if name == "vision":
         return total.total
     return total.total - total.expert + n.sparse_layers * 3 * n.top_k * n.moe_mlp * n.hidden
 
@@ -270,28 +213,18 @@ def active_params(name: str, n: Numbers) -> int:
 def block_counts(name: str, n: Numbers) -> ParamCount:
     """Parameters of ONE block of module ``name``: the larger of a sparse and a dense layer for the LLM."""
     if name == "vision":
-        return vision_block(n)
-    if n.sparse_layers == n.layers:
-        return sparse_block(n)
-    if n.sparse_layers == 0:
-        return dense_block(n)
-    return max(sparse_block(n), dense_block(n), key=lambda c: c.total)
+        return vision.block_counts(n.vision)
+    kinds = [sparse_block(n)] if n.sparse_layers else []
+    if n.sparse_layers < n.layers:
+        kinds.append(dense_block(n))
+    return max(kinds, key=lambda c: c.total)
 
 
 def largest(name: str, n: Numbers) -> int:
     """Elements of the module's largest single parameter tensor (before TP/FSDP/EP sharding): for the
     LLM usually ``experts.gate_up_proj`` [E, 2I, H] (1.6e9 elements in the 235B)."""
     if name == "vision":
-        h, wide = n.vision_hidden, n.vision_hidden * n.merge**2
-        patch = n.in_channels * n.temporal_patch_size * n.patch_size**2 * h
-        return max(
-            wide * wide,
-            wide * n.out_hidden,
-            3 * h * h,
-            h * n.vision_mlp,
-            patch,
-            n.num_position_embeddings * h,
-        )
+        return vision.largest(n.vision)
     sizes = [n.vocab * n.hidden, n.hidden * n.q_dim]
     if n.sparse_layers:
         sizes.append(n.experts * 2 * n.moe_mlp * n.hidden)
@@ -308,17 +241,16 @@ def _llm_mlp_width(n: Numbers) -> int:
     return max(widths)
 
 
+def _tp_input_grads(n: Numbers) -> int:
+    """q, k, v; plus gate and up when a dense layer exists (a sparse MLP is replicated over TP, so its
+    input gradient needs no all-reduce)."""
+    return 3 if n.sparse_layers == n.layers else 5
+
+
 def shape(name: str, n: Numbers) -> LayerShape:
     """Activation-relevant sizes of one block (the LLM's MLP width is the active one)."""
     if name == "vision":
-        return LayerShape(
-            hidden=n.vision_hidden,
-            mlp=n.vision_mlp,
-            kv_dim=n.vision_hidden,
-            heads=n.vision_heads,
-            layers=n.depth,
-            tp_input_grads=2,  # fused qkv, linear_fc1
-        )
+        return vision.shape(n.vision)
     return LayerShape(
         hidden=n.hidden,
         mlp=_llm_mlp_width(n),
@@ -330,70 +262,8 @@ def shape(name: str, n: Numbers) -> LayerShape:
     )
 
 
-def _tp_input_grads(n: Numbers) -> int:
-    """q, k, v; plus gate and up when a dense layer exists (a sparse MLP is replicated over TP, so its
-    input gradient needs no all-reduce)."""
-    return 3 if n.sparse_layers == n.layers else 5
-
-
 # --- validation ------------------------------------------------------------------------------------
-_VISION_SIZES = [
-    "depth",
-    "hidden_size",
-    "num_heads",
-    "intermediate_size",
-    "patch_size",
-    "spatial_merge_size",
-    "temporal_patch_size",
-    "in_channels",
-]
 _LLM_SIZES = ["hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"]
-
-
-def _extra_keys(model: Any, part: str, keys: tuple[str, ...], issues: Issues) -> bool:
-    have = sorted(model[part].extra) if "extra" in model[part] else []
-    missing = [k for k in keys if k not in have]
-    unknown = [k for k in have if k not in keys]
-    return issues.check(
-        not missing and not unknown,
-        f"model.{part}.extra",
-        have,
-        f"{FAMILY_NAME} needs exactly {list(keys)} here (missing {missing}, unknown {unknown})",
-        f"copy model.{part}.extra from conf/model/qwen3_vl_30b_a3b.yaml",
-    )
-
-
-def _validate_vision(n: Numbers, issues: Issues) -> None:
-    side = math.isqrt(int(n.num_position_embeddings))
-    issues.check(
-        side * side == n.num_position_embeddings and side > 1,
-        "model.vision.extra.num_position_embeddings",
-        n.num_position_embeddings,
-        "must be a square > 1 (the learned position grid is side x side)",
-        "use the published 2304 = 48 * 48",
-    )
-    levels = list(n.deepstack)
-    issues.check(
-        len(set(levels)) == len(levels) and all(0 <= i < n.depth for i in levels),
-        "model.vision.extra.deepstack_visual_indexes",
-        levels,
-        f"must be distinct encoder block indexes in [0, depth={n.depth})",
-        "use e.g. the published [8, 16, 24]",
-    )
-    issues.check(
-        len(levels) <= n.layers,
-        "model.vision.extra.deepstack_visual_indexes",
-        levels,
-        f"{len(levels)} DeepStack levels but the LLM has {n.layers} layers (level k is added after layer k)",
-        "use at most model.llm.num_layers levels",
-    )
-    issues.check(
-        n.vision_hidden % n.vision_heads == 0,
-        "model.vision.num_heads",
-        n.vision_heads,
-        f"must divide model.vision.hidden_size={n.vision_hidden}",
-        "pick a divisor",
-    )
 
 
 def _validate_attention(n: Numbers, issues: Issues) -> None:
@@ -449,10 +319,10 @@ def _validate_moe(n: Numbers, issues: Issues) -> None:
         "use the published [] (no dense layers)",
     )
     issues.check(
-        n.sparse_step < 1 or n.sparse_layers >= 1,
+        n.sparse_step < 1 or n.experts < 1 or n.sparse_layers >= 1,
         f"{p}.mlp_only_layers",
         list(n.mlp_only),
-        "with these and decoder_sparse_step no decoder layer is sparse: this is a dense model",
+        f"with these and decoder_sparse_step={n.sparse_step} no decoder layer is sparse: a dense model",
         "train it with the qwen3_vl family, or leave at least one layer sparse",
     )
     issues.check(
@@ -473,10 +343,9 @@ def _validate_moe(n: Numbers, issues: Issues) -> None:
 
 def validate(model: Any, issues: Issues) -> None:
     """Add an issue for every number that does not build a Qwen3-VL-MoE model."""
-    issues.positive(model.vision, "model.vision", _VISION_SIZES)
+    ok = vision.validate_sizes(model, issues, family=FAMILY_NAME, example=EXAMPLE, deepstack=True)
     issues.positive(model.llm, "model.llm", _LLM_SIZES)
-    ok = _extra_keys(model, "vision", VISION_EXTRA, issues)
-    ok = _extra_keys(model, "llm", LLM_EXTRA, issues) and ok
+    ok = check_extra_keys(model, "llm", LLM_EXTRA, issues, family=FAMILY_NAME, example=EXAMPLE) and ok
     if not ok or issues.items:
         return
     try:
@@ -484,50 +353,17 @@ def validate(model: Any, issues: Issues) -> None:
     except (TypeError, ValueError) as e:
         issues.add(
             "model.llm.extra",
-            dict(model.llm.extra),
-            f"not numbers of the expected types ({e})",
-            "copy model.llm.extra from conf/model/qwen3_vl_30b_a3b.yaml",
+            {k: model.llm.extra[k] for k in MOE_EXTRA},
+            f"the MoE numbers must be integers, a list of integers and a float ({e})",
+            f"copy model.llm.extra from conf/model/{EXAMPLE}.yaml",
         )
         return
-    _validate_vision(n, issues)
+    vision.validate_numbers(n.vision, issues, llm_layers=n.layers)
     _validate_attention(n, issues)
     _validate_moe(n, issues)
 
 
 # --- the typed architecture ------------------------------------------------------------------------
-def edges(n: Numbers) -> tuple[str, ...]:
-    """The hand-off edges encoder -> LLM: the merged image features, then one per DeepStack level."""
-    return ("image_embeds", *(f"deepstack_embeds_{k}" for k in range(len(n.deepstack))))
-
-
-def vision_arch(n: Numbers) -> ModuleArch:
-    """The encoder (Qwen3-VL's): full attention in every block, an ungated MLP, the main merger and one
-    merger per DeepStack level (each 2x2-merged rows to the LLM width)."""
-    h = n.vision_hidden
-    attn = Attention(kind="full", heads=n.vision_heads, kv_heads=n.vision_heads, head_dim=h // n.vision_heads)
-    merge, wide = n.merge**2, h * n.merge**2
-    mergers = 1 + len(n.deepstack)
-    mlp = Mlp(kind="dense", intermediate=n.vision_mlp, gated=False)
-    return ModuleArch(
-        hidden=h,
-        blocks=tuple(Block(attn, mlp) for _ in range(n.depth)),
-        params=vision_counts(n),
-        block_params=vision_block(n),
-        largest_param=largest("vision", n),
-        outputs=edges(n),
-        handoff_width=mergers * n.out_hidden,
-        out_width=n.out_hidden,
-        input_row=n.in_channels * n.temporal_patch_size * n.patch_size**2,
-        merge=merge,
-        temporal_patch=n.temporal_patch_size,
-        head_macs=mergers * (wide * wide + wide * n.out_hidden) / merge,
-        sp_unit=merge,
-        tp_input_grads=2,
-        tensors_per_block=12,
-        root_tensors=3 + 6 * mergers,
-    )
-
-
 def llm_blocks(n: Numbers) -> tuple[Block, ...]:
     """Per decoder layer: causal GQA attention with ``head_dim`` per head, and either the sparse MLP
     (``Mlp(kind="moe")``: E experts of I, top-k active, no shared expert) or the dense SwiGLU."""
@@ -538,15 +374,15 @@ def llm_blocks(n: Numbers) -> tuple[Block, ...]:
 
 
 def llm_arch(n: Numbers) -> ModuleArch:
-    """The MoE decoder; vocab-parallel lm_head. ``block_macs`` counts the router's E*H per sparse layer
-    in neither (a matmul of 1/(3*I*top_k/E) of the experts', left out)."""
+    """The MoE decoder; vocab-parallel lm_head. The router's ``E*H`` MACs per token and sparse layer are
+    left out of ``block_macs`` (``E / (3 * top_k * I)`` of the experts': 2 % in the 30B-A3B)."""
     return ModuleArch(
         hidden=n.hidden,
         blocks=llm_blocks(n),
         params=llm_counts(n),
         block_params=block_counts("llm", n),
         largest_param=largest("llm", n),
-        inputs=edges(n),
+        inputs=vision.edges(n.vision),
         head_macs=float(n.hidden * n.vocab),
         vocab=n.vocab,
         tp_input_grads=_tp_input_grads(n),
@@ -567,7 +403,9 @@ class Qwen3VLMoeArch:
 
     def architecture(self, model: Any) -> Architecture:
         n = numbers(model)
-        return Architecture(modules={"vision": vision_arch(n), "llm": llm_arch(n)}, capabilities=CAPABILITIES)
+        return Architecture(
+            modules={"vision": vision.vision_arch(n.vision), "llm": llm_arch(n)}, capabilities=CAPABILITIES
+        )
 
     def module_params(self, name: str, model: Any) -> ParamCount:
         return module_counts(name, numbers(model))
@@ -588,14 +426,11 @@ class Qwen3VLMoeArch:
     def module_axes(self, name: str, model: Any) -> ModuleAxes:
         """Encoder: TP (heads, merger width) and Ulysses SP (heads). LLM: TP on attention (and on the
         dense layers' MLP, if any), no sequence parallelism inside TP (DeepStack needs the whole
-        sequence); the experts are split by EP (``parallel.ep`` must divide ``num_experts``)."""
+        sequence); the experts are split by EP (its degree must divide ``num_experts``, which the
+        typed architecture's ``Mlp(kind="moe")`` blocks carry)."""
         n = numbers(model)
         if name == "vision":
-            heads = {"model.vision.num_heads": n.vision_heads}
-            wide = {"model.vision.hidden_size*spatial_merge_size^2": n.vision_hidden * n.merge**2}
-            return ModuleAxes(
-                tp=True, sp=True, tp_sequence_parallel=False, tp_divides=heads | wide, sp_divides=heads
-            )
+            return vision.vision_axes(n.vision)
         divides = {
             "model.llm.num_heads": n.heads,
             "model.llm.num_kv_heads": n.kv_heads,
