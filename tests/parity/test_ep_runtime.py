@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from parallel_harness import spawn
-from test_ep import AUX_COEF, E, K, SEQ, VOCAB, _close, build
+from test_ep import AUX_COEF, SEQ, VOCAB, E, K, _close, build
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
