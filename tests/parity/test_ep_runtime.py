@@ -11,7 +11,9 @@ the whole batch with torch's AdamW:
     through ``dhp.checkpoint``: the ep=2 state (model + AdamW) resumes into ep=1 and back into ep=2,
     exactly; and the expert-load statistics of step 0 equal the counts of HF's router top-k;
 (b) 4 ranks, dp=2 x tp=2 x ep=2: attention TP=2 (q/k/v column-, o row-parallel), the EP group folded
-    over dp inside each tp index (the tp ranks route the same tokens and run the same experts).
+    over dp inside each tp index (the tp ranks route the same tokens and run the same experts); then
+    two plans with edp = 2 (each expert shard on 2 ranks, its grads summed over them): dp=4 with
+    ZeRO-1 (which must not partition the experts) and dp=2 x fsdp=2 (HSDP beside EP).
 
 Tolerances (fp32 on CPU; only float summation order differs): loss <= 1e-5 relative; every gradient
 (router and experts included) <= 1e-4 relative (norm sense) and <= 1e-4 max absolute; the
@@ -94,16 +96,16 @@ def _hf_counts(logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
     )
 
 
-def _train_case(mesh, parallel: ParallelConfig, *, data_axis: str, steps: int = 3):
+def _train_case(mesh, parallel: ParallelConfig, *, data_axes: tuple[str, ...], steps: int = 3):
     """3 steps of dhp's pipeline vs HF + torch AdamW; returns the trained (model, optimizer)."""
     ref = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=True, **ADAMW)
     model, opt = _dhp_model(mesh, parallel)
     assert len(expert_params(model)) == 4  # 2 MoE layers x (gate_up_proj, down_proj), sharded over ep
     load = track_expert_load(model, MOE_BLOCKS, duplicates=parallel.tp)
-    data = mesh[data_axis]
+    data = mesh[data_axes[0]] if len(data_axes) == 1 else mesh[data_axes]._flatten("data")
     replica, replicas = data.get_local_rank(), data.size()
-    tag = f"{mesh.mesh_dim_names} ep={parallel.ep}"
+    tag = f"{mesh.mesh_dim_names} zero={parallel.zero} ep={parallel.ep}"
     for step in range(steps):
         ids = torch.randint(0, VOCAB, (2 * replicas, SEQ), generator=torch.Generator().manual_seed(20 + step))
         n_labels = ids[:, 1:].numel()  # the GLOBAL label count: every replica divides by it
@@ -179,18 +181,23 @@ def _reshard_case(mesh, model, opt, root: str) -> None:
 
 def _fsdp_ep(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
-    model, opt = _train_case(mesh, ParallelConfig(fsdp=2, ep=2), data_axis="fsdp")
+    model, opt = _train_case(mesh, ParallelConfig(fsdp=2, ep=2), data_axes=("fsdp",))
     _reshard_case(mesh, model, opt, root)
 
 
-def _tp_ep(rank: int, world: int) -> None:
+def _four_ranks(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    _train_case(mesh, ParallelConfig(dp=2, tp=2, ep=2), data_axis="dp")
+    _train_case(mesh, ParallelConfig(dp=2, tp=2, ep=2), data_axes=("dp",))
+    # edp = 2: expert grads summed over the 2 ranks holding the same experts, beside ZeRO-1 / HSDP
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
+    _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"))
 
 
 def test_ep2_with_fsdp2_matches_hf_and_reshards(tmp_path):
     spawn(_fsdp_ep, 2, str(tmp_path))
 
 
-def test_ep2_with_attention_tp2_matches_hf():
-    spawn(_tp_ep, 4)
+def test_ep2_with_attention_tp2_and_over_edp2_matches_hf():
+    spawn(_four_ranks, 4)
