@@ -68,9 +68,16 @@ Composition (what is proven, what is not yet)
   eager c10d output), i.e. 8 all-to-alls per MoE layer per step instead of 5.
 - DCP checkpoints: ep=2 -> ep=1 and ep=1 -> ep=2, bit for bit.
 - DP: tested (non-expert grads SUMMED over the ranks, expert grads over ``edp``).
-- not yet: TP on attention beside EP, FSDP/ZeRO-1 on the non-expert parameters (their finalize step
-  must skip :func:`expert_params`, which today's ``finalize_grads`` does not), expert TP (``etp``),
-  LoRA on experts (the 3-D parameters are not ``nn.Linear``; refuse it in validation).
+- the runtime (``dhp.parallel.parallelize`` applies EP first, from ``plan.moe_blocks``; then
+  ``finalize_grads``/``grad_norm_sq``/``clip_grads_``/``build_optimizer``): tested at fsdp=2 x ep=2 and at
+  dp=2 x tp=2 (attention) x ep=2 against the single-process model over 3 AdamW steps, and a resume
+  through ``dhp.checkpoint`` ep=2 -> ep=1 -> ep=2 with the AdamW states, bit for bit.
+  FSDP ignores the expert parameters: they stay sharded over ``ep`` and REPLICATED over ``edp`` (their
+  grads are summed over ``edp`` by ``finalize_grads``); ZeRO-1 never partitions them (every rank keeps
+  the AdamW states of its own experts).
+- refused: LoRA on experts (``dhp.parallel.lora``: the 3-D parameters are not ``nn.Linear``), sequence
+  parallelism inside TP with ep > 1 (the plan-validity rule).
+- not yet: expert TP (``etp``), expert sharding over ``edp`` (FSDP of the experts on the edp sub-mesh).
 
 Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
 ``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)
