@@ -11,7 +11,10 @@ as the runtime's hand-off does) and compares the LLM against ``Qwen3VLMoeForCond
     the 8 experts; the step's loss is ``sum_r loss_sum_r / T`` (T the global label count), which must be
     HF's loss INCLUDING the load-balancing loss of the concatenated batch (not a mean of per-rank
     ones: checked directly, the per-rank value differs by far more than the tolerance); the aux loss
-    each rank reports is the global one.
+    each rank reports is the global one;
+(c) loading as the runtime does with model.path (build on meta, parallelize with dp=2 x ep=2, then
+    ``load_module_weights``) from a tiny directory in the released expert layout ([E, H, 2I] on disk):
+    each EP rank's expert shards equal its rows of transformers' own load of that directory.
 Gradients go through dhp's finalize (DP sums, expert shards) and are gathered whole.
 
 Tolerances (fp32 on CPU; only summation order differs): loss and aux loss <= 1e-5 relative; every LLM
@@ -19,6 +22,8 @@ parameter's gradient (routers and experts included) <= 1e-4 relative (max|d| / m
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,11 +153,43 @@ def _dp_ep_case(rank, family, cfg, ref, batch, ref_out, want) -> None:
     assert relative_error(aux / 2, ref_out.aux_loss) > 100 * LOSS_RTOL
 
 
-def _cases(rank: int, world: int) -> None:
+def _load_case(rank: int, family, root: str) -> None:
+    """EP shards on meta, then each rank reads its expert rows from the released (transposed) layout."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from dhp.models.loading import load_module_weights
+    from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint, released_expert_layout
+
+    out = Path(root, "tiny")
+    if rank == 0:
+        released_expert_layout(make_tiny_qwen3_vl_moe_checkpoint(out, seed=3))
+    dist.barrier()
+    cfg = family.hf_config_from_dir(out)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    llm = family.build_module("llm", cfg, device="meta", dtype=torch.float32)
+    parallelize("llm", llm, mesh, parallel=ParallelConfig(dp=2, ep=2), activation_checkpointing="off",
+                mixed_precision="fp32")  # fmt: skip
+    load_module_weights(
+        llm, out, family=family, module_name="llm", hf_config=cfg, dtype=torch.float32, device="cpu"
+    )
+    want = family.split_state_dict(
+        Qwen3VLMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    )["llm"]
+    experts = dict(expert_params(llm))
+    assert len(experts) == 4
+    for name, p in experts.items():
+        rows = want[name].shape[0] // 2
+        assert torch.equal(p.to_local(), want[name][rank * rows : (rank + 1) * rows]), name
+    dense = {n: p for n, p in llm.named_parameters() if n not in experts}
+    assert all(torch.equal(p.detach(), want[n]) for n, p in dense.items())
+
+
+def _cases(rank: int, world: int, root: str) -> None:
     family, cfg, ref, batch, ref_out, want = _setup()
     _tp_case(family, cfg, ref, batch, ref_out, want)
     _dp_ep_case(rank, family, cfg, ref, batch, ref_out, want)
+    _load_case(rank, family, root)
 
 
-def test_qwen3_vl_moe_llm_tp2_and_dp2_ep2_match_hf():
-    spawn(_cases, 2)
+def test_qwen3_vl_moe_llm_tp2_and_dp2_ep2_match_hf(tmp_path):
+    spawn(_cases, 2, str(tmp_path))

@@ -270,6 +270,22 @@ class Qwen3VLMoeFamily:
         """``(module_name, module_fqn)`` -> the released checkpoint's key (inverse of ``checkpoint_owner``)."""
         return KEYS.hf_key(module, fqn)
 
+    def stored_dims(
+        self, fqn: str, stored_shape: tuple[int, ...], shape: tuple[int, ...]
+    ) -> tuple[int, ...] | None:
+        """``(0, 2, 1)`` for an expert tensor stored transposed, else None (``dhp.models.loading``).
+
+        The released checkpoints keep the experts as ``gate_up_proj`` [E, H, 2I] and ``down_proj``
+        [E, I, H] (transformers 4.57's layout); transformers 5 holds, and dhp exports, [E, 2I, H] and
+        [E, H, I]. As transformers' own loader, the layout is read from the shapes: a tensor whose last
+        two dims are swapped is transposed on load (a square one, 2I == H or I == H, is taken as is).
+        """
+        if not fqn.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) or stored_shape == shape:
+            return None
+        if len(shape) == 3 and stored_shape == (shape[0], shape[2], shape[1]):
+            return (0, 2, 1)
+        return None
+
     def split_state_dict(
         self, ref_state_dict: Mapping[str, torch.Tensor]
     ) -> dict[str, dict[str, torch.Tensor]]:

@@ -266,3 +266,26 @@ def test_qwen3_vl_moe_model_dir_loads_per_module(family, tmp_path):
     assert {k: tok.convert_tokens_to_ids(s) for k, s in family.token_strings().items()} == {
         k: getattr(family.tiny_model_config().tokens, k) for k in family.token_strings()
     }
+
+
+def test_qwen3_vl_moe_loads_the_released_expert_layout(family, tmp_path):
+    """A checkpoint with the released (transposed) expert layout loads into the module's [E, 2I, H] /
+    [E, H, I] tensors, equal to transformers' own load of the same directory."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from dhp.models.loading import build_and_load
+    from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint, released_expert_layout
+
+    out = make_tiny_qwen3_vl_moe_checkpoint(tmp_path / "tiny")
+    t = family.tiny_hf_config().text_config
+    shapes = released_expert_layout(out)
+    e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    assert set(shapes.values()) == {(e, h, 2 * i), (e, i, h)} and len(shapes) == 4
+    cfg = family.hf_config_from_dir(out)
+    module, _ = build_and_load(family, "llm", out, hf_config=cfg, dtype=torch.float32, device="cpu")
+    ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)  # transposes too
+    want = family.split_state_dict(ref.state_dict())["llm"]
+    got = module.state_dict()
+    assert got["language_model.layers.0.mlp.experts.gate_up_proj"].shape == (e, 2 * i, h)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert family.stored_dims("language_model.layers.0.mlp.gate.weight", (h, e), (e, h)) is None
