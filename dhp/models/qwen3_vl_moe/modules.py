@@ -54,9 +54,11 @@ class LLMModule(nn.Module):
     attention by weights (TP). ``config`` is the full Qwen3-VL-MoE config.
 
     ``aux_loss_group``: the process group whose ranks hold DIFFERENT tokens of the step's batch (the
-    module's dp x fsdp x sp ranks, never TP duplicates); None: this rank alone. ``dhp.parallel`` sets
-    it with EP/DP, so the load-balancing loss is the global batch's (its per-expert counts are
-    all-reduced), not a mean of per-rank values. A plain attribute, like ``loss_fn``.
+    module's dp x fsdp x sp ranks, never TP duplicates), set by whoever parallelizes the module; then
+    the load-balancing loss is the global batch's (its per-expert counts are all-reduced). None (the
+    default): this rank's tokens alone, which under DP makes the step's aux term a token-weighted
+    mean of per-rank losses instead of transformers' value on the concatenated batch. A plain
+    attribute, like ``loss_fn``.
     """
 
     def __init__(
