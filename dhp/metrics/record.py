@@ -69,6 +69,8 @@ def build_record(
     ``kernels`` names the kernels each module's ranks ran, ``{"<module>/<kind>": name}`` (e.g.
     ``llm/linear_attention: torch-fallback``; ranks that differ are listed comma-separated), so a slow
     fallback on a GPU shows in every record.
+    ``expert_load`` per module with MoE layers: the worst layer's max and mean tokens per expert,
+    their ratio and the layer (``dhp.parallel.expert_load.LoadSummary.as_record``), {} without MoE.
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
     frozen = {name: bool(mod.freeze) for name, mod in modules.items()}
@@ -95,6 +97,12 @@ def build_record(
             f"{m}/{kind}": ",".join(sorted({s["kernels"][kind] for s in ranks}))
             for m, ranks in result.stats.items()
             for kind in ranks[0]["kernels"]
+        },
+        # per module with MoE layers: the step's tokens per expert (worst layer), same on every rank
+        "expert_load": {
+            m: ranks[0]["expert_load"]
+            for m, ranks in result.stats.items()
+            if ranks[0]["expert_load"] is not None
         },
     }
     for m, ranks in result.stats.items():

@@ -28,17 +28,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters of one module: those TP shards and those every TP rank replicates."""
+    """Parameters of one module: those TP shards, those every TP rank replicates, and the routed
+    experts of an MoE (``expert``: split over the EP ranks, whole on every TP rank; 0 for a dense model)."""
 
     tp_sharded: int
     replicated: int
+    expert: int = 0
 
     @property
     def total(self) -> int:
-        return self.tp_sharded + self.replicated
+        return self.tp_sharded + self.replicated + self.expert
 
     def per_tp_rank(self, tp: int) -> float:
-        return self.tp_sharded / tp + self.replicated
+        """Parameters on one TP rank without expert parallelism (every expert whole)."""
+        return self.tp_sharded / tp + self.replicated + self.expert
+
+    def per_rank(self, *, tp: int, ep: int) -> float:
+        """Parameters on one rank of a TP x EP plan (before FSDP): experts divided by ``ep``."""
+        return self.tp_sharded / tp + self.replicated + self.expert / ep
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,17 @@ class ModuleArch:
     @property
     def layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: ``params`` with each MoE block's experts counted at
+        ``top_k`` of ``experts`` (== ``params.total`` for a dense module)."""
+        idle = sum(
+            (b.mlp.experts - b.mlp.top_k) * b.mlp.matrices * self.hidden * b.mlp.intermediate
+            for b in self.blocks
+            if b.mlp.kind == "moe"
+        )
+        return self.params.total - idle
 
     def count(self, *kinds: str) -> int:
         """Blocks whose attention is one of ``kinds``."""

@@ -4,6 +4,12 @@ The module is built on ``meta`` (no memory), then ``to_empty`` on the target dev
 its tensors is read with ``safetensors.safe_open`` straight from the file that holds it (single
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). The other modules'
 tensors are never read. A TP rank passes ``shard_fn`` to pull only its slice from the file.
+
+A checkpoint may store a tensor in another dimension order than the module holds it (the released
+Qwen3-VL-MoE experts: ``[E, H, 2I]`` on disk, ``[E, 2I, H]`` in transformers 5). A family that knows
+such a layout has the optional method ``stored_dims(fqn, stored_shape, shape) -> dims | None``
+(``stored.permute(dims)`` is the module's layout; None: the same layout): the loader then reads the
+rank's slice in the stored order and permutes it, so an expert-parallel rank still reads only its rows.
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ def own_slice(target: torch.Tensor, full: Any) -> torch.Tensor:
         return full[:]
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
+def permuted_slice(target: torch.Tensor, full: Any, dims: tuple[int, ...]) -> torch.Tensor:
+    """:func:`own_slice` of a tensor stored with its dimensions in another order: ``stored.permute(dims)``
+    has ``target``'s layout. Reads only this rank's slice (module dim ``i`` is stored dim ``dims[i]``)."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+    else:
+        shape, offset = tuple(target.shape), (0,) * target.dim()
+    stored: list[slice] = [slice(None)] * len(dims)
+    for i, d in enumerate(dims):
+        stored[d] = slice(offset[i], offset[i] + shape[i])
+    return full[tuple(stored)].permute(*dims).contiguous()
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, str]:
@@ -137,7 +158,9 @@ def load_module_weights(
         )
     module.to_empty(device=device)
     targets = {_strip_lora(k): v for k, v in module.state_dict(keep_vars=True).items() if not _is_adapter(k)}
-    files, nbytes = _read_into(targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn)
+    files, nbytes = _read_into(
+        targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn, family=family
+    )
     family.tie(module_name, module, hf_config)
     family.init_buffers(module_name, module)
     return LoadReport(
@@ -161,8 +184,10 @@ def _read_into(
     *,
     dtype: torch.dtype,
     shard_fn: ShardFn | None,
+    family: ModelFamily,
 ) -> tuple[set[str], int]:
     """Copy each needed tensor from its file into ``targets``; returns the files opened and bytes read."""
+    stored_dims = getattr(family, "stored_dims", None)  # optional: only families with a re-laid-out tensor
     nbytes = 0
     by_file: dict[str, list[str]] = {}
     for fqn, key in key_of.items():
@@ -173,7 +198,15 @@ def _read_into(
                 for fqn in fqns:
                     target = targets[fqn]
                     full = f.get_slice(key_of[fqn])
-                    value = shard_fn(fqn, target, full) if shard_fn is not None else own_slice(target, full)
+                    dims = None
+                    if stored_dims is not None:
+                        dims = stored_dims(fqn, tuple(full.get_shape()), tuple(target.shape))
+                    if dims is not None:
+                        value = permuted_slice(target, full, dims)
+                    elif shard_fn is not None:
+                        value = shard_fn(fqn, target, full)
+                    else:
+                        value = own_slice(target, full)
                     local = target._local_tensor if isinstance(target, DTensor) else target
                     if tuple(value.shape) != tuple(local.shape):
                         raise CheckpointError(

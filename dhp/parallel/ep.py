@@ -68,9 +68,16 @@ Composition (what is proven, what is not yet)
   eager c10d output), i.e. 8 all-to-alls per MoE layer per step instead of 5.
 - DCP checkpoints: ep=2 -> ep=1 and ep=1 -> ep=2, bit for bit.
 - DP: tested (non-expert grads SUMMED over the ranks, expert grads over ``edp``).
-- not yet: TP on attention beside EP, FSDP/ZeRO-1 on the non-expert parameters (their finalize step
-  must skip :func:`expert_params`, which today's ``finalize_grads`` does not), expert TP (``etp``),
-  LoRA on experts (the 3-D parameters are not ``nn.Linear``; refuse it in validation).
+- the runtime (``dhp.parallel.parallelize`` applies EP first, from ``plan.moe_blocks``; then
+  ``finalize_grads``/``grad_norm_sq``/``clip_grads_``/``build_optimizer``): tested at fsdp=2 x ep=2 and at
+  dp=2 x tp=2 (attention) x ep=2 against the single-process model over 3 AdamW steps, and a resume
+  through ``dhp.checkpoint`` ep=2 -> ep=1 -> ep=2 with the AdamW states, bit for bit.
+  FSDP ignores the expert parameters: they stay sharded over ``ep`` and REPLICATED over ``edp`` (their
+  grads are summed over ``edp`` by ``finalize_grads``); ZeRO-1 never partitions them (every rank keeps
+  the AdamW states of its own experts).
+- refused: LoRA on experts (``dhp.parallel.lora``: the 3-D parameters are not ``nn.Linear``), sequence
+  parallelism inside TP with ep > 1 (the plan-validity rule).
+- not yet: expert TP (``etp``), expert sharding over ``edp`` (FSDP of the experts on the edp sub-mesh).
 
 Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
 ``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)
@@ -243,8 +250,11 @@ class ExpertParallelExperts(nn.Module):
     every MoE block in the same order (a rank with no tokens still calls it with T = 0).
     """
 
-    def __init__(self, experts: nn.Module, ep_group_mesh: DeviceMesh) -> None:
+    def __init__(
+        self, experts: nn.Module, ep_group_mesh: DeviceMesh, *, fold_mesh: DeviceMesh | None = None
+    ) -> None:
         super().__init__()
+        self.fold_mesh = fold_mesh  # the 3-D (etp, edp, ep) mesh: finalize reduces over its edp
         _check_layout(experts)
         self.num_experts = experts.gate_up_proj.shape[0]
         self.mesh = ep_group_mesh
@@ -276,11 +286,12 @@ class ExpertParallelExperts(nn.Module):
         # received rows are grouped by source rank, then by local expert: regroup by local expert
         expert_of_row = torch.arange(self.num_local_experts, device=flat.device).repeat(self.ep)
         by_expert = torch.argsort(torch.repeat_interleave(expert_of_row, received.reshape(-1)), stable=True)
-        y = grouped_expert_mlp(
-            rows[by_expert],
+        x = rows[by_expert]
+        y = grouped_expert_mlp(  # weights in the activations' dtype (an FSDP bf16 policy casts the rest)
+            x,
             received.sum(0),
-            self.gate_up_proj.to_local(),
-            self.down_proj.to_local(),
+            self.gate_up_proj.to_local().to(x.dtype),
+            self.down_proj.to_local().to(x.dtype),
             self.act_fn,
         )
         y = y[torch.argsort(by_expert)]
@@ -335,7 +346,8 @@ def apply_ep(
     done = []
     for fqn, sub in list(module.named_modules()):
         if fnmatch.fnmatchcase(fqn, block_glob) and hasattr(sub, experts_attr):
-            setattr(sub, experts_attr, ExpertParallelExperts(getattr(sub, experts_attr), ep_axis))
+            swapped = ExpertParallelExperts(getattr(sub, experts_attr), ep_axis, fold_mesh=mesh)
+            setattr(sub, experts_attr, swapped)
             done.append(f"{fqn}.{experts_attr}")
     if not done:
         raise PlanError(
@@ -352,6 +364,14 @@ def expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         if isinstance(sub, ExpertParallelExperts)
         for n, p in sub.named_parameters(recurse=False)
     ]
+
+
+def expert_fold_mesh(module: nn.Module) -> DeviceMesh | None:
+    """The :func:`ep_mesh` that :func:`apply_ep` swapped ``module``'s experts over (None: no EP here)."""
+    for sub in module.modules():
+        if isinstance(sub, ExpertParallelExperts) and sub.fold_mesh is not None:
+            return sub.fold_mesh
+    return None
 
 
 def reduce_expert_grads_(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> None:

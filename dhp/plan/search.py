@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.handoff import resolve_handoff
-from dhp.config.plan_space import module_problems
+from dhp.config.plan_space import declared_axes, module_problems
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
 from dhp.models.arch import ModuleAxes
@@ -65,6 +65,7 @@ class Degrees:
     tp: int
     zero: int
     sequence_parallel: bool = False  # the LLM's SP inside its TP group (tp > 1 only)
+    ep: int = 1  # expert parallelism, folded over dp x fsdp x sp (dhp.parallel.ep)
 
     def as_dict(self) -> dict[str, int | bool]:
         out: dict[str, int | bool] = {
@@ -74,6 +75,7 @@ class Degrees:
             "tp": self.tp,
             "zero": self.zero,
         }
+        out |= {"ep": self.ep} if self.ep > 1 else {}
         return out | ({"sequence_parallel": True} if self.sequence_parallel else {})
 
     @property
@@ -297,7 +299,7 @@ class Search:
         return module_degrees(
             name,
             world,
-            axes=get_arch(self.cfg.model.family).module_axes(name, self.cfg.model),
+            axes=declared_axes(get_arch(self.cfg.model.family), name, self.cfg.model),
             gpus_per_node=self.gpn,
             mixed_precision=self.cfg.modules[name].mixed_precision,
         )
