@@ -71,6 +71,14 @@ def machine_profile(cfg):
     return this_machine(cfg)
 
 
+def with_data_lengths(cfg):
+    """``cfg`` with the data's measured lengths for the step-time estimate (dhp.data.lengths);
+    data that cannot be read is said on stderr, and the estimate fills micro-batches to seq_len."""
+    from dhp.data.lengths import with_data_lengths as measure
+
+    return measure(cfg, warn=lambda text: err_console.print(text, markup=False, soft_wrap=True))
+
+
 def refine_machine_profile(run_dir, cfg) -> None:
     """Fold a finished local run's phase times into this machine's profile cache (dhp.machine)."""
     from dhp.errors import DhpError
@@ -167,6 +175,7 @@ def plan(
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
     if auto:
         from dhp.plan.auto import render_auto, run_auto
 
@@ -277,6 +286,7 @@ def train(
     from dhp.runtime.train import train as run_training
 
     cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
     result = run_training(cfg, console=console)
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
