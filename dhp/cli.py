@@ -73,9 +73,17 @@ def machine_profile(cfg):
 
 def with_data_lengths(cfg):
     """``cfg`` with the data's measured lengths for the step-time estimate (dhp.data.lengths);
-    data that cannot be read is said on stderr, and the estimate fills micro-batches to seq_len."""
+    data that cannot be read is said on stderr, and the estimate fills micro-batches to seq_len.
+    Real data on a tiny model reads its tiny checkpoint's tokenizer: written here when missing
+    (the run would write it next), as ``dhp data check`` does."""
     from dhp.data.lengths import with_data_lengths as measure
 
+    if cfg.data.kind != "synthetic":
+        from dhp.models.tiny_cache import ensure_tiny_checkpoint
+
+        ensure_tiny_checkpoint(
+            cfg.model, say=lambda line: err_console.print(line, markup=False, soft_wrap=True)
+        )
     return measure(cfg, warn=lambda text: err_console.print(text, markup=False, soft_wrap=True))
 
 
