@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 
+from conftest import DEMO, jsonl_data
 from typer.testing import CliRunner
 
 from dhp.cli import app
@@ -21,19 +22,17 @@ from dhp.plan import compile_plan
 from dhp.plan.compile import module_shapes
 from dhp.plan.estimate import timing_shapes, vision_patches_per_replica
 
-from .conftest import DEMO, jsonl_data
-
 ROWS = [  # three rows of clearly different lengths: text only, one photo, two photos and more text
     {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},
     {
-        "image": "chelsea.jpg",
+        "image": "cat.jpg",
         "conversations": [
             {"from": "human", "value": "<image>\nWhat animal is this?"},
             {"from": "gpt", "value": "A tabby cat lying down, looking to its left."},
         ],
     },
     {
-        "image": ["coffee.jpg", "rocket.jpg"],
+        "image": ["espresso.jpg", "rocket.jpg"],
         "conversations": [
             {"from": "human", "value": "<image>\n<image>\nDescribe both pictures in detail, one by one."},
             {"from": "gpt", "value": "The first is a cup of coffee on a saucer. " * 6},
@@ -43,7 +42,7 @@ ROWS = [  # three rows of clearly different lengths: text only, one photo, two p
 
 
 def _write_rows(tmp_path, rows=ROWS):
-    for name in ("chelsea.jpg", "coffee.jpg", "rocket.jpg"):
+    for name in ("cat.jpg", "espresso.jpg", "rocket.jpg"):
         shutil.copy(DEMO / "images" / name, tmp_path / name)
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -109,7 +108,7 @@ def test_lengths_are_cached_by_path_and_mtime(tiny_model, tmp_path, monkeypatch)
     data = jsonl_data(path, tmp_path, max_pixels=12544)
     args = dict(data=data, model=tiny_model, vision_seq_len=256, llm_seq_len=256)
     first = cached_lengths(**args)
-    for name in ("chelsea.jpg", "coffee.jpg", "rocket.jpg"):  # the rows can no longer be processed
+    for name in ("cat.jpg", "espresso.jpg", "rocket.jpg"):  # the rows can no longer be processed
         (tmp_path / name).unlink()
     assert cached_lengths(**args) == first  # the dataset file did not change: the cached counts
     st = path.stat()
