@@ -29,7 +29,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.schema import DataConfig, DataLengths, ModelConfig
-from dhp.errors import DhpError
+from dhp.data.bad import BadSampleError
+from dhp.data.check import load_or_bad
+from dhp.data.llava import resolve_path
+from dhp.data.source import build_source, epoch_order
+from dhp.errors import DataError, DhpError
 
 #: rows measured at most (the demo set's 25 all fit; a large set costs ~SAMPLE_ROWS samples' processing)
 SAMPLE_ROWS = 64
@@ -40,8 +44,6 @@ CACHE_VERSION = 1  # bump when what is measured changes
 def sample_indices(sizes: list[int], weights: list[float], *, seed: int, rows: int) -> tuple[list[int], int]:
     """(global indices of at most ``rows`` rows spread evenly over one unshuffled epoch, the epoch's
     length). Deterministic: the same datasets, weights and seed give the same rows."""
-    from dhp.data.source import epoch_order
-
     order = epoch_order(sizes=sizes, weights=weights, seed=seed, epoch=0, shuffle=False)
     n = len(order)
     if n <= rows:
@@ -61,17 +63,12 @@ def measure_lengths(
     """Process the sampled rows exactly as ``dhp data check`` does and keep each row's LLM tokens,
     encoder patches and media items. Bad rows are left out of the counts; DataError when none of
     the sampled rows can be processed, or the source cannot be built (ConfigError, DataError)."""
-    from dhp.data.bad import BadSampleError
-    from dhp.data.check import _load
-    from dhp.data.source import build_source
-    from dhp.errors import DataError
-
     source, sizes, weights = build_source(
         data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
     )
     picks, total = sample_indices(sizes, weights, seed=seed, rows=rows)
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
-        loaded = list(pool.map(lambda i: _load(source, i), picks))
+        loaded = list(pool.map(lambda i: load_or_bad(source, i), picks))
     good = [s for s in loaded if not isinstance(s, BadSampleError)]
     if not good:
         first = next((s for s in loaded if isinstance(s, BadSampleError)), None)
@@ -89,9 +86,6 @@ def measure_lengths(
 
 def _stat(path: str, key: str) -> list:
     """(resolved path, size, mtime_ns) of a dataset or model path; DataError when it is not there."""
-    from dhp.data.llava import resolve_path
-    from dhp.errors import DataError
-
     resolved = resolve_path(path, key=key)
     try:
         st = resolved.stat()
