@@ -11,14 +11,16 @@ the per-row counts into ``data.lengths`` of the config, which the planner reads
 
 Sample: at most :data:`SAMPLE_ROWS` rows spread evenly over one unshuffled epoch (each dataset
 repeated by its weight, ``epoch_order``), the same rows on every call. Results are cached under
-``$DHP_CACHE_DIR/data_lengths/`` by the datasets' paths, sizes and modification times and every
-setting the counts depend on; a changed file or setting measures again. Data that cannot be read
+``$DHP_CACHE_DIR/data_lengths/`` by the datasets' files (paths, sizes, modification times; a
+folder's own, which a file added or removed changes) and every setting the counts depend on; a
+changed file or setting measures again. Data that cannot be read
 leaves ``data.lengths`` unmeasured with the reason in ``note``: the estimate then fills every
 micro-batch to ``seq_len`` and says why.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -31,8 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from dhp.config.schema import DataConfig, DataLengths, ModelConfig
 from dhp.data.bad import BadSampleError
 from dhp.data.check import load_or_bad
+from dhp.data.dataset_info import resolve_info
 from dhp.data.llava import resolve_path
 from dhp.data.source import build_source, epoch_order
+from dhp.data.wds import expand_shards
 from dhp.errors import DataError, DhpError
 
 #: rows measured at most (the demo set's 25 all fit; a large set costs ~SAMPLE_ROWS samples' processing)
@@ -84,14 +88,25 @@ def measure_lengths(
     )
 
 
-def _stat(path: str, key: str) -> list:
-    """(resolved path, size, mtime_ns) of a dataset or model path; DataError when it is not there."""
-    resolved = resolve_path(path, key=key)
+def _files(path: str, key: str) -> list[list]:
+    """[resolved path, size, mtime_ns] of each file a dataset or model path names (a file, a folder
+    itself, a glob's or a shard range's matches); DataError when it names nothing readable."""
+    if "{" in path:
+        found = expand_shards(path)
+    elif any(c in path for c in "*?["):
+        found = [Path(p) for p in sorted(glob.glob(path))]
+    else:
+        found = [resolve_path(path, key=key)]
+    out = []
     try:
-        st = resolved.stat()
+        for f in found:
+            st = f.stat()
+            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     except OSError as e:
         raise DataError(f"{key} = {path!r}: cannot read it ({e.strerror or e}). Fix: correct the path") from e
-    return [str(resolved.resolve()), st.st_size, st.st_mtime_ns]
+    if not out:
+        raise DataError(f"{key} = {path!r}: matches no file. Fix: correct the path")
+    return out
 
 
 def cache_key(
@@ -102,9 +117,11 @@ def cache_key(
     path, size and modification time. DataError when a dataset path cannot be read."""
     settings = OmegaConf.to_container(OmegaConf.structured(data), resolve=True)
     settings.pop("lengths", None)
-    files = [_stat(str(e.path), f"data.datasets[{i}].path") for i, e in enumerate(data.datasets)]
+    files = [
+        _files(str(resolve_info(e).path), f"data.datasets[{i}].path") for i, e in enumerate(data.datasets)
+    ]
     if model.path:
-        files.append(_stat(str(model.path), "model.path"))
+        files.append(_files(str(model.path), "model.path"))
     ident = {
         "version": CACHE_VERSION,
         "data": settings,

@@ -145,8 +145,7 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
     parts = [f"median {toks[(len(toks) - 1) // 2]} tokens"]
     if "vision" in shapes:
         parts.append(f"{patches[(len(patches) - 1) // 2]} patches per row")
-    llm = shapes["llm"]
-    timed = f"LLM {llm.micro_batch} x {llm.seq_len} tokens"
+    timed = [f"LLM {shapes['llm'].micro_batch} x {shapes['llm'].seq_len} tokens"] if "llm" in shapes else []
     if "vision" in shapes:
         v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
         patch = vision_patches_per_replica(
@@ -156,10 +155,10 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
             llm_replicas=RankLayout.from_parallel(lm).num_replicas,
             vision_replicas=RankLayout.from_parallel(v).num_replicas,
         )
-        timed += f", {patch:.0f} patches"
+        timed.append(f"{patch:.0f} patches")
     return (
         f"step time from the data's lengths: {', '.join(parts)}, {lengths.rows} rows sampled of "
-        f"{lengths.of_rows}; a micro-batch timed at {timed}; memory at the seq_len bound"
+        f"{lengths.of_rows}; a micro-batch timed at {', '.join(timed)}; memory at the seq_len bound"
     )
 
 
