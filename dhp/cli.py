@@ -76,14 +76,12 @@ def with_data_lengths(cfg):
     data that cannot be read is said on stderr, and the estimate fills micro-batches to seq_len.
     Real data on a tiny model reads its tiny checkpoint's tokenizer: written here when missing
     (the run would write it next), as ``dhp data check`` does."""
+    if cfg.data.kind == "synthetic":  # sizes known from the config: nothing to measure or import
+        return cfg
     from dhp.data.lengths import with_data_lengths as measure
+    from dhp.models.tiny_cache import ensure_tiny_checkpoint
 
-    if cfg.data.kind != "synthetic":
-        from dhp.models.tiny_cache import ensure_tiny_checkpoint
-
-        ensure_tiny_checkpoint(
-            cfg.model, say=lambda line: err_console.print(line, markup=False, soft_wrap=True)
-        )
+    ensure_tiny_checkpoint(cfg.model, say=lambda line: err_console.print(line, markup=False, soft_wrap=True))
     return measure(cfg, warn=lambda text: err_console.print(text, markup=False, soft_wrap=True))
 
 
