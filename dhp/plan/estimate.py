@@ -103,17 +103,20 @@ def expected_longest(lengths: list[int], k: int) -> float:
     return sum(x * math.comb(i, k - 1) for i, x in enumerate(xs)) / total
 
 
-def timing_shapes(config: DictConfig, shapes: dict[str, ModuleShape]) -> dict[str, ModuleShape]:
+def timing_shapes(
+    config: DictConfig, shapes: dict[str, ModuleShape], *, micro_batch: int | None = None
+) -> dict[str, ModuleShape]:
     """The shapes the step time is computed on. With the data's measured lengths: the LLM's rows
     padded to the expected longest sample of a micro-batch (packed: the micro-batch's tokens in as
     few rows of ``data.max_tokens`` as they fill), and the encoder's full-attention span the data's
     mean patches per image or video; else ``shapes`` (micro-batches filled to ``seq_len``, as
-    memory keeps them: memory is never planned on a sample's lengths)."""
+    memory keeps them: memory is never planned on a sample's lengths). ``micro_batch``: samples per
+    micro-batch (default ``train.micro_batch_size``; the ``--auto`` search tries others)."""
     lengths = data_lengths(config)
     if lengths is None:
         return shapes
     out = dict(shapes)
-    mb = int(config.train.micro_batch_size)
+    mb = int(config.train.micro_batch_size if micro_batch is None else micro_batch)
     if "llm" in out:
         llm = out["llm"]
         if config.data.packing:  # shape: micro_batch = the row bound, seq_len = the row length
