@@ -71,6 +71,20 @@ def machine_profile(cfg):
     return this_machine(cfg)
 
 
+def with_data_lengths(cfg):
+    """``cfg`` with the data's measured lengths for the step-time estimate (dhp.data.lengths);
+    data that cannot be read is said on stderr, and the estimate fills micro-batches to seq_len.
+    Real data on a tiny model reads its tiny checkpoint's tokenizer: written here when missing
+    (the run would write it next), as ``dhp data check`` does."""
+    if cfg.data.kind == "synthetic":  # sizes known from the config: nothing to measure or import
+        return cfg
+    from dhp.data.lengths import with_data_lengths as measure
+    from dhp.models.tiny_cache import ensure_tiny_checkpoint
+
+    ensure_tiny_checkpoint(cfg.model, say=lambda line: err_console.print(line, markup=False, soft_wrap=True))
+    return measure(cfg, warn=lambda text: err_console.print(text, markup=False, soft_wrap=True))
+
+
 def refine_machine_profile(run_dir, cfg) -> None:
     """Fold a finished local run's phase times into this machine's profile cache (dhp.machine)."""
     from dhp.errors import DhpError
@@ -167,6 +181,7 @@ def plan(
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
     if auto:
         from dhp.plan.auto import render_auto, run_auto
 
@@ -277,6 +292,7 @@ def train(
     from dhp.runtime.train import train as run_training
 
     cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
     result = run_training(cfg, console=console)
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM

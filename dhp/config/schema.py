@@ -251,6 +251,22 @@ class SyntheticData:
 
 
 @dataclass
+class DataLengths:
+    """Per-row lengths of a bounded, deterministic sample of the data, measured at plan time by
+    ``dhp plan``/``dhp train`` (``dhp.data.lengths``, the counts ``dhp data check`` reports): the
+    step-time estimate of a real-data run times these instead of micro-batches filled to
+    ``seq_len``. Memory never reads them (it stays at the seq_len bound). Written by the CLI into
+    the run's config; not a setting. ``rows`` 0: not measured (``note`` says why)."""
+
+    rows: int = 0  # rows sampled
+    of_rows: int = 0  # rows one epoch draws (dataset sizes times their weights)
+    tokens: list[int] = field(default_factory=list)  # LLM tokens of each sampled row, sorted
+    patches: list[int] = field(default_factory=list)  # encoder patches of each sampled row, sorted
+    media: int = 0  # images + videos in the sampled rows (a video is one item of its frames)
+    note: str = ""  # why the lengths were not measured (empty when measured or not attempted)
+
+
+@dataclass
 class DataConfig:
     """Where samples come from and how they are processed. Owned by ``dhp/data``."""
 
@@ -285,6 +301,7 @@ class DataConfig:
     video_folder_fps: float = 2.0
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 112 * 112
+    lengths: DataLengths = field(default_factory=DataLengths)  # measured by the CLI (above)
 
 
 @dataclass

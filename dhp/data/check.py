@@ -93,7 +93,7 @@ def percentiles(values: list[int]) -> dict[str, int]:
     return out
 
 
-def _load(source, index: int):
+def load_or_bad(source, index: int):
     """The sample, or its BadSampleError (the check collects bad samples instead of stopping)."""
     try:
         return source.load(index)
@@ -125,7 +125,7 @@ def check_data(
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
         chunks = (range(a, min(a + CHUNK, len(source))) for a in range(0, len(source), CHUNK))
         for n, sample in enumerate(
-            s for chunk in chunks for s in pool.map(lambda i: _load(source, i), chunk)
+            s for chunk in chunks for s in pool.map(lambda i: load_or_bad(source, i), chunk)
         ):
             if on_progress is not None and ((n + 1) % CHUNK == 0 or n + 1 == len(source)):
                 on_progress(n + 1, len(source))

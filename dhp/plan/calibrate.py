@@ -34,6 +34,7 @@ from dhp.plan.estimate import (
     coefficients,
     module_features,
     seconds,
+    timing_shapes,
     vision_tokens_per_rank,
 )
 
@@ -93,7 +94,8 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
     n_mb = micro_batches_per_step(config)
     out = []
     per: dict[str, tuple] = {}
-    for name, shape in module_shapes(config).items():
+    # the shapes the estimate times (the run's measured data lengths, when its config has them)
+    for name, shape in timing_shapes(config, module_shapes(config)).items():
         world = int(config.modules[name].gpus)
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
         procs = busy_processes(sum(int(m.gpus) for m in config.modules.values()))

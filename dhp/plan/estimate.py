@@ -8,6 +8,8 @@ runs, using the same features, so the plan and the fit can never disagree on a f
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -82,9 +84,91 @@ def seconds(features: dict[str, float], coef: dict[str, float]) -> float:
     return sum(features.get(k, 0.0) * coef[k] for k in FEATURES)
 
 
+def data_lengths(config: DictConfig) -> DictConfig | None:
+    """The real data's measured per-row lengths (``data.lengths``, written by the CLI from a sample
+    of the data: ``dhp.data.lengths``), or None: synthetic data, or lengths not measured."""
+    if config.data.kind == "synthetic" or config.data.lengths.rows <= 0:
+        return None
+    return config.data.lengths
+
+
+def expected_longest(lengths: list[int], k: int) -> float:
+    """The expected longest of ``k`` rows drawn without replacement from ``lengths`` (the loader
+    right-pads a micro-batch's LLM rows to its longest sample): sum over the sorted rows of
+    x_(i) * C(i-1, k-1) / C(n, k); the longest row when ``k`` >= n."""
+    xs, n = sorted(lengths), len(lengths)
+    if k >= n:
+        return float(xs[-1])
+    total = math.comb(n, k)
+    return sum(x * math.comb(i, k - 1) for i, x in enumerate(xs)) / total
+
+
+def timing_shapes(
+    config: DictConfig, shapes: dict[str, ModuleShape], *, micro_batch: int | None = None
+) -> dict[str, ModuleShape]:
+    """The shapes the step time is computed on. With the data's measured lengths: the LLM's rows
+    padded to the expected longest sample of a micro-batch (packed: the micro-batch's tokens in as
+    few rows of ``data.max_tokens`` as they fill), and the encoder's full-attention span the data's
+    mean patches per image or video; else ``shapes`` (micro-batches filled to ``seq_len``, as
+    memory keeps them: memory is never planned on a sample's lengths). ``micro_batch``: samples per
+    micro-batch (default ``train.micro_batch_size``; the ``--auto`` search tries others)."""
+    lengths = data_lengths(config)
+    if lengths is None:
+        return shapes
+    out = dict(shapes)
+    mb = int(config.train.micro_batch_size if micro_batch is None else micro_batch)
+    if "llm" in out:
+        llm = out["llm"]
+        if config.data.packing:  # shape: micro_batch = the row bound, seq_len = the row length
+            need = mb * sum(lengths.tokens) / len(lengths.tokens)
+            rows = min(llm.micro_batch, max(1, math.ceil(need / llm.seq_len)))
+            out["llm"] = dataclasses.replace(
+                llm, micro_batch=rows, seq_len=min(llm.seq_len, math.ceil(need / rows))
+            )
+        else:
+            row = min(llm.seq_len, math.ceil(expected_longest(list(lengths.tokens), mb)))
+            out["llm"] = dataclasses.replace(llm, seq_len=max(1, row))
+    if "vision" in out and lengths.media > 0:
+        out["vision"] = dataclasses.replace(
+            out["vision"], image_patches=round(sum(lengths.patches) / lengths.media)
+        )
+    return out
+
+
+def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
+    """How the estimate's micro-batches were sized, for the estimate line (empty for synthetic
+    data, whose sizes are configured). ``shapes``: :func:`timing_shapes`' result."""
+    if config.data.kind == "synthetic":
+        return ""
+    lengths = data_lengths(config)
+    if lengths is None:
+        why = config.data.lengths.note or "not measured"
+        return f"micro-batches filled to seq_len (data lengths: {why})"
+    toks, patches = sorted(lengths.tokens), sorted(lengths.patches)
+    parts = [f"median {toks[(len(toks) - 1) // 2]} tokens"]
+    if "vision" in shapes:
+        parts.append(f"{patches[(len(patches) - 1) // 2]} patches per row")
+    timed = [f"LLM {shapes['llm'].micro_batch} x {shapes['llm'].seq_len} tokens"] if "llm" in shapes else []
+    if "vision" in shapes:
+        v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
+        patch = vision_patches_per_replica(
+            config,
+            seq_len=shapes["vision"].seq_len,
+            micro_batch=config.train.micro_batch_size,
+            llm_replicas=RankLayout.from_parallel(lm).num_replicas,
+            vision_replicas=RankLayout.from_parallel(v).num_replicas,
+        )
+        timed.append(f"{patch:.0f} patches")
+    return (
+        f"step time from the data's lengths: {', '.join(parts)}, {lengths.rows} rows sampled of "
+        f"{lengths.of_rows}; a micro-batch timed at {', '.join(timed)}; memory at the seq_len bound"
+    )
+
+
 def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
     """Patches one vision rank encodes per driver micro-batch: the real share when the data is
-    synthetic (known patches per sample), else the configured capacity ``seq_len``."""
+    synthetic (known patches per sample) or its lengths were measured (``data_lengths``), else the
+    configured capacity ``seq_len``."""
     v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
     total = vision_patches_per_replica(
         config,
@@ -100,10 +184,15 @@ def vision_patches_per_replica(
     config: DictConfig, *, seq_len: int, micro_batch: int, llm_replicas: int, vision_replicas: int
 ) -> float:
     """Patches one encoder replica encodes per driver micro-batch: its share of the LLM replicas'
-    samples when the data is synthetic (images and videos of known size), else its capacity
-    ``seq_len``. The estimate and the ``--auto`` search both time the encoder with this."""
+    samples when the data is synthetic (images and videos of known size) or measured (the sampled
+    rows' mean patches), else its capacity ``seq_len``. The estimate and the ``--auto`` search both
+    time the encoder with this."""
     if config.data.kind != "synthetic":
-        return float(seq_len)
+        lengths = data_lengths(config)
+        if lengths is None:
+            return float(seq_len)
+        per_row = sum(lengths.patches) / len(lengths.patches)
+        return min(float(seq_len), llm_replicas * micro_batch * per_row / vision_replicas)
     syn, temporal = config.data.synthetic, video_frames_per_row(config.model)
     video = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
     per_sample = syn.patches * syn.images_per_sample + video
@@ -249,6 +338,7 @@ def estimate_step(
     coef = coefficients(cluster)
     per: dict[str, dict[str, float]] = {}
     hand = 0.0
+    shapes = timing_shapes(config, shapes)
     for name, shape in shapes.items():
         world = plan.group(name).world_size
         tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
@@ -258,10 +348,18 @@ def estimate_step(
         if name == "vision":
             hand = handoff_s(config, plan, shape, tokens * shape.parallel.sp, cluster)
     step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s)
-    text = config.train.global_batch_size * config.modules["llm"].seq_len
+    lengths = data_lengths(config)
+    gbs = int(config.train.global_batch_size)
+    seqs = [config.modules["llm"].seq_len] * gbs
+    if lengths is not None:  # the sampled rows, cycled over the step's samples
+        seqs = [int(lengths.tokens[i % lengths.rows]) for i in range(gbs)]
+    text = float(sum(seqs))
     images: list[int] = []
     if "vision" in shapes:
-        if config.data.kind == "synthetic":
+        if lengths is not None:  # the sampled rows' images and videos, at their mean size
+            per_item = round(sum(lengths.patches) / lengths.media) if lengths.media else 0
+            images = [per_item] * (round(lengths.media * gbs / lengths.rows) if per_item else 0)
+        elif config.data.kind == "synthetic":
             syn = config.data.synthetic
             images = [syn.patches] * (syn.images_per_sample * config.train.global_batch_size)
             if syn.videos_per_sample:  # video items: t x patches each
@@ -271,7 +369,6 @@ def estimate_step(
             vp = config.modules["vision"].parallel
             images = [config.modules["vision"].seq_len] * (n_mb * RankLayout.from_parallel(vp).num_replicas)
     vision = float(sum(images))
-    seqs = [config.modules["llm"].seq_len] * config.train.global_batch_size
     model_flops = palm_model_flops(config, images, seqs)
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
     return StepEstimate(
@@ -285,5 +382,5 @@ def estimate_step(
         idle_s=step.idle_s,
         profile=str(cluster.profile),
         modules=per,
-        provenance=str(cluster.provenance),
+        provenance="; ".join(p for p in (str(cluster.provenance), lengths_note(config, shapes)) if p),
     )
