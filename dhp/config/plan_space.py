@@ -38,7 +38,8 @@ class ModuleAxes:
     name every size the degree must divide (each rank holds 1/degree of it); ``tp_sequence_parallel``:
     Megatron sequence parallelism inside the TP group exists. ``fsdp`` and ``dp`` apply to any module.
     The plan-validity rule (``dhp.config.plan_space``) reads this; the runtime's
-    ``ModuleParallelPlan`` describes the same facts (a test keeps them equal).
+    ``ModuleParallelPlan`` describes the same facts (a test keeps them equal). ``ep``: expert
+    parallelism over the dp x fsdp x sp ranks (``dhp/parallel/ep.py``).
     """
 
     tp: bool
@@ -46,6 +47,10 @@ class ModuleAxes:
     tp_sequence_parallel: bool
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     sp_divides: Mapping[str, int] = field(default_factory=dict)
+    #: expert parallelism exists (the module has mixture-of-experts layers); ``ep_divides`` names the
+    #: sizes ep must divide (the expert count: each EP rank holds 1/ep of the experts)
+    ep: bool = False
+    ep_divides: Mapping[str, int] = field(default_factory=dict)
 
 
 def _get(par: Any, key: str) -> Any:
@@ -129,6 +134,22 @@ def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: Issues) -> None
         "use sp (and dp/fsdp) for this module",
     ):
         _divides(out, f"{prefix}.parallel.tp", tp, axes.tp_divides)
+    ep = int(_get(par, "ep"))
+    folded = int(_get(par, "dp")) * int(_get(par, "fsdp")) * sp
+    if out.check(
+        ep == 1 or axes.ep,
+        f"{prefix}.parallel.ep",
+        ep,
+        "this module has no mixture-of-experts layers to shard by expert",
+        "set ep=1",
+    ) and out.check(
+        ep >= 1 and folded % ep == 0,
+        f"{prefix}.parallel.ep",
+        ep,
+        f"the EP group is folded from the dp x fsdp x sp ranks ({folded}): ep must divide them",
+        f"choose ep among the divisors of {folded}",
+    ):
+        _divides(out, f"{prefix}.parallel.ep", ep, axes.ep_divides)
     out.check(
         not seq or axes.tp_sequence_parallel,
         f"{prefix}.parallel.sequence_parallel",

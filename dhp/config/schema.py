@@ -148,6 +148,8 @@ class ParallelConfig:
     fsdp: int = 1
     sp: int = 1
     tp: int = 1
+    # expert-parallel degree of the module's MoE layers; the EP group is folded from the dp x fsdp x sp ranks (docs in dhp/parallel/ep.py); 1 = no EP
+    ep: int = 1
     zero: int = 0
     # Megatron-style sequence parallelism inside the TP group (norms/residual sharded by sequence)
     sequence_parallel: bool = False

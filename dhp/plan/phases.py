@@ -42,8 +42,10 @@ from dhp.plan.memory import (
     ModuleShape,
     activations_of,
     block_work_bytes,
+    delta_rule_work_bytes,
     eager_block_bytes,
     model_states,
+    non_expert_params,
 )
 
 PHASES = (
@@ -173,13 +175,19 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         bwd["grad_hidden"] = int(2 * tokens * h / s * a)
     if eager_one:
         fwd["attention_scores"] = bwd["attention_scores"] = eager_one
+    chunks = delta_rule_work_bytes(shape)
+    if chunks:  # a linear block's chunk states: built in its forward, again in its backward
+        fwd["delta_rule_states"] = chunks
+        if shape.backward:
+            bwd["delta_rule_states"] = chunks
     if par.sp > 1 and shape.arch.sp_exchange_blocks:  # Ulysses' q/k/v exchange buffers
         fwd["all_to_all"] = bwd["all_to_all"] = int(2 * 3 * tokens * h / par.tp * a)
     if s > 1:
         fwd["sp_gather"] = bwd["sp_gather"] = int(tokens * h * a)
-    if par.fsdp > 1:
-        layer_full = shape.layer_params.per_tp_rank(par.tp)
-        root_full = shape.params.per_tp_rank(par.tp) - shape.layer.layers * layer_full
+    if par.fsdp > 1:  # FSDP gathers the non-expert parameters (the experts are EP's, whole)
+        dense, dense_block = non_expert_params(shape)
+        layer_full = dense_block.per_tp_rank(par.tp)
+        root_full = dense.per_tp_rank(par.tp) - shape.layer.layers * layer_full
         gathered = int((2 * layer_full + root_full) * a)
         fwd["fsdp_gather"] = gathered
         if shape.backward:
