@@ -1,7 +1,8 @@
 """The space of valid plans: one rule, asked by validation, the ``--auto`` search and ``parallelize``.
 
 :func:`module_problems` answers "is this plan valid for this module, and if not why" for one
-module's GPU count, degrees (dp, fsdp, sp, tp, ZeRO-1, sequence parallelism inside TP), the axes the
+module's GPU count, degrees (dp, fsdp, sp, tp, the expert-parallel degree ep, ZeRO-1, sequence
+parallelism inside TP), the axes the
 module supports (:class:`~dhp.models.arch.ModuleAxes`, declared by its family), a TP group inside one
 node, the activation-checkpointing mode and the mixed-precision policy. :func:`placement_problems`
 answers it for the modules together: placement, the cluster's GPUs, N:M routing of replicas and the
@@ -18,8 +19,9 @@ search's ``Degrees`` alike).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dhp.config.ac import parse_ac_mode
@@ -37,9 +39,10 @@ class ModuleAxes:
     ``tp``/``sp``: tensor parallelism / Ulysses SP exist for the module; ``tp_divides``/``sp_divides``
     name every size the degree must divide (each rank holds 1/degree of it); ``tp_sequence_parallel``:
     Megatron sequence parallelism inside the TP group exists. ``fsdp`` and ``dp`` apply to any module.
-    The plan-validity rule (``dhp.config.plan_space``) reads this; the runtime's
-    ``ModuleParallelPlan`` describes the same facts (a test keeps them equal). ``ep``: expert
-    parallelism over the dp x fsdp x sp ranks (``dhp/parallel/ep.py``).
+    ``experts``: the expert count every sparse-MoE block of the module has (0: no MoE block, so
+    ``ep`` must stay 1); the torch-free side reads it from the typed architecture's
+    ``Mlp(kind="moe", experts=...)`` (:func:`with_experts`). The plan-validity rule (``dhp.config.plan_space``) reads this; the runtime's
+    ``ModuleParallelPlan`` describes the same facts (a test keeps them equal).
     """
 
     tp: bool
@@ -47,10 +50,25 @@ class ModuleAxes:
     tp_sequence_parallel: bool
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     sp_divides: Mapping[str, int] = field(default_factory=dict)
-    #: expert parallelism exists (the module has mixture-of-experts layers); ``ep_divides`` names the
-    #: sizes ep must divide (the expert count: each EP rank holds 1/ep of the experts)
-    ep: bool = False
-    ep_divides: Mapping[str, int] = field(default_factory=dict)
+    experts: int = 0
+
+
+def moe_experts(blocks: Iterable[Any]) -> int:
+    """The expert count an EP degree must divide, from typed-architecture blocks (``block.mlp.kind``
+    / ``block.mlp.experts``): the gcd over the MoE blocks (all equal in practice), 0 without any."""
+    return math.gcd(*(int(b.mlp.experts) for b in blocks if b.mlp.kind == "moe"))
+
+
+def with_experts(axes: ModuleAxes, blocks: Iterable[Any]) -> ModuleAxes:
+    """``axes`` with ``experts`` read from the module's typed-architecture blocks (:func:`moe_experts`)."""
+    return replace(axes, experts=moe_experts(blocks))
+
+
+def declared_axes(family_arch: Any, name: str, model: Any) -> ModuleAxes:
+    """What module ``name`` supports, as its family declares it torch-free: ``family_arch.module_axes``
+    with ``experts`` from ``family_arch.architecture(model)`` (validation and the search both ask this)."""
+    axes = family_arch.module_axes(name, model)
+    return with_experts(axes, family_arch.architecture(model).modules[name].blocks)
 
 
 def _get(par: Any, key: str) -> Any:
@@ -134,28 +152,44 @@ def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: Issues) -> None
         "use sp (and dp/fsdp) for this module",
     ):
         _divides(out, f"{prefix}.parallel.tp", tp, axes.tp_divides)
-    ep = int(_get(par, "ep"))
-    folded = int(_get(par, "dp")) * int(_get(par, "fsdp")) * sp
-    if out.check(
-        ep == 1 or axes.ep,
-        f"{prefix}.parallel.ep",
-        ep,
-        "this module has no mixture-of-experts layers to shard by expert",
-        "set ep=1",
-    ) and out.check(
-        ep >= 1 and folded % ep == 0,
-        f"{prefix}.parallel.ep",
-        ep,
-        f"the EP group is folded from the dp x fsdp x sp ranks ({folded}): ep must divide them",
-        f"choose ep among the divisors of {folded}",
-    ):
-        _divides(out, f"{prefix}.parallel.ep", ep, axes.ep_divides)
     out.check(
         not seq or axes.tp_sequence_parallel,
         f"{prefix}.parallel.sequence_parallel",
         seq,
         "this module has no sequence parallelism inside TP",
         "set it to false",
+    )
+    ep = int(_get(par, "ep"))
+    if ep > 1 and out.check(
+        axes.experts > 0,
+        f"{prefix}.parallel.ep",
+        ep,
+        "this module has no mixture-of-experts blocks to shard (expert parallelism needs an MoE family)",
+        "set ep=1",
+    ):
+        _divides(out, f"{prefix}.parallel.ep", ep, {"number of experts": axes.experts})
+
+
+def _ep_problems(prefix: str, par: Any, out: Issues) -> None:
+    """EP folds over the ranks that see different tokens (dp x fsdp x sp, ``dhp.parallel.ep``)."""
+    ep = int(_get(par, "ep"))
+    if not out.check(ep >= 1, f"{prefix}.parallel.ep", ep, "must be >= 1", "use 1 to disable"):
+        return
+    folded = int(_get(par, "dp")) * int(_get(par, "fsdp")) * int(_get(par, "sp"))
+    out.check(
+        folded % ep == 0,
+        f"{prefix}.parallel.ep",
+        ep,
+        f"the EP group is folded from the dp x fsdp x sp ranks ({folded}), which ep must divide",
+        f"choose ep among the divisors of {folded}, or raise dp/fsdp",
+    )
+    out.check(
+        not (ep > 1 and bool(_get(par, "sequence_parallel"))),
+        f"{prefix}.parallel.sequence_parallel",
+        True,
+        "sequence parallelism inside TP gives each TP rank different tokens, which expert parallelism "
+        "(folded over dp x fsdp x sp only) does not route",
+        "set sequence_parallel=false when ep > 1",
     )
 
 
@@ -171,7 +205,7 @@ def module_problems(
 ) -> list[ConfigIssue]:
     """Every reason module ``name``'s plan is invalid (empty: valid).
 
-    ``parallel``: the degrees (dp, fsdp, sp, tp, zero, sequence_parallel by key or attribute);
+    ``parallel``: the degrees (dp, fsdp, sp, tp, ep, zero, sequence_parallel by key or attribute);
     ``axes``: what the module supports (None: not known here, e.g. the family failed validation);
     ``gpus_per_node``: a TP group must fit inside and tile one node (None: no cluster to check).
     """
@@ -185,6 +219,7 @@ def module_problems(
                   f"set {prefix}.activation_checkpointing=full (or off, selective, every_n:2)")  # fmt: skip
     if not _degree_problems(prefix, gpus, parallel, out):
         return out.items  # a degree < 1: divisibility would divide by zero
+    _ep_problems(prefix, parallel, out)
     tp = int(_get(parallel, "tp"))
     if gpus_per_node is not None and tp > 1:
         out.check(

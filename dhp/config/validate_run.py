@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from dhp.config.constants import BAD_SAMPLE_POLICIES, DATA_KINDS
 from dhp.config.issues import Issues
-from dhp.config.plan_space import ModuleAxes, layout_ok, module_problems, placement_problems
+from dhp.config.plan_space import ModuleAxes, declared_axes, layout_ok, module_problems, placement_problems
 from dhp.config.validate_data_keys import MARKERS_PER_VISUAL, synthetic_sample_tokens
 from dhp.layout import RankLayout
 from dhp.models.registry import family_names, get_arch
@@ -33,7 +33,7 @@ def module_axes(name: str, model: DictConfig) -> ModuleAxes | None:
     if model.family not in family_names():
         return None
     try:
-        return get_arch(model.family).module_axes(name, model)
+        return declared_axes(get_arch(model.family), name, model)
     except (KeyError, ValueError, TypeError):
         return None
 

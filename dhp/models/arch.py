@@ -28,17 +28,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters of one module: those TP shards and those every TP rank replicates."""
+    """Parameters of one module: those TP shards, those every TP rank replicates, and the routed
+    experts of an MoE (``expert``: split over the EP ranks, whole on every TP rank; 0 for a dense model)."""
 
     tp_sharded: int
     replicated: int
+    expert: int = 0
 
     @property
     def total(self) -> int:
-        return self.tp_sharded + self.replicated
+        return self.tp_sharded + self.replicated + self.expert
 
     def per_tp_rank(self, tp: int) -> float:
-        return self.tp_sharded / tp + self.replicated
+        """Parameters on one TP rank without expert parallelism (every expert whole)."""
+        return self.tp_sharded / tp + self.replicated + self.expert
+
+    def per_rank(self, *, tp: int, ep: int) -> float:
+        """Parameters on one rank of a TP x EP plan (before FSDP): experts divided by ``ep``."""
+        return self.tp_sharded / tp + self.replicated + self.expert / ep
 
 
 @dataclass(frozen=True)
@@ -259,14 +266,21 @@ class ModuleArch:
     tp_input_grads: int = 5  # see LayerShape
     tensors_per_block: int = 12
     root_tensors: int = 3
-    #: the family's TP plan shards the routed experts' tensors (expert TP); False: every TP rank
-    #: holds its EP rank's experts whole and runs them on all of its tokens. ``params`` counts the
-    #: experts in ``tp_sharded`` when True, in ``replicated`` when False (see :meth:`expert_params`)
-    experts_tp_sharded: bool = False
 
     @property
     def layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: ``params`` with each MoE block's experts counted at
+        ``top_k`` of ``experts`` (== ``params.total`` for a dense module)."""
+        idle = sum(
+            (b.mlp.experts - b.mlp.top_k) * b.mlp.matrices * self.hidden * b.mlp.intermediate
+            for b in self.blocks
+            if b.mlp.kind == "moe"
+        )
+        return self.params.total - idle
 
     def count(self, *kinds: str) -> int:
         """Blocks whose attention is one of ``kinds``."""
@@ -308,23 +322,6 @@ class ModuleArch:
     def experts(self) -> int:
         """Experts per MoE block (the largest; 0 without MoE)."""
         return max((b.mlp.experts for b in self.blocks if b.mlp.kind == "moe"), default=0)
-
-    def expert_params(self) -> ParamCount:
-        """The routed experts' parameters inside :attr:`params` (all blocks), split as the family's TP
-        plan holds them (:attr:`experts_tp_sharded`). EP shards them; the rest of the module does not."""
-        n = sum(b.mlp.expert_params(self.hidden) for b in self.blocks)
-        return ParamCount(tp_sharded=n, replicated=0) if self.experts_tp_sharded else ParamCount(0, n)
-
-    def block_expert_params(self) -> ParamCount:
-        """The routed experts of the largest block (the part of :attr:`block_params` EP shards)."""
-        n = max((b.mlp.expert_params(self.hidden) for b in self.blocks), default=0)
-        return ParamCount(tp_sharded=n, replicated=0) if self.experts_tp_sharded else ParamCount(0, n)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token passes through: :attr:`params` less every MoE block's unrouted experts
-        (total - (experts - top_k) x matrices x hidden x I per block)."""
-        return self.params.total - sum(b.mlp.inactive_params(self.hidden) for b in self.blocks)
 
     def layer_shape(self) -> LayerShape:
         """The activation sizes of the widest block (every block, when they are alike)."""

@@ -31,7 +31,8 @@ places them at its audio-token positions. The runtime walks ``module_names`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -91,12 +92,17 @@ class ProducerShard(Protocol):
 class LLMOutput:
     """What an LLM module returns for one micro-batch.
 
-    ``loss_sum``: fp32 scalar, SUM of the shifted token cross-entropies (labels != -100).
-    ``num_tokens``: how many label tokens that sum covers. HF's mean loss == loss_sum / num_tokens.
+    ``loss_sum``: fp32 scalar, SUM of the shifted token cross-entropies (labels != -100), plus any
+    auxiliary loss the model adds to its training loss, in the same token-sum units (an MoE's
+    weighted load-balancing loss). ``num_tokens``: how many label tokens that sum covers. HF's loss ==
+    loss_sum / num_tokens. ``aux_losses``: name -> detached scalar, each auxiliary loss UNWEIGHTED as
+    transformers reports it (e.g. ``router_aux_loss``, HF's ``aux_loss``), for logging only: its
+    weighted part is already in ``loss_sum``. Empty for a dense model.
     """
 
     loss_sum: torch.Tensor
     num_tokens: int
+    aux_losses: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @runtime_checkable

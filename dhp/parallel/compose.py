@@ -1,8 +1,12 @@
 """``parallelize``: apply a module's strategies in a fixed order from data, with no strategy if/elif chains.
 
-Order (torchtitan's): TP (with sequence parallelism inside TP when configured) -> the LLM's loss
+Order (torchtitan's): EP (the MoE blocks' experts swapped for expert-parallel ones on the folded mesh,
+:mod:`dhp.parallel.ep`) -> TP (with sequence parallelism inside TP when configured) -> the LLM's loss
 (chunked; the single-process one when there is no TP) -> Ulysses SP -> activation checkpointing ->
-FSDP2. TP and SP change what a rank computes; AC wraps the (already parallel) layers; FSDP shards whatever parameters are left last,
+FSDP2. EP is a generic step like the others, not the family's: the family only declares its MoE
+blocks as data (``plan.moe_blocks``, ``plan.experts``); EP comes first because it replaces modules
+(TP and FSDP must see the expert DTensors, which they leave alone: TP's styles do not match them and
+FSDP ignores them, so expert weights stay sharded over ``ep`` and replicated over ``edp``). TP and SP change what a rank computes; AC wraps the (already parallel) layers; FSDP shards whatever parameters are left last,
 so it sees TP DTensors as 2-D. DP needs nothing at this point: its gradient SUM is
 :func:`dhp.parallel.optim.finalize_grads` and ZeRO-1 is :func:`dhp.parallel.optim.build_optimizer`.
 
@@ -26,6 +30,7 @@ from dhp.config.plan_space import ModuleAxes, module_problems
 from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
 from dhp.parallel.ac import AcSpec, apply_ac
+from dhp.parallel.ep import apply_ep, ep_mesh
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axis, axis_size
@@ -59,6 +64,13 @@ def _loss(module: nn.Module, ctx: _Ctx) -> nn.Module:
     return module
 
 
+def _ep(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+    """Experts of ``plan.moe_blocks`` sharded over ``ep`` ranks folded from dp x fsdp x sp (a collective:
+    builds the (etp, edp, ep) mesh's process groups)."""
+    apply_ep(module, ep_mesh(mesh, ep=ctx.parallel.ep), block_glob=ctx.plan.moe_blocks)
+    return module
+
+
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
 
@@ -78,6 +90,7 @@ def _ac_spec(value: str) -> AcSpec:
 
 
 STEPS: tuple[Step, ...] = (
+    Step("ep", lambda c: c.parallel.ep > 1, _ep),
     Step(
         "tp",
         lambda c: c.parallel.tp > 1,
@@ -134,6 +147,7 @@ def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
         tp_sequence_parallel=plan.tp_sequence_parallel,
         tp_divides=dict(plan.tp_divides),
         sp_divides=dict(plan.sp_divides),
+        experts=plan.experts if plan.moe_blocks else 0,
     )
 
 

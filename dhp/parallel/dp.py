@@ -10,7 +10,7 @@ rank, so the global grad norm and clipping need no extra communication.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,11 +64,18 @@ class Zero1AdamW(torch.optim.AdamW):
     It is a plain ``AdamW`` over this rank's owned parameters (so LR schedulers and DCP state dicts work);
     ``step`` updates the owned parameters, then (its first step post-hook) every owner broadcasts its
     parameters to the dp group.
-    ``zero_grad`` clears the gradients of all parameters, owned or not.
+    ``zero_grad`` clears the gradients of all parameters, owned or not. ``unpartitioned``: parameters
+    every rank steps itself and never broadcasts (expert-parallel experts: the dp ranks hold different
+    ones), so their states stay on every rank that holds them.
     """
 
     def __init__(
-        self, params: list[nn.Parameter] | list[dict], *, dp_group: dist.ProcessGroup, **adamw
+        self,
+        params: list[nn.Parameter] | list[dict],
+        *,
+        dp_group: dist.ProcessGroup,
+        unpartitioned: Sequence[nn.Parameter] = (),
+        **adamw,
     ) -> None:
         # params: a list of parameters, or of param-group dicts (``dhp.parallel.param_groups``): every
         # group is kept on every rank (possibly empty here), holding the parameters this rank owns
@@ -77,12 +84,14 @@ class Zero1AdamW(torch.optim.AdamW):
             if params and isinstance(params[0], dict)
             else [{"params": list(params)}]
         )
-        self._all = [p for g in groups for p in g["params"]]
+        mine = {id(p) for p in unpartitioned}
+        self._own_all = [p for g in groups for p in g["params"] if id(p) in mine]
+        self._all = [p for g in groups for p in g["params"] if id(p) not in mine]
         self._group = dp_group
         self._dp = dist.get_world_size(dp_group)
         self._rank = dist.get_rank(dp_group)
         self._owner = partition_params([local(p).numel() for p in self._all], self._dp)
-        owned = {id(p) for p, o in zip(self._all, self._owner, strict=True) if o == self._rank}
+        owned = {id(p) for p, o in zip(self._all, self._owner, strict=True) if o == self._rank} | mine
         for g in groups:
             g["params"] = [p for p in g["params"] if id(p) in owned]
         super().__init__(groups, **adamw)
@@ -103,7 +112,7 @@ class Zero1AdamW(torch.optim.AdamW):
                 )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._all:
+        for p in self._all + self._own_all:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:

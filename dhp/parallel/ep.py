@@ -243,8 +243,11 @@ class ExpertParallelExperts(nn.Module):
     every MoE block in the same order (a rank with no tokens still calls it with T = 0).
     """
 
-    def __init__(self, experts: nn.Module, ep_group_mesh: DeviceMesh) -> None:
+    def __init__(
+        self, experts: nn.Module, ep_group_mesh: DeviceMesh, *, fold_mesh: DeviceMesh | None = None
+    ) -> None:
         super().__init__()
+        self.fold_mesh = fold_mesh  # the 3-D (etp, edp, ep) mesh: finalize reduces over its edp
         _check_layout(experts)
         self.num_experts = experts.gate_up_proj.shape[0]
         self.mesh = ep_group_mesh
@@ -276,11 +279,12 @@ class ExpertParallelExperts(nn.Module):
         # received rows are grouped by source rank, then by local expert: regroup by local expert
         expert_of_row = torch.arange(self.num_local_experts, device=flat.device).repeat(self.ep)
         by_expert = torch.argsort(torch.repeat_interleave(expert_of_row, received.reshape(-1)), stable=True)
-        y = grouped_expert_mlp(
-            rows[by_expert],
+        x = rows[by_expert]
+        y = grouped_expert_mlp(  # weights in the activations' dtype (an FSDP bf16 policy casts the rest)
+            x,
             received.sum(0),
-            self.gate_up_proj.to_local(),
-            self.down_proj.to_local(),
+            self.gate_up_proj.to_local().to(x.dtype),
+            self.down_proj.to_local().to(x.dtype),
             self.act_fn,
         )
         y = y[torch.argsort(by_expert)]
@@ -335,7 +339,8 @@ def apply_ep(
     done = []
     for fqn, sub in list(module.named_modules()):
         if fnmatch.fnmatchcase(fqn, block_glob) and hasattr(sub, experts_attr):
-            setattr(sub, experts_attr, ExpertParallelExperts(getattr(sub, experts_attr), ep_axis))
+            swapped = ExpertParallelExperts(getattr(sub, experts_attr), ep_axis, fold_mesh=mesh)
+            setattr(sub, experts_attr, swapped)
             done.append(f"{fqn}.{experts_attr}")
     if not done:
         raise PlanError(
@@ -352,6 +357,14 @@ def expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         if isinstance(sub, ExpertParallelExperts)
         for n, p in sub.named_parameters(recurse=False)
     ]
+
+
+def expert_fold_mesh(module: nn.Module) -> DeviceMesh | None:
+    """The :func:`ep_mesh` that :func:`apply_ep` swapped ``module``'s experts over (None: no EP here)."""
+    for sub in module.modules():
+        if isinstance(sub, ExpertParallelExperts) and sub.fold_mesh is not None:
+            return sub.fold_mesh
+    return None
 
 
 def reduce_expert_grads_(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> None:

@@ -5,6 +5,12 @@ Placement: every parameter becomes a DTensor sharded on dim 0 over the ``fsdp`` 
 (through the optimizer) optimizer states. A block's full parameters exist only between its all-gather
 and its reshard. Gradients are reduce-scattered as SUMS (divide factor 1): the loss is already divided
 by the step's global label-token count (see INTERFACES "Loss and gradient scaling").
+
+Expert-parallel parameters (:func:`dhp.parallel.ep.expert_params`, DTensors ``Shard(0)`` over the
+``ep`` ranks) are left out (``ignored_params``): FSDP neither gathers nor reduces them. They stay
+sharded over ``ep`` (1/ep of the experts per rank) and REPLICATED over the ``edp`` ranks (the folded
+dp x fsdp x sp ranks outside one EP group); ``finalize_grads`` sums their grads over ``edp``. Sharding
+them further over ``edp`` (FSDP on the edp sub-mesh) is not implemented.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dhp.errors import PlanError
+from dhp.parallel.ep import expert_params
 from dhp.parallel.meshutil import axes
 
 #: ``modules.<name>.mixed_precision`` -> FSDP2 policy (None: compute in the parameters' dtype)
@@ -70,6 +77,9 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, spec: FsdpSpec) -> nn.Module
         raise PlanError(f"apply_fsdp needs an fsdp axis of degree > 1; mesh axes are {mesh.mesh_dim_names}.")
     policy = mixed_precision_policy(spec.mixed_precision)
     kw = {"mesh": shard_mesh} if policy is None else {"mesh": shard_mesh, "mp_policy": policy}
+    ignored = {p for _, p in expert_params(module)}
+    if ignored:
+        kw["ignored_params"] = ignored
     for _, block in fsdp_blocks(module, spec.block_globs):
         fully_shard(block, reshard_after_forward=spec.reshard_after_forward, **kw)
     fully_shard(module, reshard_after_forward=False, **kw)

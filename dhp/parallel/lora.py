@@ -84,6 +84,13 @@ def lora_targets(module: nn.Module, *, module_name: str, lora: Any) -> list[str]
     found: list[str] = []
     for i, glob in enumerate(lora.targets):
         hits = [(f, m) for f, m in module.named_modules() if f and _exact(f, glob)]
+        experts = [f for f, m in hits if _fused_experts(m)]
+        if experts:
+            issues.append(ConfigIssue(f"{key}.targets[{i}]", glob, f"matches mixture-of-experts experts "
+                                      f"{experts[:2]}: LoRA on experts is not supported (their weights are "
+                                      "fused 3-D tensors, sharded by expert parallelism, not Linear layers)",
+                                      "target the attention projections (e.g. '*.*.*.self_attn.q_proj') only"))  # fmt: skip
+            continue
         ok = [f for f, m in hits if isinstance(m, SUPPORTED)]
         if not ok:
             kinds = sorted({type(m).__name__ for _, m in hits}) or ["nothing"]
@@ -98,6 +105,13 @@ def lora_targets(module: nn.Module, *, module_name: str, lora: Any) -> list[str]
     if issues:
         raise ConfigError(issues)
     return found
+
+
+def _fused_experts(m: nn.Module) -> bool:
+    """A transformers fused-experts module (3-D ``gate_up_proj``/``down_proj``), EP-swapped or not."""
+    return any(
+        getattr(m, n, None) is not None and getattr(m, n).dim() == 3 for n in ("gate_up_proj", "down_proj")
+    )
 
 
 def lora_config(lora: Any, targets: list[str]):

@@ -39,6 +39,9 @@ class ModuleParallelPlan:
     ``sp_divides``: sizes every sp degree must divide. ``loss``: the module has ``loss_fn`` (swapped for
     the chunked / vocab-parallel loss). ``tied``: ``{fqn: source_fqn}`` re-shared after TP.
     ``pad_token_id``: pads token inputs to a multiple of tp under sequence parallelism.
+    ``moe_blocks``: FQN glob of the sparse-MoE blocks (each with an ``experts`` child in transformers'
+    fused 3-D layout, see ``dhp.parallel.ep``), empty: none; ``experts``: their expert count (every
+    ep degree must divide it; 0 = no MoE block, so ``ep`` must be 1).
     """
 
     blocks: tuple[str, ...]
@@ -51,6 +54,8 @@ class ModuleParallelPlan:
     loss: bool = False
     tied: Mapping[str, str] = field(default_factory=dict)
     pad_token_id: int = 0
+    moe_blocks: str = ""
+    experts: int = 0
 
 
 __all__ = ["AttentionSite", "ModuleParallelPlan"]

@@ -2,7 +2,8 @@
 
 Order per step on every rank of a module group (all collectives over the group's own world)::
 
-    finalize_grads(module, mesh, parallel=...)      # SUM over sp, then over dp (FSDP already reduced)
+    finalize_grads(module, mesh, parallel=...)      # SUM over sp, then over dp (FSDP already reduced);
+                                                    # expert-parallel params: SUM over edp only
     sq = grad_norm_sq(module, mesh)                 # full-module ||g||^2, same value on every rank
     clip_grads_(module, coef)                       # coef from the driver (norm over all modules)
     optimizer.step(); optimizer.zero_grad()
@@ -23,12 +24,20 @@ from dhp.config.schema import ParallelConfig, ParamGroupConfig, TrainConfig
 from dhp.errors import PlanError
 from dhp.layout import ZERO1_AXES
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
+from dhp.parallel.ep import expert_fold_mesh, expert_params, reduce_expert_grads_
 from dhp.parallel.meshutil import axes, axis, group_world
 from dhp.parallel.param_groups import optimizer_groups
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def _split_experts(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(trainable non-expert parameters, trainable expert-parallel parameters) of ``module``."""
+    experts = {id(p) for _, p in expert_params(module)}
+    trainable = _trainable(module)
+    return [p for p in trainable if id(p) not in experts], [p for p in trainable if id(p) in experts]
 
 
 def build_optimizer(
@@ -50,7 +59,9 @@ def build_optimizer(
     Memory: 2 states per local parameter element, in the parameter's dtype (torch's AdamW allocates
     them like the parameter: bf16 states for a ``model.dtype=bfloat16`` module, fp32 for fp32; the
     planner's ``dhp.plan.memory.precision`` counts the same); with ZeRO-1 only for the ~1/(dp*sp)
-    owned here (``dhp.layout.ZERO1_AXES``, the planner's too).
+    owned here (``dhp.layout.ZERO1_AXES``, the planner's too). Expert-parallel parameters
+    (:func:`dhp.parallel.ep.expert_params`) are never partitioned by ZeRO-1: the ranks of the dp x sp
+    group hold DIFFERENT experts, so every rank keeps the states of its own 1/ep of the experts.
 
     ``param_groups``: per-glob lr/weight_decay (``dhp.parallel.param_groups.optimizer_groups``); the
     optimizer's groups are the default one first, then these, in the same order on every rank. Only
@@ -71,21 +82,32 @@ def build_optimizer(
         params = _split_dtensor_groups(params)
     group = _zero1_group(mesh) if parallel.zero == 1 else None
     if group is not None:
-        return Zero1AdamW(params, dp_group=group, **adamw)
+        experts = [p for _, p in expert_params(module)]
+        return Zero1AdamW(params, dp_group=group, unpartitioned=experts, **adamw)
     return torch.optim.AdamW(params, **adamw)
 
 
 def _split_dtensor_groups(groups: list[dict]) -> list[dict]:
     """Each group holding both DTensor and plain parameters (a TP module's sharded projections beside
-    its replicated norms) becomes two with the same settings: fused and foreach AdamW take one list
-    per group, and DTensor refuses a list mixing the two. The split depends only on the module's
-    structure, so every rank (ZeRO-1 owners included) gets the same groups in the same order."""
+    its replicated norms), or DTensors of different meshes (expert-parallel experts on the ``ep`` mesh
+    beside TP/FSDP shards), becomes one group per kind with the same settings: fused and foreach AdamW
+    take one list per group, and DTensor refuses a list mixing them. The split depends only on the
+    module's structure, so every rank (ZeRO-1 owners included) gets the same groups in the same order."""
     out = []
     for g in groups:
-        dt = [p for p in g["params"] if isinstance(p, DTensor)]
-        plain = [p for p in g["params"] if not isinstance(p, DTensor)]
-        out += [{**g, "params": dt}, {**g, "params": plain}] if dt and plain else [g]
+        kinds: dict[object, list[nn.Parameter]] = {}
+        for p in g["params"]:
+            kinds.setdefault(_mesh_key(p), []).append(p)
+        out += [{**g, "params": ps} for ps in kinds.values()] if len(kinds) > 1 else [g]
     return out
+
+
+def _mesh_key(p: torch.Tensor) -> object:
+    """Plain tensors: None; a DTensor: its mesh's dims and ranks (equal on every rank of the module)."""
+    if not isinstance(p, DTensor):
+        return None
+    m = p.device_mesh
+    return (m.mesh_dim_names, tuple(m.mesh.reshape(-1).tolist()))
 
 
 def impl_kwargs(impl: str) -> dict[str, bool]:
@@ -116,16 +138,22 @@ def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelCon
     TP the replicated norm weights collect ``Partial`` (per-sequence-shard) grads: DTensor reduces them
     to their parameter's placement here. FSDP2 reduced (and, with dp, all-reduced) in backward. The
     result on every rank: the gradient of sum_r(loss_sum_r / T) for its placement.
+
+    Expert-parallel parameters (``dhp.parallel.ep``) are excluded from the sp/dp sums (the ranks of an
+    EP group hold different experts; FSDP ignores them) and SUMMED over ``edp`` instead: the all-to-all
+    backward already brought every token of the EP group to its expert's rank.
     """
     _reduce_partial_grads_(module)
+    dense, experts = _split_experts(module)
     sp = axis(mesh, "sp")
-    if sp is not None:
-        from dhp.parallel.ulysses import reduce_sp_grads
-
-        reduce_sp_grads(module, sp.get_group())
+    if sp is not None:  # each SP rank holds the partial gradient of its own tokens (Ulysses)
+        allreduce_grads_(dense, sp.get_group())
     dp = axis(mesh, "dp")
     if dp is not None and parallel.fsdp == 1:
-        allreduce_grads_(_trainable(module), dp.get_group())
+        allreduce_grads_(dense, dp.get_group())
+    fold = expert_fold_mesh(module)
+    if experts and fold is not None:
+        reduce_expert_grads_(experts, fold)
 
 
 @torch.no_grad()

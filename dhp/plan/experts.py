@@ -31,8 +31,8 @@ def _divisors(n: int) -> list[int]:
 
 def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
     """Parameters + gradients + optimizer states of the routed experts on one rank at ``ep``."""
-    arch, par, pr = shape.arch, shape.parallel, shape.precision
-    per_rank = arch.expert_params().per_tp_rank(par.tp) / ep
+    pr = shape.precision
+    per_rank = shape.params.expert / ep
     if shape.freeze:
         return int(per_rank * pr.param)
     return int(per_rank * (pr.param + shape.trainable * (pr.grad + pr.optimizer)))
@@ -62,7 +62,7 @@ def moe_summary(shape: ModuleShape, terms: ModuleTerms, *, micro_batches: int, o
         "experts": arch.experts,
         "experts_per_rank": arch.experts // ep,
         "moe_blocks": arch.moe_blocks,
-        "expert_params_per_rank": int(arch.expert_params().per_tp_rank(par.tp) / ep),
+        "expert_params_per_rank": int(shape.params.expert / ep),
         "expert_state_bytes": expert_state_bytes(shape, ep),
         "expert_state_bytes_by_ep": {str(e): expert_state_bytes(shape, e) for e in _divisors(folded)},
         "dispatch_combine_bytes": dispatch_bytes(shape, 1.0),

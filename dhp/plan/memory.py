@@ -12,11 +12,11 @@ casts the reduced gradient back to the parameter's dtype):
 Compute (activation) bytes ``a``: 2 under FSDP with a bf16 policy (FSDP2 gathers the parameters in
 bf16), else the parameters' dtype.
 
-Sharding of the model states (P = the module's parameters, ``params.py``; X = the routed experts'
-parameters inside P, :meth:`~dhp.models.arch.ModuleArch.expert_params`):
+Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_sharded``,
+``replicated`` and the routed experts ``expert``, :class:`~dhp.models.arch.ParamCount`):
 
-    P_rank = ((P - X)_tp_sharded / tp + (P - X)_replicated) / fsdp
-    X_rank = (X_tp_sharded / tp + X_replicated) / ep
+    P_rank = (P_tp_sharded / tp + P_replicated) / fsdp
+    X_rank = P_expert / ep                    (whole on every TP rank: no expert TP)
     params = (P_rank + X_rank) * b_param;  grads = (P_rank + X_rank) * b_grad (0 when frozen)
     optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt;
                 + X_rank * b_opt
@@ -182,28 +182,24 @@ def default_loss_chunk(vocab: int, tp: int, tokens: int) -> int:
     return min(max(tokens, 1), max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, chunk)))
 
 
-def _minus(a: ParamCount, b: ParamCount) -> ParamCount:
-    return ParamCount(tp_sharded=a.tp_sharded - b.tp_sharded, replicated=a.replicated - b.replicated)
+def _without_experts(p: ParamCount) -> ParamCount:
+    return ParamCount(tp_sharded=p.tp_sharded, replicated=p.replicated)
 
 
 def non_expert_params(shape: ModuleShape) -> tuple[ParamCount, ParamCount]:
     """(the module's, its largest block's) parameters without the routed experts: what TP, FSDP
     and ZeRO-1 shard (and FSDP all-gathers)."""
-    if shape.arch is None:
-        return shape.params, shape.layer_params
-    return (
-        _minus(shape.params, shape.arch.expert_params()),
-        _minus(shape.layer_params, shape.arch.block_expert_params()),
-    )
+    return _without_experts(shape.params), _without_experts(shape.layer_params)
 
 
 def rank_params(shape: ModuleShape) -> tuple[float, float]:
     """(the non-expert parameters, the routed experts' parameters) one rank holds: the first TP- and
-    FSDP-sharded, the second 1/ep of the experts (replicated over edp; module docstring)."""
+    FSDP-sharded, the second 1/ep of the experts (whole on every TP rank, replicated over edp; module
+    docstring)."""
     par = shape.parallel
-    dense, _ = non_expert_params(shape)
-    experts = shape.arch.expert_params().per_tp_rank(par.tp) / par.ep if shape.arch is not None else 0.0
-    return dense.per_tp_rank(par.tp) / par.fsdp, experts
+    return shape.params.per_tp_rank(par.tp) / par.fsdp - shape.params.expert / par.fsdp, (
+        shape.params.expert / int(par.ep)
+    )
 
 
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.handoff import resolve_handoff
-from dhp.config.plan_space import module_problems
+from dhp.config.plan_space import declared_axes, module_problems
 from dhp.errors import PlanError
 from dhp.layout import RankLayout
 from dhp.models.arch import ModuleAxes
@@ -67,7 +67,7 @@ class Degrees:
     tp: int
     zero: int
     sequence_parallel: bool = False  # the LLM's SP inside its TP group (tp > 1 only)
-    ep: int = 1  # expert parallelism folded over dp x fsdp x sp (MoE modules only)
+    ep: int = 1  # expert parallelism, folded over dp x fsdp x sp (dhp.parallel.ep)
 
     def as_dict(self) -> dict[str, int | bool]:
         out: dict[str, int | bool] = {
@@ -163,7 +163,7 @@ def module_degrees(
         for sp in _divisors(world // tp):
             for fsdp in _divisors(world // (tp * sp)):
                 dp = world // (tp * sp * fsdp)
-                eps = _divisors(dp * fsdp * sp) if axes.ep else [1]
+                eps = _divisors(dp * fsdp * sp) if axes.experts else [1]
                 for z, q, ep in itertools.product((0, 1), (False, True), eps):
                     d = Degrees(dp, fsdp, sp, tp, z, q, ep)
                     if (z and dp * sp == 1) or (q and tp == 1):
@@ -304,7 +304,7 @@ class Search:
         return module_degrees(
             name,
             world,
-            axes=get_arch(self.cfg.model.family).module_axes(name, self.cfg.model),
+            axes=declared_axes(get_arch(self.cfg.model.family), name, self.cfg.model),
             gpus_per_node=self.gpn,
             mixed_precision=self.cfg.modules[name].mixed_precision,
         )

@@ -13,8 +13,8 @@ token, h hidden, span = attention span per query):
     backward     = 2 x matmul + 2.5 x (attention + delta rule)   (flash recomputes the scores in
                    backward; the chunk kernel recomputes its states)
     MoE: N counts the ACTIVE experts (top-k) and the router, never the idle experts; the routed
-    experts are not TP-sharded (``ModuleArch.experts_tp_sharded``), so every TP rank computes them
-    for all of its tokens: their matmul is 2 * T * N_experts (no /tp)
+    experts are not TP-sharded (``ParamCount.expert``: whole on every TP rank), so every TP rank
+    computes them for all of its tokens: their matmul is 2 * T * N_experts (no /tp)
     recompute    = the checkpointed blocks' forward again (full, every_n); selective recomputes
                    only elementwise ops (no matmul FLOPs)
 
@@ -121,12 +121,11 @@ class Flops:
 
 
 def blocks_matmul_fwd(shape: ModuleShape, tokens: float) -> float:
-    """Forward matmul FLOPs of the blocks on one rank: TP shards all but the routed experts, unless
-    the family's TP plan shards them too."""
+    """Forward matmul FLOPs of the blocks on one rank: TP shards all but the routed experts, which
+    every TP rank runs whole on all of its tokens."""
     tp, arch = shape.parallel.tp, shape.arch
     experts = arch.expert_macs()
-    expert_tp = tp if arch.experts_tp_sharded else 1
-    return 2.0 * tokens * ((arch.block_macs() - experts) / tp + experts / expert_tp)
+    return 2.0 * tokens * ((arch.block_macs() - experts) / tp + experts)
 
 
 def module_flops(shape: ModuleShape, tokens: float) -> Flops:

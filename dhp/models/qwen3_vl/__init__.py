@@ -12,8 +12,8 @@ from typing import Any
 _LAZY = {
     "Qwen3VLFamily": "dhp.models.qwen3_vl.family",
     "LLMModule": "dhp.models.qwen3_vl.modules",
-    "VisionModule": "dhp.models.qwen3_vl.modules",
-    "deepstack_kwarg": "dhp.models.qwen3_vl.modules",
+    "VisionModule": "dhp.models.qwen3_vision.modules",
+    "deepstack_kwarg": "dhp.models.qwen3_vision.arch",
     "mrope_positions": "dhp.models.qwen3_vl.modules",
 }
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from transformers import Qwen3VLConfig
 
+from dhp.models.qwen3_vision.config import vision_config_kwargs, vision_numbers_from_hf
 from dhp.models.qwen3_vl.arch import Numbers
 
 
@@ -16,20 +17,7 @@ def build_hf_config(
     """The transformers config of validated numbers (every merger projects to the LLM hidden size)."""
     return Qwen3VLConfig(
         architectures=["Qwen3VLForConditionalGeneration"],  # config.json names the class that loads it
-        vision_config=dict(
-            depth=n.depth,
-            hidden_size=n.vision_hidden,
-            num_heads=n.vision_heads,
-            intermediate_size=n.vision_mlp,
-            patch_size=n.patch_size,
-            spatial_merge_size=n.merge,
-            temporal_patch_size=n.temporal_patch_size,
-            in_channels=n.in_channels,
-            out_hidden_size=n.out_hidden,
-            num_position_embeddings=n.num_position_embeddings,
-            deepstack_visual_indexes=list(n.deepstack),
-            hidden_act=n.vision_act,
-        ),
+        vision_config=vision_config_kwargs(n.vision, deepstack=True),
         text_config=dict(
             vocab_size=n.vocab,
             hidden_size=n.hidden,
@@ -66,17 +54,7 @@ def numbers_from_hf(cfg: Qwen3VLConfig) -> Numbers:
     v, t = cfg.vision_config, cfg.text_config
     rope = t.rope_parameters
     return Numbers(
-        depth=v.depth,
-        vision_hidden=v.hidden_size,
-        vision_heads=v.num_heads,
-        vision_mlp=v.intermediate_size,
-        patch_size=v.patch_size,
-        merge=v.spatial_merge_size,
-        temporal_patch_size=v.temporal_patch_size,
-        in_channels=v.in_channels,
-        num_position_embeddings=v.num_position_embeddings,
-        deepstack=tuple(v.deepstack_visual_indexes),
-        vision_act=v.hidden_act,
+        vision=vision_numbers_from_hf(v, deepstack=True),
         hidden=t.hidden_size,
         layers=t.num_hidden_layers,
         heads=t.num_attention_heads,

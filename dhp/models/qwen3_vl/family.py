@@ -37,12 +37,15 @@ from dhp.models.common import (
 )
 from dhp.models.dtypes import torch_dtype
 from dhp.models.entries import model_entry
-from dhp.models.family import AttentionSite, HandOff, ModuleParallelPlan
+from dhp.models.family import HandOff, ModuleParallelPlan
+from dhp.models.qwen3_vision.arch import IMAGE_EMBEDS, deepstack_kwarg
+from dhp.models.qwen3_vision.modules import VisionModule
+from dhp.models.qwen3_vision.sp import Qwen3VisionShard, blank_image, shard_images, tokens_per_image
+from dhp.models.qwen3_vision.tp import vision_parallel_plan
 from dhp.models.qwen3_vl.arch import numbers, validate
 from dhp.models.qwen3_vl.config import build_hf_config
-from dhp.models.qwen3_vl.modules import IMAGE_EMBEDS, LLMModule, VisionModule, deepstack_kwarg
-from dhp.models.qwen3_vl.sp import Qwen3VLShard, shard_images
-from dhp.models.qwen3_vl.tp import llm_plan, vision_tp_plan
+from dhp.models.qwen3_vl.modules import LLMModule
+from dhp.models.qwen3_vl.tp import llm_plan
 from dhp.models.tokens import TOKEN_STRINGS
 
 IMAGE_TOKENS = "image_tokens"
@@ -88,37 +91,24 @@ class Qwen3VLFamily:
         pixel_values: torch.Tensor,
         image_grid_thw: torch.Tensor,
         sp_size: int,
-    ) -> list[Qwen3VLShard]:
+    ) -> list[Qwen3VisionShard]:
         """Contiguous, merge-unit-aligned SP cut of one micro-batch's patches (``sp.shard_images``)."""
         return shard_images(pixel_values, image_grid_thw, sp_size=sp_size, config=hf_config.vision_config)
 
     def tokens_per_image(self, hf_config: Qwen3VLConfig, image_grid_thw: torch.Tensor) -> list[int]:
         """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
-        merge = hf_config.vision_config.spatial_merge_size**2
-        return [int(g.prod()) // merge for g in image_grid_thw]
+        return tokens_per_image(hf_config.vision_config, image_grid_thw)
 
     def blank_image(self, hf_config: Qwen3VLConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
-        v = hf_config.vision_config
-        m = v.spatial_merge_size
-        width = v.in_channels * v.temporal_patch_size * v.patch_size**2
-        return torch.zeros(m * m, width), torch.tensor([[1, m, m]])
+        return blank_image(hf_config.vision_config)
 
     # --- parallel plans ------------------------------------------------------------------------
     def parallel_plan(self, name: str, hf_config: Qwen3VLConfig) -> ModuleParallelPlan:
         """Encoder: TP by FQN incl. the DeepStack mergers, Ulysses SP on every block's attention.
         LLM: the decoder TP plan without sequence parallelism (DeepStack, see ``tp.py``) and the loss."""
         if name == "vision":
-            v = hf_config.vision_config
-            wide = v.hidden_size * v.spatial_merge_size**2
-            return ModuleParallelPlan(
-                blocks=("visual.blocks.*",),
-                tp=lambda sequence_parallel: vision_tp_plan(),
-                tp_divides={"vision num_heads": v.num_heads, "merger hidden": wide},
-                tp_heads=("visual.blocks.*.attn",),
-                sp=(AttentionSite("visual.blocks.*.attn"),),
-                sp_divides={"vision num_heads": v.num_heads},
-            )
+            return vision_parallel_plan(hf_config.vision_config, deepstack=True)
         t = hf_config.text_config
         return ModuleParallelPlan(
             blocks=("language_model.layers.*",),
@@ -218,7 +208,8 @@ class Qwen3VLFamily:
         cfg = copy.deepcopy(hf_config)
         with torch.device(device):
             if name == "vision":
-                module = VisionModule(Qwen3VLVisionModel._from_config(cfg.vision_config, dtype=dtype))
+                visual = Qwen3VLVisionModel._from_config(cfg.vision_config, dtype=dtype)
+                module = VisionModule(visual, num_deepstack=len(cfg.vision_config.deepstack_visual_indexes))
             else:
                 text_cfg = cfg.text_config
                 language_model = Qwen3VLTextModel._from_config(text_cfg, dtype=dtype)

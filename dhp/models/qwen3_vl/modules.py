@@ -1,6 +1,7 @@
 """Qwen3-VL cut into two modules: the vision encoder (merger + DeepStack mergers) and the LLM (with lm_head).
 
-Both wrap transformers' own, unmodified classes. The cut is the one ``Qwen3VLModel.forward`` makes
+Both wrap transformers' own, unmodified classes; the vision module is the shared Qwen3 encoder wrapper
+(``dhp/models/qwen3_vision/modules.py``) with K DeepStack levels. The cut is the one ``Qwen3VLModel.forward`` makes
 internally: the encoder returns the merged image tokens (``pooler_output``) and one merged feature per
 DeepStack level (``deepstack_features``), all with one row per image token in the same order. The LLM
 scatters the image tokens into its input embeddings at the image-token positions and hands the
@@ -14,63 +15,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import Qwen3VLConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel, Qwen3VLVisionModel
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel
 
 from dhp.errors import DataError
-from dhp.models.checks import check_image_alignment, check_vision_inputs
+from dhp.models.checks import check_image_alignment
 from dhp.models.common import LossFn, loss_output, rope_index, scatter_rows, shifted_ce_sum
 from dhp.models.family import LLMOutput
+from dhp.models.qwen3_vision.arch import deepstack_kwarg
+from dhp.models.qwen3_vision.modules import VisionModule
 
 __all__ = ["LLMModule", "LossFn", "VisionModule", "deepstack_kwarg", "mrope_positions", "shifted_ce_sum"]
-
-IMAGE_EMBEDS = "image_embeds"
-DEEPSTACK_PREFIX = "deepstack_embeds_"
-
-
-def deepstack_kwarg(level: int) -> str:
-    """The hand-off kwarg of DeepStack level ``level`` (0 = added after the first decoder layer)."""
-    return f"{DEEPSTACK_PREFIX}{level}"
-
-
-class VisionModule(nn.Module):
-    """The vision encoder incl. the patch merger and the DeepStack mergers.
-
-    Placement: one actor group. Memory is dominated by activations (patches x hidden per block), which
-    is why ``dhp/parallel`` shards this module by sequence (Ulysses), not by weights. Its output is
-    ``1 + K`` tensors of ``(N_image_tokens, llm_hidden)`` (K DeepStack levels), all sent to the LLM.
-    """
-
-    def __init__(self, visual: Qwen3VLVisionModel) -> None:
-        super().__init__()
-        self.visual = visual
-
-    @property
-    def num_deepstack(self) -> int:
-        """K, the number of DeepStack levels (encoder layers whose features reach the LLM)."""
-        return len(self.visual.config.deepstack_visual_indexes)
-
-    def forward(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, **vision_kwargs
-    ) -> dict[str, torch.Tensor]:
-        """``(N_patches, C*T*P*P)`` patches of all images in order -> ``{kwarg: (N_image_tokens, llm_hidden)}``.
-
-        Keys: ``image_embeds`` and ``deepstack_embeds_0 .. deepstack_embeds_{K-1}``; rows in the original
-        token order, image after image, the same rows in every tensor. ``vision_kwargs`` pass through to
-        the transformers forward (precomputed ``interp_indices``/``interp_weights``/``position_ids``/
-        ``cu_seqlens`` for a sequence-parallel shard); without them the rows must be the whole batch.
-        """
-        check_vision_inputs(  # an SP shard holds its own rows of the whole grid: width and grid still checked
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            config=self.visual.config,
-            shard_rows=int(pixel_values.shape[0]) if "interp_indices" in vision_kwargs else None,
-        )
-        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
-        out = self.visual(pixel_values, grid_thw=image_grid_thw, **vision_kwargs)
-        embeds = {IMAGE_EMBEDS: out.pooler_output}
-        for level, feature in enumerate(out.deepstack_features):
-            embeds[deepstack_kwarg(level)] = feature
-        return embeds
 
 
 class LLMModule(nn.Module):

@@ -1,9 +1,6 @@
 """Qwen3-VL tensor-parallel plans: module FQN glob -> DTensor style (one FQN atom per ``*``).
 
-Encoder: the fused qkv is column-parallel in three chunks (q, k, v each split by heads), proj and the
-MLP's linear_fc2 row-parallel; the main merger and every DeepStack merger are column- then row-parallel,
-so each merger's output (one edge to the LLM) is whole on every TP rank. The patch embedding, the
-learned position table and the LayerNorms stay replicated.
+Encoder: the shared Qwen3 vision plan with the DeepStack mergers (``dhp/models/qwen3_vision/tp.py``).
 
 LLM: Qwen3's decoder has the same projection FQNs as the generic decoder plan (q/k/v colwise, o rowwise,
 gate/up colwise, down rowwise, vocab-parallel embeddings and lm_head). q_norm / k_norm (RMSNorm over
@@ -17,29 +14,15 @@ decoder layers, which needs the whole sequence on every rank (replicated hidden 
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from dhp.models.qwen3_vision.tp import vision_tp_plan as _shared_vision_tp_plan
 from dhp.parallel.llm_tp import decoder_tp_plan
-from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
 
 def vision_tp_plan() -> dict[str, ParallelStyle]:
-    """Every ``nn.Linear`` of the encoder matches exactly one glob (tested)."""
-    return {
-        "visual.blocks.*.attn.qkv": FusedColwiseParallel(num_chunks=3),
-        "visual.blocks.*.attn.proj": RowwiseParallel(),
-        "visual.blocks.*.mlp.linear_fc1": ColwiseParallel(),
-        "visual.blocks.*.mlp.linear_fc2": UnevenRowwiseParallel(),
-        "visual.merger.linear_fc1": ColwiseParallel(),
-        "visual.merger.linear_fc2": RowwiseParallel(),
-        "visual.deepstack_merger_list.*.linear_fc1": ColwiseParallel(),
-        "visual.deepstack_merger_list.*.linear_fc2": RowwiseParallel(),
-    }
+    """Every ``nn.Linear`` of the encoder (DeepStack mergers included) matches exactly one glob (tested)."""
+    return _shared_vision_tp_plan(deepstack=True)
 
 
 def llm_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dhp.config import load_config
-from dhp.config.plan_space import module_problems, placement_problems
+from dhp.config.plan_space import declared_axes, module_problems, placement_problems
 from dhp.config.schema import ParallelConfig
 from dhp.models import get_family
 from dhp.models.arch import ModuleAxes
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.unit
 def test_declared_axes_equal_the_runtime_plan(family: str, name: str) -> None:
     fam = get_family(family)
     model = fam.tiny_model_config()
-    declared = get_arch(family).module_axes(name, OmegaConf.structured(model))
+    declared = declared_axes(get_arch(family), name, OmegaConf.structured(model))
     runtime = module_axes(fam.parallel_plan(name, fam.hf_config(model)))
     assert (declared.tp, declared.sp, declared.tp_sequence_parallel) == (
         runtime.tp,
@@ -36,6 +36,8 @@ def test_declared_axes_equal_the_runtime_plan(family: str, name: str) -> None:
     # the runtime plan names sizes in transformers' words, the declaration by config key: same sizes
     assert sorted(declared.tp_divides.values()) == sorted(runtime.tp_divides.values())
     assert sorted(declared.sp_divides.values()) == sorted(runtime.sp_divides.values())
+    # the typed architecture's Mlp(kind="moe", experts=...) and the runtime plan's MoE blocks agree
+    assert declared.experts == runtime.experts
 
 
 AXES = ModuleAxes(tp=True, sp=False, tp_sequence_parallel=False, tp_divides={"model.llm.num_kv_heads": 2})
@@ -58,6 +60,30 @@ def test_module_rule_names_every_reason() -> None:
     assert any("no sequence parallelism inside TP" in p for p in _problems(tp=2, sequence_parallel=True))
     assert any("ZeRO-1 and FSDP" in p for p in _problems(fsdp=2, zero=1))
     assert any("activation_checkpointing" in p for p in _problems(ac="sometimes", dp=2))
+
+
+def test_ep_rule_folds_over_token_ranks_and_needs_moe_blocks() -> None:
+    moe = ModuleAxes(tp=True, sp=True, tp_sequence_parallel=True, experts=8)
+
+    def ep_problems(axes: ModuleAxes = moe, **deg) -> list[str]:
+        par = ParallelConfig(**deg)
+        gpus = par.dp * par.fsdp * par.sp * par.tp
+        items = module_problems("llm", gpus=gpus, parallel=par, axes=axes, gpus_per_node=8,
+                                activation_checkpointing="off", mixed_precision="fp32")  # fmt: skip
+        return [f"{i.path}: {i.rule}; fix: {i.fix}" for i in items]
+
+    assert ep_problems(dp=2, ep=2) == []
+    assert ep_problems(fsdp=2, sp=2, ep=4) == []  # folded over fsdp x sp
+    assert ep_problems(dp=2, tp=2, ep=2) == []  # tp is not folded: each tp index has its own EP group
+    (p,) = ep_problems(dp=2, tp=2, ep=4)
+    assert "modules.llm.parallel.ep: the EP group is folded from the dp x fsdp x sp ranks (2)" in p
+    assert "divisors of 2" in p
+    (p,) = ep_problems(dp=2, sp=3, ep=3)
+    assert "number of experts=8 is not divisible by ep=3" in p
+    (p,) = ep_problems(axes=AXES, dp=2, ep=2)
+    assert "no mixture-of-experts blocks" in p and "set ep=1" in p
+    assert any("sequence_parallel" in p for p in ep_problems(dp=2, tp=2, ep=2, sequence_parallel=True))
+    assert any("must be >= 1" in p for p in ep_problems(dp=2, ep=0))
     assert any("mixed_precision" in p for p in _problems(mp="fp8", dp=2))
     # several problems at once, each with its own key path
     assert len(_problems(sp=2, tp=2, mp="fp8", ac="x")) >= 4

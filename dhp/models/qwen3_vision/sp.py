@@ -1,15 +1,15 @@
 """Pure, driver-side cut of one micro-batch's images over the vision SP ranks (no processes).
 
-Qwen3-VL's encoder has full attention in every block and no window reordering, so a shard is simply a
+The Qwen3 vision encoder (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5) has full attention in every block and no window reordering, so a shard is simply a
 contiguous slice of the patch rows, cut on merge-unit boundaries (``spatial_merge_size**2`` consecutive
 rows, which the processor emits together): the patch embedding, the position-table lookup, norms, MLPs,
-the merger and every DeepStack merger then run on the rank's own rows, and only the attention needs the
+the merger and every DeepStack merger (if any) then run on the rank's own rows, and only the attention needs the
 other ranks (Ulysses all-to-alls, applied from outside by ``dhp.parallel``). Each rank's output rows are
 its merged tokens ``token_index`` (ascending), the same rows for ``image_embeds`` and every
 ``deepstack_embeds_k``. Slices are balanced by patch count; a rank may get none (fewer merge units
 than ranks) and still joins the collectives.
 
-Each shard carries what transformers' ``Qwen3VLVisionModel.forward`` would compute from the whole
+Each shard carries what the transformers vision model's forward would compute from the whole
 batch's ``grid_thw``, sliced to the rank's rows: the bilinear position-table taps and weights
 (``interp_indices``/``interp_weights``) and the rotary (h, w) ``position_ids``; plus the *global*
 per-image ``cu_seqlens`` the attention uses after the all-to-all. The forward pops them from its kwargs,
@@ -23,17 +23,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3VLVisionConfig
+from transformers import PretrainedConfig
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from dhp.errors import DataError
-
-#: forward kwarg with every SP rank's patch count, for the all-to-all attention
-SPLIT_SIZES_KWARG = "ulysses_split_sizes"
+from dhp.parallel.ulysses import SPLIT_SIZES_KWARG
 
 
 @dataclass(frozen=True)
-class Qwen3VLShard:
+class Qwen3VisionShard:
     """One SP rank's part of a micro-batch's vision forward (a :class:`dhp.models.family.ProducerShard`)."""
 
     rank: int
@@ -79,8 +77,8 @@ def balanced_unit_cuts(units: int, parts: int) -> list[int]:
 
 
 def shard_images(
-    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, *, sp_size: int, config: Qwen3VLVisionConfig
-) -> list[Qwen3VLShard]:
+    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, *, sp_size: int, config: PretrainedConfig
+) -> list[Qwen3VisionShard]:
     """Cut the micro-batch's patch rows into ``sp_size`` contiguous, merge-unit-aligned shards (one per rank)."""
     merge = config.spatial_merge_size
     unit = merge * merge
@@ -104,7 +102,7 @@ def shard_images(
     cuts = [c * unit for c in balanced_unit_cuts(rows // unit, sp_size)]
     split_sizes = tuple(b - a for a, b in itertools.pairwise(cuts))
     return [
-        Qwen3VLShard(
+        Qwen3VisionShard(
             rank=r,
             sp_size=sp_size,
             pixel_values=pixel_values[a:b],
@@ -120,3 +118,16 @@ def shard_images(
         )
         for r, (a, b) in enumerate(itertools.pairwise(cuts))
     ]
+
+
+def tokens_per_image(vision_config: PretrainedConfig, image_grid_thw: torch.Tensor) -> list[int]:
+    """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
+    merge = vision_config.spatial_merge_size**2
+    return [int(g.prod()) // merge for g in image_grid_thw]
+
+
+def blank_image(vision_config: PretrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
+    m = vision_config.spatial_merge_size
+    width = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    return torch.zeros(m * m, width), torch.tensor([[1, m, m]])

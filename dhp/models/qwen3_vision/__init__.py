@@ -1,0 +1,28 @@
+"""The Qwen3 vision encoder, shared by the families built on it (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5).
+
+Not a family (no ``family.py``): the pieces a family composes for its ``vision`` module. ``arch.py``
+and ``config.py`` are torch-free (the planner reads them); ``modules.py`` (the module wrapper, ``K``
+DeepStack levels, ``K = 0`` allowed), ``sp.py`` (the driver-side Ulysses cut) and ``tp.py`` (the TP
+styles and the encoder's ``ModuleParallelPlan``) load torch. Importing the package loads nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "VisionModule": "dhp.models.qwen3_vision.modules",
+    "Qwen3VisionShard": "dhp.models.qwen3_vision.sp",
+    "shard_images": "dhp.models.qwen3_vision.sp",
+    "vision_parallel_plan": "dhp.models.qwen3_vision.tp",
+    "vision_tp_plan": "dhp.models.qwen3_vision.tp",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

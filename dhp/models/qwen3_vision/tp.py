@@ -1,0 +1,48 @@
+"""TP plan of the Qwen3 vision encoder: module FQN glob -> DTensor style (one FQN atom per ``*``).
+
+The fused qkv is column-parallel in three chunks (q, k, v each split by heads), proj and the MLP's
+linear_fc2 row-parallel; the main merger and every DeepStack merger are column- then row-parallel, so
+each merger's output (one edge to the LLM) is whole on every TP rank. The patch embedding, the learned
+position table and the LayerNorms stay replicated. Per TP rank: 1/tp of every Linear's weight, grad and
+optimizer state; the residual stream (rows, hidden) stays whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from dhp.models.family import AttentionSite, ModuleParallelPlan
+from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
+
+
+def vision_tp_plan(*, deepstack: bool) -> dict[str, ParallelStyle]:
+    """Every ``nn.Linear`` of the encoder matches exactly one glob (tested per family); ``deepstack``:
+    whether the encoder has DeepStack mergers (``visual.deepstack_merger_list``)."""
+    plan: dict[str, ParallelStyle] = {
+        "visual.blocks.*.attn.qkv": FusedColwiseParallel(num_chunks=3),
+        "visual.blocks.*.attn.proj": RowwiseParallel(),
+        "visual.blocks.*.mlp.linear_fc1": ColwiseParallel(),
+        "visual.blocks.*.mlp.linear_fc2": UnevenRowwiseParallel(),
+        "visual.merger.linear_fc1": ColwiseParallel(),
+        "visual.merger.linear_fc2": RowwiseParallel(),
+    }
+    if deepstack:
+        plan["visual.deepstack_merger_list.*.linear_fc1"] = ColwiseParallel()
+        plan["visual.deepstack_merger_list.*.linear_fc2"] = RowwiseParallel()
+    return plan
+
+
+def vision_parallel_plan(vision_config: Any, *, deepstack: bool) -> ModuleParallelPlan:
+    """The encoder's plan: TP by FQN (incl. the DeepStack mergers when ``deepstack``), Ulysses SP on
+    every block's attention (heads all-to-all; the rows are cut by ``sp.shard_images``)."""
+    wide = vision_config.hidden_size * vision_config.spatial_merge_size**2
+    return ModuleParallelPlan(
+        blocks=("visual.blocks.*",),
+        tp=lambda sequence_parallel: vision_tp_plan(deepstack=deepstack),
+        tp_divides={"vision num_heads": vision_config.num_heads, "merger hidden": wide},
+        tp_heads=("visual.blocks.*.attn",),
+        sp=(AttentionSite("visual.blocks.*.attn"),),
+        sp_divides={"vision num_heads": vision_config.num_heads},
+    )
