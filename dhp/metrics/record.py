@@ -56,7 +56,9 @@ def build_record(
     MFU = (encoder + LLM model FLOPs) / step_s / (cluster.peak_bf16_tflops * devices), PaLM formula.
     Per-module seconds are the max over that module's ranks; ``wait_s`` is the LLM waiting on the
     hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS high-water mark, reset per window on Linux);
-    ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``).
+    ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``);
+    ``expert_load`` per module with MoE layers: the worst layer's max and mean tokens per expert,
+    their ratio and the layer (``dhp.parallel.expert_load.LoadSummary.as_record``), {} without MoE.
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
     frozen = {name: bool(mod.freeze) for name, mod in modules.items()}
@@ -79,6 +81,12 @@ def build_record(
         "mfu": flops / dt / (cluster.peak_bf16_tflops * 1e12 * world_devices),
         "bad_samples": dict(data.bad_samples),
         "data": dict(getattr(data, "metrics", {})),  # the loader's wait_s, samples_per_s, workers
+        # per module with MoE layers: the step's tokens per expert (worst layer), same on every rank
+        "expert_load": {
+            m: ranks[0]["expert_load"]
+            for m, ranks in result.stats.items()
+            if ranks[0]["expert_load"] is not None
+        },
     }
     for m, ranks in result.stats.items():
         for part in ("fwd", "bwd", "step"):

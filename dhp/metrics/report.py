@@ -154,6 +154,17 @@ def _nothing_to_report(run_dir: Path, log: RunLog) -> ConfigError:
     return ConfigError([ConfigIssue(path="RUN_DIR", value=str(run_dir), rule=rule, fix=fix)])
 
 
+def _expert_load(rows: list[dict[str, Any]], module: str) -> str:
+    """Median over steps of the worst MoE layer's max/mean tokens per expert, and the worst step."""
+    loads = [(r["step"], r["expert_load"][module]) for r in rows if module in r["expert_load"]]
+    step, worst = max(loads, key=lambda s_l: s_l[1]["max_over_mean"])
+    med = statistics.median(v["max_over_mean"] for _, v in loads)
+    return (
+        f"{med:.2f} ({worst['max_over_mean']:.2f} at step {step}, layer {worst['worst_layer']}: "
+        f"{worst['tokens_per_expert_max']:.0f} / {worst['tokens_per_expert_mean']:.1f} tokens)"
+    )
+
+
 def _time_split(plt, rows: list[dict[str, Any]], x: list[int], mods: list[str], finish) -> None:
     """Per step, one stacked bar per module: fwd / bwd / optimizer step (and the LLM's wait)."""
     fig, ax = plt.subplots(figsize=(8, 3.6))
@@ -219,6 +230,8 @@ def render_report_summary(
         for k in sorted({k for r in rows for k in r["peak_mem_bytes"]}):
             peak = max(r["peak_mem_bytes"][k] for r in rows if k in r["peak_mem_bytes"])
             table.add_row(f"peak memory {k}", f"{peak / 2**20:.0f} MiB")
+    for m in sorted({m for r in rows for m in r["expert_load"]} if _has(rows, "expert_load") else ()):
+        table.add_row(f"{m} expert load max/mean (median; worst)", _expert_load(rows, m))
     table.add_row("restarts / resumes", "; ".join(r.why for r in marks) or "none")
     if log.failed is not None:
         table.add_row("failed", f"{log.failed.get('reason', '')} ({log.failed.get('traceback', '-')})")

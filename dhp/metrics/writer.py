@@ -25,6 +25,9 @@ METRIC_KEYS = (
     "mfu",
     "bad_samples",  # cumulative skipped samples by reason (data.on_bad_sample=skip); {} when none
     "data",  # the loader: wait_s (blocked on data), samples_per_s (build rate), workers
+    # {"<module>": {tokens_per_expert_max, tokens_per_expert_mean, max_over_mean, worst_layer, layers}}
+    # over the module's MoE layers this step (the worst layer); {} when no module has MoE layers
+    "expert_load",
 )
 
 

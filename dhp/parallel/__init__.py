@@ -10,6 +10,7 @@ from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter, CommStats, comm_metrics
 from dhp.parallel.compose import STEPS, parallelize
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, partition_params
+from dhp.parallel.expert_load import ExpertLoad, track_expert_load
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import (
     VocabParallelEmbedding,
@@ -38,6 +39,7 @@ __all__ = [
     "AcSpec",
     "CommCounter",
     "CommStats",
+    "ExpertLoad",
     "FsdpSpec",
     "FusedColwiseParallel",
     "UlyssesSpec",
@@ -69,5 +71,6 @@ __all__ = [
     "reduce_sp_grads",
     "sequence_shard_rows",
     "set_lr",
+    "track_expert_load",
     "vocab_parallel_loss_sum",
 ]

@@ -11,6 +11,7 @@ Order per step on every rank of a module group (all collectives over the group's
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 
 import torch
@@ -77,7 +78,7 @@ def build_optimizer(
         "weight_decay": train.weight_decay,
         **impl_kwargs(train.optimizer.impl),
     }
-    params = optimizer_groups(module, param_groups=param_groups, train=train)
+    params = _split_expert_groups(optimizer_groups(module, param_groups=param_groups, train=train), module)
     if train.optimizer.impl != "for_loop":
         params = _split_dtensor_groups(params)
     group = _zero1_group(mesh) if parallel.zero == 1 else None
@@ -85,6 +86,36 @@ def build_optimizer(
         experts = [p for _, p in expert_params(module)]
         return Zero1AdamW(params, dp_group=group, unpartitioned=experts, **adamw)
     return torch.optim.AdamW(params, **adamw)
+
+
+def _moe_expert_ids(module: nn.Module) -> set[int]:
+    """ids of the experts' parameters of the MoE blocks the family declares (``plan.moe_blocks``),
+    whether EP swapped them or not (a module without a plan or MoE blocks: none)."""
+    plan = getattr(module, "parallel_plan", None)
+    glob = plan.moe_blocks if plan is not None else ""
+    if not glob:
+        return set()
+    return {
+        id(p)
+        for fqn, sub in module.named_modules()
+        if fnmatch.fnmatchcase(fqn, glob) and hasattr(sub, "experts")
+        for p in sub.experts.parameters()
+    }
+
+
+def _split_expert_groups(groups: list[dict], module: nn.Module) -> list[dict]:
+    """Each group holding MoE experts' parameters and others becomes two (others first, then the
+    experts) with the same settings, at EVERY ep degree: the optimizer's groups, which a DCP
+    checkpoint stores by index, are then the same at ep=1 and ep=N, so a run resumes across ep."""
+    experts = _moe_expert_ids(module)
+    if not experts:
+        return groups
+    out = []
+    for g in groups:
+        rest = [p for p in g["params"] if id(p) not in experts]
+        mine = [p for p in g["params"] if id(p) in experts]
+        out += [{**g, "params": rest}, {**g, "params": mine}] if rest and mine else [g]
+    return out
 
 
 def _split_dtensor_groups(groups: list[dict]) -> list[dict]:

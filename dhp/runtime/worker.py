@@ -119,6 +119,7 @@ class ModuleWorker(DistWorker):
                 device=self.device,
             )
             init_lora_params(self.module, seed=self.train_cfg.seed)  # adapters are not in model.path
+        self.expert_load = _track_expert_load(self.module, tp=self.module_cfg.parallel.tp)
         if not self.frozen:  # freeze_patterns / LoRA: requires_grad per parameter, after parallelize
             par.apply_trainable(
                 self.module, module_name=self.module_name, module_cfg=self.module_cfg, lr=self.train_cfg.lr
@@ -408,10 +409,13 @@ class ModuleWorker(DistWorker):
     # ---- observation -----------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def take_stats(self) -> dict[str, Any]:
-        """This rank's timers and peak memory since the last call; resets both."""
+        """This rank's timers and peak memory since the last call; resets both. ``expert_load``: the
+        step's tokens per expert over the group's MoE layers (``dhp.parallel.expert_load``; one
+        all-reduce over the group), None for a module without MoE blocks."""
         stats = dict(self._timers) | {
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "optim_state_bytes": _optim_state_bytes(self.optimizer),
+            "expert_load": _take_expert_load(self.expert_load, self.device),  # collective
             "events": list(self._events),
         }
         self._events.clear()
@@ -479,6 +483,18 @@ def _inner_group(mesh: Any, shape: dict[str, int], axes: tuple[str, ...]) -> Any
 def _is_root(group: Any) -> bool:
     """True without a group, or on the group's rank 0 (the one that talks to the bridge)."""
     return group is None or dist.get_rank(group) == 0
+
+
+def _track_expert_load(module: nn.Module, *, tp: int) -> par.ExpertLoad | None:
+    """Per-layer tokens-per-expert counters on the family's MoE blocks (None: the module has none)."""
+    plan = par.module_plan(module)
+    return par.track_expert_load(module, plan.moe_blocks, duplicates=tp) if plan.moe_blocks else None
+
+
+def _take_expert_load(load: par.ExpertLoad | None, device: torch.device) -> dict[str, Any] | None:
+    """The step's expert-load summary for ``metrics.jsonl`` (collective over the group), or None."""
+    summary = None if load is None else load.take(device=device)
+    return None if summary is None else summary.as_record()
 
 
 def _optim_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
