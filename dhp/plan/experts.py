@@ -18,7 +18,7 @@ import dataclasses
 
 from dhp.layout import RankLayout
 from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems
-from dhp.plan.memory import ModuleShape
+from dhp.plan.memory import ModuleShape, checkpointed_blocks
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms
 
 #: which dispatch/combine buffers the fits/OOM verdict counts (see ``dhp/plan/memory.py``)
@@ -38,11 +38,19 @@ def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
     return int(per_rank * (pr.param + shape.trainable * (pr.grad + pr.optimizer)))
 
 
-def dispatch_bytes(shape: ModuleShape, received: float) -> int:
-    """Dispatch + combine buffers of one micro-batch, every MoE block, one rank (kept for backward)."""
+def dispatch_bytes(shape: ModuleShape, received: float) -> tuple[int, int]:
+    """(one MoE block's, the saved-for-backward total's) dispatch + combine buffers of one micro-batch
+    on one rank: a block allocates them while it runs; backward needs those of every block that
+    activation checkpointing does not recompute."""
     arch = shape.arch
-    elems = sum(dispatch_elems(b.mlp, hidden=arch.hidden, received=received) for b in arch.blocks)
-    return int(shape.tokens * elems * shape.precision.act)
+    per = [dispatch_elems(b.mlp, hidden=arch.hidden, received=received) for b in arch.blocks]
+    kept = 0.0
+    if shape.backward and shape.ac.kind != "selective":
+        kept = sum(per) * (1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers)
+    elif shape.backward:  # selective keeps the exchanges' outputs
+        kept = sum(per)
+    a = shape.precision.act
+    return int(shape.tokens * max(per) * a), int(shape.tokens * kept * a)
 
 
 def moe_summary(shape: ModuleShape, terms: ModuleTerms, *, micro_batches: int, optimizer_impl: str) -> dict:
@@ -65,8 +73,10 @@ def moe_summary(shape: ModuleShape, terms: ModuleTerms, *, micro_batches: int, o
         "expert_params_per_rank": int(shape.params.expert / ep),
         "expert_state_bytes": expert_state_bytes(shape, ep),
         "expert_state_bytes_by_ep": {str(e): expert_state_bytes(shape, e) for e in _divisors(folded)},
-        "dispatch_combine_bytes": dispatch_bytes(shape, 1.0),
-        "dispatch_combine_worst_bytes": dispatch_bytes(shape, float(ep)),
+        "dispatch_combine_block_bytes": dispatch_bytes(shape, 1.0)[0],
+        "dispatch_combine_saved_bytes": dispatch_bytes(shape, 1.0)[1],
+        "dispatch_combine_worst_block_bytes": dispatch_bytes(shape, float(ep))[0],
+        "dispatch_combine_worst_saved_bytes": dispatch_bytes(shape, float(ep))[1],
         "verdict_uses": VERDICT_BUFFERS,
         "peak_bytes": gpu_timeline([terms]).peak,
         "worst_case_peak_bytes": gpu_timeline([worst]).peak,

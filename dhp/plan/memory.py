@@ -202,6 +202,18 @@ def rank_params(shape: ModuleShape) -> tuple[float, float]:
     )
 
 
+def largest_local_param(shape: ModuleShape) -> float:
+    """Elements of the largest parameter tensor on one rank: the family's largest / (tp * fsdp); when
+    that is a routed-experts tensor (at least a third of one block's experts: a 3-D gate/up/down),
+    1/ep of it, or the vocabulary table / (tp * fsdp) if that is larger."""
+    par, big = shape.parallel, shape.largest_param
+    whole = big / (par.tp * par.fsdp)
+    if not shape.params.expert or 3 * big < shape.layer_params.expert:
+        return whole
+    vocab = shape.arch.vocab * shape.arch.hidden if shape.arch is not None else 0
+    return max(big / int(par.ep), vocab / (par.tp * par.fsdp))
+
+
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes resident on one rank; formulas in the module docstring."""
     par, pr = shape.parallel, shape.precision

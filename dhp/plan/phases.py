@@ -38,14 +38,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dhp.errors import PlanError
+from dhp.layout import RankLayout
 from dhp.plan.memory import (
     ModuleShape,
     activations_of,
     block_work_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
+    largest_local_param,
     model_states,
     non_expert_params,
+    rank_params,
 )
 
 PHASES = (
@@ -205,8 +208,12 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         merge = shape.arch.merge
         handoff = int(tokens / merge * (shape.handoff_width or shape.out_hidden) * a)
     trains = grads > 0
-    sync = grads if trains and par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
-    local_largest = shape.largest_param / (par.tp * par.fsdp)
+    dense, experts = rank_params(shape)
+    dense_sync = dense * shape.trainable * pr.grad if par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
+    lay = RankLayout.from_parallel(par)
+    edp = lay.num_replicas * lay.sp // int(par.ep)  # expert grads: all-reduced over edp, on their own
+    sync = max(dense_sync, experts * shape.trainable * pr.grad if edp > 1 else 0) if trains else 0
+    local_largest = largest_local_param(shape)
     norm = int(2 * 8 * local_largest) if trains else 0
     optim = 0
     if trains:

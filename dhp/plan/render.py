@@ -153,10 +153,11 @@ def _moe_notes(moe: dict) -> list[str]:
         f"{moe['experts_per_rank']} experts per rank, replicated over edp; expert params+grads+optimizer "
         f"{gib(moe['expert_state_bytes'])} per rank",
         f"  expert states per rank by ep: {by_ep}",
-        f"  dispatch+combine buffers / micro-batch: balanced router {gib(moe['dispatch_combine_bytes'])}, "
-        f"fully unbalanced {gib(moe['dispatch_combine_worst_bytes'])} (the verdict uses the "
-        f"{moe['verdict_uses']} router's; peak alone {gib(moe['peak_bytes'])}, worst case "
-        f"{gib(moe['worst_case_peak_bytes'])})",
+        f"  dispatch+combine buffers / micro-batch: balanced router {gib(moe['dispatch_combine_block_bytes'])}"
+        f" per MoE block, {gib(moe['dispatch_combine_saved_bytes'])} saved for backward; fully unbalanced "
+        f"{gib(moe['dispatch_combine_worst_block_bytes'])} and {gib(moe['dispatch_combine_worst_saved_bytes'])}"
+        f" (the verdict uses the {moe['verdict_uses']} router's; peak alone {gib(moe['peak_bytes'])}, "
+        f"worst case {gib(moe['worst_case_peak_bytes'])})",
     ]
 
 
