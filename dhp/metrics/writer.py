@@ -25,6 +25,7 @@ METRIC_KEYS = (
     "mfu",
     "bad_samples",  # cumulative skipped samples by reason (data.on_bad_sample=skip); {} when none
     "data",  # the loader: wait_s (blocked on data), samples_per_s (build rate), workers
+    "kernels",  # {"<module>/<kind>": kernel name}, e.g. llm/linear_attention (dhp.ops.linear_attn); {} when none
 )
 
 
