@@ -1,6 +1,6 @@
 # dhp developer commands. Each creates the environment itself if needed.
 #   make install        .venv with torch pinned first, then dhp[dev]
-#   make install GPU=1  on a CUDA machine, also the [gpu] extra (flash-attn; compiles for long)
+#   make install GPU=1  on a CUDA machine, also the [gpu] extra (flash-attn, flash-linear-attention, causal-conv1d; compiles for long)
 #   make test           the import contracts (lint-imports), then the whole suite (what CI runs through .ci/run)
 #   make test-fast      the import contracts, then the suite without the tests marked slow
 #   make demo           the tiny VLM trains on real photographs on this machine
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@if [ "$(GPU)" = "1" ]; then \
-	  echo "GPU=1: installing the [gpu] extra (flash-attn)"; \
+	  echo "GPU=1: installing the [gpu] extra (flash-attn, flash-linear-attention, causal-conv1d)"; \
 	  $(BIN)/python -m pip install -q --no-build-isolation -e '.[dev,gpu]'; \
 	fi
 	touch $(STAMP)

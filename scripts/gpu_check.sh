@@ -5,6 +5,9 @@
 # the others, the whole run ends within ~7.5 min; the exit status is non-zero if any check failed.
 #   env    torch/CUDA/GPU, packages, bf16 8192^3 matmul TFLOP/s
 #   flash  is flash_attn importable; else dhp must refuse flash_attention_2 (no silent fallback)
+#   deltanet  the Gated DeltaNet kernel dhp names (fla-chunk or a torch fallback, which fails here),
+#          flash-linear-attention's chunked delta rule + causal-conv1d vs transformers' torch
+#          reference (output, state, input grads; fp32), and fwd+bwd ms of each on the GPU
 #   bf16   tiny and 7B-width (2 layers) VisionModule+LLMModule fwd/bwd, bf16 vs fp32 on the GPU
 #   ipc    2 processes on one GPU: image embeddings through dhp's CudaIpcTransport vs a host copy;
 #          a hand-off packed while the GPU still writes is ordered by the interprocess event alone
@@ -30,7 +33,7 @@ CPUFLAG=()
 for a in "$@"; do
   case "$a" in
     --cpu) MODE=cpu; CPUFLAG=(--cpu) ;;
-    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (use --cpu or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -79,9 +82,10 @@ run_check() {
   ((rc == 124 || rc == 137)) && log "== $name: TIMED OUT after ${limit}s"
 }
 
-ORDER=env,flash,bf16,ipc,nccl,mfu,train
+ORDER=env,flash,deltanet,bf16,ipc,nccl,mfu,train
 run_check env 60
 run_check flash 45
+run_check deltanet 45
 run_check bf16 90
 run_check ipc 75
 run_check nccl 90 --nccl2-timeout 40

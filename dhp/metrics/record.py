@@ -6,6 +6,8 @@ from typing import Any
 
 from dhp.config.schema import ClusterConfig, ModelConfig, ModuleConfig
 from dhp.metrics.flops import model_flops_per_step
+from dhp.models.registry import get_arch
+from dhp.ops.linear_attn import linear_attention_kernel
 
 
 def step_tokens(data: Any, *, merge: int) -> tuple[list[int], list[int]]:
@@ -38,6 +40,13 @@ def group_lrs(modules: dict[str, ModuleConfig], *, lr: float, base_lr: float) ->
     return out
 
 
+def module_kernels(model: ModelConfig, *, module: str, device_type: str) -> dict[str, str]:
+    """The kernels this process runs for ``module``'s layers, by kind: ``{"linear_attention": name}`` when
+    the family declares linear-attention blocks in it (``dhp.ops.linear_attn``), else ``{}``."""
+    arch = get_arch(model.family).architecture(model).modules[module]
+    return {"linear_attention": linear_attention_kernel(device_type)} if arch.count("linear") else {}
+
+
 def build_record(
     *,
     step: int,
@@ -59,6 +68,9 @@ def build_record(
     ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``);
     ``expert_load`` per module with MoE layers: the worst layer's max and mean tokens per expert,
     their ratio and the layer (``dhp.parallel.expert_load.LoadSummary.as_record``), {} without MoE.
+    ``kernels`` names the kernels each module's ranks ran, ``{"<module>/<kind>": name}`` (e.g.
+    ``llm/linear_attention: torch-fallback``; ranks that differ are listed comma-separated), so a slow
+    fallback on a GPU shows in every record.
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
     frozen = {name: bool(mod.freeze) for name, mod in modules.items()}
@@ -86,6 +98,11 @@ def build_record(
             m: ranks[0]["expert_load"]
             for m, ranks in result.stats.items()
             if ranks[0]["expert_load"] is not None
+        },
+        "kernels": {
+            f"{m}/{kind}": ",".join(sorted({s["kernels"][kind] for s in ranks}))
+            for m, ranks in result.stats.items()
+            for kind in ranks[0]["kernels"]
         },
     }
     for m, ranks in result.stats.items():

@@ -28,6 +28,7 @@ METRIC_KEYS = (
     # {"<module>": {tokens_per_expert_max, tokens_per_expert_mean, max_over_mean, worst_layer, layers}}
     # over the module's MoE layers this step (the worst layer); {} when no module has MoE layers
     "expert_load",
+    "kernels",  # {"<module>/<kind>": kernel name}, e.g. llm/linear_attention (dhp.ops.linear_attn); {} when none
 )
 
 

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dhp.ops.linear_attn import kernel_note
 from dhp.plan.advice import oom_advice
 from dhp.plan.types import Plan
 
@@ -55,6 +56,10 @@ def groups_table(plan: Plan) -> Table:
             _ranges(nodes),
             gpus,
             ",".join(f"{f:g}" for f in fracs),
+        )
+    if plan.kernels:  # a slow torch fallback on a GPU is named here, never silent
+        table.caption = "linear-attention kernel: " + "; ".join(
+            f"{m} {kernel_note(plan.device, k)}" for m, k in plan.kernels.items()
         )
     return table
 

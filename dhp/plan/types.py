@@ -204,6 +204,8 @@ class Plan:
     handoff: str = "object_store"  # resolved: object_store | cuda_ipc | p2p (dhp.config.handoff)
     estimate: dict | None = None  # step-time model (dhp.plan.timing), JSON-able
     loss_chunk_tokens: dict[str, int] = field(default_factory=dict)  # resolved per module (0 -> planner)
+    # module -> kernel name of its linear-attention layers (dhp.ops.linear_attn), modules that have them
+    kernels: dict[str, str] = field(default_factory=dict)
 
     @property
     def resources(self) -> dict[str, float]:
@@ -240,6 +242,7 @@ class Plan:
             "routing": [r.to_json() for r in self.routing],
             "devices": [d.to_json() for d in self.devices],
             "loss_chunk_tokens": dict(self.loss_chunk_tokens),
+            "kernels": dict(self.kernels),
             "estimate": self.estimate,
         }
 

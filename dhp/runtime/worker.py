@@ -30,6 +30,7 @@ from dhp.errors import RuntimeFailure
 from dhp.layout import RankLayout
 from dhp.metrics import accounting
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
+from dhp.metrics.record import module_kernels
 from dhp.models import get_family
 from dhp.models.dtypes import torch_dtype
 from dhp.models.loading import LoadReport, load_module_weights
@@ -136,6 +137,7 @@ class ModuleWorker(DistWorker):
             )
         )
         torch.manual_seed(self.train_cfg.seed + self.rank)  # per-rank stream for dropout & co.
+        self.kernels = module_kernels(self.model_cfg, module=self.module_name, device_type=self.device.type)
         return sum(p.numel() for p in self.module.parameters())
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
@@ -417,6 +419,7 @@ class ModuleWorker(DistWorker):
             "optim_state_bytes": _optim_state_bytes(self.optimizer),
             "expert_load": _take_expert_load(self.expert_load, self.device),  # collective
             "events": list(self._events),
+            "kernels": self.kernels,  # what this process runs (e.g. a linear-attention torch fallback)
         }
         self._events.clear()
         accounting.flush(self._acct, module_name=self.module_name, rank=self.rank)

@@ -19,6 +19,7 @@ KEY_FIGURES = {
     "nccl": ["world1.backend", "tp1.ok", "sp1.ok", "zero1.ok", "nccl2.verdict"],
     "ipc": ["transport_module", "bytes_equal", "event_order.ok", "event_order.pack_nonblocking"],
     "flash": ["flash_attn"],
+    "deltanet": ["kernel", "rel_err.delta_rule.out", "rel_err.delta_rule.grad_q", "ms_fwd_bwd.dispatched"],
     "mfu": ["step_s", "tokens_per_s_text", "achieved_tflops", "mfu", "peak_mem_gib"],
     "train": ["plan_rc", "train_rc"],
 }
