@@ -105,8 +105,10 @@ def test_qwen3_5_27b_typed_architecture_declares_the_hybrid_layers():
     assert (linear.heads, linear.kv_heads, linear.head_dim, linear.state) == (48, 16, 128, 128 * 128)
     full = llm.blocks[3].attention
     assert (full.heads, full.kv_heads, full.head_dim, full.causal) == (24, 4, 256, True)
-    # the recurrent state, not the sequence, sets a DeltaNet layer's span; a full layer's grows with S
-    assert linear.span(seq_len=4096, sample=0) == linear.span(seq_len=8192, sample=0) == 128
+    # a DeltaNet layer has no scores (span 0): its mixing is the chunked delta rule, a constant cost
+    # per token whatever S; a full layer's span grows with S
+    assert linear.span(seq_len=4096, sample=0) == linear.span(seq_len=8192, sample=0) == 0
+    assert linear.delta_rule_flops() == 2 * 48 * (64 * (2.5 * 128 + 1.5 * 128) + 3 * 128 * 128)
     assert full.span(seq_len=8192, sample=0) == 2 * full.span(seq_len=4096, sample=0)
     assert vision.count("full") == vision.layers == 27 and vision.outputs == llm.inputs == ("image_embeds",)
     assert vision.handoff_width == 5120  # no DeepStack: one edge
