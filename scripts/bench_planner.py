@@ -257,7 +257,7 @@ def load_corrected(rows: list[dict], plans: list, *, ref: float, tmp: Path, step
     return report
 
 
-def _blocks_only(out: Path, steps: int) -> None:
+def _blocks_only(out: Path, steps: int, only: list[str]) -> None:
     """Measured vs predicted accounted peak per module of BLOCK_PLANS (MoE with EP, hybrid linear
     attention), one run each, written to ``out``; exit 1 beyond +-10 %."""
     import sys
@@ -272,7 +272,7 @@ def _blocks_only(out: Path, steps: int) -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
-        for name, recipe, ov in BLOCK_PLANS:
+        for name, recipe, ov in [p for p in BLOCK_PLANS if not only or p[0] in only]:
             cfg = _config(name, ov, out=tmp, steps=steps, recipe=recipe)
             _, _, peaks = _train(cfg, tmp)
             planned = _planned_peaks(compile_plan(cfg))
@@ -327,7 +327,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.blocks:
-        _blocks_only(Path(args.out), args.steps)
+        _blocks_only(Path(args.out), args.steps, [x for x in args.only.split(",") if x])
         return
     if args.optimizer:
         _optimizer_only(Path(args.out))

@@ -8,10 +8,12 @@ Token mixer, by :class:`~dhp.models.arch.Attention` kind::
     full / window   off: (4h + 3kv)/tp          selective: (2h + 2kv)/tp     (q, k, v, out; the
                                                                               calibrated dense block)
     linear          off: (3 (2K+V) + 4V + Hv C)/tp                            selective: (2K + 3V + Hv C)/tp
-                    (Gated DeltaNet, heads split by TP: the conv1d's input and output and the
-                    activated q/k/v (2K+V each), the gate z, the core output and the gated RMSNorm's
-                    two (V each), the chunked UT-transform matrix A (C per value head); selective keeps
-                    the projections' outputs, the core output and A)
+                    (Gated DeltaNet with flash-linear-attention's chunk kernel, heads split by TP: the
+                    conv1d's input and output and the activated q/k/v (2K+V each), the gate z, the
+                    core output and the gated RMSNorm's two (V each), the chunked UT-transform matrix
+                    A (C per value head); selective keeps the projections' outputs, the core output
+                    and A). With transformers' torch fallback (the CPU kernel, ``dhp.ops.linear_attn``)
+                    the fitted :func:`fallback_delta_rule_elems` fp32 elements instead.
 
     K = key heads x d_k, V = value heads x d_v, Hv value heads, C the chunk length.
 
@@ -46,8 +48,25 @@ import math
 from dhp.models.arch import Attention, Block, Mlp
 
 
-def mixer_saved_elems(att: Attention, *, hidden: int, tp: int, selective: bool) -> float:
-    """Saved elements per token of one block's token mixer on one TP rank (table above)."""
+def fallback_delta_rule_elems(att: Attention) -> float:
+    """fp32 elements per token a Gated DeltaNet mixer saves for backward when the delta rule runs as
+    transformers' torch fallback (``torch_chunk_gated_delta_rule``: fp32 copies of q/k/v, the C-wide
+    decay, UT-system and intra-chunk score rows, and the recurrent state read and written at every
+    chunk), all heads: 6K + Hv (11 d_k + 11 d_v + d_k d_v / C + 5.4 C) - C. Fitted to autograd's
+    saved storages of transformers' ``Qwen3_5GatedDeltaNet`` on CPU at 7 head/width settings
+    (``tests/unit/plan/test_linear_attention_memory.py`` pins it)."""
+    c, dk, dv = att.chunk_len, att.head_dim, att.d_v
+    return 6 * att.key_width + att.heads * (11 * dk + 11 * dv + dk * dv / c + 5.4 * c) - c
+
+
+def mixer_saved_elems(
+    att: Attention, *, hidden: int, tp: int, selective: bool, fallback: bool = False, act: int = 2
+) -> float:
+    """Saved elements (of ``act`` bytes) per token of one block's token mixer on one TP rank (table
+    above); ``fallback``: a linear block's delta rule runs as the torch fallback (CPU), whose fp32
+    intermediates :func:`fallback_delta_rule_elems` counts instead (in every AC mode that saves)."""
+    if att.kind == "linear" and fallback:
+        return fallback_delta_rule_elems(att) * 4 / act / tp
     if att.kind == "linear":
         k, v, hv, c = att.key_width, att.value_width, att.heads, att.chunk_len
         mix = (2 * k + 3 * v + hv * c) if selective else (3 * (2 * k + v) + 4 * v + hv * c)
@@ -68,14 +87,25 @@ def mlp_saved_elems(mlp: Mlp, *, hidden: int, tp: int, selective: bool, received
 
 
 def block_saved_elems(
-    block: Block, *, hidden: int, tp: int, s: int, selective: bool, received: float = 1.0
+    block: Block,
+    *,
+    hidden: int,
+    tp: int,
+    s: int,
+    selective: bool,
+    received: float = 1.0,
+    fallback: bool = False,
+    act: int = 2,
 ) -> float:
     """Saved elements per token of one block: the residual region's norms (4h/s, selective 2h/s),
-    its mixer and its MLP."""
+    its mixer and its MLP (``fallback``/``act``: :func:`mixer_saved_elems`)."""
     base = (2 if selective else 4) * hidden / s
+    mixer = mixer_saved_elems(
+        block.attention, hidden=hidden, tp=tp, selective=selective, fallback=fallback, act=act
+    )
     return (
         base
-        + mixer_saved_elems(block.attention, hidden=hidden, tp=tp, selective=selective)
+        + mixer
         + mlp_saved_elems(block.mlp, hidden=hidden, tp=tp, selective=selective, received=received)
     )
 

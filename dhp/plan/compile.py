@@ -88,6 +88,7 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
             module=mod,
             micro_batch=config.train.micro_batch_size,
             image_patches=image_patches(config),
+            device=config.cluster.device,
         )
         for name, mod in config.modules.items()
     }

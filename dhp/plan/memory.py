@@ -77,6 +77,7 @@ from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ZERO1_AXES
+from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
 from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.trainable import trainable_fraction
@@ -138,6 +139,9 @@ class ModuleShape:
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
     #: MoE rows received per own assignment: 1 (balanced router, the verdict's) or ep (worst case)
     moe_received: float = 1.0
+    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: no
+    #: flash-linear-attention on the plan's device), which saves more (``dhp/plan/blocks.py``)
+    delta_rule_fallback: bool = False
 
     @property
     def pixels(self) -> bool:
@@ -261,7 +265,14 @@ def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
         return [one] * layer.layers
     return [
         block_saved_elems(
-            b, hidden=shape.arch.hidden, tp=tp, s=s, selective=selective, received=shape.moe_received
+            b,
+            hidden=shape.arch.hidden,
+            tp=tp,
+            s=s,
+            selective=selective,
+            received=shape.moe_received,
+            fallback=shape.delta_rule_fallback,
+            act=shape.precision.act,
         )
         for b in shape.arch.blocks
     ]
@@ -363,10 +374,17 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
 
 
 def module_shape(
-    name: str, *, model: DictConfig, module: DictConfig, micro_batch: int, image_patches: int = 0
+    name: str,
+    *,
+    model: DictConfig,
+    module: DictConfig,
+    micro_batch: int,
+    image_patches: int = 0,
+    device: str = "cuda",
 ) -> ModuleShape:
     """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
-    architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers."""
+    architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers;
+    ``device`` (the cluster's) picks the linear-attention kernel whose memory is counted."""
     arch = architecture(model).modules[name]
     par = module.parallel
     tokens = micro_batch * module.seq_len
@@ -396,4 +414,5 @@ def module_shape(
         handoff_width=arch.handoff_width,
         arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
+        delta_rule_fallback=bool(arch.count("linear")) and linear_attention_kernel(device) == TORCH_FALLBACK,
     )

@@ -278,7 +278,12 @@ class Search:
         mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
         conf = OmegaConf.create(mod)
         shape = module_shape(
-            name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
+            name,
+            model=self.cfg.model,
+            module=conf,
+            micro_batch=mb,
+            image_patches=self._image(),
+            device=self.cluster.device,
         )
         terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
         procs = busy_processes(max(self._procs, world))
