@@ -41,6 +41,9 @@ def _shape(variant: str, seq: int, tp: int = 1):
     mod["parallel"].update(dp=1, fsdp=1, tp=tp, sequence_parallel=False)
     mod.update(gpus=tp, seq_len=seq, activation_checkpointing="off")
     shape = module_shape("llm", model=cfg.model, module=OmegaConf.create(mod), micro_batch=1)
+    # flash-linear-attention's kernel, whether or not this machine has it (the plan would name the
+    # torch fallback where it is missing, and count its memory)
+    shape = dataclasses.replace(shape, delta_rule_fallback=False)
     if variant == "hybrid":
         return cfg, shape
     block = next(b for b in shape.arch.blocks if b.attention.kind == variant)
