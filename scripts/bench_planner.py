@@ -25,6 +25,11 @@ Writes ``{"plans": [...], "auto": {...}, "profile": {...}}`` and prints a table.
 for_loop) against the planner's, in about a minute (``scripts/measure_optimizer_memory.py``):
 
     .venv/bin/python scripts/bench_planner.py --optimizer --out runs/optimizer_memory.json
+
+``--blocks`` measures only the memory of plans with other block kinds (BLOCK_PLANS: a mixture of
+experts with expert parallelism, a hybrid Gated DeltaNet LLM), one run each:
+
+    .venv/bin/python scripts/bench_planner.py --blocks --steps 2 --out runs/bench_planner_blocks.json
 """
 
 from __future__ import annotations
@@ -89,9 +94,38 @@ PLANS: list[tuple[str, list[str]]] = [
     ),
 ]
 QUICK = ["sp1_tp1_disagg", "sp2_tp2_colloc", "sp2_tp2_colloc_long", "sp1_tp1_disagg_long_ac"]
+#: memory-only plans of the other LLM shapes (``--blocks``): a mixture of experts with expert
+#: parallelism (tiny Qwen3-VL-MoE) and a hybrid Gated DeltaNet / full-attention LLM (tiny Qwen3.5),
+#: each module's measured accounted peak against the planner's (no step-time calibration)
+# 480 text tokens: the LLM's activations weigh beside its parameters
+NO_AC = [
+    "modules.llm.activation_checkpointing=off",
+    "data.synthetic.text_tokens=480",
+    "modules.llm.seq_len=512",
+]
+BLOCK_PLANS: list[tuple[str, str, list[str]]] = [
+    ("moe_dp2_ep2", "tiny_qwen3_vl_moe", NO_AC),
+    (
+        "moe_fsdp2_ep2",
+        "tiny_qwen3_vl_moe",
+        [*NO_AC, "modules.llm.parallel.dp=1", "modules.llm.parallel.fsdp=2"],
+    ),
+    ("moe_dp2_ep2_ac", "tiny_qwen3_vl_moe", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
+    ("hybrid_fsdp2", "tiny_qwen3_5", NO_AC),
+    ("hybrid_dp2", "tiny_qwen3_5", [*NO_AC, "modules.llm.parallel.fsdp=1", "modules.llm.parallel.dp=2"]),
+    ("hybrid_fsdp2_ac", "tiny_qwen3_5", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
+]
 
 
-def _config(name: str, overrides: list[str], *, out: Path, steps: int, cluster: str | None = None):
+def _config(
+    name: str,
+    overrides: list[str],
+    *,
+    out: Path,
+    steps: int,
+    cluster: str | None = None,
+    recipe: str = "tiny_vlm",
+):
     from dhp.config import load_config
 
     base = [
@@ -102,8 +136,8 @@ def _config(name: str, overrides: list[str], *, out: Path, steps: int, cluster: 
         "train.log_every=1",
         "train.checkpoint_every=0",
     ]
-    cfg = load_config("tiny_vlm", [*base, *overrides])
-    cfg = load_config("tiny_vlm", [*base, *overrides, *_exact_lengths(cfg)])
+    cfg = load_config(recipe, [*base, *overrides])
+    cfg = load_config(recipe, [*base, *overrides, *_exact_lengths(cfg)])
     if cluster is not None:
         from omegaconf import OmegaConf
 
@@ -223,6 +257,47 @@ def load_corrected(rows: list[dict], plans: list, *, ref: float, tmp: Path, step
     return report
 
 
+def _blocks_only(out: Path, steps: int, only: list[str]) -> None:
+    """Measured vs predicted accounted peak per module of BLOCK_PLANS (MoE with EP, hybrid linear
+    attention), one run each, written to ``out``; exit 1 beyond +-10 %."""
+    import sys
+
+    import ray
+
+    from dhp.metrics.accounting import ENV_VAR
+    from dhp.plan import compile_plan
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_planner_blocks_"))
+    os.environ[ENV_VAR] = str(tmp / "accounting")  # before ray.init: the workers inherit it
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        for name, recipe, ov in [p for p in BLOCK_PLANS if not only or p[0] in only]:
+            cfg = _config(name, ov, out=tmp, steps=steps, recipe=recipe)
+            _, _, peaks = _train(cfg, tmp)
+            planned = _planned_peaks(compile_plan(cfg))
+            mem = {
+                m: {
+                    "predicted": planned[m],
+                    "measured": peaks[m]["total"],
+                    "ratio": peaks[m]["total"] / planned[m],
+                }
+                for m in planned
+            }
+            rows.append({"name": name, "recipe": recipe, "overrides": ov, "memory_by_module": mem})
+            print(
+                f"{name}: measured/predicted { ({m: round(v['ratio'], 3) for m, v in mem.items()}) }",
+                flush=True,
+            )
+    finally:
+        ray.shutdown()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"plans": rows}, indent=1))
+    print("BENCH " + json.dumps(rows))
+    within = all(abs(v["ratio"] - 1) <= 0.10 for r in rows for v in r["memory_by_module"].values())
+    sys.exit(0 if within else 1)
+
+
 def _optimizer_only(out: Path) -> None:
     """Measured vs predicted optimizer-phase peak of fused, foreach and for_loop AdamW (CPU, one
     process each; ``scripts/measure_optimizer_memory.py``), written to ``out``; exit 1 beyond +-10 %."""
@@ -245,7 +320,15 @@ def main() -> None:
         action="store_true",
         help="only the optimizer phase's peak of each train.optimizer.impl (measure_optimizer_memory.py)",
     )
+    ap.add_argument(
+        "--blocks",
+        action="store_true",
+        help="only the memory of the MoE (EP) and hybrid linear-attention plans (BLOCK_PLANS)",
+    )
     args = ap.parse_args()
+    if args.blocks:
+        _blocks_only(Path(args.out), args.steps, [x for x in args.only.split(",") if x])
+        return
     if args.optimizer:
         _optimizer_only(Path(args.out))
         return

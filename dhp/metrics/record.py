@@ -66,11 +66,11 @@ def build_record(
     Per-module seconds are the max over that module's ranks; ``wait_s`` is the LLM waiting on the
     hand-off; ``peak_mem_bytes`` is per "<module>/<rank>" (cuda: allocated peak; cpu: RSS high-water mark, reset per window on Linux);
     ``bad_samples`` counts the samples skipped so far by reason (``data.on_bad_sample=skip``);
+    ``expert_load`` per module with MoE layers: the worst layer's max and mean tokens per expert,
+    their ratio and the layer (``dhp.parallel.expert_load.LoadSummary.as_record``), {} without MoE.
     ``kernels`` names the kernels each module's ranks ran, ``{"<module>/<kind>": name}`` (e.g.
     ``llm/linear_attention: torch-fallback``; ranks that differ are listed comma-separated), so a slow
     fallback on a GPU shows in every record.
-    ``expert_load`` per module with MoE layers: the worst layer's max and mean tokens per expert,
-    their ratio and the layer (``dhp.parallel.expert_load.LoadSummary.as_record``), {} without MoE.
     """
     patches, seqs = step_tokens(data, merge=model.vision.spatial_merge_size)
     frozen = {name: bool(mod.freeze) for name, mod in modules.items()}
@@ -93,16 +93,16 @@ def build_record(
         "mfu": flops / dt / (cluster.peak_bf16_tflops * 1e12 * world_devices),
         "bad_samples": dict(data.bad_samples),
         "data": dict(getattr(data, "metrics", {})),  # the loader's wait_s, samples_per_s, workers
-        "kernels": {
-            f"{m}/{kind}": ",".join(sorted({s["kernels"][kind] for s in ranks}))
-            for m, ranks in result.stats.items()
-            for kind in ranks[0]["kernels"]
-        },
         # per module with MoE layers: the step's tokens per expert (worst layer), same on every rank
         "expert_load": {
             m: ranks[0]["expert_load"]
             for m, ranks in result.stats.items()
             if ranks[0]["expert_load"] is not None
+        },
+        "kernels": {
+            f"{m}/{kind}": ",".join(sorted({s["kernels"][kind] for s in ranks}))
+            for m, ranks in result.stats.items()
+            for kind in ranks[0]["kernels"]
         },
     }
     for m, ranks in result.stats.items():

@@ -25,10 +25,10 @@ METRIC_KEYS = (
     "mfu",
     "bad_samples",  # cumulative skipped samples by reason (data.on_bad_sample=skip); {} when none
     "data",  # the loader: wait_s (blocked on data), samples_per_s (build rate), workers
-    "kernels",  # {"<module>/<kind>": kernel name}, e.g. llm/linear_attention (dhp.ops.linear_attn); {} when none
     # {"<module>": {tokens_per_expert_max, tokens_per_expert_mean, max_over_mean, worst_layer, layers}}
     # over the module's MoE layers this step (the worst layer); {} when no module has MoE layers
     "expert_load",
+    "kernels",  # {"<module>/<kind>": kernel name}, e.g. llm/linear_attention (dhp.ops.linear_attn); {} when none
 )
 
 

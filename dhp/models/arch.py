@@ -68,6 +68,11 @@ ATTENTION_KINDS = ("full", "window", "linear")
 MLP_KINDS = ("dense", "moe")
 
 
+#: Gated DeltaNet's chunk length when a family declares none (flash-linear-attention's and
+#: transformers' ``chunk_size=64``)
+DELTA_RULE_CHUNK = 64
+
+
 @dataclass(frozen=True)
 class Attention:
     """One block's token mixer.
@@ -75,9 +80,14 @@ class Attention:
     ``full``: every token of a span attends to the span (``causal``: a sequence, each query sees
     S/2 keys on average, one kernel call per block; not causal: each image of a varlen batch, one call
     per image). ``window``: non-causal attention inside windows of ``window`` tokens (Ulysses SP cuts
-    on window boundaries, so these blocks exchange nothing). ``linear``: a recurrent state of
-    ``state`` elements per head instead of a KV cache (Gated DeltaNet); its mixing cost per token is
-    counted as a span of ``state / head_dim``.
+    on window boundaries, so these blocks exchange nothing). ``linear``: a recurrent state instead of
+    a KV cache (Gated DeltaNet, computed by the chunked gated delta rule): ``heads`` value heads (the
+    recurrence runs once per value head), ``kv_heads`` query/key heads of ``head_dim`` = d_k (repeated
+    to the value heads), ``value_dim`` = d_v per value head (0: ``state / head_dim``, else
+    ``head_dim``), ``state`` = d_k x d_v elements per head, ``chunk`` tokens per chunk (0:
+    :data:`DELTA_RULE_CHUNK`) and a short causal depthwise conv1d of ``conv_kernel`` taps over the
+    q/k/v channels. Its mixing cost is linear in the sequence (:meth:`delta_rule_flops`); it has no
+    score matrix and no span.
     """
 
     kind: str
@@ -87,6 +97,9 @@ class Attention:
     window: int = 0  # tokens per window (``window``)
     state: int = 0  # recurrent state elements per head (``linear``)
     causal: bool = False
+    value_dim: int = 0  # d_v per value head (``linear``; 0: state / head_dim, or head_dim)
+    chunk: int = 0  # tokens per chunk of the chunked delta rule (``linear``; 0: DELTA_RULE_CHUNK)
+    conv_kernel: int = 0  # taps of the short causal conv1d over q/k/v (``linear``; 0: none)
 
     @property
     def q_dim(self) -> int:
@@ -96,19 +109,86 @@ class Attention:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    # ---- linear attention (Gated DeltaNet) ----------------------------------------------------
+    @property
+    def d_v(self) -> int:
+        """Value width per head of a linear block."""
+        if self.value_dim:
+            return self.value_dim
+        return self.state // self.head_dim if self.state else self.head_dim
+
+    @property
+    def chunk_len(self) -> int:
+        return self.chunk or DELTA_RULE_CHUNK
+
+    @property
+    def key_width(self) -> int:
+        """K = key heads x d_k: the width of q and of k (linear)."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def value_width(self) -> int:
+        """V = value heads x d_v: the width of v, z and the core output (linear)."""
+        return self.heads * self.d_v
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short conv1d: q, k and v (2K + V)."""
+        return 2 * self.key_width + self.value_width
+
+    def state_elems(self) -> int:
+        """Recurrent state of one sequence: value heads x d_k x d_v (a KV cache's counterpart)."""
+        return self.heads * self.head_dim * self.d_v
+
+    def delta_rule_flops(self) -> float:
+        """Forward FLOPs per token of the chunked gated delta rule over all heads (linear blocks).
+
+        Per value head and chunk of C tokens (d_k, d_v the head's key / value widths), as the chunked
+        algorithm computes it (transformers' ``torch_chunk_gated_delta_rule``; flash-linear-attention's
+        kernel does the same products)::
+
+            intra-chunk, C^2 terms:  k_beta k^T (C^2 d_k), q k^T (C^2 d_k), intra-scores x v_new
+                                     (C^2 d_v), two unit-triangular solves of the UT transform
+                                     (C^2/2 (d_k + d_v))
+            state terms, C d_k d_v:  k_cumdecay S and q S (reads of the state), k^T v_new (update)
+
+            MACs / chunk / head = C^2 (2.5 d_k + 1.5 d_v) + 3 C d_k d_v
+            FLOPs / token       = 2 heads (C (2.5 d_k + 1.5 d_v) + 3 d_k d_v)
+
+        Linear in the sequence length (S/C chunks of constant cost); the elementwise gating, decay and
+        l2-norms are left out (no matmul).
+        """
+        if self.kind != "linear":
+            return 0.0
+        c, dk, dv = self.chunk_len, self.head_dim, self.d_v
+        return 2.0 * self.heads * (c * (2.5 * dk + 1.5 * dv) + 3.0 * dk * dv)
+
+    def proj_macs(self, hidden: int) -> float:
+        """Multiply-accumulates per token of the mixer's weights: q/o and k/v projections; a linear
+        block's in_proj (q, k, v: 2K + V; gate z: V; beta and decay a: 2 per value head), out_proj
+        (V -> hidden) and its depthwise conv1d (``conv_kernel`` taps per q/k/v channel)."""
+        if self.kind != "linear":
+            return float(2 * hidden * self.q_dim + 2 * hidden * self.kv_dim)
+        k, v = self.key_width, self.value_width
+        return float(hidden * (2 * k + v) + hidden * v + 2 * hidden * self.heads + v * hidden) + float(
+            self.conv_channels * self.conv_kernel
+        )
+
     def span(self, *, seq_len: float, sample: float) -> float:
-        """Keys one query attends to (the FLOPs' span): ``sample`` is one image's tokens."""
+        """Keys one query attends to (the FLOPs' span): ``sample`` is one image's tokens. A linear
+        block has no scores: 0 (its mixing is :meth:`delta_rule_flops`)."""
         if self.kind == "window":
             return float(min(self.window, sample))
         if self.kind == "linear":
-            return float(self.state) / self.head_dim
+            return 0.0
         return seq_len / 2.0 if self.causal else float(sample)
 
 
 @dataclass(frozen=True)
 class Mlp:
     """One block's MLP: ``dense`` (``intermediate`` wide) or ``moe`` (``experts`` experts of
-    ``intermediate`` each, ``top_k`` active per token, plus a ``shared`` always-on expert width)."""
+    ``intermediate`` each, ``top_k`` active per token, a router of ``experts`` x hidden, plus a
+    ``shared`` always-on expert width)."""
 
     kind: str
     intermediate: int
@@ -125,6 +205,26 @@ class Mlp:
     @property
     def matrices(self) -> int:
         return 3 if self.gated else 2
+
+    def expert_params(self, hidden: int) -> int:
+        """Parameters of the routed experts (the tensors EP shards): experts x matrices x hidden x I."""
+        return self.experts * self.matrices * hidden * self.intermediate if self.kind == "moe" else 0
+
+    def inactive_params(self, hidden: int) -> int:
+        """Expert parameters a token does not pass through: (experts - top_k) experts' matrices."""
+        if self.kind != "moe":
+            return 0
+        return (self.experts - self.top_k) * self.matrices * hidden * self.intermediate
+
+    def macs(self, hidden: int) -> float:
+        """Multiply-accumulates per token: the active width's matrices, plus the router (hidden x
+        experts) of an MoE."""
+        router = hidden * self.experts if self.kind == "moe" else 0
+        return float(self.matrices * hidden * self.active + router)
+
+    def expert_macs(self, hidden: int) -> float:
+        """The routed experts' share of :meth:`macs` (top_k x matrices x hidden x I)."""
+        return float(self.matrices * hidden * self.intermediate * self.top_k) if self.kind == "moe" else 0.0
 
 
 @dataclass(frozen=True)
@@ -200,14 +300,28 @@ class ModuleArch:
         return [(n, s) for s, n in out.items()]
 
     def block_macs(self) -> float:
-        """Matmul multiply-accumulates per token of all blocks: q/o, k/v, the MLP's active width."""
-        total = 0.0
-        for b in self.blocks:
-            a, m = b.attention, b.mlp
-            total += (
-                2 * self.hidden * a.q_dim + 2 * self.hidden * a.kv_dim + m.matrices * self.hidden * m.active
-            )
-        return total
+        """Matmul multiply-accumulates per token of all blocks: the mixer's projections (q/o, k/v; a
+        linear block's in/out projections and conv1d), the MLP's ACTIVE width (top-k experts + shared)
+        and the router: FLOPs follow the active parameters only."""
+        return sum(b.attention.proj_macs(self.hidden) + b.mlp.macs(self.hidden) for b in self.blocks)
+
+    def expert_macs(self) -> float:
+        """The routed experts' share of :meth:`block_macs` (what EP computes on the tokens it receives)."""
+        return sum(b.mlp.expert_macs(self.hidden) for b in self.blocks)
+
+    def delta_rule_flops(self) -> float:
+        """Forward FLOPs per token of every linear block's chunked delta rule (linear in S)."""
+        return sum(b.attention.delta_rule_flops() for b in self.blocks)
+
+    # ---- mixture of experts -------------------------------------------------------------------
+    @property
+    def moe_blocks(self) -> int:
+        return sum(1 for b in self.blocks if b.mlp.kind == "moe")
+
+    @property
+    def experts(self) -> int:
+        """Experts per MoE block (the largest; 0 without MoE)."""
+        return max((b.mlp.experts for b in self.blocks if b.mlp.kind == "moe"), default=0)
 
     def layer_shape(self) -> LayerShape:
         """The activation sizes of the widest block (every block, when they are alike)."""
@@ -250,17 +364,20 @@ class Architecture:
 def palm_flops(arch: ModuleArch, samples: list[int], *, frozen: bool) -> float:
     """Model FLOPs of one module by the PaLM formula (appendix B), as MFU counts them.
 
-    Per token, training = 6 N + 12 h x (sum over blocks of the span), N = the matmul MACs per token
-    (blocks, head, and the patch embedding of a pixel-input module); a causal block's span counts
-    as the full S, as PaLM does. ``samples``: tokens of each image (a pixel-input module) or of each
-    sequence. Forward only (a frozen module): a third.
+    Per token, training = 6 N + 12 h x (sum over blocks of the span) + 3 x the linear blocks' delta
+    rule, N = the matmul MACs per token of the ACTIVE parameters (blocks with the top-k experts and
+    the router, head, and the patch embedding of a pixel-input module); a causal block's span counts
+    as the full S, as PaLM does; a linear block's mixing (:meth:`Attention.delta_rule_flops`, forward)
+    counts three times, like the matmuls. ``samples``: tokens of each image (a pixel-input module) or
+    of each sequence. Forward only (a frozen module): a third.
     """
     n = arch.block_macs() + arch.head_macs + arch.input_row * arch.hidden
+    linear = 3.0 * arch.delta_rule_flops()
     total = 0.0
     for p in samples:
         # seq_len=2p: a causal block's S/2 is the PaLM span p
         span = sum(b.attention.span(seq_len=2.0 * p, sample=p) for b in arch.blocks)
-        total += p * (6.0 * n + 12.0 * arch.hidden * span)
+        total += p * (6.0 * n + 12.0 * arch.hidden * span + linear)
     return total * (1 / 3 if frozen else 1.0)
 
 

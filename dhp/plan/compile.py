@@ -11,6 +11,7 @@ from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.layout import RankLayout
 from dhp.ops.linear_attn import linear_attention_kernel
 from dhp.plan.estimate import estimate_step
+from dhp.plan.experts import linear_summary, moe_summary
 from dhp.plan.memory import ModuleShape, module_shape
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
@@ -33,6 +34,7 @@ def _group_plan(
     memory: MemoryEstimate,
     *,
     param_count: int,
+    active_param_count: int,
     gpus: list[int],
     sharers: dict[int, list[str]],
     where: dict[int, tuple[int, int]],
@@ -60,6 +62,7 @@ def _group_plan(
         world_size=layout.world_size,
         mesh=layout.mesh(),
         param_count=param_count,
+        active_param_count=active_param_count,
         ranks=tuple(ranks),
     )
 
@@ -85,6 +88,7 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
             module=mod,
             micro_batch=config.train.micro_batch_size,
             image_patches=image_patches(config),
+            device=config.cluster.device,
         )
         for name, mod in config.modules.items()
     }
@@ -102,8 +106,9 @@ def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
     return shapes
 
 
-def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:
-    """The per-rank MemoryEstimate of one module from its terms (its own timeline alone)."""
+def memory_estimate(terms: ModuleTerms, shape: ModuleShape, moe: dict | None = None) -> MemoryEstimate:
+    """The per-rank MemoryEstimate of one module from its terms (its own timeline alone); ``moe``:
+    its :func:`~dhp.plan.experts.moe_summary`."""
     alone = gpu_timeline([terms])
     pr = shape.precision
     mbs = terms.live_micro_batches if terms.name == "vision" else 1
@@ -132,6 +137,8 @@ def memory_estimate(terms: ModuleTerms, shape: ModuleShape) -> MemoryEstimate:
         },
         loss_chunk_tokens=shape.loss_chunk_tokens,
         accounted_peak=terms.accounted_peak(),
+        moe={k: v for k, v in (moe or {}).items() if k != "worst_terms"},
+        linear=linear_summary(shape),
     )
 
 
@@ -162,13 +169,16 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
         n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl)
         for n, s in shapes.items()
     }
+    impl = config.train.optimizer.impl
+    moe = {n: moe_summary(s, terms[n], micro_batches=n_mb, optimizer_impl=impl) for n, s in shapes.items()}
     groups = []
     for layout in layouts:
         groups.append(
             _group_plan(
                 layout,
-                memory_estimate(terms[layout.name], shapes[layout.name]),
+                memory_estimate(terms[layout.name], shapes[layout.name], moe[layout.name]),
                 param_count=shapes[layout.name].params.total,
+                active_param_count=shapes[layout.name].arch.active_params,
                 gpus=gpus[layout.name],
                 sharers=sharers,
                 where=where,
@@ -180,6 +190,9 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     for g in sorted(sharers):
         line = gpu_timeline([terms[n] for n in sharers[g]])
         reserve = reserve_bytes(device_bytes, processes=len(sharers[g]))
+        worst = 0
+        if any(moe[n] for n in sharers[g]):
+            worst = gpu_timeline([moe[n]["worst_terms"] if moe[n] else terms[n] for n in sharers[g]]).peak
         devices.append(
             DeviceUsage(
                 global_gpu=g,
@@ -192,6 +205,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
                 peak_terms=line.peak_terms,
                 by_phase=line.by_phase,
                 reserve=reserve,
+                worst_case_total=worst,
             )
         )
     by_name = {lay.name: lay for lay in layouts}

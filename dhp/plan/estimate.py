@@ -20,6 +20,7 @@ from dhp.plan.overheads import phase_counts
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.schedule import StepEstimate, micro_batches_per_step, schedule
 from dhp.plan.timing import (
+    ATTN_BWD_FACTOR,
     ATTN_HALF_SPAN,
     grad_sync_s,
     link_of,
@@ -64,6 +65,7 @@ class ModuleFeatures:
     step: dict[str, float]  # grad sync + optimizer (once per step)
     recompute_flops: float
     flops: float  # per rank and micro-batch, fwd + bwd
+    a2a: float = 0.0  # seconds at efficiency 1 of the EP all-to-alls (inside fwd/bwd comm), per micro-batch
 
 
 def coefficients(cluster: DictConfig) -> dict[str, float]:
@@ -238,12 +240,19 @@ def module_features(
     g = 2.0 * tokens * h * m / tp
     mm_rate = peak * g / (g + cluster.gemm_half_flops)
     at_rate = peak * fl.attn_span / (fl.attn_span + ATTN_HALF_SPAN)
+    lin_rate = peak * fl.linear_span / (fl.linear_span + ATTN_HALF_SPAN)  # the delta rule's C-wide tiles
     keys = ("intra_node_gbps", "inter_node_gbps", "gpus_per_node", "latency_us")
     link = link_of(OmegaConf.create({**{k: cluster[k] for k in keys}, "comm_efficiency": 1.0}))
     comm = module_comm(shape, tokens, link)
-    fwd_mm, fwd_at = fl.matmul_fwd / mm_rate, fl.attn_fwd / at_rate
+    fwd_mm = fl.matmul_fwd / mm_rate
+    fwd_at = fl.attn_fwd / at_rate + fl.linear_fwd / lin_rate
     bwd_mm = (2 * fl.matmul_fwd + fl.recompute_matmul) / mm_rate if shape.backward else 0.0
-    bwd_at = (fl.bwd - 2 * fl.matmul_fwd - fl.recompute_matmul) / at_rate if shape.backward else 0.0
+    bwd_at = (
+        (ATTN_BWD_FACTOR * fl.attn_fwd + fl.recompute_attn) / at_rate
+        + (ATTN_BWD_FACTOR * fl.linear_fwd + fl.recompute_linear) / lin_rate
+        if shape.backward
+        else 0.0
+    )
     # FSDP prefetch hides its collectives behind compute except the first block's, where a
     # separate engine moves the bytes (NCCL on a GPU); gloo on a CPU runs them on the same cores.
     # The compute that hides them is the achieved one (at the profile's efficiencies), not peak's:
@@ -283,14 +292,20 @@ def module_features(
             "calls": 1.0,
             **counts["step"],
         },
-        recompute_flops=fl.recompute_matmul + fl.recompute_attn,
+        recompute_flops=fl.recompute_matmul + fl.recompute_attn + fl.recompute_linear,
         flops=fl.fwd + (fl.bwd if shape.backward else 0.0),
+        a2a=comm["a2a"],
     )
     if slow == 1.0:
         return feats
     scale = lambda d: {k: v * slow for k, v in d.items()}  # noqa: E731
     return ModuleFeatures(
-        scale(feats.fwd), scale(feats.bwd), scale(feats.step), feats.recompute_flops, feats.flops
+        scale(feats.fwd),
+        scale(feats.bwd),
+        scale(feats.step),
+        feats.recompute_flops,
+        feats.flops,
+        feats.a2a * slow,
     )
 
 
@@ -327,6 +342,7 @@ def module_time(f: ModuleFeatures, coef: dict[str, float], *, n_mb: int) -> dict
         "optim_s": seconds({**f.step, "comm": 0.0}, coef),
         "recompute_flops": n_mb * f.recompute_flops,
         "flops_per_rank": n_mb * f.flops,
+        "a2a_s": n_mb * f.a2a * coef["comm"],  # part of comm_s: the EP all-to-alls of the step
     }
 
 

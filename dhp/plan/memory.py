@@ -12,11 +12,19 @@ casts the reduced gradient back to the parameter's dtype):
 Compute (activation) bytes ``a``: 2 under FSDP with a bf16 policy (FSDP2 gathers the parameters in
 bf16), else the parameters' dtype.
 
-Sharding of the model states (P = the module's parameters, ``params.py``):
+Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_sharded``,
+``replicated`` and the routed experts ``expert``, :class:`~dhp.models.arch.ParamCount`):
 
     P_rank = (P_tp_sharded / tp + P_replicated) / fsdp
-    params = P_rank * b_param;  grads = P_rank * b_grad (0 when frozen)
-    optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt
+    X_rank = P_expert / ep                    (whole on every TP rank: no expert TP)
+    params = (P_rank + X_rank) * b_param;  grads = (P_rank + X_rank) * b_grad (0 when frozen)
+    optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt;
+                + X_rank * b_opt
+
+Expert parallelism (``dhp/parallel/ep.py``): EP rank r holds experts [r E/ep, (r+1) E/ep) of every MoE
+block. The experts are REPLICATED over the edp = dp*fsdp*sp/ep ranks that hold the same experts
+(``ParallelConfig`` has no expert-data-parallel sharding: FSDP and ZeRO-1 shard only the other
+parameters, whose finalize step skips the experts), so neither fsdp nor zero divides X_rank.
 
 Saved activations of one micro-batch (per token and layer, pre-norm SwiGLU block; h hidden, m MLP,
 kv the K/V width; calibrated against autograd's saved tensors in
@@ -30,6 +38,18 @@ tests/unit/plan/test_activation_calibration.py)::
     every_n:K:  ceil(L/K) * h/s + (L - ceil(L/K)) * per_layer
     selective:  L * selective
     frozen encoder (no backward): nothing saved; one block's working set in forward
+
+Blocks that differ (a hybrid of linear- and full-attention blocks, MoE MLPs) sum their own
+per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations and
+the dispatch/combine buffers); every_n drops ceil(L/K)/L of every block's. The one-block working
+set is the largest block's, plus a linear block's chunk states (transient in its forward and
+backward, whatever the AC mode).
+
+MoE dispatch/combine buffers: at the planner's token count with a BALANCED router (each rank
+receives as many rows as it sends: r = 1 in ``blocks.py``). The verdict (fits / OOM) uses this one,
+because training keeps the router balanced with its load-balancing loss; the worst case (a fully
+unbalanced router: every token of the EP group to one rank's experts, r = ep) is computed beside it
+(``moe_worst_case``) and printed as what the same plan would need then.
 
 Transients (the working set of the phase that allocates them, never summed across phases):
 one recomputed block (``per_layer``) under AC, the gradient of the hidden state (2h/s per token),
@@ -57,6 +77,8 @@ from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ZERO1_AXES
+from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
+from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.trainable import trainable_fraction
 
@@ -115,6 +137,11 @@ class ModuleShape:
     handoff_width: int = 0  # a producer: columns of one hand-off row over all edges
     arch: ModuleArch | None = None  # the family's typed architecture of this module
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
+    #: MoE rows received per own assignment: 1 (balanced router, the verdict's) or ep (worst case)
+    moe_received: float = 1.0
+    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: no
+    #: flash-linear-attention on the plan's device), which saves more (``dhp/plan/blocks.py``)
+    delta_rule_fallback: bool = False
 
     @property
     def pixels(self) -> bool:
@@ -159,16 +186,49 @@ def default_loss_chunk(vocab: int, tp: int, tokens: int) -> int:
     return min(max(tokens, 1), max(LOSS_CHUNK_MIN, min(LOSS_CHUNK_MAX, chunk)))
 
 
+def _without_experts(p: ParamCount) -> ParamCount:
+    return ParamCount(tp_sharded=p.tp_sharded, replicated=p.replicated)
+
+
+def non_expert_params(shape: ModuleShape) -> tuple[ParamCount, ParamCount]:
+    """(the module's, its largest block's) parameters without the routed experts: what TP, FSDP
+    and ZeRO-1 shard (and FSDP all-gathers)."""
+    return _without_experts(shape.params), _without_experts(shape.layer_params)
+
+
+def rank_params(shape: ModuleShape) -> tuple[float, float]:
+    """(the non-expert parameters, the routed experts' parameters) one rank holds: the first TP- and
+    FSDP-sharded, the second 1/ep of the experts (whole on every TP rank, replicated over edp; module
+    docstring)."""
+    par = shape.parallel
+    return shape.params.per_tp_rank(par.tp) / par.fsdp - shape.params.expert / par.fsdp, (
+        shape.params.expert / int(par.ep)
+    )
+
+
+def largest_local_param(shape: ModuleShape) -> float:
+    """Elements of the largest parameter tensor on one rank: the family's largest / (tp * fsdp); when
+    that is a routed-experts tensor (at least a third of one block's experts: a 3-D gate/up/down),
+    1/ep of it, or the vocabulary table / (tp * fsdp) if that is larger."""
+    par, big = shape.parallel, shape.largest_param
+    whole = big / (par.tp * par.fsdp)
+    if not shape.params.expert or 3 * big < shape.layer_params.expert:
+        return whole
+    vocab = shape.arch.vocab * shape.arch.hidden if shape.arch is not None else 0
+    return max(big / int(par.ep), vocab / (par.tp * par.fsdp))
+
+
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes resident on one rank; formulas in the module docstring."""
     par, pr = shape.parallel, shape.precision
-    p_rank = shape.params.per_tp_rank(par.tp) / par.fsdp
-    params = p_rank * pr.param
+    dense, experts = rank_params(shape)
+    params = (dense + experts) * pr.param
     if shape.freeze:
         return int(params), 0, 0
     opt_shards = math.prod(par[a] for a in ZERO1_AXES) if par.zero == 1 else 1
-    p_train = p_rank * shape.trainable  # freeze_patterns / LoRA: only the trainable set has grads + states
-    return int(params), int(p_train * pr.grad), int(p_train * pr.optimizer / opt_shards)
+    t = shape.trainable  # freeze_patterns / LoRA: only the trainable set has grads + states
+    grads = (dense + experts) * t * pr.grad
+    return int(params), int(grads), int(dense * t * pr.optimizer / opt_shards + experts * t * pr.optimizer)
 
 
 def per_layer_elems(layer: LayerShape, tp: int, s: int = 1) -> float:
@@ -190,23 +250,69 @@ def checkpointed_blocks(ac: AcMode, layers: int) -> int:
     return 0
 
 
+def _uniform_dense(shape: ModuleShape) -> bool:
+    """Every block is the calibrated full/window attention + dense MLP of ``shape.layer``."""
+    arch = shape.arch
+    return arch is None or all(b.attention.kind != "linear" and b.mlp.kind == "dense" for b in arch.blocks)
+
+
+def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
+    """Saved elements per token of every block (``dhp/plan/blocks.py``), or the calibrated uniform
+    ``per_layer`` / ``selective`` of ``shape.layer`` for a model of dense full/window blocks."""
+    layer, tp, s = shape.layer, shape.parallel.tp, shape.seq_split
+    if _uniform_dense(shape):
+        one = selective_elems(layer, tp, s) if selective else per_layer_elems(layer, tp, s)
+        return [one] * layer.layers
+    return [
+        block_saved_elems(
+            b,
+            hidden=shape.arch.hidden,
+            tp=tp,
+            s=s,
+            selective=selective,
+            received=shape.moe_received,
+            fallback=shape.delta_rule_fallback,
+            act=shape.precision.act,
+        )
+        for b in shape.arch.blocks
+    ]
+
+
 def saved_layers_bytes(shape: ModuleShape) -> int:
     """Activations the blocks save for backward on one rank, one micro-batch."""
     if not shape.backward:
         return 0
-    layer, tp, s, a = shape.layer, shape.parallel.tp, shape.seq_split, shape.precision.act
+    layer, s, a = shape.layer, shape.seq_split, shape.precision.act
     if shape.ac.kind == "selective":
-        return int(shape.tokens * layer.layers * selective_elems(layer, tp, s) * a)
+        return int(shape.tokens * sum(_blocks_elems(shape, selective=True)) * a)
     ck = checkpointed_blocks(shape.ac, layer.layers)
-    per_layer = per_layer_elems(layer, tp, s)
-    return int(shape.tokens * (ck * layer.hidden / s + (layer.layers - ck) * per_layer) * a)
+    kept = sum(_blocks_elems(shape, selective=False)) * (layer.layers - ck) / layer.layers
+    return int(shape.tokens * (ck * layer.hidden / s + kept) * a)
 
 
 def block_work_bytes(shape: ModuleShape) -> int:
     """One block's working set: allocated while it runs forward without saving (AC, frozen), or
-    while it is recomputed in backward."""
-    return int(
-        shape.tokens * per_layer_elems(shape.layer, shape.parallel.tp, shape.seq_split) * shape.precision.act
+    while it is recomputed in backward (the largest block's)."""
+    return int(shape.tokens * max(_blocks_elems(shape, selective=False)) * shape.precision.act)
+
+
+def delta_rule_work_bytes(shape: ModuleShape) -> int:
+    """The largest linear block's chunk states on one rank (``dhp/plan/blocks.py``; 0 without one):
+    transient in that block's forward and in its backward, which recomputes them."""
+    if shape.arch is None:
+        return 0
+    return max(
+        (
+            delta_rule_states_bytes(
+                b.attention,
+                seqs=shape.micro_batch,
+                seq_len=shape.seq_len,
+                tp=shape.parallel.tp,
+                act=shape.precision.act,
+            )
+            for b in shape.arch.blocks
+        ),
+        default=0,
     )
 
 
@@ -268,10 +374,17 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
 
 
 def module_shape(
-    name: str, *, model: DictConfig, module: DictConfig, micro_batch: int, image_patches: int = 0
+    name: str,
+    *,
+    model: DictConfig,
+    module: DictConfig,
+    micro_batch: int,
+    image_patches: int = 0,
+    device: str = "cuda",
 ) -> ModuleShape:
     """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
-    architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers."""
+    architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers;
+    ``device`` (the cluster's) picks the linear-attention kernel whose memory is counted."""
     arch = architecture(model).modules[name]
     par = module.parallel
     tokens = micro_batch * module.seq_len
@@ -301,4 +414,5 @@ def module_shape(
         handoff_width=arch.handoff_width,
         arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
+        delta_rule_fallback=bool(arch.count("linear")) and linear_attention_kernel(device) == TORCH_FALLBACK,
     )

@@ -25,9 +25,10 @@ coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrat
                         LLM +1 embedding all-reduce;     (``tp_input_grads``, +2
                         FSDP 1 all-gather per block;     AG under SP); FSDP all-
                         loss 2 all-reduces per chunk     gather + reduce-scatter
-                        (vocab TP)                       per block; loss 1 (+1 AG
+                        (vocab TP); EP 3 per MoE block   per block; loss 1 (+1 AG
                                                          under SP); + the
-                                                         recomputed forward's
+                                                         recomputed forward's; EP
+                                                         2 per MoE block
     step (once)         tensors = the rank's parameter tensors (norm, clip, AdamW, zero_grad: a loop
                         over them; x2 for DTensor parameters; ZeRO-1: AdamW's share on the owned ones
                         only), and collectives: 1 grad-norm all-reduce,
@@ -106,6 +107,10 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     if par.fsdp > 1:
         fwd += lay.layers + 1
         bwd += 2 * (lay.layers + 1)
+    if par.ep > 1:  # per MoE block: the per-expert counts, dispatch, combine; backward the reverse two
+        moe = shape.arch.moe_blocks
+        fwd += 3 * moe
+        bwd += 2 * moe + 3 * moe * ck / lay.layers
     return fwd, (bwd if shape.backward else 0.0)
 
 

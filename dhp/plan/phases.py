@@ -38,12 +38,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dhp.errors import PlanError
+from dhp.layout import RankLayout
 from dhp.plan.memory import (
     ModuleShape,
     activations_of,
     block_work_bytes,
+    delta_rule_work_bytes,
     eager_block_bytes,
+    largest_local_param,
     model_states,
+    non_expert_params,
+    rank_params,
 )
 
 PHASES = (
@@ -173,13 +178,19 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         bwd["grad_hidden"] = int(2 * tokens * h / s * a)
     if eager_one:
         fwd["attention_scores"] = bwd["attention_scores"] = eager_one
+    chunks = delta_rule_work_bytes(shape)
+    if chunks:  # a linear block's chunk states: built in its forward, again in its backward
+        fwd["delta_rule_states"] = chunks
+        if shape.backward:
+            bwd["delta_rule_states"] = chunks
     if par.sp > 1 and shape.arch.sp_exchange_blocks:  # Ulysses' q/k/v exchange buffers
         fwd["all_to_all"] = bwd["all_to_all"] = int(2 * 3 * tokens * h / par.tp * a)
     if s > 1:
         fwd["sp_gather"] = bwd["sp_gather"] = int(tokens * h * a)
-    if par.fsdp > 1:
-        layer_full = shape.layer_params.per_tp_rank(par.tp)
-        root_full = shape.params.per_tp_rank(par.tp) - shape.layer.layers * layer_full
+    if par.fsdp > 1:  # FSDP gathers the non-expert parameters (the experts are EP's, whole)
+        dense, dense_block = non_expert_params(shape)
+        layer_full = dense_block.per_tp_rank(par.tp)
+        root_full = dense.per_tp_rank(par.tp) - shape.layer.layers * layer_full
         gathered = int((2 * layer_full + root_full) * a)
         fwd["fsdp_gather"] = gathered
         if shape.backward:
@@ -197,8 +208,12 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         merge = shape.arch.merge
         handoff = int(tokens / merge * (shape.handoff_width or shape.out_hidden) * a)
     trains = grads > 0
-    sync = grads if trains and par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
-    local_largest = shape.largest_param / (par.tp * par.fsdp)
+    dense, experts = rank_params(shape)
+    dense_sync = dense * shape.trainable * pr.grad if par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
+    lay = RankLayout.from_parallel(par)
+    edp = lay.num_replicas * lay.sp // int(par.ep)  # expert grads: all-reduced over edp, on their own
+    sync = max(dense_sync, experts * shape.trainable * pr.grad if edp > 1 else 0) if trains else 0
+    local_largest = largest_local_param(shape)
     norm = int(2 * 8 * local_largest) if trains else 0
     optim = 0
     if trains:

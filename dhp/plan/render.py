@@ -31,10 +31,20 @@ def _ranges(values: list[int]) -> str:
 
 def groups_table(plan: Plan) -> Table:
     table = Table(title=f"plan '{plan.name}': {plan.placement} on {plan.device}, hand-off {plan.handoff}")
-    for col in ("group", "world", "mesh", "params", "nodes", "GPUs (global)", "GPU fraction"):
+    for col in (
+        "group",
+        "world",
+        "mesh",
+        "params (total / active)",
+        "nodes",
+        "GPUs (global)",
+        "GPU fraction",
+    ):
         table.add_column(col)
     for g in plan.groups:
         mesh = " x ".join(f"{a}={d}" for a, d in g.mesh.items())
+        ep = g.ranks[0].memory.moe.get("ep", 1) if g.ranks[0].memory.moe else 1
+        mesh += f" (ep={ep} folded over dp x fsdp x sp)" if ep > 1 else ""
         nodes = sorted({r.node for r in g.ranks})
         gpus = _ranges([r.global_gpu for r in g.ranks])
         fracs = sorted({r.gpu_fraction for r in g.ranks})
@@ -42,7 +52,7 @@ def groups_table(plan: Plan) -> Table:
             g.name,
             str(g.world_size),
             mesh,
-            f"{g.param_count / 1e9:.2f}B",
+            f"{g.param_count / 1e9:.2f}B / {g.active / 1e9:.2f}B",
             _ranges(nodes),
             gpus,
             ",".join(f"{f:g}" for f in fracs),
@@ -133,10 +143,38 @@ def memory_table(plan: Plan) -> Table:
                 )
         if m.loss_chunk_tokens:
             notes.append(f"  loss chunk: {m.loss_chunk_tokens} tokens")
+        notes += _moe_notes(m.moe) + _linear_notes(m.linear)
         if m.optimizer_impl:
             notes.append(f"  optimizer: AdamW {m.optimizer_impl} (train.optimizer.impl)")
     table.caption = "\n".join(notes)
     return table
+
+
+def _moe_notes(moe: dict) -> list[str]:
+    if not moe:
+        return []
+    by_ep = ", ".join(f"ep={e}: {gib(b)}" for e, b in moe["expert_state_bytes_by_ep"].items())
+    return [
+        f"  MoE: {moe['moe_blocks']} blocks x {moe['experts']} experts, ep={moe['ep']} (edp={moe['edp']}): "
+        f"{moe['experts_per_rank']} experts per rank, replicated over edp; expert params+grads+optimizer "
+        f"{gib(moe['expert_state_bytes'])} per rank",
+        f"  expert states per rank by ep: {by_ep}",
+        f"  dispatch+combine buffers / micro-batch: balanced router {gib(moe['dispatch_combine_block_bytes'])}"
+        f" per MoE block, {gib(moe['dispatch_combine_saved_bytes'])} saved for backward; fully unbalanced "
+        f"{gib(moe['dispatch_combine_worst_block_bytes'])} and {gib(moe['dispatch_combine_worst_saved_bytes'])}"
+        f" (the verdict uses the {moe['verdict_uses']} router's; peak alone {gib(moe['peak_bytes'])}, "
+        f"worst case {gib(moe['worst_case_peak_bytes'])})",
+    ]
+
+
+def _linear_notes(lin: dict) -> list[str]:
+    if not lin:
+        return []
+    return [
+        f"  linear attention: {lin['linear_blocks']} linear + {lin['full_blocks']} full blocks; recurrent "
+        f"state {lin['state_bytes_per_sequence'] / 2**20:.2f} MiB per sequence per rank; chunk states "
+        f"(C={lin['chunk']}) {gib(lin['chunk_states_bytes'])} per block"
+    ]
 
 
 def device_table(plan: Plan) -> Table:
@@ -166,6 +204,13 @@ def device_table(plan: Plan) -> Table:
     table.caption = f"at the peak ({worst.peak_phase}) of GPU {worst.global_gpu}: " + ", ".join(
         f"{k} {gib(v)}" for k, v in sorted(worst.peak_terms.items(), key=lambda kv: -kv[1]) if v >= GIB / 100
     )
+    moe = max(plan.devices, key=lambda d: d.worst_case_total - d.budget)
+    if moe.worst_case_total:
+        table.caption += (
+            f"\nMoE router fully unbalanced (not the verdict's case): peak {gib(moe.worst_case_total)} of "
+            f"{gib(moe.budget)} usable on GPU {moe.global_gpu}: "
+            + ("would fit" if moe.worst_case_total <= moe.budget else "would OOM")
+        )
     return table
 
 
@@ -182,15 +227,22 @@ def estimate_table(plan: Plan) -> Table | None:
             f"MFU {100 * est['mfu']:.1f}%, {est['micro_batches']} micro-batches, bottleneck {est['bottleneck']}"
         )
     )
-    cols = ("module", "fwd s", "bwd s", "comm s", "grad sync s", "optim s", "idle s", "recompute TFLOP")
+    cols = (
+        "module",
+        "fwd s",
+        "bwd s",
+        "comm s",
+        "a2a s",
+        "grad sync s",
+        "optim s",
+        "idle s",
+        "recompute TFLOP",
+    )
     for col in cols:
         table.add_column(col, justify="left" if col == "module" else "right")
+    keys = ("fwd_s", "bwd_s", "comm_s", "a2a_s", "grad_sync_s", "optim_s", "idle_s")
     for name, m in est["modules"].items():
-        table.add_row(
-            name,
-            *(f"{m[k]:.3f}" for k in ("fwd_s", "bwd_s", "comm_s", "grad_sync_s", "optim_s", "idle_s")),
-            f"{m['recompute_tflops']:.1f}",
-        )
+        table.add_row(name, *(f"{m[k]:.3f}" for k in keys), f"{m['recompute_tflops']:.1f}")
     return table
 
 

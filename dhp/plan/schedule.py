@@ -76,6 +76,7 @@ class StepEstimate:
                 "idle_s": self.idle_s.get(name, 0.0),
                 "recompute_tflops": p["recompute_flops"] / 1e12,
                 "tflops_per_rank": p["flops_per_rank"] / 1e12,
+                "a2a_s": p["a2a_s"],  # EP dispatch + combine of the step, inside comm_s
             }
         return {
             "step_time_s": self.step_time_s,

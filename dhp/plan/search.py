@@ -4,10 +4,11 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
   N/2, N/4, ... GPUs, which win only where more ranks are predicted slower (``Search.placements``);
-- per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP) that
+- per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP, ep) that
   :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and ``parallelize``
   apply (the axes the family declares for the module, sp and tp exclusive, tp inside a node and
-  dividing what the family names, ZeRO-1 only without FSDP);
+  dividing what the family names, ZeRO-1 only without FSDP; ep > 1 only for a module with MoE
+  blocks, dividing dp x fsdp x sp and the expert count);
 - activation checkpointing off | selective | full per module;
 - sequence parallelism inside TP (on or off, where tp > 1 and the module has it);
 - micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
@@ -29,6 +30,7 @@ break on the candidate's text form, so the result is deterministic.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -73,9 +75,9 @@ class Degrees:
             "fsdp": self.fsdp,
             "sp": self.sp,
             "tp": self.tp,
+            "ep": self.ep,
             "zero": self.zero,
         }
-        out |= {"ep": self.ep} if self.ep > 1 else {}
         return out | ({"sequence_parallel": True} if self.sequence_parallel else {})
 
     @property
@@ -136,7 +138,9 @@ class Candidate:
     def label(self) -> str:
         def deg(m: ModuleChoice) -> str:
             d = m.degrees.as_dict()
-            axes = " ".join(f"{k}{v}" for k, v in d.items() if v > 1 and k in ("dp", "fsdp", "sp", "tp"))
+            axes = " ".join(
+                f"{k}{v}" for k, v in d.items() if v > 1 and k in ("dp", "fsdp", "sp", "tp", "ep")
+            )
             seq = "+sp" if m.degrees.sequence_parallel else ""
             return f"{axes or 'dp1'}{seq}{' z1' if m.degrees.zero else ''} ac={m.ac}"
 
@@ -151,29 +155,30 @@ def _divisors(n: int) -> list[int]:
 def module_degrees(
     name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
 ) -> list[Degrees]:
-    """Every (dp, fsdp, sp, tp, zero, sequence_parallel) of module ``name`` on ``world`` GPUs that the
-    plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's space."""
+    """Every (dp, fsdp, sp, tp, zero, sequence_parallel, ep) of module ``name`` on ``world`` GPUs that
+    the plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's
+    space (ep > 1 only where the module declares expert parallelism, dividing dp x fsdp x sp)."""
     out = []
     for tp in _divisors(world):
         for sp in _divisors(world // tp):
             for fsdp in _divisors(world // (tp * sp)):
                 dp = world // (tp * sp * fsdp)
-                for z in (0, 1):
-                    for q in (False, True):
-                        d = Degrees(dp, fsdp, sp, tp, z, q)
-                        if (z and dp * sp == 1) or (q and tp == 1):
-                            continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
-                        problems = module_problems(
-                            name,
-                            gpus=world,
-                            parallel=d,
-                            axes=axes,
-                            gpus_per_node=gpus_per_node,
-                            activation_checkpointing="off",
-                            mixed_precision=mixed_precision,
-                        )
-                        if not problems:
-                            out.append(d)
+                eps = _divisors(dp * fsdp * sp) if axes.experts else [1]
+                for z, q, ep in itertools.product((0, 1), (False, True), eps):
+                    d = Degrees(dp, fsdp, sp, tp, z, q, ep)
+                    if (z and dp * sp == 1) or (q and tp == 1):
+                        continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
+                    problems = module_problems(
+                        name,
+                        gpus=world,
+                        parallel=d,
+                        axes=axes,
+                        gpus_per_node=gpus_per_node,
+                        activation_checkpointing="off",
+                        mixed_precision=mixed_precision,
+                    )
+                    if not problems:
+                        out.append(d)
     return out
 
 
@@ -273,7 +278,12 @@ class Search:
         mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
         conf = OmegaConf.create(mod)
         shape = module_shape(
-            name, model=self.cfg.model, module=conf, micro_batch=mb, image_patches=self._image()
+            name,
+            model=self.cfg.model,
+            module=conf,
+            micro_batch=mb,
+            image_patches=self._image(),
+            device=self.cluster.device,
         )
         terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
         procs = busy_processes(max(self._procs, world))

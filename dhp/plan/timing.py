@@ -7,7 +7,14 @@ token, h hidden, span = attention span per query):
                                                   merger / merge^2 per patch; LLM blocks + lm_head
     attention fwd = 4 * T * span * h / tp         vision: span = one image (full-attention blocks)
                                                   or a window (the others); LLM: S/2 (causal)
-    backward     = 2 x matmul + 2.5 x attention   (flash recomputes the scores in backward)
+    delta rule fwd = T * sum over linear blocks of Attention.delta_rule_flops / tp   (chunked gated
+                   delta rule, linear in S: per head C (2.5 d_k + 1.5 d_v) + 3 d_k d_v MACs a token;
+                   ``dhp/models/arch.py``), at the attention rate of a span of one chunk C
+    backward     = 2 x matmul + 2.5 x (attention + delta rule)   (flash recomputes the scores in
+                   backward; the chunk kernel recomputes its states)
+    MoE: N counts the ACTIVE experts (top-k) and the router, never the idle experts; the routed
+    experts are not TP-sharded (``ParamCount.expert``: whole on every TP rank), so every TP rank
+    computes them for all of its tokens: their matmul is 2 * T * N_experts (no /tp)
     recompute    = the checkpointed blocks' forward again (full, every_n); selective recomputes
                    only elementwise ops (no matmul FLOPs)
 
@@ -26,6 +33,13 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                                                            (+ 2 AG of the outputs' grads in bwd)
     all-to-all   (n-1)/n * bytes / bw + (n-1) lat          Ulysses: q, k, v, out per full-attn block
     all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
+                                                           (the non-expert parameters only)
+    all-to-all   per MoE block, EP dispatch and combine: T * top_k * h * a bytes each way over the
+                 ep ranks; forward 2, backward 2 (the autograd of each is the reverse exchange), + 2
+                 per recomputed block. The EP group is ``ep`` ranks strided by tp (``dhp/parallel/
+                 ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans ep * tp
+                 consecutive GPUs: intra-node when they sit in one node, else the inter-node link
+    EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
     compute at the profile's achieved efficiencies (``estimate.module_features``)
     DP/SP grad all-reduce and the ZeRO-1 parameter broadcast: once per step, not overlapped
@@ -58,7 +72,7 @@ from omegaconf import DictConfig
 
 from dhp.layout import RankLayout
 from dhp.models.arch import model_flops
-from dhp.plan.memory import ModuleShape, checkpointed_blocks
+from dhp.plan.memory import ModuleShape, checkpointed_blocks, non_expert_params, rank_params
 from dhp.plan.params import architecture
 
 ATTN_HALF_SPAN = 128.0
@@ -86,40 +100,57 @@ class Flops:
     attn_fwd: float
     recompute_matmul: float
     recompute_attn: float
-    attn_span: float  # FLOP-weighted mean span (for the attention efficiency)
+    attn_span: float  # FLOP-weighted mean span of the score-based blocks (the attention efficiency)
+    linear_fwd: float = 0.0  # the linear blocks' chunked delta rule
+    recompute_linear: float = 0.0
+    linear_span: float = 1.0  # the delta rule's tile: its chunk length
 
     @property
     def fwd(self) -> float:
-        return self.matmul_fwd + self.attn_fwd
+        return self.matmul_fwd + self.attn_fwd + self.linear_fwd
 
     @property
     def bwd(self) -> float:
         return (
             2 * self.matmul_fwd
-            + ATTN_BWD_FACTOR * self.attn_fwd
+            + ATTN_BWD_FACTOR * (self.attn_fwd + self.linear_fwd)
             + self.recompute_matmul
             + self.recompute_attn
+            + self.recompute_linear
         )
+
+
+def blocks_matmul_fwd(shape: ModuleShape, tokens: float) -> float:
+    """Forward matmul FLOPs of the blocks on one rank: TP shards all but the routed experts, which
+    every TP rank runs whole on all of its tokens."""
+    tp, arch = shape.parallel.tp, shape.arch
+    experts = arch.expert_macs()
+    return 2.0 * tokens * ((arch.block_macs() - experts) / tp + experts)
 
 
 def module_flops(shape: ModuleShape, tokens: float) -> Flops:
     """FLOPs of one rank per micro-batch when its layers see ``tokens`` tokens (formulas above)."""
     tp = shape.parallel.tp
-    mm = 2.0 * tokens * matmul_params_per_token(shape) / tp
+    block_mm = blocks_matmul_fwd(shape, tokens)  # recompute re-runs blocks, not the head
+    mm = block_mm + 2.0 * tokens * shape.arch.head_macs / tp
     h = shape.layer.hidden
     attn, weighted = 0.0, 0.0
     for blocks, span in attention_spans(shape):
         f = 4.0 * tokens * span * h * blocks / tp
         attn += f
         weighted += f * span
+    linear = tokens * shape.arch.delta_rule_flops() / tp  # value heads split by TP
+    chunks = [b.attention.chunk_len for b in shape.arch.blocks if b.attention.kind == "linear"]
     frac = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
-    block_mm = 2.0 * tokens * shape.arch.block_macs() / tp  # recompute re-runs blocks, not the head
     return Flops(
         matmul_fwd=mm,
         attn_fwd=attn,
         recompute_matmul=frac * block_mm,
         recompute_attn=frac * attn,
         attn_span=weighted / attn if attn else 1.0,
+        linear_fwd=linear,
+        recompute_linear=frac * linear,
+        linear_span=float(max(chunks, default=1)),
     )
 
 
@@ -178,18 +209,46 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         # projection's on its own); SP adds the all-gathers of the two outputs' grads (one AR's bytes)
         per = lay.tp_input_grads + (1 if shape.sequence_parallel else 0)
         bwd += (per * lay.layers + 2 * ck) * one if shape.backward else 0.0
+    a2a_fwd, a2a_bwd = moe_all_to_all_s(shape, tokens, link)
+    fwd += a2a_fwd
+    bwd += a2a_bwd
     fsdp = 0.0
     if par.fsdp > 1:
         span = RankLayout.from_parallel(par).span("fsdp")
-        layer = shape.layer_params.per_tp_rank(par.tp)
-        root = shape.params.per_tp_rank(par.tp) - lay.layers * layer
+        dense, dense_block = non_expert_params(shape)
+        layer = dense_block.per_tp_rank(par.tp)
+        root = dense.per_tp_rank(par.tp) - lay.layers * layer
         gather = all_gather_s((lay.layers * layer + root) * a, par.fsdp, link.bw(span), link.lat / 1)
         fsdp = gather * (2 if shape.backward else 1)
         if shape.backward and not shape.freeze:
             fsdp += all_gather_s(
                 (lay.layers * layer + root) * shape.precision.reduce, par.fsdp, link.bw(span), link.lat
             )
-    return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp}
+    return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp, "a2a": a2a_fwd + a2a_bwd}
+
+
+def ep_span(par: DictConfig) -> int:
+    """Consecutive GPUs one EP group reaches across: ep ranks strided by tp (``dhp/parallel/ep.py``)."""
+    return int(par.ep) * int(par.tp)
+
+
+def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's EP dispatch + combine all-to-alls per micro-batch,
+    over every MoE block (formulas above; 0 at ep=1)."""
+    par, arch = shape.parallel, shape.arch
+    ep = int(par.ep)
+    if ep <= 1 or arch is None or not arch.moe_blocks:
+        return 0.0, 0.0
+    a, h = shape.precision.act, arch.hidden
+    bw = link.bw(ep_span(par))
+    fwd = bwd = 0.0
+    for b in arch.blocks:
+        if b.mlp.kind == "moe":
+            one = all_to_all_s(tokens * b.mlp.top_k * h * a, ep, bw, link.lat)
+            fwd += 2 * one
+            bwd += 2 * one
+    ck = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
+    return fwd, (bwd + ck * fwd if shape.backward else 0.0)
 
 
 def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
@@ -197,8 +256,12 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
     if shape.freeze:
         return 0.0
     par, pr = shape.parallel, shape.precision
-    local = shape.params.per_tp_rank(par.tp) / par.fsdp
+    local, experts = rank_params(shape)
     t = 0.0
+    lay = RankLayout.from_parallel(par)
+    edp = lay.num_replicas * lay.sp // int(par.ep)  # the folded dp x fsdp x sp ranks over ep
+    if experts and edp > 1:  # expert grads: SUM over the ranks holding the same experts
+        t += all_reduce_s(experts * pr.grad, edp, link.bw(world), link.lat)
     if par.sp > 1:
         t += all_reduce_s(
             local * pr.grad, par.sp, link.bw(RankLayout.from_parallel(par).span("sp")), link.lat
@@ -215,8 +278,9 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
     if shape.freeze:
         return 0.0
     par, pr = shape.parallel, shape.precision
-    local = shape.params.per_tp_rank(par.tp) / par.fsdp
-    owned = local / (par.dp * par.sp if par.zero == 1 else 1)
+    dense, experts = rank_params(shape)
+    local = dense + experts
+    owned = dense / (par.dp * par.sp if par.zero == 1 else 1) + experts
     nbytes = owned * (2 * pr.param + pr.grad + 2 * pr.optimizer) + 3 * local * pr.grad
     return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 

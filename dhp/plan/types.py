@@ -35,6 +35,8 @@ class MemoryEstimate:
     # the definition dhp.metrics.accounting measures on a running rank
     accounted_peak: int = 0
     optimizer_impl: str = ""  # AdamW's implementation (train.optimizer.impl); "" when frozen
+    moe: dict = field(default_factory=dict)  # dhp.plan.experts.moe_summary (MoE modules)
+    linear: dict = field(default_factory=dict)  # dhp.plan.experts.linear_summary (linear attention)
 
     @property
     def total(self) -> int:
@@ -61,6 +63,10 @@ class MemoryEstimate:
             out["loss_chunk_tokens"] = self.loss_chunk_tokens
         if self.optimizer_impl:
             out["optimizer_impl"] = self.optimizer_impl
+        if self.moe:
+            out["moe"] = dict(self.moe)
+        if self.linear:
+            out["linear_attention"] = dict(self.linear)
         return out
 
 
@@ -93,6 +99,11 @@ class GroupPlan:
     mesh: dict[str, int]  # ordered axis -> degree (dp, fsdp, sp, tp; axes > 1, at least one)
     param_count: int  # full (unsharded) parameters of the module
     ranks: tuple[RankPlan, ...]
+    active_param_count: int = 0  # parameters one token passes through (MoE: top-k experts); 0: = total
+
+    @property
+    def active(self) -> int:
+        return self.active_param_count or self.param_count
 
     def to_json(self) -> dict:
         return {
@@ -100,6 +111,7 @@ class GroupPlan:
             "world_size": self.world_size,
             "mesh": dict(self.mesh),
             "param_count": self.param_count,
+            "active_param_count": self.active,
             "ranks": [r.to_json() for r in self.ranks],
         }
 
@@ -149,6 +161,9 @@ class DeviceUsage:
     peak_terms: dict[str, int] = field(default_factory=dict)  # "<module>.<term>" at the peak
     by_phase: dict[str, int] = field(default_factory=dict)
     reserve: int = 0
+    #: the peak if the MoE router sent every row of its EP group to this GPU's experts (0: no MoE);
+    #: the verdict does not use it (``dhp/plan/memory.py``)
+    worst_case_total: int = 0
 
     @property
     def margin(self) -> int:

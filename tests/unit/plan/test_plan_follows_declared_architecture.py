@@ -16,7 +16,7 @@ import pytest
 from omegaconf import DictConfig
 
 from dhp.config import load_config
-from dhp.models.arch import Architecture, Attention, Block, Mlp, uniform_blocks
+from dhp.models.arch import Architecture, Attention, Block, Mlp, ParamCount, uniform_blocks
 from dhp.models.qwen2_5_vl.arch import ARCH as QWEN25
 from dhp.models.registry import get_family, register_family, unregister_family
 from dhp.plan.compile import compile_plan
@@ -113,10 +113,11 @@ def test_the_compiled_plan_follows_the_declaration(odd) -> None:
 
 class HybridMoeArch:
     """The tiny LLM's sizes, declared as the next families will: every other layer linear attention
-    (a recurrent state instead of scores) and a mixture of 8 experts of width 64, 2 active per token."""
+    (a recurrent state instead of scores) and a mixture of 8 experts of width 64, 2 active per token
+    (their parameters counted as ``ParamCount.expert`` instead of the dense MLP's)."""
 
     capabilities = QWEN25.capabilities
-    STATE = 16 * 32  # d_k x d_v per head: a span of 32 keys per query (head_dim 16)
+    STATE = 16 * 32  # d_k x d_v per head (head_dim 16: d_v = 32)
 
     def validate(self, model: DictConfig, issues) -> None:
         QWEN25.validate(model, issues)
@@ -128,12 +129,18 @@ class HybridMoeArch:
         real = QWEN25.architecture(model)
         lm = real.modules["llm"]
         full = lm.blocks[0].attention
-        linear = dataclasses.replace(full, kind="linear", state=self.STATE, causal=False)
+        linear = dataclasses.replace(full, kind="linear", state=self.STATE, causal=False, conv_kernel=4)
         moe = Mlp(kind="moe", intermediate=64, experts=8, top_k=2)
         blocks = tuple(Block(linear if i % 2 == 0 else full, moe) for i in range(lm.layers))
-        return dataclasses.replace(
-            real, modules={**real.modules, "llm": dataclasses.replace(lm, blocks=blocks)}
+        h, dense_mlp = lm.hidden, lm.blocks[0].mlp.intermediate
+        experts = lm.layers * moe.expert_params(h)
+        params = ParamCount(
+            tp_sharded=lm.params.tp_sharded - lm.layers * 3 * h * dense_mlp,
+            replicated=lm.params.replicated + lm.layers * 8 * h,  # the routers
+            expert=experts,
         )
+        llm = dataclasses.replace(lm, blocks=blocks, params=params)
+        return dataclasses.replace(real, modules={**real.modules, "llm": llm})
 
 
 def test_a_hybrid_moe_llm_is_planned_from_its_declared_blocks() -> None:
@@ -144,13 +151,19 @@ def test_a_hybrid_moe_llm_is_planned_from_its_declared_blocks() -> None:
         shape = module_shape("llm", model=cfg.model, module=cfg.modules["llm"], micro_batch=1)
         h, layers, seq = shape.arch.hidden, shape.arch.layers, cfg.modules["llm"].seq_len
         assert shape.layer.mlp == 2 * 64  # the active experts' width, not 8 x 64
-        att = shape.arch.blocks[1].attention
-        per_block = 2 * h * att.q_dim + 2 * h * att.kv_dim + 3 * h * 128
-        assert shape.arch.block_macs() == layers * per_block
-        linear_span = HybridMoeArch.STATE / att.head_dim
-        assert sorted(attention_spans(shape)) == sorted(
-            [(layers // 2, linear_span), (layers // 2, seq / 2.0)]
-        )
-        assert compile_plan(cfg).estimate["modules"]["llm"]["fwd_s"] > 0
+        full, linear = shape.arch.blocks[1].attention, shape.arch.blocks[0].attention
+        mlp = 3 * h * 128 + h * 8  # the 2 active experts and the router
+        per_full = 2 * h * full.q_dim + 2 * h * full.kv_dim + mlp
+        k, v = 4 * 16, 8 * 32  # key heads x d_k, value heads x d_v
+        per_linear = h * (2 * k + v) + h * v + 2 * h * 8 + v * h + (2 * k + v) * 4 + mlp
+        assert shape.arch.block_macs() == layers // 2 * (per_full + per_linear)
+        # linear blocks have no scores: only the full-attention half has a span; their mixing is
+        # the chunked delta rule
+        assert sorted(attention_spans(shape)) == sorted([(layers // 2, 0.0), (layers // 2, seq / 2.0)])
+        assert module_flops(shape, seq).linear_fwd == seq * layers // 2 * linear.delta_rule_flops() / 2
+        assert shape.arch.active_params == shape.params.total - layers * 6 * 3 * h * 64
+        plan = compile_plan(cfg)
+        assert plan.estimate["modules"]["llm"]["fwd_s"] > 0
+        assert plan.group("llm").active < plan.group("llm").param_count
     finally:
         unregister_family(name)

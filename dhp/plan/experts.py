@@ -1,0 +1,105 @@
+"""What the plan reports about a module's mixture-of-experts and linear-attention blocks (pure).
+
+The memory and time terms themselves live with the others (``memory.py``, ``blocks.py``,
+``timing.py``); this collects the figures ``dhp plan`` prints and ``--json`` emits for one rank:
+
+- total and active parameters (:attr:`~dhp.models.arch.ModuleArch.active_params`);
+- the routed experts' parameter + gradient + optimizer bytes per rank at every EP degree the module's
+  dp x fsdp x sp ranks allow (1/ep of the experts; replicated over edp);
+- the dispatch and combine buffers of one micro-batch over all MoE blocks, with a balanced router
+  (what the verdict uses) and with a fully unbalanced one (every row of the EP group sent to one
+  rank's experts), and the module's peak in that worst case;
+- a linear-attention module's recurrent state per sequence and chunk states per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dhp.layout import RankLayout
+from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems
+from dhp.plan.memory import ModuleShape, checkpointed_blocks
+from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms
+
+#: which dispatch/combine buffers the fits/OOM verdict counts (see ``dhp/plan/memory.py``)
+VERDICT_BUFFERS = "balanced"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
+    """Parameters + gradients + optimizer states of the routed experts on one rank at ``ep``."""
+    pr = shape.precision
+    per_rank = shape.params.expert / ep
+    if shape.freeze:
+        return int(per_rank * pr.param)
+    return int(per_rank * (pr.param + shape.trainable * (pr.grad + pr.optimizer)))
+
+
+def dispatch_bytes(shape: ModuleShape, received: float) -> tuple[int, int]:
+    """(one MoE block's, the saved-for-backward total's) dispatch + combine buffers of one micro-batch
+    on one rank: a block allocates them while it runs; backward needs those of every block that
+    activation checkpointing does not recompute."""
+    arch = shape.arch
+    per = [dispatch_elems(b.mlp, hidden=arch.hidden, received=received) for b in arch.blocks]
+    kept = 0.0
+    if shape.backward and shape.ac.kind != "selective":
+        kept = sum(per) * (1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers)
+    elif shape.backward:  # selective keeps the exchanges' outputs
+        kept = sum(per)
+    a = shape.precision.act
+    return int(shape.tokens * max(per) * a), int(shape.tokens * kept * a)
+
+
+def moe_summary(shape: ModuleShape, terms: ModuleTerms, *, micro_batches: int, optimizer_impl: str) -> dict:
+    """The MoE figures of one rank (module docstring); empty for a module without MoE blocks."""
+    arch = shape.arch
+    if arch is None or not arch.moe_blocks:
+        return {}
+    par = shape.parallel
+    ep = int(par.ep)
+    lay = RankLayout.from_parallel(par)
+    folded = lay.num_replicas * lay.sp
+    worst_shape = dataclasses.replace(shape, moe_received=float(ep))
+    worst = module_terms(worst_shape, micro_batches=micro_batches, optimizer_impl=optimizer_impl)
+    return {
+        "ep": ep,
+        "edp": folded // ep,
+        "experts": arch.experts,
+        "experts_per_rank": arch.experts // ep,
+        "moe_blocks": arch.moe_blocks,
+        "expert_params_per_rank": int(shape.params.expert / ep),
+        "expert_state_bytes": expert_state_bytes(shape, ep),
+        "expert_state_bytes_by_ep": {str(e): expert_state_bytes(shape, e) for e in _divisors(folded)},
+        "dispatch_combine_block_bytes": dispatch_bytes(shape, 1.0)[0],
+        "dispatch_combine_saved_bytes": dispatch_bytes(shape, 1.0)[1],
+        "dispatch_combine_worst_block_bytes": dispatch_bytes(shape, float(ep))[0],
+        "dispatch_combine_worst_saved_bytes": dispatch_bytes(shape, float(ep))[1],
+        "verdict_uses": VERDICT_BUFFERS,
+        "peak_bytes": gpu_timeline([terms]).peak,
+        "worst_case_peak_bytes": gpu_timeline([worst]).peak,
+        "worst_terms": worst,
+    }
+
+
+def linear_summary(shape: ModuleShape) -> dict:
+    """A linear-attention module's recurrent state per sequence (all heads, fp32) and the chunk
+    states of its largest linear block on one rank (heads split by TP); empty without one."""
+    arch = shape.arch
+    linear = [b.attention for b in arch.blocks if b.attention.kind == "linear"] if arch else []
+    if not linear:
+        return {}
+    att = max(linear, key=lambda a: a.state_elems())
+    tp = shape.parallel.tp
+    return {
+        "linear_blocks": len(linear),
+        "full_blocks": arch.layers - len(linear),
+        "state_bytes_per_sequence": int(att.state_elems() / tp * 4),
+        "chunk": att.chunk_len,
+        "chunk_states_bytes": delta_rule_states_bytes(
+            att, seqs=shape.micro_batch, seq_len=shape.seq_len, tp=tp, act=shape.precision.act
+        ),
+        "delta_rule_tflops_per_token": arch.delta_rule_flops() / 1e12,
+    }

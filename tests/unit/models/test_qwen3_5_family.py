@@ -1,0 +1,243 @@
+"""Qwen3.5 family: published numbers, arch validation, hybrid layer kinds, planner counts vs the real
+modules, key maps, the shared encoder without DeepStack, the refused LLM tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dhp.config.issues import Issues
+from dhp.errors import CheckpointError, ConfigError
+from dhp.models import get_arch, get_family
+from dhp.models.qwen3_5.arch import block_counts, largest, module_counts
+from dhp.models.qwen3_5.config import numbers_from_hf
+
+pytestmark = pytest.mark.unit
+CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
+
+
+@pytest.fixture(scope="module")
+def family():
+    return get_family("qwen3_5")
+
+
+def _yaml(name: str):
+    return OmegaConf.load(CONF / f"{name}.yaml")
+
+
+def test_qwen3_5_27b_published_numbers(family):
+    """The released Qwen/Qwen3.5-27B config.json numbers (see the YAML header)."""
+    cfg = family.hf_config(_yaml("qwen3_5_27b"))
+    t, v = cfg.text_config, cfg.vision_config
+    got = (
+        t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+        t.intermediate_size, t.vocab_size, t.linear_num_key_heads, t.linear_num_value_heads,
+        t.linear_key_head_dim, t.linear_value_head_dim, t.linear_conv_kernel_dim,
+    )  # fmt: skip
+    assert got == (5120, 64, 24, 4, 256, 17408, 248320, 16, 48, 128, 128, 4)
+    assert t.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 16
+    rope = t.rope_parameters
+    assert (rope["rope_theta"], rope["partial_rotary_factor"], rope["mrope_section"]) == (
+        1e7,
+        0.25,
+        [11, 11, 10],
+    )
+    assert rope["mrope_interleaved"] and t.max_position_embeddings == 262144
+    vision = (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.patch_size, v.out_hidden_size)
+    assert vision == (27, 1152, 16, 4304, 16, 5120) and v.num_position_embeddings == 2304
+    assert not hasattr(v, "deepstack_visual_indexes") and not cfg.tie_word_embeddings
+    assert (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id) == (248056, 248057, 248053)
+
+
+def test_qwen3_5_tiny_yaml_is_the_tiny_config(family):
+    from_yaml = family.hf_config(_yaml("tiny_qwen3_5")).to_dict()
+    assert from_yaml == family.tiny_hf_config().to_dict()
+    kinds = family.tiny_hf_config().text_config.layer_types
+    assert "linear_attention" in kinds and "full_attention" in kinds
+
+
+def _meta_counts(family, cfg, name):
+    module = family.build_module(name, cfg, device="meta", dtype=torch.bfloat16)
+    total = sum(p.numel() for p in module.parameters())
+    blocks = module.visual.blocks if name == "vision" else module.language_model.layers
+    block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    biggest = max(p.numel() for p in module.parameters())
+    return total, block, biggest
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_tied", "qwen3_5_27b"])
+def test_qwen3_5_planner_counts_match_the_modules(family, which):
+    if which.startswith("tiny"):
+        cfg = family.tiny_hf_config(tie_word_embeddings=which == "tiny_tied")
+        model_cfg = None
+    else:
+        model_cfg = _yaml(which)
+        model_cfg.attn_implementation = "sdpa"  # the YAML's flash_attention_2 is not installed on CPU
+        cfg = family.hf_config(model_cfg)
+    n = numbers_from_hf(cfg)
+    for name in family.module_names:
+        total, block, biggest = _meta_counts(family, cfg, name)
+        assert module_counts(name, n).total == total, name
+        assert block_counts(name, n).total == block, name
+        assert largest(name, n) == biggest, name
+        if model_cfg is not None:  # the planner's entry points read the schema's numbers
+            arch = get_arch("qwen3_5")
+            assert arch.module_params(name, model_cfg).total == total
+            assert arch.layer_params(name, model_cfg).total == block
+            assert arch.largest_param(name, model_cfg) == biggest
+    if which == "qwen3_5_27b":  # "27B": 26.9B LLM + 0.46B encoder
+        assert 27.3e9 < sum(module_counts(m, n).total for m in family.module_names) < 27.4e9
+
+
+def test_qwen3_5_27b_typed_architecture_declares_the_hybrid_layers():
+    arch = get_arch("qwen3_5")
+    model = _yaml("qwen3_5_27b")
+    typed = arch.architecture(model)
+    llm, vision = typed.modules["llm"], typed.modules["vision"]
+    kinds = [b.attention.kind for b in llm.blocks]
+    assert kinds == (["linear"] * 3 + ["full"]) * 16 and llm.count("linear") == 48 and llm.count("full") == 16
+    linear = llm.blocks[0].attention
+    assert (linear.heads, linear.kv_heads, linear.head_dim, linear.state) == (48, 16, 128, 128 * 128)
+    full = llm.blocks[3].attention
+    assert (full.heads, full.kv_heads, full.head_dim, full.causal) == (24, 4, 256, True)
+    # a DeltaNet layer has no scores (span 0): its mixing is the chunked delta rule, a constant cost
+    # per token whatever S; a full layer's span grows with S
+    assert linear.span(seq_len=4096, sample=0) == linear.span(seq_len=8192, sample=0) == 0
+    assert linear.delta_rule_flops() == 2 * 48 * (64 * (2.5 * 128 + 1.5 * 128) + 3 * 128 * 128)
+    assert full.span(seq_len=8192, sample=0) == 2 * full.span(seq_len=4096, sample=0)
+    assert vision.count("full") == vision.layers == 27 and vision.outputs == llm.inputs == ("image_embeds",)
+    assert vision.handoff_width == 5120  # no DeepStack: one edge
+    assert not typed.capabilities.packing and not typed.capabilities.video
+
+
+def test_qwen3_5_bad_arch_numbers_are_config_errors(family):
+    bad = _yaml("tiny_qwen3_5")
+    bad.llm.extra.mrope_section = [4, 4, 4]
+    bad.llm.extra.linear_num_key_heads = 3
+    bad.vision.extra.num_position_embeddings = 15
+    issues = Issues()
+    get_arch("qwen3_5").validate(bad, issues)
+    assert {i.path for i in issues.items} == {
+        "model.llm.extra.mrope_section",
+        "model.llm.extra.linear_num_key_heads",
+        "model.vision.extra.num_position_embeddings",
+    }
+    deepstack = _yaml("tiny_qwen3_5")
+    deepstack.vision.extra.deepstack_visual_indexes = [0]  # Qwen3.5's encoder has no DeepStack
+    with pytest.raises(ConfigError, match=r"model\.vision\.extra"):
+        family.hf_config(deepstack)
+    missing = _yaml("tiny_qwen3_5")
+    del missing.llm.extra.linear_conv_kernel_dim
+    with pytest.raises(ConfigError, match=r"model\.llm\.extra"):
+        family.hf_config(missing)
+    zero = _yaml("tiny_qwen3_5")
+    zero.llm.extra.full_attention_interval = 0
+    issues = Issues()
+    get_arch("qwen3_5").validate(zero, issues)
+    assert [i.path for i in issues.items] == ["model.llm.extra.full_attention_interval"]
+
+
+def test_qwen3_5_checkpoint_keys_round_trip(family, tmp_path):
+    cfg = family.tiny_hf_config()
+    with torch.device("meta"):
+        ref = family.reference_model(cfg)
+    keys = list(ref.state_dict())
+    assert any(".linear_attn.A_log" in k for k in keys) and any(".self_attn.q_norm." in k for k in keys)
+    for key in keys:
+        module, fqn = family.checkpoint_owner(key)
+        assert family.hf_key(module, fqn) == key
+    assert family.checkpoint_owner("visual.blocks.0.attn.qkv.weight") is None
+    with pytest.raises(CheckpointError, match="belong to no qwen3_5 module"):
+        family.split_state_dict({"visual.pos_embed.weight": torch.zeros(1)})
+    cfg.save_pretrained(tmp_path)
+    assert family.hf_config_from_dir(tmp_path).to_dict() == cfg.to_dict()
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "qwen3_vl"}))
+    with pytest.raises(CheckpointError, match="not a qwen3_5 model"):
+        family.hf_config_from_dir(tmp_path)
+
+
+def test_qwen3_5_handoffs_one_edge(family):
+    cfg = family.tiny_hf_config()
+    (edge,) = family.handoffs_for(cfg)
+    assert (edge.producer, edge.consumer, edge.kwarg, edge.layout, edge.width, edge.grad) == (
+        "vision", "llm", "image_embeds", "image_tokens", cfg.text_config.hidden_size, True
+    )  # fmt: skip
+
+
+def test_qwen3_5_sp_shards_feed_the_module_forward(family):
+    """The shared SP cut works on Qwen3.5's encoder: sp=1 gives the module's own output; sp=2 shards
+    concatenate to the whole batch's rows."""
+    from dhp.models.testing import tiny_vl_batch
+
+    cfg = family.tiny_hf_config()
+    batch = tiny_vl_batch(cfg, images=[[(8, 6), (4, 10)], [(2, 2)]], text_lens=[3, 4], seed=2)
+    pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+    torch.manual_seed(0)
+    vision = family.build_module("vision", cfg, device="cpu", dtype=torch.float32)
+    (whole,) = family.shard_inputs("vision", cfg, pixel_values=pixels, image_grid_thw=grid, sp_size=1)
+    with torch.no_grad():
+        direct = vision(pixels, grid)
+        via_shard = vision(**whole.forward_kwargs())
+    assert set(direct) == {"image_embeds"} and torch.equal(direct["image_embeds"], via_shard["image_embeds"])
+    assert whole.num_tokens == sum(family.tokens_per_image(cfg, grid)) == direct["image_embeds"].shape[0]
+    shards = family.shard_inputs("vision", cfg, pixel_values=pixels, image_grid_thw=grid, sp_size=2)
+    assert torch.equal(torch.cat([s.token_index for s in shards]), torch.arange(whole.num_tokens))
+    assert shards[0].forward_kwargs()["ulysses_split_sizes"] == tuple(s.num_patches for s in shards)
+
+
+def test_qwen3_5_plans_encoder_tp_and_no_llm_tp(family):
+    """Encoder: every nn.Linear matches exactly one TP glob (no DeepStack globs). LLM: no TP plan, and
+    the declared axes refuse tp > 1 with the config path named."""
+    from dhp.config.plan_space import module_problems
+    from dhp.config.schema import ParallelConfig
+
+    cfg = family.tiny_hf_config()
+    module = family.build_module("vision", cfg, device="meta", dtype=torch.float32)
+    globs = list(module.parallel_plan.tp(False))
+    assert not any("deepstack" in g for g in globs)
+    patterns = [re.compile(re.escape(g).replace(r"\*", r"[^.]+") + "$") for g in globs]
+    for fqn, sub in module.named_modules():
+        if isinstance(sub, torch.nn.Linear):
+            assert sum(bool(p.match(fqn)) for p in patterns) == 1, fqn
+    assert family.parallel_plan("vision", cfg).sp[0].modules == "visual.blocks.*.attn"
+    llm_plan = family.parallel_plan("llm", cfg)
+    assert llm_plan.tp is None and llm_plan.loss and llm_plan.blocks == ("language_model.layers.*",)
+    axes = get_arch("qwen3_5").module_axes("llm", _yaml("tiny_qwen3_5"))
+    items = module_problems("llm", gpus=2, parallel=ParallelConfig(tp=2), axes=axes, gpus_per_node=None,
+                            activation_checkpointing="off", mixed_precision="fp32")  # fmt: skip
+    assert [i.path for i in items] == ["modules.llm.parallel.tp"]
+
+
+def test_qwen3_5_model_dir_loads_per_module_and_processes_images(family, tmp_path):
+    """A tiny Qwen3.5 HF directory: config, per-module loading (only that module's keys) and the image
+    processor (patch 16) agree with the family; the loaded modules hold the reference's weights."""
+    from PIL import Image
+    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+
+    from dhp.models.loading import build_and_load
+    from dhp.models.qwen3_5.tiny import make_tiny_qwen3_5_checkpoint
+
+    out = make_tiny_qwen3_5_checkpoint(tmp_path / "tiny")
+    cfg = family.hf_config_from_dir(out)
+    assert numbers_from_hf(cfg) == numbers_from_hf(family.tiny_hf_config())
+    ref = Qwen3_5ForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
+    split = family.split_state_dict(ref.state_dict())
+    for name in family.module_names:
+        module, report = build_and_load(family, name, out, hf_config=cfg, dtype=torch.float32, device="cpu")
+        assert {family.checkpoint_owner(k)[0] for k in report.keys_read} == {name}
+        assert all(torch.equal(t, split[name][k]) for k, t in module.state_dict().items()), name
+
+    proc = family.load_image_processor(str(out), min_pixels=32 * 32, max_pixels=128 * 128)
+    got = proc(images=[Image.new("RGB", (96, 64), color=(200, 30, 40))], return_tensors="pt")
+    ((t, h, w),) = got["image_grid_thw"].tolist()
+    assert (t, h, w) == (1, 64 // 16, 96 // 16) and got["pixel_values"].shape == (h * w, 3 * 2 * 16 * 16)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert {k: tok.convert_tokens_to_ids(s) for k, s in family.token_strings().items()} == {
+        k: getattr(family.tiny_model_config().tokens, k) for k in family.token_strings()
+    }
