@@ -28,6 +28,8 @@ METRIC_KEYS = (
     # {"<module>": {tokens_per_expert_max, tokens_per_expert_mean, max_over_mean, worst_layer, layers}}
     # over the module's MoE layers this step (the worst layer); {} when no module has MoE layers
     "expert_load",
+    # the loss module's auxiliary losses, unweighted ({"router_aux_loss": L} for an MoE LLM; {} otherwise)
+    "aux_losses",
 )
 
 
