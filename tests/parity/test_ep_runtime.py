@@ -14,7 +14,8 @@ the whole batch with torch's AdamW:
 (b) 4 ranks, dp=2 x tp=2 x ep=2: attention TP=2 (q/k/v column-, o row-parallel), the EP group folded
     over dp inside each tp index (the tp ranks route the same tokens and run the same experts); then
     two plans with edp = 2 (each expert shard on 2 ranks, its grads summed over them): dp=4 with
-    ZeRO-1 (which must not partition the experts) and dp=2 x fsdp=2 (HSDP beside EP).
+    ZeRO-1 (which must not partition the experts) and dp=2 x fsdp=2 (HSDP beside EP) under full
+    activation checkpointing (backward re-runs the all-to-alls; the expert load counts them once).
 
 Tolerances (fp32 on CPU; only float summation order differs): loss <= 1e-5 relative; every gradient
 (router and experts included) <= 1e-4 relative (norm sense) and <= 1e-4 max absolute; the
@@ -83,10 +84,10 @@ def _train() -> TrainConfig:
     return train
 
 
-def _dhp_model(mesh, parallel: ParallelConfig):
+def _dhp_model(mesh, parallel: ParallelConfig, ac: str = "off"):
     model = build()
     model.parallel_plan = _plan()
-    parallelize("llm", model, mesh, parallel=parallel, activation_checkpointing="off", mixed_precision="fp32")
+    parallelize("llm", model, mesh, parallel=parallel, activation_checkpointing=ac, mixed_precision="fp32")
     return model, build_optimizer(model, mesh, parallel=parallel, train=_train())
 
 
@@ -100,16 +101,18 @@ def _hf_counts(logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
     )
 
 
-def _train_case(mesh, parallel: ParallelConfig, *, data_axes: tuple[str, ...], steps: int = 3):
+def _train_case(
+    mesh, parallel: ParallelConfig, *, data_axes: tuple[str, ...], ac: str = "off", steps: int = 3
+):
     """3 steps of dhp's pipeline vs HF + torch AdamW; returns the trained (model, optimizer)."""
     ref = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=True, **ADAMW)
-    model, opt = _dhp_model(mesh, parallel)
+    model, opt = _dhp_model(mesh, parallel, ac)
     assert len(expert_params(model)) == 4  # 2 MoE layers x (gate_up_proj, down_proj), sharded over ep
     load = track_expert_load(model, MOE_BLOCKS, duplicates=parallel.tp)
     data = mesh[data_axes[0]] if len(data_axes) == 1 else mesh[data_axes]._flatten("data")
     replica, replicas = data.get_local_rank(), data.size()
-    tag = f"{mesh.mesh_dim_names} zero={parallel.zero} ep={parallel.ep}"
+    tag = f"{mesh.mesh_dim_names} zero={parallel.zero} ep={parallel.ep} ac={ac}"
     for step in range(steps):
         ids = torch.randint(0, VOCAB, (2 * replicas, SEQ), generator=torch.Generator().manual_seed(20 + step))
         n_labels = ids[:, 1:].numel()  # the GLOBAL label count: every replica divides by it
@@ -220,7 +223,7 @@ def _four_ranks(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
-    _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"))
+    _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"), ac="full")
 
 
 def test_ep2_with_fsdp2_matches_hf_reshards_and_loads(tmp_path):
