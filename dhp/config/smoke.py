@@ -16,6 +16,8 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.constants import PARALLEL_AXES
@@ -29,10 +31,17 @@ SMOKE_LLM_SEQ = 128
 
 
 def _shrink_degrees(mod: DictConfig) -> None:
-    for axis in PARALLEL_AXES:
+    for axis in (*PARALLEL_AXES, "ep"):
         if mod.parallel[axis] > 1:
             mod.parallel[axis] = 2
     _recount(mod)
+
+
+def _fold_ep(mod: DictConfig) -> None:
+    """Expert parallelism folds over the dp x fsdp x sp ranks left after shrinking: ep keeps the
+    largest degree that still divides them (the strategy stays where the ranks allow it)."""
+    lay = RankLayout.from_parallel(mod.parallel)
+    mod.parallel.ep = math.gcd(int(mod.parallel.ep), lay.num_replicas * lay.sp)
 
 
 def _recount(mod: DictConfig) -> None:
@@ -88,6 +97,8 @@ def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: Dict
         mod.mixed_precision = "fp32"
     _fit(out, out.cluster.nodes * out.cluster.gpus_per_node)
     _share_gpus(out)
+    for mod in out.modules.values():
+        _fold_ep(mod)
     if "vision" in out.modules:
         out.modules.vision.seq_len = SMOKE_VISION_SEQ
     if "llm" in out.modules:
