@@ -99,3 +99,19 @@ def test_lora_on_experts_is_refused_with_the_fix() -> None:
     (issue,) = e.value.issues
     assert issue.path == "modules.llm.lora.targets[0]"
     assert "LoRA on experts is not supported" in issue.rule and "self_attn" in issue.fix
+
+
+def test_router_loss_is_label_token_weighted_over_the_step() -> None:
+    from dhp.runtime.driver import _aux_losses
+
+    # micro-batch 0: both replica leaders report the group's value 2.0 with 3 and 1 label tokens;
+    # micro-batch 1: one leader, 1.0 over 4 tokens; T = 8 -> (2*4 + 1*4) / 8
+    stats = [
+        [
+            {"aux_losses": {"router_aux_loss": 2.0}, "num_tokens": 3},
+            {"aux_losses": {"router_aux_loss": 2.0}, "num_tokens": 1},
+        ],
+        [{"aux_losses": {"router_aux_loss": 1.0}, "num_tokens": 4}],
+    ]
+    assert _aux_losses(stats, 8) == {"router_aux_loss": 1.5}
+    assert _aux_losses([[{"aux_losses": {}, "num_tokens": 5}]], 5) == {}  # a dense LLM: nothing
