@@ -184,7 +184,7 @@ def _ep_problems(prefix: str, par: Any, out: Issues) -> None:
         f"choose ep among the divisors of {folded}, or raise dp/fsdp",
     )
     out.check(
-        not (ep > 1 and bool(_get(par, "sequence_parallel"))),
+        not (ep > 1 and int(_get(par, "tp")) > 1 and bool(_get(par, "sequence_parallel"))),
         f"{prefix}.parallel.sequence_parallel",
         True,
         "sequence parallelism inside TP gives each TP rank different tokens, which expert parallelism "

@@ -93,6 +93,7 @@ def build_record(
         "mfu": flops / dt / (cluster.peak_bf16_tflops * 1e12 * world_devices),
         "bad_samples": dict(data.bad_samples),
         "data": dict(getattr(data, "metrics", {})),  # the loader's wait_s, samples_per_s, workers
+        "aux_losses": dict(result.aux_losses),  # e.g. router_aux_loss, unweighted (the loss holds coef x it)
         # per module with MoE layers: the step's tokens per expert (worst layer), same on every rank
         "expert_load": {
             m: ranks[0]["expert_load"]

@@ -230,6 +230,9 @@ def render_report_summary(
         for k in sorted({k for r in rows for k in r["peak_mem_bytes"]}):
             peak = max(r["peak_mem_bytes"][k] for r in rows if k in r["peak_mem_bytes"])
             table.add_row(f"peak memory {k}", f"{peak / 2**20:.0f} MiB")
+    for name in sorted({k for r in rows for k in r["aux_losses"]} if _has(rows, "aux_losses") else ()):
+        vals = [r["aux_losses"][name] for r in rows if name in r["aux_losses"]]
+        table.add_row(f"{name} first -> last (unweighted)", f"{vals[0]:.4f} -> {vals[-1]:.4f}")
     for m in sorted({m for r in rows for m in r["expert_load"]} if _has(rows, "expert_load") else ()):
         table.add_row(f"{m} expert load max/mean (median; worst)", _expert_load(rows, m))
     table.add_row("restarts / resumes", "; ".join(r.why for r in marks) or "none")

@@ -29,6 +29,8 @@ METRIC_KEYS = (
     # over the module's MoE layers this step (the worst layer); {} when no module has MoE layers
     "expert_load",
     "kernels",  # {"<module>/<kind>": kernel name}, e.g. llm/linear_attention (dhp.ops.linear_attn); {} when none
+    # the loss module's auxiliary losses, unweighted ({"router_aux_loss": L} for an MoE LLM; {} otherwise)
+    "aux_losses",
 )
 
 

@@ -4,7 +4,8 @@ Order (torchtitan's): EP (the MoE blocks' experts swapped for expert-parallel on
 :mod:`dhp.parallel.ep`) -> TP (with sequence parallelism inside TP when configured) -> the LLM's loss
 (chunked; the single-process one when there is no TP) -> Ulysses SP -> activation checkpointing ->
 FSDP2. EP is a generic step like the others, not the family's: the family only declares its MoE
-blocks as data (``plan.moe_blocks``, ``plan.experts``); EP comes first because it replaces modules
+blocks as data (``plan.moe_blocks``, ``plan.experts``; a module with MoE blocks also gets its
+``aux_loss_group``, the ranks of different tokens); EP comes first because it replaces modules
 (TP and FSDP must see the expert DTensors, which they leave alone: TP's styles do not match them and
 FSDP ignores them, so expert weights stay sharded over ``ep`` and replicated over ``edp``). TP and SP change what a rank computes; AC wraps the (already parallel) layers; FSDP shards whatever parameters are left last,
 so it sees TP DTensors as 2-D. DP needs nothing at this point: its gradient SUM is
@@ -33,9 +34,11 @@ from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.ep import apply_ep, ep_mesh
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
-from dhp.parallel.meshutil import AXES, axis, axis_size
+from dhp.parallel.meshutil import AXES, axes, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
+
+TOKEN_AXES = ("dp", "fsdp", "sp")  # the axes whose ranks see different tokens (EP folds over them)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,18 @@ def _ep(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     return module
 
 
+def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+    """A module with MoE blocks gets ``aux_loss_group``: the ranks holding DIFFERENT tokens of the step
+    (dp x fsdp x sp, flattened; never TP duplicates; None on one rank), over which its router's
+    load-balancing loss all-reduces the expert counts (``dhp.parallel.ep.load_balancing_loss``), so the
+    loss is the global batch's at any ep, dp or fsdp degree. A plain attribute, like ``loss_fn``."""
+    sub = axes(mesh, TOKEN_AXES)
+    if sub is not None and sub.ndim > 1:
+        sub = sub._flatten("tokens")
+    module.aux_loss_group = None if sub is None else sub.get_group()
+    return module
+
+
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
 
@@ -91,6 +106,7 @@ def _ac_spec(value: str) -> AcSpec:
 
 STEPS: tuple[Step, ...] = (
     Step("ep", lambda c: c.parallel.ep > 1, _ep),
+    Step("moe_tokens", lambda c: bool(c.plan.moe_blocks), _token_group),
     Step(
         "tp",
         lambda c: c.parallel.tp > 1,

@@ -120,25 +120,17 @@ def _split_expert_groups(groups: list[dict], module: nn.Module) -> list[dict]:
 
 def _split_dtensor_groups(groups: list[dict]) -> list[dict]:
     """Each group holding both DTensor and plain parameters (a TP module's sharded projections beside
-    its replicated norms), or DTensors of different meshes (expert-parallel experts on the ``ep`` mesh
-    beside TP/FSDP shards), becomes one group per kind with the same settings: fused and foreach AdamW
-    take one list per group, and DTensor refuses a list mixing them. The split depends only on the
-    module's structure, so every rank (ZeRO-1 owners included) gets the same groups in the same order."""
+    its replicated norms) becomes two with the same settings: fused and foreach AdamW take one list
+    per group, and DTensor refuses a list mixing the two. The split depends only on the module's
+    structure, so every rank (ZeRO-1 owners included) gets the same groups in the same order.
+    (Expert-parallel DTensors, on their own ``ep`` mesh, are already a group of their own:
+    :func:`_split_expert_groups`.)"""
     out = []
     for g in groups:
-        kinds: dict[object, list[nn.Parameter]] = {}
-        for p in g["params"]:
-            kinds.setdefault(_mesh_key(p), []).append(p)
-        out += [{**g, "params": ps} for ps in kinds.values()] if len(kinds) > 1 else [g]
+        dt = [p for p in g["params"] if isinstance(p, DTensor)]
+        plain = [p for p in g["params"] if not isinstance(p, DTensor)]
+        out += [{**g, "params": dt}, {**g, "params": plain}] if dt and plain else [g]
     return out
-
-
-def _mesh_key(p: torch.Tensor) -> object:
-    """Plain tensors: None; a DTensor: its mesh's dims and ranks (equal on every rank of the module)."""
-    if not isinstance(p, DTensor):
-        return None
-    m = p.device_mesh
-    return (m.mesh_dim_names, tuple(m.mesh.reshape(-1).tolist()))
 
 
 def impl_kwargs(impl: str) -> dict[str, bool]:

@@ -61,6 +61,8 @@ class StepResult:
     llm_wait_s: float  # LLM ranks waiting for embeddings (max over replica leaders, summed over m)
     stats: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per module, per rank
     grads: dict[str, dict[str, torch.Tensor]] | None = None
+    # unweighted auxiliary losses of the loss module (an MoE router's), label-token-weighted over the step
+    aux_losses: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
@@ -223,6 +225,7 @@ class Trainer:
             llm_wait_s=wait_s,
             stats=step_stats,
             grads=grads,
+            aux_losses=_aux_losses(stats, data.num_label_tokens),
         )
 
     def finish_update(self) -> bool:
@@ -380,3 +383,15 @@ def _endpoint_stride(name: str, specs: dict[str, Any], consumer: str) -> int:
     """Ranks between two hand-off endpoints of group ``name``: a consumer's data replica, a producer's unit."""
     layout = specs[name].layout
     return layout.ranks_per_replica if name == consumer else layout.tp_size
+
+
+def _aux_losses(stats: list[list[dict[str, Any]]], num_label_tokens: int) -> dict[str, float]:
+    """Each auxiliary loss over the step: per micro-batch the value over all replicas' tokens (the same
+    on every replica leader), weighted by the leaders' label tokens, over the step's ``T``, as the
+    loss weights its term."""
+    out: dict[str, float] = {}
+    for per_m in stats:
+        for s in per_m:
+            for name, value in s["aux_losses"].items():
+                out[name] = out.get(name, 0.0) + value * s["num_tokens"] / max(num_label_tokens, 1)
+    return out

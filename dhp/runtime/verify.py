@@ -34,11 +34,12 @@ from dhp.data.packing import unpacked
 from dhp.data.video import reference_visual_kwargs
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.models import get_family
-from dhp.ops.cross_entropy import shifted_ce_sum
+from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
 from dhp.parallel.lora import inject_reference_lora
 from dhp.parallel.param_groups import set_lr
 from dhp.plan import compile_plan
 from dhp.runtime.driver import Trainer
+from dhp.runtime.reference_moe import RouterAux
 from dhp.runtime.reference_trainable import reference_optimizer
 from dhp.runtime.schedule import WarmupCosine
 
@@ -114,6 +115,7 @@ class ReferenceModel:
         self.family = get_family(model.family)
         hf_config = self.family.hf_config(model)
         self.model = self.family.reference_model(hf_config)
+        self.router_aux = RouterAux.of(hf_config)  # an MoE model's load-balancing term (or None)
         self.owner = self._owners()
         inject_reference_lora(self.model, self.owner, modules=modules)  # the plan's LoRA, by HF FQN
         self._load(initial, hf_config)
@@ -181,19 +183,30 @@ class ReferenceModel:
         """
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        aux = self.router_aux
         for micro in data.micro_batches:
+            logits, masks, labels, aux_kw = [], [], 0, {} if aux is None else {"output_router_logits": True}
             for b in (one for x in micro for one in unpacked(x)):  # packed rows: each sample alone
-                hidden = self.model.base_model(
+                out = self.model.base_model(
                     input_ids=b.input_ids,
                     attention_mask=b.attention_mask,
                     **reference_visual_kwargs(b),  # images and videos apart; ray pixels fetched here
                     mm_token_type_ids=b.mm_token_type_ids,
                     use_cache=False,
-                ).last_hidden_state
+                    **aux_kw,
+                )
                 head = self.model.get_output_embeddings()
-                loss_sum = shifted_ce_sum(hidden, head.weight, b.labels, bias=head.bias)
-                (loss_sum / data.num_label_tokens).backward()
+                loss_sum = shifted_ce_sum(out.last_hidden_state, head.weight, b.labels, bias=head.bias)
+                if aux is not None:  # the router term spans the micro-batch: one backward after it
+                    logits.append(out.router_logits)
+                    masks.append(b.attention_mask)
+                    labels += int((b.labels[:, 1:] != IGNORE_INDEX).sum())
+                (loss_sum / data.num_label_tokens).backward(retain_graph=aux is not None)
                 total += float(loss_sum.detach())
+            if aux is not None and logits:  # coef * L(micro-batch) in loss-sum units (its label tokens)
+                term = aux.coef * aux.loss(logits, masks) * labels
+                (term / data.num_label_tokens).backward()
+                total += float(term.detach())
         grads: dict[str, dict[str, torch.Tensor]] = {}
         params = [p for p in self.model.parameters() if p.grad is not None]
         for key, p in self.model.named_parameters():
@@ -290,7 +303,7 @@ def verify_plan(
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio
     )
-    meshes = ", ".join(f"{g.name} {dict(g.mesh)}" for g in plan.groups)
+    meshes = ", ".join(f"{g.name} {dict(g.mesh) | _ep(config, g.name)}" for g in plan.groups)
     report = VerifyReport(
         loss_rtol=loss_rtol,
         grad_atol=grad_atol,
@@ -306,6 +319,12 @@ def verify_plan(
     finally:
         trainer.close()
     return report
+
+
+def _ep(config: RunConfig, module: str) -> dict[str, int]:
+    """``{"ep": N}`` when the module's experts are sharded over N ranks (folded, so not a mesh axis)."""
+    ep = config.modules[module].parallel.ep
+    return {"ep": ep} if ep > 1 else {}
 
 
 def compare_steps(

@@ -295,7 +295,8 @@ class ModuleWorker(DistWorker):
             accounting.sample(self._acct)
         self._timers["bwd_s"] += time.perf_counter() - t2
         self._events.append(("consume", micro_batch, wall, time.time()))
-        stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait}
+        stats = {"loss_sum": float(out.loss_sum.detach()), "num_tokens": int(out.num_tokens), "wait_s": wait,
+                 "aux_losses": {k: float(v) for k, v in out.aux_losses.items()}}  # fmt: skip
         if not grads:
             return stats
         leader = RankLayout.from_mesh(self.mesh_shape).is_replica_leader(self.rank)

@@ -107,6 +107,13 @@ def test_qwen3_vl_verify_disaggregated_two_vision_ranks_one_llm_rank(ray_local) 
     _passed("tiny_qwen3_vl", 2, "placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1")
 
 
+def test_qwen3_vl_moe_verify_disaggregated_ep2(ray_local) -> None:
+    # Qwen3-VL-MoE: vision SP=2 into LLM dp=2 with ep=2 (each LLM rank holds 4 of the 8 experts,
+    # tokens exchanged by all-to-all); the router's load-balancing loss over both replicas' tokens is
+    # in the loss and its gradient, as in the reference. (Collocated: `dhp verify conf=tiny_qwen3_vl_moe`.)
+    _passed("tiny_qwen3_vl_moe", 1, "placement=disaggregated")
+
+
 # ---- collocated on 2 bundles (vision rank i and LLM rank i share bundle i) --------------------
 def test_llm_dp2_sums_over_replicas(ray_local) -> None:
     # the reference sees the union of both replicas' micro-batches, normalised by the global T

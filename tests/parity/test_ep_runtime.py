@@ -9,11 +9,13 @@ the whole batch with torch's AdamW:
 (a) 2 ranks, fsdp=2 x ep=2: FSDP2 shards the dense parameters (router included) over the 2 ranks,
     the experts are sharded over the same 2 ranks by EP (FSDP ignores them); then the checkpoint
     through ``dhp.checkpoint``: the ep=2 state (model + AdamW) resumes into ep=1 and back into ep=2,
-    exactly; and the expert-load statistics of step 0 equal the counts of HF's router top-k;
+    exactly; the expert-load statistics of step 0 equal the counts of HF's router top-k; and the
+    family's LLM built on meta at fsdp=2 x ep=2 loads its shards from a tiny HF directory exactly;
 (b) 4 ranks, dp=2 x tp=2 x ep=2: attention TP=2 (q/k/v column-, o row-parallel), the EP group folded
     over dp inside each tp index (the tp ranks route the same tokens and run the same experts); then
     two plans with edp = 2 (each expert shard on 2 ranks, its grads summed over them): dp=4 with
-    ZeRO-1 (which must not partition the experts) and dp=2 x fsdp=2 (HSDP beside EP).
+    ZeRO-1 (which must not partition the experts) and dp=2 x fsdp=2 (HSDP beside EP) under full
+    activation checkpointing (backward re-runs the all-to-alls; the expert load counts them once).
 
 Tolerances (fp32 on CPU; only float summation order differs): loss <= 1e-5 relative; every gradient
 (router and experts included) <= 1e-4 relative (norm sense) and <= 1e-4 max absolute; the
@@ -37,6 +39,9 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancin
 
 from dhp.checkpoint import load_module_state, save_module_state
 from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.models import get_family
+from dhp.models.loading import build_and_load, load_module_weights
+from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint
 from dhp.parallel import (
     build_optimizer,
     clip_grads_,
@@ -79,10 +84,10 @@ def _train() -> TrainConfig:
     return train
 
 
-def _dhp_model(mesh, parallel: ParallelConfig):
+def _dhp_model(mesh, parallel: ParallelConfig, ac: str = "off"):
     model = build()
     model.parallel_plan = _plan()
-    parallelize("llm", model, mesh, parallel=parallel, activation_checkpointing="off", mixed_precision="fp32")
+    parallelize("llm", model, mesh, parallel=parallel, activation_checkpointing=ac, mixed_precision="fp32")
     return model, build_optimizer(model, mesh, parallel=parallel, train=_train())
 
 
@@ -96,16 +101,18 @@ def _hf_counts(logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
     )
 
 
-def _train_case(mesh, parallel: ParallelConfig, *, data_axes: tuple[str, ...], steps: int = 3):
+def _train_case(
+    mesh, parallel: ParallelConfig, *, data_axes: tuple[str, ...], ac: str = "off", steps: int = 3
+):
     """3 steps of dhp's pipeline vs HF + torch AdamW; returns the trained (model, optimizer)."""
     ref = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=True, **ADAMW)
-    model, opt = _dhp_model(mesh, parallel)
+    model, opt = _dhp_model(mesh, parallel, ac)
     assert len(expert_params(model)) == 4  # 2 MoE layers x (gate_up_proj, down_proj), sharded over ep
     load = track_expert_load(model, MOE_BLOCKS, duplicates=parallel.tp)
     data = mesh[data_axes[0]] if len(data_axes) == 1 else mesh[data_axes]._flatten("data")
     replica, replicas = data.get_local_rank(), data.size()
-    tag = f"{mesh.mesh_dim_names} zero={parallel.zero} ep={parallel.ep}"
+    tag = f"{mesh.mesh_dim_names} zero={parallel.zero} ep={parallel.ep} ac={ac}"
     for step in range(steps):
         ids = torch.randint(0, VOCAB, (2 * replicas, SEQ), generator=torch.Generator().manual_seed(20 + step))
         n_labels = ids[:, 1:].numel()  # the GLOBAL label count: every replica divides by it
@@ -179,10 +186,34 @@ def _reshard_case(mesh, model, opt, root: str) -> None:
             save_module_state(Path(root, dst), model=resumed, optimizer=ropt, extra={})
 
 
-def _fsdp_ep(rank: int, world: int, root: str) -> None:
+def _load_case(mesh, model_dir: str) -> None:
+    """The runtime's build from ``model.path``: the family's LLM built on meta, EP (and FSDP) applied
+    there, then only this rank's rows of each 3-D expert tensor read from the safetensors; the full
+    tensors equal a single-process load of the same directory, and only half the expert bytes were read."""
+    family = get_family("qwen3_vl_moe")
+    hf = family.hf_config_from_dir(model_dir, attn_implementation="sdpa")
+    module = family.build_module("llm", hf, device="meta", dtype=torch.float32)
+    parallel = ParallelConfig(fsdp=2, ep=2)
+    parallelize(
+        "llm", module, mesh, parallel=parallel, activation_checkpointing="off", mixed_precision="fp32"
+    )
+    report = load_module_weights(module, model_dir, family=family, module_name="llm", hf_config=hf,
+                                 dtype=torch.float32, device="cpu")  # fmt: skip
+    full, _ = build_and_load(family, "llm", model_dir, hf_config=hf, dtype=torch.float32, device="cpu")
+    got, want = full_param_dict(module), dict(full.named_parameters())
+    assert set(got) == set(want) and any(".experts." in n for n in got)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"loaded {name} differs from the single-process load"
+    experts = sum(p.to_local().numel() * 4 for _, p in expert_params(module))
+    assert experts * 2 == sum(w.numel() * 4 for n, w in want.items() if ".experts." in n)
+    assert report.bytes_read < sum(w.numel() * 4 for w in want.values())  # FSDP and EP: shards only
+
+
+def _fsdp_ep(rank: int, world: int, root: str, model_dir: str) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     model, opt = _train_case(mesh, ParallelConfig(fsdp=2, ep=2), data_axes=("fsdp",))
     _reshard_case(mesh, model, opt, root)
+    _load_case(mesh, model_dir)
 
 
 def _four_ranks(rank: int, world: int) -> None:
@@ -192,11 +223,12 @@ def _four_ranks(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
-    _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"))
+    _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"), ac="full")
 
 
-def test_ep2_with_fsdp2_matches_hf_and_reshards(tmp_path):
-    spawn(_fsdp_ep, 2, str(tmp_path))
+def test_ep2_with_fsdp2_matches_hf_reshards_and_loads(tmp_path):
+    model_dir = make_tiny_qwen3_vl_moe_checkpoint(tmp_path / "tiny_moe")
+    spawn(_fsdp_ep, 2, str(tmp_path), str(model_dir))
 
 
 def test_ep2_with_attention_tp2_and_over_edp2_matches_hf():

@@ -1,5 +1,5 @@
 """Expert-load statistics (``dhp.parallel.expert_load``) on transformers' own sparse-MoE blocks, the
-metrics record and ``dhp report``'s row, and LoRA on experts refused (one process, no collectives)."""
+metrics record and ``dhp report``'s rows (expert load, router loss), and LoRA on experts refused (one process)."""
 
 from __future__ import annotations
 
@@ -67,17 +67,28 @@ def test_hooks_count_the_router_top_k_once_even_under_recompute() -> None:
         track_expert_load(holder, "nothing.*")
 
 
-def test_report_shows_the_worst_expert_load(tmp_path) -> None:
+def test_report_shows_the_worst_expert_load_and_the_router_loss(tmp_path) -> None:
     rows = []
     for step, ratio in ((1, 1.5), (2, 2.0), (3, 1.2)):
         load = {"tokens_per_expert_max": 8 * ratio, "tokens_per_expert_mean": 8.0}
         load |= {"max_over_mean": ratio, "worst_layer": step, "layers": 4}
-        rows.append({"step": step, "loss": 1.0, "expert_load": {"llm": load}})
+        rows.append(
+            {
+                "step": step,
+                "loss": 1.0,
+                "expert_load": {"llm": load},
+                "aux_losses": {"router_aux_loss": ratio},
+            }
+        )
     (tmp_path / "metrics.jsonl").write_text("")
     out = io.StringIO()
     render_report_summary(tmp_path, rows, [], console=Console(file=out, width=200))
     assert "llm expert load max/mean (median; worst)" in out.getvalue()
     assert "1.50 (2.00 at step 2, layer 2: 16 / 8.0 tokens)" in out.getvalue()
+    assert (
+        "router_aux_loss first -> last (unweighted)" in out.getvalue()
+        and "1.5000 -> 1.2000" in out.getvalue()
+    )
 
 
 def test_lora_on_experts_is_refused_with_the_fix() -> None:
@@ -88,3 +99,19 @@ def test_lora_on_experts_is_refused_with_the_fix() -> None:
     (issue,) = e.value.issues
     assert issue.path == "modules.llm.lora.targets[0]"
     assert "LoRA on experts is not supported" in issue.rule and "self_attn" in issue.fix
+
+
+def test_router_loss_is_label_token_weighted_over_the_step() -> None:
+    from dhp.runtime.driver import _aux_losses
+
+    # micro-batch 0: both replica leaders report the group's value 2.0 with 3 and 1 label tokens;
+    # micro-batch 1: one leader, 1.0 over 4 tokens; T = 8 -> (2*4 + 1*4) / 8
+    stats = [
+        [
+            {"aux_losses": {"router_aux_loss": 2.0}, "num_tokens": 3},
+            {"aux_losses": {"router_aux_loss": 2.0}, "num_tokens": 1},
+        ],
+        [{"aux_losses": {"router_aux_loss": 1.0}, "num_tokens": 4}],
+    ]
+    assert _aux_losses(stats, 8) == {"router_aux_loss": 1.5}
+    assert _aux_losses([[{"aux_losses": {}, "num_tokens": 5}]], 5) == {}  # a dense LLM: nothing
