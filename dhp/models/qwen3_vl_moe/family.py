@@ -163,6 +163,7 @@ class Qwen3VLMoeFamily:
 
     def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
         """transformers' Qwen2-VL PIL image processor (Qwen3-VL-MoE ships the same class with patch 16)."""
+        # deferred: the image processor is needed only on the data path, not to build or plan the model
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         return Qwen2VLImageProcessorPil.from_pretrained(

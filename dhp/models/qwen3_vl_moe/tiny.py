@@ -35,6 +35,7 @@ def released_expert_layout(out_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """Rewrite a directory's expert tensors in the released checkpoints' layout (``gate_up_proj``
     [E, H, 2I], ``down_proj`` [E, I, H], as transformers 4.57 wrote them; transformers 5 and dhp hold
     [E, 2I, H] / [E, H, I]), in place; returns ``{key: new shape}``. For loader tests."""
+    # deferred: only loader tests rewrite a directory; importing the tiny module stays light
     from safetensors.torch import load_file, save_file
 
     shapes = {}
