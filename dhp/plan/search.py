@@ -49,6 +49,7 @@ from dhp.plan.estimate import (
     handoff_seconds,
     module_features,
     module_time,
+    timing_shapes,
     vision_patches_per_replica,
 )
 from dhp.plan.memory import module_shape, sp_rank_tokens
@@ -287,7 +288,10 @@ class Search:
         )
         terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
         procs = busy_processes(max(self._procs, world))
-        f = module_features(shape, tokens if name == "vision" else shape.tokens, self.cluster, world, procs)
+        # time on the data's measured lengths, as the winner's estimate line does; memory (terms) keeps
+        # the seq_len-filled shape
+        timed = timing_shapes(self.cfg, {name: shape}, micro_batch=mb)[name]
+        f = module_features(timed, tokens if name == "vision" else timed.tokens, self.cluster, world, procs)
         time = module_time(f, self.coef, n_mb=n_mb)
         if name == "vision":  # one hand-off (and one hand-back) per micro-batch, as the estimate
             span = world if self._placement == "collocated" else self._procs
