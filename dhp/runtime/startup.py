@@ -53,6 +53,9 @@ def connect_ray_importing(*, cluster: Any, plan: Any, modules: Sequence[str] = R
     which raises its error where it belongs. Placements, devices and a joined cluster
     (``cluster.ray_address``) are exactly :func:`connect_ray`'s.
     """
+    # the one module both ray.init and these imports load lazily (Ray 2.60): loaded here first, so
+    # the two threads never wait on each other's module locks
+    importlib.import_module("ctypes.util")
     thread = threading.Thread(target=_import_all, args=(tuple(modules),), name="dhp-imports", daemon=True)
     thread.start()
     try:
