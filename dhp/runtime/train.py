@@ -254,18 +254,18 @@ def _attempt(
     t = config.train
     run_dir = result.run_dir
     clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
+    loader = dhp.data.build_run_loader(config)
+    loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
+    clock.mark("data loader")
+    schedule = WarmupCosine(
+        lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
+    )
     trainer = None
     owns_ray = False
     loop: _Loop | None = None
     saver = None  # checkpoint.async_save: the save in flight (dhp.runtime.checkpointing)
     graceful = True
     try:
-        loader = dhp.data.build_run_loader(config)
-        loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
-        clock.mark("data loader")
-        schedule = WarmupCosine(
-            lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
-        )
         # Ray starts while a thread imports the runtime, worker and model code (dhp.runtime.startup)
         owns_ray = connect_ray_importing(cluster=config.cluster, plan=plan)
         clock.mark("Ray start, the driver's imports beside it (runtime, worker, model code)")
@@ -378,7 +378,7 @@ def _attempt(
                 trainer.close(graceful=graceful)
             except _HardStop:
                 trainer.close(graceful=False)
-        elif owns_ray:  # Ray started, the trainer did not (its data loader or Trainer failed)
+        elif owns_ray:  # Ray started but no trainer took it over (an interrupt, or Trainer failed)
             import ray  # loaded already: Ray started above
 
             with contextlib.suppress(Exception):
