@@ -3,10 +3,14 @@
 Driver side: :func:`begin_checkpoint`, :func:`commit_checkpoint`, :func:`resolve_resume`,
 :func:`check_resume_compatible`, :class:`CheckpointMeta`. Worker side (collective inside one
 group): :func:`save_module_state`, :func:`load_module_state`. See docs/INTERFACES.md.
+:func:`export_hf` is imported on first use: it loads the families' transformers model code, which
+the driver's path to Ray's start does without (dhp.runtime.startup).
 """
 
+import importlib
+from typing import Any
+
 from dhp.checkpoint.compat import check_resume_compatible, model_arch_hash, module_records
-from dhp.checkpoint.export import export_hf
 from dhp.checkpoint.layout import (
     begin_checkpoint,
     checkpoint_candidates,
@@ -50,3 +54,9 @@ __all__ = [
     "write_manifest",
     "write_meta",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "export_hf":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module("dhp.checkpoint.export").export_hf

@@ -19,7 +19,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dhp.config.data_shortcuts import TINY_CHECKPOINT_SEED, tiny_checkpoint_dir
-from dhp.models.tiny import make_tiny_checkpoint
 
 
 def ensure_tiny_checkpoint(model: DictConfig, *, say: Callable[[str], None]) -> Path | None:
@@ -34,6 +33,10 @@ def ensure_tiny_checkpoint(model: DictConfig, *, say: Callable[[str], None]) -> 
     if path != tiny_checkpoint_dir(model):
         return None
     if not (path / "config.json").is_file():
+        # transformers' tokenizer, processor and model classes: only when the checkpoint is written
+        # (`dhp train` reaches Ray's start without transformers' model code, dhp.runtime.startup)
+        from dhp.models.tiny import make_tiny_checkpoint
+
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:

@@ -29,19 +29,17 @@ from typing import Any
 import ray
 import torch
 
-from dhp.config.schema import ClusterConfig, ModuleConfig, RunConfig
+from dhp.config.schema import ModuleConfig, RunConfig
 from dhp.data import StepData
 from dhp.errors import RuntimeFailure
 from dhp.models import get_family
 from dhp.plan import Plan
-from dhp.ray_connect import connect_ray as _connect
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
-from dhp.runtime.reaper import start_for_local_ray
 from dhp.runtime.spec import WorkerSpec
-from dhp.runtime.startup import Startup
+from dhp.runtime.startup import Startup, connect_ray
 from dhp.runtime.worker import ModuleWorker
 
 
@@ -76,10 +74,14 @@ class Trainer:
         ready_timeout_s: float = 60.0,
         init_timeout_s: float = 300.0,
         startup: Startup | None = None,
+        owns_ray: bool | None = None,
     ) -> None:
         """Connect Ray (``cluster.ray_address``, ``$RAY_ADDRESS`` or a local one), reserve the plan's
         placement groups (PlanError if they cannot be placed in ``ready_timeout_s``), start one actor
-        per rank, init every group's world and the hand-off channel concurrently, build the modules."""
+        per rank, init every group's world and the hand-off channel concurrently, build the modules.
+
+        ``owns_ray``: None connects Ray here; a bool says the caller already connected it
+        (:func:`dhp.runtime.startup.connect_ray_importing`) and whether ``close()`` shuts it down."""
         self.model_cfg, self.train_cfg = config.model, config.train
         self.modules_cfg: dict[str, ModuleConfig] = dict(config.modules)
         self.groups: dict[str, ActorGroup] = {}
@@ -88,8 +90,11 @@ class Trainer:
         self._pgs: list[Any] = []
         self._timeout = config.train.step_timeout_s
         self.startup = startup if startup is not None else Startup()  # phase times (dhp.runtime.startup)
-        self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
-        self.startup.mark("Ray start")
+        if owns_ray is None:
+            self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
+            self.startup.mark("Ray start")
+        else:
+            self._owns_ray = owns_ray
         try:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
@@ -362,14 +367,6 @@ class Trainer:
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
             self._owns_ray = False
-
-
-def connect_ray(*, cluster: ClusterConfig, plan: Plan | None) -> bool:
-    """:func:`dhp.ray_connect.connect_ray` with a local instance sized to the plan's bundles."""
-    need = plan.resources if plan is not None else {}
-
-    # a SIGKILLed driver's local Ray processes go within seconds, not minutes
-    return _connect(cluster=cluster, resources=need, on_local_start=start_for_local_ray)
 
 
 def _hf_config(family: Any, model: Any) -> Any:

@@ -6,19 +6,70 @@ imports and config (from the process's own start, read from /proc on Linux), the
 the placement groups, the actors' start (a process per rank and its imports), the process groups
 (and the hand-off channel), build (modules, weight load, parallelism, optimizer), resume, and the
 first step's own time.
+
+:func:`connect_ray_importing` cuts the driver's share: ``ray.init`` spends its seconds waiting on the
+processes it starts (GCS, raylet, Ray's agents), so the driver's heavy imports (torch.distributed,
+transformers' model code, the worker module) run in a thread beside it instead of before it. The
+driver's path to that point loads no transformers model code (tests/unit/runtime/test_startup_imports.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
+from dhp.ray_connect import connect_ray as _connect
+from dhp.runtime.reaper import start_for_local_ray
+
+#: what the driver imports once Ray is starting: the runtime, the worker and the families' model code
+RUNTIME_MODULES = ("dhp.runtime.driver", "dhp.runtime.checkpointing", "dhp.data", "dhp.runtime.progress")
+
 _FIRST_RUN = True  # this process has not started a run yet
+
+
+def connect_ray(*, cluster: Any, plan: Any) -> bool:
+    """:func:`dhp.ray_connect.connect_ray` with a local instance sized to the plan's bundles (a
+    SIGKILLed driver's local Ray processes go within seconds, not minutes: dhp.runtime.reaper).
+    True when this call initialised Ray (the caller shuts it down)."""
+    need = plan.resources if plan is not None else {}
+    return _connect(cluster=cluster, resources=need, on_local_start=start_for_local_ray)
+
+
+def connect_ray_importing(*, cluster: Any, plan: Any, modules: Sequence[str] = RUNTIME_MODULES) -> bool:
+    """:func:`connect_ray` while a thread imports ``modules``; returns when both are done.
+
+    Python imports hold the GIL, ``ray.init`` mostly waits on its child processes: the two overlap.
+    ``ray.init`` stays on the calling (main) thread, where Ray installs and dhp restores the signal
+    handlers. An import that fails in the thread is left to the caller's own import of that module,
+    which raises its error where it belongs. Placements, devices and a joined cluster
+    (``cluster.ray_address``) are exactly :func:`connect_ray`'s.
+    """
+    # the one module both ray.init and these imports load lazily (Ray 2.60): loaded here first, so
+    # the two threads never wait on each other's module locks
+    importlib.import_module("ctypes.util")
+    thread = threading.Thread(target=_import_all, args=(tuple(modules),), name="dhp-imports", daemon=True)
+    thread.start()
+    try:
+        return connect_ray(cluster=cluster, plan=plan)
+    finally:
+        thread.join()
+
+
+def _import_all(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # the caller's own import of it raises the error (see above)
+            return
 
 
 def process_age_s() -> float | None:

@@ -23,15 +23,15 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
+import dhp.data
 from dhp.config.schema import RunConfig, TrainConfig
 from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
-from dhp.runtime.checkpointing import AsyncCheckpoints, SaveFailed, is_io_failure, save_failed
 from dhp.runtime.failures import FailureLog, failed_event
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
-from dhp.runtime.startup import Startup
+from dhp.runtime.startup import Startup, connect_ray_importing
 
 
 @dataclass
@@ -251,27 +251,31 @@ def _attempt(
 ) -> None:
     """One life of the actor groups: start them, resume, run the loop; on a restartable failure with
     restarts left, tear everything down and raise _Restart."""
-    from dhp.data import build_run_loader
-    from dhp.runtime.driver import NonFiniteStep, Trainer
-    from dhp.runtime.progress import TrainProgress
-
     t = config.train
     run_dir = result.run_dir
     clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
-    clock.mark("driver imports (runtime, worker and model code)")  # the imports above, first time
-    loader = build_run_loader(config)
+    loader = dhp.data.build_run_loader(config)
     loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
     clock.mark("data loader")
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
     )
     trainer = None
+    owns_ray = False
     loop: _Loop | None = None
     saver = None  # checkpoint.async_save: the save in flight (dhp.runtime.checkpointing)
     graceful = True
     try:
+        # Ray starts while a thread imports the runtime, worker and model code (dhp.runtime.startup)
+        owns_ray = connect_ray_importing(cluster=config.cluster, plan=plan)
+        clock.mark("Ray start, the driver's imports beside it (runtime, worker, model code)")
+        # loaded by connect_ray_importing's thread: the worker's module, transformers' model code
+        from dhp.runtime.checkpointing import AsyncCheckpoints
+        from dhp.runtime.driver import Trainer
+        from dhp.runtime.progress import TrainProgress
+
         ready = 60.0 if result.restarts == 0 else t.restart_wait_s
-        trainer = Trainer(config, plan, ready_timeout_s=ready, startup=clock)
+        trainer = Trainer(config, plan, ready_timeout_s=ready, startup=clock, owns_ray=owns_ray)
         sig.reinstall()
         if config.checkpoint.async_save:
             saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir)
@@ -339,6 +343,10 @@ def _attempt(
         with contextlib.suppress(Exception):
             ray.shutdown()  # whatever that half-done ray.init started
     except RuntimeFailure as e:
+        # the worker's module (torch.distributed, transformers): loaded once Ray started, see above
+        from dhp.runtime.checkpointing import SaveFailed
+        from dhp.runtime.driver import NonFiniteStep
+
         graceful = False
         step = loop.failing_step() if loop is not None else 0
         why = failures.verdict(e, step=step)
@@ -370,6 +378,11 @@ def _attempt(
                 trainer.close(graceful=graceful)
             except _HardStop:
                 trainer.close(graceful=False)
+        elif owns_ray:  # Ray started but no trainer took it over (an interrupt, or Trainer failed)
+            import ray  # loaded already: Ray started above
+
+            with contextlib.suppress(Exception):
+                ray.shutdown()
         if saver is not None:  # a save still in flight never counts: its writers are gone
             saver.abandon()
 
@@ -429,6 +442,9 @@ def _meta(*, config, plan, step, loader, schedule):
 def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
     """Write ``checkpoints/step_XXXXXX`` atomically: groups save into a temp dir, then meta + rename."""
     from dhp.checkpoint import begin_checkpoint, commit_checkpoint
+
+    # loads the worker's module (torch.distributed, transformers): after Ray's start (dhp.runtime.startup)
+    from dhp.runtime.checkpointing import is_io_failure, save_failed
 
     try:
         tmp = begin_checkpoint(run_dir / "checkpoints", step=step)

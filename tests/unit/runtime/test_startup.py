@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+import threading
 import time
 
 from rich.console import Console
 
+from dhp.runtime import startup
 from dhp.runtime.startup import Startup, process_age_s
 
 
@@ -39,3 +43,68 @@ def test_a_second_run_of_one_process_does_not_count_the_first(monkeypatch) -> No
     monkeypatch.setattr("dhp.runtime.startup._FIRST_RUN", True)
     assert Startup.from_process_start().phases  # the process's own start-up
     assert Startup.from_process_start().phases == []  # a sweep's next run: its phases only
+
+
+# the driver's path to Ray's start, run in a fresh interpreter: it stops where Ray would start and
+# says which heavy modules were loaded by then
+_TO_RAY_START = """
+import json, sys
+import dhp.cli  # what `dhp train` loads first
+import dhp.runtime.train as tr
+from dhp.config import load_config
+from dhp.errors import PlanError
+
+seen = {}
+
+def at_ray_start(*, cluster, plan):
+    seen.update({m: m in sys.modules for m in sys.argv[2:]})
+    raise PlanError("stop at Ray's start")
+
+tr.connect_ray_importing = at_ray_start
+try:
+    tr.train(load_config("tiny_vlm", [f"train.output_dir={sys.argv[1]}"]))
+except PlanError:
+    pass
+print(json.dumps(seen))
+"""
+
+
+def test_the_driver_reaches_ray_start_without_transformers_model_code(tmp_path) -> None:
+    """What ``connect_ray_importing`` overlaps with Ray's start must not already be loaded before it:
+    transformers' model code and the worker module (each over a second of CPU on the 2-core box)."""
+    heavy = ["transformers.modeling_utils", "dhp.runtime.worker", "dhp.runtime.driver"]
+    out = subprocess.run(
+        [sys.executable, "-c", _TO_RAY_START, str(tmp_path), *heavy],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == dict.fromkeys(heavy, False), seen
+
+
+def test_connect_ray_importing_imports_while_ray_starts(tmp_path, monkeypatch) -> None:
+    """The modules are imported by a thread while the connect call runs on the calling thread."""
+    (tmp_path / "dhp_probe_slow_module.py").write_text("import time\ntime.sleep(0.2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    during = {}
+
+    def connect(*, cluster, plan) -> bool:  # stands in for ray.init: waits, holding no GIL
+        deadline = time.monotonic() + 30
+        while "dhp_probe_slow_module" not in sys.modules and time.monotonic() < deadline:
+            time.sleep(0.01)
+        during["imported"] = "dhp_probe_slow_module" in sys.modules
+        during["main thread"] = threading.current_thread() is threading.main_thread()
+        return True
+
+    monkeypatch.setattr(startup, "connect_ray", connect)
+    owns = startup.connect_ray_importing(cluster=None, plan=None, modules=["dhp_probe_slow_module"])
+    assert owns is True
+    assert during == {"imported": True, "main thread": True}
+    assert not [t for t in threading.enumerate() if t.name == "dhp-imports"]  # joined
+
+
+def test_a_module_that_fails_to_import_in_the_thread_is_left_to_the_caller(monkeypatch) -> None:
+    monkeypatch.setattr(startup, "connect_ray", lambda *, cluster, plan: False)
+    assert startup.connect_ray_importing(cluster=None, plan=None, modules=["dhp_no_such_module"]) is False
