@@ -82,7 +82,9 @@ def connect_ray(
             ) from e
         return True
     need = resources
-    cpus = max(1, math.ceil(need.get("CPU", 1.0) - 1e-9))
+    # at least this machine's usable cores: Ray starts at most min(cores, num_cpus) worker processes at
+    # once, so an instance sized to the actors' fractional CPUs (4 x 0.25 = 1) starts the ranks one by one
+    cpus = max(1, math.ceil(need.get("CPU", 1.0) - 1e-9), usable_cores())
     gpus = math.ceil(need.get("GPU", 0.0) - 1e-9)
     kwargs = {"num_gpus": gpus} if gpus else {}
     # address="local": always a new instance of our own, never a `ray start` head found on this machine
@@ -92,6 +94,15 @@ def connect_ray(
     if on_local_start is not None:
         on_local_start()
     return True
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset limits), not the
+    host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
 
 
 #: Ray's logger for the notice it prints when it turns token authentication on by itself
