@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.errors import DhpError
 from dhp.machine.probe import Probe, probe_machine
 
 #: "off" keeps the built-in cluster numbers (deterministic plans: unit tests, benchmarks)
@@ -141,7 +142,7 @@ def record_run(run_dir: Path, config: DictConfig) -> str | None:
         return None
     d = cache_dir(str(cluster.name))
     d.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in _runs(d) if r != str(Path(run_dir).resolve())]
+    runs = [r for r in _runs(d) if r != str(Path(run_dir).resolve()) and _readable(r)]
     runs = [*runs, str(Path(run_dir).resolve())][-MAX_RUNS:]
     tmp = d / f"profile.yaml.tmp-{os.getpid()}"
     calibrate(runs, out=str(tmp), prior_weight=CACHE_PRIOR_WEIGHT)
@@ -160,6 +161,18 @@ def _runs(d: Path) -> list[str]:
     except (ValueError, KeyError, TypeError):
         return []  # a damaged cache counts as none; the next run rewrites it
     return [r for r in runs if (Path(r) / "metrics.jsonl").is_file() and (Path(r) / "config.yaml").is_file()]
+
+
+def _readable(run_dir: str) -> bool:
+    """Whether this version of dhp reads a cached run's config (one written by another version, with
+    keys this one does not know, is left out of the fit instead of failing every later refit)."""
+    from dhp.plan.calibrate import load_run  # the fitter's reader loads only when a run refines the cache
+
+    try:
+        load_run(run_dir)
+    except DhpError:
+        return False
+    return True
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -94,3 +94,16 @@ def test_a_run_on_other_numbers_is_not_recorded(on) -> None:
     cfg = load_config("tiny_vlm", [])  # built-in numbers: not this machine's profile
     run, _ = _run_measured_at(on, cfg, 1.0, "run")
     assert record_run(run, cfg) is None
+
+
+def test_a_cached_run_this_version_cannot_read_is_left_out_of_the_fit(on) -> None:
+    cfg = machine_profile(load_config("tiny_vlm", []))
+    old, _ = _run_measured_at(on, cfg, 3.0, "old")
+    assert "1 run" in record_run(old, cfg)
+    # the cached run's config now holds a key this version does not know (written by another version)
+    text = (old / "config.yaml").read_text().replace("  dp: 1\n", "  dp: 1\n  from_the_future: 1\n", 1)
+    assert "from_the_future" in text
+    (old / "config.yaml").write_text(text)
+    new, _ = _run_measured_at(on, cfg, 3.0, "new")
+    line = record_run(new, cfg)  # refits on the new run alone instead of failing on the old one
+    assert line is not None and "1 run" in line
