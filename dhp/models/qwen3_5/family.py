@@ -61,6 +61,10 @@ KEYS = KeyMap(
         ("lm_head.", "llm", "lm_head."),
     ),
 )
+#: the release's multi-token-prediction head (``mtp.*``): owned by ``mtp``, a module this graph never
+#: builds (transformers' Qwen3_5ForConditionalGeneration drops these keys on load too), so loading reads
+#: them into no module instead of refusing the released directory
+MTP_PREFIX, MTP_MODULE = "mtp.", "mtp"
 
 
 def _plain(model_cfg: Any) -> Any:
@@ -234,7 +238,10 @@ class Qwen3_5Family:
 
     # --- checkpoint keys and the HF export name map --------------------------------------------
     def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
-        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
+        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it. The release's
+        ``mtp.*`` keys belong to ``mtp``, which is not in ``module_names``: no module loads them."""
+        if key.startswith(MTP_PREFIX):
+            return MTP_MODULE, key[len(MTP_PREFIX) :]
         return KEYS.owner(key)
 
     def hf_key(self, module: str, fqn: str) -> str:

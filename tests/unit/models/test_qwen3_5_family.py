@@ -237,6 +237,18 @@ def test_qwen3_5_model_dir_loads_per_module_and_processes_images(family, tmp_pat
         assert {family.checkpoint_owner(k)[0] for k in report.keys_read} == {name}
         assert all(torch.equal(t, split[name][k]) for k, t in module.state_dict().items()), name
 
+    # the release also stores a multi-token-prediction head (mtp.*): no module of the graph reads it
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(out / "model.safetensors"))
+    save_file({**weights, "mtp.fc.weight": torch.zeros(2, 2)}, str(out / "model.safetensors"))
+    for name in family.module_names:
+        _, report = build_and_load(family, name, out, hf_config=cfg, dtype=torch.float32, device="cpu")
+        assert not any(k.startswith("mtp.") for k in report.keys_read)
+    assert (
+        family.checkpoint_owner("mtp.fc.weight") == ("mtp", "fc.weight") and "mtp" not in family.module_names
+    )
+
     proc = family.load_image_processor(str(out), min_pixels=32 * 32, max_pixels=128 * 128)
     got = proc(images=[Image.new("RGB", (96, 64), color=(200, 30, 40))], return_tensors="pt")
     ((t, h, w),) = got["image_grid_thw"].tolist()
