@@ -31,8 +31,10 @@ dicts, DCP (TP <-> non-TP resharding) and ``full_tensor()`` see the ordinary lay
   a sequence) and whose gradient is reduce-scattered back.
 
 Memory per rank: the layer's weights, grads and optimizer states are 1/N (except the dv-sized norm
-weight); the transient head-layout copy of ``in_proj_qkv``/``conv1d`` is another 1/N; activations
-inside the layer, the recurrent state (B, Hv/N, dk, dv) and the chunk working set are 1/N.
+weight); activations inside the layer, the recurrent state (B, Hv/N, dk, dv) and the chunk working set
+are 1/N. The head-layout copy of ``in_proj_qkv`` and ``conv1d`` (another 1/N of them) is saved by
+autograd from the layer's forward to its backward, unless activation checkpointing recomputes the
+layer (then it lives only inside the forward and the recompute).
 
 Composes with FSDP2 applied after TP (the parameters are 2-D DTensors between forwards; the style's
 forward swaps in local tensors only for the duration of the layer's forward) and with activation
@@ -237,7 +239,13 @@ def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
     sp = self._dhp_sequence_parallel
     key = "hidden_states" if "hidden_states" in kwargs else None
     x = kwargs[key] if key else args[0]
-    if isinstance(x, DTensor):  # sequence parallel: Shard(1) -> the whole sequence, grad reduce-scattered
+    if sp != isinstance(x, DTensor):
+        raise PlanError(
+            f"Gated DeltaNet TP was applied with sequence_parallel={sp} but its input is "
+            f"{'a plain tensor' if sp else 'a DTensor'}: the decoder plan and deltanet_tp_plan must agree on "
+            "sequence_parallel."
+        )
+    if sp:  # sequence parallel: Shard(1) -> the whole sequence, grad reduce-scattered
         x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     else:  # replicated: every rank's heads contribute to the input gradient
         x = _CopyToTP.apply(x, group)

@@ -48,8 +48,9 @@ def groups_table(plan: Plan) -> Table:
             ",".join(f"{f:g}" for f in fracs),
         )
     if plan.kernels:  # a slow torch fallback on a GPU is named here, never silent
-        table.caption = "linear-attention kernel: " + "; ".join(
-            f"{m} {kernel_note(plan.device, k)}" for m, k in plan.kernels.items()
+        table.caption = Text(  # Text, not markup: the fix names the extra "dhp[gpu]"
+            "linear-attention kernel: "
+            + "; ".join(f"{m} {kernel_note(plan.device, k)}" for m, k in plan.kernels.items())
         )
     return table
 

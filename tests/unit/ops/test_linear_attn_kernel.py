@@ -96,4 +96,5 @@ def test_plan_json_and_table_name_the_kernel() -> None:
     assert plan.kernels == {} and plan.to_json()["kernels"] == {}  # no linear-attention blocks
     slow = dataclasses.replace(plan, device="cuda", kernels={"llm": TORCH_FALLBACK})
     assert slow.to_json()["kernels"] == {"llm": TORCH_FALLBACK}
-    assert "llm torch-fallback (SLOW on cuda" in groups_table(slow).caption
+    caption = groups_table(slow).caption.plain  # plain text: "[gpu]" must not be read as markup
+    assert "llm torch-fallback (SLOW on cuda" in caption and "pip install 'dhp[gpu]'" in caption
