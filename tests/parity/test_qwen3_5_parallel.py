@@ -42,7 +42,7 @@ from dhp.parallel.linear_attn_tp import local_fraction
 
 pytestmark = pytest.mark.parity
 RTOL = 1e-5
-IMAGES, TEXT = [[(8, 6), (4, 10)], [(6, 6)]], [3, 4]
+IMAGES, TEXT = [[(8, 6), (4, 10)], [(6, 6)]], [3, 70]  # sample 1: 84 tokens, two delta-rule chunks
 
 
 def _build(family, cfg, name: str, seed: int):
