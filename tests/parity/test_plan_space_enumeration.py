@@ -42,7 +42,7 @@ from dhp.plan.search import Degrees, Search, apply
 pytestmark = pytest.mark.parity
 
 RTOL = 1e-4
-RECIPES = {"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl"}
+RECIPES = {"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl", "qwen3_5": "tiny_qwen3_5"}
 IMAGES = ([[(4, 8)], [(4, 4), (2, 4)]], [[(4, 4)], [(2, 4)]], [[(2, 8)], [(4, 4)]], [[(4, 4)], []])
 TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
 

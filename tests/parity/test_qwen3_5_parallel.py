@@ -1,5 +1,5 @@
 """Qwen3.5 over 2 gloo ranks through ``dhp.parallel.parallelize``: encoder Ulysses SP=2 and TP=2, LLM
-FSDP=2 (the hybrid decoder), each vs one process; LLM TP refused.
+FSDP=2 and TP=2 (with and without sequence parallelism inside TP), each vs one process.
 
 Encoder SP=2 (the shared Qwen3 encoder without DeepStack): each rank runs the family's own shard
 (``family.shard_inputs(..., sp_size=2)[rank]``: its merge-unit slice of the patch rows with the
@@ -12,7 +12,12 @@ merger), every gradient gathered.
 LLM FSDP=2: rank r runs sample r of a two-sample batch (its own image rows as a leaf), the loss divided
 by the whole batch's label-token count; the reduce-scattered gradients (Gated DeltaNet conv1d, dt_bias,
 A_log, gated norm, the gated attention's q/k norms included) must equal the one-process gradients of
-the whole batch, and each rank's edge gradient the reference's rows. The reference's ``A_log`` is redrawn
+the whole batch, and each rank's edge gradient the reference's rows.
+
+LLM TP=2: the family's plan (gated attention by heads, Gated DeltaNet by key/value head groups, MLPs,
+vocab-parallel embeddings, lm_head and loss) on the whole batch (M-RoPE positions, right padding,
+images): loss, every full gradient and the edge's gradient; each rank holds exactly 1/2 of every
+DeltaNet parameter (the gated norm's dv-sized weight, shared by the heads, excepted). The reference's ``A_log`` is redrawn
 from log U(0.01, 1) (see tests/parity/test_split_qwen3_5.py: transformers' init leaves several tiny
 heads with ~1e-6 gradients that only measure fp32 rounding).
 
@@ -30,14 +35,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dhp.config.schema import ParallelConfig
-from dhp.errors import PlanError
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
 from dhp.parallel import finalize_grads, parallelize
+from dhp.parallel.linear_attn_tp import local_fraction
 
 pytestmark = pytest.mark.parity
 RTOL = 1e-5
-IMAGES, TEXT = [[(8, 6), (4, 10)], [(6, 6)]], [3, 4]
+IMAGES, TEXT = [[(8, 6), (4, 10)], [(6, 6)]], [3, 70]  # sample 1: 84 tokens, two delta-rule chunks
 
 
 def _build(family, cfg, name: str, seed: int):
@@ -121,10 +126,39 @@ def _llm(rank: int, world: int, family, cfg, batch) -> None:
     assert_rel_close(mine.grad, leaf.grad[rows], rtol=RTOL, name=f"fsdp rank {rank} d/d image_embeds")
     assert_grads_match(full_grads(model), want, rtol=RTOL, tag=f"fsdp llm rank {rank}")
 
-    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    with pytest.raises(PlanError, match="does not support tp"):
-        parallelize("llm", _build(family, cfg, "llm", 1), tp_mesh, parallel=ParallelConfig(tp=world),
-                    activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
+
+def _llm_tp(rank: int, world: int, family, cfg, batch, *, sequence_parallel: bool) -> None:
+    """LLM TP=2 through ``parallelize`` (the family's plan: gated attention, Gated DeltaNet heads, MLPs,
+    vocab-parallel embeddings / lm_head / loss), with or without sequence parallelism inside TP: the
+    whole batch on both ranks; loss, every full gradient and the edge's gradient match one process, and
+    every DeltaNet parameter but the shared norm weight is exactly 1/2 on each rank."""
+    keys = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "image_grid_thw", "sample_ids")
+    n_img = int((batch["input_ids"] == cfg.image_token_id).sum())
+    edges = torch.randn(n_img, cfg.text_config.hidden_size, generator=torch.Generator().manual_seed(5))
+
+    def step(llm):
+        leaf = edges.clone().requires_grad_(True)
+        out = llm(**{k: batch[k] for k in keys}, image_embeds=leaf)
+        (out.loss_sum / out.num_tokens).backward()
+        return out.loss_sum.detach(), leaf.grad
+
+    ref = _build(family, cfg, "llm", 1)
+    ref_loss, ref_edge = step(ref)
+    par = ParallelConfig(tp=world, sequence_parallel=sequence_parallel)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    tp = parallelize("llm", _build(family, cfg, "llm", 1), mesh, parallel=par,
+                     activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
+    tag = f"llm tp{world}{' +sp' if sequence_parallel else ''} rank {rank}"
+    fractions = local_fraction(tp.language_model.layers[0].linear_attn)
+    assert set(fractions) == {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                              "conv1d.weight", "A_log", "dt_bias", "out_proj.weight", "norm.weight"}  # fmt: skip
+    for fqn, (local, whole) in fractions.items():
+        assert local * (1 if fqn == "norm.weight" else world) == whole, (tag, fqn, local, whole)
+    loss, edge = step(tp)
+    finalize_grads(tp, mesh, parallel=par)
+    assert_rel_close(loss, ref_loss, rtol=RTOL, name=f"{tag} loss")
+    assert_rel_close(edge, ref_edge, rtol=RTOL, name=f"{tag} d/d image_embeds")
+    assert_grads_match(full_grads(tp), {n: p.grad for n, p in ref.named_parameters()}, rtol=RTOL, tag=tag)
 
 
 def _run(rank: int, world: int) -> None:
@@ -133,7 +167,9 @@ def _run(rank: int, world: int) -> None:
     batch = tiny_vl_batch(cfg, images=IMAGES, text_lens=TEXT, seed=3)
     _vision(rank, world, family, cfg, batch)
     _llm(rank, world, family, cfg, batch)
+    for sequence_parallel in (False, True):
+        _llm_tp(rank, world, family, cfg, batch, sequence_parallel=sequence_parallel)
 
 
-def test_qwen3_5_encoder_sp2_tp2_and_llm_fsdp2_match_one_process() -> None:
+def test_qwen3_5_encoder_sp2_tp2_llm_fsdp2_and_tp2_match_one_process() -> None:
     spawn(_run, 2)

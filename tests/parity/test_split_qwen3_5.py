@@ -60,6 +60,8 @@ CASES = {
     # name: (images per sample as (grid_h, grid_w) in patches, text tokens before the images)
     "two_samples_three_unequal_images": ([[(8, 6), (4, 10)], [(6, 6)]], [5, 9]),
     "image_and_text_only_sample": ([[(10, 8)], []], [3, 25]),
+    # 89 tokens: two chunks of transformers' chunked delta rule (64), the state carried across them
+    "longer_than_one_delta_rule_chunk": ([[(4, 4)], [(2, 2)]], [80, 5]),
 }
 
 

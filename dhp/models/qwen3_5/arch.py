@@ -400,10 +400,22 @@ class Qwen3_5Arch:
 
 
 def llm_axes(n: Numbers) -> ModuleAxes:
-    """LLM: FSDP and DP only. Tensor parallelism is refused (``tp > 1`` is a plan error): transformers'
-    Gated DeltaNet has no head-sharded TP here, and running it whole on every TP rank would silently
-    repeat its work. No Ulysses SP (the recurrence runs along the whole sequence)."""
-    return ModuleAxes(tp=False, sp=False, tp_sequence_parallel=False)
+    """LLM: TP over the gated-attention heads, the Gated DeltaNet key/value head groups, the vocabulary
+    and the MLP width, with Megatron sequence parallelism inside TP; no Ulysses SP (the DeltaNet
+    recurrence runs along the whole sequence)."""
+    return ModuleAxes(
+        tp=True,
+        sp=False,
+        tp_sequence_parallel=True,
+        tp_divides={
+            "model.llm.num_heads": n.heads,
+            "model.llm.num_kv_heads": n.kv_heads,
+            "model.llm.extra.linear_num_key_heads": n.linear_k_heads,
+            "model.llm.extra.linear_num_value_heads": n.linear_v_heads,
+            "model.llm.vocab_size": n.vocab,
+            "model.llm.intermediate_size": n.mlp,
+        },
+    )
 
 
 ARCH = Qwen3_5Arch()

@@ -43,6 +43,7 @@ from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen3_5.arch import numbers, validate
 from dhp.models.qwen3_5.config import build_hf_config
 from dhp.models.qwen3_5.modules import LLMModule
+from dhp.models.qwen3_5.tp import llm_tp_plan
 from dhp.models.qwen3_vision.arch import IMAGE_EMBEDS
 from dhp.models.qwen3_vision.modules import VisionModule
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, blank_image, shard_images, tokens_per_image
@@ -60,6 +61,10 @@ KEYS = KeyMap(
         ("lm_head.", "llm", "lm_head."),
     ),
 )
+#: the release's multi-token-prediction head (``mtp.*``): owned by ``mtp``, a module this graph never
+#: builds (transformers' Qwen3_5ForConditionalGeneration drops these keys on load too), so loading reads
+#: them into no module instead of refusing the released directory
+MTP_PREFIX, MTP_MODULE = "mtp.", "mtp"
 
 
 def _plain(model_cfg: Any) -> Any:
@@ -103,15 +108,23 @@ class Qwen3_5Family:
     # --- parallel plans ------------------------------------------------------------------------
     def parallel_plan(self, name: str, hf_config: Qwen3_5Config) -> ModuleParallelPlan:
         """Encoder: the shared Qwen3 encoder plan (TP by FQN, Ulysses SP on every block's attention).
-        LLM: no tensor parallelism (``tp=None``: a tp > 1 is refused) until the Gated DeltaNet layers
-        shard by head group; FSDP by decoder layer and the chunked loss."""
+        LLM: TP of the gated attention, the Gated DeltaNet heads and the MLPs (``tp.py``), with Megatron
+        sequence parallelism inside TP available; FSDP by decoder layer; the vocab-parallel loss."""
         if name == "vision":
             return vision_parallel_plan(hf_config.vision_config, deepstack=False)
         t = hf_config.text_config
         return ModuleParallelPlan(
             blocks=("language_model.layers.*",),
-            tp=None,
-            tp_sequence_parallel=False,
+            tp=llm_tp_plan,
+            tp_divides={
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "linear_num_key_heads": t.linear_num_key_heads,
+                "linear_num_value_heads": t.linear_num_value_heads,
+                "vocab_size": t.vocab_size,
+                "intermediate_size": t.intermediate_size,
+            },
+            tp_sequence_parallel=True,
             loss=True,
             tied=self.tied_parameters(name, hf_config),
             pad_token_id=t.pad_token_id if t.pad_token_id is not None else 0,
@@ -225,7 +238,10 @@ class Qwen3_5Family:
 
     # --- checkpoint keys and the HF export name map --------------------------------------------
     def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
-        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it."""
+        """Checkpoint key -> ``(module_name, module_fqn)``; None if no module owns it. The release's
+        ``mtp.*`` keys belong to ``mtp``, which is not in ``module_names``: no module loads them."""
+        if key.startswith(MTP_PREFIX):
+            return MTP_MODULE, key[len(MTP_PREFIX) :]
         return KEYS.owner(key)
 
     def hf_key(self, module: str, fqn: str) -> str:

@@ -2,28 +2,37 @@
 
 Encoder: the shared Qwen3 vision plan without DeepStack mergers (``dhp/models/qwen3_vision/tp.py``).
 
-LLM, gated full-attention layers: q_proj column-parallel (transformers lays its output out per head as
-``[query_h | gate_h]``, so a contiguous column shard gives each rank whole heads with their gates), k/v
-column-parallel, o row-parallel; q_norm / k_norm (one weight shared by the heads) as
-``SequenceParallel(sequence_dim=2)`` so DTensor sums their weight gradient over TP. Every layer's
-SwiGLU MLP gate/up column-, down row-parallel; vocab-parallel embeddings and lm_head. No Megatron
-sequence parallelism inside TP. The Gated DeltaNet layers' styles (``linear_attn.*``) are not in this
-plan: the family gives tp=None (``family.parallel_plan``) until they shard by head group.
+LLM, composed from the generic pieces of ``dhp.parallel``:
+
+- gated full-attention layers (``self_attn``, the decoder plan of ``dhp.parallel.llm_tp``): q_proj
+  column-parallel (transformers lays its output out per head as ``[query_h | gate_h]``, so a contiguous
+  column shard gives each rank whole heads with their gates), k/v column-parallel, o row-parallel;
+  q_norm / k_norm (one weight shared by the heads) as ``SequenceParallel(sequence_dim=2)`` so DTensor
+  sums their weight gradient over TP;
+- Gated DeltaNet layers (``linear_attn``, ``dhp.parallel.linear_attn_tp``): key/value heads split over
+  the TP ranks (in_proj_qkv and the conv1d by head group of q, k and v; in_proj_z/b/a, A_log, dt_bias by
+  value head; out_proj row-parallel; the gated RMSNorm on the local heads, its shared weight's gradient
+  summed over TP): each rank holds 1/tp of every DeltaNet parameter but the dv-sized norm weight;
+- every layer's SwiGLU MLP gate/up column-, down row-parallel; vocab-parallel embeddings and lm_head.
+
+With ``sequence_parallel`` (Megatron SP inside TP) the norms and residual stream are sequence shards
+between layers; each attention / DeltaNet / MLP gathers the sequence (the DeltaNet recurrence needs every
+position of a sequence) and reduce-scatters its output. Qwen3.5 has no DeepStack, so nothing between
+layers needs the whole sequence.
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
+from dhp.parallel.linear_attn_tp import deltanet_tp_plan, head_norm_tp_plan
 from dhp.parallel.llm_tp import decoder_tp_plan
 
 
-def attention_tp_plan() -> dict[str, ParallelStyle]:
-    """The decoder plan without sequence parallelism plus the per-head norms of the full-attention layers
-    (the ``self_attn`` globs match only those layers; ``linear_attn`` is not named here)."""
-    plan = decoder_tp_plan(model="language_model", lm_head="lm_head", sequence_parallel=False)
-    for norm in ("q_norm", "k_norm"):
-        plan[f"language_model.layers.*.self_attn.{norm}"] = SequenceParallel(
-            sequence_dim=2, use_local_output=True
-        )
+def llm_tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The hybrid decoder's plan: the ``self_attn`` / ``mlp`` globs match the layers that have them, the
+    Gated DeltaNet style owns every parameter of a ``linear_attn`` (its Linears match no glob of their own)."""
+    plan = decoder_tp_plan(model="language_model", lm_head="lm_head", sequence_parallel=sequence_parallel)
+    plan.update(head_norm_tp_plan("language_model.layers.*.self_attn"))
+    plan.update(deltanet_tp_plan("language_model.layers.*.linear_attn", sequence_parallel=sequence_parallel))
     return plan
