@@ -27,8 +27,7 @@ for_loop) against the planner's, in about a minute (``scripts/measure_optimizer_
     .venv/bin/python scripts/bench_planner.py --optimizer --out runs/optimizer_memory.json
 
 ``--blocks`` measures only the memory of plans with other block kinds (BLOCK_PLANS: a mixture of
-experts with expert parallelism, a hybrid Gated DeltaNet LLM, and the dense Qwen3-VL whose vision
-encoder both share), one run each:
+experts with expert parallelism, a hybrid Gated DeltaNet LLM), one run each:
 
     .venv/bin/python scripts/bench_planner.py --blocks --steps 2 --out runs/bench_planner_blocks.json
 """
@@ -115,8 +114,6 @@ BLOCK_PLANS: list[tuple[str, str, list[str]]] = [
     ("hybrid_fsdp2", "tiny_qwen3_5", NO_AC),
     ("hybrid_dp2", "tiny_qwen3_5", [*NO_AC, "modules.llm.parallel.fsdp=1", "modules.llm.parallel.dp=2"]),
     ("hybrid_fsdp2_ac", "tiny_qwen3_5", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
-    # the dense Qwen3-VL, whose vision encoder (DeepStack mergers, ungated MLP) the two above share
-    ("qwen3_vl_tp2", "tiny_qwen3_vl", NO_AC),
 ]
 
 
