@@ -61,6 +61,9 @@ class LayerShape:
     #: column-parallel projections reading the block's input (q, k, v, gate, up unfused: 5; a fused
     #: qkv: 3; an ungated MLP: one fewer): under TP each one's input grad is all-reduced on its own
     tp_input_grads: int = 5
+    #: the MLP's activations kept for backward: gated (SwiGLU: gate, up, act(gate), product: 4m) or
+    #: ungated (fc1 out = the activation's input, activation out: 2m)
+    gated_mlp: bool = True
 
 
 # --- the typed architecture the planner reads ------------------------------------------------------
@@ -206,6 +209,13 @@ class Mlp:
     def matrices(self) -> int:
         return 3 if self.gated else 2
 
+    def saved_widths(self, *, selective: bool) -> int:
+        """Multiples of the MLP width one token keeps for backward: gated, the gate and up outputs,
+        the activation's output and the product (4; selective AC keeps the two matmul outputs: 2);
+        ungated, the first matmul's output (the activation's input) and the activation's output
+        (2; selective: 1)."""
+        return (self.matrices - 1) * (1 if selective else 2)
+
     def expert_params(self, hidden: int) -> int:
         """Parameters of the routed experts (the tensors EP shards): experts x matrices x hidden x I."""
         return self.experts * self.matrices * hidden * self.intermediate if self.kind == "moe" else 0
@@ -263,6 +273,10 @@ class ModuleArch:
     head_macs: float = 0.0
     vocab: int = 0
     sp_unit: int = 1
+    #: mergers besides the main one, each reading one block's output (DeepStack levels): a norm over
+    #: the merged row (``merge`` inputs), matmul, activation, matmul; each keeps its norm, first
+    #: matmul and activation outputs for backward (3 merged rows per ``merge`` input rows)
+    side_mergers: int = 0
     tp_input_grads: int = 5  # see LayerShape
     tensors_per_block: int = 12
     root_tensors: int = 3
@@ -335,6 +349,7 @@ class ModuleArch:
             layers=self.layers,
             q_dim=0 if q == self.hidden else q,
             tp_input_grads=self.tp_input_grads,
+            gated_mlp=b.mlp.gated,
         )
 
 

@@ -17,7 +17,8 @@ Token mixer, by :class:`~dhp.models.arch.Attention` kind::
 
     K = key heads x d_k, V = value heads x d_v, Hv value heads, C the chunk length.
 
-MLP, by :class:`~dhp.models.arch.Mlp` kind (f = 4 off, 2 selective)::
+MLP, by :class:`~dhp.models.arch.Mlp` kind (f = 4 off, 2 selective for a gated MLP; 2 and 1 for an
+ungated one, ``Mlp.saved_widths``)::
 
     dense           f m / tp
     moe             f k I r                 the experts' activations of the rows this rank computes
@@ -78,7 +79,7 @@ def mixer_saved_elems(
 
 def mlp_saved_elems(mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float = 1.0) -> float:
     """Saved elements per token of one block's MLP on one rank (table above); ``received``: r."""
-    f = 2 if selective else 4
+    f = mlp.saved_widths(selective=selective)
     if mlp.kind != "moe":
         return f * mlp.intermediate / tp
     experts = f * mlp.top_k * mlp.intermediate * received

@@ -33,6 +33,7 @@ tests/unit/plan/test_activation_calibration.py)::
     per_layer = 4h/s + (4h + 3kv)/tp + 4m/tp      s = tp under LLM sequence_parallel, else 1
     selective = 2h/s + (2h + 2kv)/tp + 2m/tp      matmul outputs kept (q, k, v, attention out,
                                                   gate, up); norms, rotary, SiLU recomputed
+    an ungated MLP (fc1, activation, fc2: a ViT's) keeps 2m/tp (selective m/tp) instead of 4m/tp
     off:        L * per_layer
     full:       L * h/s  (block inputs)           + one block recomputed in backward (working set)
     every_n:K:  ceil(L/K) * h/s + (L - ceil(L/K)) * per_layer
@@ -233,12 +234,12 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
 
 def per_layer_elems(layer: LayerShape, tp: int, s: int = 1) -> float:
     h, m, kv = layer.hidden, layer.mlp, layer.kv_dim
-    return 4 * h / s + (4 * h + 3 * kv) / tp + 4 * m / tp
+    return 4 * h / s + (4 * h + 3 * kv) / tp + (4 if layer.gated_mlp else 2) * m / tp
 
 
 def selective_elems(layer: LayerShape, tp: int, s: int = 1) -> float:
     h, m, kv = layer.hidden, layer.mlp, layer.kv_dim
-    return 2 * h / s + (2 * h + 2 * kv) / tp + 2 * m / tp
+    return 2 * h / s + (2 * h + 2 * kv) / tp + (2 if layer.gated_mlp else 1) * m / tp
 
 
 def checkpointed_blocks(ac: AcMode, layers: int) -> int:
@@ -367,6 +368,8 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
         out["inputs"] = int(tokens * arch.input_row * 4)
     if arch.out_width:
         out["merger"] = keep * int(tokens * (2 * h + 3 * h) * a + tokens / arch.merge * arch.out_width * a)
+    if arch.side_mergers:  # norm, matmul and activation outputs: 3 merged rows of h * merge each
+        out["side_mergers"] = keep * int(arch.side_mergers * tokens * 3 * h * a)
     if arch.vocab:
         out["loss_inputs"] = int(tokens * (h * a + 8 + 4)) if shape.backward else 0
         out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)

@@ -155,6 +155,7 @@ def shape(n: VisionNumbers) -> LayerShape:
         heads=n.heads,
         layers=n.depth,
         tp_input_grads=2,  # fused qkv, linear_fc1
+        gated_mlp=False,  # linear_fc1 -> activation -> linear_fc2
     )
 
 
@@ -254,6 +255,7 @@ def vision_arch(n: VisionNumbers) -> ModuleArch:
         temporal_patch=n.temporal_patch_size,
         head_macs=mergers * (n.wide * n.wide + n.wide * n.out_hidden) / merge,
         sp_unit=merge,  # the SP cut is a contiguous slice of whole merge units (sp.py)
+        side_mergers=n.levels,
         tp_input_grads=2,  # fused qkv, linear_fc1
         tensors_per_block=12,  # 2 LayerNorms, qkv, proj, fc1, fc2: weight + bias each
         root_tensors=3 + 6 * mergers,  # patch conv weight + bias, position table; per merger 6

@@ -79,7 +79,12 @@ def balanced_unit_cuts(units: int, parts: int) -> list[int]:
 def shard_images(
     pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, *, sp_size: int, config: PretrainedConfig
 ) -> list[Qwen3VisionShard]:
-    """Cut the micro-batch's patch rows into ``sp_size`` contiguous, merge-unit-aligned shards (one per rank)."""
+    """Cut the micro-batch's patch rows into ``sp_size`` contiguous, merge-unit-aligned shards (one per rank).
+
+    Memory: each shard's per-row tensors are copies of its own rows, not views. A view would keep the
+    storage of the whole micro-batch: shipping the shard to its rank would send every rank's rows, and
+    the patch embedding, which saves its input for backward, would hold all of them.
+    """
     merge = config.spatial_merge_size
     unit = merge * merge
     rows = int(pixel_values.shape[0])
@@ -105,11 +110,11 @@ def shard_images(
         Qwen3VisionShard(
             rank=r,
             sp_size=sp_size,
-            pixel_values=pixel_values[a:b],
+            pixel_values=pixel_values[a:b].clone(),
             image_grid_thw=image_grid_thw,
-            interp_indices=indices[a:b],
-            interp_weights=weights[a:b],
-            position_ids=position_ids[a:b],
+            interp_indices=indices[a:b].clone(),
+            interp_weights=weights[a:b].clone(),
+            position_ids=position_ids[a:b].clone(),
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
             split_sizes=split_sizes,

@@ -179,6 +179,10 @@ def test_qwen3_vl_sp_shards_cut_merge_units_and_feed_the_module_forward(family):
     assert torch.equal(torch.cat([s.token_index for s in shards]), torch.arange(whole.num_tokens))
     for key in ("pixel_values", "interp_indices", "interp_weights", "position_ids"):
         assert torch.equal(torch.cat([getattr(s, key) for s in shards]), getattr(whole, key)), key
+        # each rank's rows only: a view would keep (and ship, and save for backward) the whole batch
+        for s in shards:
+            t = getattr(s, key)
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
     assert all(torch.equal(s.cu_seqlens, whole.cu_seqlens) for s in shards)
     assert shards[0].forward_kwargs()["ulysses_split_sizes"] == tuple(s.num_patches for s in shards)
 
