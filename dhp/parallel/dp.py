@@ -58,6 +58,28 @@ def partition_params(sizes: list[int], parts: int) -> list[int]:
     return owner
 
 
+class _Partition:
+    """``params`` spread over the ranks of ``group`` by :func:`partition_params` (same on every rank)."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+        self.params, self.group = params, group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.owner = partition_params([local(p).numel() for p in params], self.size)
+
+    def owned(self) -> list[nn.Parameter]:
+        return [p for p, o in zip(self.params, self.owner, strict=True) if o == self.rank]
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Every owner broadcasts its (local shards of its) parameters over the group, coalesced."""
+        for owner in range(self.size):
+            mine = [local(p) for p, o in zip(self.params, self.owner, strict=True) if o == owner]
+            if mine:
+                _coalesced(
+                    mine, lambda flat, src=owner: dist.broadcast(flat, group=self.group, group_src=src)
+                )
+
+
 class Zero1AdamW(torch.optim.AdamW):
     """AdamW whose states live only on each parameter's owner in the dp group (ZeRO-1).
 
@@ -65,8 +87,14 @@ class Zero1AdamW(torch.optim.AdamW):
     ``step`` updates the owned parameters, then (its first step post-hook) every owner broadcasts its
     parameters to the dp group.
     ``zero_grad`` clears the gradients of all parameters, owned or not. ``unpartitioned``: parameters
-    every rank steps itself and never broadcasts (expert-parallel experts: the dp ranks hold different
-    ones), so their states stay on every rank that holds them.
+    the dp group does not partition (expert-parallel experts: the dp ranks hold different ones). With
+    ``expert_group`` (the ``edp`` ranks holding the SAME local expert shards, whose summed grads are
+    identical there) they are partitioned over that group instead, by the same greedy rule: each
+    rank keeps the AdamW states of ~1/edp of its experts' elements and broadcasts the ones it owns
+    over ``expert_group`` after the step. Without it every rank steps its experts itself and keeps
+    their states. Every EP rank's experts have the same local shapes, so the owner of a given
+    parameter is the same edp index in every EP group: each shard of each expert state lives on
+    exactly one rank, which is what a DCP checkpoint of the states needs.
     """
 
     def __init__(
@@ -75,6 +103,7 @@ class Zero1AdamW(torch.optim.AdamW):
         *,
         dp_group: dist.ProcessGroup,
         unpartitioned: Sequence[nn.Parameter] = (),
+        expert_group: dist.ProcessGroup | None = None,
         **adamw,
     ) -> None:
         # params: a list of parameters, or of param-group dicts (``dhp.parallel.param_groups``): every
@@ -85,13 +114,16 @@ class Zero1AdamW(torch.optim.AdamW):
             else [{"params": list(params)}]
         )
         mine = {id(p) for p in unpartitioned}
-        self._own_all = [p for g in groups for p in g["params"] if id(p) in mine]
+        experts = [p for g in groups for p in g["params"] if id(p) in mine]
         self._all = [p for g in groups for p in g["params"] if id(p) not in mine]
         self._group = dp_group
-        self._dp = dist.get_world_size(dp_group)
-        self._rank = dist.get_rank(dp_group)
-        self._owner = partition_params([local(p).numel() for p in self._all], self._dp)
-        owned = {id(p) for p, o in zip(self._all, self._owner, strict=True) if o == self._rank} | mine
+        self._partitions = [_Partition(self._all, dp_group)]
+        if expert_group is not None and dist.get_world_size(expert_group) > 1:
+            self._partitions.append(_Partition(experts, expert_group))
+            self._own_all: list[nn.Parameter] = []
+        else:  # every rank steps its own experts
+            self._own_all = experts
+        owned = {id(p) for part in self._partitions for p in part.owned()} | {id(p) for p in self._own_all}
         for g in groups:
             g["params"] = [p for p in g["params"] if id(p) in owned]
         super().__init__(groups, **adamw)
@@ -103,16 +135,12 @@ class Zero1AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def _broadcast_owned(self) -> None:
         """After AdamW updated this rank's own parameters: every owner broadcasts its parameters to
-        the dp group, so every replica holds the whole updated module."""
-        for owner in range(self._dp):
-            mine = [local(p) for p, o in zip(self._all, self._owner, strict=True) if o == owner]
-            if mine:
-                _coalesced(
-                    mine, lambda flat, src=owner: dist.broadcast(flat, group=self._group, group_src=src)
-                )
+        its partition's group (dp; edp for the experts), so every replica holds the whole update."""
+        for part in self._partitions:
+            part.broadcast()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._all + self._own_all:
+        for p in [p for part in self._partitions for p in part.params] + self._own_all:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:

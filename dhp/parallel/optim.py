@@ -61,8 +61,10 @@ def build_optimizer(
     them like the parameter: bf16 states for a ``model.dtype=bfloat16`` module, fp32 for fp32; the
     planner's ``dhp.plan.memory.precision`` counts the same); with ZeRO-1 only for the ~1/(dp*sp)
     owned here (``dhp.layout.ZERO1_AXES``, the planner's too). Expert-parallel parameters
-    (:func:`dhp.parallel.ep.expert_params`) are never partitioned by ZeRO-1: the ranks of the dp x sp
-    group hold DIFFERENT experts, so every rank keeps the states of its own 1/ep of the experts.
+    (:func:`dhp.parallel.ep.expert_params`) are not partitioned over dp x sp (its ranks hold DIFFERENT
+    experts) but over the ``edp`` axis of their EP mesh (the ranks holding the SAME 1/ep of the
+    experts, whose grads ``finalize_grads`` summed): each rank keeps the states of ~1/(ep * edp) of
+    the experts (per-tensor granularity) and broadcasts the ones it owns over edp after the step.
 
     ``param_groups``: per-glob lr/weight_decay (``dhp.parallel.param_groups.optimizer_groups``); the
     optimizer's groups are the default one first, then these, in the same order on every rank. Only
@@ -84,7 +86,9 @@ def build_optimizer(
     group = _zero1_group(mesh) if parallel.zero == 1 else None
     if group is not None:
         experts = [p for _, p in expert_params(module)]
-        return Zero1AdamW(params, dp_group=group, unpartitioned=experts, **adamw)
+        fold = expert_fold_mesh(module)
+        edp = fold["edp"].get_group() if fold is not None and fold["edp"].size() > 1 else None
+        return Zero1AdamW(params, dp_group=group, unpartitioned=experts, expert_group=edp, **adamw)
     return torch.optim.AdamW(params, **adamw)
 
 

@@ -5,7 +5,8 @@ The memory and time terms themselves live with the others (``memory.py``, ``bloc
 
 - total and active parameters (:attr:`~dhp.models.arch.ModuleArch.active_params`);
 - the routed experts' parameter + gradient + optimizer bytes per rank at every EP degree the module's
-  dp x fsdp x sp ranks allow (1/ep of the experts; replicated over edp);
+  dp x fsdp x sp ranks allow (1/ep of the experts; their params and grads replicated over edp, their
+  AdamW states partitioned over edp with zero=1);
 - the dispatch and combine buffers of one micro-batch over all MoE blocks, with a balanced router
   (what the verdict uses) and with a fully unbalanced one (every row of the EP group sent to one
   rank's experts), and the module's peak in that worst case;
@@ -18,7 +19,7 @@ import dataclasses
 
 from dhp.layout import RankLayout
 from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems
-from dhp.plan.memory import ModuleShape, checkpointed_blocks
+from dhp.plan.memory import ModuleShape, checkpointed_blocks, expert_optimizer_shards
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms
 
 #: which dispatch/combine buffers the fits/OOM verdict counts (see ``dhp/plan/memory.py``)
@@ -30,12 +31,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
-    """Parameters + gradients + optimizer states of the routed experts on one rank at ``ep``."""
+    """Parameters + gradients + optimizer states of the routed experts on one rank at ``ep`` (the
+    states 1/edp of that with zero=1: ``expert_optimizer_shards``)."""
     pr = shape.precision
     per_rank = shape.params.expert / ep
     if shape.freeze:
         return int(per_rank * pr.param)
-    return int(per_rank * (pr.param + shape.trainable * (pr.grad + pr.optimizer)))
+    opt = pr.optimizer / expert_optimizer_shards(shape.parallel, ep)
+    return int(per_rank * (pr.param + shape.trainable * (pr.grad + opt)))
 
 
 def dispatch_bytes(shape: ModuleShape, received: float) -> tuple[int, int]:
@@ -71,6 +74,7 @@ def moe_summary(shape: ModuleShape, terms: ModuleTerms, *, micro_batches: int, o
         "experts_per_rank": arch.experts // ep,
         "moe_blocks": arch.moe_blocks,
         "expert_params_per_rank": int(shape.params.expert / ep),
+        "expert_optimizer_shards": expert_optimizer_shards(par),
         "expert_state_bytes": expert_state_bytes(shape, ep),
         "expert_state_bytes_by_ep": {str(e): expert_state_bytes(shape, e) for e in _divisors(folded)},
         "dispatch_combine_block_bytes": dispatch_bytes(shape, 1.0)[0],

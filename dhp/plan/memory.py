@@ -19,12 +19,13 @@ Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_s
     X_rank = P_expert / ep                    (whole on every TP rank: no expert TP)
     params = (P_rank + X_rank) * b_param;  grads = (P_rank + X_rank) * b_grad (0 when frozen)
     optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt;
-                + X_rank * b_opt
+                + X_rank * b_opt / edp with zero=1, else X_rank * b_opt
 
 Expert parallelism (``dhp/parallel/ep.py``): EP rank r holds experts [r E/ep, (r+1) E/ep) of every MoE
-block. The experts are REPLICATED over the edp = dp*fsdp*sp/ep ranks that hold the same experts
-(``ParallelConfig`` has no expert-data-parallel sharding: FSDP and ZeRO-1 shard only the other
-parameters, whose finalize step skips the experts), so neither fsdp nor zero divides X_rank.
+block. The expert parameters (and their grads) are REPLICATED over the edp = dp*fsdp*sp/ep ranks that
+hold the same experts (FSDP shards only the other parameters, whose finalize step skips the experts),
+so fsdp does not divide X_rank. ZeRO-1 partitions the experts' AdamW states over those edp ranks
+(``Zero1AdamW``'s expert partition): 1/(ep * edp) of the experts' states per rank.
 
 Saved activations of one micro-batch (per token and layer, pre-norm SwiGLU block; h hidden, m MLP,
 kv the K/V width; calibrated against autograd's saved tensors in
@@ -77,7 +78,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
-from dhp.layout import ZERO1_AXES
+from dhp.layout import ZERO1_AXES, RankLayout
 from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
 from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
@@ -219,6 +220,15 @@ def largest_local_param(shape: ModuleShape) -> float:
     return max(big / int(par.ep), vocab / (par.tp * par.fsdp))
 
 
+def expert_optimizer_shards(par: DictConfig, ep: int | None = None) -> int:
+    """The edp ranks ZeRO-1 partitions the experts' AdamW states over at ``ep`` (default: the plan's):
+    dp * fsdp * sp / ep with zero=1, else 1 (module docstring)."""
+    if par.zero != 1:
+        return 1
+    lay = RankLayout.from_parallel(par)
+    return max(1, lay.num_replicas * lay.sp // int(par.ep if ep is None else ep))
+
+
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes resident on one rank; formulas in the module docstring."""
     par, pr = shape.parallel, shape.precision
@@ -229,7 +239,13 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     opt_shards = math.prod(par[a] for a in ZERO1_AXES) if par.zero == 1 else 1
     t = shape.trainable  # freeze_patterns / LoRA: only the trainable set has grads + states
     grads = (dense + experts) * t * pr.grad
-    return int(params), int(grads), int(dense * t * pr.optimizer / opt_shards + experts * t * pr.optimizer)
+    return (
+        int(params),
+        int(grads),
+        int(
+            dense * t * pr.optimizer / opt_shards + experts * t * pr.optimizer / expert_optimizer_shards(par)
+        ),
+    )
 
 
 def per_layer_elems(layer: LayerShape, tp: int, s: int = 1) -> float:

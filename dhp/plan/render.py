@@ -154,9 +154,11 @@ def _moe_notes(moe: dict) -> list[str]:
     if not moe:
         return []
     by_ep = ", ".join(f"ep={e}: {gib(b)}" for e, b in moe["expert_state_bytes_by_ep"].items())
+    shards = moe["expert_optimizer_shards"]
+    zero1 = f" (AdamW states ZeRO-1 over edp: 1/{shards} each)" if shards > 1 else ""
     return [
         f"  MoE: {moe['moe_blocks']} blocks x {moe['experts']} experts, ep={moe['ep']} (edp={moe['edp']}): "
-        f"{moe['experts_per_rank']} experts per rank, replicated over edp; expert params+grads+optimizer "
+        f"{moe['experts_per_rank']} experts per rank, replicated over edp{zero1}; expert params+grads+optimizer "
         f"{gib(moe['expert_state_bytes'])} per rank",
         f"  expert states per rank by ep: {by_ep}",
         f"  dispatch+combine buffers / micro-batch: balanced router {gib(moe['dispatch_combine_block_bytes'])}"

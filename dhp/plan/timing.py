@@ -39,7 +39,8 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                  per recomputed block. The EP group is ``ep`` ranks strided by tp (``dhp/parallel/
                  ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans ep * tp
                  consecutive GPUs: intra-node when they sit in one node, else the inter-node link
-    EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts
+    EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts;
+                 with zero=1 the experts' owners also broadcast them over edp after the step
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
     compute at the profile's achieved efficiencies (``estimate.module_features``)
     DP/SP grad all-reduce and the ZeRO-1 parameter broadcast: once per step, not overlapped
@@ -72,7 +73,13 @@ from omegaconf import DictConfig
 
 from dhp.layout import RankLayout
 from dhp.models.arch import model_flops
-from dhp.plan.memory import ModuleShape, checkpointed_blocks, non_expert_params, rank_params
+from dhp.plan.memory import (
+    ModuleShape,
+    checkpointed_blocks,
+    expert_optimizer_shards,
+    non_expert_params,
+    rank_params,
+)
 from dhp.plan.params import architecture
 
 ATTN_HALF_SPAN = 128.0
@@ -270,6 +277,8 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
         t += all_reduce_s(local * pr.grad, par.dp, link.bw(world), link.lat)
     if par.zero == 1 and par.dp * par.sp > 1:
         t += all_gather_s(local * pr.param, par.dp * par.sp, link.bw(world), link.lat)
+    if experts and expert_optimizer_shards(par) > 1:  # ZeRO-1's expert owners broadcast over edp
+        t += all_gather_s(experts * pr.param, edp, link.bw(world), link.lat)
     return t
 
 
@@ -280,7 +289,7 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
     par, pr = shape.parallel, shape.precision
     dense, experts = rank_params(shape)
     local = dense + experts
-    owned = dense / (par.dp * par.sp if par.zero == 1 else 1) + experts
+    owned = dense / (par.dp * par.sp if par.zero == 1 else 1) + experts / expert_optimizer_shards(par)
     nbytes = owned * (2 * pr.param + pr.grad + 2 * pr.optimizer) + 3 * local * pr.grad
     return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 

@@ -14,8 +14,10 @@ the whole batch with torch's AdamW:
 (b) 4 ranks, dp=2 x tp=2 x ep=2: attention TP=2 (q/k/v column-, o row-parallel), the EP group folded
     over dp inside each tp index (the tp ranks route the same tokens and run the same experts); then
     two plans with edp = 2 (each expert shard on 2 ranks, its grads summed over them): dp=4 with
-    ZeRO-1 (which must not partition the experts) and dp=2 x fsdp=2 (HSDP beside EP) under full
-    activation checkpointing (backward re-runs the all-to-alls; the expert load counts them once).
+    ZeRO-1 (the other parameters' states partitioned over dp=4, the experts' over edp=2: each rank
+    holds the states of exactly 1/(ep x edp) of the experts' elements) and dp=2 x fsdp=2 (HSDP beside
+    EP) under full activation checkpointing (backward re-runs the all-to-alls; the expert load
+    counts them once).
 
 Tolerances (fp32 on CPU; only float summation order differs): loss <= 1e-5 relative; every gradient
 (router and experts included) <= 1e-4 relative (norm sense) and <= 1e-4 max absolute; the
@@ -216,12 +218,24 @@ def _fsdp_ep(rank: int, world: int, root: str, model_dir: str) -> None:
     _load_case(mesh, model_dir)
 
 
+def _expert_states_over_edp(model, opt) -> None:
+    """ZeRO-1 with ep=2 x edp=2: this rank's AdamW states cover half of its expert shards' elements
+    (the other edp rank owns the rest), so 1/(ep * edp) = 1/4 of all the experts' elements; the
+    3 steps above matched HF only because the owners broadcast their updated experts over edp."""
+    local_experts = {id(p): p.to_local().numel() for _, p in expert_params(model)}
+    whole = sum(p.numel() for _, p in expert_params(model))  # the DTensors' global shape
+    held = sum(local_experts[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in local_experts)
+    states = sum(s["exp_avg"].to_local().numel() for p, s in opt.state.items() if id(p) in local_experts)
+    assert held == states and held * 4 == whole, (held, states, whole)
+
+
 def _four_ranks(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     _train_case(mesh, ParallelConfig(dp=2, tp=2, ep=2), data_axes=("dp",))
     # edp = 2: expert grads summed over the 2 ranks holding the same experts, beside ZeRO-1 / HSDP
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
+    model, opt = _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
+    _expert_states_over_edp(model, opt)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
     _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"), ac="full")
 

@@ -1,7 +1,8 @@
 """The planner's mixture-of-experts terms, read from the family's typed architecture (Qwen3-VL-MoE).
 
 Total vs active parameters; the routed experts' states per rank at each EP degree (1/ep, whole on
-every TP rank, replicated over edp: neither FSDP nor ZeRO-1 divides them); the dispatch/combine
+every TP rank, params and grads replicated over edp: FSDP does not divide them, ZeRO-1 partitions
+their AdamW states over edp); the dispatch/combine
 buffers with a balanced router (the verdict's) and a fully unbalanced one; FLOPs from the active
 experts only; the all-to-all time per MoE block over the link the EP group spans; ``--auto``'s ep.
 """
@@ -64,7 +65,7 @@ def test_total_and_active_parameters_are_printed_and_emitted() -> None:
     assert "fully unbalanced" in text and "the verdict uses the balanced router's" in text
 
 
-def test_expert_states_are_one_ep_th_and_not_sharded_by_fsdp_or_zero() -> None:
+def test_expert_states_are_one_ep_th_fsdp_leaves_them_and_zero1_splits_their_states_over_edp() -> None:
     cfg = _cfg("tiny_qwen3_vl_moe")
     experts = _llm(cfg, dp=2, ep=1).params.expert
     assert experts > 0
@@ -75,12 +76,20 @@ def test_expert_states_are_one_ep_th_and_not_sharded_by_fsdp_or_zero() -> None:
     assert p1 - p2 == pytest.approx(experts / 2 * pr.param, abs=2)
     assert o1 - o2 == pytest.approx(experts / 2 * pr.optimizer, abs=2)
     assert g1 - g2 == pytest.approx(experts / 2 * pr.grad, abs=2)
-    # FSDP=2 shards the other parameters only; ZeRO-1 the others' optimizer states only
+    # FSDP=2 shards the other parameters only
     fsdp = _llm(cfg, dp=1, fsdp=2, ep=2)
     dense = fsdp.params.per_tp_rank(1) - experts
     assert model_states(fsdp)[0] == int((dense / 2 + experts / 2) * fsdp.precision.param)
+    # ZeRO-1: the others' states over dp; the experts' over edp = dp / ep (edp=1 at dp=ep=2)
     zero = _llm(cfg, dp=2, ep=2, zero=1)
     assert model_states(zero)[2] == int((dense / 2 + experts / 2) * zero.precision.optimizer)
+    zero4 = _llm(cfg, dp=4, ep=2, zero=1)  # edp = 2: 1/(ep x edp) of the experts' states
+    assert model_states(zero4)[2] == int((dense / 4 + experts / 4) * zero4.precision.optimizer)
+    assert model_states(zero4)[:2] == model_states(_llm(cfg, dp=4, ep=2))[:2]  # params, grads as zero=0
+    by_ep = moe_summary(zero4, module_terms(zero4, micro_batches=1, optimizer_impl="fused"), micro_batches=1,
+                        optimizer_impl="fused")["expert_state_bytes_by_ep"]  # fmt: skip
+    pp, pg, po = zero4.precision.param, zero4.precision.grad, zero4.precision.optimizer
+    assert by_ep == {str(e): int(experts / e * (pp + pg + po / (4 // e))) for e in (1, 2, 4)}
     # the summary's per-ep table is the same arithmetic
     s = _llm(cfg, dp=2, ep=2)
     summary = moe_summary(s, module_terms(s, micro_batches=1, optimizer_impl="fused"), micro_batches=1,
