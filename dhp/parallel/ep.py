@@ -53,8 +53,10 @@ Gradient reduction contract (the caller's finalize step):
 
 Memory per rank
 ---------------
-- expert parameters, their gradients and their optimizer states: ``1/ep`` of the dense-replicated
-  amount (``3*E*I*H/ep`` parameters per MoE layer); router and dense parts unchanged.
+- expert parameters and their gradients: ``1/ep`` of the dense-replicated amount (``3*E*I*H/ep``
+  parameters per MoE layer), the same on every ``edp`` rank; their AdamW states ``1/ep`` too, or
+  ``1/(ep*edp)`` with ZeRO-1 (``dhp.parallel.dp.Zero1AdamW`` partitions them over ``edp``, per tensor);
+  router and dense parts unchanged.
 - dispatch and combine buffers, per MoE layer and per micro-batch: ``T*k`` rows of ``H`` each way
   (the rows a rank sends, and the rows it receives: ``T*k`` on average, up to ``ep*T*k`` under a fully
   unbalanced router, which is the planner's worst case), plus the sorted copy of the local
@@ -73,11 +75,13 @@ Composition (what is proven, what is not yet)
   dp=2 x tp=2 (attention) x ep=2 against the single-process model over 3 AdamW steps, and a resume
   through ``dhp.checkpoint`` ep=2 -> ep=1 -> ep=2 with the AdamW states, bit for bit.
   FSDP ignores the expert parameters: they stay sharded over ``ep`` and REPLICATED over ``edp`` (their
-  grads are summed over ``edp`` by ``finalize_grads``); ZeRO-1 never partitions them (every rank keeps
-  the AdamW states of its own experts).
+  grads are summed over ``edp`` by ``finalize_grads``). ZeRO-1 (dp=4 x ep=2, edp=2: tested) partitions
+  their AdamW states over ``edp``, each owner broadcasting its updated experts over ``edp`` after the
+  step; the checkpoint of those states resumes at the same plan and at ep=1.
 - refused: LoRA on experts (``dhp.parallel.lora``: the 3-D parameters are not ``nn.Linear``), sequence
   parallelism inside TP with ep > 1 (the plan-validity rule).
-- not yet: expert TP (``etp``), expert sharding over ``edp`` (FSDP of the experts on the edp sub-mesh).
+- not yet: expert TP (``etp``), expert PARAMETER sharding over ``edp`` (FSDP of the experts on the edp
+  sub-mesh): with fsdp > 1 every edp rank still holds its 1/ep of the experts' params, grads and states.
 
 Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
 ``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)

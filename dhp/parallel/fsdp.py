@@ -10,7 +10,8 @@ Expert-parallel parameters (:func:`dhp.parallel.ep.expert_params`, DTensors ``Sh
 ``ep`` ranks) are left out (``ignored_params``): FSDP neither gathers nor reduces them. They stay
 sharded over ``ep`` (1/ep of the experts per rank) and REPLICATED over the ``edp`` ranks (the folded
 dp x fsdp x sp ranks outside one EP group); ``finalize_grads`` sums their grads over ``edp``. Sharding
-them further over ``edp`` (FSDP on the edp sub-mesh) is not implemented.
+them further over ``edp`` (FSDP on the edp sub-mesh) is not implemented; ZeRO-1 (fsdp=1) partitions
+their optimizer states over ``edp`` (``dhp.parallel.dp.Zero1AdamW``).
 """
 
 from __future__ import annotations
