@@ -15,7 +15,8 @@ the whole batch with torch's AdamW:
     over dp inside each tp index (the tp ranks route the same tokens and run the same experts); then
     two plans with edp = 2 (each expert shard on 2 ranks, its grads summed over them): dp=4 with
     ZeRO-1 (the other parameters' states partitioned over dp=4, the experts' over edp=2: each rank
-    holds the states of exactly 1/(ep x edp) of the experts' elements) and dp=2 x fsdp=2 (HSDP beside
+    holds the states of exactly 1/(ep x edp) of the experts' elements; they resume through
+    ``dhp.checkpoint`` into the same plan and into ep=1, exactly) and dp=2 x fsdp=2 (HSDP beside
     EP) under full activation checkpointing (backward re-runs the all-to-alls; the expert load
     counts them once).
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from parallel_harness import spawn
 from test_ep import AUX_COEF, SEQ, VOCAB, E, K, _close, build
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -229,13 +231,57 @@ def _expert_states_over_edp(model, opt) -> None:
     assert held == states and held * 4 == whole, (held, states, whole)
 
 
-def _four_ranks(rank: int, world: int) -> None:
+def _local_optim(model, opt) -> dict[str, torch.Tensor]:
+    """{fqn/state: this rank's local tensor} of the AdamW states it holds (no collective on the states)."""
+    osd = get_optimizer_state_dict(model, opt)
+    return {f"{fqn}/{k}": v for fqn, st in osd["state"].items() for k, v in st.items() if k != "step"}
+
+
+def _assert_local_states_equal(model, opt, full: dict, tag: str) -> int:
+    """Every AdamW state this rank holds equals its slice of the checkpoint's full tensor, exactly;
+    returns how many expert (DTensor) states it compared."""
+    experts = 0
+    for key, v in _local_optim(model, opt).items():
+        fqn, k = key.rsplit("/", 1)
+        w = full["optim"]["state"][fqn][k]
+        if isinstance(v, DTensor):  # an expert state: Shard(0) over ep
+            loc = v.to_local()
+            lo = v.device_mesh.get_local_rank("ep") * loc.shape[0] if loc.shape[0] != w.shape[0] else 0
+            w = w[lo : lo + loc.shape[0]]
+            v, experts = loc, experts + 1
+        assert torch.equal(v, w), f"{tag}: optimizer state {key} differs"
+    return experts
+
+
+def _zero1_resume_case(mesh, model, opt, root: str) -> None:
+    """ZeRO-1 with the experts' states over edp through ``dhp.checkpoint``: each state is saved by its
+    one owner; it resumes into the same plan and into ep=1 (the experts partitioned over dp with the
+    rest), every rank's states equal to its slice of the checkpoint, bit for bit."""
+    save_module_state(Path(root, "zero1"), model=model, optimizer=opt, extra={})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        dcp_to_torch_save(str(Path(root, "zero1")), str(Path(root, "zero1.pt")))
+    dist.barrier()
+    full = torch.load(Path(root, "zero1.pt"), weights_only=False)
+    # 2 of the 4 expert tensors (1/edp) x (exp_avg, exp_avg_sq) on every rank
+    assert _assert_local_states_equal(model, opt, full, "saved") == 4
+    for ep in (2, 1):
+        resumed, ropt = _dhp_model(mesh, ParallelConfig(dp=4, zero=1, ep=ep))
+        for p in resumed.parameters():  # AdamW states must exist to be loaded into: a zero step
+            p.grad = torch.zeros_like(p)
+        ropt.step()
+        load_module_state(Path(root, "zero1"), model=resumed, optimizer=ropt)
+        _assert_local_states_equal(resumed, ropt, full, f"zero=1 ep=2 -> ep={ep}")
+
+
+def _four_ranks(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     _train_case(mesh, ParallelConfig(dp=2, tp=2, ep=2), data_axes=("dp",))
     # edp = 2: expert grads summed over the 2 ranks holding the same experts, beside ZeRO-1 / HSDP
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     model, opt = _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
     _expert_states_over_edp(model, opt)
+    _zero1_resume_case(mesh, model, opt, root)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
     _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"), ac="full")
 
@@ -245,5 +291,5 @@ def test_ep2_with_fsdp2_matches_hf_reshards_and_loads(tmp_path):
     spawn(_fsdp_ep, 2, str(tmp_path), str(model_dir))
 
 
-def test_ep2_with_attention_tp2_and_over_edp2_matches_hf():
-    spawn(_four_ranks, 4)
+def test_ep2_with_attention_tp2_and_over_edp2_matches_hf(tmp_path):
+    spawn(_four_ranks, 4, str(tmp_path))
