@@ -45,6 +45,7 @@ from dhp.plan.memory import (
     block_work_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
+    expert_optimizer_shards,
     largest_local_param,
     model_states,
     non_expert_params,
@@ -219,8 +220,12 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
     if trains:
         owned = optimizer / pr.optimizer  # elements whose AdamW states live here
         optim = int(adamw_temp_elems(optimizer_impl, owned=owned, largest=local_largest) * pr.optimizer / 2)
-        if par.zero == 1 and par.dp * par.sp > 1:
-            optim += int(params / (par.dp * par.sp))  # one owner's coalesced broadcast buffer
+        if par.zero == 1 and par.dp * par.sp > 1:  # one owner's coalesced broadcast buffer: the
+            # dense partition's over dp x sp, then the experts' over edp (one after the other)
+            edp_owned = (
+                experts * pr.param / expert_optimizer_shards(par) if expert_optimizer_shards(par) > 1 else 0
+            )
+            optim += int(max(dense * pr.param / (par.dp * par.sp), edp_owned))
     return ModuleTerms(
         name=shape.name,
         params=params,
