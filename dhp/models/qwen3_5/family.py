@@ -16,8 +16,8 @@ Checkpoint layout (transformers 5.x, as released): ``model.visual.*``, ``model.l
 ``lm_head.*``; in the MoE flavour as transformers 5 holds them, the experts of layer i are
 ``model.language_model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj``
 [E, H, I] (whole tensors: an EP rank reads its rows). The released MoE checkpoints store one tensor per
-expert (``...mlp.experts.{j}.gate_proj.weight`` ...), which transformers fuses on load; dhp's loader
-reads the fused layout only (a released MoE directory must be re-saved by transformers first). The release also stores a multi-token-prediction head (``mtp.*``), which transformers'
+expert (``...mlp.experts.{j}.gate_proj.weight`` ...), which transformers 5 fuses on load (its conversion
+mapping for ``qwen3_5_moe_text``); dhp's loader reads the fused layout only, the per-expert one not yet. The release also stores a multi-token-prediction head (``mtp.*``), which transformers'
 ``Qwen3_5ForConditionalGeneration`` ignores on load; it is not part of the module graph either.
 """
 
