@@ -160,8 +160,24 @@ class _writable:
         OmegaConf.set_struct(self.cfg, True)
 
 
-def _tiny_model_file(family: str):
-    own = CONF_DIR / "model" / f"tiny_{family}.yaml"
+def _extra_keys(model: DictConfig) -> tuple[list[str], list[str]]:
+    """The names under ``model.vision.extra`` and ``model.llm.extra`` (a family flavour's own numbers)."""
+    return tuple(  # type: ignore[return-value]
+        sorted(model[part].extra) if part in model and "extra" in model[part] else []
+        for part in ("vision", "llm")
+    )
+
+
+def _tiny_model_file(model: DictConfig):
+    """The tiny model a smoke run of ``model`` shrinks to: among ``conf/model/tiny_<family>*.yaml`` of
+    the same family, the one declaring the same ``extra`` keys (a family's flavour, e.g. its MoE one,
+    keeps its own numbers: merged onto the recipe's model, a flavour's tiny numbers leave none of the
+    full-size ones behind); else ``tiny_<family>.yaml``; else ``tiny.yaml``."""
+    own = CONF_DIR / "model" / f"tiny_{model.family}.yaml"
+    for path in sorted((CONF_DIR / "model").glob(f"tiny_{model.family}*.yaml")):
+        tiny = OmegaConf.load(path)
+        if tiny.family == model.family and _extra_keys(tiny) == _extra_keys(model):
+            return path
     return own if own.is_file() else CONF_DIR / "model" / "tiny.yaml"
 
 
@@ -179,7 +195,7 @@ def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
     if smoke:
         cfg = smoke_config(
             cfg,
-            tiny_model=OmegaConf.load(_tiny_model_file(cfg.model.family)),
+            tiny_model=OmegaConf.load(_tiny_model_file(cfg.model)),
             local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
         )
     use_tiny_checkpoint(cfg)

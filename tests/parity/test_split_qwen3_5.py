@@ -15,6 +15,13 @@ The reference's ``A_log`` is redrawn from log U(0.01, 1) instead of transformers
 decay rates up to 16 most tiny heads forget their state within a token, their dt_bias / A_log gradients
 are ~1e-6 of the others' and a relative comparison of them measures fp32 rounding, not the cut. Slower
 decay makes the recurrence carry information along the sequence, which is what this test must see.
+
+The MoE flavour (``tiny_qwen3_5_moe``) is compared against the untouched
+``Qwen3_5MoeForConditionalGeneration`` called with ``output_router_logits=True``: its ``loss`` is the
+mean LM loss + ``router_aux_loss_coef`` x ``load_balancing_loss_func`` (padding masked by
+``attention_mask``), its ``aux_loss`` the unweighted value; same tolerances, every gradient compared
+(routers, 3-D experts, shared experts and their gates included). Its routers are skewed (scaled up,
+two experts favoured) so routing is decisive and unbalanced and the aux term is far above tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from dhp.errors import DataError
 from dhp.models import get_family
+from dhp.models.qwen3_5.modules import ROUTER_AUX_LOSS
 from dhp.models.testing import (
     modules_from_reference,
     reference_step,
@@ -106,3 +114,74 @@ def test_qwen3_5_vision_has_one_edge_and_the_llm_checks_it(setup):
     }
     with pytest.raises(DataError):
         modules["llm"](**kwargs, image_embeds=outs["image_embeds"][:-1])
+
+
+def _skew_routers_(ref: torch.nn.Module, hf_config) -> None:
+    """Every token embedding gets a common direction ``u``; each router is scaled x 20 with experts 0 and
+    1 pulled towards ``u``, so most tokens pick them (decisive, unbalanced routing)."""
+    t = hf_config.text_config
+    gen = torch.Generator().manual_seed(7)
+    u = torch.randn(t.hidden_size, generator=gen)
+    u /= u.norm()
+    with torch.no_grad():
+        ref.get_parameter("model.language_model.embed_tokens.weight").add_(0.1 * u)
+        for i in range(t.num_hidden_layers):
+            w = ref.get_parameter(f"model.language_model.layers.{i}.mlp.gate.weight")
+            w.mul_(20.0)
+            w[0] += 0.5 * u
+            w[1] += 0.3 * u
+
+
+def test_qwen3_5_moe_split_matches_reference():
+    """The MoE flavour: loss incl. the aux loss, the aux loss itself and every grad vs transformers."""
+    family = get_family("qwen3_5")
+    hf_config = family.tiny_moe_hf_config()
+    t = hf_config.text_config
+    torch.manual_seed(0)
+    ref = family.reference_model(hf_config)
+    assert type(ref).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    slow_decay_(ref)
+    _skew_routers_(ref, hf_config)
+    modules = modules_from_reference(family, ref, hf_config)
+    batch = tiny_vl_batch(hf_config, images=[[(8, 6), (4, 10)], [(6, 6)]], text_lens=[5, 9], seed=3)
+    assert (batch["attention_mask"] == 0).any()  # padding: the aux loss must mask it as HF does
+
+    ref.zero_grad(set_to_none=True)
+    kwargs = {k: v for k, v in batch.items() if k != "sample_ids" and v is not None}
+    ref_out = ref(**kwargs, output_router_logits=True)
+    ref_out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    for logits in ref_out.router_logits:  # the routing the test relies on: unbalanced in every layer
+        counts = torch.bincount(logits.topk(t.num_experts_per_tok, dim=-1).indices.reshape(-1), minlength=8)
+        assert counts.max() >= 1.8 * counts.float().mean(), counts.tolist()
+
+    llm_outputs = []
+    llm = modules["llm"]
+    handle = llm.register_forward_hook(lambda _m, _a, out: llm_outputs.append(out))
+    try:
+        loss, grads = split_step(family, modules["vision"], llm, batch)
+    finally:
+        handle.remove()
+    assert relative_error(loss, ref_out.loss) <= LOSS_RTOL, (loss.item(), ref_out.loss.item())
+    aux = llm_outputs[0].aux_losses[ROUTER_AUX_LOSS]
+    assert relative_error(aux, ref_out.aux_loss) <= LOSS_RTOL, (aux.item(), ref_out.aux_loss.item())
+    # the aux term is a visible part of the loss (well above the tolerance), not a rounding error
+    assert t.router_aux_loss_coef * ref_out.aux_loss > 100 * LOSS_RTOL * ref_out.loss
+
+    every = {(m, n) for m, mod in modules.items() for n, _ in mod.named_parameters()}
+    assert {(m, n) for m, g in grads.items() for n in g} == every  # every parameter got a gradient
+    mapped = {family.checkpoint_owner(name): name for name in ref_grads}
+    assert set(mapped) == every
+    errors = {(m, n): relative_error(grads[m][n], ref_grads[mapped[(m, n)]]) for m, n in every}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"worst relative grad error {errors[worst]} at {worst}"
+    names = {n for _, n in every}
+    for i in range(t.num_hidden_layers):  # router, 3-D experts, shared expert and its gate, every layer
+        for part in (
+            "gate.weight",
+            "experts.gate_up_proj",
+            "experts.down_proj",
+            "shared_expert.down_proj.weight",
+            "shared_expert_gate.weight",
+        ):
+            assert f"language_model.layers.{i}.mlp.{part}" in names, (i, part)

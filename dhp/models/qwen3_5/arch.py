@@ -11,6 +11,13 @@ half of q_proj, per-head q/k RMSNorms, partial interleaved M-RoPE). Every layer 
 head_dim), ``full_attention_interval``, ``linear_num_key_heads``, ``linear_num_value_heads``,
 ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``.
 
+The MoE flavour (Qwen3.5-35B-A3B and larger) is the same hybrid LLM with every layer's MLP a sparse MoE
+block: a top-k router [E, H], E routed SwiGLU experts of ``moe_intermediate_size`` (transformers holds
+them as two 3-D tensors ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]) and one
+always-on shared SwiGLU expert of ``model.llm.intermediate_size`` scaled by a sigmoid gate (a Linear
+H -> 1). It is declared by the extra keys ``num_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size`` and ``router_aux_loss_coef`` (all four, or none for the dense flavour).
+
 Parameter counts follow transformers' ``modeling_qwen3_5`` exactly (a unit test builds the modules on the
 meta device and compares). ``tp_sharded`` parameters are divided by the TP degree, ``replicated`` ones
 are whole on every TP rank:
@@ -23,6 +30,9 @@ are whole on every TP rank:
   every head) is replicated;
 - every layer: RMSNorm x2 (replicated), SwiGLU gate/up h->m, down m->h (sharded); vocab-parallel
   embeddings and lm_head, the final norm replicated.
+- MoE flavour, every layer: the shared expert h->m->h (sharded, as the dense MLP), its gate h->1 and the
+  router E x h (replicated), the routed experts 3*E*I*h (``expert``: split over EP ranks, whole on every
+  TP rank). Active parameters count top-k of the E experts: :func:`active_params`.
 """
 
 from __future__ import annotations
@@ -65,7 +75,10 @@ CAPABILITIES = Capabilities(
             "*.layers.*.linear_attn.dt_bias",
             "*.layers.*.linear_attn.A_log",
             "*.layers.*.linear_attn.out_proj",
-            "*.layers.*.mlp.*",
+            "*.layers.*.mlp.gate_proj",
+            "*.layers.*.mlp.up_proj",
+            "*.layers.*.mlp.down_proj",
+            "*.layers.*.mlp.shared_expert.*",  # MoE flavour; its gate, router and experts are not TP-sharded
             "lm_head",
         ),
     },
@@ -84,6 +97,14 @@ LLM_EXTRA = (
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
 )
+#: the MoE flavour's extra keys (all present, or none for the dense flavour)
+MOE_EXTRA = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef")
+MOE_EXAMPLE = "qwen3_5_35b_a3b"
+
+
+def is_moe(model: Any) -> bool:
+    """Whether a schema ``model`` block declares the MoE flavour (``model.llm.extra.num_experts``)."""
+    return "extra" in model.llm and "num_experts" in model.llm.extra
 
 
 def layer_types_of(layers: int, interval: int) -> tuple[str, ...]:
@@ -116,6 +137,15 @@ class Numbers:
     linear_k_dim: int
     linear_v_dim: int
     conv_kernel: int
+    experts: int = 0  # MoE flavour: routed experts per layer (0: the dense flavour)
+    top_k: int = 0
+    moe_mlp: int = 0  # one routed expert's width; the shared expert's is ``mlp``
+    aux_coef: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's MLP is a sparse MoE block (router, experts, gated shared expert)."""
+        return self.experts > 0
 
     @property
     def layers(self) -> int:
@@ -173,12 +203,30 @@ def numbers(model: Any) -> Numbers:
         linear_k_dim=te["linear_key_head_dim"],
         linear_v_dim=te["linear_value_head_dim"],
         conv_kernel=te["linear_conv_kernel_dim"],
+        **(
+            dict(
+                experts=int(te["num_experts"]),
+                top_k=int(te["num_experts_per_tok"]),
+                moe_mlp=int(te["moe_intermediate_size"]),
+                aux_coef=float(te["router_aux_loss_coef"]),
+            )
+            if is_moe(model)
+            else {}
+        ),
     )
 
 
 # --- parameter counts ------------------------------------------------------------------------------
 def _mlp_and_norms(n: Numbers) -> ParamCount:
-    return ParamCount(tp_sharded=3 * n.hidden * n.mlp, replicated=2 * n.hidden)
+    """The two RMSNorms and the SwiGLU of ``mlp`` (dense flavour) or the MoE block (shared expert of
+    ``mlp`` TP-sharded; its gate h->1 and the router E x h replicated; the routed experts 3*E*I*h)."""
+    if not n.moe:
+        return ParamCount(tp_sharded=3 * n.hidden * n.mlp, replicated=2 * n.hidden)
+    return ParamCount(
+        tp_sharded=3 * n.hidden * n.mlp,
+        replicated=2 * n.hidden + n.hidden + n.experts * n.hidden,
+        expert=3 * n.experts * n.moe_mlp * n.hidden,
+    )
 
 
 def full_layer(n: Numbers) -> ParamCount:
@@ -188,6 +236,7 @@ def full_layer(n: Numbers) -> ParamCount:
     return ParamCount(
         tp_sharded=base.tp_sharded + h * 2 * n.q_dim + 2 * h * kv + n.q_dim * h,
         replicated=base.replicated + 2 * n.head_dim,
+        expert=base.expert,
     )
 
 
@@ -199,6 +248,7 @@ def linear_layer(n: Numbers) -> ParamCount:
     return ParamCount(
         tp_sharded=base.tp_sharded + projections + n.conv_dim * n.conv_kernel + 2 * hv,
         replicated=base.replicated + n.linear_v_dim,
+        expert=base.expert,
     )
 
 
@@ -217,7 +267,17 @@ def module_counts(name: str, n: Numbers) -> ParamCount:
     return ParamCount(
         tp_sharded=sum(c.tp_sharded for c in layers) + embeddings,
         replicated=sum(c.replicated for c in layers) + n.hidden,
+        expert=sum(c.expert for c in layers),
     )
+
+
+def active_params(name: str, n: Numbers) -> int:
+    """Parameters one token passes through: the module's total with ``top_k`` of the ``E`` routed experts
+    of every layer (the encoder, the shared expert and everything dense count whole)."""
+    total = module_counts(name, n)
+    if name == "vision" or not n.moe:
+        return total.total
+    return total.total - total.expert + n.layers * 3 * n.top_k * n.moe_mlp * n.hidden
 
 
 def block_counts(name: str, n: Numbers) -> ParamCount:
@@ -232,6 +292,8 @@ def largest(name: str, n: Numbers) -> int:
     if name == "vision":
         return vision.largest(n.vision)
     sizes = [n.vocab * n.hidden, n.hidden * n.mlp]
+    if n.moe:
+        sizes.append(n.experts * 2 * n.moe_mlp * n.hidden)  # experts.gate_up_proj [E, 2I, H]
     if FULL in n.layer_types:
         sizes.append(n.hidden * 2 * n.q_dim)
     if LINEAR in n.layer_types:
@@ -245,7 +307,7 @@ def shape(name: str, n: Numbers) -> LayerShape:
         return vision.shape(n.vision)
     return LayerShape(
         hidden=n.hidden,
-        mlp=n.mlp,
+        mlp=n.top_k * n.moe_mlp + n.mlp if n.moe else n.mlp,  # the active width (routed + shared)
         kv_dim=n.kv_heads * n.head_dim,
         heads=n.heads,
         layers=n.layers,
@@ -270,7 +332,9 @@ def validate(model: Any, issues: Issues) -> None:
     """Add an issue for every number that does not build a Qwen3.5 model."""
     ok = vision.validate_sizes(model, issues, family=FAMILY, example=EXAMPLE, deepstack=False)
     issues.positive(model.llm, "model.llm", _LLM_SIZES)
-    ok = check_extra_keys(model, "llm", LLM_EXTRA, issues, family=FAMILY, example=EXAMPLE) and ok
+    moe = is_moe(model)
+    keys, example = (LLM_EXTRA + MOE_EXTRA, MOE_EXAMPLE) if moe else (LLM_EXTRA, EXAMPLE)
+    ok = check_extra_keys(model, "llm", keys, issues, family=FAMILY, example=example) and ok
     if not ok or issues.items:
         return
     for key in _LINEAR_SIZES:
@@ -282,6 +346,8 @@ def validate(model: Any, issues: Issues) -> None:
             "must be a positive integer",
             f"copy it from conf/model/{EXAMPLE}.yaml",
         )
+    if moe:
+        _validate_moe_keys(model, issues)
     if issues.items:
         return
     n = numbers(model)
@@ -331,11 +397,47 @@ def validate(model: Any, issues: Issues) -> None:
     )
 
 
+def _validate_moe_keys(model: Any, issues: Issues) -> None:
+    """The MoE flavour's numbers: E >= 1 experts, 1 <= top-k <= E, a positive expert width, coef >= 0."""
+    te, p = model.llm.extra, "model.llm.extra"
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        issues.check(
+            isinstance(te[key], int) and te[key] > 0,
+            f"{p}.{key}",
+            te[key],
+            "must be a positive integer",
+            f"copy it from conf/model/{MOE_EXAMPLE}.yaml",
+        )
+    experts, top_k = te["num_experts"], te["num_experts_per_tok"]
+    if isinstance(experts, int) and isinstance(top_k, int):
+        issues.check(
+            top_k <= experts,
+            f"{p}.num_experts_per_tok",
+            top_k,
+            f"must be <= num_experts={experts} (each token picks top-k distinct experts)",
+            "use the published 8",
+        )
+    coef = te["router_aux_loss_coef"]
+    issues.check(
+        isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef >= 0,
+        f"{p}.router_aux_loss_coef",
+        coef,
+        "must be a number >= 0 (weight of the load-balancing loss added to the LM loss)",
+        "use the published 0.001, or 0 to train without it",
+    )
+
+
 # --- typed architecture ----------------------------------------------------------------------------
 def llm_blocks(n: Numbers) -> tuple[Block, ...]:
     """Each decoder layer's token mixer by ``layer_types``: Gated DeltaNet (``linear``, value heads,
-    key heads, value head width, state dk x dv per head) or causal gated GQA (``full``)."""
-    mlp = Mlp(kind="dense", intermediate=n.mlp)
+    key heads, value head width, state dk x dv per head) or causal gated GQA (``full``); the MLP is the
+    dense SwiGLU, or in the MoE flavour ``Mlp(kind="moe")``: E experts of I, top-k active, plus the
+    shared expert's width."""
+    mlp = (
+        Mlp(kind="moe", intermediate=n.moe_mlp, experts=n.experts, top_k=n.top_k, shared=n.mlp)
+        if n.moe
+        else Mlp(kind="dense", intermediate=n.mlp)
+    )
     full = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True)
     linear = Attention(
         kind="linear",
@@ -360,7 +462,9 @@ def llm_arch(n: Numbers) -> ModuleArch:
         head_macs=float(n.hidden * n.vocab),
         vocab=n.vocab,
         tp_input_grads=5,  # full: q, k, v, gate, up; DeltaNet: qkv, z, b, a (+ gate, up) counted alike
-        tensors_per_block=11,  # full: 2 norms, q/k/v/o, q_norm, k_norm, gate/up/down (DeltaNet: 12)
+        # full: 2 norms, q/k/v/o, q_norm, k_norm, gate/up/down (DeltaNet: 12; MoE: + router, shared
+        # expert gate, gate_up, down)
+        tensors_per_block=15 if n.moe else 11,
         root_tensors=3,
     )
 
@@ -401,12 +505,13 @@ class Qwen3_5Arch:
 
 def llm_axes(n: Numbers) -> ModuleAxes:
     """LLM: TP over the gated-attention heads, the Gated DeltaNet key/value head groups, the vocabulary
-    and the MLP width, with Megatron sequence parallelism inside TP; no Ulysses SP (the DeltaNet
-    recurrence runs along the whole sequence)."""
+    and the MLP (or shared expert) width, with Megatron sequence parallelism inside TP in the dense
+    flavour only (an MoE block adds the routed experts' whole-sequence output to the shared expert's);
+    no Ulysses SP (the DeltaNet recurrence runs along the whole sequence)."""
     return ModuleAxes(
         tp=True,
         sp=False,
-        tp_sequence_parallel=True,
+        tp_sequence_parallel=not n.moe,
         tp_divides={
             "model.llm.num_heads": n.heads,
             "model.llm.num_kv_heads": n.kv_heads,

@@ -1,23 +1,44 @@
-"""Qwen3.5 architecture numbers <-> the transformers ``Qwen3_5Config`` (both directions)."""
+"""Qwen3.5 architecture numbers <-> the transformers ``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` (both
+directions; the MoE config is the dense one's hybrid LLM with the router, experts and shared expert)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import torch
-from transformers import Qwen3_5Config
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from dhp.errors import CheckpointError
 from dhp.models.qwen3_5.arch import Numbers
 from dhp.models.qwen3_vision.config import vision_config_kwargs, vision_numbers_from_hf
 
 
+def _mlp_kwargs(n: Numbers) -> dict[str, object]:
+    """The dense SwiGLU width, or the MoE block's numbers (the shared expert is ``n.mlp`` wide;
+    ``output_router_logits`` stays transformers' default false: the LLM module asks for the logits)."""
+    if not n.moe:
+        return {"intermediate_size": n.mlp}
+    return {
+        "num_experts": n.experts,
+        "num_experts_per_tok": n.top_k,
+        "moe_intermediate_size": n.moe_mlp,
+        "shared_expert_intermediate_size": n.mlp,
+        "router_aux_loss_coef": n.aux_coef,
+    }
+
+
 def build_hf_config(
     n: Numbers, *, tokens: Mapping[str, int], dtype: torch.dtype, attn_implementation: str
-) -> Qwen3_5Config:
-    """The transformers config of validated numbers (the merger projects to the LLM hidden size)."""
-    return Qwen3_5Config(
-        architectures=["Qwen3_5ForConditionalGeneration"],  # config.json names the class that loads it
+) -> Qwen3_5Config | Qwen3_5MoeConfig:
+    """The transformers config of validated numbers (the merger projects to the LLM hidden size):
+    ``Qwen3_5MoeConfig`` when the numbers declare experts, else ``Qwen3_5Config``."""
+    cls, arch = (
+        (Qwen3_5MoeConfig, "Qwen3_5MoeForConditionalGeneration")
+        if n.moe
+        else (Qwen3_5Config, "Qwen3_5ForConditionalGeneration")
+    )
+    return cls(
+        architectures=[arch],  # config.json names the class that loads it
         vision_config=vision_config_kwargs(n.vision, deepstack=False),
         text_config=dict(
             vocab_size=n.vocab,
@@ -28,7 +49,7 @@ def build_hf_config(
             num_key_value_heads=n.kv_heads,
             head_dim=n.head_dim,
             hidden_act=n.llm_act,
-            intermediate_size=n.mlp,
+            **_mlp_kwargs(n),
             rms_norm_eps=n.rms_norm_eps,
             max_position_embeddings=n.max_position_embeddings,
             linear_num_key_heads=n.linear_k_heads,
@@ -57,7 +78,7 @@ def build_hf_config(
     )
 
 
-def numbers_from_hf(cfg: Qwen3_5Config) -> Numbers:
+def numbers_from_hf(cfg: Qwen3_5Config | Qwen3_5MoeConfig) -> Numbers:
     """The numbers of a transformers config (a HF directory's ``config.json``)."""
     v, t = cfg.vision_config, cfg.text_config
     rope = t.rope_parameters
@@ -66,6 +87,8 @@ def numbers_from_hf(cfg: Qwen3_5Config) -> Numbers:
             f"text_config.rope_parameters {rope} has no partial_rotary_factor. Fix: load the config through "
             f"transformers' Qwen3_5Config, which sets it."
         )
+    moe = t.num_experts if isinstance(cfg, Qwen3_5MoeConfig) else 0
+    mlp = t.shared_expert_intermediate_size if moe else t.intermediate_size
     return Numbers(
         vision=vision_numbers_from_hf(v, deepstack=False),
         hidden=t.hidden_size,
@@ -73,7 +96,7 @@ def numbers_from_hf(cfg: Qwen3_5Config) -> Numbers:
         heads=t.num_attention_heads,
         kv_heads=t.num_key_value_heads,
         head_dim=t.head_dim,
-        mlp=t.intermediate_size,
+        mlp=mlp,
         vocab=t.vocab_size,
         tied=bool(cfg.tie_word_embeddings),
         llm_act=t.hidden_act,
@@ -88,4 +111,8 @@ def numbers_from_hf(cfg: Qwen3_5Config) -> Numbers:
         linear_k_dim=t.linear_key_head_dim,
         linear_v_dim=t.linear_value_head_dim,
         conv_kernel=t.linear_conv_kernel_dim,
+        experts=moe,
+        top_k=t.num_experts_per_tok if moe else 0,
+        moe_mlp=t.moe_intermediate_size if moe else 0,
+        aux_coef=float(t.router_aux_loss_coef) if moe else 0.0,
     )

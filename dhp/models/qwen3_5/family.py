@@ -1,4 +1,11 @@
-"""Qwen3.5 (dense) as a :class:`~dhp.models.family.ModelFamily`: ``vision`` -> ``image_embeds`` -> ``llm``.
+"""Qwen3.5 (dense and MoE) as a :class:`~dhp.models.family.ModelFamily`: ``vision`` -> ``image_embeds`` -> ``llm``.
+
+The two flavours share the encoder and the whole hybrid LLM; the MoE flavour (declared by
+``model.llm.extra.num_experts``, a ``qwen3_5_moe`` checkpoint) builds transformers'
+``Qwen3_5MoeForConditionalGeneration`` classes, whose every layer's MLP is a sparse MoE block (router,
+routed experts, gated shared expert). Its LLM plan declares those blocks for expert parallelism
+(``moe_blocks``: ``dhp.parallel`` swaps their ``experts`` for expert-parallel ones when
+``parallel.ep > 1``; router, shared expert and its gate keep the module's own TP/FSDP/DP).
 
 One edge: ``image_embeds`` (placed at the image tokens of the input embeddings), layout
 ``image_tokens`` (one row per merged image token, micro-batch order), width = the LLM hidden size, with
@@ -6,7 +13,11 @@ a gradient back to the encoder. The encoder is the shared Qwen3 one without Deep
 (``dhp/models/qwen3_vision``); the LLM is the hybrid Gated DeltaNet / gated attention text model.
 
 Checkpoint layout (transformers 5.x, as released): ``model.visual.*``, ``model.language_model.*``,
-``lm_head.*``. The release also stores a multi-token-prediction head (``mtp.*``), which transformers'
+``lm_head.*``; in the MoE flavour as transformers 5 holds them, the experts of layer i are
+``model.language_model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj``
+[E, H, I] (whole tensors: an EP rank reads its rows). The released MoE checkpoints store one tensor per
+expert (``...mlp.experts.{j}.gate_proj.weight`` ...), which transformers 5 fuses on load (its conversion
+mapping for ``qwen3_5_moe_text``); dhp's loader reads the fused layout only, the per-expert one not yet. The release also stores a multi-token-prediction head (``mtp.*``), which transformers'
 ``Qwen3_5ForConditionalGeneration`` ignores on load; it is not part of the module graph either.
 """
 
@@ -22,9 +33,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel, Qwen3_5VisionModel
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel, Qwen3_5MoeVisionModel
 
 from dhp.config.issues import Issues
 from dhp.config.schema import ModelConfig
@@ -43,7 +60,7 @@ from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen3_5.arch import numbers, validate
 from dhp.models.qwen3_5.config import build_hf_config
 from dhp.models.qwen3_5.modules import LLMModule
-from dhp.models.qwen3_5.tp import llm_tp_plan
+from dhp.models.qwen3_5.tp import llm_tp_plan, moe_llm_tp_plan
 from dhp.models.qwen3_vision.arch import IMAGE_EMBEDS
 from dhp.models.qwen3_vision.modules import VisionModule
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, blank_image, shard_images, tokens_per_image
@@ -65,6 +82,15 @@ KEYS = KeyMap(
 #: builds (transformers' Qwen3_5ForConditionalGeneration drops these keys on load too), so loading reads
 #: them into no module instead of refusing the released directory
 MTP_PREFIX, MTP_MODULE = "mtp.", "mtp"
+#: the MoE flavour's sparse blocks in the LLM module (``gate`` router + ``experts`` + shared expert)
+MOE_BLOCKS = "language_model.layers.*.mlp"
+#: ``config.json`` model_type of each flavour
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def is_moe_config(hf_config: Qwen3_5Config | Qwen3_5MoeConfig) -> bool:
+    """Whether a transformers config is the MoE flavour."""
+    return isinstance(hf_config, Qwen3_5MoeConfig)
 
 
 def _plain(model_cfg: Any) -> Any:
@@ -113,6 +139,8 @@ class Qwen3_5Family:
         if name == "vision":
             return vision_parallel_plan(hf_config.vision_config, deepstack=False)
         t = hf_config.text_config
+        if is_moe_config(hf_config):
+            return self._moe_llm_plan(name, hf_config)
         return ModuleParallelPlan(
             blocks=("language_model.layers.*",),
             tp=llm_tp_plan,
@@ -130,6 +158,31 @@ class Qwen3_5Family:
             pad_token_id=t.pad_token_id if t.pad_token_id is not None else 0,
         )
 
+    def _moe_llm_plan(self, name: str, hf_config: Qwen3_5MoeConfig) -> ModuleParallelPlan:
+        """The MoE flavour's LLM: TP of attention, DeltaNet heads and the shared expert, no sequence
+        parallelism inside TP (``tp.moe_llm_tp_plan``); every layer's ``mlp`` declared for expert
+        parallelism with its expert count (each EP rank keeps ``E/ep`` experts; router, shared expert
+        and its gate stay with the module's TP/FSDP/DP)."""
+        t = hf_config.text_config
+        return ModuleParallelPlan(
+            blocks=("language_model.layers.*",),
+            tp=lambda sequence_parallel: moe_llm_tp_plan(),
+            tp_divides={
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "linear_num_key_heads": t.linear_num_key_heads,
+                "linear_num_value_heads": t.linear_num_value_heads,
+                "vocab_size": t.vocab_size,
+                "shared_expert_intermediate_size": t.shared_expert_intermediate_size,
+            },
+            tp_sequence_parallel=False,
+            loss=True,
+            tied=self.tied_parameters(name, hf_config),
+            pad_token_id=t.pad_token_id if t.pad_token_id is not None else 0,
+            moe_blocks=MOE_BLOCKS,
+            experts=t.num_experts,
+        )
+
     # --- data glue -----------------------------------------------------------------------------
     def token_strings(self) -> dict[str, str]:
         """The tokenizer's text of the special tokens the graph relies on (Qwen3.5 keeps Qwen's names)."""
@@ -145,7 +198,7 @@ class Qwen3_5Family:
         )
 
     # --- configs -------------------------------------------------------------------------------
-    def hf_config(self, model_cfg: Any) -> Qwen3_5Config:
+    def hf_config(self, model_cfg: Any) -> Qwen3_5Config | Qwen3_5MoeConfig:
         """The transformers config from the schema's numbers and ``extra`` maps (ConfigError if invalid)."""
         model = _plain(model_cfg)
         issues = Issues()
@@ -172,18 +225,25 @@ class Qwen3_5Family:
         model_cfg.llm.tie_word_embeddings = tie_word_embeddings
         return self.hf_config(model_cfg)
 
-    def hf_config_from_dir(self, path: str | Path, *, attn_implementation: str = "sdpa") -> Qwen3_5Config:
-        """Read ``config.json`` of a local HF directory; it must be a ``qwen3_5`` model."""
+    def tiny_moe_hf_config(self) -> Qwen3_5MoeConfig:
+        """The tiny MoE flavour: ``hf_config(conf/model/tiny_qwen3_5_moe.yaml)``."""
+        return self.hf_config(model_entry("tiny_qwen3_5_moe"))
+
+    def hf_config_from_dir(
+        self, path: str | Path, *, attn_implementation: str = "sdpa"
+    ) -> Qwen3_5Config | Qwen3_5MoeConfig:
+        """Read ``config.json`` of a local HF directory; it must be a ``qwen3_5`` or ``qwen3_5_moe`` model."""
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():
             raise CheckpointError(f"{cfg_file} not found. Fix: point model.path at a HF model directory.")
         kind = json.loads(cfg_file.read_text()).get("model_type")  # file content; absent is an error below
-        if kind != "qwen3_5":
+        if kind not in MODEL_TYPES:
             raise CheckpointError(
-                f"{cfg_file}: model_type {kind!r} is not a {self.name} model (expected 'qwen3_5'). "
-                f"Fix: set model.family to match the checkpoint."
+                f"{cfg_file}: model_type {kind!r} is not a {self.name} model (expected one of "
+                f"{list(MODEL_TYPES)}). Fix: set model.family to match the checkpoint."
             )
-        cfg = Qwen3_5Config.from_pretrained(str(path))
+        cls = Qwen3_5MoeConfig if kind == "qwen3_5_moe" else Qwen3_5Config
+        cfg = cls.from_pretrained(str(path))
         cfg._attn_implementation = attn_implementation
         return cfg
 
@@ -209,13 +269,16 @@ class Qwen3_5Family:
                 ]
             )
         cfg = copy.deepcopy(hf_config)
+        moe = is_moe_config(cfg)
         with torch.device(device):
             if name == "vision":
-                visual = Qwen3_5VisionModel._from_config(cfg.vision_config, dtype=dtype)
+                vision_cls = Qwen3_5MoeVisionModel if moe else Qwen3_5VisionModel
+                visual = vision_cls._from_config(cfg.vision_config, dtype=dtype)
                 module = VisionModule(visual, num_deepstack=0)
             else:
                 text_cfg = cfg.text_config
-                language_model = Qwen3_5TextModel._from_config(text_cfg, dtype=dtype)
+                text_cls = Qwen3_5MoeTextModel if moe else Qwen3_5TextModel
+                language_model = text_cls._from_config(text_cfg, dtype=dtype)
                 module = LLMModule(language_model, lm_head(text_cfg, device=device, dtype=dtype), cfg)
                 self.tie(name, module, cfg)
         module.parallel_plan = self.parallel_plan(name, cfg)  # what dhp.parallel shards, by FQN
@@ -254,9 +317,17 @@ class Qwen3_5Family:
         """Reference (or checkpoint) state dict -> ``{"vision": {...}, "llm": {...}}`` keyed by module FQN."""
         return KEYS.split(ref_state_dict, self.module_names)
 
-    def reference_model(self, hf_config: Qwen3_5Config) -> Qwen3_5ForConditionalGeneration:
-        """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
-        return reference_model(Qwen3_5ForConditionalGeneration, hf_config)
+    def reference_model(
+        self, hf_config: Qwen3_5Config | Qwen3_5MoeConfig
+    ) -> Qwen3_5ForConditionalGeneration | Qwen3_5MoeForConditionalGeneration:
+        """The untouched transformers model (the MoE class for an MoE config), randomly initialised on
+        CPU in the config's dtype."""
+        cls = (
+            Qwen3_5MoeForConditionalGeneration
+            if is_moe_config(hf_config)
+            else Qwen3_5ForConditionalGeneration
+        )
+        return reference_model(cls, hf_config)
 
 
 FAMILY = Qwen3_5Family

@@ -19,6 +19,14 @@ With ``sequence_parallel`` (Megatron SP inside TP) the norms and residual stream
 between layers; each attention / DeltaNet / MLP gathers the sequence (the DeltaNet recurrence needs every
 position of a sequence) and reduce-scatters its output. Qwen3.5 has no DeepStack, so nothing between
 layers needs the whole sequence.
+
+MoE flavour: the shared expert is a dense SwiGLU, so it is TP-sharded like the dense MLP (gate/up
+column-, down row-parallel: its output is all-reduced); its sigmoid gate (H -> 1), the router and the
+routed experts are not TP-sharded: after the all-reduces the hidden states are whole on every TP rank,
+each TP rank routes the same tokens and runs the same experts (all, or its ``E/ep`` under expert
+parallelism, ``dhp.parallel.ep``), so their gradients are equal on every TP rank. No Megatron sequence
+parallelism inside TP for it: the routed experts' output covers the whole sequence and would have to be
+added to a sequence-sharded shared-expert output.
 """
 
 from __future__ import annotations
@@ -35,4 +43,14 @@ def llm_tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     plan = decoder_tp_plan(model="language_model", lm_head="lm_head", sequence_parallel=sequence_parallel)
     plan.update(head_norm_tp_plan("language_model.layers.*.self_attn"))
     plan.update(deltanet_tp_plan("language_model.layers.*.linear_attn", sequence_parallel=sequence_parallel))
+    return plan
+
+
+def moe_llm_tp_plan() -> dict[str, ParallelStyle]:
+    """The MoE flavour's plan (no sequence parallelism): attention and DeltaNet as the dense plan, the
+    shared expert's gate/up column-, down row-parallel in place of the dense MLP's globs."""
+    plan = llm_tp_plan(sequence_parallel=False)
+    mlp = "language_model.layers.*.mlp"
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        plan[f"{mlp}.shared_expert.{proj}"] = plan.pop(f"{mlp}.{proj}")
     return plan

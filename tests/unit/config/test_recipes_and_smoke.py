@@ -63,9 +63,10 @@ def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
     full = load_config(recipe, ["model.path=null"])
     smoke = load_config(recipe, [], smoke=True)  # validates
     assert smoke.cluster.name == "local_cpu" and smoke.cluster.device == "cpu"
+    tiny = smoke.model.name
     assert (
-        smoke.model.name in ("tiny", f"tiny_{full.model.family}") and smoke.model.family == full.model.family
-    )
+        tiny == "tiny" or tiny.startswith(f"tiny_{full.model.family}")
+    ) and smoke.model.family == full.model.family
     assert smoke.train.steps == 2
     for name, axes in _axes(smoke).items():
         full_axes = _axes(full)[name]
@@ -106,3 +107,16 @@ def test_smoke_keeps_collocated_groups_on_one_gpu_set() -> None:
     v, lm = cfg.modules.vision, cfg.modules.llm
     assert (v.gpus, v.parallel.dp, v.parallel.sp, v.parallel.zero) == (4, 2, 2, 1)
     assert (lm.gpus, lm.parallel.fsdp, lm.parallel.tp) == (4, 2, 2)
+
+
+def test_smoke_shrinks_a_flavour_to_its_own_tiny_model() -> None:
+    """A recipe shrinks to the tiny model of its family that declares the same ``extra`` keys: the
+    Qwen3.5-MoE recipe to tiny_qwen3_5_moe (none of its 256 experts of 512 left behind by the merge),
+    the dense Qwen3.5 recipe to tiny_qwen3_5, a family with one tiny entry to that one."""
+    moe = load_config("qwen3_5_35b_a3b", [], smoke=True).model
+    tiny_moe = OmegaConf.load(CONF_DIR / "model" / "tiny_qwen3_5_moe.yaml")
+    assert moe.name == "tiny_qwen3_5_moe" and moe.llm.extra == tiny_moe.llm.extra
+    assert moe.llm.intermediate_size == tiny_moe.llm.intermediate_size
+    dense = load_config("qwen3_5_27b", [], smoke=True).model
+    assert dense.name == "tiny_qwen3_5" and "num_experts" not in dense.llm.extra
+    assert load_config("qwen3_vl_30b_a3b", [], smoke=True).model.name == "tiny_qwen3_vl_moe"

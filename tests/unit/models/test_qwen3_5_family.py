@@ -259,3 +259,124 @@ def test_qwen3_5_model_dir_loads_per_module_and_processes_images(family, tmp_pat
     assert {k: tok.convert_tokens_to_ids(s) for k, s in family.token_strings().items()} == {
         k: getattr(family.tiny_model_config().tokens, k) for k in family.token_strings()
     }
+
+
+# --- the MoE flavour ----------------------------------------------------------------------------------
+def _moe_yaml(name: str):
+    model = _yaml(name)
+    model.attn_implementation = "sdpa"  # the YAML's flash_attention_2 is not installed on CPU
+    return model
+
+
+def test_qwen3_5_35b_a3b_published_numbers(family):
+    """Qwen/Qwen3.5-35B-A3B (see the YAML header): transformers' Qwen3_5MoeTextConfig defaults."""
+    from transformers import Qwen3_5MoeConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    cfg = family.hf_config(_moe_yaml("qwen3_5_35b_a3b"))
+    assert isinstance(cfg, Qwen3_5MoeConfig) and cfg.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    t, v, d = cfg.text_config, cfg.vision_config, Qwen3_5MoeTextConfig()
+    keys = (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size", "router_aux_loss_coef", "layer_types",
+    )  # fmt: skip
+    assert [getattr(t, k) for k in keys] == [getattr(d, k) for k in keys]
+    got = tuple(getattr(t, k) for k in keys[:16])
+    assert got == (2048, 40, 16, 2, 256, 248320, 16, 32, 128, 128, 4, 256, 8, 512, 512, 0.001)
+    assert t.max_position_embeddings == 262144 and not cfg.tie_word_embeddings
+    assert (v.depth, v.hidden_size, v.out_hidden_size) == (27, 1152, 2048)
+
+
+@pytest.mark.parametrize("which", ["tiny_qwen3_5_moe", "qwen3_5_35b_a3b"])
+def test_qwen3_5_moe_counts_match_the_modules(family, which):
+    """Total, per-block, largest tensor and the routed experts' count of the meta-built modules equal
+    the planner's; the 35B-A3B totals 35.1B with ~3B (LLM, input table excluded) active per token."""
+    from dhp.models.qwen3_5.arch import active_params, numbers
+
+    model_cfg = _moe_yaml(which)
+    cfg = family.hf_config(model_cfg)
+    n = numbers_from_hf(cfg)
+    assert n.moe and n == numbers(model_cfg)
+    arch = get_arch("qwen3_5")
+    for name in family.module_names:
+        total, block, biggest = _meta_counts(family, cfg, name)
+        assert module_counts(name, n).total == total == arch.module_params(name, model_cfg).total, name
+        assert block_counts(name, n).total == block == arch.layer_params(name, model_cfg).total, name
+        assert largest(name, n) == biggest == arch.largest_param(name, model_cfg), name
+    llm = family.build_module("llm", cfg, device="meta", dtype=torch.bfloat16)
+    experts = sum(p.numel() for f, p in llm.named_parameters() if ".mlp.experts." in f)
+    assert module_counts("llm", n).expert == experts > 0
+    typed = arch.architecture(model_cfg).modules["llm"]
+    mlp = typed.blocks[0].mlp
+    assert (mlp.kind, mlp.experts, mlp.top_k, mlp.intermediate, mlp.shared) == (
+        "moe", n.experts, n.top_k, n.moe_mlp, n.mlp
+    )  # fmt: skip
+    assert {b.mlp for b in typed.blocks} == {mlp}  # every layer sparse
+    assert typed.params.total == module_counts("llm", n).total
+    assert typed.active_params == active_params("llm", n)
+    if which == "qwen3_5_35b_a3b":
+        total = sum(module_counts(m, n).total for m in family.module_names)
+        active = sum(active_params(m, n) for m in family.module_names)
+        # "35B-A3B": 35.1B in all; the 3B active are the LLM's parameters one token passes through
+        # with lm_head but not the input embedding table (a lookup): 2.95B (3.9B with both tables
+        # and the encoder)
+        table = n.vocab * n.hidden
+        assert 35.0e9 < total < 35.5e9, total
+        assert 2.9e9 < active - table - module_counts("vision", n).total < 3.0e9, active
+
+
+def test_qwen3_5_moe_parallel_plan_declares_the_experts(family):
+    """moe_blocks/experts for EP; the shared expert's Linears are TP-sharded (one glob each), its gate,
+    the router and the experts are not; no sequence parallelism inside TP for the MoE flavour."""
+    cfg = family.tiny_moe_hf_config()
+    plan = family.parallel_plan("llm", cfg)
+    assert (plan.moe_blocks, plan.experts) == ("language_model.layers.*.mlp", 8)
+    assert not plan.tp_sequence_parallel
+    assert plan.tp_divides["shared_expert_intermediate_size"] == 32
+    module = family.build_module("llm", cfg, device="meta", dtype=torch.float32)
+    globs = [g for g in plan.tp(False) if not g.endswith("embed_tokens")]
+    patterns = [re.compile(re.escape(g).replace(r"\*", r"[^.]+") + "$") for g in globs]
+    for fqn, sub in module.named_modules():
+        hits = sum(bool(p.match(fqn)) for p in patterns)
+        if ".shared_expert." in fqn and isinstance(sub, torch.nn.Linear):
+            assert hits == 1, fqn
+        elif fqn.endswith((".mlp.gate", ".mlp.experts", ".shared_expert_gate")):
+            assert hits == 0, fqn
+    axes = get_arch("qwen3_5").module_axes("llm", _yaml("tiny_qwen3_5_moe"))
+    assert axes.tp and not axes.tp_sequence_parallel
+    assert sorted(axes.tp_divides.values()) == sorted(plan.tp_divides.values())
+
+
+def test_qwen3_5_moe_bad_numbers_are_config_errors(family):
+    bad = _yaml("tiny_qwen3_5_moe")
+    bad.llm.extra.num_experts_per_tok = 9
+    bad.llm.extra.router_aux_loss_coef = -1.0
+    issues = Issues()
+    get_arch("qwen3_5").validate(bad, issues)
+    assert {i.path for i in issues.items} == {
+        "model.llm.extra.num_experts_per_tok",
+        "model.llm.extra.router_aux_loss_coef",
+    }
+    partial = _yaml("tiny_qwen3_5_moe")
+    del partial.llm.extra.moe_intermediate_size  # the MoE keys come all together
+    with pytest.raises(ConfigError, match=r"qwen3_5_35b_a3b"):
+        family.hf_config(partial)
+
+
+def test_qwen3_5_moe_checkpoint_keys_round_trip(family, tmp_path):
+    """Every key of transformers' MoE model (3-D experts) maps to a module and back; a qwen3_5_moe
+    config.json reads back as the MoE config."""
+    cfg = family.tiny_moe_hf_config()
+    with torch.device("meta"):
+        ref = family.reference_model(cfg)
+    keys = list(ref.state_dict())
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in keys
+    assert "model.language_model.layers.0.mlp.shared_expert_gate.weight" in keys
+    for key in keys:
+        module, fqn = family.checkpoint_owner(key)
+        assert family.hf_key(module, fqn) == key
+    cfg.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    assert family.hf_config_from_dir(tmp_path).to_dict() == cfg.to_dict()
