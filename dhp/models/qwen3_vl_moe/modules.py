@@ -30,19 +30,14 @@ from dhp.errors import DataError
 from dhp.models.checks import check_image_alignment
 from dhp.models.common import LossFn, loss_output, rope_index, scatter_rows, shifted_ce_sum
 from dhp.models.family import LLMOutput
+from dhp.models.qwen3_vision.arch import deepstack_kwarg
 from dhp.parallel.ep import load_balancing_loss
 
 __all__ = ["ROUTER_AUX_LOSS", "LLMModule", "deepstack_kwarg", "mrope_positions"]
 
 IMAGE_EMBEDS = "image_embeds"
-DEEPSTACK_PREFIX = "deepstack_embeds_"
 #: the name of the (unweighted) load-balancing loss in ``LLMOutput.aux_losses`` and the metrics
 ROUTER_AUX_LOSS = "router_aux_loss"
-
-
-def deepstack_kwarg(level: int) -> str:
-    """The hand-off kwarg of DeepStack level ``level`` (0 = added after the first decoder layer)."""
-    return f"{DEEPSTACK_PREFIX}{level}"
 
 
 class LLMModule(nn.Module):
