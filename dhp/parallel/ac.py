@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from transformers import PreTrainedModel
 
 from dhp.errors import PlanError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -73,6 +76,10 @@ def selective_context():
 
 
 def _outermost_pretrained(module: nn.Module) -> list[PreTrainedModel]:
+    # reason: transformers' modeling_utils costs ~2.5 CPU-s to import; the driver imports this
+    # package (for plans and the worker class) but never applies AC, so only a rank pays for it
+    from transformers import PreTrainedModel
+
     found: list[PreTrainedModel] = []
     for m in module.modules():
         if isinstance(m, PreTrainedModel) and not any(m in f.modules() for f in found):

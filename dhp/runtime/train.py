@@ -31,7 +31,7 @@ from dhp.models.tiny_cache import ensure_tiny_checkpoint
 from dhp.runtime.failures import FailureLog, failed_event
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
-from dhp.runtime.startup import Startup, connect_ray_importing
+from dhp.runtime.startup import RUNTIME_MODULES, Startup, connect_ray_importing
 
 
 @dataclass
@@ -267,7 +267,11 @@ def _attempt(
     graceful = True
     try:
         # Ray starts while a thread imports the runtime, worker and model code (dhp.runtime.startup)
-        owns_ray = connect_ray_importing(cluster=config.cluster, plan=plan)
+        owns_ray = connect_ray_importing(
+            cluster=config.cluster,
+            plan=plan,
+            modules=(*RUNTIME_MODULES, f"dhp.models.{config.model.family}.family"),
+        )
         clock.mark("Ray start, the driver's imports beside it (runtime, worker, model code)")
         # loaded by connect_ray_importing's thread: the worker's module, transformers' model code
         from dhp.runtime.checkpointing import AsyncCheckpoints

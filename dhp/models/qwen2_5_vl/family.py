@@ -9,18 +9,13 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import (
     Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
-)
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-    Qwen2_5_VisionTransformerPretrainedModel,
-    Qwen2_5_VLTextModel,
 )
 
 from dhp.config.schema import ModelConfig
@@ -37,10 +32,12 @@ from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
 from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen2_5_vl.export_processor import make_processor_loadable
-from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
 from dhp.models.qwen2_5_vl.parallel import parallel_plan
 from dhp.models.qwen2_5_vl.sp_shard import VisionShard, shard_vision_batch
 from dhp.models.tokens import TOKEN_STRINGS
+
+if TYPE_CHECKING:
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
 #: checkpoint prefix -> (module, module FQN prefix); the hub's older layout (``visual.*``, ``model.*``) too
 KEYS = KeyMap(
@@ -223,6 +220,15 @@ class Qwen25VLFamily:
         On a real device the weights get transformers' random init (directly on that device).
         The other module is never built. ``hf_config`` is not mutated.
         """
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+            Qwen2_5_VLTextModel,
+        )
+
+        from dhp.models.qwen2_5_vl.modules import LLMModule, VisionModule
+
         if name not in self.modules_for(hf_config):
             raise ConfigError(
                 [
@@ -283,6 +289,10 @@ class Qwen25VLFamily:
 
     def reference_model(self, hf_config: Qwen2_5_VLConfig) -> Qwen2_5_VLForConditionalGeneration:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
         return reference_model(Qwen2_5_VLForConditionalGeneration, hf_config)
 
 

@@ -28,20 +28,15 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import (
     Qwen3_5Config,
-    Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
-    Qwen3_5MoeForConditionalGeneration,
 )
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel, Qwen3_5VisionModel
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel, Qwen3_5MoeVisionModel
 
 from dhp.config.issues import Issues
 from dhp.config.schema import ModelConfig
@@ -59,13 +54,14 @@ from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen3_5.arch import numbers, validate
 from dhp.models.qwen3_5.config import build_hf_config
-from dhp.models.qwen3_5.modules import LLMModule
 from dhp.models.qwen3_5.tp import llm_tp_plan, moe_llm_tp_plan
 from dhp.models.qwen3_vision.arch import IMAGE_EMBEDS
-from dhp.models.qwen3_vision.modules import VisionModule
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, blank_image, shard_images, tokens_per_image
 from dhp.models.qwen3_vision.tp import vision_parallel_plan
 from dhp.models.tokens import TOKEN_STRINGS
+
+if TYPE_CHECKING:
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
 IMAGE_TOKENS = "image_tokens"
 
@@ -193,6 +189,9 @@ class Qwen3_5Family:
 
     def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
         """transformers' Qwen2-VL PIL image processor (Qwen3.5 ships the same class with patch 16)."""
+        # reason: that module loads transformers' model code (~2.3 CPU-s), which the driver does not need
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
         return Qwen2VLImageProcessorPil.from_pretrained(
             model_path, min_pixels=min_pixels, max_pixels=max_pixels
         )
@@ -260,6 +259,17 @@ class Qwen3_5Family:
         On a real device the weights get transformers' random init (directly on that device). The other
         module is never built. ``hf_config`` is not mutated.
         """
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel, Qwen3_5VisionModel
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeTextModel,
+            Qwen3_5MoeVisionModel,
+        )
+
+        from dhp.models.qwen3_5.modules import LLMModule
+        from dhp.models.qwen3_vision.modules import VisionModule
+
         if name not in self.module_names:
             raise ConfigError(
                 [
@@ -322,6 +332,10 @@ class Qwen3_5Family:
     ) -> Qwen3_5ForConditionalGeneration | Qwen3_5MoeForConditionalGeneration:
         """The untouched transformers model (the MoE class for an MoE config), randomly initialised on
         CPU in the config's dtype."""
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
         cls = (
             Qwen3_5MoeForConditionalGeneration
             if is_moe_config(hf_config)

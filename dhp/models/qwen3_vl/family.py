@@ -16,13 +16,12 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
+from transformers import Qwen3VLConfig
 
 from dhp.config.issues import Issues
 from dhp.config.schema import ModelConfig
@@ -39,14 +38,15 @@ from dhp.models.dtypes import torch_dtype
 from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen3_vision.arch import IMAGE_EMBEDS, deepstack_kwarg
-from dhp.models.qwen3_vision.modules import VisionModule
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, blank_image, shard_images, tokens_per_image
 from dhp.models.qwen3_vision.tp import vision_parallel_plan
 from dhp.models.qwen3_vl.arch import numbers, validate
 from dhp.models.qwen3_vl.config import build_hf_config
-from dhp.models.qwen3_vl.modules import LLMModule
 from dhp.models.qwen3_vl.tp import llm_plan
 from dhp.models.tokens import TOKEN_STRINGS
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLForConditionalGeneration
 
 IMAGE_TOKENS = "image_tokens"
 
@@ -197,6 +197,13 @@ class Qwen3VLFamily:
         On a real device the weights get transformers' random init (directly on that device). The other
         module is never built. ``hf_config`` is not mutated.
         """
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
+
+        from dhp.models.qwen3_vision.modules import VisionModule
+        from dhp.models.qwen3_vl.modules import LLMModule
+
         if name not in self.module_names:
             raise ConfigError(
                 [
@@ -250,6 +257,10 @@ class Qwen3VLFamily:
 
     def reference_model(self, hf_config: Qwen3VLConfig) -> Qwen3VLForConditionalGeneration:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers import Qwen3VLForConditionalGeneration
+
         return reference_model(Qwen3VLForConditionalGeneration, hf_config)
 
 

@@ -23,13 +23,12 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel, Qwen3VLMoeVisionModel
+from transformers import Qwen3VLMoeConfig
 
 from dhp.config.issues import Issues
 from dhp.config.schema import ModelConfig
@@ -46,14 +45,15 @@ from dhp.models.dtypes import torch_dtype
 from dhp.models.entries import model_entry
 from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.qwen3_vision.arch import IMAGE_EMBEDS, deepstack_kwarg
-from dhp.models.qwen3_vision.modules import VisionModule
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, blank_image, shard_images, tokens_per_image
 from dhp.models.qwen3_vision.tp import vision_parallel_plan
 from dhp.models.qwen3_vl_moe.arch import FAMILY_NAME, numbers, validate
 from dhp.models.qwen3_vl_moe.config import build_hf_config
-from dhp.models.qwen3_vl_moe.modules import LLMModule
 from dhp.models.qwen3_vl_moe.tp import llm_plan
 from dhp.models.tokens import TOKEN_STRINGS
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLMoeForConditionalGeneration
 
 IMAGE_TOKENS = "image_tokens"
 #: the sparse-MoE blocks of the LLM module (each ``gate`` router + ``experts``; dense layers have none)
@@ -226,6 +226,16 @@ class Qwen3VLMoeFamily:
         On a real device the weights get transformers' random init (directly on that device). The other
         module is never built. ``hf_config`` is not mutated.
         """
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeTextModel,
+            Qwen3VLMoeVisionModel,
+        )
+
+        from dhp.models.qwen3_vision.modules import VisionModule
+        from dhp.models.qwen3_vl_moe.modules import LLMModule
+
         if name not in self.module_names:
             raise ConfigError(
                 [
@@ -295,6 +305,10 @@ class Qwen3VLMoeFamily:
 
     def reference_model(self, hf_config: Qwen3VLMoeConfig) -> Qwen3VLMoeForConditionalGeneration:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
+        # reason: transformers' model code costs ~2.3 CPU-s to import; the driver reads this family's
+        # names, configs and hand-offs but builds nothing, so only what builds a module loads it
+        from transformers import Qwen3VLMoeForConditionalGeneration
+
         return reference_model(Qwen3VLMoeForConditionalGeneration, hf_config)
 
 

@@ -56,7 +56,7 @@ from dhp.errors import PlanError
 
 seen = {}
 
-def at_ray_start(*, cluster, plan):
+def at_ray_start(*, cluster, plan, modules=()):
     seen.update({m: m in sys.modules for m in sys.argv[2:]})
     raise PlanError("stop at Ray's start")
 
@@ -108,3 +108,36 @@ def test_connect_ray_importing_imports_while_ray_starts(tmp_path, monkeypatch) -
 def test_a_module_that_fails_to_import_in_the_thread_is_left_to_the_caller(monkeypatch) -> None:
     monkeypatch.setattr(startup, "connect_ray", lambda *, cluster, plan: False)
     assert startup.connect_ray_importing(cluster=None, plan=None, modules=["dhp_no_such_module"]) is False
+
+
+_DRIVER_SIDE = """
+import json, sys
+import dhp.runtime.driver, dhp.runtime.checkpointing, dhp.data, dhp.runtime.progress
+from dhp.config import load_config
+from dhp.models import get_family
+from dhp.runtime.driver import _hf_config
+seen = {}
+for recipe in sys.argv[1:]:
+    cfg = load_config(recipe, [])
+    family = get_family(cfg.model.family)
+    hf = _hf_config(family, cfg.model)
+    family.handoffs_for(hf), family.modules_for(hf)
+    seen[recipe] = "transformers.modeling_utils" in sys.modules
+print(json.dumps(seen))
+"""
+
+
+def test_the_driver_uses_every_family_without_loading_transformers_model_code() -> None:
+    """The driver reads a family's module names, transformers config and hand-offs; only a rank
+    builds modules. Loading model code there would cost the driver ~2.3 CPU-s of start-up, taken
+    from the rank processes starting beside it."""
+    recipes = ["tiny_vlm", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe"]
+    out = subprocess.run(
+        [sys.executable, "-c", _DRIVER_SIDE, *recipes],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == dict.fromkeys(recipes, False), seen
