@@ -282,7 +282,20 @@ def train(
     dhp train conf=tiny_vlm -m train.lr=1e-3,2e-3 train.steps=2: one run per combination, then a
     summary table and <train.output_dir>/sweeps/<timestamp>/sweep.jsonl; exits 1 if a run failed.
     """
+    from dhp.runtime.forkserver import for_driver
+
+    # the rank processes' imports start now, on another core, while this one parses the config
+    with for_driver() as server:
+        result, cfg = _train(ctx, words, multirun=multirun, server=server)
+    refine_machine_profile(result.run_dir, cfg)
+    if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
+        raise typer.Exit(128 + (result.signal or 2))
+    raise typer.Exit(0)
+
+
+def _train(ctx: typer.Context, words: list[str] | None, *, multirun: bool, server):
     from dhp.config import load_config
+    from dhp.runtime.forkserver import family_modules
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     if multirun:
@@ -291,13 +304,12 @@ def train(
         raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
     from dhp.runtime.train import train as run_training
 
-    cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
+    cfg = load_config(conf, overrides, smoke=smoke)
+    if server is not None:
+        server.preload(family_modules(cfg.model.family))
+    cfg = machine_profile(cfg)  # this machine's numbers
     cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
-    result = run_training(cfg, console=console)
-    refine_machine_profile(result.run_dir, cfg)
-    if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
-        raise typer.Exit(128 + (result.signal or 2))
-    raise typer.Exit(0)
+    return run_training(cfg, console=console), cfg
 
 
 @app.command(context_settings=HYDRA_ARGS)
@@ -320,24 +332,29 @@ def verify(
     parameter-after-update difference per module (tolerance: loss and grad norm 1e-5 relative, every
     gradient and parameter 1e-4 absolute; fp32 only).
     """
-    from dhp.config import load_config
-    from dhp.models.tiny_cache import ensure_tiny_checkpoint
-    from dhp.runtime.verify import render_report, render_step, verify_plan
+    from dhp.runtime.forkserver import family_modules, for_driver
 
-    given = command_words(ctx, words)
-    args = [a for a in given if not a.startswith("steps=")]
-    steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
-    conf, overrides, smoke = parse_hydra_args(args)
-    cfg = load_config(conf, overrides, smoke=smoke)
-    ensure_tiny_checkpoint(cfg.model, say=lambda line: console.print(escape(line)))
-    report = verify_plan(
-        cfg,
-        steps=steps,
-        loss_rtol=loss_rtol,
-        grad_atol=grad_atol,
-        param_atol=param_atol,
-        on_step=lambda s, rep: render_step(s, rep, console=console),
-    )
+    with for_driver() as server:  # the ranks' imports start beside this process's own
+        from dhp.config import load_config
+        from dhp.models.tiny_cache import ensure_tiny_checkpoint
+        from dhp.runtime.verify import render_report, render_step, verify_plan
+
+        given = command_words(ctx, words)
+        args = [a for a in given if not a.startswith("steps=")]
+        steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
+        conf, overrides, smoke = parse_hydra_args(args)
+        cfg = load_config(conf, overrides, smoke=smoke)
+        if server is not None:
+            server.preload(family_modules(cfg.model.family))
+        ensure_tiny_checkpoint(cfg.model, say=lambda line: console.print(escape(line)))
+        report = verify_plan(
+            cfg,
+            steps=steps,
+            loss_rtol=loss_rtol,
+            grad_atol=grad_atol,
+            param_atol=param_atol,
+            on_step=lambda s, rep: render_step(s, rep, console=console),
+        )
     render_report(report, console=console)
     raise typer.Exit(0 if report.passed else 1)
 

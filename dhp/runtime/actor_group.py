@@ -28,14 +28,10 @@ from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
 from dhp.runtime.failures import FAULT_ENV, WorkerFailure, rank_error
+from dhp.runtime.forkserver import IMPORT_ENV, runtime_env_fields
 
 #: every rank actor's environment; NOSET_VISIBLE: each sees all GPUs of its node (dhp.runtime.devices)
-WORKER_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    **NOSET_VISIBLE,
-}
+WORKER_ENV = {**IMPORT_ENV, **NOSET_VISIBLE}
 
 
 @dataclass(frozen=True)
@@ -137,6 +133,7 @@ class ActorGroup:
         self.layout = spec.layout
         self.worker_cls = worker_cls
         self.pids: list[int] = []
+        self.starts: list[str] = []  # per rank: forked | fresh | fresh: why the fork server could not serve
         remote_cls = ray.remote(worker_cls)
         self.actors = [
             remote_cls.options(
@@ -145,18 +142,20 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
                 ),
-                runtime_env={"env_vars": _worker_env()},
+                runtime_env={"env_vars": _worker_env(), **runtime_env_fields()},
             ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
             for rank, slot in enumerate(spec.slots)
         ]
-        self._pid_refs = self._submit_raw(DistWorker.pid, [((), {})] * spec.world_size)
+        self._pid_refs = self._submit_raw(DistWorker.started, [((), {})] * spec.world_size)
         if wait:
             self.wait_started()
 
     def wait_started(self) -> None:
         """Block until every rank's actor answers (a rank that dies while starting is a RuntimeFailure)."""
         if not self.pids:
-            self.pids = self.get(self._pid_refs, what="start")
+            got = self.get(self._pid_refs, what="start")
+            self.pids = [pid for pid, _ in got]
+            self.starts = [how for _, how in got]
 
     def master_address(self, *, avoid: set[int]) -> tuple[str, int]:
         """Rank 0's node IP and a free port not in ``avoid`` (ports already given to other groups:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from dhp.runtime.devices import assigned_cuda_index
 from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.forklaunch import MISS_ENV
+from dhp.runtime.forkserver import FORKED_ENV
 
 
 class DistWorker:
@@ -26,6 +28,15 @@ class DistWorker:
         torch.set_num_threads(1)
         # `kill -USR1 <pid>` dumps every thread's Python stack to the worker's log: find a hang's collective
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def started(self) -> tuple[int, str]:
+        """This actor's pid and how its process began: ``forked`` (from this node's pre-imported
+        fork server, dhp.runtime.forkserver), ``fresh`` (Ray's ordinary start), or ``fresh: REASON``
+        when a fork server was asked and could not serve."""
+        if os.environ.get(FORKED_ENV) == str(os.getppid()):
+            return os.getpid(), "forked"
+        miss = os.environ.get(MISS_ENV)
+        return os.getpid(), f"fresh: {miss}" if miss else "fresh"
 
     def pid(self) -> int:
         """This actor's OS process id (for failure messages and tests)."""

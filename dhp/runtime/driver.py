@@ -39,7 +39,7 @@ from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
 from dhp.runtime.spec import WorkerSpec
-from dhp.runtime.startup import Startup, connect_ray
+from dhp.runtime.startup import Startup, actors_phase, connect_ray
 from dhp.runtime.worker import ModuleWorker
 
 
@@ -136,7 +136,7 @@ class Trainer:
                 )
             for group in self.groups.values():  # every group's processes start at once
                 group.wait_started()
-            self.startup.mark("actors start (a process per rank, its imports)")
+            self.startup.mark(actors_phase([h for g in self.groups.values() for h in g.starts]))
             init_groups(list(self.groups.values()), timeout_s=init_timeout_s)
             if self.links:
                 self._connect_channel(names, timeout_s=init_timeout_s)

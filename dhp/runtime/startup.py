@@ -28,6 +28,7 @@ from typing import Any
 from rich.table import Table
 
 from dhp.ray_connect import connect_ray as _connect
+from dhp.runtime import forkserver
 from dhp.runtime.reaper import start_for_local_ray
 
 #: what the driver imports once Ray is starting: the runtime, the worker and the families' model code
@@ -41,7 +42,16 @@ def connect_ray(*, cluster: Any, plan: Any) -> bool:
     SIGKILLed driver's local Ray processes go within seconds, not minutes: dhp.runtime.reaper).
     True when this call initialised Ray (the caller shuts it down)."""
     need = plan.resources if plan is not None else {}
-    return _connect(cluster=cluster, resources=need, on_local_start=start_for_local_ray)
+
+    def local_started() -> None:
+        start_for_local_ray()
+        forkserver.use_for_local_ray()  # this node's ranks fork from the pre-imported server
+
+    owns = _connect(cluster=cluster, resources=need, on_local_start=local_started)
+    server = forkserver.current()
+    if server is not None and not server.serving:  # a joined cluster: its nodes start ranks themselves
+        server.close()
+    return owns
 
 
 def connect_ray_importing(*, cluster: Any, plan: Any, modules: Sequence[str] = RUNTIME_MODULES) -> bool:
@@ -70,6 +80,19 @@ def _import_all(modules: tuple[str, ...]) -> None:
             importlib.import_module(name)
         except BaseException:  # the caller's own import of it raises the error (see above)
             return
+
+
+def actors_phase(starts: Sequence[str]) -> str:
+    """The start-up line of the actors' phase, saying how the rank processes began (``starts``: one
+    :meth:`DistWorker.started` verdict per rank)."""
+    n = len(starts)
+    forked = sum(1 for how in starts if how == "forked")
+    misses = sorted({how.split(": ", 1)[1] for how in starts if how.startswith("fresh: ")})
+    if n and forked == n:
+        return f"actors start ({n} ranks forked from the pre-imported fork server)"
+    if not misses:
+        return "actors start (a process per rank, its imports)"
+    return f"actors start ({forked} of {n} ranks forked; the others imported everything: {'; '.join(misses)})"
 
 
 def process_age_s() -> float | None:

@@ -20,18 +20,29 @@ import pytest
 import ray
 
 from dhp.ray_connect import LOCAL_RAY
+from dhp.runtime import forkserver
 
 RAY_CPUS = 4
 
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """The shared local Ray instance (started here if this process has none)."""
+    """The shared local Ray instance (started here if this process has none), its rank processes
+    forked from a fork server as ``dhp train`` does (dhp.runtime.forkserver)."""
     if not ray.is_initialized():
         here = str(Path(__file__).resolve().parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        server = forkserver.start_for_driver()
+        if server is not None:
+            server.preload(forkserver.family_modules("qwen2_5_vl"))  # the family most tests run
         ray.init(address="local", num_cpus=RAY_CPUS, **LOCAL_RAY)
+        forkserver.use_for_local_ray()
     yield
+
+
+def _down() -> None:
+    ray.shutdown()
+    forkserver.close_current()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -41,11 +52,11 @@ def pytest_runtest_teardown(item, nextitem):
     result = yield
     here = Path(__file__).resolve().parent
     if nextitem is None or here not in Path(nextitem.path).resolve().parents:
-        ray.shutdown()
+        _down()
     return result
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _ray_down_at_the_end():
     yield
-    ray.shutdown()
+    _down()

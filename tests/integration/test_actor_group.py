@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -98,3 +99,35 @@ def test_failed_rank_is_blamed_not_its_busy_peer(ray_local):
     finally:
         group.shutdown(destroy_dist=False)
         release(pgs)
+
+
+def test_ranks_forked_from_the_fork_server_form_worlds_and_report_their_death(ray_local):
+    """With a fork server serving this node, every rank is a child of it (torch already imported),
+    joins its gloo world, and a SIGKILLed rank is still reported by module and rank."""
+    from dhp.runtime import forkserver
+
+    own = forkserver.current() is None  # the shared Ray's fixture runs one already (conftest)
+    server = forkserver.ForkServer.start() if own else forkserver.current()
+    server.serving = True
+    try:
+        (vision, pg_v), (llm, pg_l) = _group("vision", {"sp": 2}), _group("llm", {"tp": 2})
+        try:
+            assert vision.starts == ["forked"] * 2 and llm.starts == ["forked"] * 2
+            for pid in vision.pids + llm.pids:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                assert int(stat.rsplit(")", 1)[1].split()[1]) == server.proc.pid  # the parent pid
+            init_groups([vision, llm], timeout_s=60)
+            assert vision.call(EchoWorker.all_reduce_sum, 1.0) == [2.0, 2.0]
+            assert llm.call(EchoWorker.all_reduce_sum, 2.0) == [4.0, 4.0]
+            pending = llm.submit(EchoWorker.sleep, 30)
+            time.sleep(1.0)
+            os.kill(llm.pids[1], signal.SIGKILL)
+            with pytest.raises(RuntimeFailure, match=r"module 'llm' rank 1 \(pid \d+\) died"):
+                llm.collect(pending, timeout_s=60)
+        finally:
+            vision.shutdown()
+            llm.shutdown(destroy_dist=False)
+            release(pg_v + pg_l)
+    finally:
+        if own:
+            server.close()
