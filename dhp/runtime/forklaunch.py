@@ -37,7 +37,8 @@ def send_msg(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> No
     if fds:
         sent = socket.send_fds(sock, [frame], fds)
         frame = frame[sent:]
-    sock.sendall(frame)
+    if frame:  # never an empty send: the server may have answered and closed already (EPIPE)
+        sock.sendall(frame)
 
 
 def recv_msg(sock: socket.socket, *, with_fds: int = 0) -> tuple[dict | None, list[int]]:

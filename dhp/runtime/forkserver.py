@@ -74,6 +74,7 @@ FORKED_ENV = "DHP_FORKED_FROM"
 #: set to 0 to start every rank process the ordinary way
 ENABLE_ENV = "DHP_FORK_SERVER"
 _LAUNCHER = Path(__file__).with_name("forklaunch.py")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this dhp package
 
 _CURRENT: ForkServer | None = None
 
@@ -117,6 +118,7 @@ class ForkServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            cwd=_PACKAGE_ROOT,  # `-m` puts the working directory first: the server imports this dhp
             start_new_session=True,  # a Ctrl-C at the terminal is the driver's to handle, not this one's
         )
         _CURRENT = cls(proc, path, tmpdir)
@@ -145,11 +147,9 @@ class ForkServer:
     def preload(self, modules: Sequence[str]) -> None:
         """Ask the server to import ``modules`` too (a family's model code, once the config names it).
         Returns at once; the server imports them before it forks the next rank."""
-        with contextlib.suppress(OSError):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(self.path)
             send_msg(sock, {"op": "preload", "modules": list(modules)})
-            sock.close()
 
     def close(self) -> None:
         """Stop the server (its children, Ray's workers, are Ray's to stop) and remove its socket."""
@@ -261,12 +261,15 @@ class _Server:
                     conn, _ = self.listener.accept()
                     self._handle(conn)
                 else:  # a launcher's connection: EOF means the launcher died; its child goes too
-                    pid = next(p for p, c in self.children.items() if c is sock)
                     with contextlib.suppress(OSError):
                         if sock.recv(1):
                             continue
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                    pid = next((p for p, c in self.children.items() if c is sock), None)
+                    if pid is not None:
+                        del self.children[pid]  # nobody to tell its exit status; _reap still reaps it
+                        sock.close()
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
 
     def _handle(self, conn: socket.socket) -> None:
         try:
@@ -351,7 +354,7 @@ class _Server:
             os._exit(code)
 
     def _reap(self) -> None:
-        while self.children:
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
