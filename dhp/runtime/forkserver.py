@@ -259,7 +259,10 @@ class _Server:
             for sock in ready:
                 if sock is self.listener:
                     conn, _ = self.listener.accept()
-                    self._handle(conn)
+                    try:
+                        self._handle(conn)
+                    except OSError:  # that client went away mid-request: the server serves on
+                        conn.close()
                 else:  # a launcher's connection: EOF means the launcher died; its child goes too
                     with contextlib.suppress(OSError):
                         if sock.recv(1):
@@ -307,7 +310,12 @@ class _Server:
             self._become(msg, fds, keep=conn)
         for fd in fds:
             os.close(fd)
-        send_msg(conn, {"pid": pid})
+        try:
+            send_msg(conn, {"pid": pid})
+        except OSError:  # the launcher died before its answer: nobody stands in for this child
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise
         self.children[pid] = conn
 
     def _become(self, msg: dict, fds: list[int], *, keep: socket.socket) -> None:

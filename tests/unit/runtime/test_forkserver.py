@@ -179,3 +179,25 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
 
 def test_forked_env_names_match_the_worker_side():
     assert FORKED_ENV == "DHP_FORKED_FROM" and MISS_ENV == "DHP_FORK_SERVER_MISS"
+
+
+def test_a_launcher_gone_before_its_answer_leaves_the_server_serving(server, script, tmp_path):
+    """A launcher killed between its request and the answer (Ray stopping a starting worker): the
+    server kills the orphan child and keeps serving the next ones."""
+    import socket
+
+    from dhp.runtime.forklaunch import send_msg
+
+    marker = tmp_path / "started"
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).write_text('x')\ntime.sleep(60)\n")
+    for _ in range(3):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(server.path)
+            request = {"op": "spawn", "argv": [str(sleeper)], "env": dict(os.environ), "cwd": str(tmp_path)}
+            send_msg(sock, request, fds=[0, 1, 2])
+        # closed without reading the answer
+    status = server.request({"op": "status"})
+    assert status.get("refusal", "dead") is None and server.alive(), status
+    out = json.loads(launch(server, str(script)).stdout)
+    assert out["forked"] == str(server.proc.pid)  # the next rank is still forked
