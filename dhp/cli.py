@@ -282,34 +282,27 @@ def train(
     dhp train conf=tiny_vlm -m train.lr=1e-3,2e-3 train.steps=2: one run per combination, then a
     summary table and <train.output_dir>/sweeps/<timestamp>/sweep.jsonl; exits 1 if a run failed.
     """
+    from dhp.config import load_config
     from dhp.runtime.forkserver import for_driver
 
-    # the rank processes' imports start now, on another core, while this one parses the config
-    with for_driver() as server:
-        result, cfg = _train(ctx, words, multirun=multirun, server=server)
+    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
+    if multirun:
+        with for_driver():  # every member's ranks fork from one server (each member's family on use)
+            from dhp.runtime.sweep import run_sweep, sweep_exit_code
+
+            raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
+    cfg = load_config(conf, overrides, smoke=smoke)  # a bad config ends here, before any process starts
+    # the rank processes' imports start now, on another core, beside this process's own
+    with for_driver(family=cfg.model.family):
+        from dhp.runtime.train import train as run_training
+
+        cfg = machine_profile(cfg)  # this machine's numbers
+        cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
+        result = run_training(cfg, console=console)
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise typer.Exit(128 + (result.signal or 2))
     raise typer.Exit(0)
-
-
-def _train(ctx: typer.Context, words: list[str] | None, *, multirun: bool, server):
-    from dhp.config import load_config
-    from dhp.runtime.forkserver import family_modules
-
-    conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
-    if multirun:
-        from dhp.runtime.sweep import run_sweep, sweep_exit_code
-
-        raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
-    from dhp.runtime.train import train as run_training
-
-    cfg = load_config(conf, overrides, smoke=smoke)
-    if server is not None:
-        server.preload(family_modules(cfg.model.family))
-    cfg = machine_profile(cfg)  # this machine's numbers
-    cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
-    return run_training(cfg, console=console), cfg
 
 
 @app.command(context_settings=HYDRA_ARGS)
@@ -332,20 +325,18 @@ def verify(
     parameter-after-update difference per module (tolerance: loss and grad norm 1e-5 relative, every
     gradient and parameter 1e-4 absolute; fp32 only).
     """
-    from dhp.runtime.forkserver import family_modules, for_driver
+    from dhp.config import load_config
+    from dhp.runtime.forkserver import for_driver
 
-    with for_driver() as server:  # the ranks' imports start beside this process's own
-        from dhp.config import load_config
+    given = command_words(ctx, words)
+    args = [a for a in given if not a.startswith("steps=")]
+    steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
+    conf, overrides, smoke = parse_hydra_args(args)
+    cfg = load_config(conf, overrides, smoke=smoke)
+    with for_driver(family=cfg.model.family):  # the ranks' imports start beside this process's own
         from dhp.models.tiny_cache import ensure_tiny_checkpoint
         from dhp.runtime.verify import render_report, render_step, verify_plan
 
-        given = command_words(ctx, words)
-        args = [a for a in given if not a.startswith("steps=")]
-        steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
-        conf, overrides, smoke = parse_hydra_args(args)
-        cfg = load_config(conf, overrides, smoke=smoke)
-        if server is not None:
-            server.preload(family_modules(cfg.model.family))
         ensure_tiny_checkpoint(cfg.model, say=lambda line: console.print(escape(line)))
         report = verify_plan(
             cfg,

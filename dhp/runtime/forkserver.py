@@ -7,12 +7,13 @@ same modules. A forked child shares the server's already-loaded pages (copy on w
 starts in a fraction of a second of CPU. This is the stdlib's ``multiprocessing`` forkserver with
 ``set_forkserver_preload``, applied to Ray's worker processes.
 
-How it plugs into Ray: the driver starts the server (:meth:`ForkServer.start`) on its node, before
-its own config parsing, with the ranks' environment (``WORKER_ENV``: the OpenMP thread count is read
-when torch loads). The actors of a local Ray instance carry ``runtime_env={"py_executable": ...}``
-naming :mod:`dhp.runtime.forklaunch`, which hands Ray's worker command to this server; the forked
-child then runs Ray's own ``default_worker.py`` and registers with the raylet under its own pid. A
-joined cluster's ranks (other nodes, other environments) start the ordinary way.
+How it plugs into Ray: the driver starts the server (:meth:`ForkServer.start`) on its node once its
+config is read (a bad config starts nothing) and before its own heavy imports, with the ranks'
+environment (``IMPORT_ENV``: the OpenMP thread count is read when torch loads). The actors of a
+local Ray instance carry ``runtime_env={"py_executable": ...}`` naming :mod:`dhp.runtime.forklaunch`,
+which hands Ray's worker command to this server; the forked child then runs Ray's own
+``default_worker.py`` and registers with the raylet under its own pid. A joined cluster's ranks
+(other nodes, other environments) start the ordinary way.
 
 Safety of the fork: the server never initialises CUDA (it refuses to fork once
 ``torch.cuda.is_initialized()``), holds one thread (it refuses with a second one), and freezes its
@@ -169,22 +170,23 @@ class ForkServer:
             _CURRENT = None
 
 
-def start_for_driver() -> ForkServer | None:
+def start_for_driver(family: str | None = None) -> ForkServer | None:
     """Start this node's server for a driver that may start its own local Ray (``$RAY_ADDRESS``
-    unset, fork server enabled, no Ray connected in this process yet), before the driver parses its
-    config; None otherwise (a server already running in this process keeps serving)."""
+    unset, fork server enabled, no Ray connected in this process yet), preloading ``family``'s
+    modules too, before the driver's own heavy imports; None otherwise (a server already running in
+    this process keeps serving)."""
     ray = sys.modules.get("ray")  # looked up, not imported: this runs before the driver's imports
     if ray is not None and ray.is_initialized():
         return None
     if not enabled() or os.environ.get("RAY_ADDRESS") or current() is not None:
         return None
-    return ForkServer.start()
+    return ForkServer.start(preload=(*BASE_PRELOAD, *(family_modules(family) if family else ())))
 
 
 @contextlib.contextmanager
-def for_driver() -> Iterator[ForkServer | None]:
+def for_driver(family: str | None = None) -> Iterator[ForkServer | None]:
     """:func:`start_for_driver` for the ``with`` block; the server is stopped when it ends."""
-    server = start_for_driver()
+    server = start_for_driver(family)
     try:
         yield server
     finally:
