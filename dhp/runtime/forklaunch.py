@@ -24,6 +24,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 #: the environment variable a rank started the ordinary way finds the reason in
 MISS_ENV = "DHP_FORK_SERVER_MISS"
@@ -71,11 +72,25 @@ def _plain_start(argv: list[str], reason: str) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
+def _connect(sock: socket.socket, path: str, wait_s: float = 5.0) -> None:
+    """Connect, waiting up to ``wait_s`` for a server that is still starting (its folder exists, its
+    socket not yet); a missing folder or a dead server fails at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except (FileNotFoundError, ConnectionRefusedError):
+            if not os.path.isdir(os.path.dirname(path)) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def main(args: list[str]) -> int:
     path, argv = args[0], args[1:]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(path)
+        _connect(sock, path)
         request = {"op": "spawn", "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
         send_msg(sock, request, fds=[0, 1, 2])
         reply, _ = recv_msg(sock)

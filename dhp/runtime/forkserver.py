@@ -153,7 +153,8 @@ class ForkServer:
             send_msg(sock, {"op": "preload", "modules": list(modules)})
 
     def close(self) -> None:
-        """Stop the server (its children, Ray's workers, are Ray's to stop) and remove its socket."""
+        """Stop the server and remove its socket. Call it after Ray's shutdown: a child still running
+        then (a rank whose launcher Ray stopped) gets SIGTERM, and SIGKILL a second later."""
         global _CURRENT
         if self.alive():
             self.proc.terminate()
@@ -214,6 +215,14 @@ def family_modules(family: str) -> list[str]:
     return [f"dhp.models.{family}.family", f"dhp.models.{family}.modules"]
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 # ---- the server process --------------------------------------------------------------------------
 
 
@@ -224,6 +233,7 @@ class _Server:
         self.listener.bind(path)
         self.listener.listen(64)
         self.children: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
+        self.forked: set[int] = set()  # every child not reaped yet (with or without a launcher)
         self.failed: dict[str, str] = {}  # module -> why its preload failed
         self.loaded: list[str] = []
 
@@ -253,8 +263,7 @@ class _Server:
 
     def serve(self) -> None:
         while True:
-            if os.getppid() != self.parent:  # the driver is gone
-                self._end_children()
+            if os.getppid() != self.parent:  # the driver is gone (main() then ends the children)
                 return
             self._reap()
             ready, _, _ = select.select([self.listener, *self.children.values()], [], [], 0.2)
@@ -310,6 +319,7 @@ class _Server:
         pid = os.fork()
         if pid == 0:
             self._become(msg, fds, keep=conn)
+        self.forked.add(pid)
         for fd in fds:
             os.close(fd)
         try:
@@ -371,6 +381,7 @@ class _Server:
                 return
             if pid == 0:
                 return
+            self.forked.discard(pid)
             conn = self.children.pop(pid, None)
             if conn is None:
                 continue
@@ -379,10 +390,21 @@ class _Server:
                 send_msg(conn, {"exit": code if code >= 0 else 128 - code})
             conn.close()
 
-    def _end_children(self) -> None:
-        for pid in list(self.children):
+    def _end_children(self, grace_s: float = 1.0) -> None:
+        """SIGTERM every child still running, SIGKILL what is left after ``grace_s``: a rank outlives
+        neither its driver nor the server (Ray may have stopped only the launchers it started)."""
+        pids = set(self.children) | self.forked
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.02)
+            self._reap()
+            pids = {p for p in pids if _running(p)}
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> None:
@@ -392,10 +414,11 @@ def main(argv: list[str]) -> None:
     server.preload(preload)
     try:
         server.serve()
-    except SystemExit:
+    except SystemExit:  # close(): the driver is done with its ranks
         pass
     finally:
         server.listener.close()
+        server._end_children()
 
 
 if __name__ == "__main__":

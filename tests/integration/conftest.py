@@ -32,17 +32,20 @@ def ray_local():
     if not ray.is_initialized():
         here = str(Path(__file__).resolve().parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        server = forkserver.start_for_driver()
-        if server is not None:
-            server.preload(forkserver.family_modules("qwen2_5_vl"))  # the family most tests run
         ray.init(address="local", num_cpus=RAY_CPUS, **LOCAL_RAY)
-        forkserver.use_for_local_ray()
+    # whoever started this process's Ray (this fixture, or an in-process command of an earlier
+    # module), it runs on this machine: its ranks fork from one server, started once per session
+    if forkserver.current() is None and forkserver.enabled():
+        forkserver.ForkServer.start(
+            preload=(*forkserver.BASE_PRELOAD, *forkserver.family_modules("qwen2_5_vl"))
+        )
+    forkserver.use_for_local_ray()
     yield
 
 
 def _down() -> None:
     ray.shutdown()
-    forkserver.close_current()
+    forkserver.close_current()  # the unit tests after these expect no server in this process
 
 
 @pytest.hookimpl(wrapper=True)

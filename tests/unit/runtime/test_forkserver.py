@@ -190,7 +190,9 @@ def test_a_launcher_gone_before_its_answer_leaves_the_server_serving(server, scr
 
     marker = tmp_path / "started"
     sleeper = tmp_path / "sleep.py"
-    sleeper.write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).write_text('x')\ntime.sleep(60)\n")
+    sleeper.write_text(
+        f"import pathlib, time\npathlib.Path({str(marker)!r}).write_text('x')\ntime.sleep(60)\n"
+    )
     for _ in range(3):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(server.path)
@@ -201,3 +203,27 @@ def test_a_launcher_gone_before_its_answer_leaves_the_server_serving(server, scr
     assert status.get("refusal", "dead") is None and server.alive(), status
     out = json.loads(launch(server, str(script)).stdout)
     assert out["forked"] == str(server.proc.pid)  # the next rank is still forked
+
+
+def test_close_ends_the_children_still_running(tmp_path):
+    """After Ray's shutdown, a forked rank left running (Ray stopped only the launcher it started)
+    ends with the server instead of lingering as an orphan."""
+    srv = ForkServer.start(preload=())
+    srv.request({"op": "status"})  # up
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text(
+        "import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
+    )
+    launcher = Path(forkserver.__file__).with_name("forklaunch.py")
+    proc = subprocess.Popen(
+        [sys.executable, "-S", str(launcher), srv.path, str(sleeper)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(proc.stdout.readline())
+        assert int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) == srv.proc.pid
+        srv.close()
+        assert _gone(child, within_s=5), "a child outlived its fork server"  # SIGTERM ignored: SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.close()
