@@ -73,14 +73,7 @@ def test_the_driver_reaches_ray_start_without_transformers_model_code(tmp_path) 
     """What ``connect_ray_importing`` overlaps with Ray's start must not already be loaded before it:
     transformers' model code and the worker module (each over a second of CPU on the 2-core box)."""
     heavy = ["transformers.modeling_utils", "dhp.runtime.worker", "dhp.runtime.driver"]
-    out = subprocess.run(
-        [sys.executable, "-c", _TO_RAY_START, str(tmp_path), *heavy],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = _fresh_interpreter(_TO_RAY_START, str(tmp_path), *heavy)
     assert seen == dict.fromkeys(heavy, False), seen
 
 
@@ -132,12 +125,13 @@ def test_the_driver_uses_every_family_without_loading_transformers_model_code() 
     builds modules. Loading model code there would cost the driver ~2.3 CPU-s of start-up, taken
     from the rank processes starting beside it."""
     recipes = ["tiny_vlm", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe"]
-    out = subprocess.run(
-        [sys.executable, "-c", _DRIVER_SIDE, *recipes],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = _fresh_interpreter(_DRIVER_SIDE, *recipes)
     assert seen == dict.fromkeys(recipes, False), seen
+
+
+def _fresh_interpreter(code: str, *args: str) -> dict:
+    """Run ``code`` in a new Python (nothing imported yet) and parse the JSON of its last line."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
