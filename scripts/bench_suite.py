@@ -108,12 +108,13 @@ def measure(conf: str, overrides: list[str], *, steps: int, warmup: int) -> dict
     from dhp.data import build_run_loader
     from dhp.metrics.record import build_record
     from dhp.plan import compile_plan
+    from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
 
     cfg = load_config(conf, [*overrides, f"train.steps={steps + warmup}", "train.warmup_steps=0"])
     plan = compile_plan(cfg)
     pred = predicted(plan.to_json())
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
     trainer = Trainer(cfg, plan)
     recs = []

@@ -64,8 +64,9 @@ def test_a_mix_of_every_layout_trains_two_steps(ray_local, tmp_path, tiny_dir):
     )
     assert [d.name for d in cfg.data.datasets] == [e["name"] for e in entries]
     from dhp.data import build_run_loader
+    from dhp.plan.compile import module_layouts
 
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     loader.close()
     assert sum(loader.sizes) == 19 and all(loader.sizes)  # 2 steps x 10 samples reach every dataset
     train(cfg)
