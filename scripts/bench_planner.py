@@ -126,7 +126,7 @@ def _config(
     cluster: str | None = None,
     recipe: str = "tiny_vlm",
 ):
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     base = [
         f"name={name}",

@@ -23,13 +23,13 @@ import time
 
 
 def main(argv: list[str]) -> dict:
-    from dhp.config import load_config
     from dhp.data import build_run_loader
     from dhp.plan import compile_plan
     from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
     from dhp.runtime.schedule import WarmupCosine
     from dhp.runtime.verify import ReferenceModel
+    from dhp.validation import load_config
 
     opts = {"conf": "tiny_vlm", "steps": "6", "warmup": "2"}
     overrides = []

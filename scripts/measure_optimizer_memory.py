@@ -55,12 +55,12 @@ def child(impl: str) -> dict:
     """Measure one implementation in this process (see the module docstring)."""
     import torch
 
-    from dhp.config import load_config
     from dhp.layout import module_layout
     from dhp.models import get_family
     from dhp.parallel import build_optimizer
     from dhp.plan.compile import micro_batches_per_step, module_shapes
     from dhp.plan.phases import module_terms
+    from dhp.validation import load_config
 
     torch.set_num_threads(1)
     cfg = load_config("tiny_vlm", [*WIDE, f"train.optimizer.impl={impl}"])

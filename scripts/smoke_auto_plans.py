@@ -19,9 +19,9 @@ import subprocess
 import sys
 import time
 
-from dhp.config import load_config
 from dhp.layout import module_layout
 from dhp.plan.search import apply, auto_plan
+from dhp.validation import load_config
 
 
 def _key(recipe: str, overrides: list[str]) -> str:

@@ -8,7 +8,7 @@ node, the activation-checkpointing mode and the mixed-precision policy. :func:`p
 answers it for the modules together: placement, the cluster's GPUs, N:M routing of replicas and the
 hand-off. Each problem is a :class:`~dhp.errors.ConfigIssue` (key path, value, rule, fix).
 
-- ``dhp.config.validate`` turns the problems into the ConfigError of a run config;
+- ``dhp.validation.validate`` turns the problems into the ConfigError of a run config;
 - ``dhp.plan.search`` generates only degrees with no problem, so ``--auto`` never offers a plan the
   runtime refuses;
 - ``dhp.parallel.parallelize`` raises PlanError on any problem before touching the module.

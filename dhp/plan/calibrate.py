@@ -64,7 +64,7 @@ def _bad(path: str, rule: str, fix: str) -> ConfigError:
 
 def load_run(run_dir: str | Path) -> tuple[DictConfig, list[dict]]:
     """The run's config and its metric records; ConfigError when the directory is not a run."""
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     d = Path(run_dir)
     cfg_path, metrics = d / "config.yaml", d / "metrics.jsonl"

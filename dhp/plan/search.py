@@ -22,7 +22,7 @@ Each module's terms and time are computed once per (world, degrees, AC, micro-ba
 the other module); a pair is the combination. Pairs are visited fastest-bound first and the visit
 stops once a module's best time alone already exceeds the 10th best step (bound pruning, not
 sampling). Plans that do not fit are dropped; the best ones are then validated as full run configs
-(``dhp.config.validate``), and rejected ones dropped, until ``top`` remain. Ranking: predicted
+(``dhp.validation.validate``), and rejected ones dropped, until ``top`` remain. Ranking: predicted
 tokens/s (the step's work is fixed by the global batch, so this is the shortest step time); ties
 break on the candidate's text form, so the result is deterministic.
 """
@@ -413,7 +413,7 @@ def auto_plan(
 ) -> tuple[list[tuple[Candidate, list[str]]], str]:
     """The ``top`` fastest valid plans that fit, each with the overrides that produce it, and one
     sentence on why the first wins."""
-    from dhp.config.validate import validate
+    from dhp.validation.validate import validate
 
     if "vision" not in config.modules:
         raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")

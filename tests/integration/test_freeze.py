@@ -7,11 +7,11 @@ import pytest
 import torch
 from plans import ALL_ONE
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
 from dhp.runtime.schedule import WarmupCosine
 from dhp.runtime.verify import ReferenceModel, compare_grads
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from plans import ALL_ONE
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

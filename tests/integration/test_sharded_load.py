@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
 from dhp.models import build_and_load, get_family, make_tiny_checkpoint
 from dhp.runtime.verify import ReferenceModel, compare_grads
 from dhp.runtime.worker import ModuleWorker
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -34,12 +34,12 @@ import ray
 import ray.cloudpickle
 import torch
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
 from dhp.runtime.verify import VerifyReport, compare_steps
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.integration
 

@@ -28,15 +28,15 @@ import pytest
 import torch
 from parallel_harness import assert_grads_match, full_grads, spawn
 
-from dhp.config import load_config
 from dhp.config.schema import TrainConfig
-from dhp.config.validate import validate
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
 from dhp.parallel import build_mesh, build_optimizer, clip_grads_, finalize_grads, parallelize
 from dhp.parallel.llm_tp import sequence_shard_rows
 from dhp.plan.search import Search, apply
+from dhp.validation import load_config
+from dhp.validation.validate import validate
 
 pytestmark = pytest.mark.parity
 

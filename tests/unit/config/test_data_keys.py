@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.config import load_config
 from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

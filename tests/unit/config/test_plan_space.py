@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.config.plan_space import declared_axes, module_problems, placement_problems
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.arch import ModuleAxes
 from dhp.models.registry import family_names, get_arch
 from dhp.parallel.compose import module_axes
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

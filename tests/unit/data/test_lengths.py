@@ -14,12 +14,12 @@ from conftest import DEMO, jsonl_data
 from typer.testing import CliRunner
 
 from dhp.cli import app
-from dhp.config import load_config
 from dhp.data.check import check_data
 from dhp.data.lengths import cached_lengths, sample_indices, with_data_lengths
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts, module_shapes
 from dhp.plan.estimate import timing_shapes, vision_patches_per_replica
+from dhp.validation import load_config
 
 ROWS = [  # three rows of clearly different lengths: text only, one photo, two photos and more text
     {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dhp.config import load_config
 from dhp.layout import module_layout
 from dhp.models import get_family
 from dhp.plan.memory import module_shape
 from dhp.plan.timing import module_flops
+from dhp.validation import load_config
 
 
 def test_llm_matmul_flops_use_heads_times_head_dim() -> None:
@@ -53,7 +53,11 @@ def test_handoff_counts_every_edge_of_a_row() -> None:
 
     cfg = load_config("tiny_qwen3_vl", [])
     shape = shape_of(
-        "vision", model=cfg.model, module=cfg.modules.vision, layout=module_layout(cfg.modules.vision), micro_batch=1
+        "vision",
+        model=cfg.model,
+        module=cfg.modules.vision,
+        layout=module_layout(cfg.modules.vision),
+        micro_batch=1,
     )
     levels = len(cfg.model.vision.extra.deepstack_visual_indexes)
     assert (

@@ -16,13 +16,13 @@ import functools
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config import load_config
 from dhp.layout import module_layout
 from dhp.plan.blocks import block_saved_elems
 from dhp.plan.estimate import coefficients, module_features, module_time
 from dhp.plan.memory import block_work_bytes, module_shape, saved_layers_bytes
 from dhp.plan.phases import module_terms
 from dhp.plan.timing import module_flops
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

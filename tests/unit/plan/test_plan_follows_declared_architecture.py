@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import pytest
 from omegaconf import DictConfig
 
-from dhp.config import load_config
 from dhp.layout import module_layout
 from dhp.models.arch import Architecture, Attention, Block, Mlp, ParamCount, uniform_blocks
 from dhp.models.qwen2_5_vl.arch import ARCH as QWEN25
@@ -24,6 +23,7 @@ from dhp.plan.compile import compile_plan
 from dhp.plan.memory import activations_of, module_shape
 from dhp.plan.overheads import attention_calls, collectives
 from dhp.plan.timing import attention_spans, link_of, module_comm, module_flops
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

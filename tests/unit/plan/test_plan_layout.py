@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from dhp.config import load_config
 from dhp.errors import PlanError
 from dhp.layout import ParallelLayout
 from dhp.plan import compile_plan
 from dhp.plan.placement import assign_gpus, routing
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,7 @@ def _tp_groups_in_one_node(group) -> bool:
 
 def test_planner_imports_no_ray_or_process_groups() -> None:
     code = (
-        "import sys; from dhp.config import load_config; from dhp.plan import compile_plan;"
+        "import sys; from dhp.validation import load_config; from dhp.plan import compile_plan;"
         "compile_plan(load_config('qwen_vl_72b', []));"
         "import dhp.plan.search, dhp.plan.calibrate, dhp.plan.auto;"
         "dhp.plan.search.auto_plan(load_config('qwen_vl_7b', []), set(), top=1);"

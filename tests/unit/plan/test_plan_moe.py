@@ -18,7 +18,6 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from dhp.config import load_config
 from dhp.config.plan_space import declared_axes
 from dhp.layout import module_layout
 from dhp.models.registry import get_arch
@@ -29,6 +28,7 @@ from dhp.plan.phases import module_terms
 from dhp.plan.render import render_plan
 from dhp.plan.search import module_degrees
 from dhp.plan.timing import all_to_all_s, link_of, module_comm, module_flops
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

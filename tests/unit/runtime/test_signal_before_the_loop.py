@@ -18,8 +18,8 @@ import ray
 from rich.console import Console
 
 import dhp.data
-from dhp.config import load_config
 from dhp.runtime.train import train
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.errors import ConfigError
 from dhp.models import get_family
 from dhp.plan.compile import module_layouts
 from dhp.runtime.verify import ReferenceModel, StepDiff, VerifyReport, check_verifiable, compare_grads
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """Per-module and cross-module validation rules (degrees, placement, cluster fit, batches, data).
 
-Called by :func:`dhp.config.validate.validate` once the model and cluster are known. Every rule
+Called by :func:`dhp.validation.validate.validate` once the model and cluster are known. Every rule
 appends to the shared :class:`~dhp.config.issues.Issues` and never raises.
 """
 
