@@ -26,3 +26,10 @@ def make_console(*, stderr: bool = False, file: IO[str] | None = None) -> Consol
     isatty = getattr(stream, "isatty", None)
     width = None if (isatty is not None and isatty()) or os.environ.get("COLUMNS") else LOG_WIDTH
     return Console(stderr=stderr, file=file, width=width)
+
+
+def percent(fraction: float) -> str:
+    """A fraction as a percentage for every console table (MFU in the plan, the run summary and
+    ``dhp report`` alike): one decimal from 0.1 %, two significant digits below (a CPU run's 0.029 %)."""
+    pct = 100.0 * fraction
+    return f"{pct:.1f}%" if abs(pct) >= 0.1 or pct == 0 else f"{pct:.2g}%"

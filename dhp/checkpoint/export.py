@@ -10,6 +10,7 @@ loadable with that transformers class's ``from_pretrained``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dhp.checkpoint.layout import resolve_resume
+from dhp.checkpoint.layout import resolve_checkpoint
 from dhp.checkpoint.lora_export import (
     ADAPTER_DIR,
     adapted_layers,
@@ -199,7 +200,17 @@ def export_hf(
             if (Path(model.path) / f).is_file():
                 shutil.copy2(Path(model.path) / f, out_dir / f)
         family.finish_export(out_dir)  # e.g. a processor class AutoProcessor loads without torchvision
+    _as_umask_allows(out_dir)
     return out_dir
+
+
+def _as_umask_allows(out_dir: Path) -> None:
+    """Give every file of the export the mode the user's umask gives a new file (0644 under the usual
+    022): safetensors writes its shards 0600, which keeps them from the group that serves the model."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in out_dir.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _adapters(ckpt_dir: Path, modules: list[str], key_map, *, lora, mode: str) -> dict[str, tuple]:
@@ -240,7 +251,9 @@ def export_checkpoint(
     The run's resolved ``config.yaml`` sits at ``<run>/config.yaml`` for ``<run>/checkpoints/step_X``.
     """
 
-    ckpt = resolve_resume(str(checkpoint), output_dir=".", name="")
+    ckpt = resolve_checkpoint(
+        checkpoint, arg="dhp export CHECKPOINT", other="whose newest complete checkpoint is exported"
+    )
     run_config = Path(ckpt).resolve().parent.parent / "config.yaml"
     if not run_config.is_file():
         raise CheckpointError(

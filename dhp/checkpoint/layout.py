@@ -184,41 +184,50 @@ def resolve_resume(
     name: str,
     on_skip: Callable[[Path, list[str]], None] | None = None,
 ) -> Path | None:
-    """Turn ``train.resume`` into a checkpoint dir: None -> None, ``"auto"`` -> newest (or None), else a path.
-
-    A path must be a complete checkpoint (``step_XXXXXX`` with ``meta.json``); a run's
-    ``checkpoints/`` dir or a run dir resolves to its newest complete checkpoint.
-    """
+    """Turn ``train.resume`` into a checkpoint dir: None -> None, ``"auto"`` -> newest (or None), else a path
+    (:func:`resolve_checkpoint`)."""
     if resume is None:
         return None
     if resume == "auto":
         return find_latest_checkpoint(output_dir=output_dir, name=name, on_skip=on_skip)
-    path = Path(resume)
-    if not path.exists():
-        raise CheckpointError(
-            f"train.resume = {resume!r}: no such path. Fix: pass a step_XXXXXX checkpoint directory, "
-            "or train.resume=auto to pick the newest checkpoint of this run name."
-        )
-    if (path / META_FILE).is_file():
-        return _verified(path)
-    for candidate in (path, path / "checkpoints"):
-        found = list_checkpoints(candidate)
-        if found:
-            return _verified(found[-1][1])
-    raise CheckpointError(
-        f"train.resume = {resume!r}: not a complete checkpoint ({META_FILE} missing; an interrupted save "
-        "leaves a *.tmp-<pid> dir) and holds no complete step_XXXXXX checkpoint. "
-        "Fix: pass a complete checkpoint directory or use train.resume=auto."
+    return resolve_checkpoint(
+        resume,
+        arg="train.resume",
+        other="or train.resume=auto to pick the newest checkpoint of this run name",
     )
 
 
-def _verified(path: Path) -> Path:
+def resolve_checkpoint(path_arg: str | Path, *, arg: str, other: str) -> Path:
+    """The complete checkpoint ``path_arg`` names: a ``step_XXXXXX`` dir with ``meta.json`` that verifies,
+    or a run's ``checkpoints/`` dir or run dir, which resolve to their newest complete checkpoint.
+    CheckpointError otherwise, naming the caller's own argument ``arg`` (``train.resume``,
+    ``dhp export CHECKPOINT``) and ending its fix with ``other`` (the caller's alternative)."""
+    path = Path(path_arg)
+    if not path.exists():
+        raise CheckpointError(
+            f"{arg} = {str(path_arg)!r}: no such path. Fix: pass a step_XXXXXX checkpoint directory "
+            f"or a run directory, {other}."
+        )
+    if (path / META_FILE).is_file():
+        return _verified(path, other=other)
+    for candidate in (path, path / "checkpoints"):
+        found = list_checkpoints(candidate)
+        if found:
+            return _verified(found[-1][1], other=other)
+    raise CheckpointError(
+        f"{arg} = {str(path_arg)!r}: not a complete checkpoint ({META_FILE} missing; an interrupted save "
+        "leaves a *.tmp-<pid> dir) and holds no complete step_XXXXXX checkpoint. "
+        f"Fix: pass a complete checkpoint directory, {other}."
+    )
+
+
+def _verified(path: Path, *, other: str) -> Path:
     """``path`` if it verifies, else CheckpointError listing the problems (an explicit path never
     falls back silently)."""
     problems = verify_checkpoint(path)
     if problems:
         raise CheckpointError(
-            f"checkpoint {path} fails verification:\n  - " + "\n  - ".join(problems) + "\n  Fix: resume "
-            "from an older checkpoint, or train.resume=auto to take the newest one that verifies."
+            f"checkpoint {path} fails verification:\n  - " + "\n  - ".join(problems) + "\n  Fix: use "
+            f"an older checkpoint (`dhp checkpoint verify RUN_DIR` lists them), {other}."
         )
     return path

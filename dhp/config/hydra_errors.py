@@ -14,6 +14,7 @@ from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
 from dhp.config.constants import MODULE_NAMES
+from dhp.config.keys import did_you_mean
 from dhp.errors import ConfigError, ConfigIssue
 
 _OVERRIDE_KEY = re.compile(r"Could not (?:override|append to config\.) '([^']+)'")
@@ -44,7 +45,7 @@ def _omegaconf_issue(err: OmegaConfBaseException, overrides: list[str]) -> Confi
         rule = f"unknown module {rest.split('.')[0]!r}; known modules: {', '.join(_module_names())}"
         fix = "use one of the known module names (modules.vision, modules.llm)"
     elif "not in" in msg or "Key '" in msg:
-        rule = f"unknown key ({msg})"
+        rule = f"unknown key ({msg}){did_you_mean(str(full_key))}"
         fix = "check the spelling against dhp/config/schema.py; unknown keys are errors in struct mode"
     else:
         rule = msg

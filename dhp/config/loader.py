@@ -27,6 +27,7 @@ from dhp.config.data_shortcuts import (
     use_tiny_checkpoint,
 )
 from dhp.config.hydra_errors import to_config_error
+from dhp.config.keys import did_you_mean, override_key_issues
 from dhp.config.schema import RunConfig
 from dhp.config.smoke import smoke_config
 from dhp.errors import ConfigError, ConfigIssue
@@ -85,6 +86,10 @@ def compose_config(conf: str, overrides: list[str]) -> DictConfig:
     """
     search_dir, name = resolve_conf(conf)
     overrides, data_dir = data_file_override(list(overrides))
+    mistyped = override_key_issues(overrides)
+    if mistyped:  # every mistyped key at once (Hydra would stop at the first)
+        remove_folder(data_dir)
+        raise ConfigError(mistyped)
     searchpath = [f"file://{search_dir}"] + ([f"file://{data_dir}"] if data_dir else [])
     store = ConfigStore.instance()
     store.store(name=_SCHEMA_NAME, node=RunConfig)
@@ -122,7 +127,7 @@ def _retype(cfg: DictConfig, *, conf: str, overrides: list[str]) -> DictConfig:
                 ConfigIssue(
                     path=path,
                     value=OmegaConf.select(cfg, path),
-                    rule="this key is not in the schema (dhp/config/schema.py)",
+                    rule=f"this key is not in the schema (dhp/config/schema.py){did_you_mean(path)}",
                     fix="remove it or fix its spelling; `+key=value` cannot add new settings",
                 )
                 for path in unknown

@@ -54,6 +54,15 @@ REASONS = (
 )
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """The whole of a JSON parse error: what, where, and the text around it (``e.msg`` alone is cut,
+    e.g. "Invalid control character at")."""
+    start = max(0, e.pos - 20)
+    near = e.doc[start : e.pos + 20].replace("\n", "\\n").replace("\t", "\\t")
+    near = "".join(c if c.isprintable() else repr(c)[1:-1] for c in near)
+    return f"{e.msg}: line {e.lineno} column {e.colno} (char {e.pos}), near {near!r}"
+
+
 class BadSampleError(DataError):
     """One bad sample: ``location`` is ``"<file>:<line>"``, ``"<file>[<record>]"`` or ``"<shard>:<key>"``, ``reason`` one of :data:`REASONS`."""
 

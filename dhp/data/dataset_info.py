@@ -19,6 +19,7 @@ import logging
 from dataclasses import fields, replace
 
 from dhp.config.schema import DatasetEntry
+from dhp.data.bad import json_error
 from dhp.data.llava import resolve_path
 from dhp.errors import ConfigError, ConfigIssue
 
@@ -52,8 +53,14 @@ def resolve_info(entry) -> DatasetEntry:
         raise _issue(plain, "info", plain.info, "file does not exist", "point info at a dataset_info.json")
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _issue(plain, "info", str(path), f"is not valid JSON ({e})", "repair the file") from e
+    except UnicodeDecodeError as e:
+        raise _issue(
+            plain, "info", str(path), f"is not UTF-8 at byte {e.start}", "re-encode it as UTF-8"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise _issue(
+            plain, "info", str(path), f"is not valid JSON ({json_error(e)})", "repair the file"
+        ) from e
     if not isinstance(table, dict) or plain.name not in table or not isinstance(table[plain.name], dict):
         names = sorted(table) if isinstance(table, dict) else []
         raise _issue(plain, "name", plain.name, f"is not an entry of {path}", f"use one of {names[:20]}")

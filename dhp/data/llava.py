@@ -134,7 +134,7 @@ class LlavaDataset:
             ) from e
         except json.JSONDecodeError as e:
             raise DataError(
-                f"dataset {self.name!r}: {self.path} line {e.lineno} col {e.colno} is not valid JSON ({e.msg}). "
+                f"dataset {self.name!r}: {self.path} is not valid JSON ({bad.json_error(e)}). "
                 "Fix: repair the file (a JSON list of records), or use JSONL so one bad line is one bad sample"
             ) from e
         if not isinstance(data, list):
@@ -186,7 +186,10 @@ def _parse_line(line: object, *, loc: str) -> object:
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise bad.BadSampleError(
-            location=loc, reason=bad.MALFORMED_RECORD, detail=f"invalid JSON ({e.msg})", fix="repair the line"
+            location=loc,
+            reason=bad.MALFORMED_RECORD,
+            detail=f"invalid JSON ({bad.json_error(e)})",
+            fix="repair the line",
         ) from e
 
 

@@ -157,7 +157,7 @@ class WebDataset:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.MALFORMED_RECORD,
-                detail=f"{key}.json is not valid JSON ({e.msg})",
+                detail=f"{key}.json is not valid JSON ({bad.json_error(e)})",
                 fix="repair the member",
             ) from e
         return raw

@@ -22,6 +22,7 @@ from rich.table import Table
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.metrics.rundir import Mark, RunLog, add_record, read_run_log
 from dhp.metrics.runs import count_skipped
+from dhp.term import percent
 
 PARTS = ("fwd", "bwd", "step")
 
@@ -225,7 +226,7 @@ def render_report_summary(
             f"{med('tokens_per_s_vision'):.0f} / {med('tokens_per_s_text'):.0f}",
         )
     if _has(rows, "mfu"):
-        table.add_row("MFU (median)", f"{med('mfu'):.2e}")
+        table.add_row("MFU (median)", percent(med("mfu")))
     if _has(rows, "peak_mem_bytes"):
         for k in sorted({k for r in rows for k in r["peak_mem_bytes"]}):
             peak = max(r["peak_mem_bytes"][k] for r in rows if k in r["peak_mem_bytes"])

@@ -9,6 +9,7 @@ from rich.text import Text
 from dhp.ops.linear_attn import kernel_note
 from dhp.plan.advice import oom_advice
 from dhp.plan.types import Plan
+from dhp.term import percent
 
 GIB = float(1 << 30)
 
@@ -226,7 +227,7 @@ def estimate_table(plan: Plan) -> Table | None:
             f"step-time estimate (profile: {est['profile']}; {est['provenance']}): "
             f"{est['step_time_s']:.3f} s/step, "
             f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s, "
-            f"MFU {100 * est['mfu']:.1f}%, {est['micro_batches']} micro-batches, bottleneck {est['bottleneck']}"
+            f"MFU {percent(est['mfu'])}, {est['micro_batches']} micro-batches, bottleneck {est['bottleneck']}"
         )
     )
     cols = (

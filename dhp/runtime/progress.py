@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dhp.term import percent
+
 
 class TrainProgress:
     """Context manager around rich's Progress; ``update`` after each step, ``summary`` at the end."""
@@ -63,7 +65,7 @@ class TrainProgress:
             "vision / text tokens/s (median)",
             f"{med('tokens_per_s_vision'):.0f} / {med('tokens_per_s_text'):.0f}",
         )
-        table.add_row("MFU (median)", f"{med('mfu'):.2e}")
+        table.add_row("MFU (median)", percent(med("mfu")))
         peak = max(v for r in records for v in r["peak_mem_bytes"].values())
         table.add_row("peak memory (max rank)", f"{peak / 2**20:.0f} MiB")
         bad = records[-1]["bad_samples"]

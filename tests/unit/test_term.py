@@ -41,3 +41,11 @@ def test_cli_output_piped_is_not_cut(monkeypatch) -> None:
     assert out.returncode == 0, out.stderr
     assert "…" not in out.stdout
     assert max(len(line) for line in out.stdout.splitlines()) > 80  # laid out wider than Rich's default
+
+
+def test_percent_is_the_one_format_of_a_fraction() -> None:
+    from dhp.term import percent
+
+    assert percent(0.3347) == "33.5%"
+    assert percent(2.9e-4) == "0.029%"  # a CPU run's MFU keeps two significant digits
+    assert percent(0.0) == "0.0%"

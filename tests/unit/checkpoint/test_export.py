@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from pathlib import Path
 
@@ -100,12 +101,21 @@ def test_cli_export_reads_the_run_config(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "dhp.cli", "export", str(run), str(tmp_path / "hf")]
     proc = subprocess.run(cli, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "config.yaml" in proc.stderr  # no run config yet: typed error
+    missing = subprocess.run([*cli[:4], str(tmp_path / "nope"), str(tmp_path / "hf")], capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert missing.returncode == 2 and "dhp export CHECKPOINT" in missing.stderr, missing.stderr
+    assert "train.resume" not in missing.stderr  # the command's own argument, not train's
     OmegaConf.save(cfg, run / "config.yaml")
     proc = subprocess.run([*cli, "--dtype", "float32"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ckpt.name in proc.stdout.replace("\n", "")
     assert "Qwen2_5_VLForConditionalGeneration.from_pretrained" in proc.stdout.replace("\n", "")
     _assert_loads_exactly(tmp_path / "hf", mods, torch.float32)
+    # the group that serves the model can read it (safetensors alone writes its shards 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir() if p.is_file()}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes
 
 
 def test_export_with_model_path_copies_tokenizer_and_processor(tmp_path: Path) -> None:

@@ -76,6 +76,12 @@ def _dataset(tmp_path, records: list) -> LlavaDataset:
         ({**GOOD, "image": 7}, bad.MALFORMED_RECORD, "media = 7"),
         ([1, 2], bad.MALFORMED_RECORD, "not an object"),
         ("{not json", bad.MALFORMED_RECORD, "invalid JSON"),
+        # the whole parse error: what, where and the text around it (not "Invalid control character at")
+        (
+            '{"a": "x\ty"}',
+            bad.MALFORMED_RECORD,
+            "Invalid control character at: line 1 column 9 (char 8), near",
+        ),
     ],
 )
 def test_bad_record_names_file_line_and_reason(tmp_path, record, reason, needle):
@@ -124,7 +130,10 @@ def test_dataset_level_errors_are_data_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         LlavaDataset(DatasetEntry(name="t", path=str(tmp_path / "nope.json"), image_root=str(tmp_path)))
     (tmp_path / "d.json").write_text("[{")
-    with pytest.raises(DataError, match="line 1 col 3 is not valid JSON"):
+    with pytest.raises(
+        DataError,
+        match=r"is not valid JSON \(Expecting property name enclosed in double quotes: line 1 column 3 \(char 2\)",
+    ):
         LlavaDataset(DatasetEntry(name="t", path=str(tmp_path / "d.json"), image_root=str(tmp_path)))
     with pytest.raises(DataError, match="is not a directory"):
         LlavaDataset(DatasetEntry(name="t", path=str(tmp_path / "d.json"), image_root=str(tmp_path / "x")))
