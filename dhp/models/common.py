@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dhp.errors import CheckpointError
-from dhp.models.checks import check_image_alignment
+from dhp.models.checks import check_image_alignment, check_text_only
 from dhp.models.family import LLMOutput
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
@@ -62,8 +62,9 @@ def scatter_rows(inputs_embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Te
 class LLMBase(nn.Module):
     """What every family's LLM module shares: transformers' text model (``language_model``) and
     ``lm_head``, the encoder's rows placed at their tokens in the input embeddings (:meth:`embed`), and
-    the summed loss (:meth:`loss`). ``config`` is the full VLM config (``vl_config``); a family's module
-    adds its forward (positions, the text model's call, any edge beside the image rows).
+    the summed loss (:meth:`loss`). ``config`` is the full VLM config (``vl_config``; None: a text-only
+    LLM); a family's module adds its forward (positions, the text model's call, any edge beside the
+    image rows).
 
     ``loss_fn`` is a plain attribute, not a submodule: ``dhp.parallel`` swaps it for the vocab-parallel
     loss under TP.
@@ -92,7 +93,16 @@ class LLMBase(nn.Module):
         sample_ids: list[str],
     ) -> torch.Tensor:
         """Token embeddings ``(B, S, H)`` with the image embeddings scattered at :meth:`placed` positions;
-        DataError (``checks.check_image_alignment``) when the tokens and the rows disagree."""
+        DataError (``checks.check_image_alignment``) when the tokens and the rows disagree. A text-only
+        config (``vl_config`` None) takes no images (DataError naming the samples)."""
+        if self.vl_config is None:
+            check_text_only(
+                input_ids=input_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_embeds=image_embeds,
+                sample_ids=sample_ids,
+            )
+            return self.language_model.embed_tokens(input_ids)
         check_image_alignment(
             input_ids=input_ids,
             mm_token_type_ids=mm_token_type_ids,

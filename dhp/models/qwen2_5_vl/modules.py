@@ -19,7 +19,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
-from dhp.models.checks import check_text_only, check_vision_inputs
+from dhp.models.checks import check_vision_inputs
 from dhp.models.common import LLMBase, LossFn, rope_index, sample_names, shifted_ce_sum
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
@@ -184,33 +184,6 @@ class LLMModule(LLMBase):
     def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Images and videos are one ordered stream of visual items: both take the encoder's rows."""
         return (input_ids == self.vl_config.image_token_id) | (input_ids == self.vl_config.video_token_id)
-
-    def embed(
-        self,
-        *,
-        input_ids: torch.Tensor,
-        mm_token_type_ids: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        image_embeds: torch.Tensor | None,
-        sample_ids: list[str],
-    ) -> torch.Tensor:
-        """Token embeddings ``(B, S, H)`` with the visual rows scattered at their tokens; a text-only
-        config takes no images (DataError)."""
-        if self.accepts_images:
-            return super().embed(
-                input_ids=input_ids,
-                mm_token_type_ids=mm_token_type_ids,
-                image_grid_thw=image_grid_thw,
-                image_embeds=image_embeds,
-                sample_ids=sample_ids,
-            )
-        check_text_only(
-            input_ids=input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_embeds=image_embeds,
-            sample_ids=sample_ids,
-        )
-        return self.language_model.embed_tokens(input_ids)
 
     def positions(
         self,

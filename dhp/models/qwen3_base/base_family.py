@@ -45,6 +45,8 @@ from dhp.models.entries import model_entry
 from dhp.models.family import HandOff
 from dhp.models.family_base import FamilyBase
 from dhp.models.qwen3_base.arch import Qwen3Arch, TextNumbers
+from dhp.models.qwen3_base.config import text_config
+from dhp.models.qwen3_base.tp import qwen3_decoder_tp_plan
 from dhp.models.qwen3_vision.arch import edges
 from dhp.models.qwen3_vision.config import vision_config_kwargs, vision_numbers_from_hf
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, shard_images
@@ -90,15 +92,28 @@ class Qwen3Family(FamilyBase):
         held = name is not None and name != type(self).name
         self.model_types = (name,) if held else tuple(self.configs)
 
-    # --- hooks ---------------------------------------------------------------------------------
+    # --- the decoder's, by default the Qwen3 decoder's (``qwen3_base.decoder``) ------------------
     def text_config(self, n: Any) -> dict[str, Any]:
-        """The transformers ``text_config`` keywords of numbers (``qwen3_base.config.text_config`` and
-        the family's own: layer counts, MLP widths, its other sizes)."""
-        raise NotImplementedError
+        """The transformers ``text_config`` keywords of numbers: the shared ones
+        (``qwen3_base.config.text_config``), the dense width and, in the MoE flavour, the sparse-layer
+        pattern (``output_router_logits`` stays transformers' default, false as released: the LLM
+        module asks for the logits itself). A family with another decoder writes its own."""
+        kwargs = text_config(n) | dict(intermediate_size=n.mlp)
+        if n.moe:  # norm_topk_prob as released; transformers' router always renormalises
+            kwargs |= dict(
+                decoder_sparse_step=n.sparse_step, mlp_only_layers=list(n.mlp_only), norm_topk_prob=True
+            )
+        return kwargs
 
     def llm_tp(self, n: Any) -> Callable[[bool], Mapping[str, Any]]:
-        """The decoder's TP styles by FQN glob, as a function of Megatron sequence parallelism."""
-        raise NotImplementedError
+        """The decoder's TP styles by FQN glob, as a function of Megatron sequence parallelism (asked
+        only where the declared axes allow it): the Qwen3 decoder's plan (``qwen3_base.tp``), with the
+        dense MLP's globs where the typed blocks have a dense layer."""
+        dense = any(b.mlp.kind == "dense" for b in self.arch.llm_arch(n).blocks)
+        allowed = self.arch.axes_of("llm", n).tp_sequence_parallel
+        return lambda sequence_parallel: qwen3_decoder_tp_plan(
+            dense_mlp=dense, sequence_parallel=sequence_parallel and allowed
+        )
 
     # --- flavours ------------------------------------------------------------------------------
     def is_moe(self, hf_config: PretrainedConfig) -> bool:

@@ -1,24 +1,21 @@
 """Qwen3-VL, dense and MoE, as a :class:`~dhp.models.family.ModelFamily`: ``vision`` -> 1 + K edges -> ``llm``.
 
-Everything but its declarations is the Qwen3 base (``dhp/models/qwen3_base/base_family.py``): the edges
-``image_embeds`` and one ``deepstack_embeds_k`` per DeepStack level, the SP cut, configs, modules and
-checkpoint keys. Here: each flavour's transformers config (``Qwen3VLConfig`` / ``Qwen3VLMoeConfig``),
-the decoder's own ``text_config`` keys, its TP plan (``tp.py``) and the released MoE checkpoints' expert
-layout. The flavour is the numbers' (``model.llm.extra.num_experts``, ``arch.py``);
+A declaration on the Qwen3 base (``dhp/models/qwen3_base/base_family.py``: the edges ``image_embeds``
+and one ``deepstack_embeds_k`` per DeepStack level, the SP cut, configs, modules, checkpoint keys, the
+Qwen3 decoder's ``text_config`` and TP plan): each flavour's transformers config, and the released MoE
+checkpoints' expert layout. The flavour is the numbers' (``model.llm.extra.num_experts``, ``arch.py``);
 ``get_family("qwen3_vl_moe")`` is this family held to its MoE flavour.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import ClassVar
 
 from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
 from dhp.models.qwen3_base.base_family import Qwen3Family, transposed_experts
-from dhp.models.qwen3_base.config import text_config
-from dhp.models.qwen3_vl.arch import ARCH, Numbers
-from dhp.models.qwen3_vl.tp import llm_tp_plan
+from dhp.models.qwen3_vl.arch import ARCH
 
 
 class Qwen3VLFamily(Qwen3Family):
@@ -30,20 +27,6 @@ class Qwen3VLFamily(Qwen3Family):
         "qwen3_vl": (Qwen3VLConfig, "Qwen3VLForConditionalGeneration"),
         "qwen3_vl_moe": (Qwen3VLMoeConfig, "Qwen3VLMoeForConditionalGeneration"),
     }
-
-    def text_config(self, n: Numbers) -> dict[str, Any]:
-        """The decoder's dense width; the MoE flavour's sparse pattern (``output_router_logits``
-        stays transformers' default, false as released: the LLM module asks for the logits itself)."""
-        kwargs = text_config(n) | dict(intermediate_size=n.mlp)
-        if n.moe:  # as released; transformers' router always renormalises
-            kwargs |= dict(
-                decoder_sparse_step=n.sparse_step, mlp_only_layers=list(n.mlp_only), norm_topk_prob=True
-            )
-        return kwargs
-
-    def llm_tp(self, n: Numbers) -> Callable[[bool], Mapping[str, Any]]:
-        dense = n.sparse_layers < n.layers
-        return lambda sequence_parallel: llm_tp_plan(dense_mlp=dense)
 
     def stored_dims(
         self, fqn: str, stored_shape: tuple[int, ...], shape: tuple[int, ...]
