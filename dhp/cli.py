@@ -175,9 +175,9 @@ def plan(
     Usage: dhp plan conf=RECIPE|PATH key=value... smoke=true --dry-run --json (all but conf= optional).
     Without --dry-run the placement groups are also reserved on the Ray cluster, then released.
     """
-    from dhp.config import load_config
     from dhp.plan import compile_plan, render_plan
     from dhp.plan.reserve import reserve_plan
+    from dhp.validation import load_config
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
@@ -282,8 +282,8 @@ def train(
     dhp train conf=tiny_vlm -m train.lr=1e-3,2e-3 train.steps=2: one run per combination, then a
     summary table and <train.output_dir>/sweeps/<timestamp>/sweep.jsonl; exits 1 if a run failed.
     """
-    from dhp.config import load_config
     from dhp.runtime.forkserver import for_driver
+    from dhp.validation import load_config
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     if multirun:
@@ -325,8 +325,8 @@ def verify(
     parameter-after-update difference per module (tolerance: loss and grad norm 1e-5 relative, every
     gradient and parameter 1e-4 absolute; fp32 only).
     """
-    from dhp.config import load_config
     from dhp.runtime.forkserver import for_driver
+    from dhp.validation import load_config
 
     given = command_words(ctx, words)
     args = [a for a in given if not a.startswith("steps=")]
@@ -461,8 +461,8 @@ def data_check(
     `dhp data check data.path=FILE` runs the checks that need no tokenizer (records, media, counts).
     Exits 1 when a sample is bad and data.on_bad_sample=raise (a run would stop there).
     """
-    from dhp.config import load_config
     from dhp.data.check import check_data, render_report
+    from dhp.validation import load_config
 
     if not any(a.startswith("conf=") for a in command_words(ctx, words)):
         from dhp.config.data_shortcuts import bare_data_config

@@ -1,78 +1,155 @@
-"""The one rank layout of a module group (like torchtitan's ``ParallelDims``). Pure, torch-free.
+"""The one parallel layout of a module group (like torchtitan's ``ParallelDims``). Pure, torch-free.
 
-A group's mesh has axes dp, fsdp, sp, tp (``PARALLEL_AXES``, outer -> inner; dependency-free, so
-``dhp.config``, ``dhp.plan`` and ``dhp.runtime`` can all import it),
-so rank ``r`` has coordinates ``r = ((dp * F + fsdp) * S + sp) * T + tp``. This module is the only
-place that formula is computed: validation, the planner, the runtime's dispatch / hand-off and the
-workers all ask a :class:`RankLayout`.
+A :class:`ParallelLayout` holds every degree of one module: the mesh axes dp, fsdp, sp, tp
+(``MESH_AXES``, outer -> inner), the expert-parallel degree ``ep`` folded over the ranks that see
+different tokens, the ZeRO stage and sequence parallelism inside TP. It is built once from the
+validated config by :meth:`ParallelLayout.from_config` (the only reader of ``modules.<m>.parallel``),
+carried by the compiled plan per group, shipped to every worker, and meshes are cut from it.
+Every derived fact is computed here and nowhere else:
 
+- rank ``r`` has coordinates ``r = ((dp * F + fsdp) * S + sp) * T + tp``;
 - a data replica = one (dp, fsdp) coordinate: its ``sp * tp`` ranks are contiguous and see the same
   batch; there are ``dp * fsdp`` replicas, and a replica's leader is its first rank;
 - a unit = one (data replica, SP rank), i.e. one TP group: its ``tp`` ranks are contiguous and hold
-  the same hand-off rows; its leader (TP rank 0) is the one rank that sends or receives them.
+  the same hand-off rows; its leader (TP rank 0) is the one rank that sends or receives them;
+- the token-parallel fold: the dp x fsdp x sp ranks (``TOKEN_AXES``), which see different tokens;
+  expert parallelism cuts them into EP groups of ``ep`` consecutive ranks, and the ``edp`` ranks that
+  hold the same experts (Megatron's parallel folding; :meth:`ParallelLayout.expert_grid`);
+- ZeRO-1 shards the optimizer state over the ranks that hold identical parameters and gradients:
+  the dp x sp ranks (``ZERO1_AXES``) for dense parameters, the edp ranks for experts.
+
+The axes still to come (cp, pp, expert-tp) join ``MESH_AXES`` / the folds here, and only here.
+The constructor does not validate: ``dhp.config.plan_space`` reports bad degrees as config issues
+before any derived fact is asked for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-PARALLEL_AXES = ("dp", "fsdp", "sp", "tp")  # mesh order, outer -> inner (re-exported by dhp.config.constants)
-#: ZeRO-1 shards the optimizer state over the ranks that hold identical parameters and gradients:
-#: the dp and sp axes (flattened). The planner's memory (dhp.plan.memory) and the optimizer
-#: (dhp.parallel.optim) both read this one definition.
+#: the mesh axes of a group, outer -> inner (re-exported by dhp.config.constants)
+MESH_AXES = ("dp", "fsdp", "sp", "tp")
+PARALLEL_AXES = MESH_AXES  # the name the config layer and the strategies use for the same tuple
+#: the mesh axes whose ranks see different tokens: the fold expert parallelism cuts
+TOKEN_AXES = ("dp", "fsdp", "sp")
+#: ZeRO-1 shards the dense optimizer state over the ranks that hold identical parameters and
+#: gradients: the dp and sp axes (flattened)
 ZERO1_AXES = ("dp", "sp")
+#: the axes of the experts' mesh, outer -> inner: TP index, expert-data-parallel, expert-parallel
+EXPERT_MESH_AXES = ("etp", "edp", "ep")
+#: every key of a ``modules.<m>.parallel`` config node, in the order the schema declares them
+CONFIG_KEYS = ("dp", "fsdp", "sp", "tp", "ep", "zero", "sequence_parallel")
 
 
 @dataclass(frozen=True)
-class RankLayout:
-    """Degrees of one group's mesh and every rank <-> coordinate question about it.
-
-    The constructor does not validate (config validation reports bad degrees as issues); build it
-    with :meth:`from_mesh` (the plan's ordered mesh, missing axes = 1) or :meth:`from_parallel`
-    (a ``parallel`` config node or any mapping / object with the four degrees).
-    """
+class ParallelLayout:
+    """Every degree of one module group and every rank question about it (see the module docstring)."""
 
     dp: int = 1
     fsdp: int = 1
     sp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism over the token-parallel fold (1: experts whole on every rank)
+    zero: int = 0  # 0: plain DP; 1: ZeRO-1 (optimizer states partitioned, see ZERO1_AXES)
+    sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group
 
+    # ---- the builder (the one reader of the config's degrees) --------------------------------
     @classmethod
-    def from_mesh(cls, mesh: Mapping[str, int]) -> RankLayout:
-        unknown = set(mesh) - set(PARALLEL_AXES)
-        if unknown:
-            raise ValueError(f"mesh axes {sorted(unknown)} are not among {PARALLEL_AXES}")
-        return cls(**{a: int(mesh.get(a, 1)) for a in PARALLEL_AXES})
-
-    @classmethod
-    def from_parallel(cls, parallel: Any) -> RankLayout:
-        """From a ``modules.<name>.parallel`` node, a mapping with keys dp, fsdp, sp, tp, or an object
-        with those attributes."""
+    def from_config(cls, parallel: Any) -> ParallelLayout:
+        """From a ``modules.<name>.parallel`` node (or any mapping / object with its keys; missing
+        ones take their defaults). Ints and bools are taken as they are; nothing is validated."""
         if isinstance(parallel, Mapping):
-            return cls(**{a: int(parallel[a]) for a in PARALLEL_AXES})
-        return cls(**{a: int(getattr(parallel, a)) for a in PARALLEL_AXES})
+            unknown = set(parallel) - set(CONFIG_KEYS)
+            if unknown:
+                raise ValueError(f"parallel degrees {sorted(unknown)} are not among {CONFIG_KEYS}")
+            get = parallel.get
+        else:
+            get = lambda k, d: getattr(parallel, k, d)  # noqa: E731
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = get(f.name, f.default)
+            out[f.name] = bool(value) if f.name == "sequence_parallel" else int(value)
+        return cls(**out)
 
-    # ---- sizes -------------------------------------------------------------------------------
+    def config_values(self) -> dict[str, int | bool]:
+        """The ``modules.<name>.parallel`` node that builds this layout (the inverse of :meth:`from_config`)."""
+        return {k: getattr(self, k) for k in CONFIG_KEYS}
+
+    def replace(self, **degrees: Any) -> ParallelLayout:
+        """This layout with some degrees changed."""
+        return dataclasses.replace(self, **degrees)
+
+    # ---- the mesh ----------------------------------------------------------------------------
     @property
     def degrees(self) -> dict[str, int]:
-        """All four axes, ordered outer -> inner."""
-        return {a: getattr(self, a) for a in PARALLEL_AXES}
+        """The mesh axes' degrees, ordered outer -> inner."""
+        return {a: getattr(self, a) for a in MESH_AXES}
 
     def mesh(self) -> dict[str, int]:
-        """The plan's ordered mesh: axes > 1, or ``{"dp": 1}`` for a single rank."""
+        """The group's ordered mesh: axes > 1, or ``{"dp": 1}`` for a single rank."""
         axes = {a: d for a, d in self.degrees.items() if d > 1}
         return axes or {"dp": 1}
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.fsdp * self.sp * self.tp
+        out = 1
+        for d in self.degrees.values():
+            out *= d
+        return out
 
-    @property
-    def tp_size(self) -> int:
-        return self.tp
+    def span(self, axis: str) -> int:
+        """Consecutive ranks one ``axis`` group reaches across: its degree times the inner axes'
+        (e.g. ``span("tp") = tp``, ``span("sp") = sp * tp``, ``span("dp") = world_size``)."""
+        out = 1
+        for a in reversed(MESH_AXES):
+            out *= getattr(self, a)
+            if a == axis:
+                return out
+        raise ValueError(f"unknown axis {axis!r}; axes are {MESH_AXES}")
 
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of ``rank`` (all four axes, ordered)."""
+        self._check_rank(rank)
+        out: dict[str, int] = {}
+        rest = rank
+        for axis in reversed(MESH_AXES):
+            degree = getattr(self, axis)
+            out[axis] = rest % degree
+            rest //= degree
+        return {a: out[a] for a in MESH_AXES}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """Inverse of :meth:`coords`; a missing axis is coordinate 0."""
+        rank = 0
+        for axis in MESH_AXES:
+            degree, c = getattr(self, axis), int(coords.get(axis, 0))
+            if not 0 <= c < degree:
+                raise ValueError(f"coordinate {axis}={c} outside degree {degree}")
+            rank = rank * degree + c
+        return rank
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """The ranks of every 1-D sub-group along ``axis`` (the others fixed), in rank order."""
+        if axis not in MESH_AXES:
+            raise ValueError(f"unknown axis {axis!r}; axes are {MESH_AXES}")
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            groups.setdefault(tuple(v for a, v in c.items() if a != axis), []).append(rank)
+        return list(groups.values())
+
+    def inner_axis(self, axes: tuple[str, ...]) -> str | None:
+        """The one axis among ``axes`` with degree > 1 (None: all are 1). ValueError when several are:
+        the callers ask for the ranks that share a batch, where sp and tp exclude each other."""
+        live = [a for a in axes if getattr(self, a) > 1]
+        if len(live) > 1:
+            raise ValueError(f"axes {live} are both > 1; sp and tp exclude each other inside one module")
+        return live[0] if live else None
+
+    # ---- replicas and units ------------------------------------------------------------------
     @property
     def ranks_per_replica(self) -> int:
         """Ranks of one data replica (sp * tp): they see the same batch."""
@@ -87,38 +164,6 @@ class RankLayout:
     def num_units(self) -> int:
         """Units: one per (data replica, SP rank), i.e. per TP group (the hand-off's endpoints)."""
         return self.num_replicas * self.sp
-
-    def span(self, axis: str) -> int:
-        """Consecutive ranks one ``axis`` group reaches across: its degree times the inner axes'
-        (e.g. ``span("tp") = tp``, ``span("sp") = sp * tp``, ``span("dp") = world_size``)."""
-        out = 1
-        for a in reversed(PARALLEL_AXES):
-            out *= getattr(self, a)
-            if a == axis:
-                return out
-        raise ValueError(f"unknown axis {axis!r}; axes are {PARALLEL_AXES}")
-
-    # ---- rank <-> coordinates ----------------------------------------------------------------
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank`` (all four axes, ordered)."""
-        self._check_rank(rank)
-        out: dict[str, int] = {}
-        rest = rank
-        for axis in reversed(PARALLEL_AXES):
-            degree = getattr(self, axis)
-            out[axis] = rest % degree
-            rest //= degree
-        return {a: out[a] for a in PARALLEL_AXES}
-
-    def rank_of(self, coords: Mapping[str, int]) -> int:
-        """Inverse of :meth:`coords`; a missing axis is coordinate 0."""
-        rank = 0
-        for axis in PARALLEL_AXES:
-            degree, c = getattr(self, axis), int(coords.get(axis, 0))
-            if not 0 <= c < degree:
-                raise ValueError(f"coordinate {axis}={c} outside degree {degree}")
-            rank = rank * degree + c
-        return rank
 
     def replica_of(self, rank: int) -> int:
         """Data replica of ``rank`` (its (dp, fsdp) coordinate, flattened)."""
@@ -148,16 +193,70 @@ class RankLayout:
         """The tp contiguous ranks of ``unit``."""
         return list(range(unit * self.tp, (unit + 1) * self.tp))
 
-    def axis_groups(self, axis: str) -> list[list[int]]:
-        """The ranks of every 1-D sub-group along ``axis`` (the others fixed), in rank order."""
-        if axis not in PARALLEL_AXES:
-            raise ValueError(f"unknown axis {axis!r}; axes are {PARALLEL_AXES}")
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(self.world_size):
-            c = self.coords(rank)
-            groups.setdefault(tuple(v for a, v in c.items() if a != axis), []).append(rank)
-        return list(groups.values())
+    # ---- the token-parallel fold and the experts' axes ----------------------------------------
+    @property
+    def token_ranks(self) -> int:
+        """Ranks that see different tokens of the step (dp x fsdp x sp): the fold EP cuts."""
+        out = 1
+        for a in TOKEN_AXES:
+            out *= getattr(self, a)
+        return out
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: the ranks of the token fold that hold the same experts."""
+        return self.token_ranks // self.ep
+
+    @property
+    def ep_span(self) -> int:
+        """Consecutive GPUs one EP group reaches across (its all-to-all's link): ep x tp."""
+        return self.ep * self.tp
+
+    def expert_grid(self) -> list[list[list[int]]]:
+        """The ranks of the experts' mesh ``EXPERT_MESH_AXES``, ``[tp][edp][ep]``: for each TP index the
+        token fold's ranks, row-major (sp fastest), cut into EP groups of ``ep`` consecutive ones."""
+        grid = []
+        for t in range(self.tp):
+            fold = [r for r in range(self.world_size) if r % self.tp == t]
+            grid.append([fold[i : i + self.ep] for i in range(0, len(fold), self.ep)])
+        return grid
+
+    # ---- the optimizer's and the sequence's shards -------------------------------------------
+    @property
+    def zero1_ranks(self) -> int:
+        """Ranks over which ZeRO-1 partitions the dense optimizer state (dp x sp)."""
+        out = 1
+        for a in ZERO1_AXES:
+            out *= getattr(self, a)
+        return out
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Parts the dense parameters' optimizer state is cut into (ZeRO-1 over dp x sp, else 1)."""
+        return self.zero1_ranks if self.zero == 1 else 1
+
+    @property
+    def expert_optimizer_shards(self) -> int:
+        """Parts the experts' optimizer state is cut into beyond ep: ZeRO-1 over the edp ranks, else 1."""
+        return max(1, self.edp) if self.zero == 1 else 1
+
+    @property
+    def seq_split(self) -> int:
+        """Parts sequence parallelism inside TP cuts the LLM's norm/residual activations into."""
+        return self.tp if self.sequence_parallel and self.tp > 1 else 1
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
+
+
+def module_layout(module: Any) -> ParallelLayout:
+    """The layout of one ``modules.<name>`` config node: the one place a degree is read from the config."""
+    return ParallelLayout.from_config(module.parallel)
+
+
+def write_layout(module: Any, layout: ParallelLayout) -> None:
+    """Set a mutable ``modules.<name>`` config node's degrees to ``layout``'s (what a config rewrite,
+    the smoke shrink or a search candidate, writes back)."""
+    for key, value in layout.config_values().items():
+        module.parallel[key] = value

@@ -126,7 +126,7 @@ def _config(
     cluster: str | None = None,
     recipe: str = "tiny_vlm",
 ):
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     base = [
         f"name={name}",
@@ -153,8 +153,10 @@ def _exact_lengths(cfg) -> list[str]:
     its share of the LLM replicas' images."""
     syn, merge = cfg.data.synthetic, cfg.model.vision.spatial_merge_size**2
     tokens = syn.images_per_sample * (syn.patches // merge + 2) + syn.text_tokens
-    v, lm = cfg.modules["vision"].parallel, cfg.modules["llm"].parallel
-    share = cfg.train.micro_batch_size * (lm.dp * lm.fsdp) // (v.dp * v.fsdp)
+    from dhp.layout import module_layout
+
+    v, lm = module_layout(cfg.modules["vision"]), module_layout(cfg.modules["llm"])
+    share = cfg.train.micro_batch_size * lm.num_replicas // v.num_replicas
     return [
         f"modules.llm.seq_len={tokens}",
         f"modules.vision.seq_len={share * syn.patches * syn.images_per_sample}",

@@ -23,12 +23,13 @@ import time
 
 
 def main(argv: list[str]) -> dict:
-    from dhp.config import load_config
     from dhp.data import build_run_loader
     from dhp.plan import compile_plan
+    from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
     from dhp.runtime.schedule import WarmupCosine
     from dhp.runtime.verify import ReferenceModel
+    from dhp.validation import load_config
 
     opts = {"conf": "tiny_vlm", "steps": "6", "warmup": "2"}
     overrides = []
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> dict:
     steps, warmup = int(opts["steps"]), int(opts["warmup"])
     cfg = load_config(opts["conf"], [*overrides, f"train.steps={steps + warmup}"])
     plan = compile_plan(cfg)
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     t = cfg.train
     sched = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps + warmup, min_lr_ratio=t.min_lr_ratio

@@ -104,16 +104,17 @@ def predicted(plan: dict[str, Any]) -> dict[str, Any]:
 
 def measure(conf: str, overrides: list[str], *, steps: int, warmup: int) -> dict[str, Any]:
     """Run ``warmup + steps`` steps of one configuration; medians after the warm-up."""
-    from dhp.config import load_config
     from dhp.data import build_run_loader
     from dhp.metrics.record import build_record
     from dhp.plan import compile_plan
+    from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
+    from dhp.validation import load_config
 
     cfg = load_config(conf, [*overrides, f"train.steps={steps + warmup}", "train.warmup_steps=0"])
     plan = compile_plan(cfg)
     pred = predicted(plan.to_json())
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
     trainer = Trainer(cfg, plan)
     recs = []
@@ -258,7 +259,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     args, extra = ap.parse_known_args(argv)  # extra: key=value overrides for every configuration
     import ray
 
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

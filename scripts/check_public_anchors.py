@@ -35,6 +35,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.layout import module_layout
+
 IN_BOUNDS, HELD_BOUNDS = (0.9, 1.1), (0.8, 1.25)
 
 TT_H100 = "pytorch/torchtitan docs/performance.md @eaea6f6 (Dec 2024), Table {}"
@@ -202,13 +204,19 @@ def _features(a: Anchor, cluster_over: dict | None = None):
     base = _CACHE.get(a.name)
     if base is None:
         cfg = anchor_config(a)
-        shape = module_shape("llm", model=cfg.model, module=cfg.modules.llm, micro_batch=a.micro_batch)
+        shape = module_shape(
+            "llm",
+            model=cfg.model,
+            module=cfg.modules.llm,
+            layout=module_layout(cfg.modules.llm),
+            micro_batch=a.micro_batch,
+        )
         base = _CACHE[a.name] = (cfg.cluster, shape)
     cluster, shape = base[0], base[1]
     if cluster_over:
         cluster = OmegaConf.merge(cluster, cluster_over)
     f = module_features(shape, shape.tokens, cluster, a.gpus)
-    _CACHE[key] = (cluster, f, a.gpus // (shape.parallel.tp * shape.parallel.sp))
+    _CACHE[key] = (cluster, f, a.gpus // (shape.layout.tp * shape.layout.sp))
     return _CACHE[key]
 
 

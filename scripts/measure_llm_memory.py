@@ -108,7 +108,7 @@ def _text_batch(hf, *, batch: int, seq: int) -> dict:
 def _rank(rank: int, world: int, port: int, sp: bool, args: dict, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dhp.config.schema import ParallelConfig
+    from dhp.layout import ParallelLayout
     from dhp.parallel import parallelize
 
     torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def _rank(rank: int, world: int, port: int, sp: bool, args: dict, out_dir: str) 
             "llm",
             module,
             mesh,
-            parallel=ParallelConfig(tp=world, sequence_parallel=sp),
+            layout=ParallelLayout(tp=world, sequence_parallel=sp),
             activation_checkpointing="full",
             mixed_precision="fp32",
         )

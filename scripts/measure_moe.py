@@ -100,13 +100,13 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def _step(rank: int, ep: int) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     """One training step at this ep: (this rank's expert bytes and all-to-all bytes, full reduced grads)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dhp.parallel import CommCounter
+    from dhp.layout import ParallelLayout
+    from dhp.parallel import CommCounter, build_mesh
     from dhp.parallel.ep import apply_ep, ep_mesh, expert_params, load_balancing_loss, reduce_expert_grads_
 
     s = SIZES
-    mesh = ep_mesh(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)), ep=ep)
+    layout = ParallelLayout(dp=WORLD, ep=ep)
+    mesh = ep_mesh(build_mesh(layout, "cpu"), layout)
     model = _model()
     if ep > 1:
         apply_ep(model, mesh, block_glob="language_model.layers.*.mlp")

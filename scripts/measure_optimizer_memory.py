@@ -55,11 +55,12 @@ def child(impl: str) -> dict:
     """Measure one implementation in this process (see the module docstring)."""
     import torch
 
-    from dhp.config import load_config
+    from dhp.layout import module_layout
     from dhp.models import get_family
     from dhp.parallel import build_optimizer
     from dhp.plan.compile import micro_batches_per_step, module_shapes
     from dhp.plan.phases import module_terms
+    from dhp.validation import load_config
 
     torch.set_num_threads(1)
     cfg = load_config("tiny_vlm", [*WIDE, f"train.optimizer.impl={impl}"])
@@ -68,7 +69,8 @@ def child(impl: str) -> dict:
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = build_optimizer(module, None, parallel=cfg.modules.llm.parallel, train=cfg.train)  # type: ignore[arg-type]
+    layout = module_layout(cfg.modules.llm)
+    opt = build_optimizer(module, None, layout=layout, train=cfg.train)  # type: ignore[arg-type]
     opt.step()  # allocates exp_avg / exp_avg_sq
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     resident = sum(t.untyped_storage().nbytes() for t in [*params, *(p.grad for p in params), *states])
@@ -77,7 +79,8 @@ def child(impl: str) -> dict:
     opt.step()
     temp = max(0, _status_kib("VmHWM") - before) * 1024
     shape = module_shapes(cfg)["llm"]
-    terms = module_terms(shape, micro_batches=micro_batches_per_step(cfg), optimizer_impl=impl)
+    n_mb = micro_batches_per_step(cfg.train, layout.num_replicas)
+    terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=impl)
     live = terms.live("optimizer")
     predicted = sum(live[k] for k in ("params", "grads", "optimizer", "optimizer_temp") if k in live)
     measured = resident + temp

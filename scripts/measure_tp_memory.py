@@ -66,7 +66,8 @@ def _text_batch(hf, seq: int = 32) -> dict:
 def _rank(rank: int, world: int, port: int, dims: tuple[int, int, int], out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dhp.config.schema import ParallelConfig, TrainConfig
+    from dhp.config.schema import TrainConfig
+    from dhp.layout import ParallelLayout
     from dhp.parallel import build_optimizer, parallelize
     from dhp.parallel.state import model_state_bytes
 
@@ -75,11 +76,11 @@ def _rank(rank: int, world: int, port: int, dims: tuple[int, int, int], out_dir:
     try:
         module, hf = _build(*dims)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        parallel = ParallelConfig(tp=world)
+        parallel = ParallelLayout(tp=world)
         module = parallelize(
-            "llm", module, mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+            "llm", module, mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
         )
-        opt = build_optimizer(module, mesh, parallel=parallel, train=TrainConfig(lr=1e-4))
+        opt = build_optimizer(module, mesh, layout=parallel, train=TrainConfig(lr=1e-4))
         module(**_text_batch(hf)).loss_sum.backward()
         opt.step()
         Path(out_dir, f"tp{world}_rank{rank}.json").write_text(json.dumps(model_state_bytes(module, opt)))

@@ -30,8 +30,8 @@ def overrides(patches: int) -> list[str]:
 
 
 def row(recipe: str, patches: int) -> dict:
-    from dhp.config import load_config
     from dhp.plan import compile_plan
+    from dhp.validation import load_config
 
     plan = compile_plan(load_config(recipe, overrides(patches)))
     doc = plan.to_json()

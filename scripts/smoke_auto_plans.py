@@ -19,8 +19,9 @@ import subprocess
 import sys
 import time
 
-from dhp.config import load_config
+from dhp.layout import module_layout
 from dhp.plan.search import apply, auto_plan
+from dhp.validation import load_config
 
 
 def _key(recipe: str, overrides: list[str]) -> str:
@@ -28,7 +29,7 @@ def _key(recipe: str, overrides: list[str]) -> str:
     cfg = load_config(recipe, overrides, smoke=True)
     mods = []
     for name, m in cfg.modules.items():
-        p = m.parallel
+        p = module_layout(m)
         mods.append(f"{name}:dp{p.dp}fsdp{p.fsdp}sp{p.sp}tp{p.tp}z{p.zero}{'+sp' if p.sequence_parallel else ''}"
                     f"/{m.activation_checkpointing}")  # fmt: skip
     return f"{cfg.placement} " + " ".join(mods)

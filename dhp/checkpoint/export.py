@@ -33,12 +33,12 @@ from dhp.checkpoint.lora_export import (
 )
 from dhp.checkpoint.meta import read_meta
 from dhp.checkpoint.module_state import MODEL_KEY, single_process_quiet
-from dhp.config import load_config
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError
 from dhp.models import get_family
 from dhp.models.dtypes import torch_dtype
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
+from dhp.validation import load_config
 
 # files of a HF model directory that are not weights and are copied from ``model.path`` when set
 _SIDE_FILES = (

@@ -1,7 +1,8 @@
-"""Typed run config: schema, Hydra composition, validation, smoke-run shrinking."""
+"""Typed run config: the schema, Hydra composition, smoke-run shrinking, the pure rules (the plan-space
+rule, data keys, guards) and ``ConfigIssue`` collection. Validating against a model family and freezing
+a config is ``dhp.validation`` (``load_config``, ``validate``), one layer above the families."""
 
-from dhp.config.loader import compose_config, list_recipes, load_config
+from dhp.config.loader import compose_config, compose_run, list_recipes
 from dhp.config.schema import RunConfig
-from dhp.config.validate import raise_if_invalid, validate
 
-__all__ = ["RunConfig", "compose_config", "list_recipes", "load_config", "raise_if_invalid", "validate"]
+__all__ = ["RunConfig", "compose_config", "compose_run", "list_recipes"]

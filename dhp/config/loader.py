@@ -1,4 +1,4 @@
-"""Compose a run config with Hydra, validate it, and return it frozen.
+"""Compose a run config with Hydra (validation and freezing: ``dhp.validation.load_config``).
 
 ``conf=`` names a recipe in ``recipes/`` or a path to a user's YAML. ``conf/`` (the config groups
 ``model/``, ``cluster/``, ``parallel/``, ``data/``, ``train/``) is on the search path, so a recipe's
@@ -29,7 +29,6 @@ from dhp.config.data_shortcuts import (
 from dhp.config.hydra_errors import to_config_error
 from dhp.config.schema import RunConfig
 from dhp.config.smoke import smoke_config
-from dhp.config.validate import raise_if_invalid
 from dhp.errors import ConfigError, ConfigIssue
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -181,16 +180,12 @@ def _tiny_model_file(model: DictConfig):
     return own if own.is_file() else CONF_DIR / "model" / "tiny.yaml"
 
 
-def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = False) -> RunConfig:
-    """Compose, (optionally) shrink to a smoke run, validate, and freeze a run config.
-
-    Returns an OmegaConf DictConfig typed as RunConfig: attribute access like the dataclass,
-    struct mode (unknown keys raise) and read-only. ``smoke=True`` applies
-    :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2)
-    before validation. Real data on a tiny model without ``model.path`` names the tiny checkpoint
-    (:func:`dhp.config.data_shortcuts.use_tiny_checkpoint`; the run writes it). Raises ConfigError
-    listing every problem found.
-    """
+def compose_run(conf: str, overrides: list[str] | None = None, *, smoke: bool = False) -> DictConfig:
+    """Compose a run config and (``smoke=True``) shrink it to a smoke run, not yet validated: what
+    :func:`dhp.validation.load_config` validates and freezes. ``smoke`` applies
+    :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2). Real data
+    on a tiny model without ``model.path`` names the tiny checkpoint
+    (:func:`dhp.config.data_shortcuts.use_tiny_checkpoint`; the run writes it)."""
     cfg = compose_config(conf, list(overrides or []))
     if smoke:
         cfg = smoke_config(
@@ -199,7 +194,4 @@ def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
             local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
         )
     use_tiny_checkpoint(cfg)
-    raise_if_invalid(cfg)
-    OmegaConf.resolve(cfg)
-    OmegaConf.set_readonly(cfg, True)
-    return cfg  # type: ignore[return-value]  # a DictConfig typed by RunConfig
+    return cfg

@@ -1,20 +1,20 @@
 """The space of valid plans: one rule, asked by validation, the ``--auto`` search and ``parallelize``.
 
 :func:`module_problems` answers "is this plan valid for this module, and if not why" for one
-module's GPU count, degrees (dp, fsdp, sp, tp, the expert-parallel degree ep, ZeRO-1, sequence
-parallelism inside TP), the axes the
+module's GPU count, its :class:`~dhp.layout.ParallelLayout` (dp, fsdp, sp, tp, the expert-parallel
+degree ep, ZeRO-1, sequence parallelism inside TP), the axes the
 module supports (:class:`~dhp.models.arch.ModuleAxes`, declared by its family), a TP group inside one
 node, the activation-checkpointing mode and the mixed-precision policy. :func:`placement_problems`
 answers it for the modules together: placement, the cluster's GPUs, N:M routing of replicas and the
 hand-off. Each problem is a :class:`~dhp.errors.ConfigIssue` (key path, value, rule, fix).
 
-- ``dhp.config.validate`` turns the problems into the ConfigError of a run config;
+- ``dhp.validation.validate`` turns the problems into the ConfigError of a run config;
 - ``dhp.plan.search`` generates only degrees with no problem, so ``--auto`` never offers a plan the
   runtime refuses;
 - ``dhp.parallel.parallelize`` raises PlanError on any problem before touching the module.
 
-Pure: no torch; degrees are read by attribute or key (a DictConfig, ``ParallelConfig`` or the
-search's ``Degrees`` alike).
+Pure: no torch. The degrees come as a layout (``dhp.layout.module_layout`` of a config node, or a
+search candidate), never as a config node: the rule checks the layout the runtime will use.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dhp.config.ac import parse_ac_mode
-from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PARALLEL_AXES, PLACEMENTS
+from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PLACEMENTS
 from dhp.config.handoff import resolve_handoff
 from dhp.config.issues import Issues
 from dhp.errors import ConfigIssue
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,13 @@ def declared_axes(family_arch: Any, name: str, model: Any) -> ModuleAxes:
     return with_experts(axes, family_arch.architecture(model).modules[name].blocks)
 
 
-def _get(par: Any, key: str) -> Any:
-    return par[key] if isinstance(par, Mapping) else getattr(par, key)
-
-
-def _degree_problems(prefix: str, gpus: int, par: Any, out: Issues) -> bool:
-    degs = {a: int(_get(par, a)) for a in PARALLEL_AXES}
+def _degree_problems(prefix: str, gpus: int, lay: ParallelLayout, out: Issues) -> bool:
+    degs = lay.degrees
     ok = True
     for axis, d in degs.items():
         ok &= out.check(d >= 1, f"{prefix}.parallel.{axis}", d, "must be >= 1", "use 1 to disable")
     ok &= out.check(gpus > 0, f"{prefix}.gpus", gpus, "must be > 0", "set the GPU count of this group")
-    zero = int(_get(par, "zero"))
+    zero = lay.zero
     out.check(
         zero in (0, 1),
         f"{prefix}.parallel.zero",
@@ -104,7 +100,7 @@ def _degree_problems(prefix: str, gpus: int, par: Any, out: Issues) -> bool:
         "set one of them to 1 (sp for long encoder sequences, tp for wide layers)",
     )
     if ok:
-        product = RankLayout(**degs).world_size
+        product = lay.world_size
         out.check(
             product == gpus,
             f"{prefix}.gpus",
@@ -115,10 +111,9 @@ def _degree_problems(prefix: str, gpus: int, par: Any, out: Issues) -> bool:
     return ok  # False: a degree or the GPU count < 1 (nothing below may divide by it)
 
 
-def layout_ok(gpus: int, parallel: Any) -> bool:
-    """The degrees are >= 1 and multiply to ``gpus`` (what every rank-layout computation needs)."""
-    degs = {a: int(_get(parallel, a)) for a in PARALLEL_AXES}
-    return gpus > 0 and min(degs.values()) >= 1 and RankLayout(**degs).world_size == gpus
+def layout_ok(gpus: int, layout: ParallelLayout) -> bool:
+    """The mesh degrees are >= 1 and multiply to ``gpus`` (what every rank-layout computation needs)."""
+    return gpus > 0 and min(layout.degrees.values()) >= 1 and layout.world_size == gpus
 
 
 def _divides(out: Issues, path: str, degree: int, sizes: Mapping[str, int]) -> None:
@@ -133,9 +128,8 @@ def _divides(out: Issues, path: str, degree: int, sizes: Mapping[str, int]) -> N
         )
 
 
-def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: Issues) -> None:
-    sp, tp = int(_get(par, "sp")), int(_get(par, "tp"))
-    seq = bool(_get(par, "sequence_parallel"))
+def _axes_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes, out: Issues) -> None:
+    sp, tp, seq = lay.sp, lay.tp, lay.sequence_parallel
     if out.check(
         sp == 1 or axes.sp,
         f"{prefix}.parallel.sp",
@@ -159,7 +153,7 @@ def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: Issues) -> None
         "this module has no sequence parallelism inside TP",
         "set it to false",
     )
-    ep = int(_get(par, "ep"))
+    ep = lay.ep
     if ep > 1 and out.check(
         axes.experts > 0,
         f"{prefix}.parallel.ep",
@@ -170,12 +164,12 @@ def _axes_problems(prefix: str, par: Any, axes: ModuleAxes, out: Issues) -> None
         _divides(out, f"{prefix}.parallel.ep", ep, {"number of experts": axes.experts})
 
 
-def _ep_problems(prefix: str, par: Any, out: Issues) -> None:
-    """EP folds over the ranks that see different tokens (dp x fsdp x sp, ``dhp.parallel.ep``)."""
-    ep = int(_get(par, "ep"))
+def _ep_problems(prefix: str, lay: ParallelLayout, out: Issues) -> None:
+    """EP folds over the ranks that see different tokens (dp x fsdp x sp, ``dhp.layout.TOKEN_AXES``)."""
+    ep = lay.ep
     if not out.check(ep >= 1, f"{prefix}.parallel.ep", ep, "must be >= 1", "use 1 to disable"):
         return
-    folded = int(_get(par, "dp")) * int(_get(par, "fsdp")) * int(_get(par, "sp"))
+    folded = lay.token_ranks
     out.check(
         folded % ep == 0,
         f"{prefix}.parallel.ep",
@@ -184,7 +178,7 @@ def _ep_problems(prefix: str, par: Any, out: Issues) -> None:
         f"choose ep among the divisors of {folded}, or raise dp/fsdp",
     )
     out.check(
-        not (ep > 1 and int(_get(par, "tp")) > 1 and bool(_get(par, "sequence_parallel"))),
+        not (ep > 1 and lay.tp > 1 and lay.sequence_parallel),
         f"{prefix}.parallel.sequence_parallel",
         True,
         "sequence parallelism inside TP gives each TP rank different tokens, which expert parallelism "
@@ -197,7 +191,7 @@ def module_problems(
     name: str,
     *,
     gpus: int,
-    parallel: Any,
+    layout: ParallelLayout,
     axes: ModuleAxes | None,
     gpus_per_node: int | None,
     activation_checkpointing: Any,
@@ -205,7 +199,7 @@ def module_problems(
 ) -> list[ConfigIssue]:
     """Every reason module ``name``'s plan is invalid (empty: valid).
 
-    ``parallel``: the degrees (dp, fsdp, sp, tp, ep, zero, sequence_parallel by key or attribute);
+    ``layout``: the module's degrees (``dhp.layout.module_layout`` of its config node);
     ``axes``: what the module supports (None: not known here, e.g. the family failed validation);
     ``gpus_per_node``: a TP group must fit inside and tile one node (None: no cluster to check).
     """
@@ -217,10 +211,10 @@ def module_problems(
     except ValueError as e:
         out.check(False, f"{prefix}.activation_checkpointing", activation_checkpointing, str(e),
                   f"set {prefix}.activation_checkpointing=full (or off, selective, every_n:2)")  # fmt: skip
-    if not _degree_problems(prefix, gpus, parallel, out):
+    if not _degree_problems(prefix, gpus, layout, out):
         return out.items  # a degree < 1: divisibility would divide by zero
-    _ep_problems(prefix, parallel, out)
-    tp = int(_get(parallel, "tp"))
+    _ep_problems(prefix, layout, out)
+    tp = layout.tp
     if gpus_per_node is not None and tp > 1:
         out.check(
             tp <= gpus_per_node and gpus_per_node % tp == 0,
@@ -230,7 +224,7 @@ def module_problems(
             f"use a divisor of {gpus_per_node} and scale with dp/fsdp across nodes",
         )
     if axes is not None:
-        _axes_problems(prefix, parallel, axes, out)
+        _axes_problems(prefix, layout, axes, out)
     return out.items
 
 

@@ -1,7 +1,7 @@
 """Typed schema of a dhp run.
 
 Hydra composes YAML from ``conf/`` and ``recipes/`` onto these dataclasses in struct mode, so an
-unknown key is an error. ``dhp.config.load_config`` (``loader.py``) validates the result and returns
+unknown key is an error. ``dhp.validation.load_config`` validates the result and returns
 a frozen :class:`RunConfig`. Sub-configs are passed keyword-only to the functions that need them;
 nothing reads the root config with ``.get(key, default)``.
 

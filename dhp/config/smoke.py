@@ -20,8 +20,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config.constants import PARALLEL_AXES
-from dhp.layout import RankLayout
+from dhp.layout import MESH_AXES, module_layout, write_layout
 
 SMOKE_STEPS = 2
 SMOKE_PATCHES = 64  # one 112x112 image: 8x8 patches of 14 px, 16 LLM tokens after the 2x2 merge
@@ -30,22 +29,23 @@ SMOKE_VISION_SEQ = 256
 SMOKE_LLM_SEQ = 128
 
 
+def _set(mod: DictConfig, **degrees: int) -> None:
+    """Rewrite some of ``mod``'s degrees and recount its GPUs."""
+    lay = module_layout(mod).replace(**degrees)
+    write_layout(mod, lay)
+    mod.gpus = lay.world_size
+
+
 def _shrink_degrees(mod: DictConfig) -> None:
-    for axis in (*PARALLEL_AXES, "ep"):
-        if mod.parallel[axis] > 1:
-            mod.parallel[axis] = 2
-    _recount(mod)
+    lay = module_layout(mod)
+    _set(mod, **{axis: 2 for axis in (*MESH_AXES, "ep") if getattr(lay, axis) > 1})
 
 
 def _fold_ep(mod: DictConfig) -> None:
     """Expert parallelism folds over the dp x fsdp x sp ranks left after shrinking: ep keeps the
     largest degree that still divides them (the strategy stays where the ranks allow it)."""
-    lay = RankLayout.from_parallel(mod.parallel)
-    mod.parallel.ep = math.gcd(int(mod.parallel.ep), lay.num_replicas * lay.sp)
-
-
-def _recount(mod: DictConfig) -> None:
-    mod.gpus = RankLayout.from_parallel(mod.parallel).world_size
+    lay = module_layout(mod)
+    _set(mod, ep=math.gcd(lay.ep, lay.token_ranks))
 
 
 def _needed(cfg: DictConfig) -> int:
@@ -60,9 +60,8 @@ def _fit(cfg: DictConfig, ranks: int) -> None:
         for mod in cfg.modules.values():
             if _needed(cfg) <= ranks:
                 return
-            if mod.parallel[axis] > 1:
-                mod.parallel[axis] = 1
-                _recount(mod)
+            if getattr(module_layout(mod), axis) > 1:
+                _set(mod, **{axis: 1})
 
 
 def _share_gpus(cfg: DictConfig) -> None:
@@ -73,14 +72,13 @@ def _share_gpus(cfg: DictConfig) -> None:
     most = max(m.gpus for m in cfg.modules.values())
     for mod in cfg.modules.values():
         if mod.gpus < most and most % mod.gpus == 0:
-            mod.parallel.dp *= most // mod.gpus
-            _recount(mod)
+            _set(mod, dp=module_layout(mod).dp * (most // mod.gpus))
 
 
 def _replicas(cfg: DictConfig, name: str) -> int:
     if name not in cfg.modules:
         return 1
-    return RankLayout.from_parallel(cfg.modules[name].parallel).num_replicas
+    return module_layout(cfg.modules[name]).num_replicas
 
 
 def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: DictConfig) -> DictConfig:

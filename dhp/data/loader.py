@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from dhp.data.batch import Sample, VLBatch, collate
 from dhp.data.packing import pack, packed_max_tokens
 from dhp.data.source import SampleSource, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 
 log = logging.getLogger("dhp.data")
 WAIT_WARN_FRACTION = 0.10  # a step waiting longer than this share of its time on data is reported
@@ -417,16 +418,16 @@ def build_loader(
     return StepLoader(source=source, sizes=sizes, weights=weights, spec=spec)
 
 
-def build_run_loader(config: RunConfig) -> StepLoader:
-    """:func:`build_loader` for a whole run: one batch per LLM data replica (``dp*fsdp`` of
-    ``modules.llm``), ``seq_len`` of each module (vision 0 when the run has no encoder)."""
+def build_run_loader(config: RunConfig, layouts: Mapping[str, ParallelLayout]) -> StepLoader:
+    """:func:`build_loader` for a whole run: one batch per data replica of the LLM's layout (the
+    plan's ``layouts``, ``dp*fsdp``), ``seq_len`` of each module (vision 0 when the run has no encoder)."""
     mods = config.modules
     llm = mods["llm"]
     return build_loader(
         data=config.data,
         model=config.model,
         train=config.train,
-        dp_size=RankLayout.from_parallel(llm.parallel).num_replicas,
+        dp_size=layouts["llm"].num_replicas,
         vision_seq_len=mods["vision"].seq_len if "vision" in mods else 0,
         llm_seq_len=llm.seq_len,
     )

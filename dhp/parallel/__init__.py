@@ -21,6 +21,7 @@ from dhp.parallel.llm_tp import (
     sequence_shard_rows,
     vocab_parallel_loss_sum,
 )
+from dhp.parallel.meshutil import build_mesh, inner_group
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.param_groups import apply_trainable, set_lr
 from dhp.parallel.plan_match import match_plan
@@ -52,6 +53,7 @@ __all__ = [
     "apply_tp",
     "apply_trainable",
     "apply_ulysses_sp",
+    "build_mesh",
     "build_optimizer",
     "check_divides",
     "clip_grads_",
@@ -62,6 +64,7 @@ __all__ = [
     "full_param_dict",
     "gather_vision_output",
     "grad_norm_sq",
+    "inner_group",
     "local_loss_sum",
     "match_plan",
     "model_state_bytes",

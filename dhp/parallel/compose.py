@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dhp.config.ac import parse_ac_mode
 from dhp.config.plan_space import ModuleAxes, module_problems
-from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
+from dhp.layout import TOKEN_AXES, ParallelLayout
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.ep import apply_ep, ep_mesh
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
@@ -38,14 +38,12 @@ from dhp.parallel.meshutil import AXES, axes, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
 
-TOKEN_AXES = ("dp", "fsdp", "sp")  # the axes whose ranks see different tokens (EP folds over them)
-
 
 @dataclass(frozen=True)
 class _Ctx:
     name: str
     plan: ModuleParallelPlan
-    parallel: ParallelConfig
+    layout: ParallelLayout
     activation_checkpointing: str  # a dhp.config.ac mode (bools accepted)
     mixed_precision: str
     loss_chunk_tokens: int  # 0 = dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS
@@ -55,7 +53,7 @@ def _tp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     return apply_tp(
         module,
         mesh,
-        sequence_parallel=ctx.parallel.sequence_parallel,
+        sequence_parallel=ctx.layout.sequence_parallel,
         loss_chunk_tokens=ctx.loss_chunk_tokens,
         module_name=ctx.name,
     )
@@ -70,7 +68,7 @@ def _loss(module: nn.Module, ctx: _Ctx) -> nn.Module:
 def _ep(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     """Experts of ``plan.moe_blocks`` sharded over ``ep`` ranks folded from dp x fsdp x sp (a collective:
     builds the (etp, edp, ep) mesh's process groups)."""
-    apply_ep(module, ep_mesh(mesh, ep=ctx.parallel.ep), block_glob=ctx.plan.moe_blocks)
+    apply_ep(module, ep_mesh(mesh, ctx.layout), block_glob=ctx.plan.moe_blocks)
     return module
 
 
@@ -105,15 +103,15 @@ def _ac_spec(value: str) -> AcSpec:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("ep", lambda c: c.parallel.ep > 1, _ep),
+    Step("ep", lambda c: c.layout.ep > 1, _ep),
     Step("moe_tokens", lambda c: bool(c.plan.moe_blocks), _token_group),
     Step(
         "tp",
-        lambda c: c.parallel.tp > 1,
+        lambda c: c.layout.tp > 1,
         lambda m, mesh, c: _tp(m, axis(mesh, "tp"), c),
     ),
-    Step("loss", lambda c: c.plan.loss and c.parallel.tp == 1, lambda m, mesh, c: _loss(m, c)),
-    Step("sp", lambda c: c.parallel.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
+    Step("loss", lambda c: c.plan.loss and c.layout.tp == 1, lambda m, mesh, c: _loss(m, c)),
+    Step("sp", lambda c: c.layout.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
     Step(
         "ac",
         lambda c: parse_ac_mode(c.activation_checkpointing).enabled,
@@ -121,7 +119,7 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "fsdp",
-        lambda c: c.parallel.fsdp > 1,
+        lambda c: c.layout.fsdp > 1,
         lambda m, mesh, c: apply_fsdp(
             m, mesh, FsdpSpec(block_globs=c.plan.blocks, mixed_precision=c.mixed_precision)
         ),
@@ -132,7 +130,7 @@ STEPS: tuple[Step, ...] = (
 def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
     """PlanError unless the mesh's axis degrees equal the config's and the combination is supported."""
     got = {a: axis_size(mesh, a) for a in AXES}
-    want = {a: getattr(ctx.parallel, a) for a in AXES}
+    want = ctx.layout.degrees
     if got != want:
         raise PlanError(
             f"module {ctx.name!r}: mesh degrees {got} differ from modules.{ctx.name}.parallel {want}."
@@ -140,7 +138,7 @@ def _check(ctx: _Ctx, mesh: DeviceMesh) -> None:
     problems = module_problems(
         ctx.name,
         gpus=mesh.size(),
-        parallel=ctx.parallel,
+        layout=ctx.layout,
         axes=module_axes(ctx.plan),
         gpus_per_node=None,  # the plan placed the mesh; its TP group was checked against the cluster
         activation_checkpointing=ctx.activation_checkpointing,
@@ -171,8 +169,8 @@ def parallelize(
     module_name: str,
     module: nn.Module,
     mesh: DeviceMesh,
+    layout: ParallelLayout,
     *,
-    parallel: ParallelConfig,
     activation_checkpointing: str | bool,
     mixed_precision: str,
     loss_chunk_tokens: int = 0,
@@ -182,14 +180,15 @@ def parallelize(
     ``mesh`` is the group's mesh (axes dp, fsdp, sp, tp with degree > 1). ``mixed_precision`` is the
     FSDP2 policy (fp32 | bf16_master_fp32 | bf16); without FSDP parameters keep their dtype and the
     caller chooses the compute dtype. ``loss_chunk_tokens``: tokens per chunk of the LLM's
-    cross-entropy (0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``). ``parallel.sequence_parallel`` turns on
+    cross-entropy (0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``). ``layout`` is the group's (the mesh was cut
+    from it: dhp.parallel.meshutil.build_mesh); its ``sequence_parallel`` turns on
     sequence parallelism inside the LLM's TP group (nothing to shard at tp=1: a no-op there). Raises
     PlanError before touching the module when the plan is inconsistent or unsupported.
     """
     ctx = _Ctx(
         module_name,
         module_plan(module),
-        parallel,
+        layout,
         activation_checkpointing,
         mixed_precision,
         loss_chunk_tokens,

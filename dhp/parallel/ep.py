@@ -36,7 +36,8 @@ Attention and the dense parts keep the module's own axes (dp, fsdp, sp, tp). For
 ranks of the module's dp x fsdp x sp axes (the ranks that see DIFFERENT tokens) are folded into one
 axis of size ``n`` and re-split as ``edp x ep`` with ``ep`` innermost (consecutive ranks, so an EP group
 prefers SP neighbours, then FSDP, then DP: the most local links). :func:`ep_mesh` builds this as a
-3-D DeviceMesh ``("etp", "edp", "ep")``: ``etp`` is the module's tp axis. Expert tensor parallelism
+3-D DeviceMesh ``("etp", "edp", "ep")`` from the layout's fold (``ParallelLayout.expert_grid``, the one
+place the fold is computed): ``etp`` is the module's tp axis. Expert tensor parallelism
 (sharding I inside each expert over ``etp``) is not implemented yet: with tp > 1 every TP rank of a
 TP group holds the same tokens and runs the same experts (correct, redundant compute).
 
@@ -102,47 +103,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dhp.errors import PlanError
-
-EP_MESH_DIMS = ("etp", "edp", "ep")
-_FOLDED_AXES = ("dp", "fsdp", "sp")  # the module axes whose ranks see different tokens
-
+from dhp.layout import EXPERT_MESH_AXES, ParallelLayout
 
 # ---------------------------------------------------------------------------------------------- mesh
 
 
-def ep_rank_grid(ranks: torch.Tensor, names: tuple[str, ...], *, ep: int) -> torch.Tensor:
-    """The global ranks of the MoE mesh, [tp, edp, ep], from a module mesh's rank tensor (pure).
-
-    ``ranks`` has one dim per axis in ``names`` (among dp, fsdp, sp, tp, in that order). The dp x fsdp
-    x sp ranks of each tp index are folded row-major (sp fastest) and cut into EP groups of ``ep``
-    consecutive ones. Raises PlanError when ``ep`` does not divide the folded count.
-    """
-    unknown = [n for n in names if n not in (*_FOLDED_AXES, "tp")]
-    if unknown:
-        raise PlanError(
-            f"ep_mesh: module mesh axes {names} include {unknown}; expected among dp, fsdp, sp, tp."
-        )
-    if "tp" in names:  # move tp first: each tp index gets its own (edp, ep) grid
-        ranks = ranks.movedim(names.index("tp"), 0)
-    tp = ranks.shape[0] if "tp" in names else 1
-    folded = ranks.reshape(tp, -1)
-    n = folded.shape[1]
+def ep_mesh(module_mesh: DeviceMesh, layout: ParallelLayout) -> DeviceMesh:
+    """The MoE mesh ``("etp", "edp", "ep")`` folded from the module's token-parallel ranks, as
+    ``layout.expert_grid()`` lays them out ([tp][edp][ep]; dhp.layout). Collective over the module world
+    (creates the new axes' process groups); PlanError when ``layout.ep`` does not divide the fold or the
+    layout is not the module mesh's."""
+    n, ep = layout.token_ranks, layout.ep
     if ep < 1 or n % ep:
         raise PlanError(
-            f"parallel.ep={ep} must divide the module's dp x fsdp x sp ranks ({n}, mesh {names}); "
+            f"parallel.ep={ep} must divide the module's dp x fsdp x sp ranks ({n}); "
             f"pick ep among {[d for d in range(1, n + 1) if n % d == 0]}."
         )
-    return folded.reshape(tp, n // ep, ep)
-
-
-def ep_mesh(module_mesh: DeviceMesh, *, ep: int) -> DeviceMesh:
-    """The MoE mesh ``("etp", "edp", "ep")`` folded from the module mesh's dp x fsdp x sp ranks.
-
-    Layout: :func:`ep_rank_grid`. Collective over the module world (creates the new axes' process
-    groups); PlanError when ``ep`` does not divide the folded rank count.
-    """
-    grid = ep_rank_grid(module_mesh.mesh, tuple(module_mesh.mesh_dim_names or ()), ep=ep)
-    return DeviceMesh(module_mesh.device_type, grid, mesh_dim_names=EP_MESH_DIMS)
+    if module_mesh.size() != layout.world_size:
+        raise PlanError(
+            f"ep_mesh: the module mesh has {module_mesh.size()} ranks, its layout {layout.world_size}."
+        )
+    ranks = module_mesh.mesh.flatten()  # the layout's rank r is the mesh's r-th rank (row-major)
+    grid = ranks[torch.tensor(layout.expert_grid(), dtype=torch.long)]
+    return DeviceMesh(module_mesh.device_type, grid, mesh_dim_names=EXPERT_MESH_AXES)
 
 
 def local_expert_range(num_experts: int, ep_group_mesh: DeviceMesh) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Mesh helpers shared by the strategies: find a named axis of a group's DeviceMesh.
+"""Meshes cut from a group's :class:`~dhp.layout.ParallelLayout`, and the named-axis helpers the
+strategies share.
 
 A module's mesh has axes in the order dp, fsdp, sp, tp, and only the axes with degree > 1 (plus at
 least one axis), so every strategy asks for its axis by name and treats a missing axis as degree 1.
@@ -7,12 +8,26 @@ least one axis), so every strategy asks for its axis by name and treats a missin
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dhp.config.constants import PARALLEL_AXES
 from dhp.errors import PlanError
+from dhp.layout import MESH_AXES, ParallelLayout
 
-AXES = PARALLEL_AXES  # the mesh order, from dhp.config.constants (see dhp.layout.RankLayout)
+AXES = MESH_AXES  # the mesh order (dhp.layout)
+
+
+def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+    """The group's DeviceMesh over its whole default world, with ``layout.mesh()``'s axes (a collective:
+    every rank of the group calls it; creates one process group per axis)."""
+    shape = layout.mesh()
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+
+
+def inner_group(mesh: DeviceMesh, layout: ParallelLayout, names: tuple[str, ...]) -> dist.ProcessGroup | None:
+    """The process group of the one axis among ``names`` with degree > 1 (None: all are 1), e.g. the
+    other ranks of a data replica (``("sp", "tp")``) or of a TP group."""
+    name = layout.inner_axis(names)
+    return None if name is None else mesh[name].get_group()
 
 
 def axis(mesh: DeviceMesh, name: str) -> DeviceMesh | None:

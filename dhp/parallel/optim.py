@@ -2,7 +2,7 @@
 
 Order per step on every rank of a module group (all collectives over the group's own world)::
 
-    finalize_grads(module, mesh, parallel=...)      # SUM over sp, then over dp (FSDP already reduced);
+    finalize_grads(module, mesh, layout)            # SUM over sp, then over dp (FSDP already reduced);
                                                     # expert-parallel params: SUM over edp only
     sq = grad_norm_sq(module, mesh)                 # full-module ||g||^2, same value on every rank
     clip_grads_(module, coef)                       # coef from the driver (norm over all modules)
@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dhp.config.constants import OPTIMIZER_IMPLS
-from dhp.config.schema import ParallelConfig, ParamGroupConfig, TrainConfig
+from dhp.config.schema import ParamGroupConfig, TrainConfig
 from dhp.errors import PlanError
-from dhp.layout import ZERO1_AXES
+from dhp.layout import ZERO1_AXES, ParallelLayout
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
 from dhp.parallel.ep import expert_fold_mesh, expert_params, reduce_expert_grads_
 from dhp.parallel.meshutil import axes, axis, group_world
@@ -44,8 +44,8 @@ def _split_experts(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Param
 def build_optimizer(
     module: nn.Module,
     mesh: DeviceMesh,
+    layout: ParallelLayout,
     *,
-    parallel: ParallelConfig,
     train: TrainConfig,
     param_groups: Sequence[ParamGroupConfig] = (),
 ) -> torch.optim.Optimizer:
@@ -70,9 +70,9 @@ def build_optimizer(
     optimizer's groups are the default one first, then these, in the same order on every rank. Only
     parameters with ``requires_grad`` enter (frozen ones get no state); set the LR with :func:`set_lr`.
     """
-    if parallel.zero not in (0, 1):
+    if layout.zero not in (0, 1):
         raise PlanError(
-            f"parallel.zero={parallel.zero}: only 0 (plain DP) and 1 (ZeRO-1) exist. Fix: use fsdp for ZeRO-3."
+            f"parallel.zero={layout.zero}: only 0 (plain DP) and 1 (ZeRO-1) exist. Fix: use fsdp for ZeRO-3."
         )
     adamw = {
         "lr": train.lr,
@@ -83,7 +83,7 @@ def build_optimizer(
     params = _split_expert_groups(optimizer_groups(module, param_groups=param_groups, train=train), module)
     if train.optimizer.impl != "for_loop":
         params = _split_dtensor_groups(params)
-    group = _zero1_group(mesh) if parallel.zero == 1 else None
+    group = _zero1_group(mesh) if layout.zero == 1 else None
     if group is not None:
         experts = [p for _, p in expert_params(module)]
         fold = expert_fold_mesh(module)
@@ -158,7 +158,7 @@ def _zero1_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return sub.get_group()
 
 
-def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelConfig) -> None:
+def finalize_grads(module: nn.Module, mesh: DeviceMesh, layout: ParallelLayout) -> None:
     """Every cross-rank gradient reduction of one step, in place: SUM over ``sp`` then over ``dp``.
 
     TP needs none (DTensor grads are complete per shard), except that with sequence parallelism inside
@@ -176,7 +176,7 @@ def finalize_grads(module: nn.Module, mesh: DeviceMesh, *, parallel: ParallelCon
     if sp is not None:  # each SP rank holds the partial gradient of its own tokens (Ulysses)
         allreduce_grads_(dense, sp.get_group())
     dp = axis(mesh, "dp")
-    if dp is not None and parallel.fsdp == 1:
+    if dp is not None and layout.fsdp == 1:
         allreduce_grads_(dense, dp.get_group())
     fold = expert_fold_mesh(module)
     if experts and fold is not None:

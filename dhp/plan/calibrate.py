@@ -64,7 +64,7 @@ def _bad(path: str, rule: str, fix: str) -> ConfigError:
 
 def load_run(run_dir: str | Path) -> tuple[DictConfig, list[dict]]:
     """The run's config and its metric records; ConfigError when the directory is not a run."""
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     d = Path(run_dir)
     cfg_path, metrics = d / "config.yaml", d / "metrics.jsonl"
@@ -91,13 +91,19 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
     """(features, measured seconds, label) rows of one run (see the module docstring)."""
     from dhp.plan.compile import micro_batches_per_step, module_shapes
 
-    n_mb = micro_batches_per_step(config)
+    shapes = module_shapes(config)
+    llm_replicas = shapes["llm"].layout.num_replicas
+    n_mb = micro_batches_per_step(config.train, llm_replicas)
     out = []
     per: dict[str, tuple] = {}
     # the shapes the estimate times (the run's measured data lengths, when its config has them)
-    for name, shape in timing_shapes(config, module_shapes(config)).items():
-        world = int(config.modules[name].gpus)
-        tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
+    for name, shape in timing_shapes(config, shapes).items():
+        world = shape.layout.world_size
+        tokens = (
+            vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas)
+            if name == "vision"
+            else shape.tokens
+        )
         procs = busy_processes(sum(int(m.gpus) for m in config.modules.values()))
         f = module_features(shape, tokens, config.cluster, world, procs)
         per[name] = (f.fwd, f.bwd if shape.backward else {}, f.step if not shape.freeze else {})

@@ -8,29 +8,29 @@ from omegaconf import DictConfig
 
 from dhp.config.handoff import resolve_handoff
 from dhp.config.validate_data_keys import packed_row_tokens
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout, module_layout
 from dhp.ops.linear_attn import linear_attention_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
 from dhp.plan.memory import ModuleShape, module_shape
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
-from dhp.plan.placement import GroupLayout, assign_gpus, placement_groups, routing
+from dhp.plan.placement import assign_gpus, placement_groups, routing
 from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
 
 GIB = 1 << 30
 
 
-def _layouts(modules: DictConfig) -> list[GroupLayout]:
-    return [
-        GroupLayout(name=str(name), degrees=RankLayout.from_parallel(mod.parallel).degrees)
-        for name, mod in modules.items()
-    ]
+def module_layouts(config: DictConfig) -> dict[str, ParallelLayout]:
+    """Every module's :class:`~dhp.layout.ParallelLayout`, in declaration order: built here once per
+    compiled plan, then carried by it (``GroupPlan.layout``)."""
+    return {str(name): module_layout(mod) for name, mod in config.modules.items()}
 
 
 def _group_plan(
-    layout: GroupLayout,
+    name: str,
+    layout: ParallelLayout,
     memory: MemoryEstimate,
     *,
     param_count: int,
@@ -58,9 +58,8 @@ def _group_plan(
             )
         )
     return GroupPlan(
-        name=layout.name,
-        world_size=layout.world_size,
-        mesh=layout.mesh(),
+        name=name,
+        layout=layout,
         param_count=param_count,
         active_param_count=active_param_count,
         ranks=tuple(ranks),
@@ -72,20 +71,23 @@ def image_patches(config: DictConfig) -> int:
     if config.data.kind == "synthetic":
         syn = config.data.synthetic
         if syn.videos_per_sample:  # a video is one item of t frames' patches
-            return int(syn.patches) * max(
-                1, int(syn.video_frames) // video_frames_per_row(config.model)
-            )
+            return int(syn.patches) * max(1, int(syn.video_frames) // video_frames_per_row(config.model))
         return int(syn.patches)
     return 0
 
 
-def module_shapes(config: DictConfig) -> dict[str, ModuleShape]:
-    """The ModuleShape of every module of ``config`` (what memory and time read)."""
+def module_shapes(
+    config: DictConfig, layouts: dict[str, ParallelLayout] | None = None
+) -> dict[str, ModuleShape]:
+    """The ModuleShape of every module of ``config`` (what memory and time read) at ``layouts``
+    (default: the config's, :func:`module_layouts`)."""
+    layouts = module_layouts(config) if layouts is None else layouts
     shapes = {
         str(name): module_shape(
             str(name),
             model=config.model,
             module=mod,
+            layout=layouts[str(name)],
             micro_batch=config.train.micro_batch_size,
             image_patches=image_patches(config),
             device=config.cluster.device,
@@ -151,20 +153,20 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     """
     cluster = config.cluster if cluster is None else cluster
     gpn = cluster.gpus_per_node
-    layouts = _layouts(config.modules)
+    layouts = module_layouts(config)
     gpus = assign_gpus(layouts, placement=config.placement, nodes=cluster.nodes, gpus_per_node=gpn)
     sharers: dict[int, list[str]] = {}
-    for layout in layouts:
-        for gpu in gpus[layout.name]:
-            sharers.setdefault(gpu, []).append(layout.name)
+    for name in layouts:
+        for gpu in gpus[name]:
+            sharers.setdefault(gpu, []).append(name)
     pgs, where = placement_groups(
         {g: len(n) for g, n in sharers.items()},
         device=cluster.device,
         gpus_per_node=gpn,
         cpus_per_rank=cluster.cpus_per_rank,
     )
-    shapes = module_shapes(config)
-    n_mb = micro_batches_per_step(config)
+    shapes = module_shapes(config, layouts)
+    n_mb = micro_batches_per_step(config.train, layouts["llm"].num_replicas)
     terms = {
         n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl)
         for n, s in shapes.items()
@@ -172,14 +174,15 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     impl = config.train.optimizer.impl
     moe = {n: moe_summary(s, terms[n], micro_batches=n_mb, optimizer_impl=impl) for n, s in shapes.items()}
     groups = []
-    for layout in layouts:
+    for name, layout in layouts.items():
         groups.append(
             _group_plan(
+                name,
                 layout,
-                memory_estimate(terms[layout.name], shapes[layout.name], moe[layout.name]),
-                param_count=shapes[layout.name].params.total,
-                active_param_count=shapes[layout.name].arch.active_params,
-                gpus=gpus[layout.name],
+                memory_estimate(terms[name], shapes[name], moe[name]),
+                param_count=shapes[name].params.total,
+                active_param_count=shapes[name].arch.active_params,
+                gpus=gpus[name],
                 sharers=sharers,
                 where=where,
                 gpus_per_node=gpn,
@@ -208,8 +211,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
                 worst_case_total=worst,
             )
         )
-    by_name = {lay.name: lay for lay in layouts}
-    routes = routing(by_name["vision"], by_name["llm"]) if {"vision", "llm"} <= by_name.keys() else []
+    routes = routing(layouts["vision"], layouts["llm"]) if {"vision", "llm"} <= layouts.keys() else []
     plan = Plan(
         name=config.name,
         placement=config.placement,

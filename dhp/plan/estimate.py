@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.layout import RankLayout
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
 from dhp.plan.params import video_frames_per_row
@@ -152,13 +151,12 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
         parts.append(f"{patches[(len(patches) - 1) // 2]} patches per row")
     timed = [f"LLM {shapes['llm'].micro_batch} x {shapes['llm'].seq_len} tokens"] if "llm" in shapes else []
     if "vision" in shapes:
-        v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
         patch = vision_patches_per_replica(
             config,
             seq_len=shapes["vision"].seq_len,
             micro_batch=config.train.micro_batch_size,
-            llm_replicas=RankLayout.from_parallel(lm).num_replicas,
-            vision_replicas=RankLayout.from_parallel(v).num_replicas,
+            llm_replicas=shapes["llm"].layout.num_replicas,
+            vision_replicas=shapes["vision"].layout.num_replicas,
         )
         timed.append(f"{patch:.0f} patches")
     return (
@@ -167,19 +165,18 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
     )
 
 
-def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape) -> float:
-    """Patches one vision rank encodes per driver micro-batch: the real share when the data is
-    synthetic (known patches per sample) or its lengths were measured (``data_lengths``), else the
-    configured capacity ``seq_len``."""
-    v, lm = config.modules["vision"].parallel, config.modules["llm"].parallel
+def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape, *, llm_replicas: int) -> float:
+    """Patches one vision rank (of ``shape``'s layout) encodes per driver micro-batch, the LLM having
+    ``llm_replicas`` data replicas: the real share when the data is synthetic (known patches per
+    sample) or its lengths were measured (``data_lengths``), else the configured capacity ``seq_len``."""
     total = vision_patches_per_replica(
         config,
         seq_len=shape.seq_len,
         micro_batch=config.train.micro_batch_size,
-        llm_replicas=RankLayout.from_parallel(lm).num_replicas,
-        vision_replicas=RankLayout.from_parallel(v).num_replicas,
+        llm_replicas=llm_replicas,
+        vision_replicas=shape.layout.num_replicas,
     )
-    return sp_rank_tokens(shape.arch, total, v.sp, shape.image_patches)
+    return sp_rank_tokens(shape.arch, total, shape.layout.sp, shape.image_patches)
 
 
 def vision_patches_per_replica(
@@ -236,7 +233,7 @@ def module_features(
     slow = oversubscription(cluster, processes)
     peak = cluster.peak_bf16_tflops * 1e12
     fl = module_flops(shape, tokens)
-    h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.parallel.tp
+    h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.layout.tp
     g = 2.0 * tokens * h * m / tp
     mm_rate = peak * g / (g + cluster.gemm_half_flops)
     at_rate = peak * fl.attn_span / (fl.attn_span + ATTN_HALF_SPAN)
@@ -350,19 +347,24 @@ def estimate_step(
     config: DictConfig, plan: Plan, shapes: dict[str, ModuleShape], *, cluster: DictConfig
 ) -> StepEstimate:
     """The step time, throughput and per-module breakdown of ``plan`` under ``cluster``'s profile."""
-    n_mb = micro_batches_per_step(config)
+    llm_replicas = plan.group("llm").layout.num_replicas
+    n_mb = micro_batches_per_step(config.train, llm_replicas)
     coef = coefficients(cluster)
     per: dict[str, dict[str, float]] = {}
     hand = 0.0
     shapes = timing_shapes(config, shapes)
     for name, shape in shapes.items():
         world = plan.group(name).world_size
-        tokens = vision_tokens_per_rank(config, shape) if name == "vision" else shape.tokens
+        tokens = (
+            vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas)
+            if name == "vision"
+            else shape.tokens
+        )
         procs = busy_processes(sum(g.world_size for g in plan.groups))
         f = module_features(shape, tokens, cluster, world, procs)
         per[name] = module_time(f, coef, n_mb=n_mb)
         if name == "vision":
-            hand = handoff_s(config, plan, shape, tokens * shape.parallel.sp, cluster)
+            hand = handoff_s(config, plan, shape, tokens * shape.layout.sp, cluster)
     step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s)
     lengths = data_lengths(config)
     gbs = int(config.train.global_batch_size)
@@ -382,8 +384,7 @@ def estimate_step(
                 video_item = syn.patches * (syn.video_frames // video_frames_per_row(config.model))
                 images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:
-            vp = config.modules["vision"].parallel
-            images = [config.modules["vision"].seq_len] * (n_mb * RankLayout.from_parallel(vp).num_replicas)
+            images = [config.modules["vision"].seq_len] * (n_mb * shapes["vision"].layout.num_replicas)
     vision = float(sum(images))
     model_flops = palm_model_flops(config, images, seqs)
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dhp.layout import RankLayout
 from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems
-from dhp.plan.memory import ModuleShape, checkpointed_blocks, expert_optimizer_shards
+from dhp.plan.memory import ModuleShape, checkpointed_blocks
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms
 
 #: which dispatch/combine buffers the fits/OOM verdict counts (see ``dhp/plan/memory.py``)
@@ -37,7 +36,7 @@ def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
     per_rank = shape.params.expert / ep
     if shape.freeze:
         return int(per_rank * pr.param)
-    opt = pr.optimizer / expert_optimizer_shards(shape.parallel, ep)
+    opt = pr.optimizer / shape.layout.replace(ep=ep).expert_optimizer_shards
     return int(per_rank * (pr.param + shape.trainable * (pr.grad + opt)))
 
 
@@ -61,20 +60,18 @@ def moe_summary(shape: ModuleShape, terms: ModuleTerms, *, micro_batches: int, o
     arch = shape.arch
     if arch is None or not arch.moe_blocks:
         return {}
-    par = shape.parallel
-    ep = int(par.ep)
-    lay = RankLayout.from_parallel(par)
-    folded = lay.num_replicas * lay.sp
+    par = shape.layout
+    ep, folded = par.ep, par.token_ranks
     worst_shape = dataclasses.replace(shape, moe_received=float(ep))
     worst = module_terms(worst_shape, micro_batches=micro_batches, optimizer_impl=optimizer_impl)
     return {
         "ep": ep,
-        "edp": folded // ep,
+        "edp": par.edp,
         "experts": arch.experts,
         "experts_per_rank": arch.experts // ep,
         "moe_blocks": arch.moe_blocks,
         "expert_params_per_rank": int(shape.params.expert / ep),
-        "expert_optimizer_shards": expert_optimizer_shards(par),
+        "expert_optimizer_shards": par.expert_optimizer_shards,
         "expert_state_bytes": expert_state_bytes(shape, ep),
         "expert_state_bytes_by_ep": {str(e): expert_state_bytes(shape, e) for e in _divisors(folded)},
         "dispatch_combine_block_bytes": dispatch_bytes(shape, 1.0)[0],
@@ -96,7 +93,7 @@ def linear_summary(shape: ModuleShape) -> dict:
     if not linear:
         return {}
     att = max(linear, key=lambda a: a.state_elems())
-    tp = shape.parallel.tp
+    tp = shape.layout.tp
     return {
         "linear_blocks": len(linear),
         "full_blocks": arch.layers - len(linear),

@@ -78,7 +78,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
-from dhp.layout import ZERO1_AXES, RankLayout
+from dhp.layout import ParallelLayout
 from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
 from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
@@ -123,7 +123,7 @@ class ModuleShape:
     layer_params: ParamCount
     largest_param: int
     layer: LayerShape
-    parallel: DictConfig
+    layout: ParallelLayout  # the module group's degrees (dhp.layout)
     seq_len: int
     micro_batch: int
     ac: AcMode
@@ -131,7 +131,6 @@ class ModuleShape:
     backward: bool  # False only for a frozen module that feeds nothing trainable upstream
     precision: Precision
     attn_implementation: str
-    sequence_parallel: bool = False
     loss_chunk_tokens: int = 0  # resolved (never 0 for the LLM)
     image_patches: int = 0  # a pixel-input module: the span of a full-attention block (one image)
     vocab: int = 0  # > 0: the module computes the loss (``arch.vocab``)
@@ -155,13 +154,13 @@ class ModuleShape:
         """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms); an encoder:
         the fullest SP rank's (``sp_rank_tokens``)."""
         if self.pixels:
-            return sp_rank_tokens(self.arch, self.seq_len, self.parallel.sp, self.image_patches)
+            return sp_rank_tokens(self.arch, self.seq_len, self.layout.sp, self.image_patches)
         return self.micro_batch * self.seq_len
 
     @property
     def seq_split(self) -> int:
         """s: how many ways the tensors between TP regions are cut by sequence."""
-        return self.parallel.tp if self.sequence_parallel else 1
+        return self.layout.seq_split
 
 
 def sp_rank_tokens(arch: ModuleArch | None, patches: float, sp: int, image: int) -> float:
@@ -202,9 +201,9 @@ def rank_params(shape: ModuleShape) -> tuple[float, float]:
     """(the non-expert parameters, the routed experts' parameters) one rank holds: the first TP- and
     FSDP-sharded, the second 1/ep of the experts (whole on every TP rank, replicated over edp; module
     docstring)."""
-    par = shape.parallel
-    return shape.params.per_tp_rank(par.tp) / par.fsdp - shape.params.expert / par.fsdp, (
-        shape.params.expert / int(par.ep)
+    lay = shape.layout
+    return shape.params.per_tp_rank(lay.tp) / lay.fsdp - shape.params.expert / lay.fsdp, (
+        shape.params.expert / lay.ep
     )
 
 
@@ -212,38 +211,29 @@ def largest_local_param(shape: ModuleShape) -> float:
     """Elements of the largest parameter tensor on one rank: the family's largest / (tp * fsdp); when
     that is a routed-experts tensor (at least a third of one block's experts: a 3-D gate/up/down),
     1/ep of it, or the vocabulary table / (tp * fsdp) if that is larger."""
-    par, big = shape.parallel, shape.largest_param
-    whole = big / (par.tp * par.fsdp)
+    lay, big = shape.layout, shape.largest_param
+    whole = big / (lay.tp * lay.fsdp)
     if not shape.params.expert or 3 * big < shape.layer_params.expert:
         return whole
     vocab = shape.arch.vocab * shape.arch.hidden if shape.arch is not None else 0
-    return max(big / int(par.ep), vocab / (par.tp * par.fsdp))
-
-
-def expert_optimizer_shards(par: DictConfig, ep: int | None = None) -> int:
-    """The edp ranks ZeRO-1 partitions the experts' AdamW states over at ``ep`` (default: the plan's):
-    dp * fsdp * sp / ep with zero=1, else 1 (module docstring)."""
-    if par.zero != 1:
-        return 1
-    lay = RankLayout.from_parallel(par)
-    return max(1, lay.num_replicas * lay.sp // int(par.ep if ep is None else ep))
+    return max(big / lay.ep, vocab / (lay.tp * lay.fsdp))
 
 
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes resident on one rank; formulas in the module docstring."""
-    par, pr = shape.parallel, shape.precision
+    lay, pr = shape.layout, shape.precision
     dense, experts = rank_params(shape)
     params = (dense + experts) * pr.param
     if shape.freeze:
         return int(params), 0, 0
-    opt_shards = math.prod(par[a] for a in ZERO1_AXES) if par.zero == 1 else 1
     t = shape.trainable  # freeze_patterns / LoRA: only the trainable set has grads + states
     grads = (dense + experts) * t * pr.grad
     return (
         int(params),
         int(grads),
         int(
-            dense * t * pr.optimizer / opt_shards + experts * t * pr.optimizer / expert_optimizer_shards(par)
+            dense * t * pr.optimizer / lay.optimizer_shards
+            + experts * t * pr.optimizer / lay.expert_optimizer_shards
         ),
     )
 
@@ -276,7 +266,7 @@ def _uniform_dense(shape: ModuleShape) -> bool:
 def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
     """Saved elements per token of every block (``dhp/plan/blocks.py``), or the calibrated uniform
     ``per_layer`` / ``selective`` of ``shape.layer`` for a model of dense full/window blocks."""
-    layer, tp, s = shape.layer, shape.parallel.tp, shape.seq_split
+    layer, tp, s = shape.layer, shape.layout.tp, shape.seq_split
     if _uniform_dense(shape):
         one = selective_elems(layer, tp, s) if selective else per_layer_elems(layer, tp, s)
         return [one] * layer.layers
@@ -324,7 +314,7 @@ def delta_rule_work_bytes(shape: ModuleShape) -> int:
                 b.attention,
                 seqs=shape.micro_batch,
                 seq_len=shape.seq_len,
-                tp=shape.parallel.tp,
+                tp=shape.layout.tp,
                 act=shape.precision.act,
             )
             for b in shape.arch.blocks
@@ -337,7 +327,7 @@ def eager_scores_bytes(shape: ModuleShape, *, seqs: float, seq: float, layers: i
     """Scores + probabilities of eager attention: 2 * heads/(tp*sp) * S^2 per sequence and layer."""
     if shape.attn_implementation != "eager":
         return 0
-    heads = shape.layer.heads / (shape.parallel.tp * shape.parallel.sp)
+    heads = shape.layer.heads / (shape.layout.tp * shape.layout.sp)
     return int(2 * heads * seq * seq * seqs * layers * shape.precision.act)
 
 
@@ -397,15 +387,17 @@ def module_shape(
     *,
     model: DictConfig,
     module: DictConfig,
+    layout: ParallelLayout,
     micro_batch: int,
     image_patches: int = 0,
     device: str = "cuda",
 ) -> ModuleShape:
     """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
     architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers;
-    ``device`` (the cluster's) picks the linear-attention kernel whose memory is counted."""
+    ``layout``: the group's degrees (the plan's); ``device`` (the cluster's) picks the
+    linear-attention kernel whose memory is counted."""
     arch = architecture(model).modules[name]
-    par = module.parallel
+    par = layout
     tokens = micro_batch * module.seq_len
     chunk = int(module.loss_chunk_tokens)
     if arch.vocab and chunk == 0:
@@ -417,7 +409,7 @@ def module_shape(
         layer_params=arch.block_params,
         largest_param=arch.largest_param,
         layer=arch.layer_shape(),
-        parallel=par,
+        layout=layout,
         seq_len=module.seq_len,
         micro_batch=micro_batch,
         ac=parse_ac_mode(module.activation_checkpointing),
@@ -425,7 +417,6 @@ def module_shape(
         backward=not (module.freeze and not arch.inputs),
         precision=precision(dtype, module.mixed_precision, par.fsdp),
         attn_implementation=model.attn_implementation,
-        sequence_parallel=bool("sequence_parallel" in par and par.sequence_parallel),
         loss_chunk_tokens=chunk if arch.vocab else 0,
         image_patches=image_patches if arch.input_row else 0,
         vocab=arch.vocab,

@@ -57,9 +57,9 @@ def param_tensors(shape: ModuleShape) -> float:
     """Parameter tensors one rank steps over (the per-tensor loops of norm, clip and AdamW), in
     whole-loop units: under ZeRO-1 AdamW's share of a tensor's ops runs on its owner only."""
     n = shape.layer.layers * shape.arch.tensors_per_block + shape.arch.root_tensors
-    par = shape.parallel
+    par = shape.layout
     dtensor = par.tp > 1 or par.fsdp > 1
-    owners = par.dp * par.sp if par.zero == 1 else 1
+    owners = par.optimizer_shards
     share = (1.0 - ADAMW_SHARE) + ADAMW_SHARE / owners
     return n * share * (DTENSOR_TENSOR_FACTOR if dtensor else 1.0)
 
@@ -69,8 +69,8 @@ def attention_calls(shape: ModuleShape, tokens: float) -> float:
     per block by its declared attention: a causal block is one call; a non-causal full block one per
     image (all images under Ulysses: it sees every token); a window block one per window."""
     image = shape.image_patches or shape.seq_len
-    all_tokens = tokens * shape.parallel.sp  # Ulysses: full blocks see every token, heads/sp
-    images = max(all_tokens / image, 1.0) if shape.parallel.sp > 1 else max(tokens / image, 1.0)
+    all_tokens = tokens * shape.layout.sp  # Ulysses: full blocks see every token, heads/sp
+    images = max(all_tokens / image, 1.0) if shape.layout.sp > 1 else max(tokens / image, 1.0)
     calls = 0.0
     for block in shape.arch.blocks:
         att = block.attention
@@ -85,7 +85,7 @@ def attention_calls(shape: ModuleShape, tokens: float) -> float:
 
 def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     """(forward, backward) collective calls of one rank per micro-batch."""
-    par, lay = shape.parallel, shape.layer
+    par, lay = shape.layout, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
     fwd = bwd = 0.0
     if par.sp > 1:  # per full block: qkv (fused) and out; plus one rotary-table gather a forward
@@ -93,17 +93,17 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
         fwd += 2 * n_full + 1
         bwd += 2 * n_full + (2 * n_full + 1) * ck / lay.layers
     if par.tp > 1:
-        sp = 2 if shape.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
+        sp = 2 if shape.layout.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
         fwd_block = 2 * sp  # the attention and MLP outputs
         # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
-        bwd_block = lay.tp_input_grads + (2 if shape.sequence_parallel else 0)
+        bwd_block = lay.tp_input_grads + (2 if shape.layout.sequence_parallel else 0)
         fwd += fwd_block * lay.layers
         bwd += bwd_block * lay.layers + fwd_block * ck
         if shape.arch.vocab:  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
             # under SP the merged embeddings' grad is all-gathered back to the full sequence
             chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))
             fwd += 1 + 2 * chunks
-            bwd += 1 + (1 if shape.sequence_parallel else 0)
+            bwd += 1 + (1 if shape.layout.sequence_parallel else 0)
     if par.fsdp > 1:
         fwd += lay.layers + 1
         bwd += 2 * (lay.layers + 1)
@@ -118,11 +118,11 @@ def step_collectives(shape: ModuleShape) -> float:
     """Collective calls of the once-per-step finish (grad sync, grad norm, ZeRO-1 broadcasts)."""
     if shape.freeze:
         return 0.0
-    par = shape.parallel
+    par = shape.layout
     n = 1.0  # the grad-norm all-reduce
     n += 1.0 if par.sp > 1 else 0.0
     n += 1.0 if par.dp > 1 and par.fsdp == 1 else 0.0
-    n += float(par.dp * par.sp) if par.zero == 1 and par.dp * par.sp > 1 else 0.0
+    n += float(par.optimizer_shards) if par.optimizer_shards > 1 else 0.0
     return n
 
 
@@ -131,13 +131,13 @@ def phase_counts(shape: ModuleShape, tokens: float) -> dict[str, dict[str, float
     fwd/bwd, per step for step), keyed like ``dhp.plan.estimate.FEATURES``."""
     lay = shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
-    dt = 1.0 if shape.parallel.tp > 1 else 0.0
+    dt = 1.0 if shape.layout.tp > 1 else 0.0
     attn = attention_calls(shape, tokens)
     c_fwd, c_bwd = collectives(shape, tokens)
     fwd_blocks = float(lay.layers + 1)
     bwd_blocks = 2.0 * (lay.layers + 1) + ck if shape.backward else 0.0
     back = 1.0 if shape.backward else 0.0
-    fs = 1.0 if shape.parallel.fsdp > 1 else 0.0  # FSDP2: a pre- and post-hook per sharded block
+    fs = 1.0 if shape.layout.fsdp > 1 else 0.0  # FSDP2: a pre- and post-hook per sharded block
     return {
         "fwd": {
             "blocks": fwd_blocks,

@@ -38,14 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dhp.errors import PlanError
-from dhp.layout import RankLayout
 from dhp.plan.memory import (
     ModuleShape,
     activations_of,
     block_work_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
-    expert_optimizer_shards,
     largest_local_param,
     model_states,
     non_expert_params,
@@ -163,7 +161,7 @@ def adamw_temp_elems(impl: str, *, owned: float, largest: float) -> float:
 def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str) -> ModuleTerms:
     """All terms of one rank of ``shape``'s module; ``micro_batches`` per step per LLM replica;
     ``optimizer_impl`` (``train.optimizer.impl``) sizes AdamW's temporaries."""
-    par, pr = shape.parallel, shape.precision
+    par, pr = shape.layout, shape.precision
     params, grads, optimizer = model_states(shape)
     a, tokens, s = pr.act, shape.tokens, shape.seq_split
     h = shape.layer.hidden
@@ -211,8 +209,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
     trains = grads > 0
     dense, experts = rank_params(shape)
     dense_sync = dense * shape.trainable * pr.grad if par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
-    lay = RankLayout.from_parallel(par)
-    edp = lay.num_replicas * lay.sp // int(par.ep)  # expert grads: all-reduced over edp, on their own
+    edp = par.edp  # expert grads: all-reduced over edp, on their own
     sync = max(dense_sync, experts * shape.trainable * pr.grad if edp > 1 else 0) if trains else 0
     local_largest = largest_local_param(shape)
     norm = int(2 * 8 * local_largest) if trains else 0
@@ -220,12 +217,12 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
     if trains:
         owned = optimizer / pr.optimizer  # elements whose AdamW states live here
         optim = int(adamw_temp_elems(optimizer_impl, owned=owned, largest=local_largest) * pr.optimizer / 2)
-        if par.zero == 1 and par.dp * par.sp > 1:  # one owner's coalesced broadcast buffer: the
+        if par.optimizer_shards > 1:  # one owner's coalesced broadcast buffer: the
             # dense partition's over dp x sp, then the experts' over edp (one after the other)
             edp_owned = (
-                experts * pr.param / expert_optimizer_shards(par) if expert_optimizer_shards(par) > 1 else 0
+                experts * pr.param / par.expert_optimizer_shards if par.expert_optimizer_shards > 1 else 0
             )
-            optim += int(max(dense * pr.param / (par.dp * par.sp), edp_owned))
+            optim += int(max(dense * pr.param / par.optimizer_shards, edp_owned))
     return ModuleTerms(
         name=shape.name,
         params=params,

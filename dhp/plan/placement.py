@@ -1,6 +1,6 @@
 """Rank layout, GPU assignment, Ray bundles and N:M routing. Pure functions over plain data.
 
-Ranks follow :class:`dhp.layout.RankLayout` (mesh axes dp, fsdp, sp, tp, outer -> inner), so a
+Ranks follow :class:`dhp.layout.ParallelLayout` (mesh axes dp, fsdp, sp, tp, outer -> inner), so a
 data replica's ranks are contiguous and a TP group is a run of T consecutive ranks. GPUs are handed out in TP-sized chunks, and a chunk
 always comes from one node:
 
@@ -18,42 +18,11 @@ never spans two machines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from dhp.errors import PlanError
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 from dhp.plan.types import PlacementGroupSpec, Route
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """A named group and its :class:`dhp.layout.RankLayout` (the placement's view of it)."""
-
-    name: str
-    degrees: dict[str, int]  # dp, fsdp, sp, tp (all four, >= 1)
-
-    @property
-    def layout(self) -> RankLayout:
-        return RankLayout.from_parallel(self.degrees)
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def replicas(self) -> int:
-        return self.layout.num_replicas
-
-    def mesh(self) -> dict[str, int]:
-        """Ordered axis -> degree: axes > 1, or ``{"dp": 1}`` for a single rank."""
-        return self.layout.mesh()
-
-    def coords(self, rank: int) -> dict[str, int]:
-        return self.layout.coords(rank)
 
 
 def _take_chunk(free: list[list[int]], size: int, *, group: str, gpus_per_node: int) -> list[int]:
@@ -70,39 +39,41 @@ def _take_chunk(free: list[list[int]], size: int, *, group: str, gpus_per_node: 
 
 
 def assign_gpus(
-    groups: list[GroupLayout], *, placement: str, nodes: int, gpus_per_node: int
+    groups: Mapping[str, ParallelLayout], *, placement: str, nodes: int, gpus_per_node: int
 ) -> dict[str, list[int]]:
-    """Global GPU id of every rank of every group (see the module docstring for the rules)."""
+    """Global GPU id of every rank of every group, ``groups`` in declaration order (see the module
+    docstring for the rules)."""
     free = [list(range(gpus_per_node)) for _ in range(nodes)]
     out: dict[str, list[int]] = {}
     if placement == "collocated":
-        widest = max(groups, key=lambda g: g.tp)
+        widest_name = max(groups, key=lambda n: groups[n].tp)
+        widest = groups[widest_name]
         shared: list[int] = []
         for _ in range(widest.world_size // widest.tp):
-            shared += _take_chunk(free, widest.tp, group=widest.name, gpus_per_node=gpus_per_node)
-        for g in groups:
+            shared += _take_chunk(free, widest.tp, group=widest_name, gpus_per_node=gpus_per_node)
+        for name, g in groups.items():
             if g.world_size != widest.world_size:
                 raise PlanError(
-                    f"collocated groups differ in size: '{g.name}' has {g.world_size} ranks, "
-                    f"'{widest.name}' has {widest.world_size}. Fix: equal gpus per module"
+                    f"collocated groups differ in size: '{name}' has {g.world_size} ranks, "
+                    f"'{widest_name}' has {widest.world_size}. Fix: equal gpus per module"
                 )
-            out[g.name] = list(shared)
-            _check_tp_in_node(g, shared, gpus_per_node)
+            out[name] = list(shared)
+            _check_tp_in_node(name, g, shared, gpus_per_node)
         return out
-    for g in groups:
+    for name, g in groups.items():
         gpus: list[int] = []
         for _ in range(g.world_size // g.tp):
-            gpus += _take_chunk(free, g.tp, group=g.name, gpus_per_node=gpus_per_node)
-        out[g.name] = gpus
+            gpus += _take_chunk(free, g.tp, group=name, gpus_per_node=gpus_per_node)
+        out[name] = gpus
     return out
 
 
-def _check_tp_in_node(group: GroupLayout, gpus: list[int], gpus_per_node: int) -> None:
+def _check_tp_in_node(name: str, group: ParallelLayout, gpus: list[int], gpus_per_node: int) -> None:
     for start in range(0, len(gpus), group.tp):
         nodes = {gpu // gpus_per_node for gpu in gpus[start : start + group.tp]}
         if len(nodes) > 1:
             raise PlanError(
-                f"group '{group.name}': TP group of ranks {start}..{start + group.tp - 1} would "
+                f"group '{name}': TP group of ranks {start}..{start + group.tp - 1} would "
                 f"span nodes {sorted(nodes)}. Fix: tp must divide gpus_per_node={gpus_per_node}"
             )
 
@@ -130,7 +101,7 @@ def placement_groups(
     return specs, where
 
 
-def routing(vision: GroupLayout, llm: GroupLayout) -> list[Route]:
+def routing(vision: ParallelLayout, llm: ParallelLayout) -> list[Route]:
     """N:M routing: which encoder ranks produce the image embeddings of each LLM replica.
 
     Replica ``j`` of the LLM (ranks ``j*R_l .. (j+1)*R_l - 1``) takes its samples' embeddings from
@@ -139,7 +110,7 @@ def routing(vision: GroupLayout, llm: GroupLayout) -> list[Route]:
     it has more (each encodes a share of the micro-batch). Inside an encoder replica the SP ranks
     each hold a slice of the tokens; every TP rank of the LLM replica needs all of them.
     """
-    v_reps, l_reps = vision.replicas, llm.replicas
+    v_reps, l_reps = vision.num_replicas, llm.num_replicas
     routes = []
     for j in range(l_reps):
         if v_reps <= l_reps:
@@ -147,7 +118,7 @@ def routing(vision: GroupLayout, llm: GroupLayout) -> list[Route]:
         else:
             k = v_reps // l_reps
             v_ids = tuple(range(j * k, (j + 1) * k))
-        v_ranks = tuple(r for i in v_ids for r in vision.layout.replica_ranks(i))
-        l_ranks = tuple(llm.layout.replica_ranks(j))
+        v_ranks = tuple(r for i in v_ids for r in vision.replica_ranks(i))
+        l_ranks = tuple(llm.replica_ranks(j))
         routes.append(Route(llm_replica=j, llm_ranks=l_ranks, vision_replicas=v_ids, vision_ranks=v_ranks))
     return routes

@@ -7,14 +7,12 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from dhp.layout import RankLayout
 
-
-def micro_batches_per_step(config: DictConfig) -> int:
-    """Micro-batches each LLM replica runs per optimizer step (gradient accumulation)."""
-    replicas = RankLayout.from_parallel(config.modules["llm"].parallel).num_replicas
-    per = config.train.micro_batch_size * replicas
-    return max(1, config.train.global_batch_size // per)
+def micro_batches_per_step(train: DictConfig, replicas: int) -> int:
+    """Micro-batches each of the LLM's ``replicas`` data replicas runs per optimizer step (gradient
+    accumulation) under the ``train`` config."""
+    per = train.micro_batch_size * replicas
+    return max(1, train.global_batch_size // per)
 
 
 @dataclass(frozen=True)

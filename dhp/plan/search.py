@@ -22,7 +22,7 @@ Each module's terms and time are computed once per (world, degrees, AC, micro-ba
 the other module); a pair is the combination. Pairs are visited fastest-bound first and the visit
 stops once a module's best time alone already exceeds the 10th best step (bound pruning, not
 sampling). Plans that do not fit are dropped; the best ones are then validated as full run configs
-(``dhp.config.validate``), and rejected ones dropped, until ``top`` remain. Ranking: predicted
+(``dhp.validation.validate``), and rejected ones dropped, until ``top`` remain. Ranking: predicted
 tokens/s (the step's work is fixed by the global batch, so this is the shortest step time); ties
 break on the candidate's text form, so the result is deterministic.
 """
@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from dhp.config.handoff import resolve_handoff
 from dhp.config.plan_space import declared_axes, module_problems
 from dhp.errors import PlanError
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout, module_layout
 from dhp.models.arch import ModuleAxes
 from dhp.models.registry import get_arch
 from dhp.plan.compile import image_patches
@@ -61,42 +61,12 @@ GIB = 1 << 30
 
 
 @dataclass(frozen=True)
-class Degrees:
-    dp: int
-    fsdp: int
-    sp: int
-    tp: int
-    zero: int
-    sequence_parallel: bool = False  # the LLM's SP inside its TP group (tp > 1 only)
-    ep: int = 1  # expert parallelism, folded over dp x fsdp x sp (dhp.parallel.ep)
-
-    def as_dict(self) -> dict[str, int | bool]:
-        out: dict[str, int | bool] = {
-            "dp": self.dp,
-            "fsdp": self.fsdp,
-            "sp": self.sp,
-            "tp": self.tp,
-            "ep": self.ep,
-            "zero": self.zero,
-        }
-        return out | ({"sequence_parallel": True} if self.sequence_parallel else {})
-
-    @property
-    def layout(self) -> RankLayout:
-        return RankLayout(dp=self.dp, fsdp=self.fsdp, sp=self.sp, tp=self.tp)
-
-    @property
-    def replicas(self) -> int:
-        return self.layout.num_replicas
-
-
-@dataclass(frozen=True)
 class ModuleChoice:
-    """One module's candidate: its degrees, AC, and the estimate alone."""
+    """One module's candidate: its layout, AC, and the estimate alone."""
 
     name: str
     world: int
-    degrees: Degrees
+    degrees: ParallelLayout
     ac: str
     time: dict[str, float]  # dhp.plan.estimate.module_time (+ handoff_s of the producer)
     terms: object  # phases.ModuleTerms
@@ -124,7 +94,7 @@ class Candidate:
         out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
         for m in (self.vision, self.llm):
             out.append(f"modules.{m.name}.gpus={m.world}")
-            degs = {**m.degrees.as_dict(), "sequence_parallel": m.degrees.sequence_parallel}
+            degs = m.degrees.config_values()
             out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
         out.append(f"modules.vision.seq_len={self.vision_seq_len}")
@@ -138,9 +108,9 @@ class Candidate:
 
     def label(self) -> str:
         def deg(m: ModuleChoice) -> str:
-            d = m.degrees.as_dict()
+            d = m.degrees
             axes = " ".join(
-                f"{k}{v}" for k, v in d.items() if v > 1 and k in ("dp", "fsdp", "sp", "tp", "ep")
+                f"{k}{getattr(d, k)}" for k in ("dp", "fsdp", "sp", "tp", "ep") if getattr(d, k) > 1
             )
             seq = "+sp" if m.degrees.sequence_parallel else ""
             return f"{axes or 'dp1'}{seq}{' z1' if m.degrees.zero else ''} ac={m.ac}"
@@ -155,7 +125,7 @@ def _divisors(n: int) -> list[int]:
 
 def module_degrees(
     name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
-) -> list[Degrees]:
+) -> list[ParallelLayout]:
     """Every (dp, fsdp, sp, tp, zero, sequence_parallel, ep) of module ``name`` on ``world`` GPUs that
     the plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's
     space (ep > 1 only where the module declares expert parallelism, dividing dp x fsdp x sp)."""
@@ -166,13 +136,13 @@ def module_degrees(
                 dp = world // (tp * sp * fsdp)
                 eps = _divisors(dp * fsdp * sp) if axes.experts else [1]
                 for z, q, ep in itertools.product((0, 1), (False, True), eps):
-                    d = Degrees(dp, fsdp, sp, tp, z, q, ep)
+                    d = ParallelLayout(dp=dp, fsdp=fsdp, sp=sp, tp=tp, ep=ep, zero=z, sequence_parallel=q)
                     if (z and dp * sp == 1) or (q and tp == 1):
                         continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
                     problems = module_problems(
                         name,
                         gpus=world,
-                        parallel=d,
+                        layout=d,
                         axes=axes,
                         gpus_per_node=gpus_per_node,
                         activation_checkpointing="off",
@@ -200,8 +170,8 @@ class Search:
         self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
         v0, l0 = config.modules["vision"], config.modules["llm"]
         mb0 = config.train.micro_batch_size
-        l_reps = RankLayout.from_parallel(l0.parallel).num_replicas
-        share0 = mb0 * l_reps / RankLayout.from_parallel(v0.parallel).num_replicas
+        l_reps = module_layout(l0).num_replicas
+        share0 = mb0 * l_reps / module_layout(v0).num_replicas
         self.patches_per_sample = v0.seq_len / share0
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self._procs = 0
@@ -209,12 +179,13 @@ class Search:
         self.best_full: Candidate | None = None  # the fastest candidate seen on all N GPUs
 
     # ---- what the user fixed ------------------------------------------------------------------
-    def _keep(self, name: str, world: int, d: Degrees, ac: str) -> bool:
+    def _keep(self, name: str, world: int, d: ParallelLayout, ac: str) -> bool:
         mod = self.cfg.modules[name]
         if _fixed(self.fixed, f"modules.{name}.gpus") and world != mod.gpus:
             return False
-        for k, v in {"sequence_parallel": False, **d.as_dict()}.items():
-            if _fixed(self.fixed, f"modules.{name}.parallel.{k}") and v != mod.parallel[k]:
+        given = module_layout(mod).config_values()
+        for k, v in d.config_values().items():
+            if _fixed(self.fixed, f"modules.{name}.parallel.{k}") and v != given[k]:
                 return False
         return not (
             _fixed(self.fixed, f"modules.{name}.activation_checkpointing")
@@ -267,21 +238,19 @@ class Search:
 
     # ---- one module ---------------------------------------------------------------------------
     def module(
-        self, name: str, world: int, d: Degrees, ac: str, mb: int, n_mb: int, seq: int, tokens: float
+        self, name: str, world: int, d: ParallelLayout, ac: str, mb: int, n_mb: int, seq: int, tokens: float
     ) -> ModuleChoice | None:
         key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs, self._placement)
         if key in self._cache:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
-        mod["parallel"].update(d.as_dict())
-        if name == "llm":
-            mod["parallel"]["sequence_parallel"] = d.sequence_parallel
         mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
         conf = OmegaConf.create(mod)
         shape = module_shape(
             name,
             model=self.cfg.model,
             module=conf,
+            layout=d,
             micro_batch=mb,
             image_patches=self._image(),
             device=self.cluster.device,
@@ -309,7 +278,7 @@ class Search:
         )
         return resolved
 
-    def _degrees(self, name: str, world: int) -> list[Degrees]:
+    def _degrees(self, name: str, world: int) -> list[ParallelLayout]:
         return module_degrees(
             name,
             world,
@@ -321,9 +290,9 @@ class Search:
     def _image(self) -> int:
         return image_patches(self.cfg)  # the estimate's span of one image or video
 
-    def _vision_tokens(self, mb: int, l_reps: int, d: Degrees, seq: int) -> float:
+    def _vision_tokens(self, mb: int, l_reps: int, d: ParallelLayout, seq: int) -> float:
         total = vision_patches_per_replica(
-            self.cfg, seq_len=seq, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.replicas
+            self.cfg, seq_len=seq, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.num_replicas
         )
         return sp_rank_tokens(architecture(self.cfg.model).modules["vision"], total, d.sp, self._image())
 
@@ -340,11 +309,11 @@ class Search:
             l_opts = self._degrees("llm", lw)
             v_opts = self._degrees("vision", vw)
             for ld in l_opts:
-                for v_reps in sorted({d.replicas for d in v_opts}):
-                    if max(v_reps, ld.replicas) % min(v_reps, ld.replicas):
+                for v_reps in sorted({d.num_replicas for d in v_opts}):
+                    if max(v_reps, ld.num_replicas) % min(v_reps, ld.num_replicas):
                         continue
-                    for mb in self.micro_batches(ld.replicas, v_reps):
-                        n_mb = self.cfg.train.global_batch_size // (mb * ld.replicas)
+                    for mb in self.micro_batches(ld.num_replicas, v_reps):
+                        n_mb = self.cfg.train.global_batch_size // (mb * ld.num_replicas)
                         llms = [
                             self.module(
                                 "llm", lw, ld, ac, mb, n_mb, int(self.cfg.modules["llm"].seq_len), 0.0
@@ -363,10 +332,10 @@ class Search:
                         if n_mb * l_best > worst:
                             continue  # bound: the LLM alone is slower than the 10th best step
                         for vd in v_opts:
-                            if vd.replicas != v_reps:
+                            if vd.num_replicas != v_reps:
                                 continue
-                            seq = self.vision_seq_len(mb, ld.replicas, v_reps, vd.sp)
-                            tokens = self._vision_tokens(mb, ld.replicas, vd, seq)
+                            seq = self.vision_seq_len(mb, ld.num_replicas, v_reps, vd.sp)
+                            tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
                             for vac in self._acs("vision"):
                                 if not self._keep("vision", vw, vd, vac):
                                     continue
@@ -444,7 +413,7 @@ def auto_plan(
 ) -> tuple[list[tuple[Candidate, list[str]]], str]:
     """The ``top`` fastest valid plans that fit, each with the overrides that produce it, and one
     sentence on why the first wins."""
-    from dhp.config.validate import validate
+    from dhp.validation.validate import validate
 
     if "vision" not in config.modules:
         raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")

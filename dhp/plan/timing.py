@@ -71,12 +71,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from dhp.layout import RankLayout
 from dhp.models.arch import model_flops
 from dhp.plan.memory import (
     ModuleShape,
     checkpointed_blocks,
-    expert_optimizer_shards,
     non_expert_params,
     rank_params,
 )
@@ -130,14 +128,14 @@ class Flops:
 def blocks_matmul_fwd(shape: ModuleShape, tokens: float) -> float:
     """Forward matmul FLOPs of the blocks on one rank: TP shards all but the routed experts, which
     every TP rank runs whole on all of its tokens."""
-    tp, arch = shape.parallel.tp, shape.arch
+    tp, arch = shape.layout.tp, shape.arch
     experts = arch.expert_macs()
     return 2.0 * tokens * ((arch.block_macs() - experts) / tp + experts)
 
 
 def module_flops(shape: ModuleShape, tokens: float) -> Flops:
     """FLOPs of one rank per micro-batch when its layers see ``tokens`` tokens (formulas above)."""
-    tp = shape.parallel.tp
+    tp = shape.layout.tp
     block_mm = blocks_matmul_fwd(shape, tokens)  # recompute re-runs blocks, not the head
     mm = block_mm + 2.0 * tokens * shape.arch.head_macs / tp
     h = shape.layer.hidden
@@ -200,7 +198,7 @@ def link_of(cluster: DictConfig) -> Link:
 
 def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, float]:
     """Seconds of collectives of one rank per micro-batch: fwd, bwd (incl. recompute), fsdp."""
-    par, a, h, lay = shape.parallel, shape.precision.act, shape.layer.hidden, shape.layer
+    par, a, h, lay = shape.layout, shape.precision.act, shape.layer.hidden, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
     fwd = bwd = 0.0
     if par.sp > 1:
@@ -214,14 +212,14 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         fwd += 2 * lay.layers * one
         # backward: one all-reduce per column-parallel input's grad (torch's TP styles reduce each
         # projection's on its own); SP adds the all-gathers of the two outputs' grads (one AR's bytes)
-        per = lay.tp_input_grads + (1 if shape.sequence_parallel else 0)
+        per = lay.tp_input_grads + (1 if shape.layout.sequence_parallel else 0)
         bwd += (per * lay.layers + 2 * ck) * one if shape.backward else 0.0
     a2a_fwd, a2a_bwd = moe_all_to_all_s(shape, tokens, link)
     fwd += a2a_fwd
     bwd += a2a_bwd
     fsdp = 0.0
     if par.fsdp > 1:
-        span = RankLayout.from_parallel(par).span("fsdp")
+        span = par.span("fsdp")
         dense, dense_block = non_expert_params(shape)
         layer = dense_block.per_tp_rank(par.tp)
         root = dense.per_tp_rank(par.tp) - lay.layers * layer
@@ -234,20 +232,15 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp, "a2a": a2a_fwd + a2a_bwd}
 
 
-def ep_span(par: DictConfig) -> int:
-    """Consecutive GPUs one EP group reaches across: ep ranks strided by tp (``dhp/parallel/ep.py``)."""
-    return int(par.ep) * int(par.tp)
-
-
 def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
     """(forward, backward) seconds of one rank's EP dispatch + combine all-to-alls per micro-batch,
     over every MoE block (formulas above; 0 at ep=1)."""
-    par, arch = shape.parallel, shape.arch
-    ep = int(par.ep)
+    par, arch = shape.layout, shape.arch
+    ep = par.ep
     if ep <= 1 or arch is None or not arch.moe_blocks:
         return 0.0, 0.0
     a, h = shape.precision.act, arch.hidden
-    bw = link.bw(ep_span(par))
+    bw = link.bw(par.ep_span)
     fwd = bwd = 0.0
     for b in arch.blocks:
         if b.mlp.kind == "moe":
@@ -262,22 +255,19 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
     """Once per step: DP/SP gradient all-reduce, HSDP replica all-reduce, ZeRO-1 broadcast."""
     if shape.freeze:
         return 0.0
-    par, pr = shape.parallel, shape.precision
+    par, pr = shape.layout, shape.precision
     local, experts = rank_params(shape)
     t = 0.0
-    lay = RankLayout.from_parallel(par)
-    edp = lay.num_replicas * lay.sp // int(par.ep)  # the folded dp x fsdp x sp ranks over ep
+    edp = par.edp  # the folded dp x fsdp x sp ranks over ep
     if experts and edp > 1:  # expert grads: SUM over the ranks holding the same experts
         t += all_reduce_s(experts * pr.grad, edp, link.bw(world), link.lat)
     if par.sp > 1:
-        t += all_reduce_s(
-            local * pr.grad, par.sp, link.bw(RankLayout.from_parallel(par).span("sp")), link.lat
-        )
+        t += all_reduce_s(local * pr.grad, par.sp, link.bw(par.span("sp")), link.lat)
     if par.dp > 1:
         t += all_reduce_s(local * pr.grad, par.dp, link.bw(world), link.lat)
-    if par.zero == 1 and par.dp * par.sp > 1:
-        t += all_gather_s(local * pr.param, par.dp * par.sp, link.bw(world), link.lat)
-    if experts and expert_optimizer_shards(par) > 1:  # ZeRO-1's expert owners broadcast over edp
+    if par.optimizer_shards > 1:
+        t += all_gather_s(local * pr.param, par.optimizer_shards, link.bw(world), link.lat)
+    if experts and par.expert_optimizer_shards > 1:  # ZeRO-1's expert owners broadcast over edp
         t += all_gather_s(experts * pr.param, edp, link.bw(world), link.lat)
     return t
 
@@ -286,10 +276,10 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
     """AdamW + grad norm + clip, memory bound (bytes in the module docstring)."""
     if shape.freeze:
         return 0.0
-    par, pr = shape.parallel, shape.precision
+    par, pr = shape.layout, shape.precision
     dense, experts = rank_params(shape)
     local = dense + experts
-    owned = dense / (par.dp * par.sp if par.zero == 1 else 1) + experts / expert_optimizer_shards(par)
+    owned = dense / par.optimizer_shards + experts / par.expert_optimizer_shards
     nbytes = owned * (2 * pr.param + pr.grad + 2 * pr.optimizer) + 3 * local * pr.grad
     return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 

@@ -17,8 +17,8 @@ import functools
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config.validate_trainable import needs_trainable_check, trainable_sizes
 from dhp.errors import ConfigError
+from dhp.validation.validate_trainable import needs_trainable_check, trainable_sizes
 
 
 def trainable_fraction(name: str, *, model: DictConfig, module: DictConfig) -> float:

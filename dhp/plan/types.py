@@ -11,6 +11,8 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
+from dhp.layout import ParallelLayout
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -92,14 +94,23 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One module = one actor group with its own torch.distributed world and mesh."""
+    """One module = one actor group with its own torch.distributed world and mesh, cut from its
+    :class:`~dhp.layout.ParallelLayout` (every degree of the group; the runtime's workers get it)."""
 
     name: str
-    world_size: int
-    mesh: dict[str, int]  # ordered axis -> degree (dp, fsdp, sp, tp; axes > 1, at least one)
+    layout: ParallelLayout
     param_count: int  # full (unsharded) parameters of the module
     ranks: tuple[RankPlan, ...]
     active_param_count: int = 0  # parameters one token passes through (MoE: top-k experts); 0: = total
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Ordered axis -> degree (dp, fsdp, sp, tp; axes > 1, at least one)."""
+        return self.layout.mesh()
 
     @property
     def active(self) -> int:
@@ -219,6 +230,11 @@ class Plan:
     @property
     def min_margin(self) -> int:
         return min(d.margin for d in self.devices)
+
+    @property
+    def layouts(self) -> dict[str, ParallelLayout]:
+        """Every group's layout by module name, in declaration order."""
+        return {g.name: g.layout for g in self.groups}
 
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:

@@ -22,7 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.errors import DhpError, PlanError, RuntimeFailure
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 from dhp.plan.types import bundle_total
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.devices import NOSET_VISIBLE
@@ -50,20 +50,16 @@ class RankSlot:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """What the runtime needs from one plan group: its name, mesh, rank slots and device."""
+    """What the runtime needs from one plan group: its name, layout, rank slots and device."""
 
     name: str
-    mesh: dict[str, int]  # ordered axis -> degree (dp, fsdp, sp, tp)
+    layout: ParallelLayout  # the plan's (GroupPlan.layout)
     slots: tuple[RankSlot, ...]
     device: str = "cpu"  # cpu | cuda (from the cluster config)
 
     @property
     def world_size(self) -> int:
         return len(self.slots)
-
-    @property
-    def layout(self) -> RankLayout:
-        return RankLayout.from_mesh(self.mesh)
 
 
 def specs_from_plan(
@@ -82,7 +78,7 @@ def specs_from_plan(
             )
             for r in g.ranks
         )
-        specs[g.name] = GroupSpec(name=g.name, mesh=dict(g.mesh), slots=slots, device=plan.device)
+        specs[g.name] = GroupSpec(name=g.name, layout=g.layout, slots=slots, device=plan.device)
     return pgs, specs
 
 

@@ -6,7 +6,7 @@ it through the group with the method itself, ``group.call(ModuleWorker.finalize_
 :class:`~dhp.runtime.actor_group.ActorGroup` reads the contract from that function and never takes
 a method name as a string; the driver never indexes ranks.
 
-Rank layout inside a group is :class:`dhp.layout.RankLayout` (re-exported here): row-major over the
+Rank layout inside a group is :class:`dhp.layout.ParallelLayout` (re-exported here): row-major over the
 mesh axes ``dp, fsdp, sp, tp``, so ranks of one data replica (same batch, different SP/TP shards) are
 contiguous.
 """
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dhp.errors import RuntimeFailure
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 
 __all__ = [
     "CONTRACT_ATTR",
     "Collect",
     "Contract",
     "Dispatch",
-    "RankLayout",
+    "ParallelLayout",
     "collect_results",
     "contract_of",
     "register",
@@ -96,7 +96,7 @@ def contract_of(worker_cls: type, method: Callable[..., Any]) -> Contract:
 
 
 def split_args(
-    contract: Contract, layout: RankLayout, method: str, args: Sequence[Any], kwargs: dict[str, Any]
+    contract: Contract, layout: ParallelLayout, method: str, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """Per-rank ``(args, kwargs)`` for one call under ``contract``. Keyword args go to all ranks."""
     if contract.dispatch is Dispatch.ONE_TO_ALL:
@@ -113,7 +113,7 @@ def split_args(
     return [(tuple(a[layout.replica_of(r)] for a in args), kwargs) for r in range(layout.world_size)]
 
 
-def collect_results(contract: Contract, layout: RankLayout, results: list[Any]) -> Any:
+def collect_results(contract: Contract, layout: ParallelLayout, results: list[Any]) -> Any:
     """Select the results that count under ``contract`` from one result per rank."""
     if contract.collect is Collect.ALL:
         return results

@@ -38,7 +38,7 @@ from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, s
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
-from dhp.runtime.spec import WorkerSpec
+from dhp.runtime.spec import WorkerSpec, without_degrees
 from dhp.runtime.startup import Startup, actors_phase, connect_ray
 from dhp.runtime.worker import ModuleWorker
 
@@ -118,9 +118,9 @@ class Trainer:
             for name in names:
                 spec = WorkerSpec(
                     model=config.model,
-                    module=self.modules_cfg[name],
+                    module=without_degrees(self.modules_cfg[name]),
                     train=config.train,
-                    mesh=specs[name].mesh,
+                    layout=specs[name].layout,
                     device=specs[name].device,
                     handoff=plan.handoff,
                     links=self.links,
@@ -260,7 +260,7 @@ class Trainer:
         for link in self.links:
             group = self.groups[link.producer]
             layout, world = group.layout, group.layout.world_size
-            sp = group.spec.mesh.get("sp", 1)
+            sp = layout.sp
             routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
                 pixel_values=[b.pixel_values for b in batches],
                 image_grid_thw=[b.image_grid_thw for b in batches],
@@ -272,7 +272,7 @@ class Trainer:
                 ),
                 tokens_per_image=lambda g: self.family.tokens_per_image(self.hf_config, g),
                 # FSDP collectives span replicas: a replica without images runs a blank one
-                blank=self.family.blank_image(self.hf_config) if group.spec.mesh.get("fsdp", 1) > 1 else None,
+                blank=self.family.blank_image(self.hf_config) if layout.fsdp > 1 else None,
             )
             out[link.producer] = (
                 routing,
@@ -379,7 +379,7 @@ def _hf_config(family: Any, model: Any) -> Any:
 def _endpoint_stride(name: str, specs: dict[str, Any], consumer: str) -> int:
     """Ranks between two hand-off endpoints of group ``name``: a consumer's data replica, a producer's unit."""
     layout = specs[name].layout
-    return layout.ranks_per_replica if name == consumer else layout.tp_size
+    return layout.ranks_per_replica if name == consumer else layout.tp
 
 
 def _aux_losses(stats: list[list[dict[str, Any]]], num_label_tokens: int) -> dict[str, float]:

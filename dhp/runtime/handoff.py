@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dhp.errors import RuntimeFailure
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 
 #: the family's SP cut of one producer replica's images: ``(pixel_values, image_grid_thw, sp_size) -> shards``
 ShardFn = Callable[[torch.Tensor, torch.Tensor, int], list[Any]]
@@ -65,7 +65,7 @@ class MicroBatchRouting:
         return [u for u, w in enumerate(self.units) if any(x.replica == replica for x in w.routes)]
 
 
-def unit_senders(routing: MicroBatchRouting, replica: int, layout: RankLayout) -> list[int | None]:
+def unit_senders(routing: MicroBatchRouting, replica: int, layout: ParallelLayout) -> list[int | None]:
     """Per producer unit, the producer rank whose payload consumer ``replica`` reads, or None.
 
     ``routing.units`` has one entry per unit (data replica x SP rank); the unit's TP ranks hold
@@ -75,7 +75,7 @@ def unit_senders(routing: MicroBatchRouting, replica: int, layout: RankLayout) -
     if len(routing.units) != layout.num_units:
         raise RuntimeFailure(
             f"hand-off: routing has {len(routing.units)} producer units, the producer group has "
-            f"{layout.num_units} (world {layout.world_size} / tp {layout.tp_size}) (a routing bug)"
+            f"{layout.num_units} (world {layout.world_size} / tp {layout.tp}) (a routing bug)"
         )
     srcs = set(routing.sources_of(replica))
     return [layout.unit_leader(u) if u in srcs else None for u in range(layout.num_units)]

@@ -24,12 +24,12 @@ from hydra.errors import HydraException
 from rich.console import Console
 from rich.table import Table
 
-from dhp.config import load_config
 from dhp.errors import ConfigError, ConfigIssue, DhpError
 from dhp.metrics.rundir import read_run_log
 from dhp.plan import compile_plan
 from dhp.runtime.driver import connect_ray
 from dhp.runtime.train import train
+from dhp.validation import load_config
 
 
 @dataclass

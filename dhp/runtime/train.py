@@ -255,7 +255,7 @@ def _attempt(
     t = config.train
     run_dir = result.run_dir
     clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
-    loader = dhp.data.build_run_loader(config)
+    loader = dhp.data.build_run_loader(config, plan.layouts)
     loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
     clock.mark("data loader")
     schedule = WarmupCosine(

@@ -33,6 +33,7 @@ from dhp.data import build_run_loader
 from dhp.data.packing import unpacked
 from dhp.data.video import reference_visual_kwargs
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
 from dhp.parallel.lora import inject_reference_lora
@@ -298,12 +299,12 @@ def verify_plan(
 
     check_verifiable(config)
     plan = compile_plan(config)
-    loader = build_run_loader(config)
+    loader = build_run_loader(config, plan.layouts)
     t = config.train
     schedule = WarmupCosine(
         lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio
     )
-    meshes = ", ".join(f"{g.name} {dict(g.mesh) | _ep(config, g.name)}" for g in plan.groups)
+    meshes = ", ".join(f"{g.name} {dict(g.mesh) | _ep(g.layout)}" for g in plan.groups)
     report = VerifyReport(
         loss_rtol=loss_rtol,
         grad_atol=grad_atol,
@@ -321,10 +322,9 @@ def verify_plan(
     return report
 
 
-def _ep(config: RunConfig, module: str) -> dict[str, int]:
+def _ep(layout: ParallelLayout) -> dict[str, int]:
     """``{"ep": N}`` when the module's experts are sharded over N ranks (folded, so not a mesh axis)."""
-    ep = config.modules[module].parallel.ep
-    return {"ep": ep} if ep > 1 else {}
+    return {"ep": layout.ep} if layout.ep > 1 else {}
 
 
 def compare_steps(

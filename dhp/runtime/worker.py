@@ -19,7 +19,6 @@ import ray
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from dhp import parallel as par
 from dhp.checkpoint import capture_rng_state, load_module_state, restore_rng_state, save_module_state
@@ -27,7 +26,6 @@ from dhp.checkpoint.async_state import async_save_status, save_module_state_asyn
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
 from dhp.errors import RuntimeFailure
-from dhp.layout import RankLayout
 from dhp.metrics import accounting
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.metrics.record import module_kernels
@@ -54,7 +52,7 @@ class ModuleWorker(DistWorker):
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
         self.spec = spec
         self.model_cfg, self.module_cfg, self.train_cfg = spec.model, spec.module, spec.train
-        self.mesh_shape = dict(spec.mesh)
+        self.layout = spec.layout  # every degree of this group: the plan's, the one source on the rank
         self.device_type = spec.device
         self.channel = make_transport(
             spec.handoff, bridge_layout=spec.bridge_layout, module=module_name, rank=rank
@@ -91,9 +89,7 @@ class ModuleWorker(DistWorker):
 
         cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.mesh = init_device_mesh(
-            self.device_type, tuple(self.mesh_shape.values()), mesh_dim_names=tuple(self.mesh_shape)
-        )
+        self.mesh = par.build_mesh(self.layout, self.device_type)
         family = self.family = get_family(self.model_cfg.family)
         dtype = self.dtype = torch_dtype(self.model_cfg.dtype)
         self.load_report: LoadReport | None = None
@@ -120,7 +116,7 @@ class ModuleWorker(DistWorker):
                 device=self.device,
             )
             init_lora_params(self.module, seed=self.train_cfg.seed)  # adapters are not in model.path
-        self.expert_load = _track_expert_load(self.module, tp=self.module_cfg.parallel.tp)
+        self.expert_load = _track_expert_load(self.module, tp=self.layout.tp)
         if not self.frozen:  # freeze_patterns / LoRA: requires_grad per parameter, after parallelize
             par.apply_trainable(
                 self.module, module_name=self.module_name, module_cfg=self.module_cfg, lr=self.train_cfg.lr
@@ -131,7 +127,7 @@ class ModuleWorker(DistWorker):
             else par.build_optimizer(
                 self.module,
                 self.mesh,
-                parallel=self.module_cfg.parallel,
+                self.layout,
                 train=self.train_cfg,
                 param_groups=self.module_cfg.param_groups,
             )
@@ -150,7 +146,7 @@ class ModuleWorker(DistWorker):
             self.module_name,
             module,
             self.mesh,
-            parallel=self.module_cfg.parallel,
+            self.layout,
             activation_checkpointing=self.module_cfg.activation_checkpointing,
             mixed_precision=self.module_cfg.mixed_precision,
             loss_chunk_tokens=self.loss_chunk_tokens,
@@ -217,7 +213,7 @@ class ModuleWorker(DistWorker):
         outputs, work = entry
         (link,) = self.links_out
         t0 = time.perf_counter()
-        tp_group = _inner_group(self.mesh, self.mesh_shape, ("tp",))
+        tp_group = par.inner_group(self.mesh, self.layout, ("tp",))
         reads = not self.channel.leader_only or _is_root(tp_group)
         got = ray.get(grad_refs) if reads and grad_refs else []
         self._timers["wait_s"] += time.perf_counter() - t0
@@ -255,7 +251,7 @@ class ModuleWorker(DistWorker):
         ranks hold identical ones).
         """
         t0, wall = time.perf_counter(), time.time()
-        group = _inner_group(self.mesh, self.mesh_shape, ("sp", "tp"))  # the replica's other ranks
+        group = par.inner_group(self.mesh, self.layout, ("sp", "tp"))  # the replica's other ranks
         reads = not self.channel.leader_only or _is_root(group)
         # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
         flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
@@ -299,7 +295,7 @@ class ModuleWorker(DistWorker):
                  "aux_losses": {k: float(v) for k, v in out.aux_losses.items()}}  # fmt: skip
         if not grads:
             return stats
-        leader = RankLayout.from_mesh(self.mesh_shape).is_replica_leader(self.rank)
+        leader = self.layout.is_replica_leader(self.rank)
         payloads: list[Any] = []
         for link in self.links_in:  # per unit of the producer: its rows' gradients, from the leader only
             per_unit: list[Any] = [None] * len(inbox.get(link.producer, []))
@@ -361,13 +357,13 @@ class ModuleWorker(DistWorker):
         """Sequence parallelism inside TP: a bool mask over the micro-batch's image-embedding rows, True
         for the rows whose tokens fall into this TP rank's sequence shard (the only rows the LLM reads
         here; the rest are cut away before layer 0). None without SP: every row is needed."""
-        par_cfg = self.module_cfg.parallel
-        if not (par_cfg.sequence_parallel and par_cfg.tp > 1):
+        lay = self.layout
+        if lay.seq_split == 1:
             return None
         return par.sequence_shard_rows(
             batch.input_ids,
             (self.model_cfg.tokens.image_token_id, self.model_cfg.tokens.video_token_id),
-            tp=par_cfg.tp,
+            tp=lay.tp,
             rank=self.mesh["tp"].get_local_rank(),
         )
 
@@ -379,7 +375,7 @@ class ModuleWorker(DistWorker):
         if self.frozen:
             return 0.0
         t0 = time.perf_counter()
-        par.finalize_grads(self.module, self.mesh, parallel=self.module_cfg.parallel)
+        par.finalize_grads(self.module, self.mesh, self.layout)
         norm_sq = float(par.grad_norm_sq(self.module, self.mesh))
         self._timers["step_s"] += time.perf_counter() - t0
         return norm_sq
@@ -470,18 +466,6 @@ class ModuleWorker(DistWorker):
             restore_rng_state(extra["rng"])
             return True
         return False
-
-
-def _inner_group(mesh: Any, shape: dict[str, int], axes: tuple[str, ...]) -> Any:
-    """The process group of the one axis in ``axes`` with degree > 1 (ranks sharing a batch), or None."""
-    live = [a for a in axes if shape.get(a, 1) > 1]
-    if not live:
-        return None
-    if len(live) > 1:
-        raise RuntimeFailure(
-            f"p2p hand-off: axes {live} both > 1 inside one replica (sp and tp exclude each other)"
-        )
-    return mesh[live[0]].get_group()
 
 
 def _is_root(group: Any) -> bool:

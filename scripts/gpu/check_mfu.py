@@ -18,7 +18,8 @@ def check_mfu(ctx: Ctx, args) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dhp import parallel as par
-    from dhp.config.schema import ParallelConfig, TrainConfig
+    from dhp.config.schema import TrainConfig
+    from dhp.layout import ParallelLayout
     from dhp.metrics import model_flops_per_step
     from dhp.models import get_family
 
@@ -44,9 +45,9 @@ def check_mfu(ctx: Ctx, args) -> str:
     for name in ("vision", "llm"):
         m = fam.build_module(name, cfg, device=ctx.device, dtype=dtype)
         mods[name] = par.parallelize(
-            name, m, mesh, parallel=ParallelConfig(), activation_checkpointing=False, mixed_precision="bf16"
+            name, m, mesh, layout=ParallelLayout(), activation_checkpointing=False, mixed_precision="bf16"
         )
-        opts[name] = par.build_optimizer(mods[name], mesh, parallel=ParallelConfig(), train=train)
+        opts[name] = par.build_optimizer(mods[name], mesh, layout=ParallelLayout(), train=train)
         ctx.fig(f"{name}.params_m", round(sum(p.numel() for p in m.parameters()) / 1e6, 1))
     b = vl_batch(cfg, grid=grid, text=text, device=torch.device("cpu"))
     shard = fam.shard_inputs(

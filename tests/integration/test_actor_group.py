@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from dhp.errors import PlanError, RuntimeFailure
+from dhp.layout import ParallelLayout
 from dhp.runtime.actor_group import ActorGroup, GroupSpec, RankSlot, init_groups, release, reserve
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.dispatch import Collect, Dispatch, register
@@ -43,7 +44,8 @@ def _group(name, mesh, cpus=0.25):
     for d in mesh.values():
         n *= d
     pgs = reserve([([{"CPU": cpus}] * n, "PACK")], timeout_s=30)
-    spec = GroupSpec(name=name, mesh=mesh, slots=tuple(RankSlot(0, r, num_cpus=cpus) for r in range(n)))
+    layout = ParallelLayout.from_config(mesh)
+    spec = GroupSpec(name=name, layout=layout, slots=tuple(RankSlot(0, r, num_cpus=cpus) for r in range(n)))
     return ActorGroup(spec, pgs=pgs, worker_cls=EchoWorker, worker_kwargs={}), pgs
 
 

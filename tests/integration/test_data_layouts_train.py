@@ -17,9 +17,9 @@ import yaml
 from cli_here import dhp_here, explain
 from plans import ALL_ONE
 
-from dhp.config import load_config
 from dhp.config.data_shortcuts import CACHE_ENV
 from dhp.runtime.train import train
+from dhp.validation import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))  # the layout builders
 from layouts_build import DEMO, every_layout
@@ -64,8 +64,9 @@ def test_a_mix_of_every_layout_trains_two_steps(ray_local, tmp_path, tiny_dir):
     )
     assert [d.name for d in cfg.data.datasets] == [e["name"] for e in entries]
     from dhp.data import build_run_loader
+    from dhp.plan.compile import module_layouts
 
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     loader.close()
     assert sum(loader.sizes) == 19 and all(loader.sizes)  # 2 steps x 10 samples reach every dataset
     train(cfg)

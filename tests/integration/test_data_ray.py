@@ -93,8 +93,8 @@ def _train(out, name: str, *overrides: str):
     module's Ray: no second start)."""
     from rich.console import Console
 
-    from dhp.config import load_config
     from dhp.runtime.train import train
+    from dhp.validation import load_config
 
     cfg = load_config(
         "tiny_vlm",

@@ -28,10 +28,10 @@ def failed_run(ray_local, tmp_path_factory):
     """(run dir, the RuntimeFailure, seconds the failed run took)."""
     from rich.console import Console
 
-    from dhp.config import load_config
     from dhp.errors import RuntimeFailure
     from dhp.runtime.failures import FAULT_ENV
     from dhp.runtime.train import train
+    from dhp.validation import load_config
 
     out = tmp_path_factory.mktemp("runs")
     run = ["name=nie", f"train.output_dir={out}", "train.steps=2", "train.max_restarts=3"]

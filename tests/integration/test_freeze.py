@@ -7,10 +7,11 @@ import pytest
 import torch
 from plans import ALL_ONE
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
+from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,7 +26,7 @@ def test_frozen_encoder_gets_no_grads_no_optimizer_state_and_stays_put(ray_local
     )
     trainer = Trainer(cfg, compile_plan(cfg))
     try:
-        loader = build_run_loader(cfg)
+        loader = build_run_loader(cfg, module_layouts(cfg))
         before = trainer.full_state_dict()
         res = trainer.step(next(loader), lr=1e-3, collect_grads=True)
         res = trainer.step(next(loader), lr=1e-3, collect_grads=True)

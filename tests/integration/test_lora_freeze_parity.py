@@ -15,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
+from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
 from dhp.runtime.schedule import WarmupCosine
 from dhp.runtime.verify import ReferenceModel, compare_grads
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration]
 
@@ -33,7 +34,7 @@ def _run(overrides: list[str]):
     cfg = load_config("tiny_vlm", ["train.warmup_steps=0", "train.lr=1e-4", *overrides])
     t = cfg.train
     schedule = WarmupCosine(lr=t.lr, warmup_steps=0, total_steps=STEPS, min_lr_ratio=t.min_lr_ratio)
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     trainer = Trainer(cfg, compile_plan(cfg))
     try:
         initial = trainer.full_state_dict()

@@ -55,8 +55,8 @@ def _node_of(actor) -> str:
 
 
 def test_plan_keeps_tp_in_a_node_and_spans_sp_and_dp():
-    from dhp.config import load_config
     from dhp.plan import compile_plan
+    from dhp.validation import load_config
 
     plan = compile_plan(load_config("tiny_vlm", TWO_NODES))
     groups = {g.name: g for g in plan.groups}
@@ -71,15 +71,16 @@ def test_plan_keeps_tp_in_a_node_and_spans_sp_and_dp():
 
 
 def test_training_across_two_nodes_matches_the_single_process_model(cluster):
-    from dhp.config import load_config
     from dhp.data import build_run_loader
     from dhp.plan import compile_plan
+    from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
     from dhp.runtime.verify import ReferenceModel, compare_grads
+    from dhp.validation import load_config
 
     cfg = load_config("tiny_vlm", [*TWO_NODES, "train.steps=2", "train.warmup_steps=0"])
     plan = compile_plan(cfg)
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     assert len(nodes) == 2
     trainer = Trainer(cfg, plan)

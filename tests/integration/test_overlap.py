@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from plans import ALL_ONE
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
+from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,7 +25,7 @@ def test_encoder_forward_of_next_micro_batch_overlaps_llm_work(ray_local):
     )  # global batch 4 -> 4 micro-batches
     trainer = Trainer(cfg, compile_plan(cfg))
     try:
-        loader = build_run_loader(cfg)
+        loader = build_run_loader(cfg, module_layouts(cfg))
         trainer.step(next(loader), lr=1e-3)  # warm-up (first calls import and allocate)
         res = trainer.step(next(loader), lr=1e-3)
     finally:

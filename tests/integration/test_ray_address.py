@@ -53,7 +53,7 @@ JOIN_SCRIPT = """
 import json, sys, time
 import ray
 import ray._private.state as state
-from dhp.config import load_config
+from dhp.validation import load_config
 from dhp.errors import PlanError
 from dhp.plan import compile_plan
 from dhp.runtime import Trainer

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.runtime.train import train
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -56,8 +56,8 @@ def train(out: Path, name: str, *overrides: str) -> None:
     """``dhp train conf=tiny_vlm name=NAME ...`` in this process (on the shared local Ray)."""
     from rich.console import Console
 
-    from dhp.config import load_config
     from dhp.runtime.train import train as run_train
+    from dhp.validation import load_config
 
     run = [
         f"name={name}",
@@ -204,8 +204,8 @@ def test_export_of_a_trained_tp_checkpoint_loads_in_transformers(full_run, tmp_p
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from dhp.checkpoint import load_module_state
-    from dhp.config import load_config
     from dhp.models import get_family
+    from dhp.validation import load_config
 
     out, _, _ = full_run
     (run_a,) = (out / "a").iterdir()

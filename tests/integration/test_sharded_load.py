@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
 from dhp.models import build_and_load, get_family, make_tiny_checkpoint
 from dhp.runtime.verify import ReferenceModel, compare_grads
 from dhp.runtime.worker import ModuleWorker
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,10 +35,11 @@ def _first_step(tiny_dir, *overrides):
 
     from dhp.data import build_run_loader
     from dhp.plan import compile_plan
+    from dhp.plan.compile import module_layouts
     from dhp.runtime.driver import Trainer
 
     cfg = load_config("tiny_vlm", [f"model.path={tiny_dir}", *overrides])
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
     initial = get_family(cfg.model.family).split_state_dict(hf.state_dict())
     ref = ReferenceModel(model=cfg.model, modules=dict(cfg.modules), train=cfg.train, initial=initial)

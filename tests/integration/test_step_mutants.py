@@ -34,11 +34,12 @@ import ray
 import ray.cloudpickle
 import torch
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
+from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
 from dhp.runtime.verify import VerifyReport, compare_steps
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def rig(ray_local):
     cfg = load_config("tiny_vlm", OVERRIDES)
     trainer = Trainer(cfg, compile_plan(cfg))
     try:
-        loader = build_run_loader(cfg)
+        loader = build_run_loader(cfg, module_layouts(cfg))
         report = VerifyReport(loss_rtol=1e-5, grad_atol=1e-5, param_atol=1e-5)
         lrs = iter([1e-3, 2e-3])
         compare_steps(trainer, cfg, loader=loader, lr=lambda: next(lrs), steps=2, report=report)
@@ -87,7 +88,9 @@ def _on_each(trainer: Trainer, fn, *args) -> dict[str, list]:
 
 def test_step_matches_reference(rig) -> None:
     cfg, _, _, report = rig
-    first = next(build_run_loader(cfg))  # the batch of step 1, as the fixture's loader drew it
+    first = next(
+        build_run_loader(cfg, module_layouts(cfg))
+    )  # the batch of step 1, as the fixture's loader drew it
     counts = [sum(int((b.labels != -100).sum()) for b in mb) for mb in first.micro_batches]
     assert len(counts) == 2 and counts[0] != first.num_label_tokens  # micro-batch T != global T
     assert len(report.steps) == 2

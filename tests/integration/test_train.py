@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from plans import ALL_ONE
 
-from dhp.config import load_config
 from dhp.errors import RuntimeFailure
 from dhp.metrics import METRIC_KEYS
 from dhp.runtime.train import train
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

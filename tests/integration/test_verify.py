@@ -24,8 +24,8 @@ import pytest
 from cli_here import dhp_here, explain, words
 from rich.console import Console
 
-from dhp.config import load_config
 from dhp.runtime.verify import render_report, verify_plan
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

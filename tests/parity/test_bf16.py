@@ -9,7 +9,7 @@ import torch.distributed as dist
 from parallel_harness import assert_rel_close, build_llm, full_grads, llm_batch, llm_step, spawn, split_llm
 from torch.distributed.device_mesh import init_device_mesh
 
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.parallel import finalize_grads, parallelize
 
 # bf16 keeps 8 mantissa bits (unit roundoff 2^-9 ~ 2e-3) on every weight, activation and matmul of a
@@ -29,17 +29,17 @@ def _bf16_case(rank: int, world: int) -> None:
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    parallel = ParallelConfig(fsdp=world)
+    parallel = ParallelLayout(fsdp=world)
     model = parallelize(
         "llm",
         build_llm(),
         mesh,
-        parallel=parallel,
+        layout=parallel,
         activation_checkpointing=False,
         mixed_precision="bf16_master_fp32",
     )
     loss, gin = llm_step(model, split_llm(batch, rank, world), num_tokens)
-    finalize_grads(model, mesh, parallel=parallel)
+    finalize_grads(model, mesh, layout=parallel)
     dist.all_reduce(loss)
     assert all(p.dtype == torch.float32 for p in model.parameters()), "master params must stay fp32"
     assert all(p.grad.dtype == torch.float32 for p in model.parameters()), "reduced grads must be fp32"

@@ -9,8 +9,8 @@ from parallel_harness import assert_grads_match, build_llm, build_vision, full_g
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dhp.config.schema import ParallelConfig
 from dhp.errors import PlanError
+from dhp.layout import ParallelLayout
 from dhp.parallel import parallelize
 
 # fp32 on CPU, reduction order only: <= 1e-5 relative (norm sense) per gradient.
@@ -21,25 +21,25 @@ pytestmark = pytest.mark.parity
 
 def _refusals(mesh) -> None:
     cases = [
-        ("llm", ParallelConfig(tp=2, sp=2), "mesh degrees"),  # the mesh has no sp axis
-        ("llm", ParallelConfig(fsdp=2), "mesh degrees"),  # the mesh's axis is tp, not fsdp
+        ("llm", ParallelLayout(tp=2, sp=2), "mesh degrees"),  # the mesh has no sp axis
+        ("llm", ParallelLayout(fsdp=2), "mesh degrees"),  # the mesh's axis is tp, not fsdp
     ]
     for name, parallel, msg in cases:
         model = build_llm()
         with pytest.raises(PlanError, match=msg):
             parallelize(
-                name, model, mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+                name, model, mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
             )
         assert not isinstance(model.lm_head.weight, DTensor), "a refused plan must leave the module untouched"
     with pytest.raises(PlanError, match="has no parallel_plan"):  # not built by a model family
-        parallelize("llm", torch.nn.Linear(2, 2), mesh, parallel=ParallelConfig(tp=2),
+        parallelize("llm", torch.nn.Linear(2, 2), mesh, layout=ParallelLayout(tp=2),
                     activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
     with pytest.raises(PlanError, match="mixed_precision = 'fp16'"):
         parallelize(
             "llm",
             build_llm(),
             mesh,
-            parallel=ParallelConfig(tp=2),
+            layout=ParallelLayout(tp=2),
             activation_checkpointing=False,
             mixed_precision="fp16",
         )
@@ -49,7 +49,7 @@ def _refusals(mesh) -> None:
             "llm",
             build_llm(),
             sp_mesh,
-            parallel=ParallelConfig(sp=2),
+            layout=ParallelLayout(sp=2),
             activation_checkpointing=False,
             mixed_precision="fp32",
         )
@@ -66,7 +66,7 @@ def _cases(rank: int, world: int) -> None:
         "vision",
         build_vision(),
         mesh,
-        parallel=ParallelConfig(tp=world),
+        layout=ParallelLayout(tp=world),
         activation_checkpointing=True,
         mixed_precision="fp32",
     )

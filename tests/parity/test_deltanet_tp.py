@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5TextModel
 
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.parallel import finalize_grads, parallelize
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.linear_attn_tp import deltanet_tp_plan, head_norm_tp_plan, local_fraction
@@ -229,18 +229,18 @@ def _fsdp_tp_case(rank: int, world: int) -> None:
     """fsdp=2 x tp=2 with SP and full AC through ``parallelize`` (TP, then AC, then FSDP2 per layer):
     each FSDP replica runs half of the batch; the summed loss and every full grad equal one process."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
-    parallel = ParallelConfig(fsdp=2, tp=2, sequence_parallel=True)
+    parallel = ParallelLayout(fsdp=2, tp=2, sequence_parallel=True)
     batch = llm_batch(6, batch=4, seq=SEQ)
     n_tok = int((batch["labels"][:, 1:] != -100).sum())
     ref = build()
     ref_loss, _ = step(ref, batch, n_tok)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     model = parallelize(
-        "llm", build(), mesh, parallel=parallel, activation_checkpointing="full", mixed_precision="fp32"
+        "llm", build(), mesh, layout=parallel, activation_checkpointing="full", mixed_precision="fp32"
     )
     _check_deltanet_sharded(model, 2, fsdp=2)
     loss, _ = step(model, split_llm(batch, mesh["fsdp"].get_local_rank(), 2), n_tok)
-    finalize_grads(model, mesh, parallel=parallel)
+    finalize_grads(model, mesh, layout=parallel)
     dist.all_reduce(loss, group=mesh["fsdp"].get_group())
     assert_rel_close(loss, ref_loss, rtol=LOSS_RTOL, name="fsdp x tp loss")
     assert_grads_match(full_grads(model), ref_grads, rtol=GRAD_RTOL, tag="fsdp x tp")

@@ -24,7 +24,8 @@ from parallel_harness import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.schema import TrainConfig
+from dhp.layout import ParallelLayout
 from dhp.parallel import CommCounter, build_optimizer, finalize_grads, grad_norm_sq, parallelize
 from dhp.parallel.dp import Zero1AdamW, local
 from dhp.parallel.state import full_param_dict
@@ -44,31 +45,31 @@ def _reference(batch: dict, num_tokens: int):
     return loss, gin, {k: p.grad for k, p in ref.named_parameters()}
 
 
-def _dp_replica(mesh, parallel: ParallelConfig, batch: dict, dp_rank: int, dp: int):
+def _dp_replica(mesh, parallel: ParallelLayout, batch: dict, dp_rank: int, dp: int):
     """Build, parallelize, run this replica's half, finalize; returns (model, summed loss, input grad)."""
     num_tokens = int((batch["labels"][:, 1:] != -100).sum())
     model = parallelize(
-        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+        "llm", build_llm(), mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
     loss, gin = llm_step(model, split_llm(batch, dp_rank, dp), num_tokens)
     counter = CommCounter("llm")
     with counter:
-        finalize_grads(model, mesh, parallel=parallel)
+        finalize_grads(model, mesh, layout=parallel)
     dist.all_reduce(loss, group=mesh["dp"].get_group())
     return model, loss, gin, counter.step()
 
 
-def _check_zero1(mesh, parallel: ParallelConfig, model) -> None:
+def _check_zero1(mesh, parallel: ParallelLayout, model) -> None:
     """ZeRO-1 and plain AdamW on identical grads: params equal after a step; states sharded over dp."""
     twin = parallelize(
-        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+        "llm", build_llm(), mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         q.grad = p.grad.detach().clone()
     zero = build_optimizer(
-        model, mesh, parallel=ParallelConfig(**{**parallel.__dict__, "zero": 1}), train=TRAIN
+        model, mesh, layout=ParallelLayout(**{**parallel.__dict__, "zero": 1}), train=TRAIN
     )
-    plain = build_optimizer(twin, mesh, parallel=parallel, train=TRAIN)
+    plain = build_optimizer(twin, mesh, layout=parallel, train=TRAIN)
     assert isinstance(zero, Zero1AdamW) and not isinstance(plain, Zero1AdamW)
     hooks: list[str] = []
     zero.register_step_pre_hook(lambda *_: hooks.append("pre"))
@@ -93,21 +94,21 @@ def _check_zero1(mesh, parallel: ParallelConfig, model) -> None:
     return zero
 
 
-def _check_zero1_checkpoint(mesh, parallel: ParallelConfig, model, zero, path: Path) -> None:
+def _check_zero1_checkpoint(mesh, parallel: ParallelLayout, model, zero, path: Path) -> None:
     """The checkpoint layer's DCP save/load round-trips a ZeRO-1 optimizer: each rank gets its own states."""
     from dhp.checkpoint.module_state import load_module_state, save_module_state
 
     save_module_state(path, model=model, optimizer=zero, extra=None)
-    zparallel = ParallelConfig(**{**parallel.__dict__, "zero": 1})
+    zparallel = ParallelLayout(**{**parallel.__dict__, "zero": 1})
     fresh = parallelize(
         "llm",
         build_llm(seed=7),
         mesh,
-        parallel=zparallel,
+        layout=zparallel,
         activation_checkpointing=False,
         mixed_precision="fp32",
     )
-    opt = build_optimizer(fresh, mesh, parallel=zparallel, train=TRAIN)
+    opt = build_optimizer(fresh, mesh, layout=zparallel, train=TRAIN)
     load_module_state(path, model=fresh, optimizer=opt)
     by_name = dict(fresh.named_parameters())
     for name, p in model.named_parameters():
@@ -121,7 +122,7 @@ def _dp2_cases(rank: int, world: int, path: str) -> None:
     batch = llm_batch(seed=4, batch=4)
     ref_loss, ref_gin, ref_grads = _reference(batch, int((batch["labels"][:, 1:] != -100).sum()))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    parallel = ParallelConfig(dp=2)
+    parallel = ParallelLayout(dp=2)
     model, loss, gin, comm = _dp_replica(mesh, parallel, batch, rank, 2)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="dp=2 loss")
     ref_half = split_llm({**batch, "image_embeds": ref_gin}, rank, 2)["image_embeds"]
@@ -144,7 +145,7 @@ def _dp_tp_cases(rank: int, world: int) -> None:
     batch = llm_batch(seed=5, batch=4)
     ref_loss, ref_gin, ref_grads = _reference(batch, int((batch["labels"][:, 1:] != -100).sum()))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallel = ParallelConfig(dp=2, tp=2)
+    parallel = ParallelLayout(dp=2, tp=2)
     dp_rank = mesh["dp"].get_local_rank()
     model, loss, gin, comm = _dp_replica(mesh, parallel, batch, dp_rank, 2)
     assert local(model.lm_head.weight).shape[0] == 1024 // 2

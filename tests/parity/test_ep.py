@@ -35,7 +35,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from parallel_harness import spawn
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
@@ -44,14 +43,14 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 from dhp.errors import PlanError
-from dhp.parallel import AcSpec, CommCounter, apply_ac
+from dhp.layout import ParallelLayout
+from dhp.parallel import AcSpec, CommCounter, apply_ac, build_mesh
 from dhp.parallel.ep import (
     ExpertParallelExperts,
     _grouped_path,
     _loop_path,
     apply_ep,
     ep_mesh,
-    ep_rank_grid,
     expert_params,
     load_balancing_loss,
     reduce_expert_grads_,
@@ -238,7 +237,7 @@ def _shard_like(p: DTensor, full: torch.Tensor) -> DTensor:
 
 def _refusals(module_mesh) -> None:
     with pytest.raises(PlanError, match="must divide the module's"):
-        ep_mesh(module_mesh, ep=3)
+        ep_mesh(module_mesh, ParallelLayout(dp=module_mesh.size(), ep=3))
     with pytest.raises(PlanError, match="must divide the number of experts"):
         _bad_experts(module_mesh)
 
@@ -248,7 +247,8 @@ def _bad_experts(module_mesh) -> None:
     cfg.num_experts = 3
     torch.manual_seed(0)
     block = Qwen3VLMoeTextModel(cfg).layers[0].mlp
-    apply_ep(nn.ModuleDict({"block": block}), ep_mesh(module_mesh, ep=2), block_glob="block")
+    layout = ParallelLayout(dp=module_mesh.size(), ep=2)
+    apply_ep(nn.ModuleDict({"block": block}), ep_mesh(module_mesh, layout), block_glob="block")
 
 
 def _checkpoint_case(mesh, root: str) -> None:
@@ -271,8 +271,9 @@ def _checkpoint_case(mesh, root: str) -> None:
 
 
 def _all_cases(rank: int, world: int, root: str) -> None:
-    module_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    mesh = ep_mesh(module_mesh, ep=2)
+    layout = ParallelLayout(dp=world, ep=2)
+    module_mesh = build_mesh(layout, "cpu")
+    mesh = ep_mesh(module_mesh, layout)
     assert mesh["ep"].size() == 2 and mesh["edp"].size() == 1
     _block_case(rank, mesh)
     _model_case(rank, world, mesh)
@@ -299,17 +300,3 @@ def test_grouped_mm_path_matches_loop():
         want = _loop_path(x, counts, gate_up, down, F.silu)
         got = _grouped_path(x, counts, gate_up, down, F.silu)
     _close(got, want, "grouped_mm path")
-
-
-def test_ep_rank_grid_folds_dp_fsdp_sp_per_tp_index():
-    """Pure layout: dp=2 x sp=2 x tp=2 ranks, ep=2 -> EP groups are SP neighbours within one tp index."""
-    grid = ep_rank_grid(torch.arange(8).view(2, 2, 2), ("dp", "sp", "tp"), ep=2)
-    assert grid.tolist() == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]  # [tp][edp][ep]
-    assert ep_rank_grid(torch.arange(8).view(2, 2, 2), ("dp", "sp", "tp"), ep=4).tolist() == [
-        [[0, 2, 4, 6]],
-        [[1, 3, 5, 7]],
-    ]
-    with pytest.raises(PlanError, match="pick ep among"):
-        ep_rank_grid(torch.arange(8).view(2, 2, 2), ("dp", "sp", "tp"), ep=3)
-    with pytest.raises(PlanError, match="expected among"):
-        ep_rank_grid(torch.arange(4).view(2, 2), ("dp", "pp"), ep=2)

@@ -42,7 +42,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
 from dhp.checkpoint import load_module_state, save_module_state
-from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.schema import TrainConfig
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.loading import build_and_load, load_module_weights
 from dhp.models.tiny import make_tiny_checkpoint
@@ -88,11 +89,11 @@ def _train() -> TrainConfig:
     return train
 
 
-def _dhp_model(mesh, parallel: ParallelConfig, ac: str = "off"):
+def _dhp_model(mesh, parallel: ParallelLayout, ac: str = "off"):
     model = build()
     model.parallel_plan = _plan()
-    parallelize("llm", model, mesh, parallel=parallel, activation_checkpointing=ac, mixed_precision="fp32")
-    return model, build_optimizer(model, mesh, parallel=parallel, train=_train())
+    parallelize("llm", model, mesh, layout=parallel, activation_checkpointing=ac, mixed_precision="fp32")
+    return model, build_optimizer(model, mesh, layout=parallel, train=_train())
 
 
 def _hf_counts(logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -106,7 +107,7 @@ def _hf_counts(logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def _train_case(
-    mesh, parallel: ParallelConfig, *, data_axes: tuple[str, ...], ac: str = "off", steps: int = 3
+    mesh, parallel: ParallelLayout, *, data_axes: tuple[str, ...], ac: str = "off", steps: int = 3
 ):
     """3 steps of dhp's pipeline vs HF + torch AdamW; returns the trained (model, optimizer)."""
     ref = build()
@@ -128,7 +129,7 @@ def _train_case(
         share, _ = load_balancing_loss(logits_r, num_experts=E, top_k=K, group=data.get_group())
         loss_r = ce_r / n_labels + AUX_COEF * share
         loss_r.backward()
-        finalize_grads(model, mesh, parallel=parallel)
+        finalize_grads(model, mesh, layout=parallel)
         norm_sq = grad_norm_sq(model, mesh)
         loss = loss_r.detach().clone()
         dist.all_reduce(loss, group=data.get_group())
@@ -174,7 +175,7 @@ def _reshard_case(mesh, model, opt, root: str) -> None:
     want_p, want_o = full_param_dict(model), _full_optim(model, opt)
     save_module_state(Path(root, "ep2"), model=model, optimizer=opt, extra={})
     for ep, src, dst in ((1, "ep2", "ep1"), (2, "ep1", None)):
-        resumed, ropt = _dhp_model(mesh, ParallelConfig(fsdp=2, ep=ep))
+        resumed, ropt = _dhp_model(mesh, ParallelLayout(fsdp=2, ep=ep))
         assert bool(expert_params(resumed)) == (ep == 2)
         for p in resumed.parameters():  # AdamW states must exist to be loaded into: a zero step
             p.grad = torch.zeros_like(p)
@@ -197,10 +198,8 @@ def _load_case(mesh, model_dir: str) -> None:
     family = get_family("qwen3_vl_moe")
     hf = family.hf_config_from_dir(model_dir, attn_implementation="sdpa")
     module = family.build_module("llm", hf, device="meta", dtype=torch.float32)
-    parallel = ParallelConfig(fsdp=2, ep=2)
-    parallelize(
-        "llm", module, mesh, parallel=parallel, activation_checkpointing="off", mixed_precision="fp32"
-    )
+    parallel = ParallelLayout(fsdp=2, ep=2)
+    parallelize("llm", module, mesh, layout=parallel, activation_checkpointing="off", mixed_precision="fp32")
     report = load_module_weights(module, model_dir, family=family, module_name="llm", hf_config=hf,
                                  dtype=torch.float32, device="cpu")  # fmt: skip
     full, _ = build_and_load(family, "llm", model_dir, hf_config=hf, dtype=torch.float32, device="cpu")
@@ -215,7 +214,7 @@ def _load_case(mesh, model_dir: str) -> None:
 
 def _fsdp_ep(rank: int, world: int, root: str, model_dir: str) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
-    model, opt = _train_case(mesh, ParallelConfig(fsdp=2, ep=2), data_axes=("fsdp",))
+    model, opt = _train_case(mesh, ParallelLayout(fsdp=2, ep=2), data_axes=("fsdp",))
     _reshard_case(mesh, model, opt, root)
     _load_case(mesh, model_dir)
 
@@ -266,7 +265,7 @@ def _zero1_resume_case(mesh, model, opt, root: str) -> None:
     # 2 of the 4 expert tensors (1/edp) x (exp_avg, exp_avg_sq) on every rank
     assert _assert_local_states_equal(model, opt, full, "saved") == 4
     for ep in (2, 1):
-        resumed, ropt = _dhp_model(mesh, ParallelConfig(dp=4, zero=1, ep=ep))
+        resumed, ropt = _dhp_model(mesh, ParallelLayout(dp=4, zero=1, ep=ep))
         for p in resumed.parameters():  # AdamW states must exist to be loaded into: a zero step
             p.grad = torch.zeros_like(p)
         ropt.step()
@@ -276,14 +275,14 @@ def _zero1_resume_case(mesh, model, opt, root: str) -> None:
 
 def _four_ranks(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    _train_case(mesh, ParallelConfig(dp=2, tp=2, ep=2), data_axes=("dp",))
+    _train_case(mesh, ParallelLayout(dp=2, tp=2, ep=2), data_axes=("dp",))
     # edp = 2: expert grads summed over the 2 ranks holding the same experts, beside ZeRO-1 / HSDP
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    model, opt = _train_case(mesh, ParallelConfig(dp=4, zero=1, ep=2), data_axes=("dp",))
+    model, opt = _train_case(mesh, ParallelLayout(dp=4, zero=1, ep=2), data_axes=("dp",))
     _expert_states_over_edp(model, opt)
     _zero1_resume_case(mesh, model, opt, root)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
-    _train_case(mesh, ParallelConfig(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"), ac="full")
+    _train_case(mesh, ParallelLayout(dp=2, fsdp=2, ep=2), data_axes=("dp", "fsdp"), ac="full")
 
 
 def test_ep2_with_fsdp2_matches_hf_reshards_and_loads(tmp_path):

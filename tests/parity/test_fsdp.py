@@ -27,7 +27,7 @@ from parallel_harness import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.parallel import CommCounter, finalize_grads, grad_norm_sq, parallelize
 
 # fp32 on CPU: only the reduction order differs (all-gathered weights are exact copies); the contract
@@ -37,7 +37,7 @@ RTOL = 1e-5
 pytestmark = pytest.mark.parity
 
 
-def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
+def _llm_case(rank: int, world: int, mesh, parallel: ParallelLayout) -> None:
     batch = llm_batch(seed=2, batch=4)
     num_tokens = int((batch["labels"][:, 1:] != -100).sum())
     ref = build_llm()
@@ -45,13 +45,13 @@ def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
 
     model = parallelize(
-        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+        "llm", build_llm(), mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
     assert isinstance(model.language_model.layers[0].mlp.up_proj.weight, DTensor)
     counter = CommCounter("llm")
     with counter:
         loss, gin = llm_step(model, split_llm(batch, rank, world), num_tokens)
-        finalize_grads(model, mesh, parallel=parallel)
+        finalize_grads(model, mesh, layout=parallel)
     comm = counter.step()
     dist.all_reduce(loss)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="fsdp llm loss")
@@ -70,7 +70,7 @@ def _llm_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
     assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
 
 
-def _vision_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
+def _vision_case(rank: int, world: int, mesh, parallel: ParallelLayout) -> None:
     grids = [(1, 8, 8), (1, 4, 8), (1, 4, 4)]  # 16 + 8 + 4 merged tokens
     per_rank = [[0], [1, 2]]
     w = torch.randn(28, 128, generator=torch.Generator().manual_seed(9))
@@ -90,20 +90,20 @@ def _vision_case(rank: int, world: int, mesh, parallel: ParallelConfig) -> None:
         "vision",
         build_vision(),
         mesh,
-        parallel=parallel,
+        layout=parallel,
         activation_checkpointing=True,
         mixed_precision="fp32",
     )
     out = model(pix, full["image_grid_thw"][mine])
     (out * w[tok0 : tok0 + toks]).sum().backward()
-    finalize_grads(model, mesh, parallel=parallel)
+    finalize_grads(model, mesh, layout=parallel)
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp+ac vision")
     assert abs(grad_norm_sq(model, mesh) - ref_norm_sq(ref_grads)) <= RTOL * ref_norm_sq(ref_grads)
 
 
 def _fsdp_cases(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    parallel = ParallelConfig(fsdp=world)
+    parallel = ParallelLayout(fsdp=world)
     _llm_case(rank, world, mesh, parallel)
     _vision_case(rank, world, mesh, parallel)
 
@@ -120,12 +120,12 @@ def _fsdp_tp_case(rank: int, world: int) -> None:
     ref_loss, _ = llm_step(ref, batch, num_tokens)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
-    parallel = ParallelConfig(fsdp=2, tp=2)
+    parallel = ParallelLayout(fsdp=2, tp=2)
     model = parallelize(
-        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=True, mixed_precision="fp32"
+        "llm", build_llm(), mesh, layout=parallel, activation_checkpointing=True, mixed_precision="fp32"
     )
     loss, _ = llm_step(model, split_llm(batch, mesh["fsdp"].get_local_rank(), 2), num_tokens)
-    finalize_grads(model, mesh, parallel=parallel)
+    finalize_grads(model, mesh, layout=parallel)
     dist.all_reduce(loss, group=mesh["fsdp"].get_group())
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="fsdp x tp loss")
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="fsdp x tp + ac")
@@ -141,12 +141,12 @@ def _hsdp_case(rank: int, world: int) -> None:
     ref_loss, _ = llm_step(ref, batch, num_tokens)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
-    parallel = ParallelConfig(dp=2, fsdp=2)
+    parallel = ParallelLayout(dp=2, fsdp=2)
     model = parallelize(
-        "llm", build_llm(), mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+        "llm", build_llm(), mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
     loss, _ = llm_step(model, split_llm(batch, rank, world), num_tokens)
-    finalize_grads(model, mesh, parallel=parallel)  # must not all-reduce over dp again
+    finalize_grads(model, mesh, layout=parallel)  # must not all-reduce over dp again
     dist.all_reduce(loss)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name="hsdp loss")
     assert_grads_match(full_grads(model), ref_grads, rtol=RTOL, tag="hsdp")

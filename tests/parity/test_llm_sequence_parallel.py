@@ -21,7 +21,7 @@ from parallel_harness import assert_grads_match, assert_rel_close, full_grads, s
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.parallel.comm import CommCounter
 from dhp.parallel.llm_tp import apply_tp, sequence_shard_rows
 from dhp.parallel.optim import finalize_grads, grad_norm_sq
@@ -97,7 +97,7 @@ def _sp_cases(rank: int, world: int) -> None:
         ref_grads = {k: p.grad for k, p in ref.named_parameters()}
         assert_grads_match(full_grads(sp), ref_grads, rtol=RTOL, tag=f"{name} sp")
         # the SP norms' Partial grads are reduced by finalize_grads; then the global norm is the reference's
-        finalize_grads(sp, mesh, parallel=ParallelConfig(tp=world, sequence_parallel=True))
+        finalize_grads(sp, mesh, layout=ParallelLayout(tp=world, sequence_parallel=True))
         assert not any(
             p.grad.placements[0].is_partial() for p in sp.parameters() if isinstance(p.grad, DTensor)
         )

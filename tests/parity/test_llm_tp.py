@@ -22,8 +22,9 @@ from parallel_harness import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.schema import TrainConfig
 from dhp.errors import PlanError
+from dhp.layout import ParallelLayout
 from dhp.parallel.comm import CommCounter
 from dhp.parallel.llm_tp import apply_tp
 from dhp.parallel.optim import build_optimizer
@@ -45,10 +46,10 @@ def _loss_and_grads(model, batch):
 
 def _check_model_state_bytes(ref, tp, world: int) -> None:
     """Per-rank params + grads + AdamW states at TP=N <= 1.10 x (TP=1) / N (live local tensor bytes)."""
-    train, single = TrainConfig(lr=1e-3), ParallelConfig()
+    train, single = TrainConfig(lr=1e-3), ParallelLayout()
     mesh = tp.lm_head.weight.device_mesh
-    ref_opt = build_optimizer(ref, mesh, parallel=single, train=train)
-    tp_opt = build_optimizer(tp, mesh, parallel=ParallelConfig(tp=world), train=train)
+    ref_opt = build_optimizer(ref, mesh, layout=single, train=train)
+    tp_opt = build_optimizer(tp, mesh, layout=ParallelLayout(tp=world), train=train)
     ref_opt.step()
     tp_opt.step()
     full, mine = model_state_bytes(ref, ref_opt)["total"], model_state_bytes(tp, tp_opt)["total"]

@@ -16,7 +16,8 @@ from parallel_harness import build_llm, spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dhp.config.constants import OPTIMIZER_IMPLS
-from dhp.config.schema import OptimizerConfig, ParallelConfig, TrainConfig
+from dhp.config.schema import OptimizerConfig, TrainConfig
+from dhp.layout import ParallelLayout
 from dhp.parallel import build_optimizer, parallelize
 from dhp.parallel.dp import Zero1AdamW
 from dhp.parallel.state import full_param_dict
@@ -41,13 +42,13 @@ def _grads(model: torch.nn.Module, step: int) -> None:
         p.grad = distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full
 
 
-def _run(mesh, parallel: ParallelConfig, impl: str) -> dict[str, torch.Tensor]:
+def _run(mesh, parallel: ParallelLayout, impl: str) -> dict[str, torch.Tensor]:
     model = build_llm()
     if parallel.fsdp > 1:
         model = parallelize(
-            "llm", model, mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+            "llm", model, mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
         )
-    opt = build_optimizer(model, mesh, parallel=parallel, train=_train(impl))
+    opt = build_optimizer(model, mesh, layout=parallel, train=_train(impl))
     assert isinstance(opt, Zero1AdamW) == (parallel.zero == 1)
     want = {"fused": True, "foreach": True, "for_loop": False}[impl]
     assert opt.defaults["fused" if impl == "fused" else "foreach"] is want, opt.defaults
@@ -61,9 +62,9 @@ def _run(mesh, parallel: ParallelConfig, impl: str) -> dict[str, torch.Tensor]:
 def _cases(rank: int, world: int) -> None:
     start = full_param_dict(build_llm())
     for axis, parallel in (
-        ("dp", ParallelConfig()),
-        ("dp", ParallelConfig(dp=2, zero=1)),
-        ("fsdp", ParallelConfig(fsdp=2)),
+        ("dp", ParallelLayout()),
+        ("dp", ParallelLayout(dp=2, zero=1)),
+        ("fsdp", ParallelLayout(fsdp=2)),
     ):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
         runs = {impl: _run(mesh, parallel, impl) for impl in OPTIMIZER_IMPLS}

@@ -27,17 +27,16 @@ import itertools
 import pytest
 import torch
 from parallel_harness import assert_grads_match, full_grads, spawn
-from torch.distributed.device_mesh import init_device_mesh
 
-from dhp.config import load_config
-from dhp.config.schema import ParallelConfig, TrainConfig
-from dhp.config.validate import validate
-from dhp.layout import RankLayout
+from dhp.config.schema import TrainConfig
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
-from dhp.parallel import build_optimizer, clip_grads_, finalize_grads, parallelize
+from dhp.parallel import build_mesh, build_optimizer, clip_grads_, finalize_grads, parallelize
 from dhp.parallel.llm_tp import sequence_shard_rows
-from dhp.plan.search import Degrees, Search, apply
+from dhp.plan.search import Search, apply
+from dhp.validation import load_config
+from dhp.validation.validate import validate
 
 pytestmark = pytest.mark.parity
 
@@ -47,18 +46,18 @@ IMAGES = ([[(4, 8)], [(4, 4), (2, 4)]], [[(4, 4)], [(2, 4)]], [[(2, 8)], [(4, 4)
 TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
 
 
-def _features(d: Degrees) -> set[str]:
+def _features(d: ParallelLayout) -> set[str]:
     axes = {a for a in ("dp", "fsdp", "sp", "tp") if getattr(d, a) > 1}
     return axes | ({"zero"} if d.zero else set()) | ({"sequence_parallel"} if d.sequence_parallel else set())
 
 
-def _space(recipe: str) -> dict[int, list[tuple[str, Degrees, str]]]:
+def _space(recipe: str) -> dict[int, list[tuple[str, ParallelLayout, str]]]:
     """{world: [(module, degrees, ac)]}: every degree combination the search can emit on this recipe's
     cluster, each with one of the AC modes it searches, chosen so that every AC mode meets every
     feature (each axis > 1, ZeRO-1, SP inside TP) of the module at least once."""
     search = Search(load_config(recipe, []), set())
     worlds = sorted({w for _, v, lw in search.placements() for w in (v, lw)})
-    out: dict[int, list[tuple[str, Degrees, str]]] = {w: [] for w in worlds}
+    out: dict[int, list[tuple[str, ParallelLayout, str]]] = {w: [] for w in worlds}
     for name in search.cfg.modules:
         acs, seen, i = search._acs(name), set(), 0
         for w in worlds:
@@ -137,18 +136,15 @@ def _reference_grads(family, hf, name: str, replicas: int) -> dict[str, torch.Te
     return {k: p.grad.detach().clone() for k, p in ref.named_parameters()}
 
 
-def _one_step(family, hf, name: str, d: Degrees, ac: str, refs: dict) -> None:
-    par = ParallelConfig(
-        dp=d.dp, fsdp=d.fsdp, sp=d.sp, tp=d.tp, zero=d.zero, sequence_parallel=d.sequence_parallel
-    )
-    layout = RankLayout.from_parallel(par)
-    shape = layout.mesh()
-    mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> None:
+    """One step of the layout the search emitted, through the runtime's own mesh cut and strategies."""
+    layout = d
+    mesh = build_mesh(layout, "cpu")
     torch.manual_seed(0)
     module = family.build_module(name, hf, device="cpu", dtype=torch.float32)
     module.train()
     module = parallelize(
-        name, module, mesh, parallel=par, activation_checkpointing=ac, mixed_precision="fp32"
+        name, module, mesh, layout=layout, activation_checkpointing=ac, mixed_precision="fp32"
     )
     coord = layout.coords(torch.distributed.get_rank())
     replica = coord["dp"] * d.fsdp + coord["fsdp"]
@@ -165,14 +161,14 @@ def _one_step(family, hf, name: str, d: Degrees, ac: str, refs: dict) -> None:
             own = sequence_shard_rows(batch["input_ids"], ids, tp=d.tp, rank=coord["tp"]).float()
         loss = _llm_loss(module, family, hf, batch, replica, _label_tokens(hf, layout.num_replicas), own)
     loss.backward()
-    finalize_grads(module, mesh, parallel=par)
+    finalize_grads(module, mesh, layout=layout)
     key = (name, layout.num_replicas)
     if key not in refs:
         refs[key] = _reference_grads(family, hf, name, layout.num_replicas)
-    tag = f"{family.name} {name} {d.as_dict()} ac={ac}"
+    tag = f"{family.name} {name} {d.config_values()} ac={ac}"
     assert_grads_match(full_grads(module), refs[key], rtol=RTOL, tag=tag)
     clip_grads_(module, 0.5)
-    optimizer = build_optimizer(module, mesh, parallel=par, train=TrainConfig(lr=1e-3))
+    optimizer = build_optimizer(module, mesh, layout=layout, train=TrainConfig(lr=1e-3))
     optimizer.step()
     for k, p in module.named_parameters():
         assert torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p.detach()).all(), (
@@ -211,13 +207,14 @@ def test_every_other_module_plan_is_refused_by_validation(family: str) -> None:
                 continue
             dp = w // (tp * sp * fsdp)
             for zero, seq in itertools.product((0, 1), (False, True)):
-                d = Degrees(dp, fsdp, sp, tp, zero, seq)
+                d = ParallelLayout(dp=dp, fsdp=fsdp, sp=sp, tp=tp, zero=zero, sequence_parallel=seq)
                 for name in cfg.modules:
                     other = next(n for n in cfg.modules if n != name)
                     ov = [f"modules.{name}.gpus={w}", f"modules.{other}.gpus={w}", f"train.global_batch_size={4 * w}",
                           "train.micro_batch_size=1", "placement=collocated"]  # fmt: skip
-                    ov += [f"modules.{name}.parallel.{k}={str(v).lower()}" for k, v in d.as_dict().items()]
-                    ov += [f"modules.{name}.parallel.sequence_parallel={str(seq).lower()}"]
+                    ov += [
+                        f"modules.{name}.parallel.{k}={str(v).lower()}" for k, v in d.config_values().items()
+                    ]
                     ov += [f"modules.{other}.parallel.{k}={v}" for k, v in
                            {"dp": w, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0}.items()]  # fmt: skip
                     ov += [f"modules.{other}.parallel.sequence_parallel=false"]

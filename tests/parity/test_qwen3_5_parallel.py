@@ -34,7 +34,7 @@ from parallel_harness import assert_grads_match, assert_rel_close, full_grads, s
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
 from dhp.parallel import finalize_grads, parallelize
@@ -65,9 +65,9 @@ def _vision(rank: int, world: int, family, cfg, batch) -> None:
     ref_out["image_embeds"].backward(cot)
     want = {n: p.grad for n, p in ref.named_parameters()}
 
-    par = ParallelConfig(sp=world)
+    par = ParallelLayout(sp=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
-    sp = parallelize("vision", _build(family, cfg, "vision", 0), mesh, parallel=par,
+    sp = parallelize("vision", _build(family, cfg, "vision", 0), mesh, layout=par,
                      activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
     shard = family.shard_inputs("vision", cfg, pixel_values=pixels, image_grid_thw=grid, sp_size=world)[rank]
     assert 0 < shard.num_patches < pixels.shape[0]
@@ -75,12 +75,12 @@ def _vision(rank: int, world: int, family, cfg, batch) -> None:
     rows = shard.token_index
     assert_rel_close(out, ref_out["image_embeds"][rows], rtol=RTOL, name=f"sp rank {rank} image_embeds")
     out.backward(cot[rows])
-    finalize_grads(sp, mesh, parallel=par)
+    finalize_grads(sp, mesh, layout=par)
     assert_grads_match({n: p.grad for n, p in sp.named_parameters()}, want, rtol=RTOL, tag=f"sp rank {rank}")
 
-    par = ParallelConfig(tp=world)
+    par = ParallelLayout(tp=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    tp = parallelize("vision", _build(family, cfg, "vision", 0), mesh, parallel=par,
+    tp = parallelize("vision", _build(family, cfg, "vision", 0), mesh, layout=par,
                      activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
     assert isinstance(tp.visual.blocks[0].attn.qkv.weight, DTensor)
     out = tp(pixels, grid)["image_embeds"]
@@ -110,16 +110,16 @@ def _llm(rank: int, world: int, family, cfg, batch) -> None:
     (out.loss_sum / total).backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
 
-    par = ParallelConfig(fsdp=world)
+    par = ParallelLayout(fsdp=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    model = parallelize("llm", _build(family, cfg, "llm", 1), mesh, parallel=par,
+    model = parallelize("llm", _build(family, cfg, "llm", 1), mesh, layout=par,
                         activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
     assert isinstance(model.language_model.layers[0].linear_attn.in_proj_qkv.weight, DTensor)
     sample, rows = _sample(batch, cfg, rank)
     mine = edges[rows].clone().requires_grad_(True)
     got = model(**sample, image_embeds=mine)
     (got.loss_sum / total).backward()
-    finalize_grads(model, mesh, parallel=par)
+    finalize_grads(model, mesh, layout=par)
     loss = got.loss_sum.detach().clone()
     dist.all_reduce(loss)
     assert_rel_close(loss, out.loss_sum, rtol=RTOL, name="fsdp llm loss sum")
@@ -144,9 +144,9 @@ def _llm_tp(rank: int, world: int, family, cfg, batch, *, sequence_parallel: boo
 
     ref = _build(family, cfg, "llm", 1)
     ref_loss, ref_edge = step(ref)
-    par = ParallelConfig(tp=world, sequence_parallel=sequence_parallel)
+    par = ParallelLayout(tp=world, sequence_parallel=sequence_parallel)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    tp = parallelize("llm", _build(family, cfg, "llm", 1), mesh, parallel=par,
+    tp = parallelize("llm", _build(family, cfg, "llm", 1), mesh, layout=par,
                      activation_checkpointing=False, mixed_precision="fp32")  # fmt: skip
     tag = f"llm tp{world}{' +sp' if sequence_parallel else ''} rank {rank}"
     fractions = local_fraction(tp.language_model.layers[0].linear_attn)
@@ -155,7 +155,7 @@ def _llm_tp(rank: int, world: int, family, cfg, batch, *, sequence_parallel: boo
     for fqn, (local, whole) in fractions.items():
         assert local * (1 if fqn == "norm.weight" else world) == whole, (tag, fqn, local, whole)
     loss, edge = step(tp)
-    finalize_grads(tp, mesh, parallel=par)
+    finalize_grads(tp, mesh, layout=par)
     assert_rel_close(loss, ref_loss, rtol=RTOL, name=f"{tag} loss")
     assert_rel_close(edge, ref_edge, rtol=RTOL, name=f"{tag} d/d image_embeds")
     assert_grads_match(full_grads(tp), {n: p.grad for n, p in ref.named_parameters()}, rtol=RTOL, tag=tag)

@@ -33,7 +33,7 @@ from test_split_qwen3_vl_moe import _skew_routers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.qwen3_base.llm import ROUTER_AUX_LOSS
 from dhp.models.testing import modules_from_reference, relative_error, tiny_vl_batch
@@ -111,7 +111,7 @@ def _tp_case(family, cfg, ref, batch, ref_out, want) -> None:
         "llm",
         llm,
         mesh,
-        parallel=ParallelConfig(tp=2),
+        layout=ParallelLayout(tp=2),
         activation_checkpointing="off",
         mixed_precision="fp32",
     )
@@ -122,22 +122,22 @@ def _tp_case(family, cfg, ref, batch, ref_out, want) -> None:
     out = _llm_step(
         modules["vision"], llm, batch, num_label_tokens=int((batch["labels"][:, 1:] != -100).sum())
     )
-    finalize_grads(llm, mesh, parallel=ParallelConfig(tp=2))
+    finalize_grads(llm, mesh, layout=ParallelLayout(tp=2))
     assert relative_error(out.loss_sum / out.num_tokens, ref_out.loss) <= LOSS_RTOL
     _compare_grads(llm, want, "tp=2")
 
 
 def _dp_ep_case(rank, family, cfg, ref, batch, ref_out, want) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    parallel = ParallelConfig(dp=2, ep=2)
+    parallel = ParallelLayout(dp=2, ep=2)
     modules = modules_from_reference(family, ref, cfg)
     llm = modules["llm"]
-    parallelize("llm", llm, mesh, parallel=parallel, activation_checkpointing="off", mixed_precision="fp32")
+    parallelize("llm", llm, mesh, layout=parallel, activation_checkpointing="off", mixed_precision="fp32")
     assert len(expert_params(llm)) == 4  # 2 sparse layers x (gate_up_proj, down_proj), 4 experts each here
     llm.aux_loss_group = mesh.get_group("dp")
     total = int((batch["labels"][:, 1:] != -100).sum())
     out = _llm_step(modules["vision"], llm, _sample(cfg, batch, rank), num_label_tokens=total)
-    finalize_grads(llm, mesh, parallel=parallel)
+    finalize_grads(llm, mesh, layout=parallel)
     loss = (out.loss_sum / total).detach()
     dist.all_reduce(loss)
     assert relative_error(loss, ref_out.loss) <= LOSS_RTOL, (loss.item(), ref_out.loss.item())
@@ -168,7 +168,7 @@ def _load_case(rank: int, family, root: str) -> None:
     cfg = family.hf_config_from_dir(out)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     llm = family.build_module("llm", cfg, device="meta", dtype=torch.float32)
-    parallelize("llm", llm, mesh, parallel=ParallelConfig(dp=2, ep=2), activation_checkpointing="off",
+    parallelize("llm", llm, mesh, layout=ParallelLayout(dp=2, ep=2), activation_checkpointing="off",
                 mixed_precision="fp32")  # fmt: skip
     load_module_weights(
         llm, out, family=family, module_name="llm", hf_config=cfg, dtype=torch.float32, device="cpu"

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from parallel_harness import assert_grads_match, assert_rel_close, full_grads, spawn, vision_batch
 from torch.distributed.device_mesh import init_device_mesh
 
-from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.schema import TrainConfig
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.qwen2_5_vl.sp_shard import shard_vision_batch
 from dhp.parallel import build_optimizer, finalize_grads, parallelize
@@ -158,9 +159,9 @@ def _dp_sp_cases(rank: int, world: int) -> None:
     module, arch = _tiny_vision()
     ref = copy.deepcopy(module)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
-    parallel = ParallelConfig(dp=2, sp=2)
+    parallel = ParallelLayout(dp=2, sp=2)
     module = parallelize(
-        "vision", module, mesh, parallel=parallel, activation_checkpointing=False, mixed_precision="fp32"
+        "vision", module, mesh, layout=parallel, activation_checkpointing=False, mixed_precision="fp32"
     )
     replicas = [
         vision_batch(seed=11, grids=[(1, 16, 24)]),
@@ -178,7 +179,7 @@ def _dp_sp_cases(rank: int, world: int) -> None:
     local = vision_shard_forward(module, shard)
     loss = (local * weights[dp_rank][shard.token_index]).sum()
     loss.backward()
-    finalize_grads(module, mesh, parallel=parallel)
+    finalize_grads(module, mesh, layout=parallel)
     total = loss.detach().clone()
     dist.all_reduce(total)
     tag = f"dp x sp = 2 x 2, rank {rank} (dp {dp_rank}, sp {sp_rank})"
@@ -187,7 +188,7 @@ def _dp_sp_cases(rank: int, world: int) -> None:
     _check_zero1_over_dp_sp(module, mesh, parallel, tag)
 
 
-def _check_zero1_over_dp_sp(module, mesh, parallel: ParallelConfig, tag: str) -> None:
+def _check_zero1_over_dp_sp(module, mesh, parallel: ParallelLayout, tag: str) -> None:
     """ZeRO-1 shards the encoder's optimizer over dp x sp (all 4 ranks hold the same summed grads).
 
     After one step its params equal plain AdamW's on the same grads (same arithmetic: <= 1e-6), and
@@ -197,7 +198,7 @@ def _check_zero1_over_dp_sp(module, mesh, parallel: ParallelConfig, tag: str) ->
     twins = [p.detach().clone().requires_grad_() for p in module.parameters()]
     for p, q in zip(module.parameters(), twins, strict=True):
         q.grad = p.grad.detach().clone()
-    zero = build_optimizer(module, mesh, parallel=ParallelConfig(dp=2, sp=2, zero=1), train=train)
+    zero = build_optimizer(module, mesh, layout=ParallelLayout(dp=2, sp=2, zero=1), train=train)
     plain = torch.optim.AdamW(twins, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
     assert isinstance(zero, Zero1AdamW) and dist.get_world_size(zero._group) == 4, tag
     zero.step()
@@ -261,9 +262,9 @@ def _fsdp_sp_cases(rank: int, world: int) -> None:
     module, arch = _tiny_vision()
     ref = copy.deepcopy(module)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "sp"))
-    parallel = ParallelConfig(fsdp=2, sp=2)
+    parallel = ParallelLayout(fsdp=2, sp=2)
     module = parallelize(
-        "vision", module, mesh, parallel=parallel, activation_checkpointing="full", mixed_precision="fp32"
+        "vision", module, mesh, layout=parallel, activation_checkpointing="full", mixed_precision="fp32"
     )
     replicas = [
         vision_batch(seed=21, grids=[(1, 16, 24)]),
@@ -280,7 +281,7 @@ def _fsdp_sp_cases(rank: int, world: int) -> None:
     shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], sp_size=2, arch=arch)[sp_rank]
     loss = (vision_shard_forward(module, shard) * weights[f_rank][shard.token_index]).sum()
     loss.backward()
-    finalize_grads(module, mesh, parallel=parallel)
+    finalize_grads(module, mesh, layout=parallel)
     total = loss.detach().clone()
     dist.all_reduce(total)
     tag = f"fsdp x sp = 2 x 2, rank {rank} (fsdp {f_rank}, sp {sp_rank})"

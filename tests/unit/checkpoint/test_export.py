@@ -92,7 +92,7 @@ def test_cli_export_reads_the_run_config(tmp_path: Path) -> None:
 
     from omegaconf import OmegaConf
 
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     cfg = load_config("tiny_vlm", [])
     run = tmp_path / "runs" / "tiny_vlm" / "20260101-000000"

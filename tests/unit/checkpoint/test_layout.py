@@ -173,7 +173,7 @@ def test_compat_refusals_name_every_difference() -> None:
 
 def test_model_arch_hash_ignores_dtype_and_path_but_not_shapes() -> None:
     from dhp.checkpoint import model_arch_hash
-    from dhp.config import load_config
+    from dhp.validation import load_config
 
     base = load_config("tiny_vlm", [])
     assert model_arch_hash(base.model) == model_arch_hash(

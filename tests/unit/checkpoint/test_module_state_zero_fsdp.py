@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dhp.checkpoint import load_module_state, save_module_state
-from dhp.config.schema import ParallelConfig, TrainConfig
+from dhp.config.schema import TrainConfig
+from dhp.layout import ParallelLayout
 
 pytestmark = [
     pytest.mark.parity,
@@ -32,7 +33,7 @@ def _zero1(model: torch.nn.Module, world: int) -> torch.optim.Optimizer:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     opt = build_optimizer(
-        model, mesh, parallel=ParallelConfig(dp=world, zero=1), train=TrainConfig(lr=1e-2, betas=[0.9, 0.95])
+        model, mesh, layout=ParallelLayout(dp=world, zero=1), train=TrainConfig(lr=1e-2, betas=[0.9, 0.95])
     )
     step = opt.step
 

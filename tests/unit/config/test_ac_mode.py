@@ -2,9 +2,9 @@
 
 import pytest
 
-from dhp.config import load_config
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 
 @pytest.mark.unit

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
 from dhp.errors import ConfigError, DataError
 from dhp.models import get_arch, get_family
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.config import load_config
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.config import load_config
 from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,9 @@ def test_more_data_train_metrics_keys() -> None:
 def test_synthetic_video_and_longest_text_count_against_seq_len() -> None:
     """The '+2 markers' count covers videos and the longest drawn text (the loader's own count)."""
     assert "modules.llm.seq_len" in _paths(["data.synthetic.text_tokens_max=1000"])
-    assert "modules.llm.seq_len" in _paths(["data.synthetic.videos_per_sample=4", "data.synthetic.video_frames=8"])
+    assert "modules.llm.seq_len" in _paths(
+        ["data.synthetic.videos_per_sample=4", "data.synthetic.video_frames=8"]
+    )
 
 
 def test_packed_row_rule() -> None:

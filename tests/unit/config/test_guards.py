@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dhp.config import load_config
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.config import load_config
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 
 def test_unquoted_brackets_in_a_list_get_the_quoting_fix() -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.config.plan_space import declared_axes, module_problems, placement_problems
-from dhp.config.schema import ParallelConfig
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.arch import ModuleAxes
 from dhp.models.registry import family_names, get_arch
 from dhp.parallel.compose import module_axes
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -45,9 +45,9 @@ AXES = ModuleAxes(tp=True, sp=False, tp_sequence_parallel=False, tp_divides={"mo
 
 
 def _problems(gpn: int | None = 8, ac: object = "off", mp: str = "fp32", **deg) -> list[str]:
-    par = ParallelConfig(**deg)
+    par = ParallelLayout(**deg)
     gpus = par.dp * par.fsdp * par.sp * par.tp
-    items = module_problems("llm", gpus=gpus, parallel=par, axes=AXES, gpus_per_node=gpn,
+    items = module_problems("llm", gpus=gpus, layout=par, axes=AXES, gpus_per_node=gpn,
                             activation_checkpointing=ac, mixed_precision=mp)  # fmt: skip
     return [f"{i.path}: {i.rule}" for i in items]
 
@@ -67,9 +67,9 @@ def test_ep_rule_folds_over_token_ranks_and_needs_moe_blocks() -> None:
     moe = ModuleAxes(tp=True, sp=True, tp_sequence_parallel=True, experts=8)
 
     def ep_problems(axes: ModuleAxes = moe, **deg) -> list[str]:
-        par = ParallelConfig(**deg)
+        par = ParallelLayout(**deg)
         gpus = par.dp * par.fsdp * par.sp * par.tp
-        items = module_problems("llm", gpus=gpus, parallel=par, axes=axes, gpus_per_node=8,
+        items = module_problems("llm", gpus=gpus, layout=par, axes=axes, gpus_per_node=8,
                                 activation_checkpointing="off", mixed_precision="fp32")  # fmt: skip
         return [f"{i.path}: {i.rule}; fix: {i.fix}" for i in items]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import list_recipes, load_config
+from dhp.config import list_recipes
 from dhp.config.constants import PARALLEL_AXES
 from dhp.config.loader import CONF_DIR, compose_config
 from dhp.config.smoke import smoke_config
 from dhp.plan import compile_plan
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dhp.config import load_config
 from dhp.config.data_shortcuts import CACHE_ENV, tiny_checkpoint_dir
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 DEMO = Path(__file__).resolve().parents[3] / "dhp" / "data_assets" / "demo"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.config import load_config
 from dhp.config import validate_optimizer as vo
 from dhp.errors import ConfigError
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -14,13 +14,12 @@ from conftest import DEMO, jsonl_data
 from typer.testing import CliRunner
 
 from dhp.cli import app
-from dhp.config import load_config
 from dhp.data.check import check_data
 from dhp.data.lengths import cached_lengths, sample_indices, with_data_lengths
-from dhp.layout import RankLayout
 from dhp.plan import compile_plan
-from dhp.plan.compile import module_shapes
+from dhp.plan.compile import module_layouts, module_shapes
 from dhp.plan.estimate import timing_shapes, vision_patches_per_replica
+from dhp.validation import load_config
 
 ROWS = [  # three rows of clearly different lengths: text only, one photo, two photos and more text
     {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},
@@ -82,7 +81,7 @@ def test_the_estimate_times_the_measured_lengths(tiny_model, tmp_path, monkeypat
     assert timed["llm"].micro_batch == mb and timed["llm"].seq_len == math.ceil((b + 2 * c) / 3)
     assert timed["llm"].tokens == mb * math.ceil((b + 2 * c) / 3)
     assert timed["vision"].image_patches == round(sum(lengths.patches) / 3)  # 3 photos
-    reps = {m: RankLayout.from_parallel(cfg.modules[m].parallel).num_replicas for m in ("vision", "llm")}
+    reps = {m: lay.num_replicas for m, lay in module_layouts(cfg).items()}
     patches = vision_patches_per_replica(
         measured,
         seq_len=cfg.modules.vision.seq_len,

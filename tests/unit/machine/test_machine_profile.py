@@ -8,12 +8,12 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.machine import machine_profile, probe_machine, record_run
 from dhp.machine.cache import ENV
 from dhp.plan import compile_plan
 from dhp.plan.calibrate import run_observations
 from dhp.plan.estimate import seconds
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import dhp.config.validate_metrics as vm
-from dhp.config import load_config
 from dhp.errors import ConfigError
 from dhp.metrics.loggers import flat_config, flat_scalars
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

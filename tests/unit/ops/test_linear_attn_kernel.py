@@ -9,7 +9,6 @@ import pytest
 from omegaconf import OmegaConf
 from transformers.integrations import hub_kernels
 
-from dhp.config import load_config
 from dhp.metrics.record import module_kernels
 from dhp.models.arch import Architecture, Attention, Block, Mlp
 from dhp.models.registry import get_arch, register_family, unregister_family
@@ -24,6 +23,7 @@ from dhp.ops.linear_attn import (
 )
 from dhp.plan import compile_plan
 from dhp.plan.render import groups_table
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

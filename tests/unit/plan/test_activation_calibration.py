@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dhp.config.schema import ModuleConfig
+from dhp.layout import module_layout
 from dhp.plan.memory import activations_of, module_shape
 
 pytestmark = pytest.mark.unit
@@ -111,7 +112,7 @@ def _shape(name: str, seq_len: int):
             "mixed_precision": "fp32",
         },
     )
-    return model, module_shape(name, model=model, module=module, micro_batch=1)
+    return model, module_shape(name, model=model, module=module, layout=module_layout(module), micro_batch=1)
 
 
 def test_llm_layers_match_saved_tensors(hf_model) -> None:

@@ -8,11 +8,11 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.config.loader import CONF_DIR
 from dhp.plan import compile_plan
 from dhp.plan.calibrate import PRIOR_WEIGHT, calibrate, fit, run_observations
 from dhp.plan.estimate import FEATURES, seconds
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

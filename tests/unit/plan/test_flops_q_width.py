@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dhp.config import load_config
+from dhp.layout import module_layout
 from dhp.models import get_family
 from dhp.plan.memory import module_shape
 from dhp.plan.timing import module_flops
+from dhp.validation import load_config
 
 
 def test_llm_matmul_flops_use_heads_times_head_dim() -> None:
@@ -36,7 +37,9 @@ def test_llm_matmul_flops_use_heads_times_head_dim() -> None:
     positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         lm(inputs_embeds=embeds, position_ids=positions)
-    shape = module_shape("llm", model=cfg.model, module=cfg.modules.llm, micro_batch=1)
+    shape = module_shape(
+        "llm", model=cfg.model, module=cfg.modules.llm, layout=module_layout(cfg.modules.llm), micro_batch=1
+    )
     fl = module_flops(shape, seq)
     h, v = hf.text_config.hidden_size, hf.text_config.vocab_size
     assert counter.get_total_flops() == pytest.approx(fl.matmul_fwd - 2 * seq * h * v, rel=1e-9)
@@ -49,7 +52,13 @@ def test_handoff_counts_every_edge_of_a_row() -> None:
     from dhp.plan.params import architecture
 
     cfg = load_config("tiny_qwen3_vl", [])
-    shape = shape_of("vision", model=cfg.model, module=cfg.modules.vision, micro_batch=1)
+    shape = shape_of(
+        "vision",
+        model=cfg.model,
+        module=cfg.modules.vision,
+        layout=module_layout(cfg.modules.vision),
+        micro_batch=1,
+    )
     levels = len(cfg.model.vision.extra.deepstack_visual_indexes)
     assert (
         shape.handoff_width

@@ -16,12 +16,13 @@ import functools
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config import load_config
+from dhp.layout import module_layout
 from dhp.plan.blocks import block_saved_elems
 from dhp.plan.estimate import coefficients, module_features, module_time
 from dhp.plan.memory import block_work_bytes, module_shape, saved_layers_bytes
 from dhp.plan.phases import module_terms
 from dhp.plan.timing import module_flops
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +41,13 @@ def _shape(variant: str, seq: int, tp: int = 1):
     mod = OmegaConf.to_container(cfg.modules.llm)
     mod["parallel"].update(dp=1, fsdp=1, tp=tp, sequence_parallel=False)
     mod.update(gpus=tp, seq_len=seq, activation_checkpointing="off")
-    shape = module_shape("llm", model=cfg.model, module=OmegaConf.create(mod), micro_batch=1)
+    shape = module_shape(
+        "llm",
+        model=cfg.model,
+        module=OmegaConf.create(mod),
+        layout=module_layout(OmegaConf.create(mod)),
+        micro_batch=1,
+    )
     # flash-linear-attention's kernel, whether or not this machine has it (the plan would name the
     # torch fallback where it is missing, and count its memory)
     shape = dataclasses.replace(shape, delta_rule_fallback=False)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from omegaconf import DictConfig
 
-from dhp.config import load_config
+from dhp.layout import module_layout
 from dhp.models.arch import Architecture, Attention, Block, Mlp, ParamCount, uniform_blocks
 from dhp.models.qwen2_5_vl.arch import ARCH as QWEN25
 from dhp.models.registry import get_family, register_family, unregister_family
@@ -23,6 +23,7 @@ from dhp.plan.compile import compile_plan
 from dhp.plan.memory import activations_of, module_shape
 from dhp.plan.overheads import attention_calls, collectives
 from dhp.plan.timing import attention_spans, link_of, module_comm, module_flops
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +68,12 @@ def _cfg(family: str) -> DictConfig:
 
 def _vision(cfg: DictConfig):
     return module_shape(
-        "vision", model=cfg.model, module=cfg.modules["vision"], micro_batch=1, image_patches=64
+        "vision",
+        model=cfg.model,
+        module=cfg.modules["vision"],
+        layout=module_layout(cfg.modules["vision"]),
+        micro_batch=1,
+        image_patches=64,
     )
 
 
@@ -148,7 +154,13 @@ def test_a_hybrid_moe_llm_is_planned_from_its_declared_blocks() -> None:
     register_family(name, lambda: get_family("qwen2_5_vl"), arch=HybridMoeArch())
     try:
         cfg = load_config("tiny_vlm", [f"model.family={name}"])
-        shape = module_shape("llm", model=cfg.model, module=cfg.modules["llm"], micro_batch=1)
+        shape = module_shape(
+            "llm",
+            model=cfg.model,
+            module=cfg.modules["llm"],
+            layout=module_layout(cfg.modules["llm"]),
+            micro_batch=1,
+        )
         h, layers, seq = shape.arch.hidden, shape.arch.layers, cfg.modules["llm"].seq_len
         assert shape.layer.mlp == 2 * 64  # the active experts' width, not 8 x 64
         full, linear = shape.arch.blocks[1].attention, shape.arch.blocks[0].attention

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
-from dhp.config import load_config
 from dhp.errors import PlanError
+from dhp.layout import ParallelLayout
 from dhp.plan import compile_plan
-from dhp.plan.placement import GroupLayout, assign_gpus, routing
+from dhp.plan.placement import assign_gpus, routing
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +27,7 @@ def _tp_groups_in_one_node(group) -> bool:
 
 def test_planner_imports_no_ray_or_process_groups() -> None:
     code = (
-        "import sys; from dhp.config import load_config; from dhp.plan import compile_plan;"
+        "import sys; from dhp.validation import load_config; from dhp.plan import compile_plan;"
         "compile_plan(load_config('qwen_vl_72b', []));"
         "import dhp.plan.search, dhp.plan.calibrate, dhp.plan.auto;"
         "dhp.plan.search.auto_plan(load_config('qwen_vl_7b', []), set(), top=1);"
@@ -116,17 +117,17 @@ def test_tp_group_moved_to_next_node_instead_of_crossing() -> None:
 
 
 def test_tp_that_cannot_stay_in_a_node_is_a_plan_error() -> None:
-    groups = [
-        GroupLayout("vision", {"dp": 5, "fsdp": 1, "sp": 1, "tp": 1}),
-        GroupLayout("llm", {"dp": 3, "fsdp": 1, "sp": 1, "tp": 4}),
-    ]
+    groups = {
+        "vision": ParallelLayout.from_config({"dp": 5, "fsdp": 1, "sp": 1, "tp": 1}),
+        "llm": ParallelLayout.from_config({"dp": 3, "fsdp": 1, "sp": 1, "tp": 4}),
+    }
     with pytest.raises(PlanError, match="must stay inside one node"):
         assign_gpus(groups, placement="disaggregated", nodes=2, gpus_per_node=8)
 
 
 def test_routing_more_encoder_replicas_than_llm() -> None:
-    vision = GroupLayout("vision", {"dp": 4, "fsdp": 1, "sp": 2, "tp": 1})
-    llm = GroupLayout("llm", {"dp": 2, "fsdp": 1, "sp": 1, "tp": 4})
+    vision = ParallelLayout.from_config({"dp": 4, "fsdp": 1, "sp": 2, "tp": 1})
+    llm = ParallelLayout.from_config({"dp": 2, "fsdp": 1, "sp": 1, "tp": 4})
     routes = routing(vision, llm)
     assert [r.vision_replicas for r in routes] == [(0, 1), (2, 3)]
     assert routes[1].vision_ranks == (4, 5, 6, 7) and routes[1].llm_ranks == (4, 5, 6, 7)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.config.loader import CONF_DIR
 from dhp.plan import compile_plan
 from dhp.plan.params import module_params
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 GIB = 1 << 30

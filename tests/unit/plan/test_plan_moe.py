@@ -18,8 +18,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from dhp.config import load_config
 from dhp.config.plan_space import declared_axes
+from dhp.layout import module_layout
 from dhp.models.registry import get_arch
 from dhp.plan.compile import compile_plan
 from dhp.plan.experts import moe_summary
@@ -28,6 +28,7 @@ from dhp.plan.phases import module_terms
 from dhp.plan.render import render_plan
 from dhp.plan.search import module_degrees
 from dhp.plan.timing import all_to_all_s, link_of, module_comm, module_flops
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +43,13 @@ def _llm(cfg: DictConfig, micro_batch: int = 1, **parallel):
     mod["parallel"].update(parallel)
     p = mod["parallel"]
     mod["gpus"] = p["dp"] * p["fsdp"] * p["sp"] * p["tp"]
-    return module_shape("llm", model=cfg.model, module=OmegaConf.create(mod), micro_batch=micro_batch)
+    return module_shape(
+        "llm",
+        model=cfg.model,
+        module=OmegaConf.create(mod),
+        layout=module_layout(OmegaConf.create(mod)),
+        micro_batch=micro_batch,
+    )
 
 
 def test_total_and_active_parameters_are_printed_and_emitted() -> None:

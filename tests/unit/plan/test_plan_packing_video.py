@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.config import load_config
 from dhp.plan.compile import image_patches, module_shapes
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dhp.config.schema import ModuleConfig
+from dhp.layout import module_layout
 from dhp.plan.memory import default_loss_chunk, module_shape
 from dhp.plan.phases import PHASES, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.timing import (
@@ -65,7 +66,9 @@ def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int 
             "mixed_precision": "fp32",
         },
     )
-    return module_shape(name, model=MODEL, module=module, micro_batch=mb, image_patches=seq)
+    return module_shape(
+        name, model=MODEL, module=module, layout=module_layout(module), micro_batch=mb, image_patches=seq
+    )
 
 
 # LLM parameters: layer = q (64+8) + k,v 2*(32+4) + o 64 + MLP 3*128 = 592 sharded, 2 norms 16;

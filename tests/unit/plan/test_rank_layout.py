@@ -1,8 +1,10 @@
-"""dhp.layout.RankLayout against the rank formula r = ((dp*F + fsdp)*S + sp)*T + tp, and the formula
-living in that one module only. Pure and fast."""
+"""dhp.layout.ParallelLayout against the rank formula r = ((dp*F + fsdp)*S + sp)*T + tp and the folds
+derived from it (token-parallel ranks, experts' grid, ZeRO-1 shards), each living in that one module only;
+and the config's degrees read by its builder only. Pure and fast."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 from pathlib import Path
@@ -12,7 +14,7 @@ from omegaconf import OmegaConf
 
 import dhp
 from dhp.config.constants import PARALLEL_AXES
-from dhp.layout import RankLayout
+from dhp.layout import ParallelLayout
 from dhp.runtime import dispatch
 
 MESHES = [
@@ -33,14 +35,15 @@ def _formula(d: dict[str, int], c: dict[str, int]) -> int:
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
 def test_layout_matches_the_formula(mesh):
-    lay = RankLayout.from_mesh(mesh)
+    lay = ParallelLayout.from_config(mesh)
     d = {a: mesh.get(a, 1) for a in PARALLEL_AXES}
     assert lay.degrees == d and list(lay.degrees) == list(PARALLEL_AXES)
     world = d["dp"] * d["fsdp"] * d["sp"] * d["tp"]
     assert lay.world_size == world
     assert lay.mesh() == ({a: v for a, v in d.items() if v > 1} or {"dp": 1})
-    assert RankLayout.from_mesh(lay.mesh()) == lay
-    assert RankLayout.from_parallel(OmegaConf.create(dict(d, zero=0))) == lay
+    assert ParallelLayout.from_config(lay.mesh()) == lay
+    assert ParallelLayout.from_config(OmegaConf.create(dict(d, zero=0))) == lay
+    assert ParallelLayout.from_config(lay.config_values()) == lay
     assert lay.num_replicas == d["dp"] * d["fsdp"]
     assert lay.ranks_per_replica == d["sp"] * d["tp"]
     assert lay.num_units == d["dp"] * d["fsdp"] * d["sp"]
@@ -70,17 +73,91 @@ def test_layout_matches_the_formula(mesh):
 
 
 def test_bad_input_is_an_error():
-    lay = RankLayout.from_mesh({"dp": 2, "tp": 2})
+    lay = ParallelLayout.from_config({"dp": 2, "tp": 2})
     with pytest.raises(ValueError, match="outside world size"):
         lay.coords(4)
     with pytest.raises(ValueError, match="outside degree"):
         lay.rank_of({"tp": 2})
     with pytest.raises(ValueError, match="not among"):
-        RankLayout.from_mesh({"pp": 2})
+        ParallelLayout.from_config({"pp": 2})
 
 
 def test_dispatch_re_exports_the_one_layout():
-    assert dispatch.RankLayout is RankLayout
+    assert dispatch.ParallelLayout is ParallelLayout
+
+
+@pytest.mark.parametrize(
+    ("degrees", "grid"),
+    [
+        # dp=2 x sp=2 x tp=2, ep=2: EP groups are SP neighbours within one tp index, [tp][edp][ep]
+        ({"dp": 2, "sp": 2, "tp": 2, "ep": 2}, [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]),
+        ({"dp": 2, "sp": 2, "tp": 2, "ep": 4}, [[[0, 2, 4, 6]], [[1, 3, 5, 7]]]),
+        ({"fsdp": 2, "dp": 2, "ep": 2}, [[[0, 1], [2, 3]]]),
+        ({"dp": 4}, [[[0], [1], [2], [3]]]),
+    ],
+)
+def test_the_expert_fold(degrees, grid):
+    lay = ParallelLayout.from_config(degrees)
+    assert lay.expert_grid() == grid
+    assert lay.token_ranks == lay.dp * lay.fsdp * lay.sp == lay.ep * lay.edp
+    assert len(grid) == lay.tp and all(len(g) == lay.edp and len(g[0]) == lay.ep for g in grid)
+    assert sorted(r for g in grid for e in g for r in e) == list(range(lay.world_size))
+    for g in grid:  # an EP group holds ranks of one TP index, each seeing different tokens
+        for group in g:
+            assert len({lay.coords(r)["tp"] for r in group}) == 1
+            assert len({lay.replica_of(r) * lay.sp + lay.coords(r)["sp"] for r in group}) == len(group)
+    assert lay.ep_span == lay.ep * lay.tp
+
+
+def test_zero1_and_sequence_shards():
+    lay = ParallelLayout(dp=2, sp=2, ep=2, zero=1)
+    assert lay.zero1_ranks == 4 and lay.optimizer_shards == 4 and lay.expert_optimizer_shards == 2
+    plain = lay.replace(zero=0)
+    assert plain.optimizer_shards == 1 and plain.expert_optimizer_shards == 1
+    assert ParallelLayout(tp=4, sequence_parallel=True).seq_split == 4
+    assert ParallelLayout(tp=1, sequence_parallel=True).seq_split == 1
+    assert ParallelLayout(tp=4).seq_split == 1
+    assert ParallelLayout(dp=2, tp=2).inner_axis(("sp", "tp")) == "tp"
+    assert ParallelLayout(dp=2).inner_axis(("sp", "tp")) is None
+    with pytest.raises(ValueError, match="both > 1"):
+        ParallelLayout(sp=2, tp=2).inner_axis(("sp", "tp"))
+
+
+def _reads_of_the_config_degrees(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that read a config node's ``parallel`` (``x.parallel``, ``x["parallel"]``,
+    ``getattr(x, "parallel")``), other than the ``dhp.parallel`` package itself."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "parallel":
+            if not (isinstance(node.value, ast.Name) and node.value.id == "dhp"):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            if node.slice.value == "parallel":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr"):  # noqa: SIM102
+            if any(isinstance(a, ast.Constant) and a.value == "parallel" for a in node.args[1:2]):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_layout_builder_reads_the_degrees_of_the_config():
+    """Every degree has one value: ``dhp.layout.module_layout`` reads ``modules.<m>.parallel`` (and
+    ``write_layout`` rewrites it); everything else asks the layout that the plan carries."""
+    root = Path(dhp.__file__).parent
+    hits = []
+    for path in sorted(root.rglob("*.py")):
+        lines = _reads_of_the_config_degrees(ast.parse(path.read_text()))
+        if path == root / "layout.py":
+            assert len(lines) == 2, lines  # module_layout and write_layout
+            continue
+        hits += [f"{path.relative_to(root.parent)}:{n}" for n in lines]
+    assert not hits, "a config degree read outside dhp.layout.module_layout:\n" + "\n".join(hits)
+
+
+def test_the_degree_reader_sees_every_spelling():
+    """The scan above is not blind: each spelling of a read is found (and ``dhp.parallel`` is not one)."""
+    code = 'a = m.parallel.tp\nb = m["parallel"]\nc = getattr(m, "parallel")\nimport dhp\nd = dhp.parallel\n'
+    assert _reads_of_the_config_degrees(ast.parse(code)) == [1, 2, 3]
 
 
 # Spellings of the rank layout that used to be computed outside dhp/layout.py: the rank formula, the
@@ -109,8 +186,8 @@ def test_the_rank_layout_is_computed_in_one_place_only():
             code = line.split("#", 1)[0]
             if any(re.search(p, code) for p in _OTHER_SPELLINGS):
                 hits.append(f"{path.relative_to(root.parent)}:{n}: {line.strip()}")
-    assert not hits, "rank layout computed outside dhp/layout.py (use dhp.layout.RankLayout):\n" + "\n".join(
-        hits
+    assert not hits, (
+        "rank layout computed outside dhp/layout.py (use dhp.layout.ParallelLayout):\n" + "\n".join(hits)
     )
     text = (root / "layout.py").read_text()
     assert all(re.search(p, text) for p in (_OTHER_SPELLINGS[0], r"\bdef\s+rank_of\b"))

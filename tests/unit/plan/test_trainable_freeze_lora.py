@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
 from dhp.errors import ConfigError
 from dhp.models import get_family
 from dhp.plan import compile_plan
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.unit]
 

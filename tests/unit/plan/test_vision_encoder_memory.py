@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dhp.config.schema import ModuleConfig
+from dhp.layout import module_layout
 from dhp.models.entries import model_entry
 from dhp.models.registry import get_family
 from dhp.plan.memory import activations_of, module_shape
@@ -69,7 +70,14 @@ def test_encoder_saved_bytes_match_the_plan(hidden: int, mlp: int, depth: int, d
         OmegaConf.structured(ModuleConfig),
         {"parallel": {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1}, "seq_len": PATCHES, "mixed_precision": "fp32"},
     )
-    shape = module_shape("vision", model=model, module=module, micro_batch=1, image_patches=PATCHES)
+    shape = module_shape(
+        "vision",
+        model=model,
+        module=module,
+        layout=module_layout(module),
+        micro_batch=1,
+        image_patches=PATCHES,
+    )
     predicted = sum(activations_of(shape).values())
     # within 2 %: these settings agree within 0.5 % (what is left: norm statistics, rotary tables and
     # the position-table taps); a SwiGLU's 4 MLP widths or a missed DeepStack merger is 6-25 % here

@@ -10,7 +10,7 @@ from dhp.runtime.dispatch import (
     Collect,
     Contract,
     Dispatch,
-    RankLayout,
+    ParallelLayout,
     collect_results,
     contract_of,
     register,
@@ -40,23 +40,23 @@ class _Sub(_W):
 
 
 def test_layout_from_mesh_groups_sp_and_tp_ranks_into_replicas():
-    layout = RankLayout.from_mesh({"dp": 2, "tp": 2})
+    layout = ParallelLayout.from_config({"dp": 2, "tp": 2})
     assert layout.world_size == 4 and layout.num_replicas == 2
     assert [layout.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
     assert layout.leaders() == [0, 2]
-    assert RankLayout.from_mesh({"fsdp": 3}).num_replicas == 3  # fsdp ranks see different data
+    assert ParallelLayout.from_config({"fsdp": 3}).num_replicas == 3  # fsdp ranks see different data
 
 
 def test_units_are_tp_groups_and_their_leader_is_tp_rank_0():
-    layout = RankLayout.from_mesh({"dp": 2, "sp": 2, "tp": 2})  # 8 ranks, 4 units (dp x sp)
+    layout = ParallelLayout.from_config({"dp": 2, "sp": 2, "tp": 2})  # 8 ranks, 4 units (dp x sp)
     assert layout.num_units == 4 and layout.num_replicas == 2
     assert [layout.unit_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [layout.unit_leader(u) for u in range(4)] == [0, 2, 4, 6]
-    assert RankLayout.from_mesh({"dp": 2, "sp": 2}).num_units == 4  # tp 1: a unit is a rank
+    assert ParallelLayout.from_config({"dp": 2, "sp": 2}).num_units == 4  # tp 1: a unit is a rank
 
 
 def test_split_and_collect_follow_the_contract():
-    layout = RankLayout.from_mesh({"dp": 2, "sp": 2})
+    layout = ParallelLayout.from_config({"dp": 2, "sp": 2})
     c = contract_of(_W, _W.fwd)
     per_rank = split_args(c, layout, "fwd", (["a", "b"],), {"k": 1})
     assert [a for a, _ in per_rank] == [("a",), ("a",), ("b",), ("b",)]
@@ -71,7 +71,7 @@ def test_split_and_collect_follow_the_contract():
 
 
 def test_wrong_arity_and_missing_contract_are_errors():
-    layout = RankLayout.from_mesh({"dp": 2})
+    layout = ParallelLayout.from_config({"dp": 2})
     with pytest.raises(RuntimeFailure, match=r"fwd: argument 0 must have 2 items \(shard_by_dp\), got 3"):
         split_args(contract_of(_W, _W.fwd), layout, "fwd", ([1, 2, 3],), {})
     with pytest.raises(RuntimeFailure, match=r"_W\.undeclared has no dispatch/collect contract"):
@@ -86,7 +86,6 @@ def test_a_call_names_the_worker_function_not_a_string():
     # a same-named method of another worker class has its own contract: refused, not looked up by name
     with pytest.raises(RuntimeFailure, match=r"is not a method of _W"):
         contract_of(_W, _Other.fwd)
-
 
 
 def test_no_call_site_names_a_worker_method_by_string():

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from dhp.errors import RuntimeFailure
+from dhp.layout import ParallelLayout
 from dhp.models import get_family
-from dhp.plan.placement import GroupLayout, routing
-from dhp.runtime.dispatch import RankLayout
+from dhp.plan.placement import routing
 from dhp.runtime.handoff import assign_images, route_micro_batch, unit_senders
 from dhp.runtime.transport import CpuTransport
 
@@ -21,7 +21,9 @@ ROW = ARCH.in_channels * ARCH.temporal_patch_size * ARCH.patch_size**2
 def _serving(vision_replicas: int, llm_replicas: int) -> list[tuple[int, ...]]:
     """The plan's routing (dhp.plan.placement.routing): producer replicas serving each LLM replica."""
     deg = lambda dp: {"dp": dp, "fsdp": 1, "sp": 1, "tp": 1}  # noqa: E731
-    routes = routing(GroupLayout("vision", deg(vision_replicas)), GroupLayout("llm", deg(llm_replicas)))
+    routes = routing(
+        ParallelLayout.from_config(deg(vision_replicas)), ParallelLayout.from_config(deg(llm_replicas))
+    )
     return [r.vision_replicas for r in routes]
 
 
@@ -84,7 +86,7 @@ def test_every_row_reaches_its_replica_exactly_once(vision_replicas, sp):
     ],
 )
 def test_each_llm_replica_reads_every_row_once_from_tp_rank_0_of_its_units(vision, llm):
-    v_layout, l_layout = RankLayout.from_mesh(vision), RankLayout.from_mesh(llm)
+    v_layout, l_layout = ParallelLayout.from_config(vision), ParallelLayout.from_config(llm)
     batches = [_images([[1, 8, 8], [1, 8, 8]]) for _ in range(l_layout.num_replicas)]  # equal shares
     r = route(
         pixel_values=[b[0] for b in batches],
@@ -93,7 +95,7 @@ def test_each_llm_replica_reads_every_row_once_from_tp_rank_0_of_its_units(visio
         sp_size=vision.get("sp", 1),
     )
     degrees = lambda m: {a: m.get(a, 1) for a in ("dp", "fsdp", "sp", "tp")}  # noqa: E731
-    planned = routing(GroupLayout("vision", degrees(vision)), GroupLayout("llm", degrees(llm)))
+    planned = routing(ParallelLayout.from_config(degrees(vision)), ParallelLayout.from_config(degrees(llm)))
     for j in range(l_layout.num_replicas):
         senders = unit_senders(r, j, v_layout)
         assert len(senders) == v_layout.num_units
@@ -114,7 +116,7 @@ def test_unit_count_mismatch_is_a_routing_error():
     pv, g = _images([[1, 8, 8]])
     r = route(pixel_values=[pv], image_grid_thw=[g], vision_replicas=2, sp_size=1)
     with pytest.raises(RuntimeFailure, match="2 producer units, the producer group has 4"):
-        unit_senders(r, 0, RankLayout.from_mesh({"dp": 2, "sp": 2}))
+        unit_senders(r, 0, ParallelLayout.from_config({"dp": 2, "sp": 2}))
 
 
 def test_cpu_transport_is_zero_copy_on_pack():

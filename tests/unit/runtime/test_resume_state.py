@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from dhp.checkpoint import CheckpointMeta, capture_rng_state
-from dhp.config import load_config
 from dhp.data import build_run_loader
+from dhp.plan.compile import module_layouts
 from dhp.runtime.schedule import WarmupCosine
 from dhp.runtime.train import _resume
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +47,7 @@ def test_resume_restores_data_position_lr_schedule_and_driver_rng(tmp_path) -> N
             lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
         )
 
-    loader, sched = build_run_loader(cfg), schedule()
+    loader, sched = build_run_loader(cfg, module_layouts(cfg)), schedule()
     for _ in range(3):
         next(loader), sched.next_lr()
     torch.manual_seed(123)
@@ -63,10 +64,12 @@ def test_resume_restores_data_position_lr_schedule_and_driver_rng(tmp_path) -> N
     )
     want_batch, want_lr = _ids(next(loader)), sched.next_lr()
     want_rand = (torch.rand(3).tolist(), random.random())
-    assert _ids(next(build_run_loader(cfg))) != want_batch  # a fresh loader would draw another batch
+    assert (
+        _ids(next(build_run_loader(cfg, module_layouts(cfg)))) != want_batch
+    )  # a fresh loader would draw another batch
     assert schedule().next_lr() != want_lr  # and a fresh schedule another lr
 
-    fresh_loader, fresh_sched, groups = build_run_loader(cfg), schedule(), _Groups()
+    fresh_loader, fresh_sched, groups = build_run_loader(cfg, module_layouts(cfg)), schedule(), _Groups()
     torch.manual_seed(999)
     random.seed(999)
     quiet = Console(file=io.StringIO())

@@ -18,14 +18,14 @@ import ray
 from rich.console import Console
 
 import dhp.data
-from dhp.config import load_config
 from dhp.runtime.train import train
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
 
 def test_sigterm_while_the_loader_builds_ends_the_run_as_sigterm(monkeypatch, tmp_path) -> None:
-    def build_run_loader(config):
+    def build_run_loader(config, layouts):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(2)  # the handler runs here, at the next bytecode boundary
         raise AssertionError("the SIGTERM did not reach the run's handler")

@@ -51,7 +51,7 @@ _TO_RAY_START = """
 import json, sys
 import dhp.cli  # what `dhp train` loads first
 import dhp.runtime.train as tr
-from dhp.config import load_config
+from dhp.validation import load_config
 from dhp.errors import PlanError
 
 seen = {}
@@ -106,7 +106,7 @@ def test_a_module_that_fails_to_import_in_the_thread_is_left_to_the_caller(monke
 _DRIVER_SIDE = """
 import json, sys
 import dhp.runtime.driver, dhp.runtime.checkpointing, dhp.data, dhp.runtime.progress
-from dhp.config import load_config
+from dhp.validation import load_config
 from dhp.models import get_family
 from dhp.runtime.driver import _hf_config
 seen = {}

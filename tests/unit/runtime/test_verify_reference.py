@@ -8,18 +8,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dhp.config import load_config
 from dhp.data import build_run_loader
 from dhp.errors import ConfigError
 from dhp.models import get_family
+from dhp.plan.compile import module_layouts
 from dhp.runtime.verify import ReferenceModel, StepDiff, VerifyReport, check_verifiable, compare_grads
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
 
 
 def _setup(overrides: list[str]):
     cfg = OmegaConf.to_object(load_config("tiny_vlm", overrides))
-    loader = build_run_loader(cfg)
+    loader = build_run_loader(cfg, module_layouts(cfg))
     family = get_family(cfg.model.family)
     hf = family.hf_config(cfg.model)
     torch.manual_seed(0)

@@ -19,7 +19,6 @@ from dhp.config.constants import (
     REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
-from dhp.config.validate_capabilities import validate_capabilities
 from dhp.config.validate_data_keys import validate_data_keys
 from dhp.config.validate_data_layouts import validate_data_layouts
 from dhp.config.validate_guards import validate_guards
@@ -27,10 +26,11 @@ from dhp.config.validate_loop import validate_loop
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_optimizer import validate_optimizer
-from dhp.config.validate_run import validate_data, validate_modules, validate_run
-from dhp.config.validate_trainable import validate_trainable
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.models.registry import family_names, get_arch
+from dhp.validation.validate_capabilities import validate_capabilities
+from dhp.validation.validate_run import validate_data, validate_modules, validate_run
+from dhp.validation.validate_trainable import validate_trainable
 
 
 def _missing(cfg: DictConfig, issues: Issues) -> set[str]:

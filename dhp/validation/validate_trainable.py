@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.issues import Issues
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.layout import module_layout
 
 
 def needs_trainable_check(module: DictConfig) -> bool:
@@ -58,11 +59,12 @@ def validate_trainable(cfg: DictConfig, issues: Issues) -> None:
     for name, m in cfg.modules.items():
         # a column-parallel base keeps A replicated over TP: per-rank dropout masks would make its
         # gradient (and then A itself) differ between the TP ranks
+        tp = module_layout(m).tp
         issues.check(
-            not (m.lora.rank > 0 and m.lora.dropout > 0 and m.parallel.tp > 1),
+            not (m.lora.rank > 0 and m.lora.dropout > 0 and tp > 1),
             f"modules.{name}.lora.dropout",
             m.lora.dropout,
-            f"LoRA dropout is not supported with tensor parallelism (modules.{name}.parallel.tp={m.parallel.tp})",
+            f"LoRA dropout is not supported with tensor parallelism (modules.{name}.parallel.tp={tp})",
             "set lora.dropout: 0, or shard this module with sp/fsdp/dp instead of tp",
         )
     todo = [(n, m) for n, m in cfg.modules.items() if needs_trainable_check(m)]

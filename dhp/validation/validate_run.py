@@ -1,6 +1,6 @@
 """Per-module and cross-module validation rules (degrees, placement, cluster fit, batches, data).
 
-Called by :func:`dhp.config.validate.validate` once the model and cluster are known. Every rule
+Called by :func:`dhp.validation.validate.validate` once the model and cluster are known. Every rule
 appends to the shared :class:`~dhp.config.issues.Issues` and never raises.
 """
 
@@ -12,7 +12,7 @@ from dhp.config.constants import BAD_SAMPLE_POLICIES, DATA_KINDS
 from dhp.config.issues import Issues
 from dhp.config.plan_space import ModuleAxes, declared_axes, layout_ok, module_problems, placement_problems
 from dhp.config.validate_data_keys import MARKERS_PER_VISUAL, synthetic_sample_tokens
-from dhp.layout import RankLayout
+from dhp.layout import module_layout
 from dhp.models.registry import family_names, get_arch
 
 
@@ -40,12 +40,12 @@ def module_axes(name: str, model: DictConfig) -> ModuleAxes | None:
 
 def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues) -> None:
     prefix = f"modules.{name}"
-    par = mod.parallel
+    par = module_layout(mod)
     issues.check(mod.seq_len > 0, f"{prefix}.seq_len", mod.seq_len, "must be > 0", "set a positive length")
     problems = module_problems(
         name,
         gpus=mod.gpus,
-        parallel=par,
+        layout=par,
         axes=module_axes(name, cfg.model),
         gpus_per_node=cfg.cluster.gpus_per_node,
         activation_checkpointing=mod.activation_checkpointing,
@@ -93,8 +93,9 @@ def validate_modules(cfg: DictConfig, issues: Issues) -> None:
 
 def validate_run(cfg: DictConfig, issues: Issues) -> None:
     """Placement, cluster fit, N:M routing between groups, hand-off, and the optimisation loop."""
-    mods = {str(n): m for n, m in cfg.modules.items() if layout_ok(m.gpus, m.parallel)}
-    reps = {n: RankLayout.from_parallel(m.parallel).num_replicas for n, m in mods.items()}
+    layouts = {str(n): module_layout(m) for n, m in cfg.modules.items()}
+    mods = {str(n): m for n, m in cfg.modules.items() if layout_ok(m.gpus, layouts[str(n)])}
+    reps = {n: layouts[n].num_replicas for n in mods}
     if len(mods) == len(cfg.modules):
         issues.items.extend(
             placement_problems(
