@@ -7,9 +7,7 @@ classes are reached through ``get_family(name)`` or its package, never under a g
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from dhp.models.lazy import lazy_exports
 from dhp.models.registry import family_names, get_arch, get_family, register_family
 
 _LAZY = {
@@ -24,10 +22,5 @@ _LAZY = {
     "make_tiny_checkpoint": "dhp.models.tiny",
 }
 
-__all__ = ["family_names", "get_arch", "get_family", "register_family", *sorted(_LAZY)]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__, _names = lazy_exports(__name__, _LAZY)
+__all__ = ["family_names", "get_arch", "get_family", "register_family", *_names]

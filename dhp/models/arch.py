@@ -39,6 +39,12 @@ class ParamCount:
     def total(self) -> int:
         return self.tp_sharded + self.replicated + self.expert
 
+    def __add__(self, other: ParamCount) -> ParamCount:
+        """Both parts' parameters together (e.g. a layer's attention and its MLP)."""
+        return ParamCount(
+            self.tp_sharded + other.tp_sharded, self.replicated + other.replicated, self.expert + other.expert
+        )
+
     def per_tp_rank(self, tp: int) -> float:
         """Parameters on one TP rank without expert parallelism (every expert whole)."""
         return self.tp_sharded / tp + self.replicated + self.expert
@@ -65,6 +71,19 @@ class LayerShape:
     #: ungated (fc1 out = the activation's input, activation out: 2m)
     gated_mlp: bool = True
 
+
+#: the schema's ``model.vision`` / ``model.llm`` sizes every family has (each must be positive)
+VISION_SIZES = (
+    "depth",
+    "hidden_size",
+    "num_heads",
+    "intermediate_size",
+    "patch_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "in_channels",
+)
+LLM_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
 
 # --- the typed architecture the planner reads ------------------------------------------------------
 ATTENTION_KINDS = ("full", "window", "linear")
@@ -413,8 +432,38 @@ def uniform_blocks(n: int, attention: Attention, mlp: Mlp) -> tuple[Block, ...]:
     return tuple(Block(attention, mlp) for _ in range(n))
 
 
+# --- parallel axes, by config key (ModuleAxes is the plan-validity rule's, dhp.config.plan_space) ----
+def encoder_axes(*, heads: int, merged_width: int) -> ModuleAxes:
+    """A ViT encoder with a patch merger: TP over its heads and the merger's width (``hidden *
+    spatial_merge_size**2``), Ulysses SP over its heads; no sequence parallelism inside TP."""
+    h = {"model.vision.num_heads": heads}
+    wide = {"model.vision.hidden_size*spatial_merge_size^2": merged_width}
+    return ModuleAxes(tp=True, sp=True, tp_sequence_parallel=False, tp_divides=h | wide, sp_divides=h)
+
+
+def decoder_axes(
+    *,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    mlp: int | None,
+    sequence_parallel: bool,
+    head_groups: Mapping[str, int] | None = None,
+) -> ModuleAxes:
+    """A decoder LLM: TP over the attention heads, KV heads, other ``head_groups`` (config key ->
+    count), the vocabulary and the MLP width (``mlp``; None: no TP-sharded MLP); Megatron sequence
+    parallelism inside TP where ``sequence_parallel``; no Ulysses SP."""
+    divides = {"model.llm.num_heads": heads, "model.llm.num_kv_heads": kv_heads, **(head_groups or {})}
+    divides["model.llm.vocab_size"] = vocab
+    if mlp is not None:
+        divides["model.llm.intermediate_size"] = mlp
+    return ModuleAxes(tp=True, sp=False, tp_sequence_parallel=sequence_parallel, tp_divides=divides)
+
+
 class FamilyArch(Protocol):
-    """Architecture numbers -> validation, geometry and parameter counts of one family (pure)."""
+    """Architecture numbers -> validation, the typed architecture and the parallel axes of one family
+    (pure). Everything the planner counts (parameters, one block's, the largest tensor, activation
+    sizes) is read from :meth:`architecture`'s :class:`ModuleArch`, never asked twice."""
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         """Add an issue for every architecture number this family cannot build (incl. ``extra`` keys)."""
@@ -429,22 +478,7 @@ class FamilyArch(Protocol):
         """What the family's runtime does exactly (no architecture numbers needed)."""
         ...
 
-    def module_params(self, name: str, model: DictConfig) -> ParamCount:
-        """Parameters of module ``name``, split by how TP shards them."""
-        ...
-
-    def layer_params(self, name: str, model: DictConfig) -> ParamCount:
-        """Parameters of ONE block of module ``name`` (an FSDP unit: all-gathered at once)."""
-        ...
-
-    def largest_param(self, name: str, model: DictConfig) -> int:
-        """Elements of the module's largest single parameter tensor (before TP/FSDP sharding)."""
-        ...
-
-    def layer_shape(self, name: str, model: DictConfig) -> LayerShape:
-        """Activation-relevant sizes of one block of module ``name``."""
-        ...
-
     def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
-        """The parallel axes module ``name`` supports and what each degree must divide."""
+        """The parallel axes module ``name`` supports and what each degree must divide: the one
+        declaration validation, the search and the runtime plan (``dhp.models.axes``) all read."""
         ...

@@ -1,6 +1,7 @@
 """Pieces every family composes instead of copying: the LLM's loss and image scatter, M-RoPE
 positions from transformers' own ``get_rope_index`` on a stand-in, checkpoint key maps, the
-reference model, and the rotary buffers' re-initialisation after a meta build.
+reference model, tied parameters, the transformers config of a Qwen-style VLM, a blank image, and
+the rotary buffers' re-initialisation after a meta build.
 
 Nothing here names a family: a family passes its transformers classes and its key prefixes.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dhp.errors import CheckpointError
+from dhp.models.checks import check_image_alignment, check_text_only
 from dhp.models.family import LLMOutput
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
@@ -55,6 +57,73 @@ def scatter_rows(inputs_embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Te
     """``inputs_embeds`` (B, S, H) with ``rows`` (N, H) placed, in order, where ``mask`` (B, S) is true."""
     rows = rows.to(inputs_embeds.device, inputs_embeds.dtype)
     return inputs_embeds.masked_scatter(mask.unsqueeze(-1).to(inputs_embeds.device), rows)
+
+
+class LLMBase(nn.Module):
+    """What every family's LLM module shares: transformers' text model (``language_model``) and
+    ``lm_head``, the encoder's rows placed at their tokens in the input embeddings (:meth:`embed`), and
+    the summed loss (:meth:`loss`). ``config`` is the full VLM config (``vl_config``; None: a text-only
+    LLM); a family's module adds its forward (positions, the text model's call, any edge beside the
+    image rows).
+
+    ``loss_fn`` is a plain attribute, not a submodule: ``dhp.parallel`` swaps it for the vocab-parallel
+    loss under TP.
+    """
+
+    def __init__(
+        self, language_model: nn.Module, lm_head: nn.Linear, config: PretrainedConfig | None
+    ) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.lm_head = lm_head
+        self.vl_config = config
+        self.loss_fn: LossFn = shifted_ce_sum
+
+    def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, S)`` mask of the tokens that take the encoder's rows, in order (the image tokens)."""
+        return input_ids == self.vl_config.image_token_id
+
+    def embed(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        image_embeds: torch.Tensor | None,
+        sample_ids: list[str],
+    ) -> torch.Tensor:
+        """Token embeddings ``(B, S, H)`` with the image embeddings scattered at :meth:`placed` positions;
+        DataError (``checks.check_image_alignment``) when the tokens and the rows disagree. A text-only
+        config (``vl_config`` None) takes no images (DataError naming the samples)."""
+        if self.vl_config is None:
+            check_text_only(
+                input_ids=input_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_embeds=image_embeds,
+                sample_ids=sample_ids,
+            )
+            return self.language_model.embed_tokens(input_ids)
+        check_image_alignment(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
+            config=self.vl_config,
+            sample_ids=sample_ids,
+        )
+        inputs_embeds = self.language_model.embed_tokens(input_ids)
+        if image_embeds is None:
+            return inputs_embeds
+        return scatter_rows(inputs_embeds, self.placed(input_ids), image_embeds)
+
+    def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
+        """``loss_fn(hidden, lm_head, labels)`` and the label-token count (:func:`loss_output`)."""
+        return loss_output(self.loss_fn, hidden=hidden, lm_head=self.lm_head, labels=labels)
+
+
+def sample_names(input_ids: torch.Tensor, sample_ids: list[str] | None) -> list[str]:
+    """The micro-batch's sample ids for messages (``batch[i]`` where none were given)."""
+    return sample_ids if sample_ids is not None else [f"batch[{i}]" for i in range(input_ids.shape[0])]
 
 
 def rope_index(
@@ -141,9 +210,16 @@ def lm_head(text_config: PretrainedConfig, *, device: torch.device | str, dtype:
     return head
 
 
-def tie_lm_head(module: nn.Module) -> None:
-    """Make ``lm_head`` share ``language_model.embed_tokens``' weight again (after building or ``to_empty``)."""
-    module.lm_head.weight = module.language_model.embed_tokens.weight
+def tie_parameters(module: nn.Module, tied: Mapping[str, str]) -> None:
+    """Make each ``fqn`` of ``tied`` share its source's parameter again (after building or ``to_empty``):
+    one tensor, one gradient, one optimizer state (``{"lm_head.weight": "language_model.embed_tokens.weight"}``)."""
+    for fqn, source in tied.items():
+        owner, _, attr = fqn.rpartition(".")
+        setattr(functools.reduce(getattr, owner.split("."), module), attr, _attribute(module, source))
+
+
+def _attribute(module: nn.Module, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), module)
 
 
 def reference_model(model_class: Any, hf_config: PretrainedConfig) -> nn.Module:
@@ -176,3 +252,77 @@ def init_rotary_buffers(family: str, name: str, module: nn.Module) -> None:
     left = [n for n, _ in module.named_buffers() if n not in persistent and n not in handled]
     if left:
         raise CheckpointError(f"{name}: non-persistent buffers {left} have no initialiser in {family}")
+
+
+def blank_image(vision_config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest valid image of a Qwen-style encoder (FSDP replicas without images): one merge unit
+    of zero patches, ``(m*m, C*T*P*P)``, and its grid ``[[1, m, m]]``."""
+    m = vision_config.spatial_merge_size
+    width = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    return torch.zeros(m * m, width), torch.tensor([[1, m, m]])
+
+
+def decoder_config(
+    *,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    rms_norm_eps: float,
+    max_position_embeddings: int,
+    rope_theta: float,
+    **rope: Any,
+) -> dict[str, Any]:
+    """transformers' ``text_config`` keywords of a Qwen decoder's numbers (``rope``: the rotary
+    parameters beside ``rope_theta``, e.g. ``mrope_section``); a family adds its own keys."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=rms_norm_eps,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **rope},
+    )
+
+
+def vl_config(
+    config_class: type[PretrainedConfig],
+    *,
+    architecture: str,
+    vision: Mapping[str, Any],
+    text: Mapping[str, Any],
+    tokens: Any,
+    tied: bool,
+    attn_implementation: str,
+    dtype: torch.dtype,
+) -> PretrainedConfig:
+    """A Qwen-style VLM's transformers config: ``vision`` / ``text`` sub-config keywords, the special
+    token ids (``tokens``: a ``SpecialTokens`` or a mapping of its fields), tied embeddings, the
+    attention kernel and dtype. ``architecture`` is the class ``config.json`` names to load it."""
+    ids = {k: _field(tokens, k) for k in _TOKEN_FIELDS}
+    return config_class(
+        architectures=[architecture],
+        vision_config=dict(vision),
+        text_config={**text, **{k: ids[k] for k in _TEXT_TOKENS}},
+        **{k: ids[k] for k in _TOKEN_FIELDS if k not in _TEXT_TOKENS},
+        tie_word_embeddings=tied,
+        attn_implementation=attn_implementation,
+        dtype=dtype,
+    )
+
+
+_TEXT_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_TOKEN_FIELDS: Sequence[str] = (
+    *_TEXT_TOKENS,
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
+def _field(tokens: Any, key: str) -> int:
+    return tokens[key] if isinstance(tokens, Mapping) else getattr(tokens, key)

@@ -12,21 +12,25 @@ Shape of a family (see :class:`ModelFamily`; docs/INTERFACES.md "Module graph"):
   consumer takes each tensor as a keyword argument and its backward yields the gradients the
   producer backpropagates;
 - producer inputs: ``shard_inputs`` (the SP cut), ``tokens_per_image``, ``blank_image``;
-- parallel: ``parallel_plan(name, hf_config)`` (TP styles by FQN, attention sites for SP, blocks);
 - configs: ``hf_config(model_cfg)`` from the schema, ``hf_config_from_dir(path)`` from a HF
-  directory, ``tiny_model_config()`` for tests, ``modules_for(hf_config)``;
-- modules: ``build_module(name, hf_config, device=, dtype=)`` (meta allocates nothing),
-  ``init_buffers`` (non-persistent buffers after ``to_empty``), ``tied_parameters`` / ``tie``;
+  directory, ``tiny_model_config()`` for tests;
+- modules: ``build_module(name, hf_config, device=, dtype=)`` (meta allocates nothing), carrying the
+  runtime parallel plan as ``module.parallel_plan`` (TP styles by FQN, attention sites for SP, blocks;
+  its divisibility facts are the family's declared ``module_axes``, ``dhp.models.axes``);
+  ``tied_parameters`` (re-shared by ``common.tie_parameters``);
 - checkpoint: ``checkpoint_owner(key) -> (module, fqn)``; ``dhp.models.loading`` does the rest
-  (only this module's keys are read, missing/unexpected keys are listed);
+  (only this module's keys are read, missing/unexpected keys are listed, ties and rotary buffers
+  restored);
 - reference: ``reference_model(hf_config)`` and ``split_state_dict`` for parity and HF export;
-- data: ``token_strings()``, ``load_image_processor(...)``.
+- data: ``token_strings()``, ``load_image_processor(...)``; export: ``finish_export``.
 
 A family is a folder ``dhp/models/<name>/`` with ``family.py`` (``FAMILY``) and a torch-free
 ``arch.py`` (``ARCH``, see ``dhp.models.arch``); ``dhp.models.registry`` finds it by its folder.
-An audio encoder is one more module name (``audio``) and one more hand-off
-(``HandOff("audio", "llm", "audio_embeds", ...)``); the LLM module takes ``audio_embeds`` and
-places them at its audio-token positions. The runtime walks ``module_names`` and the edges.
+Most members have a default in :class:`dhp.models.family_base.FamilyBase`; the Qwen3-style families
+inherit the rest from ``dhp.models.qwen3_base``. An audio encoder is one more module name
+(``audio``) and one more hand-off (``HandOff("audio", "llm", "audio_embeds", ...)``); the LLM module
+takes ``audio_embeds`` and places them at its audio-token positions. The runtime walks
+``module_names`` and the edges.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from dhp.parallel.module_plan import AttentionSite, ModuleParallelPlan
+from dhp.parallel.module_plan import AttentionSite, ModuleParallelPlan  # re-exported for the families
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -107,7 +111,8 @@ class LLMOutput:
 
 @runtime_checkable
 class ModelFamily(Protocol):
-    """A model family as a graph of independently built and loaded modules."""
+    """A model family as a graph of independently built and loaded modules: what the generic layers
+    call (runtime, data, checkpoint, config validation, the loader); nothing else is asked of a family."""
 
     name: str
     module_names: tuple[str, ...]  # producers before consumers
@@ -137,10 +142,6 @@ class ModelFamily(Protocol):
         """``(pixel_values, image_grid_thw)`` of the smallest valid image (FSDP replicas without images)."""
         ...
 
-    def parallel_plan(self, name: str, hf_config: PretrainedConfig) -> ModuleParallelPlan:
-        """TP styles by FQN, attention sites for SP, FSDP blocks, loss, ties of module ``name``."""
-        ...
-
     def token_strings(self) -> dict[str, str]:
         """``SpecialTokens`` field -> token text in the tokenizer (``image_token_id`` -> ``<|image_pad|>``)."""
         ...
@@ -164,7 +165,7 @@ class ModelFamily(Protocol):
         ...
 
     def tiny_model_config(self) -> ModelConfig:
-        """A tiny architecture for tests (seconds on CPU); agrees with ``conf/model/tiny.yaml``."""
+        """A tiny architecture for tests (seconds on CPU): its ``conf/model/tiny*.yaml`` entry."""
         ...
 
     def build_module(
@@ -173,20 +174,8 @@ class ModelFamily(Protocol):
         """Build one module alone. On ``meta`` nothing is allocated; elsewhere it is randomly initialised."""
         ...
 
-    def init_buffers(self, name: str, module: nn.Module) -> None:
-        """Recompute the module's non-persistent buffers in place (after ``to_empty`` from meta)."""
-        ...
-
-    def modules_for(self, hf_config: PretrainedConfig) -> tuple[str, ...]:
-        """The modules a given config has (e.g. only ``llm`` for a text-only config)."""
-        ...
-
     def checkpoint_owner(self, key: str) -> tuple[str, str] | None:
         """Checkpoint key -> ``(module_name, module_fqn)``; None when no module owns it."""
-        ...
-
-    def tie(self, name: str, module: nn.Module, hf_config: PretrainedConfig) -> None:
-        """Re-share tied parameters (after building or ``to_empty``)."""
         ...
 
     def tied_parameters(self, name: str, hf_config: PretrainedConfig) -> dict[str, str]:

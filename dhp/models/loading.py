@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dhp.errors import CheckpointError
+from dhp.models.common import init_rotary_buffers, tie_parameters
 from dhp.models.family import ModelFamily
 
 SINGLE_FILE = "model.safetensors"
@@ -138,7 +139,7 @@ def load_module_weights(
 
     Reads only the checkpoint keys this module owns. Missing or unexpected keys raise a
     CheckpointError listing all of them. Floating tensors are cast to ``dtype`` (from the config).
-    Non-persistent buffers are recomputed by the family; tied parameters are re-tied. Parameters that
+    Non-persistent buffers (the rotary ``inv_freq``) are recomputed; tied parameters are re-tied. Parameters that
     are already DTensors (TP applied on meta) receive only their local shard (see ``own_slice``).
     """
     index = checkpoint_index(model_dir)
@@ -161,8 +162,8 @@ def load_module_weights(
     files, nbytes = _read_into(
         targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn, family=family
     )
-    family.tie(module_name, module, hf_config)
-    family.init_buffers(module_name, module)
+    tie_parameters(module, tied)
+    init_rotary_buffers(family.name, module_name, module)
     return LoadReport(
         keys_read=tuple(sorted(key_of.values())), files_opened=tuple(sorted(files)), bytes_read=nbytes
     )

@@ -4,16 +4,21 @@
 for a given image layout, with random pixels of the right patch shape. ``reference_step`` and
 ``split_step`` run forward + backward on the untouched transformers model and on the two modules
 (vision -> embeds leaf -> llm, then the embeds gradient back into vision) and return the loss and
-every parameter's gradient keyed by checkpoint-style reference names.
+every parameter's gradient keyed by checkpoint-style reference names. ``released_expert_layout``
+rewrites a tiny MoE directory's experts as released checkpoints store them (loader tests).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
 from dhp.models.checks import image_token_counts
+from dhp.models.common import init_rotary_buffers, tie_parameters
 from dhp.models.family import ModelFamily
 from dhp.ops.cross_entropy import IGNORE_INDEX
 
@@ -121,13 +126,13 @@ def modules_from_reference(
     """Build each module on meta and copy the reference's weights into it (strict): ``{name: module}``."""
     parts = family.split_state_dict(ref.state_dict())
     modules = {}
-    for name in family.modules_for(hf_config):
+    for name in [n for n in family.module_names if parts[n]]:  # a text-only reference has no vision
         module = family.build_module(name, hf_config, device="meta", dtype=hf_config.dtype)
         module.to_empty(device=device)
         tied = family.tied_parameters(name, hf_config)
         module.load_state_dict({k: v for k, v in parts[name].items() if k not in tied}, strict=not tied)
-        family.tie(name, module, hf_config)
-        family.init_buffers(name, module)
+        tie_parameters(module, tied)
+        init_rotary_buffers(family.name, name, module)
         modules[name] = module
     return modules
 
@@ -137,3 +142,18 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.abs().max().item()
     diff = (got - ref).abs().max().item()
     return diff / scale if scale > 0 else diff
+
+
+def released_expert_layout(out_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Rewrite a directory's fused expert tensors (``*.mlp.experts.*``) in the layout the released
+    Qwen3-VL-MoE checkpoints store (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H], as
+    transformers 4.57 wrote them; transformers 5 and dhp hold [E, 2I, H] / [E, H, I]), in place;
+    returns ``{key: new shape}``. For loader tests."""
+    shapes = {}
+    for f in sorted(Path(out_dir).glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for key in [k for k in tensors if ".mlp.experts." in k]:
+            tensors[key] = tensors[key].transpose(1, 2).contiguous()
+            shapes[key] = tuple(tensors[key].shape)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return shapes

@@ -4,13 +4,15 @@
 ``config.json``, ``model.safetensors`` (or shards + ``model.safetensors.index.json``), a byte-level BPE
 tokenizer trained here with the ``tokenizers`` library (Qwen's special tokens first, so their ids are
 fixed: see ``TINY_TOKENS``) and ``preprocessor_config.json``. The parts every family shares are here
-(:func:`write_tiny_base`); a family's ``tiny.py`` (``write_tiny_checkpoint``) adds its own (a
-processor class, a chat template).
+(:func:`write_tiny_base`, and :func:`write_tiny_checkpoint`, which is all a family without files of its
+own needs); a family with its own (a processor class, a chat template) has a ``tiny.py`` whose
+``write_tiny_checkpoint`` adds them.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -24,6 +26,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from dhp.config.schema import ModelConfig
 from dhp.models.family import get_family
+from dhp.models.registry import family_package
 
 # Qwen's special tokens, in this order: ids 0..13 in the tiny tokenizer.
 SPECIAL_TOKENS = (
@@ -104,8 +107,26 @@ def make_tiny_checkpoint(
     ``sharded`` writes several ``model-0000i-of-0000n.safetensors`` files and the index.
     """
     name = model_cfg.family if model_cfg is not None else family
-    writer = importlib.import_module(f"dhp.models.{name}.tiny").write_tiny_checkpoint
-    return writer(Path(out_dir), sharded=sharded, seed=seed, model_cfg=model_cfg)
+    own = f"{family_package(name)}.tiny"
+    writer = (
+        importlib.import_module(own).write_tiny_checkpoint
+        if importlib.util.find_spec(own) is not None
+        else write_tiny_checkpoint
+    )
+    return writer(Path(out_dir), family=name, sharded=sharded, seed=seed, model_cfg=model_cfg)
+
+
+def write_tiny_checkpoint(
+    out: Path, *, family: str, sharded: bool, seed: int, model_cfg: ModelConfig | None
+) -> Path:
+    """The shared tiny parts only (:func:`write_tiny_base`): the tokenizer and the image processor's
+    files beside the weights; a Qwen3-style family needs no processor file of its own for training."""
+    _, tokenizer, image_processor = write_tiny_base(
+        out, family=family, sharded=sharded, seed=seed, model_cfg=model_cfg
+    )
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    return out
 
 
 def write_tiny_base(

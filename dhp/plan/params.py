@@ -1,7 +1,8 @@
 """Parameter counts and layer sizes of a run's modules, from the model's family (``model.family``).
 
 The numbers come from the family's pure ``arch.py`` (:class:`dhp.models.arch.FamilyArch`), so the
-planner knows no model family; this module only forwards to it with the names the planner uses.
+planner knows no model family; this module reads them off the typed architecture with the names the
+planner uses.
 """
 
 from __future__ import annotations
@@ -39,19 +40,19 @@ def video_frames_per_row(model: DictConfig) -> int:
 
 def module_params(name: str, model: DictConfig) -> ParamCount:
     """Parameter count of module ``name`` of ``model``."""
-    return get_arch(model.family).module_params(name, model)
+    return architecture(model).modules[name].params
 
 
 def layer_params(name: str, model: DictConfig) -> ParamCount:
     """Parameters of ONE transformer block of module ``name`` (an FSDP unit: all-gathered at once)."""
-    return get_arch(model.family).layer_params(name, model)
+    return architecture(model).modules[name].block_params
 
 
 def largest_param(name: str, model: DictConfig) -> int:
     """Elements of the module's largest single parameter tensor (before TP/FSDP sharding)."""
-    return get_arch(model.family).largest_param(name, model)
+    return architecture(model).modules[name].largest_param
 
 
 def layer_shape(name: str, model: DictConfig) -> LayerShape:
     """Activation-relevant sizes of one block of module ``name``."""
-    return get_arch(model.family).layer_shape(name, model)
+    return architecture(model).modules[name].layer_shape()

@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dhp.models.registry import family_package
 from dhp.runtime.forklaunch import recv_msg, send_msg
 
 #: the part of every rank's environment that its imports read (OpenMP sizes its pool when torch
@@ -212,7 +213,8 @@ def close_current() -> None:
 def family_modules(family: str) -> list[str]:
     """The modules a rank of ``family`` imports beyond :data:`BASE_PRELOAD`: the family and its
     modules (transformers' model code, which the family module itself loads only to build)."""
-    return [f"dhp.models.{family}.family", f"dhp.models.{family}.modules"]
+    package = family_package(family)  # a flavour's name is its family folder's
+    return [f"{package}.family", f"{package}.modules"]
 
 
 def _running(pid: int) -> bool:

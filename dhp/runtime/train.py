@@ -27,6 +27,7 @@ import dhp.data
 from dhp.config.schema import RunConfig, TrainConfig
 from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
+from dhp.models.registry import family_package
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
 from dhp.runtime.failures import FailureLog, failed_event
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
@@ -270,7 +271,7 @@ def _attempt(
         owns_ray = connect_ray_importing(
             cluster=config.cluster,
             plan=plan,
-            modules=(*RUNTIME_MODULES, f"dhp.models.{config.model.family}.family"),
+            modules=(*RUNTIME_MODULES, f"{family_package(config.model.family)}.family"),
         )
         clock.mark("Ray start, the driver's imports beside it (runtime, worker, model code)")
         # loaded by connect_ray_importing's thread: the worker's module, transformers' model code

@@ -46,7 +46,7 @@ from dhp.config.schema import TrainConfig
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.loading import build_and_load, load_module_weights
-from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint
+from dhp.models.tiny import make_tiny_checkpoint
 from dhp.parallel import (
     build_optimizer,
     clip_grads_,
@@ -286,7 +286,7 @@ def _four_ranks(rank: int, world: int, root: str) -> None:
 
 
 def test_ep2_with_fsdp2_matches_hf_reshards_and_loads(tmp_path):
-    model_dir = make_tiny_qwen3_vl_moe_checkpoint(tmp_path / "tiny_moe")
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny_moe", family="qwen3_vl_moe")
     spawn(_fsdp_ep, 2, str(tmp_path), str(model_dir))
 
 

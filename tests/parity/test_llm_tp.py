@@ -93,7 +93,7 @@ def _tp_cases(rank: int, world: int) -> None:
         _real_module_case(world, mesh, tied=False)
         _real_module_case(world, mesh, tied=True)
     if world == 4:  # 4 KV heads split 4 ways is fine; 2 KV heads are refused before any forward
-        with pytest.raises(PlanError, match="num_key_value_heads=2"):
+        with pytest.raises(PlanError, match=r"model\.llm\.num_kv_heads=2"):
             apply_tp(build_llm(num_key_value_heads=2), mesh)
 
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
-from dhp.models.qwen3_vl_moe.modules import ROUTER_AUX_LOSS
+from dhp.models.qwen3_base.llm import ROUTER_AUX_LOSS
 from dhp.models.testing import modules_from_reference, relative_error, tiny_vl_batch
 from dhp.parallel import finalize_grads, full_grad_dict, parallelize
 from dhp.parallel.ep import expert_params
@@ -158,11 +158,12 @@ def _load_case(rank: int, family, root: str) -> None:
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from dhp.models.loading import load_module_weights
-    from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint, released_expert_layout
+    from dhp.models.testing import released_expert_layout
+    from dhp.models.tiny import make_tiny_checkpoint
 
     out = Path(root, "tiny")
     if rank == 0:
-        released_expert_layout(make_tiny_qwen3_vl_moe_checkpoint(out, seed=3))
+        released_expert_layout(make_tiny_checkpoint(out, family="qwen3_vl_moe", seed=3))
     dist.barrier()
     cfg = family.hf_config_from_dir(out)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))

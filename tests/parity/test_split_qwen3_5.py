@@ -31,7 +31,7 @@ import torch
 
 from dhp.errors import DataError
 from dhp.models import get_family
-from dhp.models.qwen3_5.modules import ROUTER_AUX_LOSS
+from dhp.models.qwen3_base.llm import ROUTER_AUX_LOSS
 from dhp.models.testing import (
     modules_from_reference,
     reference_step,
@@ -135,7 +135,7 @@ def _skew_routers_(ref: torch.nn.Module, hf_config) -> None:
 def test_qwen3_5_moe_split_matches_reference():
     """The MoE flavour: loss incl. the aux loss, the aux loss itself and every grad vs transformers."""
     family = get_family("qwen3_5")
-    hf_config = family.tiny_moe_hf_config()
+    hf_config = family.tiny_hf_config(moe=True)
     t = hf_config.text_config
     torch.manual_seed(0)
     ref = family.reference_model(hf_config)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from dhp.models import get_family
+from dhp.models.qwen3_base.llm import ROUTER_AUX_LOSS
 from dhp.models.qwen3_vision.arch import deepstack_kwarg
-from dhp.models.qwen3_vl_moe.modules import ROUTER_AUX_LOSS
 from dhp.models.testing import modules_from_reference, relative_error, tiny_vl_batch
 
 pytestmark = pytest.mark.parity

@@ -15,15 +15,18 @@ from omegaconf import DictConfig
 
 from dhp.config.issues import Issues
 from dhp.models.arch import (
+    LLM_SIZES,
+    VISION_SIZES,
     Architecture,
     Attention,
     Block,
     Capabilities,
-    LayerShape,
     Mlp,
     ModuleArch,
     ModuleAxes,
     ParamCount,
+    decoder_axes,
+    encoder_axes,
     uniform_blocks,
 )
 
@@ -80,29 +83,6 @@ def llm_params(llm: DictConfig) -> ParamCount:
     )
 
 
-def vision_layer(vision: DictConfig) -> LayerShape:
-    h = vision.hidden_size
-    return LayerShape(
-        hidden=h,
-        mlp=vision.intermediate_size,
-        kv_dim=h,
-        heads=vision.num_heads,
-        layers=vision.depth,
-        tp_input_grads=3,  # fused qkv, gate, up
-    )
-
-
-def llm_layer(llm: DictConfig) -> LayerShape:
-    h = llm.hidden_size
-    return LayerShape(
-        hidden=h,
-        mlp=llm.intermediate_size,
-        kv_dim=llm.num_kv_heads * (h // llm.num_heads),
-        heads=llm.num_heads,
-        layers=llm.num_layers,
-    )
-
-
 def module_params(name: str, model: DictConfig) -> ParamCount:
     """Parameter count of module ``name`` (``vision`` or ``llm``) of ``model``."""
     if name == "vision":
@@ -132,22 +112,12 @@ def largest_param(name: str, model: DictConfig) -> int:
     return max(lm.vocab_size * lm.hidden_size, lm.hidden_size * lm.intermediate_size)
 
 
-_VISION_SIZES = [
-    "depth",
-    "hidden_size",
-    "num_heads",
-    "intermediate_size",
-    "patch_size",
-    "spatial_merge_size",
-    "temporal_patch_size",
-    "in_channels",
-]
 VISION_EXTRA = ("window_size", "fullatt_block_indexes")
 LLM_EXTRA = ("mrope_section",)
 
 
 def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
-    issues.positive(v, "model.vision", _VISION_SIZES)
+    issues.positive(v, "model.vision", list(VISION_SIZES))
     if v.num_heads > 0:
         issues.check(
             v.hidden_size % v.num_heads == 0,
@@ -186,11 +156,7 @@ def _validate_vision_arch(v: DictConfig, issues: Issues) -> None:
 
 
 def _validate_llm_arch(lm: DictConfig, issues: Issues) -> None:
-    issues.positive(
-        lm,
-        "model.llm",
-        ["hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"],
-    )
+    issues.positive(lm, "model.llm", list(LLM_SIZES))
     if lm.num_heads > 0 and lm.num_kv_heads > 0:
         ok_h = issues.check(
             lm.hidden_size % lm.num_heads == 0,
@@ -296,39 +262,27 @@ class Qwen25VLArch:
             modules={"vision": vision_arch(model), "llm": llm_arch(model)}, capabilities=CAPABILITIES
         )
 
-    def module_params(self, name: str, model: DictConfig) -> ParamCount:
-        return module_params(name, model)
-
-    def layer_params(self, name: str, model: DictConfig) -> ParamCount:
-        return layer_params(name, model)
-
-    def largest_param(self, name: str, model: DictConfig) -> int:
-        return largest_param(name, model)
-
     def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
         """Encoder: TP (heads, merger width) and Ulysses SP (heads). LLM: TP with SP inside it."""
         if name == "vision":
             v = model.vision
-            heads = {"model.vision.num_heads": v.num_heads}
-            wide = {"model.vision.hidden_size*spatial_merge_size^2": v.hidden_size * v.spatial_merge_size**2}
-            return ModuleAxes(
-                tp=True, sp=True, tp_sequence_parallel=False, tp_divides=heads | wide, sp_divides=heads
-            )
+            return vision_axes(heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size)
         lm = model.llm
-        return ModuleAxes(
-            tp=True,
-            sp=False,
-            tp_sequence_parallel=True,
-            tp_divides={
-                "model.llm.num_heads": lm.num_heads,
-                "model.llm.num_kv_heads": lm.num_kv_heads,
-                "model.llm.vocab_size": lm.vocab_size,
-                "model.llm.intermediate_size": lm.intermediate_size,
-            },
+        return llm_axes(
+            heads=lm.num_heads, kv_heads=lm.num_kv_heads, vocab=lm.vocab_size, mlp=lm.intermediate_size
         )
 
-    def layer_shape(self, name: str, model: DictConfig) -> LayerShape:
-        return vision_layer(model.vision) if name == "vision" else llm_layer(model.llm)
+
+def vision_axes(*, heads: int, hidden: int, merge: int) -> ModuleAxes:
+    """The encoder's axes, declared once: read by validation and the search (from the schema's numbers)
+    and by the runtime plan (``parallel.py``, from the transformers config's)."""
+    return encoder_axes(heads=heads, merged_width=hidden * merge**2)
+
+
+def llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int) -> ModuleAxes:
+    """The decoder's axes (TP over heads, KV heads, vocabulary and MLP width, with sequence parallelism
+    inside TP), declared once as :func:`vision_axes`."""
+    return decoder_axes(heads=heads, kv_heads=kv_heads, vocab=vocab, mlp=mlp, sequence_parallel=True)
 
 
 ARCH = Qwen25VLArch()

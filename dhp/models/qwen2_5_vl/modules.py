@@ -19,8 +19,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
-from dhp.models.checks import check_image_alignment, check_text_only, check_vision_inputs
-from dhp.models.common import LossFn, loss_output, rope_index, scatter_rows, shifted_ce_sum
+from dhp.models.checks import check_vision_inputs
+from dhp.models.common import LLMBase, LossFn, rope_index, sample_names, shifted_ce_sum
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
 from dhp.models.qwen2_5_vl.video import split_visual
@@ -99,7 +99,7 @@ _PRECOMPUTED = (
 )
 
 
-class LLMModule(nn.Module):
+class LLMModule(LLMBase):
     """Token embeddings, decoder layers, final norm and lm_head, returning the summed token loss.
 
     Placement: one actor group. Memory is dominated by model states, which is why ``dhp/parallel``
@@ -113,12 +113,7 @@ class LLMModule(nn.Module):
         lm_head: nn.Linear,
         config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig,
     ) -> None:
-        super().__init__()
-        self.language_model = language_model
-        self.lm_head = lm_head
-        self.vl_config = config if isinstance(config, Qwen2_5_VLConfig) else None
-        # a plain attribute, not a submodule: dhp.parallel swaps it for a vocab-parallel loss
-        self.loss_fn: LossFn = shifted_ce_sum
+        super().__init__(language_model, lm_head, config if isinstance(config, Qwen2_5_VLConfig) else None)
 
     @property
     def accepts_images(self) -> bool:
@@ -144,9 +139,7 @@ class LLMModule(nn.Module):
         gradient for the encoder's backward. Raises DataError when image tokens and embeddings
         disagree, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D).
         """
-        sample_ids = (
-            sample_ids if sample_ids is not None else [f"batch[{i}]" for i in range(input_ids.shape[0])]
-        )
+        sample_ids = sample_names(input_ids, sample_ids)
         inputs_embeds = self.embed(
             input_ids=input_ids,
             mm_token_type_ids=mm_token_type_ids,
@@ -188,37 +181,9 @@ class LLMModule(nn.Module):
         ).last_hidden_state
         return self.loss(hidden=hidden, labels=labels)
 
-    def embed(
-        self,
-        *,
-        input_ids: torch.Tensor,
-        mm_token_type_ids: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        image_embeds: torch.Tensor | None,
-        sample_ids: list[str],
-    ) -> torch.Tensor:
-        """Token embeddings ``(B, S, H)`` with the image embeddings scattered at image-token positions."""
-        if not self.accepts_images:
-            check_text_only(
-                input_ids=input_ids,
-                mm_token_type_ids=mm_token_type_ids,
-                image_embeds=image_embeds,
-                sample_ids=sample_ids,
-            )
-            return self.language_model.embed_tokens(input_ids)
-        check_image_alignment(
-            input_ids=input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-            image_embeds=image_embeds,
-            config=self.vl_config,
-            sample_ids=sample_ids,
-        )
-        inputs_embeds = self.language_model.embed_tokens(input_ids)
-        if image_embeds is None:
-            return inputs_embeds
-        visual = (input_ids == self.vl_config.image_token_id) | (input_ids == self.vl_config.video_token_id)
-        return scatter_rows(inputs_embeds, visual, image_embeds)
+    def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Images and videos are one ordered stream of visual items: both take the encoder's rows."""
+        return (input_ids == self.vl_config.image_token_id) | (input_ids == self.vl_config.video_token_id)
 
     def positions(
         self,
@@ -242,10 +207,6 @@ class LLMModule(nn.Module):
             video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts,
         )
-
-    def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
-        """``loss_fn(hidden, lm_head, labels)`` and the label-token count (``common.loss_output``)."""
-        return loss_output(self.loss_fn, hidden=hidden, lm_head=self.lm_head, labels=labels)
 
 
 def mrope_positions(

@@ -11,7 +11,9 @@ from __future__ import annotations
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextConfig
 
+from dhp.models.axes import runtime_plan
 from dhp.models.family import AttentionSite, ModuleParallelPlan
+from dhp.models.qwen2_5_vl.arch import llm_axes, vision_axes
 from dhp.parallel.llm_tp import decoder_tp_plan
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
@@ -41,32 +43,29 @@ def llm_tp_plan(*, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
 def parallel_plan(
     name: str, hf_config: Qwen2_5_VLConfig | Qwen2_5_VLTextConfig, *, tied: dict[str, str]
 ) -> ModuleParallelPlan:
-    """Encoder: TP by FQN, SP on the full-attention blocks. LLM: decoder TP (+ SP inside TP), the loss."""
+    """Encoder: TP by FQN, SP on the full-attention blocks. LLM: decoder TP (+ SP inside TP), the loss.
+    What each degree must divide is the declared axes' (``arch.vision_axes`` / ``arch.llm_axes``)."""
     if name == "vision":
         v = hf_config.vision_config
-        return ModuleParallelPlan(
+        return runtime_plan(
+            vision_axes(heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size),
             blocks=("visual.blocks.*",),
             tp=lambda sequence_parallel: vision_tp_plan(),
-            tp_divides={
-                "vision num_heads": v.num_heads,
-                "vision merger hidden": v.hidden_size * v.spatial_merge_size**2,
-            },
             tp_heads=("visual.blocks.*.attn",),
             sp=tuple(AttentionSite(f"visual.blocks.{i}.attn") for i in v.fullatt_block_indexes),
-            sp_divides={"vision num_heads": v.num_heads},
         )
-    text = hf_config.text_config if isinstance(hf_config, Qwen2_5_VLConfig) else hf_config
-    return ModuleParallelPlan(
+    t = hf_config.text_config if isinstance(hf_config, Qwen2_5_VLConfig) else hf_config
+    axes = llm_axes(
+        heads=t.num_attention_heads,
+        kv_heads=t.num_key_value_heads,
+        vocab=t.vocab_size,
+        mlp=t.intermediate_size,
+    )
+    return runtime_plan(
+        axes,
         blocks=("language_model.layers.*",),
         tp=lambda sequence_parallel: llm_tp_plan(sequence_parallel=sequence_parallel),
-        tp_divides={
-            "num_attention_heads": text.num_attention_heads,
-            "num_key_value_heads": text.num_key_value_heads,
-            "vocab_size": text.vocab_size,
-            "intermediate_size": text.intermediate_size,
-        },
-        tp_sequence_parallel=True,
         loss=True,
         tied=tied,
-        pad_token_id=text.pad_token_id if text.pad_token_id is not None else 0,
+        pad_token_id=t.pad_token_id,
     )

@@ -11,10 +11,12 @@ from dhp.models.qwen2_5_vl.processor import QWEN_CHAT_TEMPLATE, Qwen2_5_VLImageT
 from dhp.models.tiny import write_tiny_base
 
 
-def write_tiny_checkpoint(out: Path, *, sharded: bool, seed: int, model_cfg: ModelConfig | None) -> Path:
+def write_tiny_checkpoint(
+    out: Path, *, family: str, sharded: bool, seed: int, model_cfg: ModelConfig | None
+) -> Path:
     """Write the tiny Qwen2.5-VL directory to ``out`` (see ``dhp.models.tiny.make_tiny_checkpoint``)."""
     _, tokenizer, image_processor = write_tiny_base(
-        out, family="qwen2_5_vl", sharded=sharded, seed=seed, model_cfg=model_cfg
+        out, family=family, sharded=sharded, seed=seed, model_cfg=model_cfg
     )
     processor = Qwen2_5_VLImageTextProcessor(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE

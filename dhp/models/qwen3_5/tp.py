@@ -33,15 +33,15 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from dhp.parallel.linear_attn_tp import deltanet_tp_plan, head_norm_tp_plan
-from dhp.parallel.llm_tp import decoder_tp_plan
+from dhp.models.qwen3_base.tp import qwen3_decoder_tp_plan
+from dhp.parallel.linear_attn_tp import deltanet_tp_plan
 
 
 def llm_tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The hybrid decoder's plan: the ``self_attn`` / ``mlp`` globs match the layers that have them, the
-    Gated DeltaNet style owns every parameter of a ``linear_attn`` (its Linears match no glob of their own)."""
-    plan = decoder_tp_plan(model="language_model", lm_head="lm_head", sequence_parallel=sequence_parallel)
-    plan.update(head_norm_tp_plan("language_model.layers.*.self_attn"))
+    """The hybrid decoder's plan: the Qwen3 decoder's (``qwen3_base.tp``), whose ``self_attn`` / ``mlp``
+    globs match the layers that have them, plus the Gated DeltaNet style, which owns every parameter of a
+    ``linear_attn`` (its Linears match no glob of their own)."""
+    plan = qwen3_decoder_tp_plan(dense_mlp=True, sequence_parallel=sequence_parallel)
     plan.update(deltanet_tp_plan("language_model.layers.*.linear_attn", sequence_parallel=sequence_parallel))
     return plan
 

@@ -8,21 +8,15 @@ styles and the encoder's ``ModuleParallelPlan``) load torch. Importing the packa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dhp.models.lazy import lazy_exports
 
-_LAZY = {
-    "VisionModule": "dhp.models.qwen3_vision.modules",
-    "Qwen3VisionShard": "dhp.models.qwen3_vision.sp",
-    "shard_images": "dhp.models.qwen3_vision.sp",
-    "vision_parallel_plan": "dhp.models.qwen3_vision.tp",
-    "vision_tp_plan": "dhp.models.qwen3_vision.tp",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "VisionModule": "dhp.models.qwen3_vision.modules",
+        "Qwen3VisionShard": "dhp.models.qwen3_vision.sp",
+        "shard_images": "dhp.models.qwen3_vision.sp",
+        "vision_parallel_plan": "dhp.models.qwen3_vision.tp",
+        "vision_tp_plan": "dhp.models.qwen3_vision.tp",
+    },
+)

@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from dhp.config.issues import Issues
-from dhp.models.arch import Attention, LayerShape, Mlp, ModuleArch, ModuleAxes, ParamCount, uniform_blocks
+from dhp.models.arch import (
+    VISION_SIZES,
+    Attention,
+    Mlp,
+    ModuleArch,
+    ModuleAxes,
+    ParamCount,
+    encoder_axes,
+    uniform_blocks,
+)
 
 IMAGE_EMBEDS = "image_embeds"
 DEEPSTACK_PREFIX = "deepstack_embeds_"
@@ -146,30 +155,7 @@ def largest(n: VisionNumbers) -> int:
     )
 
 
-def shape(n: VisionNumbers) -> LayerShape:
-    """Activation-relevant sizes of one encoder block."""
-    return LayerShape(
-        hidden=n.hidden,
-        mlp=n.mlp,
-        kv_dim=n.hidden,
-        heads=n.heads,
-        layers=n.depth,
-        tp_input_grads=2,  # fused qkv, linear_fc1
-        gated_mlp=False,  # linear_fc1 -> activation -> linear_fc2
-    )
-
-
 # --- validation ------------------------------------------------------------------------------------
-_VISION_SIZES = [
-    "depth",
-    "hidden_size",
-    "num_heads",
-    "intermediate_size",
-    "patch_size",
-    "spatial_merge_size",
-    "temporal_patch_size",
-    "in_channels",
-]
 
 
 def check_extra_keys(
@@ -190,7 +176,7 @@ def check_extra_keys(
 
 def validate_sizes(model: Any, issues: Issues, *, family: str, example: str, deepstack: bool) -> bool:
     """Positive sizes and the exact ``model.vision.extra`` keys; False when the numbers cannot be read."""
-    issues.positive(model.vision, "model.vision", _VISION_SIZES)
+    issues.positive(model.vision, "model.vision", list(VISION_SIZES))
     keys = DEEPSTACK_EXTRA if deepstack else VISION_EXTRA
     return check_extra_keys(model, "vision", keys, issues, family=family, example=example)
 
@@ -264,6 +250,4 @@ def vision_arch(n: VisionNumbers) -> ModuleArch:
 
 def vision_axes(n: VisionNumbers) -> ModuleAxes:
     """TP (heads, merger width) and Ulysses SP (heads, every block)."""
-    heads = {"model.vision.num_heads": n.heads}
-    wide = {"model.vision.hidden_size*spatial_merge_size^2": n.wide}
-    return ModuleAxes(tp=True, sp=True, tp_sequence_parallel=False, tp_divides=heads | wide, sp_divides=heads)
+    return encoder_axes(heads=n.heads, merged_width=n.wide)

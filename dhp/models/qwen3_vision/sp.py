@@ -123,16 +123,3 @@ def shard_images(
         )
         for r, (a, b) in enumerate(itertools.pairwise(cuts))
     ]
-
-
-def tokens_per_image(vision_config: PretrainedConfig, image_grid_thw: torch.Tensor) -> list[int]:
-    """``t*h*w / spatial_merge_size**2`` merged tokens per image."""
-    merge = vision_config.spatial_merge_size**2
-    return [int(g.prod()) // merge for g in image_grid_thw]
-
-
-def blank_image(vision_config: PretrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
-    m = vision_config.spatial_merge_size
-    width = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
-    return torch.zeros(m * m, width), torch.tensor([[1, m, m]])

@@ -9,10 +9,10 @@ optimizer state; the residual stream (rows, hidden) stays whole.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from dhp.models.arch import ModuleAxes
+from dhp.models.axes import runtime_plan
 from dhp.models.family import AttentionSite, ModuleParallelPlan
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
@@ -34,15 +34,14 @@ def vision_tp_plan(*, deepstack: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def vision_parallel_plan(vision_config: Any, *, deepstack: bool) -> ModuleParallelPlan:
+def vision_parallel_plan(axes: ModuleAxes, *, deepstack: bool) -> ModuleParallelPlan:
     """The encoder's plan: TP by FQN (incl. the DeepStack mergers when ``deepstack``), Ulysses SP on
-    every block's attention (heads all-to-all; the rows are cut by ``sp.shard_images``)."""
-    wide = vision_config.hidden_size * vision_config.spatial_merge_size**2
-    return ModuleParallelPlan(
+    every block's attention (heads all-to-all; the rows are cut by ``sp.shard_images``); what each
+    degree must divide is the declared ``axes`` (``arch.vision_axes``)."""
+    return runtime_plan(
+        axes,
         blocks=("visual.blocks.*",),
         tp=lambda sequence_parallel: vision_tp_plan(deepstack=deepstack),
-        tp_divides={"vision num_heads": vision_config.num_heads, "merger hidden": wide},
         tp_heads=("visual.blocks.*.attn",),
         sp=(AttentionSite("visual.blocks.*.attn"),),
-        sp_divides={"vision num_heads": vision_config.num_heads},
     )

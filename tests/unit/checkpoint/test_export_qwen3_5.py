@@ -26,7 +26,6 @@ from dhp.checkpoint import (
 )
 from dhp.checkpoint.export import export_hf
 from dhp.models import get_family
-from dhp.models.qwen3_5.modules import mrope_positions
 from dhp.models.testing import relative_error, tiny_vl_batch
 
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -44,8 +43,7 @@ def _split_logits(vision, llm, batch) -> torch.Tensor:
         image_embeds=outs["image_embeds"],
         sample_ids=batch["sample_ids"],
     )
-    positions = mrope_positions(
-        config=llm.vl_config,
+    positions = llm.positions(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         mm_token_type_ids=batch["mm_token_type_ids"],

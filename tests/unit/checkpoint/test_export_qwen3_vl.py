@@ -25,7 +25,6 @@ from dhp.checkpoint import (
 )
 from dhp.checkpoint.export import export_hf
 from dhp.models import get_family
-from dhp.models.qwen3_vl.modules import mrope_positions
 from dhp.models.testing import relative_error, tiny_vl_batch
 
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -42,14 +41,13 @@ def _split_logits(vision, llm, batch) -> torch.Tensor:
         image_embeds=outs["image_embeds"],
         sample_ids=batch["sample_ids"],
     )
-    positions = mrope_positions(
-        config=llm.vl_config,
+    positions = llm.positions(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         mm_token_type_ids=batch["mm_token_type_ids"],
         image_grid_thw=batch["image_grid_thw"],
     )
-    deepstack = llm._deepstack_list(
+    deepstack = llm.deepstack_list(
         outs["image_embeds"], {k: v for k, v in outs.items() if k != "image_embeds"}, batch["sample_ids"]
     )
     hidden = llm.language_model(

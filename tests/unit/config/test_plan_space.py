@@ -1,8 +1,9 @@
 """One space of valid plans: the rule validation, the ``--auto`` search and ``parallelize`` share.
 
-The family declares its modules' parallel axes twice in data: torch-free (``arch.module_axes``, read
-by validation and the search) and in the runtime plan (``ModuleParallelPlan``, read by ``parallelize``).
-They must agree, or the planner would offer what the runtime refuses.
+The family declares its modules' parallel axes once, torch-free (``arch.module_axes``, read by
+validation and the search); the runtime plan (``ModuleParallelPlan``, read by ``parallelize``) carries
+the same facts (``dhp.models.axes.runtime_plan``). They must agree, or the planner would offer what the
+runtime refuses.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_declared_axes_equal_the_runtime_plan(family: str, name: str) -> None:
         runtime.sp,
         runtime.tp_sequence_parallel,
     )
-    # the runtime plan names sizes in transformers' words, the declaration by config key: same sizes
+    # the runtime plan's sizes are the declaration's, read from the transformers config
     assert sorted(declared.tp_divides.values()) == sorted(runtime.tp_divides.values())
     assert sorted(declared.sp_divides.values()) == sorted(runtime.sp_divides.values())
     # the typed architecture's Mlp(kind="moe", experts=...) and the runtime plan's MoE blocks agree

@@ -11,7 +11,7 @@ from transformers import Qwen2_5_VLTextConfig
 
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError, ConfigError
-from dhp.models import TINY_TOKENS, ModelFamily, get_family
+from dhp.models import TINY_TOKENS, ModelFamily, get_arch, get_family
 from dhp.models.qwen2_5_vl import LLMModule, VisionModule
 
 pytestmark = pytest.mark.unit
@@ -42,8 +42,11 @@ def test_family_satisfies_protocol_and_graph(family, hf_config):
 
 
 def test_unknown_family_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"model.family = 'llama_vl'.*known: qwen2_5_vl"):
+    known = r"known: qwen2_5_vl, qwen3_5, qwen3_vl, qwen3_vl_moe"  # the flavour alias among them
+    with pytest.raises(ConfigError, match=rf"model.family = 'llama_vl'.*{known}"):
         get_family("llama_vl")
+    with pytest.raises(ConfigError, match=rf"model.family = 'qwen3_vl_mo'.*{known}"):
+        get_arch("qwen3_vl_mo")
 
 
 def test_tiny_config_agrees_with_conf_model_tiny_yaml(family):
@@ -158,7 +161,7 @@ def test_text_only_config_has_only_the_llm(family):
         pad_token_id=0,
     )
     assert family.modules_for(text_cfg) == ("llm",)
-    with pytest.raises(ConfigError, match="text-only"):
+    with pytest.raises(ConfigError, match=r"Qwen2_5_VLTextConfig\) has modules \('llm',\)"):
         family.build_module("vision", text_cfg, device="meta", dtype=torch.float32)
     llm = family.build_module("llm", text_cfg, device="cpu", dtype=torch.float32)
     assert not llm.accepts_images
@@ -178,8 +181,12 @@ def test_tied_embeddings_share_storage(family):
 def test_families_are_found_by_folder() -> None:
     from pathlib import Path
 
-    from dhp.models.registry import family_names
+    from dhp.models.registry import ALIASES, family_names, get_family
 
     models = Path(__file__).resolve().parents[3] / "dhp" / "models"
     folders = sorted(p.parent.name for p in models.glob("*/family.py"))
-    assert family_names() == folders and "qwen2_5_vl" in folders
+    assert "qwen2_5_vl" in folders and set(ALIASES.values()) <= set(folders)
+    assert family_names() == sorted(folders + list(ALIASES))  # a flavour's name is a family name too
+    for alias, folder in ALIASES.items():
+        held = get_family(alias)
+        assert type(held) is type(get_family(folder)) and held.name == alias and held.model_types == (alias,)

@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 from dhp.config.issues import Issues
 from dhp.errors import CheckpointError, ConfigError
 from dhp.models import get_arch, get_family
-from dhp.models.qwen3_5.arch import block_counts, largest, module_counts
-from dhp.models.qwen3_5.config import numbers_from_hf
+from dhp.models.qwen3_5.arch import ARCH
 
 pytestmark = pytest.mark.unit
 CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
@@ -79,19 +78,16 @@ def test_qwen3_5_planner_counts_match_the_modules(family, which):
         model_cfg = _yaml(which)
         model_cfg.attn_implementation = "sdpa"  # the YAML's flash_attention_2 is not installed on CPU
         cfg = family.hf_config(model_cfg)
-    n = numbers_from_hf(cfg)
+    from_hf = ARCH.architecture_of(ARCH.numbers_from_hf(cfg))
     for name in family.module_names:
         total, block, biggest = _meta_counts(family, cfg, name)
-        assert module_counts(name, n).total == total, name
-        assert block_counts(name, n).total == block, name
-        assert largest(name, n) == biggest, name
-        if model_cfg is not None:  # the planner's entry points read the schema's numbers
-            arch = get_arch("qwen3_5")
-            assert arch.module_params(name, model_cfg).total == total
-            assert arch.layer_params(name, model_cfg).total == block
-            assert arch.largest_param(name, model_cfg) == biggest
+        typed = [from_hf.modules[name]]
+        if model_cfg is not None:  # the planner reads the schema's numbers
+            typed.append(get_arch("qwen3_5").architecture(model_cfg).modules[name])
+        for m in typed:
+            assert (m.params.total, m.block_params.total, m.largest_param) == (total, block, biggest), name
     if which == "qwen3_5_27b":  # "27B": 26.9B LLM + 0.46B encoder
-        assert 27.3e9 < sum(module_counts(m, n).total for m in family.module_names) < 27.4e9
+        assert 27.3e9 < sum(m.params.total for m in from_hf.modules.values()) < 27.4e9
 
 
 def test_qwen3_5_27b_typed_architecture_declares_the_hybrid_layers():
@@ -227,11 +223,11 @@ def test_qwen3_5_model_dir_loads_per_module_and_processes_images(family, tmp_pat
     from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 
     from dhp.models.loading import build_and_load
-    from dhp.models.qwen3_5.tiny import make_tiny_qwen3_5_checkpoint
+    from dhp.models.tiny import make_tiny_checkpoint
 
-    out = make_tiny_qwen3_5_checkpoint(tmp_path / "tiny")
+    out = make_tiny_checkpoint(tmp_path / "tiny", family="qwen3_5")
     cfg = family.hf_config_from_dir(out)
-    assert numbers_from_hf(cfg) == numbers_from_hf(family.tiny_hf_config())
+    assert ARCH.numbers_from_hf(cfg) == ARCH.numbers_from_hf(family.tiny_hf_config())
     ref = Qwen3_5ForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
     split = family.split_state_dict(ref.state_dict())
     for name in family.module_names:
@@ -293,48 +289,46 @@ def test_qwen3_5_35b_a3b_published_numbers(family):
 def test_qwen3_5_moe_counts_match_the_modules(family, which):
     """Total, per-block, largest tensor and the routed experts' count of the meta-built modules equal
     the planner's; the 35B-A3B totals 35.1B with ~3B (LLM, input table excluded) active per token."""
-    from dhp.models.qwen3_5.arch import active_params, numbers
-
     model_cfg = _moe_yaml(which)
     cfg = family.hf_config(model_cfg)
-    n = numbers_from_hf(cfg)
-    assert n.moe and n == numbers(model_cfg)
-    arch = get_arch("qwen3_5")
+    n = ARCH.numbers_from_hf(cfg)
+    assert n.moe and n == ARCH.numbers(model_cfg)
+    planned = get_arch("qwen3_5").architecture(model_cfg).modules
+    assert planned == ARCH.architecture_of(n).modules  # the schema's numbers and the config's agree
     for name in family.module_names:
         total, block, biggest = _meta_counts(family, cfg, name)
-        assert module_counts(name, n).total == total == arch.module_params(name, model_cfg).total, name
-        assert block_counts(name, n).total == block == arch.layer_params(name, model_cfg).total, name
-        assert largest(name, n) == biggest == arch.largest_param(name, model_cfg), name
+        m = planned[name]
+        assert (m.params.total, m.block_params.total, m.largest_param) == (total, block, biggest), name
     llm = family.build_module("llm", cfg, device="meta", dtype=torch.bfloat16)
     experts = sum(p.numel() for f, p in llm.named_parameters() if ".mlp.experts." in f)
-    assert module_counts("llm", n).expert == experts > 0
-    typed = arch.architecture(model_cfg).modules["llm"]
+    typed = planned["llm"]
+    assert typed.params.expert == experts > 0
     mlp = typed.blocks[0].mlp
     assert (mlp.kind, mlp.experts, mlp.top_k, mlp.intermediate, mlp.shared) == (
         "moe", n.experts, n.top_k, n.moe_mlp, n.mlp
     )  # fmt: skip
     assert {b.mlp for b in typed.blocks} == {mlp}  # every layer sparse
-    assert typed.params.total == module_counts("llm", n).total
-    assert typed.active_params == active_params("llm", n)
+    idle = n.layers * (n.experts - n.top_k) * 3 * n.moe_mlp * n.hidden  # experts a token skips
+    assert typed.active_params == typed.params.total - idle
     if which == "qwen3_5_35b_a3b":
-        total = sum(module_counts(m, n).total for m in family.module_names)
-        active = sum(active_params(m, n) for m in family.module_names)
+        total = sum(m.params.total for m in planned.values())
+        active = sum(m.active_params for m in planned.values())
         # "35B-A3B": 35.1B in all; the 3B active are the LLM's parameters one token passes through
         # with lm_head but not the input embedding table (a lookup): 2.95B (3.9B with both tables
         # and the encoder)
         table = n.vocab * n.hidden
         assert 35.0e9 < total < 35.5e9, total
-        assert 2.9e9 < active - table - module_counts("vision", n).total < 3.0e9, active
+        assert 2.9e9 < active - table - planned["vision"].params.total < 3.0e9, active
 
 
 def test_qwen3_5_moe_parallel_plan_declares_the_experts(family):
     """moe_blocks/experts for EP; the shared expert's Linears are TP-sharded (one glob each), its gate,
     the router and the experts are not; no sequence parallelism inside TP for the MoE flavour."""
-    cfg = family.tiny_moe_hf_config()
+    cfg = family.tiny_hf_config(moe=True)
     plan = family.parallel_plan("llm", cfg)
     assert (plan.moe_blocks, plan.experts) == ("language_model.layers.*.mlp", 8)
     assert not plan.tp_sequence_parallel
-    assert plan.tp_divides["shared_expert_intermediate_size"] == 32
+    assert plan.tp_divides["model.llm.intermediate_size"] == 32  # the shared expert's width
     module = family.build_module("llm", cfg, device="meta", dtype=torch.float32)
     globs = [g for g in plan.tp(False) if not g.endswith("embed_tokens")]
     patterns = [re.compile(re.escape(g).replace(r"\*", r"[^.]+") + "$") for g in globs]
@@ -368,7 +362,7 @@ def test_qwen3_5_moe_bad_numbers_are_config_errors(family):
 def test_qwen3_5_moe_checkpoint_keys_round_trip(family, tmp_path):
     """Every key of transformers' MoE model (3-D experts) maps to a module and back; a qwen3_5_moe
     config.json reads back as the MoE config."""
-    cfg = family.tiny_moe_hf_config()
+    cfg = family.tiny_hf_config(moe=True)
     with torch.device("meta"):
         ref = family.reference_model(cfg)
     keys = list(ref.state_dict())

@@ -12,8 +12,7 @@ from omegaconf import OmegaConf
 from dhp.config.issues import Issues
 from dhp.errors import CheckpointError, ConfigError
 from dhp.models import get_arch, get_family
-from dhp.models.qwen3_vl.arch import block_counts, largest, module_counts
-from dhp.models.qwen3_vl.config import numbers_from_hf
+from dhp.models.qwen3_vl.arch import ARCH
 
 pytestmark = pytest.mark.unit
 CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
@@ -81,17 +80,14 @@ def test_qwen3_vl_planner_counts_match_the_modules(family, which):
         model_cfg = _yaml(which)
         model_cfg.attn_implementation = "sdpa"  # the YAML's flash_attention_2 is not installed on CPU
         cfg = family.hf_config(model_cfg)
-    n = numbers_from_hf(cfg)
+    from_hf = ARCH.architecture_of(ARCH.numbers_from_hf(cfg))
     for name in family.module_names:
         total, block, biggest = _meta_counts(family, cfg, name)
-        assert module_counts(name, n).total == total, name
-        assert block_counts(name, n).total == block, name
-        assert largest(name, n) == biggest, name
-        if model_cfg is not None:  # the planner's entry points read the schema's numbers
-            arch = get_arch("qwen3_vl")
-            assert arch.module_params(name, model_cfg).total == total
-            assert arch.layer_params(name, model_cfg).total == block
-            assert arch.largest_param(name, model_cfg) == biggest
+        typed = [from_hf.modules[name]]
+        if model_cfg is not None:  # the planner reads the schema's numbers
+            typed.append(get_arch("qwen3_vl").architecture(model_cfg).modules[name])
+        for m in typed:
+            assert (m.params.total, m.block_params.total, m.largest_param) == (total, block, biggest), name
 
 
 def test_qwen3_vl_32b_typed_architecture(family):
@@ -104,7 +100,7 @@ def test_qwen3_vl_32b_typed_architecture(family):
     assert {b.mlp.gated for b in vision.blocks} == {False}  # linear_fc1 -> act -> linear_fc2
     assert vision.handoff_width == 4 * 5120  # image_embeds + 3 DeepStack levels
     assert vision.outputs == llm.inputs == ("image_embeds", *(f"deepstack_embeds_{k}" for k in range(3)))
-    assert llm.layer_shape().kv_dim == 8 * 128 == arch.layer_shape("llm", model).kv_dim
+    assert llm.layer_shape().kv_dim == 8 * 128
     assert not typed.capabilities.packing and not typed.capabilities.video
 
 
@@ -213,11 +209,11 @@ def test_qwen3_vl_model_dir_loads_per_module_and_processes_images(family, tmp_pa
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
     from dhp.models.loading import build_and_load
-    from dhp.models.qwen3_vl.tiny import make_tiny_qwen3_vl_checkpoint
+    from dhp.models.tiny import make_tiny_checkpoint
 
-    out = make_tiny_qwen3_vl_checkpoint(tmp_path / "tiny")
+    out = make_tiny_checkpoint(tmp_path / "tiny", family="qwen3_vl")
     cfg = family.hf_config_from_dir(out)
-    assert numbers_from_hf(cfg) == numbers_from_hf(family.tiny_hf_config())
+    assert ARCH.numbers_from_hf(cfg) == ARCH.numbers_from_hf(family.tiny_hf_config())
     ref = Qwen3VLForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
     split = family.split_state_dict(ref.state_dict())
     for name in family.module_names:

@@ -1,5 +1,6 @@
-"""Qwen3-VL-MoE family: published numbers, arch validation, total / active / expert counts vs the real
-modules, the typed MoE architecture, TP plan coverage, key maps and a tiny HF directory."""
+"""Qwen3-VL's MoE flavour (``model.family: qwen3_vl_moe``, the Qwen3-VL family held to it): published
+numbers, arch validation, total / active / expert counts vs the real modules, the typed MoE architecture,
+TP plan coverage, key maps and a tiny HF directory."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from dhp.config.issues import Issues
 from dhp.errors import CheckpointError, ConfigError
 from dhp.models import get_arch, get_family
-from dhp.models.qwen3_vl_moe.arch import active_params, block_counts, largest, module_counts
-from dhp.models.qwen3_vl_moe.config import numbers_from_hf
+from dhp.models.qwen3_vl.arch import ARCH
 from dhp.parallel.llm_tp import VocabParallelEmbedding
 
 pytestmark = pytest.mark.unit
@@ -79,7 +79,6 @@ def test_qwen3_vl_moe_total_and_active_parameters(name):
     active = sum(m.active_params for m in typed.modules.values())
     llm = typed.modules["llm"]
     assert ((total, active), (llm.params.total, llm.active_params)) == TOTALS[name]
-    assert llm.active_params == arch.active_params("llm", model)
     # experts are split by EP, whole on every TP rank; everything else as a dense model
     p = llm.params
     assert p.per_rank(tp=2, ep=8) == p.tp_sharded / 2 + p.replicated + p.expert / 8
@@ -128,23 +127,22 @@ def test_qwen3_vl_moe_counts_match_the_modules(family, which):
         model_cfg = _yaml(which)
         model_cfg.attn_implementation = "sdpa"  # the YAML's flash_attention_2 is not installed on CPU
         cfg = family.hf_config(model_cfg)
-    n = numbers_from_hf(cfg)
+    typed = ARCH.architecture_of(ARCH.numbers_from_hf(cfg)).modules
     for name in family.module_names:
         total, block, biggest, experts, sharded = _meta_counts(family, cfg, name)
-        counts = module_counts(name, n)
+        counts = typed[name].params
         assert (counts.total, counts.expert, counts.tp_sharded) == (total, experts, sharded), name
-        assert block_counts(name, n).total == block, name
-        assert largest(name, n) == biggest, name
-        if model_cfg is not None:  # the planner's entry points read the schema's numbers
-            arch = get_arch("qwen3_vl_moe")
-            assert arch.module_params(name, model_cfg) == counts
-            assert arch.largest_param(name, model_cfg) == biggest
+        assert typed[name].block_params.total == block, name
+        assert typed[name].largest_param == biggest, name
+        if model_cfg is not None:  # the planner reads the schema's numbers
+            planned = get_arch("qwen3_vl_moe").architecture(model_cfg).modules[name]
+            assert (planned.params, planned.largest_param) == (counts, biggest)
     t = cfg.text_config
     sparse = sum(1 for i in range(t.num_hidden_layers) if i not in t.mlp_only_layers)
     per_expert = 3 * t.moe_intermediate_size * t.hidden_size
+    llm = typed["llm"]
     assert (
-        active_params("llm", n)
-        == module_counts("llm", n).total - sparse * (t.num_experts - t.num_experts_per_tok) * per_expert
+        llm.active_params == llm.params.total - sparse * (t.num_experts - t.num_experts_per_tok) * per_expert
     )
 
 
@@ -192,8 +190,12 @@ def test_qwen3_vl_moe_bad_arch_numbers_are_config_errors(family):
         family.hf_config(missing)
     typo = _yaml("tiny_qwen3_vl_moe")
     typo.llm.extra.num_experts = "eight"
-    with pytest.raises(ConfigError, match="MoE numbers must be integers"):
+    with pytest.raises(ConfigError, match=r"num_experts.*must be a positive integer"):
         family.hf_config(typo)
+    named = _yaml("tiny_qwen3_vl")  # the dense numbers under the MoE flavour's name: its keys are missing
+    named.family = "qwen3_vl_moe"
+    with pytest.raises(ConfigError, match=r"qwen3_vl_moe needs exactly .*missing \['num_experts'"):
+        family.hf_config(named)
 
 
 def test_qwen3_vl_moe_checkpoint_keys_round_trip(family, tmp_path):
@@ -239,7 +241,7 @@ def test_qwen3_vl_moe_parallel_plans(family):
         8,
         False,
     )
-    assert "intermediate_size" in llm.tp_divides  # the tiny model's dense layer 2 is TP-sharded
+    assert "model.llm.intermediate_size" in llm.tp_divides  # the tiny model's dense layer 2 is TP-sharded
     assert family.parallel_plan("vision", cfg).sp[0].modules == "visual.blocks.*.attn"
     edges = family.handoffs_for(cfg)
     assert [e.kwarg for e in edges] == ["image_embeds", "deepstack_embeds_0", "deepstack_embeds_1"]
@@ -251,11 +253,11 @@ def test_qwen3_vl_moe_model_dir_loads_per_module(family, tmp_path):
     from transformers import AutoTokenizer, Qwen3VLMoeForConditionalGeneration
 
     from dhp.models.loading import build_and_load
-    from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint
+    from dhp.models.tiny import make_tiny_checkpoint
 
-    out = make_tiny_qwen3_vl_moe_checkpoint(tmp_path / "tiny")
+    out = make_tiny_checkpoint(tmp_path / "tiny", family="qwen3_vl_moe")
     cfg = family.hf_config_from_dir(out)
-    assert numbers_from_hf(cfg) == numbers_from_hf(family.tiny_hf_config())
+    assert ARCH.numbers_from_hf(cfg) == ARCH.numbers_from_hf(family.tiny_hf_config())
     ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
     split = family.split_state_dict(ref.state_dict())
     for name in family.module_names:
@@ -274,9 +276,10 @@ def test_qwen3_vl_moe_loads_the_released_expert_layout(family, tmp_path):
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from dhp.models.loading import build_and_load
-    from dhp.models.qwen3_vl_moe.tiny import make_tiny_qwen3_vl_moe_checkpoint, released_expert_layout
+    from dhp.models.testing import released_expert_layout
+    from dhp.models.tiny import make_tiny_checkpoint
 
-    out = make_tiny_qwen3_vl_moe_checkpoint(tmp_path / "tiny")
+    out = make_tiny_checkpoint(tmp_path / "tiny", family="qwen3_vl_moe")
     t = family.tiny_hf_config().text_config
     shapes = released_expert_layout(out)
     e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size

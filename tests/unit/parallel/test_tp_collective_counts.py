@@ -10,6 +10,7 @@ import collections
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -66,9 +67,8 @@ def test_decoder_tp_collectives_per_block(mesh, sequence_parallel: bool) -> None
     local = hidden.to_local() if hasattr(hidden, "to_local") else hidden
     with _Collectives() as bwd:
         local.float().pow(2).mean().backward()
-    grads = (
-        get_arch("qwen2_5_vl").layer_shape("llm", get_family("qwen2_5_vl").tiny_model_config()).tp_input_grads
-    )
+    tiny = OmegaConf.structured(get_family("qwen2_5_vl").tiny_model_config())
+    grads = get_arch("qwen2_5_vl").architecture(tiny).modules["llm"].tp_input_grads
     if not sequence_parallel:
         # forward: the attention and MLP outputs' all-reduces; backward: one per column-parallel input
         assert dict(fwd.counts) == {"all_reduce": 2 * LAYERS}
@@ -91,4 +91,5 @@ def test_tp_input_grads_count_the_column_parallel_projections(family: str, name:
         for glob, style in plan.tp(False).items()
         if isinstance(style, ColwiseParallel) and any(glob.startswith(b + ".") for b in plan.blocks)
     ]
-    assert len(colwise) == get_arch(family).layer_shape(name, model).tp_input_grads, colwise
+    typed = get_arch(family).architecture(OmegaConf.structured(model)).modules[name]
+    assert len(colwise) == typed.tp_input_grads, colwise

@@ -1,0 +1,223 @@
+"""The LLM module of every Qwen3-style family: transformers' own text model + ``lm_head``, the encoder's
+edges placed, the LM loss and, in the MoE flavour, the router's load-balancing loss.
+
+The cut is the one the family's ``...Model.forward`` makes internally: the encoder returns the merged
+image tokens (and, with DeepStack, one merged feature per level), one row per image token in the same
+order. :meth:`LLMModule.embed` scatters the image tokens into the input embeddings at the image-token
+positions; the DeepStack features (:meth:`LLMModule.deepstack_list`) go to the text model, which adds
+feature k at those positions after decoder layer k. M-RoPE positions come from transformers' own
+``get_rope_index`` (:meth:`LLMModule.positions`). No state is kept between calls (no ``rope_deltas``, no
+cache).
+
+MoE flavour: the auxiliary loss is the one transformers' ``...ForConditionalGeneration.forward`` adds:
+``load_balancing_loss_func`` over every router's logits (recorded by transformers' own
+``output_router_logits``), padding excluded by the 2-D ``attention_mask``, times
+``router_aux_loss_coef``, added to the mean LM loss. It is computed here by
+:func:`dhp.parallel.ep.load_balancing_loss` (the same formula; over ``aux_loss_group``'s tokens when the
+batch is spread over ranks) and put into ``loss_sum`` in token-sum units (:meth:`LLMModule.router_loss`,
+its one home), so ``loss_sum / num_tokens`` is transformers' ``loss``; its unweighted value is returned
+beside (``LLMOutput.aux_losses["router_aux_loss"]``, transformers' ``aux_loss``) for logging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig
+
+from dhp.errors import DataError
+from dhp.models.common import LLMBase, rope_index, sample_names
+from dhp.models.family import LLMOutput
+from dhp.models.qwen3_vision.arch import deepstack_kwarg
+from dhp.parallel.ep import load_balancing_loss
+
+__all__ = ["ROUTER_AUX_LOSS", "LLMModule"]
+
+#: the name of the (unweighted) load-balancing loss in ``LLMOutput.aux_losses`` and the metrics
+ROUTER_AUX_LOSS = "router_aux_loss"
+
+
+class LLMModule(LLMBase):
+    """Token embeddings, the decoder layers (DeepStack additions inside, when the encoder has them),
+    final norm and lm_head -> the summed LM loss (+ the weighted load-balancing loss when ``moe``).
+
+    Placement: one actor group. Memory is dominated by model states, which is why ``dhp/parallel``
+    shards this module by weights (TP/FSDP); in the MoE flavour by the routed experts (``3*E*I*H`` per
+    sparse layer), which ``dhp/parallel`` shards by expert (EP, ``parallel_plan().moe_blocks``).
+    ``config`` is the full VLM config; ``rope_model`` the transformers class whose ``get_rope_index``
+    gives the positions; ``family`` names the family in messages.
+
+    ``aux_loss_group`` (MoE): the process group whose ranks hold DIFFERENT tokens of the step's batch
+    (the module's dp x fsdp x sp ranks, never TP duplicates), set by ``dhp.parallel``; then the
+    load-balancing loss is the group's (its per-expert counts are all-reduced). None (the default): this
+    rank's tokens alone. A plain attribute, like ``loss_fn``.
+    """
+
+    def __init__(
+        self,
+        language_model: nn.Module,
+        lm_head: nn.Linear,
+        config: PretrainedConfig,
+        *,
+        rope_model: type,
+        moe: bool,
+        num_deepstack: int,
+        family: str,
+    ) -> None:
+        super().__init__(language_model, lm_head, config)
+        self.moe = moe
+        self.num_deepstack = num_deepstack  # K, the DeepStack features expected with the image embeddings
+        self._rope_model = rope_model
+        self._family = family
+        self.aux_loss_group: dist.ProcessGroup | None = None  # a plain attribute, set by dhp.parallel
+
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        sample_ids: list[str] | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
+        **deepstack_embeds: torch.Tensor,
+    ) -> LLMOutput:
+        """One micro-batch -> ``LLMOutput(loss_sum, num_tokens, aux_losses)``.
+
+        ``image_embeds`` and ``deepstack_embeds_k`` (the vision module's outputs) are placed at the
+        image-token positions: the first in the input embeddings, feature k added after decoder layer
+        k. Make them leaves with ``requires_grad`` to receive the gradients for the encoder's backward.
+        MoE: ``loss_sum`` includes the weighted load-balancing term (:meth:`router_loss`), ``aux_losses``
+        its unweighted value. Raises DataError when image tokens and embeddings disagree, when a
+        DeepStack level is missing or extra, when ``mm_token_type_ids`` is missing with images (M-RoPE
+        would silently become 1D), and for videos (``second_per_grid_ts``): these families declare no
+        video capability.
+        """
+        sample_ids = sample_names(input_ids, sample_ids)
+        if second_per_grid_ts is not None:
+            raise DataError(
+                f"samples {sample_ids}: hold videos, but the {self._family} family has no video path proven "
+                f"against transformers (it declares video=False). Fix: drop the video records from the "
+                f"dataset, or train them with a family that declares video (qwen2_5_vl)."
+            )
+        deepstack = self.deepstack_list(image_embeds, deepstack_embeds, sample_ids)
+        inputs_embeds = self.embed(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
+            sample_ids=sample_ids,
+        )
+        position_ids = self.positions(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+        )
+        extra: dict[str, Any] = {}
+        if deepstack is not None:  # added at the image tokens after the first K decoder layers
+            visual_pos_masks = (input_ids == self.vl_config.image_token_id).to(inputs_embeds.device)
+            extra.update(visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack)
+        if self.moe:
+            extra["output_router_logits"] = True  # transformers' recorder: every router's [B*S, E] logits
+        out = self.language_model(
+            input_ids=None,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **extra,
+        )
+        lm = self.loss(hidden=out.last_hidden_state, labels=labels)
+        if not self.moe:
+            return lm
+        term, aux = self.router_loss(
+            out.router_logits, attention_mask=attention_mask, num_tokens=lm.num_tokens
+        )
+        return LLMOutput(
+            loss_sum=lm.loss_sum + term, num_tokens=lm.num_tokens, aux_losses={ROUTER_AUX_LOSS: aux}
+        )
+
+    def router_loss(
+        self, router_logits: tuple[torch.Tensor, ...], *, attention_mask: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weighted load-balancing term in ``loss_sum`` units, the unweighted group loss, detached).
+
+        ``load_balancing_loss`` gives this rank's share ``s_r`` of the loss ``L`` over the group's tokens
+        (shares sum to ``L``). The term is ``coef * s_r * N``, ``N`` the group's label tokens of this
+        micro-batch (all-reduced), so that with the runtime's ``sum_r loss_sum_r / N`` the step's loss
+        is ``mean CE + coef * L``: transformers' ``loss`` for one rank and one micro-batch, and for
+        several micro-batches their token-weighted mean, as the LM loss. Gradients flow through the
+        router probabilities only (the expert counts are constants, as in transformers).
+        """
+        t = self.vl_config.text_config
+        share, total = load_balancing_loss(
+            router_logits,
+            num_experts=t.num_experts,
+            top_k=t.num_experts_per_tok,
+            group=self.aux_loss_group,
+            attention_mask=attention_mask,
+        )
+        tokens = torch.tensor(float(num_tokens), device=share.device)
+        if self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
+            dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.aux_loss_group)
+        return t.router_aux_loss_coef * share * tokens, total
+
+    def deepstack_list(
+        self,
+        image_embeds: torch.Tensor | None,
+        deepstack_embeds: dict[str, torch.Tensor],
+        sample_ids: list[str],
+    ) -> list[torch.Tensor] | None:
+        """``deepstack_embeds_0..K-1`` in level order; None without images or without DeepStack (K = 0).
+        DataError on a mismatch."""
+        expected = [deepstack_kwarg(k) for k in range(self.num_deepstack)]
+        if image_embeds is None:
+            if deepstack_embeds:
+                raise DataError(
+                    f"samples {sample_ids}: DeepStack features {sorted(deepstack_embeds)} were given without "
+                    f"image_embeds. Fix: pass all of the vision module's outputs together, or none."
+                )
+            return None
+        if sorted(deepstack_embeds) != sorted(expected):
+            raise DataError(
+                f"samples {sample_ids}: the LLM expects DeepStack features {expected} with image_embeds "
+                f"(vision_config.deepstack_visual_indexes has {self.num_deepstack} levels) but got "
+                f"{sorted(deepstack_embeds)}. Fix: pass every output of the vision module as a keyword."
+            )
+        out = []
+        for name in expected:
+            feature = deepstack_embeds[name]
+            if feature.shape != image_embeds.shape:
+                raise DataError(
+                    f"samples {sample_ids}: {name} has shape {tuple(feature.shape)} but image_embeds has "
+                    f"{tuple(image_embeds.shape)}; each DeepStack level has one row per image token. Fix: "
+                    f"send the same rows of every vision output."
+                )
+            out.append(feature)
+        return out or None
+
+    def positions(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``(3, B, S)`` interleaved-M-RoPE positions computed by the family's model's own
+        ``get_rope_index`` (``Qwen3VLModel``, ``Qwen3_5Model``, ...). A batch without images needs no
+        ``mm_token_type_ids`` (all text: plain 1D positions in the 3 rows; ``common.rope_index``)."""
+        return rope_index(
+            self._rope_model,
+            self.vl_config.vision_config,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+        )
