@@ -191,8 +191,6 @@ class ModelFamily(Protocol):
         ...
 
 
-# Lookup by name lives in dhp.models.registry (torch-free); re-exported here for old imports.
-from dhp.models.registry import family_names, get_family, register_family  # noqa: E402
 
 __all__ = [
     "AttentionSite",
@@ -200,7 +198,4 @@ __all__ = [
     "LLMOutput",
     "ModelFamily",
     "ModuleParallelPlan",
-    "family_names",
-    "get_family",
-    "register_family",
 ]

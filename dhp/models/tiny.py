@@ -25,8 +25,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from dhp.config.schema import ModelConfig
-from dhp.models.family import get_family
-from dhp.models.registry import family_package
+from dhp.models.registry import family_package, get_family
 
 # Qwen's special tokens, in this order: ids 0..13 in the tiny tokenizer.
 SPECIAL_TOKENS = (
