@@ -24,10 +24,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dhp.errors import DhpError, PlanError, RuntimeFailure
 from dhp.layout import ParallelLayout
 from dhp.plan.types import bundle_total
-from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.base_worker import DistWorker, RankProcess
 from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
-from dhp.runtime.failures import FAULT_ENV, WorkerFailure, rank_error
+from dhp.runtime.failures import FAULT_DRIVER_ENV, FAULT_ENV, FaultHook, WorkerFailure, rank_error
 from dhp.runtime.forkserver import IMPORT_ENV, runtime_env_fields
 
 #: every rank actor's environment; NOSET_VISIBLE: each sees all GPUs of its node (dhp.runtime.devices)
@@ -82,6 +82,10 @@ def specs_from_plan(
     return pgs, specs
 
 
+class CallTimeout(RuntimeFailure):
+    """A call whose ranks did not all answer in time: a hang (a collective missing a peer, a deadlock)."""
+
+
 @dataclass
 class Pending:
     """Refs of an issued call, one per rank (a list per rank when ``num_returns > 1``)."""
@@ -120,16 +124,20 @@ class ActorGroup:
         worker_cls: type,
         worker_kwargs: dict[str, Any],
         wait: bool = True,
+        timeout_s: float = 900.0,
     ) -> None:
         """Start one actor per rank in its placement-group bundle. ``wait=False`` returns at once
         (call :meth:`wait_started`), so several groups' processes start, and import torch and the
-        model code, at the same time instead of one group after the other."""
+        model code, at the same time instead of one group after the other. ``timeout_s`` bounds every
+        wait on the ranks that names no bound of its own (the Trainer's: its start-up bound while
+        the groups start and build, ``train.step_timeout_s`` after): no wait on a rank is unbounded."""
         self.spec = spec
         self.name = spec.name
         self.layout = spec.layout
         self.worker_cls = worker_cls
-        self.pids: list[int] = []
-        self.starts: list[str] = []  # per rank: forked | fresh | fresh: why the fork server could not serve
+        self.timeout_s = timeout_s
+        self.faults: FaultHook | None = None  # the driver's $DHP_INJECT_FAULT points (tests only)
+        self.procs: list[RankProcess] = []  # per rank: pid, how it began, node, stack file
         remote_cls = ray.remote(worker_cls)
         self.actors = [
             remote_cls.options(
@@ -146,12 +154,20 @@ class ActorGroup:
         if wait:
             self.wait_started()
 
+    @property
+    def pids(self) -> list[int]:
+        """Per rank: its actor's process id."""
+        return [p.pid for p in self.procs]
+
+    @property
+    def starts(self) -> list[str]:
+        """Per rank: ``forked`` | ``fresh`` | ``fresh: why the fork server could not serve``."""
+        return [p.how for p in self.procs]
+
     def wait_started(self) -> None:
         """Block until every rank's actor answers (a rank that dies while starting is a RuntimeFailure)."""
-        if not self.pids:
-            got = self.get(self._pid_refs, what="start")
-            self.pids = [pid for pid, _ in got]
-            self.starts = [how for _, how in got]
+        if not self.procs:
+            self.procs = self.get(self._pid_refs, what="start")
 
     def master_address(self, *, avoid: set[int]) -> tuple[str, int]:
         """Rank 0's node IP and a free port not in ``avoid`` (ports already given to other groups:
@@ -196,7 +212,8 @@ class ActorGroup:
         return Pending(group=self, method=method, refs=self._submit_raw(method, per_rank, num_returns))
 
     def collect(self, pending: Pending, *, timeout_s: float | None = None) -> Any:
-        """Wait for every rank of ``pending`` and return what its contract collects."""
+        """Wait for every rank of ``pending`` (at most ``timeout_s``, the group's bound when None)
+        and return what its contract collects."""
         values = self.get(pending.refs, what=pending.name, timeout_s=timeout_s)
         return collect_results(contract_of(self.worker_cls, pending.method), self.layout, values)
 
@@ -207,24 +224,25 @@ class ActorGroup:
         return self.collect(self.submit(method, *args, **kwargs), timeout_s=timeout_s)
 
     def get(self, refs: Sequence[Any], *, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Wait for one result per rank; the first failed rank raises RuntimeFailure naming it.
+        """Wait for one result per rank; the first failed rank raises RuntimeFailure naming it, and
+        a rank still running after ``timeout_s`` (the group's bound when None) raises CallTimeout.
 
         Results are taken as they finish (``ray.wait``), so a dead rank is reported at once even
         while its peers are still blocked in a collective waiting for it.
         """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         flat, owner = [], {}
         for rank, ref in enumerate(refs):
             for r in ref if isinstance(ref, list) else [ref]:
                 owner[r] = rank
                 flat.append(r)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s
         pending = list(flat)
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 slow = sorted({owner[r] for r in pending})
-                raise RuntimeFailure(
+                raise CallTimeout(
                     f"group '{self.name}': '{what}' did not finish in {timeout_s}s on rank(s) {slow} "
                     "(a hang: a collective missing a peer, or a deadlock)"
                 )
@@ -290,11 +308,13 @@ class ActorGroup:
         self, method: Callable[..., Any], per_rank: list[tuple[tuple, dict]], num_returns: int = 1
     ) -> list[Any]:
         out = []
-        for actor, (args, kwargs) in zip(self.actors, per_rank, strict=True):
+        for rank, (actor, (args, kwargs)) in enumerate(zip(self.actors, per_rank, strict=True)):
             fn = getattr(actor, method.__name__)  # the Ray actor handle's remote method of that function
             if num_returns != 1:
                 fn = fn.options(num_returns=num_returns)
             out.append(fn.remote(*args, **kwargs))
+            if rank == 0 and self.faults is not None and len(self.actors) > 1:
+                self.faults.at(method.__name__)  # between two ranks' submissions (tests only)
         return out
 
     def _failure(
@@ -388,7 +408,7 @@ def _worker_env() -> dict[str, str]:
     """WORKER_ENV, plus the test-only fault hook when the driver has it set (a worker of an already
     running Ray does not see the driver's later environment otherwise)."""
     hook = os.environ.get(FAULT_ENV)
-    return {**WORKER_ENV, FAULT_ENV: hook} if hook else dict(WORKER_ENV)
+    return {**WORKER_ENV, FAULT_ENV: hook, FAULT_DRIVER_ENV: str(os.getpid())} if hook else dict(WORKER_ENV)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")

@@ -7,6 +7,8 @@ import faulthandler
 import os
 import signal
 import socket
+import tempfile
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -14,8 +16,20 @@ import torch.distributed as dist
 
 from dhp.runtime.devices import assigned_cuda_index
 from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.failures import FaultHook
 from dhp.runtime.forklaunch import MISS_ENV
 from dhp.runtime.forkserver import FORKED_ENV
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """Where one rank's actor runs: its pid, how its process began, its Ray node, and the descriptor
+    of its stack file (``/proc/<pid>/fd/<stack_fd>``: what ``kill -USR1 <pid>`` writes)."""
+
+    pid: int
+    how: str
+    node_id: str
+    stack_fd: int
 
 
 class DistWorker:
@@ -26,17 +40,23 @@ class DistWorker:
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(1)
-        # `kill -USR1 <pid>` dumps every thread's Python stack to the worker's log: find a hang's collective
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # `kill -USR1 <pid>` writes every thread's Python stack into an unlinked file, read as
+        # /proc/<pid>/fd/<n> (dhp.runtime.stacks, on a hang); faulthandler writes it from the signal
+        # handler itself, so it works while the rank's main thread holds the GIL in a collective
+        self._stacks = tempfile.TemporaryFile()  # noqa: SIM115 (open for the process's life)
+        faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
+        self.faults = FaultHook(module_name, rank)  # $DHP_INJECT_FAULT (tests only)
 
-    def started(self) -> tuple[int, str]:
-        """This actor's pid and how its process began: ``forked`` (from this node's pre-imported
-        fork server, dhp.runtime.forkserver), ``fresh`` (Ray's ordinary start), or ``fresh: REASON``
-        when a fork server was asked and could not serve."""
-        if os.environ.get(FORKED_ENV) == str(os.getppid()):
-            return os.getpid(), "forked"
+    def started(self) -> RankProcess:
+        """This actor's process; ``how``: ``forked`` (from this node's pre-imported fork server,
+        dhp.runtime.forkserver), ``fresh`` (Ray's ordinary start), or ``fresh: REASON`` when a fork
+        server was asked and could not serve."""
         miss = os.environ.get(MISS_ENV)
-        return os.getpid(), f"fresh: {miss}" if miss else "fresh"
+        how = f"fresh: {miss}" if miss else "fresh"
+        if os.environ.get(FORKED_ENV) == str(os.getppid()):
+            how = "forked"
+        node = ray.get_runtime_context().get_node_id()
+        return RankProcess(pid=os.getpid(), how=how, node_id=node, stack_fd=self._stacks.fileno())
 
     def pid(self) -> int:
         """This actor's OS process id (for failure messages and tests)."""

@@ -16,9 +16,11 @@ step loop was held (staging) and the seconds the background write took.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,11 @@ class _InFlight:
 class AsyncCheckpoints:
     """The driver's side of asynchronous saves for one life of the actor groups."""
 
-    def __init__(self, trainer: Any, *, config: Any, run_dir: Path) -> None:
-        self.trainer, self.config, self.run_dir = trainer, config, run_dir
+    def __init__(
+        self, trainer: Any, *, config: Any, run_dir: Path, hold: Callable[[], Any] = contextlib.nullcontext
+    ) -> None:
+        """``hold``: a context no signal cuts, around each commit (``interrupts.Signals.held``)."""
+        self.trainer, self.config, self.run_dir, self.hold = trainer, config, run_dir, hold
         self.inflight: _InFlight | None = None
 
     @property
@@ -121,23 +126,25 @@ class AsyncCheckpoints:
         return self._commit(write_s=max(s["write_s"] for s in ranks))
 
     def _commit(self, *, write_s: float) -> Path:
+        """Manifest, meta and rename, then the metrics event; a second signal waits for all of it."""
         f = self.inflight
-        try:
-            final = commit_checkpoint(f.tmp, meta=f.meta, keep_last=self.config.train.keep_last)
-        except OSError as e:
-            raise save_failed(self.run_dir, f.step, e) from e
-        self.inflight = None
-        rec = {
-            "event": "checkpoint",
-            "step": f.step,
-            "path": str(final),
-            "async": True,
-            "staging_s": round(f.staging_s, 4),
-            "write_s": round(write_s, 4),
-            "time": time.time(),
-        }
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(rec) + "\n")
+        with self.hold():
+            try:
+                final = commit_checkpoint(f.tmp, meta=f.meta, keep_last=self.config.train.keep_last)
+            except OSError as e:
+                raise save_failed(self.run_dir, f.step, e) from e
+            self.inflight = None
+            rec = {
+                "event": "checkpoint",
+                "step": f.step,
+                "path": str(final),
+                "async": True,
+                "staging_s": round(f.staging_s, 4),
+                "write_s": round(write_s, 4),
+                "time": time.time(),
+            }
+            with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(rec) + "\n")
         return final
 
     def _failed(self, e: RuntimeFailure) -> RuntimeFailure:

@@ -20,7 +20,6 @@ driver: the routing tensors of one step and object refs; hand-off rows never pas
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,9 +35,11 @@ from dhp.models import get_family
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
+from dhp.runtime.failures import FaultHook
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
 from dhp.runtime.spec import WorkerSpec, without_degrees
+from dhp.runtime.stacks import RankStack, read_stacks
 from dhp.runtime.startup import Startup, actors_phase, connect_ray
 from dhp.runtime.worker import ModuleWorker
 
@@ -86,9 +87,9 @@ class Trainer:
         self.modules_cfg: dict[str, ModuleConfig] = dict(config.modules)
         self.groups: dict[str, ActorGroup] = {}
         self._backprops: list[Any] = []
-        self._update: list[Any] = []
         self._pgs: list[Any] = []
-        self._timeout = config.train.step_timeout_s
+        self._timeout = config.train.step_timeout_s  # every wait on the ranks (the groups' bound)
+        self.faults = FaultHook("driver")  # $DHP_INJECT_FAULT (tests only)
         self.startup = startup if startup is not None else Startup()  # phase times (dhp.runtime.startup)
         if owns_ray is None:
             self._owns_ray = connect_ray(cluster=config.cluster, plan=plan)
@@ -133,7 +134,9 @@ class Trainer:
                     worker_cls=ModuleWorker,
                     worker_kwargs={"spec": spec},
                     wait=False,
+                    timeout_s=init_timeout_s,  # the start-up's bound; the step's once built
                 )
+                self.groups[name].faults = self.faults
             for group in self.groups.values():  # every group's processes start at once
                 group.wait_started()
             self.startup.mark(actors_phase([h for g in self.groups.values() for h in g.starts]))
@@ -145,6 +148,8 @@ class Trainer:
             self.param_counts = {
                 n: g.collect(pending[n], timeout_s=init_timeout_s) for n, g in self.groups.items()
             }
+            for g in self.groups.values():  # every later wait on the ranks: a step's bound
+                g.timeout_s = self._timeout
             self.startup.mark("build (modules, weight load, parallelism, optimizer)")
         except BaseException:
             self.close(graceful=False)
@@ -216,11 +221,11 @@ class Trainer:
         )
         clip = self.train_cfg.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-        self._update = [
-            g.submit(ModuleWorker.optimizer_step, lr=lr, clip_coef=coef) for g in self.groups.values()
-        ]
-        self.finish_update()
+        update = [g.submit(ModuleWorker.optimizer_step, lr=lr, clip_coef=coef) for g in self.groups.values()]
+        for p in update:
+            p.group.collect(p, timeout_s=self._timeout)
         step_stats = {n: g.call(ModuleWorker.take_stats) for n, g in self.groups.items()}
+        self.faults.step_done()
         return StepResult(
             loss=loss,
             grad_norm=norm,
@@ -232,22 +237,6 @@ class Trainer:
             grads=grads,
             aux_losses=_aux_losses(stats, data.num_label_tokens),
         )
-
-    def finish_update(self) -> bool:
-        """Wait for an optimizer update already issued; True if there was one (it is now applied)."""
-        pend, self._update = self._update, []
-        for p in pend:
-            p.group.collect(p, timeout_s=self._timeout)
-        return bool(pend)
-
-    def abort_step(self) -> None:
-        """Drop a half-run step: wait for its calls, then zero grads and in-flight state everywhere."""
-        for p in self._backprops:
-            with contextlib.suppress(RuntimeFailure):
-                p.group.collect(p)
-        self._backprops = []
-        for g in self.groups.values():
-            g.call(ModuleWorker.zero_grads)
 
     def _produce(self, data: StepData, m: int) -> dict[str, Any]:
         """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait).
@@ -343,7 +332,8 @@ class Trainer:
         return {n: g.call(ModuleWorker.full_state_dict) for n, g in self.groups.items()}
 
     def save_modules(self, root: str) -> None:
-        """Every group writes ``<root>/<module>`` collectively, all groups at once."""
+        """Every group writes ``<root>/<module>`` collectively, all groups at once (each group's
+        write is bounded by ``train.step_timeout_s``, like every wait on the ranks)."""
         pend = {n: g.submit(ModuleWorker.save_checkpoint, f"{root}/{n}") for n, g in self.groups.items()}
         for n, g in self.groups.items():
             g.collect(pend[n])
@@ -352,6 +342,11 @@ class Trainer:
         """Every group loads ``<root>/<module>``; per module, whether rank RNG was restored."""
         pend = {n: g.submit(ModuleWorker.load_checkpoint, f"{root}/{n}") for n, g in self.groups.items()}
         return {n: g.collect(pend[n]) for n, g in self.groups.items()}
+
+    def rank_stacks(self, *, timeout_s: float = 30.0) -> list[RankStack]:
+        """Every rank's Python stacks as they are now (a hang: where each rank waits), read before
+        the teardown (``dhp.runtime.stacks``)."""
+        return read_stacks(self.groups, timeout_s=timeout_s)
 
     def close(self, *, graceful: bool = True) -> None:
         """Destroy each group's world (when ``graceful``), kill the actors, release the bundles,

@@ -13,18 +13,26 @@ An infrastructure failure that repeats the previous attempt's failure at the sam
 rank and error) also ends the run: it is as deterministic as a code error.
 
 Every failure appends the full tracebacks to ``<run_dir>/traceback.txt``: each rank whose call
-failed (the remote traceback names the raising line), then the driver's. Nothing here touches
-placements or memory; it runs on the driver, after the failed attempt's actors are gone.
+failed (the remote traceback names the raising line), every rank's Python stack when the ranks were
+still running (a hang, a broken collective: ``dhp.runtime.stacks``), then the driver's. Nothing here
+touches placements or memory; it runs on the driver, before the failed attempt's actors are gone.
+
+``DHP_INJECT_FAULT`` (:class:`FaultHook`, tests only) makes a chosen rank raise, hang in a
+collective or signal the driver at a chosen point of a chosen step, or the driver signal itself
+between two ranks' submissions of a call.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -35,9 +43,10 @@ INFRA = "infrastructure"
 CODE = "code"
 TRACEBACK_FILE = "traceback.txt"
 
-#: a test-only fault hook: ``<module>:<rank or *>`` makes that module's optimizer step raise
-#: NotImplementedError on that rank (the deterministic error of the no-restart drill)
+#: the test-only fault hook (:class:`FaultHook`): ``ACTION:WHERE:POINT[:STEP]``, comma-separated
 FAULT_ENV = "DHP_INJECT_FAULT"
+#: the driver's pid, put beside the hook into the ranks' environment (a rank's signal goes there)
+FAULT_DRIVER_ENV = "DHP_INJECT_FAULT_DRIVER"
 
 
 def _ray_infra() -> tuple[type, ...]:
@@ -161,8 +170,12 @@ class FailureLog:
             return f"the same error at the same step ({step}) twice"
         return None
 
-    def write(self, err: BaseException, *, attempt: int, step: int, verdict: str) -> Path:
-        """Append every failed rank's traceback and the driver's for this failure; returns the path."""
+    def write(
+        self, err: BaseException, *, attempt: int, step: int, verdict: str, stacks: Sequence[Any] = ()
+    ) -> Path:
+        """Append every failed rank's traceback, every rank's stack (``stacks``: the
+        ``dhp.runtime.stacks.RankStack`` of each rank, read before the teardown) and the driver's
+        traceback for this failure; returns the path."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         lines = [
             f"==== attempt {attempt}, while running step {step}, {stamp} (driver pid {os.getpid()})",
@@ -176,6 +189,8 @@ class FailureLog:
                 e.traceback.rstrip(),
                 "",
             ]
+        for st in stacks:
+            lines += [f"---- stack of {st.title}", st.text.rstrip(), ""]
         lines += ["---- driver", "".join(traceback.format_exception(err)).rstrip(), "", ""]
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("\n".join(lines))
@@ -194,10 +209,100 @@ def failed_event(err: BaseException, *, step: int, why: str, path: Path) -> dict
     }
 
 
-def maybe_inject_fault(module: str, rank: int) -> None:
-    """Raise NotImplementedError when ``$DHP_INJECT_FAULT`` is ``<module>:<rank>`` (or ``<module>:*``)
-    of this worker (a test-only hook, called at each optimizer step: the deterministic worker error
-    of the no-restart drill; unset, it costs one environment lookup)."""
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec.split(":")[0] == module and spec.split(":")[-1] in ("*", str(rank)):
-        raise NotImplementedError(f"fault injected by {FAULT_ENV}={spec}")
+#: where a fault can fire on a rank: inside the worker method of that part of the step
+RANK_POINTS = {
+    "produce": "the producer's forward",
+    "handoff": "the consumer receiving the hand-off",
+    "forward": "the consumer's forward",
+    "backward": "the consumer's backward",
+    "handback": "the producer receiving its gradient rows (the hand-back) and its backward",
+    "grad_sync": "the gradient sync (after its collectives)",
+    "optimizer": "the optimizer step",
+    "save": "a checkpoint write",
+    "save_async": "an asynchronous checkpoint write (after its staging, while it writes)",
+}
+#: rank points that belong to the step just done (the others belong to the step running)
+_AFTER_STEP = {"save", "save_async"}
+ACTIONS = ("raise", "hang", "sigterm", "sigint")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: ``action`` at ``point`` of ``module``'s ``rank`` (None: every rank; module
+    ``driver``: the driver, where ``point`` names a worker method: between rank 0's and rank 1's
+    submission of it), in ``step`` (None: every step)."""
+
+    action: str
+    module: str
+    rank: int | None
+    point: str
+    step: int | None
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """The faults of ``$DHP_INJECT_FAULT``: ``ACTION:WHERE:POINT[:STEP]``, comma-separated.
+
+    ACTION: ``raise`` (NotImplementedError: a deterministic code error), ``hang`` (block in a
+    collective the peers never join), ``sigterm`` / ``sigint`` (send that signal to the driver; a
+    rank then sleeps 0.5 s, so the driver takes it while the phase still runs). WHERE:
+    ``<module>/<rank>``, ``<module>/*`` or ``driver``. POINT: a key of RANK_POINTS on a rank, a
+    worker method's name on the driver. STEP: the k-th step of this process's life, from 1 (a save
+    point: the step it saves). A malformed entry is a ValueError (the hook is for tests)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in ACTIONS:
+            raise ValueError(
+                f"{FAULT_ENV}: {item!r} is not ACTION:WHERE:POINT[:STEP], ACTION one of {ACTIONS}"
+            )
+        action, where, point = parts[:3]
+        module, _, rank = where.partition("/")
+        if module != "driver" and (point not in RANK_POINTS or not (rank == "*" or rank.isdigit())):
+            raise ValueError(f"{FAULT_ENV}: {item!r}: a rank's WHERE is <module>/<rank or *>, POINT one of "
+                             f"{sorted(RANK_POINTS)}")  # fmt: skip
+        step = int(parts[3]) if len(parts) == 4 else None
+        out.append(Fault(action, module, None if rank in ("", "*") else int(rank), point, step))
+    return out
+
+
+class FaultHook:
+    """The faults of ``$DHP_INJECT_FAULT`` for one process: a rank (``module``, ``rank``) or the
+    driver (``module="driver"``). Each fires at most once in the process's life. Unset, ``at`` costs
+    one attribute test; nothing here touches placements or memory."""
+
+    def __init__(self, module: str, rank: int | None = None) -> None:
+        self.module, self.rank = module, rank
+        self.faults = [
+            f
+            for f in parse_faults(os.environ.get(FAULT_ENV, ""))
+            if f.module == module and (f.rank is None or f.rank == rank)
+        ]
+        self.steps_done = 0
+        self._fired: set[int] = set()
+
+    def step_done(self) -> None:
+        """One more step of this process's life is complete (its optimizer update applied)."""
+        self.steps_done += 1
+
+    def at(self, point: str) -> None:
+        """Fire the faults of ``point`` in the current step (see :func:`parse_faults`)."""
+        if not self.faults:
+            return
+        step = self.steps_done + (0 if point in _AFTER_STEP else 1)
+        for i, f in enumerate(self.faults):
+            if i not in self._fired and f.point == point and f.step in (None, step):
+                self._fired.add(i)
+                self._fire(f, step=step)
+
+    def _fire(self, f: Fault, *, step: int) -> None:
+        what = f"fault injected by {FAULT_ENV}: {f.action} at {f.point}, step {step}"
+        if f.action == "raise":
+            raise NotImplementedError(what)
+        if f.action == "hang":  # the peers finished this call: nobody joins this collective
+            torch.distributed.barrier()
+            return
+        sig = signal.SIGTERM if f.action == "sigterm" else signal.SIGINT
+        driver = os.getpid() if self.module == "driver" else int(os.environ[FAULT_DRIVER_ENV])
+        os.kill(driver, sig)
+        if self.module != "driver":
+            time.sleep(0.5)  # the driver handles it while this phase still runs

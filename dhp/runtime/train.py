@@ -4,8 +4,10 @@ Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` (a resumed run c
 resumes: ``dhp.runtime.rundirs``) with ``config.yaml``,
 ``plan.json``, ``metrics.jsonl``, ``checkpoints/step_XXXXXX/{<module>/, meta.json}`` and ``tb/``
 when ``train.tensorboard``. Failures: a dead or failed actor, a hang or a non-finite step raise
-RuntimeFailure naming module, rank and the last good checkpoint; Ctrl-C saves a checkpoint when
-``train.save_on_interrupt`` and always shuts Ray down (no orphan processes).
+RuntimeFailure naming module, rank and the last good checkpoint (a hang: with every rank's stack in
+``traceback.txt``). Ctrl-C and SIGTERM never cut a step: the step running ends, the loop saves a
+checkpoint at that boundary (``train.save_on_interrupt``) and the run ends with 130 or 143
+(``dhp.runtime.interrupts``); Ray is always shut down (no orphan processes).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,11 @@ from dhp.errors import DhpError, RuntimeFailure
 from dhp.metrics.writer import append_event
 from dhp.models.registry import family_package
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
-from dhp.runtime.failures import FailureLog, failed_event
+from dhp.runtime.failures import INFRA, FailureLog, failed_event, failure_kind
+from dhp.runtime.interrupts import HardStop, Signals, run_signals
 from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
 from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.stacks import stuck_lines
 from dhp.runtime.startup import RUNTIME_MODULES, Startup, connect_ray_importing
 
 
@@ -44,6 +47,7 @@ class RunResult:
     last_checkpoint: Path | None = None
     interrupted: bool = False
     signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM), if any
+    signal_time: float | None = None  # time.monotonic() when it came
     restarts: int = 0
     startup: Startup = field(default_factory=Startup)  # the first attempt's phases (dhp.runtime.startup)
 
@@ -66,8 +70,9 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     into a new run directory; a checkpoint PATH of another run starts a new run directory from it.
 
     A dead actor, node or collective, or a step timeout, restarts the whole run from the newest
-    checkpoint of this run dir that verifies (at most ``train.max_restarts`` times). SIGTERM is the
-    first Ctrl-C: checkpoint at the step boundary, ``result.signal`` set (the CLI exits 128+signal).
+    checkpoint of this run dir that verifies (at most ``train.max_restarts`` times). SIGTERM is
+    Ctrl-C: the step running ends, a checkpoint at that boundary, ``result.signal`` set (the CLI
+    exits 128+signal); a second one stops at once (``dhp.runtime.interrupts``).
     """
     from dhp.checkpoint import remove_stale_temps, resolve_resume
 
@@ -106,24 +111,34 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     initial_rng = capture_rng_state()
     restarts = 0
     failures = FailureLog(run_dir)
-    with _signals(result) as sig:
+    failed: _Restart | None = None  # the attempt the next one restarts after
+    with run_signals(result) as sig:
         while True:
             try:
+                if failed is not None:  # inside the try: a signal in the backoff stops the run
+                    restarts += 1
+                    resume = _restart_point(run_dir, console=console, skipped=skipped)
+                    checked = _check_resume(resume, config=config, plan=plan)
+                    if resume is None:
+                        from dhp.checkpoint import restore_rng_state
+
+                        restore_rng_state(initial_rng)
+                    _record_restart(
+                        run_dir, restarts=restarts, failure=failed.failure, resume=resume, console=console
+                    )
+                    time.sleep(t.restart_backoff_s)
                 _attempt(
                     config, plan, resume, checked, result=result, console=console, sig=sig, failures=failures
                 )
                 return result
             except _Restart as r:
-                restarts += 1
-                resume = _restart_point(run_dir, console=console, skipped=skipped)
-                checked = _check_resume(resume, config=config, plan=plan)
-                if resume is None:
-                    from dhp.checkpoint import restore_rng_state
-
-                    restore_rng_state(initial_rng)
-                _record_restart(run_dir, restarts=restarts, failure=r.failure, resume=resume, console=console)
-                time.sleep(t.restart_backoff_s)
-            except (KeyboardInterrupt, _HardStop):
+                if sig.requested:  # a signal during the failed attempt's teardown: no new attempt
+                    result.interrupted = True
+                    last = result.last_checkpoint
+                    console.print(f"interrupted; not restarted; last good checkpoint: {last or 'none'}")
+                    return result
+                failed, sig.mode = r, "raise"  # the backoff and the next start stop at once on a signal
+            except (KeyboardInterrupt, HardStop):
                 # a signal outside an attempt's own handling (its loader being built, a restart's
                 # backoff): nothing is running that could save, so stop with the signal's exit code
                 result.interrupted = True
@@ -146,50 +161,6 @@ class _Restart(Exception):
     def __init__(self, failure: RuntimeFailure) -> None:
         super().__init__(str(failure))
         self.failure = failure
-
-
-class _HardStop(BaseException):
-    """A second Ctrl-C or SIGTERM: stop at once, no checkpoint."""
-
-
-class _Signals:
-    """SIGINT/SIGTERM state: the first one raises KeyboardInterrupt (Ctrl-C semantics), later ones
-    raise _HardStop."""
-
-    def __init__(self, result: RunResult) -> None:
-        self.result, self.count = result, 0
-
-    def handler(self, signum: int, frame) -> None:
-        self.count += 1
-        if self.result.signal is None:
-            self.result.signal = signum
-        if self.count == 1:
-            raise KeyboardInterrupt
-        raise _HardStop
-
-    def reinstall(self) -> None:
-        """Take SIGTERM back after ``ray.init`` (Ray's core worker installs a crash handler for it
-        that aborts the driver with exit 134)."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.handler)
-
-
-@contextlib.contextmanager
-def _signals(result: RunResult):
-    """Install the SIGINT/SIGTERM handlers for the run (main thread only); restore them after."""
-    sig = _Signals(result)
-    if threading.current_thread() is not threading.main_thread():
-        yield sig
-        return
-    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGTERM, sig.handler)
-    if old[signal.SIGINT] is not signal.SIG_IGN:  # a background job keeps ignoring Ctrl-C
-        signal.signal(signal.SIGINT, sig.handler)
-    try:
-        yield sig
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _compile(config: RunConfig):
@@ -248,13 +219,17 @@ def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: C
 
 
 def _attempt(
-    config, plan, resume, checked, *, result: RunResult, console: Console, sig: _Signals, failures: FailureLog
+    config, plan, resume, checked, *, result: RunResult, console: Console, sig: Signals, failures: FailureLog
 ) -> None:
     """One life of the actor groups: start them, resume, run the loop; on a restartable failure with
-    restarts left, tear everything down and raise _Restart."""
+    restarts left, tear everything down and raise _Restart.
+
+    A signal before the loop stops at once (nothing saved); in the loop, the first one ends the loop
+    at the next step boundary with a checkpoint (``_Loop.run``), a second one stops at once."""
     t = config.train
     run_dir = result.run_dir
     clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
+    sig.mode = "raise"
     loader = dhp.data.build_run_loader(config, plan.layouts)
     loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
     clock.mark("data loader")
@@ -266,6 +241,7 @@ def _attempt(
     loop: _Loop | None = None
     saver = None  # checkpoint.async_save: the save in flight (dhp.runtime.checkpointing)
     graceful = True
+    stage = "starting Ray"
     try:
         # Ray starts while a thread imports the runtime, worker and model code (dhp.runtime.startup)
         owns_ray = connect_ray_importing(
@@ -273,17 +249,20 @@ def _attempt(
             plan=plan,
             modules=(*RUNTIME_MODULES, f"{family_package(config.model.family)}.family"),
         )
+        sig.reinstall()
         clock.mark("Ray start, the driver's imports beside it (runtime, worker, model code)")
         # loaded by connect_ray_importing's thread: the worker's module, transformers' model code
         from dhp.runtime.checkpointing import AsyncCheckpoints
         from dhp.runtime.driver import Trainer
         from dhp.runtime.progress import TrainProgress
 
+        stage = "starting and building the actor groups"
         ready = 60.0 if result.restarts == 0 else t.restart_wait_s
         trainer = Trainer(config, plan, ready_timeout_s=ready, startup=clock, owns_ray=owns_ray)
         sig.reinstall()
         if config.checkpoint.async_save:
-            saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir)
+            saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir, hold=sig.held)
+        stage = f"resuming from {resume}" if resume else "starting the step loop"
         start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
         clock.mark("resume")
         loop = _Loop(
@@ -294,46 +273,28 @@ def _attempt(
             schedule=schedule,
             run_dir=run_dir,
             result=result,
+            sig=sig,
             resumed_from=resume,
             saver=saver,
         )
+        sig.mode = "defer"
         with TrainProgress(console=console, total=t.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
+        sig.mode = "quiet"  # the run is over: a signal now is counted, nothing is cut
         progress.summary(result, loop.records)
         if loop.records and clock is result.startup:
             clock.add("step 1 (its own wall time)", loop.records[0]["step_s"])
             clock.render(console)
             clock.write(run_dir / "startup.json")
-    except KeyboardInterrupt:
-        result.interrupted = True
-        if trainer is None:
-            return
-        try:
-            step = None if loop is None else loop.settle_interrupted_step()
-            if saver is not None and saver.step is not None:  # the save in flight counts: finish it
-                result.last_checkpoint = saver.finish() or result.last_checkpoint
-                if result.last_checkpoint is not None and result.last_checkpoint.name == f"step_{step:06d}":
-                    step = None  # that save is this step's checkpoint already
-                    console.print(f"interrupted: saved {result.last_checkpoint}")
-            if t.save_on_interrupt and step is not None and step > 0:
-                result.last_checkpoint = _save(
-                    trainer,
-                    config=config,
-                    plan=plan,
-                    step=step,
-                    loader=loader,
-                    schedule=schedule,
-                    run_dir=run_dir,
-                )
-                console.print(f"interrupted after step {step}: saved {result.last_checkpoint}")
-            else:
-                console.print(
-                    f"interrupted after step {step}: nothing saved (train.save_on_interrupt={t.save_on_interrupt})"
-                )
-        except _HardStop:
-            graceful = False
-            console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
-    except _HardStop:
+        if result.interrupted:
+            loop.say_stopped(console)
+    except KeyboardInterrupt:  # a signal before the loop (mode "raise"): nothing ran that could be saved
+        graceful, result.interrupted = False, True
+        last = result.last_checkpoint
+        console.print(
+            f"interrupted while {stage}, before a step could run; last good checkpoint: {last or 'none'}"
+        )
+    except HardStop:
         graceful, result.interrupted = False, True
         console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
     except SystemExit as e:
@@ -348,41 +309,21 @@ def _attempt(
         with contextlib.suppress(Exception):
             ray.shutdown()  # whatever that half-done ray.init started
     except RuntimeFailure as e:
-        # the worker's module (torch.distributed, transformers): loaded once Ray started, see above
-        from dhp.runtime.checkpointing import SaveFailed
-        from dhp.runtime.driver import NonFiniteStep
-
-        graceful = False
-        step = loop.failing_step() if loop is not None else 0
-        why = failures.verdict(e, step=step)
-        if why is None and isinstance(e, NonFiniteStep | SaveFailed):
-            why = "restarting would not change it"
-        if why is None and trainer is None:
-            why = "the actor groups did not start"
-        attempt = result.restarts + 1
-        if why is None and result.restarts < t.max_restarts:
-            failures.write(
-                e, attempt=attempt, step=step, verdict=f"restarted ({attempt} of {t.max_restarts})"
-            )
-            result.restarts += 1
-            raise _Restart(e) from e
-        if why is None:
-            why = f"no restart left (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
-        path = failures.write(e, attempt=attempt, step=step, verdict=f"run ended: {why}")
-        append_event(run_dir / "metrics.jsonl", failed_event(e, step=step, why=why, path=path))
-        last = result.last_checkpoint
-        hint = (
-            f"last good checkpoint: {last} (resume with train.resume=auto)"
-            if last
-            else "no checkpoint was written yet"
+        graceful, sig.mode = False, "quiet"  # a signal now: no restart (_failed_attempt)
+        _failed_attempt(
+            e,
+            config=config,
+            trainer=trainer,
+            loop=loop,
+            result=result,
+            sig=sig,
+            console=console,
+            failures=failures,
         )
-        raise RuntimeFailure(f"{e}\n  not restarted: {why}\n  tracebacks: {path}\n  {hint}") from e
     finally:
+        sig.mode = "quiet"  # the teardown runs to its end (a third signal still exits at once)
         if trainer is not None:
-            try:
-                trainer.close(graceful=graceful)
-            except _HardStop:
-                trainer.close(graceful=False)
+            trainer.close(graceful=graceful)
         elif owns_ray:  # Ray started but no trainer took it over (an interrupt, or Trainer failed)
             import ray  # loaded already: Ray started above
 
@@ -390,6 +331,48 @@ def _attempt(
                 ray.shutdown()
         if saver is not None:  # a save still in flight never counts: its writers are gone
             saver.abandon()
+
+
+def _failed_attempt(
+    e: RuntimeFailure, *, config, trainer, loop, result: RunResult, sig: Signals, console, failures
+) -> None:
+    """A failed attempt, before its teardown: read every rank's stack when the ranks may still be
+    running (a hang, a broken collective), write the tracebacks, then raise _Restart when a restart
+    may heal it, else the RuntimeFailure that ends the run (naming any stuck rank)."""
+    from dhp.runtime.checkpointing import SaveFailed
+    from dhp.runtime.driver import NonFiniteStep
+
+    t, run_dir = config.train, result.run_dir
+    step = loop.failing_step() if loop is not None else 0
+    stacks = trainer.rank_stacks() if trainer is not None and failure_kind(e) == INFRA else []
+    stuck = "".join(f"\n  stuck: {line}" for line in stuck_lines(stacks))
+    why = failures.verdict(e, step=step)
+    if why is None and isinstance(e, NonFiniteStep | SaveFailed):
+        why = "restarting would not change it"
+    if why is None and trainer is None:
+        why = "the actor groups did not start"
+    if why is None and sig.requested:
+        why = f"a stop was asked for ({signal.Signals(result.signal).name})"
+    attempt = result.restarts + 1
+    if why is None and result.restarts < t.max_restarts:
+        failures.write(
+            e, attempt=attempt, step=step, verdict=f"restarted ({attempt} of {t.max_restarts})", stacks=stacks
+        )
+        if stuck:
+            console.print(escape(f"{str(e).splitlines()[0]}{stuck}"))
+        result.restarts += 1
+        raise _Restart(e) from e
+    if why is None:
+        why = f"no restart left (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
+    path = failures.write(e, attempt=attempt, step=step, verdict=f"run ended: {why}", stacks=stacks)
+    append_event(run_dir / "metrics.jsonl", failed_event(e, step=step, why=why, path=path))
+    last = result.last_checkpoint
+    hint = (
+        f"last good checkpoint: {last} (resume with train.resume=auto)"
+        if last
+        else "no checkpoint was written yet"
+    )
+    raise RuntimeFailure(f"{e}{stuck}\n  not restarted: {why}\n  tracebacks: {path}\n  {hint}") from e
 
 
 def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
@@ -444,8 +427,10 @@ def _meta(*, config, plan, step, loader, schedule):
     )
 
 
-def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
-    """Write ``checkpoints/step_XXXXXX`` atomically: groups save into a temp dir, then meta + rename."""
+def _save(trainer, *, config, plan, step, loader, schedule, run_dir, hold=contextlib.nullcontext) -> Path:
+    """Write ``checkpoints/step_XXXXXX`` atomically: groups save into a temp dir, then meta + rename
+    inside ``hold()`` (a second signal does not cut the commit). Interrupted or failed before the
+    commit, the temp dir is removed and the previous checkpoint stays the newest."""
     from dhp.checkpoint import begin_checkpoint, commit_checkpoint
 
     # loads the worker's module (torch.distributed, transformers): after Ray's start (dhp.runtime.startup)
@@ -457,23 +442,19 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir) -> Path:
         raise save_failed(run_dir, step, e) from e
     try:
         trainer.save_modules(str(tmp))
+        meta = _meta(config=config, plan=plan, step=step, loader=loader, schedule=schedule)
+        with hold():
+            return commit_checkpoint(tmp, meta=meta, keep_last=config.train.keep_last)
     except BaseException as e:  # a failed or interrupted save leaves no temp dir behind
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) or (isinstance(e, RuntimeFailure) and is_io_failure(str(e))):
             raise save_failed(run_dir, step, e) from e
         raise
-    meta = _meta(config=config, plan=plan, step=step, loader=loader, schedule=schedule)
-    try:
-        return commit_checkpoint(tmp, meta=meta, keep_last=config.train.keep_last)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise save_failed(run_dir, step, e) from e
-        raise
 
 
 class _Loop:
-    """The step loop: data -> lr -> driver step -> metrics -> checkpoint."""
+    """The step loop: data -> lr -> driver step -> metrics -> checkpoint; a signal (``sig``) ends it
+    at the next step boundary, with a checkpoint of that step."""
 
     def __init__(
         self,
@@ -485,6 +466,7 @@ class _Loop:
         schedule,
         run_dir: Path,
         result: RunResult,
+        sig: Signals,
         resumed_from=None,
         saver=None,
     ) -> None:
@@ -493,6 +475,7 @@ class _Loop:
 
         self.config, self.plan, self.trainer = config, plan, trainer
         self.loader, self.schedule, self.run_dir, self.result = loader, schedule, run_dir, result
+        self.sig = sig
         self.saver = saver  # AsyncCheckpoints when checkpoint.async_save, else None (synchronous saves)
         t = config.train
         loggers = open_loggers(  # metrics.loggers; train.tensorboard=true still adds TensorBoard
@@ -506,18 +489,18 @@ class _Loop:
         self.writer = MetricsWriter(run_dir / "metrics.jsonl", modules=list(config.modules), loggers=loggers)
         self.records: list[dict[str, Any]] = []
         self.done_step: int | None = None
-        self._before: tuple[dict, dict] | None = None
         self._running: int | None = None
+        self._stop_saved: Path | None = None  # the checkpoint the stop wrote or found (None: none)
         self.devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
 
     def run(self, *, start: int, progress) -> None:
+        """Steps ``start + 1 .. train.steps``; after a signal, the step running ends the loop."""
         from dhp.metrics.record import build_record
 
         t = self.config.train
         try:
             self.done_step = start
             for step in range(start + 1, t.steps + 1):
-                self._before = (self.loader.state_dict(), self.schedule.state_dict())
                 self._running = step
                 data = next(self.loader)
                 lr = self.schedule.next_lr()
@@ -542,17 +525,48 @@ class _Loop:
                 if self.saver is not None:
                     self._checkpoint_async(step)
                 elif _checkpoint_due(t, step):
-                    self.result.last_checkpoint = _save(
-                        self.trainer,
-                        config=self.config,
-                        plan=self.plan,
-                        step=step,
-                        loader=self.loader,
-                        schedule=self.schedule,
-                        run_dir=self.run_dir,
-                    )
+                    self.result.last_checkpoint = self._save(step)
+                if self.sig.requested and step < t.steps:
+                    self._stop(step)
+                    return
         finally:
             self.writer.close()
+
+    def _save(self, step: int) -> Path:
+        return _save(
+            self.trainer,
+            config=self.config,
+            plan=self.plan,
+            step=step,
+            loader=self.loader,
+            schedule=self.schedule,
+            run_dir=self.run_dir,
+            hold=self.sig.held,
+        )
+
+    def _stop(self, step: int) -> None:
+        """A signal came during ``step`` (now done on every rank): commit the save in flight, write
+        this step's checkpoint unless one is there (or ``train.save_on_interrupt`` is false)."""
+        self.result.interrupted = True
+        if self.saver is not None:
+            self.result.last_checkpoint = self.saver.finish() or self.result.last_checkpoint
+        last = self.result.last_checkpoint
+        if last is not None and last.parent.parent == self.run_dir and last.name == f"step_{step:06d}":
+            self._stop_saved = last
+        elif self.config.train.save_on_interrupt:
+            self._stop_saved = self.result.last_checkpoint = self._save(step)
+
+    def say_stopped(self, console: Console) -> None:
+        """The line that ends an interrupted run: what was saved."""
+        step, saved = self.done_step, self._stop_saved
+        after = f" ({time.monotonic() - self.result.signal_time:.1f} s after {signal.Signals(self.result.signal).name})"
+        if saved is not None:
+            console.print(f"interrupted after step {step}{after}: saved {saved}")
+        else:
+            last = self.result.last_checkpoint or "none"
+            console.print(
+                f"interrupted after step {step}{after}: nothing saved (train.save_on_interrupt=false); last good checkpoint: {last}"
+            )
 
     def _checkpoint_async(self, step: int) -> None:
         """Commit the save in flight once written; start this step's save when due (the last step's
@@ -574,21 +588,6 @@ class _Loop:
         if self._running is not None:
             return self._running
         return (self.done_step or 0) + 1
-
-    def settle_interrupted_step(self) -> int | None:
-        """After Ctrl-C: finish an update already issued (that step counts), or drop the half-run
-        step's gradients and rewind the loader and LR schedule to before it. Returns the last done step."""
-        running, self._running = self._running, None
-        if running is None:
-            return self.done_step
-        if self.trainer.finish_update():
-            self.done_step = running
-            return running
-        self.trainer.abort_step()
-        if self._before is not None:
-            self.loader.load_state_dict(self._before[0])
-            self.schedule.load_state_dict(self._before[1])
-        return self.done_step
 
 
 def _checkpoint_due(train: TrainConfig, step: int) -> bool:

@@ -35,7 +35,6 @@ from dhp.models.loading import LoadReport, load_module_weights
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.dispatch import Collect, Dispatch, register
-from dhp.runtime.failures import maybe_inject_fault
 from dhp.runtime.graph import Link
 from dhp.runtime.handoff import ProducerWork
 from dhp.runtime.spec import WorkerSpec
@@ -181,6 +180,7 @@ class ModuleWorker(DistWorker):
         stay here until ``backprop``.
         """
         t0, wall = time.perf_counter(), time.time()
+        self.faults.at("produce")
         (link,) = self.links_out  # one consumer per producer (the graph's loss module)
         payloads: list[Any] = [None] * work.num_consumer_replicas
         if work.shard is not None:
@@ -215,6 +215,7 @@ class ModuleWorker(DistWorker):
         t0 = time.perf_counter()
         tp_group = par.inner_group(self.mesh, self.layout, ("tp",))
         reads = not self.channel.leader_only or _is_root(tp_group)
+        self.faults.at("handback")
         got = ray.get(grad_refs) if reads and grad_refs else []
         self._timers["wait_s"] += time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -255,6 +256,7 @@ class ModuleWorker(DistWorker):
         reads = not self.channel.leader_only or _is_root(group)
         # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
         flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
+        self.faults.at("handoff")
         values = iter(ray.get(flat))
         got = {
             p: [None if ref is None or not reads else next(values) for ref in refs]
@@ -272,6 +274,7 @@ class ModuleWorker(DistWorker):
             edge_inputs.update(
                 link.split(leaf) if leaf is not None else dict.fromkeys(e.kwarg for e in link.edges)
             )
+        self.faults.at("forward")
         with torch.set_grad_enabled(True), accounting.saving(self._acct):
             out = self.module(
                 input_ids=batch.input_ids.to(self.device),
@@ -286,6 +289,7 @@ class ModuleWorker(DistWorker):
         t2 = time.perf_counter()
         self._timers["fwd_s"] += t2 - t1
         loss = out.loss_sum / num_label_tokens
+        self.faults.at("backward")
         if loss.requires_grad:
             loss.backward()
             accounting.sample(self._acct)
@@ -372,29 +376,30 @@ class ModuleWorker(DistWorker):
     def finalize_grads(self) -> float:
         """Reduce grads over SP/DP (sums) and return the module's squared grad norm (same on all ranks)."""
         self.channel.drain()  # every backward ran: each send has been received
-        if self.frozen:
-            return 0.0
-        t0 = time.perf_counter()
-        par.finalize_grads(self.module, self.mesh, self.layout)
-        norm_sq = float(par.grad_norm_sq(self.module, self.mesh))
-        self._timers["step_s"] += time.perf_counter() - t0
+        norm_sq = 0.0
+        if not self.frozen:
+            t0 = time.perf_counter()
+            par.finalize_grads(self.module, self.mesh, self.layout)
+            norm_sq = float(par.grad_norm_sq(self.module, self.mesh))
+            self._timers["step_s"] += time.perf_counter() - t0
+        self.faults.at("grad_sync")  # after the sync's collectives: a hang here is this rank's alone
         return norm_sq
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def optimizer_step(self, *, lr: float, clip_coef: float) -> None:
         """Scale grads by ``clip_coef`` (< 1 when clipping), AdamW step at ``lr``, zero the grads."""
-        maybe_inject_fault(self.module_name, self.rank)
+        self.faults.at("optimizer")
         self.channel.release()
-        if self.optimizer is None:
-            return
-        t0 = time.perf_counter()
-        if clip_coef < 1.0:
-            par.clip_grads_(self.module, clip_coef)
-        par.set_lr(self.optimizer, lr)  # lr x each param group's lr_scale
-        self.optimizer.step()
-        accounting.sample(self._acct)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._timers["step_s"] += time.perf_counter() - t0
+        if self.optimizer is not None:
+            t0 = time.perf_counter()
+            if clip_coef < 1.0:
+                par.clip_grads_(self.module, clip_coef)
+            par.set_lr(self.optimizer, lr)  # lr x each param group's lr_scale
+            self.optimizer.step()
+            accounting.sample(self._acct)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._timers["step_s"] += time.perf_counter() - t0
+        self.faults.step_done()
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def zero_grads(self) -> None:
@@ -437,7 +442,8 @@ class ModuleWorker(DistWorker):
     # ---- checkpoints (dhp.checkpoint does the I/O, collectively) ------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def save_checkpoint(self, path: str) -> None:
-
+        """Write this rank's model + optimizer state (and RNG) into ``path`` (DCP, collectively)."""
+        self.faults.at("save")
         save_module_state(
             Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
         )
@@ -446,10 +452,11 @@ class ModuleWorker(DistWorker):
     def save_checkpoint_async(self, path: str) -> float:
         """Stage this rank's state to host memory and write it in the background; returns the staging
         seconds (dhp.checkpoint.async_state; the write's status: ``checkpoint_write_status``)."""
-
-        return save_module_state_async(
+        staging_s = save_module_state_async(
             Path(path), model=self.module, optimizer=self.optimizer, extra={"rng": capture_rng_state()}
         )
+        self.faults.at("save_async")  # the write runs in the background now
+        return staging_s
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def checkpoint_write_status(self, wait: bool) -> dict[str, Any] | None:
