@@ -51,6 +51,10 @@ class ModuleAxes:
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     sp_divides: Mapping[str, int] = field(default_factory=dict)
     experts: int = 0
+    #: context parallelism exists for the module (its family computes positions on the whole sequence and
+    #: cuts its tokens: ``dhp.parallel.cp``); ``cp_divides``: sizes every cp degree must divide
+    cp: bool = False
+    cp_divides: Mapping[str, int] = field(default_factory=dict)
 
 
 def moe_experts(blocks: Iterable[Any]) -> int:
@@ -91,6 +95,13 @@ def _degree_problems(prefix: str, gpus: int, lay: ParallelLayout, out: Issues) -
         zero,
         "ZeRO-1 and FSDP both shard the optimizer state",
         "set zero=0 when fsdp > 1",
+    )
+    out.check(
+        not (degs["cp"] > 1 and degs["sp"] > 1),
+        f"{prefix}.parallel",
+        {"cp": degs["cp"], "sp": degs["sp"]},
+        "cp and sp are mutually exclusive inside one module (both cut the module's sequence)",
+        "set one of them to 1 (sp for an encoder's patches, cp for the LLM's tokens)",
     )
     out.check(
         not (degs["sp"] > 1 and degs["tp"] > 1),
@@ -146,6 +157,15 @@ def _axes_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes, out: Issu
         "use sp (and dp/fsdp) for this module",
     ):
         _divides(out, f"{prefix}.parallel.tp", tp, axes.tp_divides)
+    cp = lay.cp
+    if out.check(
+        cp == 1 or axes.cp,
+        f"{prefix}.parallel.cp",
+        cp,
+        "this module does not support cp (context parallelism)",
+        "set cp=1 and use tp (with sequence_parallel) or fsdp for this module's sequence memory",
+    ):
+        _divides(out, f"{prefix}.parallel.cp", cp, axes.cp_divides)
     out.check(
         not seq or axes.tp_sequence_parallel,
         f"{prefix}.parallel.sequence_parallel",

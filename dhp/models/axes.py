@@ -49,4 +49,6 @@ def runtime_plan(
         pad_token_id=pad_token_id if pad_token_id is not None else 0,
         moe_blocks=moe_blocks if axes.experts else "",
         experts=axes.experts if moe_blocks else 0,
+        cp=axes.cp,
+        cp_divides=dict(axes.cp_divides),
     )

@@ -31,6 +31,7 @@ from dhp.config.plan_space import ModuleAxes, module_problems
 from dhp.errors import PlanError
 from dhp.layout import TOKEN_AXES, ParallelLayout
 from dhp.parallel.ac import AcSpec, apply_ac
+from dhp.parallel.cp import apply_cp
 from dhp.parallel.ep import apply_ep, ep_mesh
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
@@ -84,6 +85,14 @@ def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     return module
 
 
+def _cp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+    """Context parallelism over the mesh's ``cp`` axis (``dhp.parallel.cp``): the module's tokens are cut
+    into 2 x cp chunks, every micro-batch padded to a multiple of 2 x cp (x tp under SP inside TP)."""
+    lay = ctx.layout
+    multiple = 2 * lay.cp * (lay.tp if lay.seq_split > 1 else 1)
+    return apply_cp(module, axis(mesh, "cp").get_group(), multiple=multiple, pad_id=ctx.plan.pad_token_id)
+
+
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
 
@@ -111,6 +120,7 @@ STEPS: tuple[Step, ...] = (
         lambda m, mesh, c: _tp(m, axis(mesh, "tp"), c),
     ),
     Step("loss", lambda c: c.plan.loss and c.layout.tp == 1, lambda m, mesh, c: _loss(m, c)),
+    Step("cp", lambda c: c.layout.cp > 1, _cp),
     Step("sp", lambda c: c.layout.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
     Step(
         "ac",
@@ -162,6 +172,8 @@ def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
         tp_divides=dict(plan.tp_divides),
         sp_divides=dict(plan.sp_divides),
         experts=plan.experts if plan.moe_blocks else 0,
+        cp=plan.cp,
+        cp_divides=dict(plan.cp_divides),
     )
 
 

@@ -56,6 +56,8 @@ class ModuleParallelPlan:
     pad_token_id: int = 0
     moe_blocks: str = ""
     experts: int = 0
+    cp: bool = False  # context parallelism (``dhp.parallel.cp``): the family's forward cuts its tokens
+    cp_divides: Mapping[str, int] = field(default_factory=dict)
 
 
 __all__ = ["AttentionSite", "ModuleParallelPlan"]
