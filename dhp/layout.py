@@ -248,6 +248,12 @@ class ParallelLayout:
         return max(1, self.edp) if self.zero == 1 else 1
 
     @property
+    def token_multiple(self) -> int:
+        """Under context parallelism every micro-batch is right-padded to a multiple of this many tokens
+        (``2 * cp`` chunks, each a multiple of tp under SP inside TP); 1 without CP."""
+        return 2 * self.cp * self.seq_split if self.cp > 1 else 1
+
+    @property
     def seq_split(self) -> int:
         """Parts sequence parallelism inside TP cuts the LLM's norm/residual activations into."""
         return self.tp if self.sequence_parallel and self.tp > 1 else 1

@@ -88,9 +88,9 @@ def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
 def _cp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     """Context parallelism over the mesh's ``cp`` axis (``dhp.parallel.cp``): the module's tokens are cut
     into 2 x cp chunks, every micro-batch padded to a multiple of 2 x cp (x tp under SP inside TP)."""
-    lay = ctx.layout
-    multiple = 2 * lay.cp * (lay.tp if lay.seq_split > 1 else 1)
-    return apply_cp(module, axis(mesh, "cp").get_group(), multiple=multiple, pad_id=ctx.plan.pad_token_id)
+    return apply_cp(
+        module, axis(mesh, "cp").get_group(), multiple=ctx.layout.token_multiple, pad_id=ctx.plan.pad_token_id
+    )
 
 
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:

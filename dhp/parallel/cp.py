@@ -41,33 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dhp.errors import PlanError
+from dhp.ops.context import rank_index
 
 #: the attention implementation name registered with transformers
 CP_ATTENTION = "dhp_cp"
 #: the attribute that gives every submodule of a CP text model its ContextShard
 SHARD_ATTR = "_dhp_context_shard"
-IGNORE_INDEX = -100
-
-
-def chunk_bounds(seq_len: int, cp: int) -> list[tuple[int, int]]:
-    """The ``2 * cp`` contiguous chunks ``[start, end)`` of a sequence of ``seq_len`` tokens: sizes
-    ``floor`` or ``ceil`` of ``seq_len / (2 cp)``, the longer ones first (empty when ``seq_len < 2 cp``)."""
-    parts = 2 * cp
-    base, extra = divmod(seq_len, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
-def rank_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Global token indices CP rank ``rank`` holds, in its local order: chunk ``rank`` then chunk
-    ``2 cp - 1 - rank`` (the causal load balance)."""
-    bounds = chunk_bounds(seq_len, cp)
-    (a0, a1), (b0, b1) = bounds[rank], bounds[2 * cp - 1 - rank]
-    return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)]).to(device)
+IGNORE_INDEX = -100  # dhp.ops.cross_entropy's
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from parallel_harness import assert_grads_match, assert_rel_close, full_grads, spawn
 
 from dhp.layout import ParallelLayout
+from dhp.ops.context import rank_index
 from dhp.parallel import build_mesh, finalize_grads, parallelize
-from dhp.parallel.cp import rank_index
 
 pytestmark = pytest.mark.parity
 
