@@ -450,6 +450,7 @@ def decoder_axes(
     sequence_parallel: bool,
     head_groups: Mapping[str, int] | None = None,
     context_parallel: bool = False,
+    cp_divides: Mapping[str, int] | None = None,
 ) -> ModuleAxes:
     """A decoder LLM: TP over the attention heads, KV heads, other ``head_groups`` (config key ->
     count), the vocabulary and the MLP width (``mlp``; None: no TP-sharded MLP); Megatron sequence
@@ -461,7 +462,13 @@ def decoder_axes(
     if mlp is not None:
         divides["model.llm.intermediate_size"] = mlp
     return ModuleAxes(
-        tp=True, sp=False, tp_sequence_parallel=sequence_parallel, tp_divides=divides, cp=context_parallel
+        tp=True,
+        sp=False,
+        tp_sequence_parallel=sequence_parallel,
+        tp_divides=divides,
+        cp=context_parallel,
+        cp_divides=dict(cp_divides or {}),
+        cp_sequence_parallel=not cp_divides,  # linear-attention layers gather the sequence themselves
     )
 
 

@@ -98,7 +98,13 @@ class LLMBase(nn.Module):
         the whole micro-batch's mask (sample ids: padding and packed samples)."""
         if self.context_shard is None or attention_mask is None:
             return attention_mask
-        return self.context_shard.text_mask(attention_mask)
+        full = self.context_shard.text_mask(attention_mask)
+        types = set(getattr(self.language_model.config, "layer_types", None) or ())
+        if "linear_attention" not in types:
+            return full
+        # a hybrid decoder takes a mapping: its linear-attention layers run on the whole (gathered)
+        # sequence (dhp.parallel.linear_attn_cp), so their padding mask is the whole micro-batch's
+        return {"full_attention": full, "linear_attention": attention_mask}
 
     def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` mask of the tokens that take the encoder's rows, in order (the image tokens)."""

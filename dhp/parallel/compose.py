@@ -34,9 +34,11 @@ from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.cp import apply_cp
 from dhp.parallel.ep import apply_ep, ep_mesh
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
+from dhp.parallel.linear_attn_cp import apply_deltanet_cp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axes, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
+from dhp.parallel.plan_match import matching
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
 
 
@@ -87,10 +89,13 @@ def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
 
 def _cp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     """Context parallelism over the mesh's ``cp`` axis (``dhp.parallel.cp``): the module's tokens are cut
-    into 2 x cp chunks, every micro-batch padded to a multiple of 2 x cp (x tp under SP inside TP)."""
-    return apply_cp(
-        module, axis(mesh, "cp").get_group(), multiple=ctx.layout.token_multiple, pad_id=ctx.plan.pad_token_id
-    )
+    into 2 x cp chunks, every micro-batch padded to a multiple of 2 x cp (x tp under SP inside TP); the
+    family's linear-attention layers gather their sequence and cut their heads instead
+    (``dhp.parallel.linear_attn_cp``), after TP's heads cut (applied before)."""
+    group = axis(mesh, "cp").get_group()
+    for _, layer in matching(module, (ctx.plan.linear_attention,) if ctx.plan.linear_attention else ()):
+        apply_deltanet_cp(layer, group, module_name=ctx.name)
+    return apply_cp(module, group, multiple=ctx.layout.token_multiple, pad_id=ctx.plan.pad_token_id)
 
 
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -174,6 +179,7 @@ def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
         experts=plan.experts if plan.moe_blocks else 0,
         cp=plan.cp,
         cp_divides=dict(plan.cp_divides),
+        cp_sequence_parallel=plan.cp_sequence_parallel,
     )
 
 

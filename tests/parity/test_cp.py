@@ -51,13 +51,18 @@ def _forward(module, batch, rows: dict[str, torch.Tensor]):
     return out, leaves
 
 
-def _cases(rank: int, world: int, family_name: str, layout_kw: dict) -> None:
+def _cases(rank: int, world: int, family_name: str, layout_kw: dict, extra: dict | None = None) -> None:
+    from omegaconf import OmegaConf
+
     from dhp.models import get_family
     from dhp.models.testing import tiny_vl_batch
 
     family = get_family(family_name)
-    hf = family.hf_config(family.tiny_model_config())
-    layout = ParallelLayout(cp=world, **layout_kw)
+    model = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(family.tiny_model_config())))
+    for key, value in (extra or {}).items():  # the tiny model's numbers where a case needs others
+        OmegaConf.update(model, key, value)
+    hf = family.hf_config(model)
+    layout = ParallelLayout(cp=world // layout_kw.get("tp", 1), **layout_kw)
     mesh = build_mesh(layout, "cpu")
     torch.manual_seed(0)
     ref = family.build_module("llm", hf, device="cpu", dtype=torch.float32)
@@ -84,29 +89,44 @@ def _cases(rank: int, world: int, family_name: str, layout_kw: dict) -> None:
         want, want_leaves = _forward(ref, batch, rows)
         (want.loss_sum / want.num_tokens).backward()
 
-        seq = batch["input_ids"].shape[1]
-        padded = -(-seq // (2 * world)) * (2 * world)
-        assert padded != seq or name == "text_only" or seq % (2 * world), name
-        own = _own_rows(batch["input_ids"], placed, rank_index(padded, world, rank))
+        seq, cp_rank = batch["input_ids"].shape[1], layout.coords(rank)["cp"]
+        padded = -(-seq // layout.token_multiple) * layout.token_multiple
+        own = _own_rows(batch["input_ids"], placed, rank_index(padded, layout.cp, cp_rank))
         got, got_leaves = _forward(cp, batch, {k: v[own] for k, v in rows.items()})
+        cp_group = mesh["cp"].get_group()
         total = torch.tensor([float(got.num_tokens)])
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=cp_group)
         assert int(total) == want.num_tokens, name
         (got.loss_sum / want.num_tokens).backward()
         loss = got.loss_sum.detach().clone()
-        dist.all_reduce(loss)
-        assert_rel_close(loss, want.loss_sum.detach(), rtol=LOSS_RTOL, name=f"{name} cp={world} loss")
+        dist.all_reduce(loss, group=cp_group)
+        assert_rel_close(loss, want.loss_sum.detach(), rtol=LOSS_RTOL, name=f"{name} {layout} loss")
         finalize_grads(cp, mesh, layout)
         ref_grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
         got_grads = {k: g for k, g in full_grads(cp).items() if k in ref_grads}
-        assert_grads_match(got_grads, ref_grads, rtol=GRAD_RTOL, tag=f"{name} cp={world}")
+        assert_grads_match(got_grads, ref_grads, rtol=GRAD_RTOL, tag=f"{name} {layout}")
         for k in rows:  # each rank holds the gradient of its own rows
             assert_rel_close(
                 got_leaves[k].grad, want_leaves[k].grad[own], rtol=GRAD_RTOL, name=f"{name} d/d {k}"
             )
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_cp2_matches_the_unsplit_llm(family: str) -> None:
-    """cp=2: loss, every parameter's gradient and every image (and DeepStack) row's gradient."""
+    """cp=2: loss, every parameter's gradient and every image (and DeepStack) row's gradient; Qwen3.5's
+    Gated DeltaNet layers gather their sequence and cut their heads (``dhp.parallel.linear_attn_cp``)."""
     spawn(_cases, 2, family, {})
+
+
+#: Qwen3.5 at tp x cp = 4 needs 4 key heads in its Gated DeltaNet layers (the tiny model has 2)
+WIDE_DELTANET = {"llm.extra.linear_num_key_heads": 4, "llm.extra.linear_num_value_heads": 8}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "extra"), [("qwen2_5_vl", None), ("qwen3_vl", None), ("qwen3_5", WIDE_DELTANET)]
+)
+def test_tp2_cp2_matches_the_unsplit_llm(family: str, extra) -> None:
+    """tp=2 x cp=2 (4 ranks): TP's heads cut inside each CP rank's tokens (and, in the hybrid decoder,
+    the DeltaNet heads cut over tp, then each TP rank's over cp)."""
+    spawn(_cases, 4, family, {"tp": 2}, extra)

@@ -203,6 +203,7 @@ def decoder_axes(
     mlp: bool = True,
     heads: Mapping[str, int] | None = None,
     context_parallel: bool = False,
+    cp_divides: Mapping[str, int] | None = None,
 ) -> ModuleAxes:
     """The LLM's axes (``dhp.models.arch.decoder_axes``): TP over the attention heads, KV heads,
     ``heads`` (a family's other head groups), the vocabulary and (``mlp``) the SwiGLU width; context
@@ -215,6 +216,7 @@ def decoder_axes(
         sequence_parallel=sequence_parallel,
         head_groups=heads,
         context_parallel=context_parallel,
+        cp_divides=cp_divides,
     )
 
 
