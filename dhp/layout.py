@@ -1,24 +1,25 @@
 """The one parallel layout of a module group (like torchtitan's ``ParallelDims``). Pure, torch-free.
 
-A :class:`ParallelLayout` holds every degree of one module: the mesh axes dp, fsdp, sp, tp
+A :class:`ParallelLayout` holds every degree of one module: the mesh axes dp, fsdp, cp, sp, tp
 (``MESH_AXES``, outer -> inner), the expert-parallel degree ``ep`` folded over the ranks that see
 different tokens, the ZeRO stage and sequence parallelism inside TP. It is built once from the
 validated config by :meth:`ParallelLayout.from_config` (the only reader of ``modules.<m>.parallel``),
 carried by the compiled plan per group, shipped to every worker, and meshes are cut from it.
 Every derived fact is computed here and nowhere else:
 
-- rank ``r`` has coordinates ``r = ((dp * F + fsdp) * S + sp) * T + tp``;
-- a data replica = one (dp, fsdp) coordinate: its ``sp * tp`` ranks are contiguous and see the same
-  batch; there are ``dp * fsdp`` replicas, and a replica's leader is its first rank;
-- a unit = one (data replica, SP rank), i.e. one TP group: its ``tp`` ranks are contiguous and hold
-  the same hand-off rows; its leader (TP rank 0) is the one rank that sends or receives them;
-- the token-parallel fold: the dp x fsdp x sp ranks (``TOKEN_AXES``), which see different tokens;
-  expert parallelism cuts them into EP groups of ``ep`` consecutive ranks, and the ``edp`` ranks that
-  hold the same experts (Megatron's parallel folding; :meth:`ParallelLayout.expert_grid`);
+- rank ``r`` has coordinates ``r = (((dp * F + fsdp) * C + cp) * S + sp) * T + tp``;
+- a data replica = one (dp, fsdp) coordinate: its ``cp * sp * tp`` ranks are contiguous and see the
+  same samples; there are ``dp * fsdp`` replicas, and a replica's leader is its first rank;
+- a unit = one (data replica, CP rank, SP rank), i.e. one TP group: its ``tp`` ranks are contiguous
+  and hold the same tokens and hand-off rows; its leader (TP rank 0) is the one rank that sends or
+  receives them (context parallelism gives each CP rank of a replica its own tokens, so its own rows);
+- the token-parallel fold: the dp x fsdp x cp x sp ranks (``TOKEN_AXES``), which see different
+  tokens; expert parallelism cuts them into EP groups of ``ep`` consecutive ranks, and the ``edp``
+  ranks that hold the same experts (Megatron's parallel folding; :meth:`ParallelLayout.expert_grid`);
 - ZeRO-1 shards the optimizer state over the ranks that hold identical parameters and gradients:
-  the dp x sp ranks (``ZERO1_AXES``) for dense parameters, the edp ranks for experts.
+  the dp x cp x sp ranks (``ZERO1_AXES``) for dense parameters, the edp ranks for experts.
 
-The axes still to come (cp, pp, expert-tp) join ``MESH_AXES`` / the folds here, and only here.
+The axes still to come (pp, expert-tp) join ``MESH_AXES`` / the folds here, and only here.
 The constructor does not validate: ``dhp.config.plan_space`` reports bad degrees as config issues
 before any derived fact is asked for.
 """
@@ -31,17 +32,17 @@ from dataclasses import dataclass
 from typing import Any
 
 #: the mesh axes of a group, outer -> inner (re-exported by dhp.config.constants)
-MESH_AXES = ("dp", "fsdp", "sp", "tp")
+MESH_AXES = ("dp", "fsdp", "cp", "sp", "tp")
 PARALLEL_AXES = MESH_AXES  # the name the config layer and the strategies use for the same tuple
 #: the mesh axes whose ranks see different tokens: the fold expert parallelism cuts
-TOKEN_AXES = ("dp", "fsdp", "sp")
+TOKEN_AXES = ("dp", "fsdp", "cp", "sp")
 #: ZeRO-1 shards the dense optimizer state over the ranks that hold identical parameters and
-#: gradients: the dp and sp axes (flattened)
-ZERO1_AXES = ("dp", "sp")
+#: gradients: the dp, cp and sp axes (flattened)
+ZERO1_AXES = ("dp", "cp", "sp")
 #: the axes of the experts' mesh, outer -> inner: TP index, expert-data-parallel, expert-parallel
 EXPERT_MESH_AXES = ("etp", "edp", "ep")
 #: every key of a ``modules.<m>.parallel`` config node, in the order the schema declares them
-CONFIG_KEYS = ("dp", "fsdp", "sp", "tp", "ep", "zero", "sequence_parallel")
+CONFIG_KEYS = ("dp", "fsdp", "sp", "tp", "cp", "ep", "zero", "sequence_parallel")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ParallelLayout:
     fsdp: int = 1
     sp: int = 1
     tp: int = 1
+    cp: int = 1  # context parallelism: the module's tokens cut in 2 x cp balanced chunks (dhp.parallel.cp)
     ep: int = 1  # expert parallelism over the token-parallel fold (1: experts whole on every rank)
     zero: int = 0  # 0: plain DP; 1: ZeRO-1 (optimizer states partitioned, see ZERO1_AXES)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group
@@ -152,8 +154,8 @@ class ParallelLayout:
     # ---- replicas and units ------------------------------------------------------------------
     @property
     def ranks_per_replica(self) -> int:
-        """Ranks of one data replica (sp * tp): they see the same batch."""
-        return self.sp * self.tp
+        """Ranks of one data replica (cp * sp * tp): they see the same samples."""
+        return self.cp * self.sp * self.tp
 
     @property
     def num_replicas(self) -> int:
@@ -162,15 +164,20 @@ class ParallelLayout:
 
     @property
     def num_units(self) -> int:
-        """Units: one per (data replica, SP rank), i.e. per TP group (the hand-off's endpoints)."""
-        return self.num_replicas * self.sp
+        """Units: one per (data replica, CP rank, SP rank), i.e. per TP group (the hand-off's endpoints)."""
+        return self.num_replicas * self.cp * self.sp
+
+    @property
+    def units_per_replica(self) -> int:
+        """Units of one data replica (cp * sp): the TP groups among which its tokens or patches are cut."""
+        return self.cp * self.sp
 
     def replica_of(self, rank: int) -> int:
         """Data replica of ``rank`` (its (dp, fsdp) coordinate, flattened)."""
         return rank // self.ranks_per_replica
 
     def replica_ranks(self, replica: int) -> list[int]:
-        """The sp * tp contiguous ranks of data replica ``replica``."""
+        """The cp * sp * tp contiguous ranks of data replica ``replica``."""
         start = replica * self.ranks_per_replica
         return list(range(start, start + self.ranks_per_replica))
 
@@ -196,7 +203,7 @@ class ParallelLayout:
     # ---- the token-parallel fold and the experts' axes ----------------------------------------
     @property
     def token_ranks(self) -> int:
-        """Ranks that see different tokens of the step (dp x fsdp x sp): the fold EP cuts."""
+        """Ranks that see different tokens of the step (dp x fsdp x cp x sp): the fold EP cuts."""
         out = 1
         for a in TOKEN_AXES:
             out *= getattr(self, a)
@@ -214,7 +221,7 @@ class ParallelLayout:
 
     def expert_grid(self) -> list[list[list[int]]]:
         """The ranks of the experts' mesh ``EXPERT_MESH_AXES``, ``[tp][edp][ep]``: for each TP index the
-        token fold's ranks, row-major (sp fastest), cut into EP groups of ``ep`` consecutive ones."""
+        token fold's ranks, row-major (sp fastest, then cp), cut into EP groups of ``ep`` consecutive ones."""
         grid = []
         for t in range(self.tp):
             fold = [r for r in range(self.world_size) if r % self.tp == t]
@@ -224,7 +231,7 @@ class ParallelLayout:
     # ---- the optimizer's and the sequence's shards -------------------------------------------
     @property
     def zero1_ranks(self) -> int:
-        """Ranks over which ZeRO-1 partitions the dense optimizer state (dp x sp)."""
+        """Ranks over which ZeRO-1 partitions the dense optimizer state (dp x cp x sp)."""
         out = 1
         for a in ZERO1_AXES:
             out *= getattr(self, a)
@@ -232,13 +239,19 @@ class ParallelLayout:
 
     @property
     def optimizer_shards(self) -> int:
-        """Parts the dense parameters' optimizer state is cut into (ZeRO-1 over dp x sp, else 1)."""
+        """Parts the dense parameters' optimizer state is cut into (ZeRO-1 over dp x cp x sp, else 1)."""
         return self.zero1_ranks if self.zero == 1 else 1
 
     @property
     def expert_optimizer_shards(self) -> int:
         """Parts the experts' optimizer state is cut into beyond ep: ZeRO-1 over the edp ranks, else 1."""
         return max(1, self.edp) if self.zero == 1 else 1
+
+    @property
+    def token_multiple(self) -> int:
+        """Under context parallelism every micro-batch is right-padded to a multiple of this many tokens
+        (``2 * cp`` chunks, each a multiple of tp under SP inside TP); 1 without CP."""
+        return 2 * self.cp * self.seq_split if self.cp > 1 else 1
 
     @property
     def seq_split(self) -> int:

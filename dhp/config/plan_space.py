@@ -51,6 +51,13 @@ class ModuleAxes:
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     sp_divides: Mapping[str, int] = field(default_factory=dict)
     experts: int = 0
+    #: context parallelism exists for the module (its family computes positions on the whole sequence and
+    #: cuts its tokens: ``dhp.parallel.cp``); ``cp_divides``: sizes cut over tp, then each TP rank's share
+    #: over cp (a hybrid decoder's linear-attention heads), so tp * cp must divide them;
+    #: ``cp_sequence_parallel``: CP composes with Megatron sequence parallelism inside TP
+    cp: bool = False
+    cp_divides: Mapping[str, int] = field(default_factory=dict)
+    cp_sequence_parallel: bool = True
 
 
 def moe_experts(blocks: Iterable[Any]) -> int:
@@ -91,6 +98,13 @@ def _degree_problems(prefix: str, gpus: int, lay: ParallelLayout, out: Issues) -
         zero,
         "ZeRO-1 and FSDP both shard the optimizer state",
         "set zero=0 when fsdp > 1",
+    )
+    out.check(
+        not (degs["cp"] > 1 and degs["sp"] > 1),
+        f"{prefix}.parallel",
+        {"cp": degs["cp"], "sp": degs["sp"]},
+        "cp and sp are mutually exclusive inside one module (both cut the module's sequence)",
+        "set one of them to 1 (sp for an encoder's patches, cp for the LLM's tokens)",
     )
     out.check(
         not (degs["sp"] > 1 and degs["tp"] > 1),
@@ -146,6 +160,30 @@ def _axes_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes, out: Issu
         "use sp (and dp/fsdp) for this module",
     ):
         _divides(out, f"{prefix}.parallel.tp", tp, axes.tp_divides)
+    cp = lay.cp
+    if out.check(
+        cp == 1 or axes.cp,
+        f"{prefix}.parallel.cp",
+        cp,
+        "this module does not support cp (context parallelism)",
+        "set cp=1 and use tp (with sequence_parallel) or fsdp for this module's sequence memory",
+    ):
+        for key, size in axes.cp_divides.items():
+            out.check(
+                cp <= 1 or size % (cp * tp) == 0,
+                f"{prefix}.parallel.cp",
+                cp,
+                f"{key}={size} is not divisible by tp*cp={tp}*{cp} (each TP rank's share is cut over cp)",
+                f"choose cp and tp whose product divides {size}",
+            )
+        out.check(
+            cp <= 1 or not seq or axes.cp_sequence_parallel,
+            f"{prefix}.parallel.sequence_parallel",
+            seq,
+            "this module's linear-attention layers gather their whole sequence under cp, which sequence "
+            "parallelism inside TP would cut again",
+            "set sequence_parallel=false when cp > 1",
+        )
     out.check(
         not seq or axes.tp_sequence_parallel,
         f"{prefix}.parallel.sequence_parallel",

@@ -139,15 +139,18 @@ class ClusterConfig:
 class ParallelConfig:
     """Degrees of one module's mesh. ``gpus`` of the module must equal dp*fsdp*sp*tp.
 
-    Mesh axis order (outer -> inner): dp, fsdp, sp, tp. sp and tp are mutually exclusive.
-    zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across the ranks
-    that hold identical parameters: dp x sp).
+    Mesh axis order (outer -> inner): dp, fsdp, cp, sp, tp (dhp.layout). sp and tp are mutually
+    exclusive. zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across
+    the ranks that hold identical parameters: dp x cp x sp).
     """
 
     dp: int = 1
     fsdp: int = 1
     sp: int = 1
     tp: int = 1
+    # context parallelism (the LLM): each of cp ranks holds 2 of the sequence's 2*cp causal-balanced
+    # chunks (dhp/parallel/cp.py); needs a family that declares cp for the module
+    cp: int = 1
     # expert-parallel degree of the module's MoE layers; the EP group is folded from the dp x fsdp x sp ranks (docs in dhp/parallel/ep.py); 1 = no EP
     ep: int = 1
     zero: int = 0

@@ -449,15 +449,27 @@ def decoder_axes(
     mlp: int | None,
     sequence_parallel: bool,
     head_groups: Mapping[str, int] | None = None,
+    context_parallel: bool = False,
+    cp_divides: Mapping[str, int] | None = None,
 ) -> ModuleAxes:
     """A decoder LLM: TP over the attention heads, KV heads, other ``head_groups`` (config key ->
     count), the vocabulary and the MLP width (``mlp``; None: no TP-sharded MLP); Megatron sequence
-    parallelism inside TP where ``sequence_parallel``; no Ulysses SP."""
+    parallelism inside TP where ``sequence_parallel``; context parallelism where ``context_parallel``
+    (the family's forward computes positions on the whole sequence, then cuts: ``dhp.parallel.cp``);
+    no Ulysses SP."""
     divides = {"model.llm.num_heads": heads, "model.llm.num_kv_heads": kv_heads, **(head_groups or {})}
     divides["model.llm.vocab_size"] = vocab
     if mlp is not None:
         divides["model.llm.intermediate_size"] = mlp
-    return ModuleAxes(tp=True, sp=False, tp_sequence_parallel=sequence_parallel, tp_divides=divides)
+    return ModuleAxes(
+        tp=True,
+        sp=False,
+        tp_sequence_parallel=sequence_parallel,
+        tp_divides=divides,
+        cp=context_parallel,
+        cp_divides=dict(cp_divides or {}),
+        cp_sequence_parallel=not cp_divides,  # linear-attention layers gather the sequence themselves
+    )
 
 
 class FamilyArch(Protocol):

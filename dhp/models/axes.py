@@ -28,6 +28,7 @@ def runtime_plan(
     tied: Mapping[str, str] | None = None,
     pad_token_id: int | None = 0,
     moe_blocks: str = "",
+    linear_attention: str = "",
 ) -> ModuleParallelPlan:
     """The module's :class:`ModuleParallelPlan` with every divisibility fact from ``axes``.
 
@@ -49,4 +50,8 @@ def runtime_plan(
         pad_token_id=pad_token_id if pad_token_id is not None else 0,
         moe_blocks=moe_blocks if axes.experts else "",
         experts=axes.experts if moe_blocks else 0,
+        cp=axes.cp,
+        cp_divides=dict(axes.cp_divides),
+        cp_sequence_parallel=axes.cp_sequence_parallel,
+        linear_attention=linear_attention,
     )

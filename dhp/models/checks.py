@@ -79,10 +79,13 @@ def check_image_alignment(
     image_embeds: torch.Tensor | None,
     config: PretrainedConfig,
     sample_ids: list[str],
+    rows_at: torch.Tensor | None = None,
 ) -> None:
     """Each image's token run must match its grid, and all grids must match the embedding rows.
 
     Images are assigned to samples in order: sample b's k image runs take the next k grids.
+    ``rows_at`` (B, S) bool: the tokens whose rows ``image_embeds`` holds (context parallelism: this
+    rank's own tokens); None: every token's.
     """
     if mm_token_type_ids is None:
         raise DataError(
@@ -116,10 +119,12 @@ def check_image_alignment(
             f"image_embeds has width {image_embeds.shape[-1]} but the LLM hidden size is "
             f"{config.text_config.hidden_size}. Fix: the encoder's out_hidden_size must equal the LLM's."
         )
-    if sum(per_image) != n_rows:
+    want = sum(per_image) if rows_at is None else int(((is_image | is_video) & rows_at).sum())
+    if want != n_rows:
+        where = "" if rows_at is None else f" ({want} of them at this context-parallel rank's tokens)"
         raise DataError(
             f"samples {sample_ids}: image_grid_thw {grids.tolist()} describes {sum(per_image)} image "
-            f"embeddings but {n_rows} were given. Fix: pass the encoder output for exactly these images."
+            f"embeddings{where} but {n_rows} were given. Fix: pass the encoder output for exactly these images."
         )
     _check_per_sample(mm_token_type_ids, per_image, sample_ids, n_tokens)
 

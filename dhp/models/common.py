@@ -26,17 +26,20 @@ from dhp.models.family import LLMOutput
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 
-#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted) -> fp32 loss SUM``
-LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor]
+#: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted, *, shift=True) -> fp32 loss SUM``
+#: (``shift=False``: ``labels`` are already each token's target)
+LossFn = Callable[..., torch.Tensor]
 
 
-def shifted_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+def shifted_ce_sum(
+    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, *, shift: bool = True
+) -> torch.Tensor:
     """The default ``loss_fn`` of an LLM module: fp32 SUM of next-token CEs, ``labels`` (B, S) unshifted.
 
     One process, the whole vocab, chunked over tokens (``dhp.ops.cross_entropy``, default chunk):
     equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"``.
     """
-    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias)
+    return _chunked_shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias, shift=shift)
 
 
 def loss_output(
@@ -68,6 +71,10 @@ class LLMBase(nn.Module):
 
     ``loss_fn`` is a plain attribute, not a submodule: ``dhp.parallel`` swaps it for the vocab-parallel
     loss under TP.
+
+    ``context_shard`` (a plain attribute, None without context parallelism): ``dhp.parallel.cp`` sets it;
+    then the family computes every position on the whole sequence and :meth:`cut` keeps this rank's
+    tokens: :meth:`embed`, :meth:`text_mask` and :meth:`loss` already do their part.
     """
 
     def __init__(
@@ -78,6 +85,26 @@ class LLMBase(nn.Module):
         self.lm_head = lm_head
         self.vl_config = config
         self.loss_fn: LossFn = shifted_ce_sum
+        self.context_shard: Any = None  # dhp.parallel.cp.ContextShard under context parallelism
+
+    def cut(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """``x`` (a per-token tensor of the whole micro-batch, sequence along ``dim``) at this rank's
+        tokens: itself without context parallelism."""
+        return x if self.context_shard is None else self.context_shard.take(x, dim)
+
+    def text_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The text model's ``attention_mask``: the 2-D mask as given, or under context parallelism the
+        4-D mask of this rank's queries over every rank's keys (``ContextShard.text_mask``), built from
+        the whole micro-batch's mask (sample ids: padding and packed samples)."""
+        if self.context_shard is None or attention_mask is None:
+            return attention_mask
+        full = self.context_shard.text_mask(attention_mask)
+        types = set(getattr(self.language_model.config, "layer_types", None) or ())
+        if "linear_attention" not in types:
+            return full
+        # a hybrid decoder takes a mapping: its linear-attention layers run on the whole (gathered)
+        # sequence (dhp.parallel.linear_attn_cp), so their padding mask is the whole micro-batch's
+        return {"full_attention": full, "linear_attention": attention_mask}
 
     def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` mask of the tokens that take the encoder's rows, in order (the image tokens)."""
@@ -102,7 +129,11 @@ class LLMBase(nn.Module):
                 image_embeds=image_embeds,
                 sample_ids=sample_ids,
             )
-            return self.language_model.embed_tokens(input_ids)
+            return self.language_model.embed_tokens(self.cut(input_ids))
+        rows_at = None  # context parallelism: the rows given are those of this rank's tokens
+        if self.context_shard is not None:
+            rows_at = torch.zeros_like(input_ids, dtype=torch.bool)
+            rows_at[:, self.context_shard.index(input_ids.shape[1], input_ids.device)] = True
         check_image_alignment(
             input_ids=input_ids,
             mm_token_type_ids=mm_token_type_ids,
@@ -110,15 +141,23 @@ class LLMBase(nn.Module):
             image_embeds=image_embeds,
             config=self.vl_config,
             sample_ids=sample_ids,
+            rows_at=rows_at,
         )
-        inputs_embeds = self.language_model.embed_tokens(input_ids)
+        ids = self.cut(input_ids)
+        inputs_embeds = self.language_model.embed_tokens(ids)
         if image_embeds is None:
             return inputs_embeds
-        return scatter_rows(inputs_embeds, self.placed(input_ids), image_embeds)
+        return scatter_rows(inputs_embeds, self.placed(ids), image_embeds)
 
     def loss(self, *, hidden: torch.Tensor, labels: torch.Tensor) -> LLMOutput:
-        """``loss_fn(hidden, lm_head, labels)`` and the label-token count (:func:`loss_output`)."""
-        return loss_output(self.loss_fn, hidden=hidden, lm_head=self.lm_head, labels=labels)
+        """``loss_fn(hidden, lm_head, labels)`` and the label-token count (:func:`loss_output`); under
+        context parallelism ``hidden`` is this rank's tokens' and the targets are shifted on the whole
+        sequence, then cut (``ContextShard.aligned_labels``)."""
+        if self.context_shard is None:
+            return loss_output(self.loss_fn, hidden=hidden, lm_head=self.lm_head, labels=labels)
+        targets = self.context_shard.aligned_labels(labels)
+        loss_sum = self.loss_fn(hidden, self.lm_head, targets, shift=False)
+        return LLMOutput(loss_sum=loss_sum, num_tokens=int((targets != IGNORE_INDEX).sum()))
 
 
 def sample_names(input_ids: torch.Tensor, sample_ids: list[str] | None) -> list[str]:

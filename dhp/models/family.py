@@ -191,7 +191,6 @@ class ModelFamily(Protocol):
         ...
 
 
-
 __all__ = [
     "AttentionSite",
     "HandOff",

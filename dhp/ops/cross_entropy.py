@@ -156,13 +156,15 @@ def shifted_ce_sum(
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     reduce_input_grad: bool = True,
+    shift: bool = True,
 ) -> torch.Tensor:
     """fp32 SUM of next-token CEs: ``hidden`` (B, S, H), ``labels`` (B, S) UNSHIFTED (HF convention).
 
     Equals transformers' ``ForCausalLMLoss`` with ``reduction="sum"`` (within fp32 summation order);
-    see :func:`chunked_ce_sum` for the other arguments.
+    see :func:`chunked_ce_sum` for the other arguments. ``shift=False``: ``labels`` are already each
+    token's next-token target (context parallelism shifts on the whole sequence, then cuts).
     """
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shift else labels
     return chunked_ce_sum(
         hidden,
         weight,

@@ -31,11 +31,14 @@ from dhp.config.plan_space import ModuleAxes, module_problems
 from dhp.errors import PlanError
 from dhp.layout import TOKEN_AXES, ParallelLayout
 from dhp.parallel.ac import AcSpec, apply_ac
+from dhp.parallel.cp import apply_cp
 from dhp.parallel.ep import apply_ep, ep_mesh
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
+from dhp.parallel.linear_attn_cp import apply_deltanet_cp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axes, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
+from dhp.parallel.plan_match import matching
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
 
 
@@ -84,6 +87,17 @@ def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     return module
 
 
+def _cp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
+    """Context parallelism over the mesh's ``cp`` axis (``dhp.parallel.cp``): the module's tokens are cut
+    into 2 x cp chunks, every micro-batch padded to a multiple of 2 x cp (x tp under SP inside TP); the
+    family's linear-attention layers gather their sequence and cut their heads instead
+    (``dhp.parallel.linear_attn_cp``), after TP's heads cut (applied before)."""
+    group = axis(mesh, "cp").get_group()
+    for _, layer in matching(module, (ctx.plan.linear_attention,) if ctx.plan.linear_attention else ()):
+        apply_deltanet_cp(layer, group, module_name=ctx.name)
+    return apply_cp(module, group, multiple=ctx.layout.token_multiple, pad_id=ctx.plan.pad_token_id)
+
+
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
 
@@ -111,6 +125,7 @@ STEPS: tuple[Step, ...] = (
         lambda m, mesh, c: _tp(m, axis(mesh, "tp"), c),
     ),
     Step("loss", lambda c: c.plan.loss and c.layout.tp == 1, lambda m, mesh, c: _loss(m, c)),
+    Step("cp", lambda c: c.layout.cp > 1, _cp),
     Step("sp", lambda c: c.layout.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
     Step(
         "ac",
@@ -162,6 +177,9 @@ def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
         tp_divides=dict(plan.tp_divides),
         sp_divides=dict(plan.sp_divides),
         experts=plan.experts if plan.moe_blocks else 0,
+        cp=plan.cp,
+        cp_divides=dict(plan.cp_divides),
+        cp_sequence_parallel=plan.cp_sequence_parallel,
     )
 
 

@@ -254,15 +254,23 @@ def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
     else:
         args = (x, *args[1:])
     swapped = []
+    local = _local_params(self, group)
+    narrow = getattr(self, "_dhp_narrow", None)  # context parallelism cuts the local heads further
+    local, sizes = narrow(local) if narrow is not None else (local, {})
+    before = {a: getattr(self, a) for a in sizes}
     try:
-        for fqn, local in _local_params(self, group).items():
+        for fqn, t in local.items():
             owner, name = _owner(self, fqn)
             swapped.append((owner, name, owner._parameters[name]))
-            owner._parameters[name] = local  # read by transformers' forward (and causal_conv1d) directly
+            owner._parameters[name] = t  # read by transformers' forward (and causal_conv1d) directly
+        for a, v in sizes.items():
+            setattr(self, a, v)
         out = type(self).forward(self, *args, **kwargs)
     finally:
         for owner, name, param in reversed(swapped):
             owner._parameters[name] = param
+        for a, v in before.items():
+            setattr(self, a, v)
     if sp:
         return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
     return _ReduceFromTP.apply(out, group)

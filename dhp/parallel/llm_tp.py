@@ -223,10 +223,12 @@ def check_divides(sizes: Mapping[str, int], *, degree: int, axis: str, module: s
 
 
 def local_loss_sum(
-    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int
+    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int, shift: bool = True
 ) -> torch.Tensor:
     """One process (or FSDP/DP): the chunked shifted CE SUM over the whole vocab (``dhp.ops``)."""
-    return shifted_ce_sum(hidden, lm_head.weight, labels, bias=lm_head.bias, chunk_tokens=chunk_tokens)
+    return shifted_ce_sum(
+        hidden, lm_head.weight, labels, bias=lm_head.bias, chunk_tokens=chunk_tokens, shift=shift
+    )
 
 
 def vocab_parallel_loss_sum(
@@ -236,6 +238,7 @@ def vocab_parallel_loss_sum(
     *,
     mesh: DeviceMesh,
     chunk_tokens: int = 0,
+    shift: bool = True,
 ) -> torch.Tensor:
     """fp32 SUM of next-token CEs with ``lm_head`` sharded by vocab rows (``Shard(0)``) over ``mesh``.
 
@@ -254,6 +257,7 @@ def vocab_parallel_loss_sum(
         chunk_tokens=chunk_tokens,
         group=mesh.get_group(),
         vocab_start=mesh.get_local_rank() * weight.shape[0],
+        shift=shift,
     )
     if isinstance(hidden, DTensor):
 

@@ -56,6 +56,12 @@ class ModuleParallelPlan:
     pad_token_id: int = 0
     moe_blocks: str = ""
     experts: int = 0
+    cp: bool = False  # context parallelism (``dhp.parallel.cp``): the family's forward cuts its tokens
+    cp_divides: Mapping[str, int] = field(default_factory=dict)
+    cp_sequence_parallel: bool = True
+    #: FQN glob of the Gated DeltaNet (linear attention) layers: under CP each gathers its sequence and
+    #: cuts its heads (``dhp.parallel.linear_attn_cp``); empty: none
+    linear_attention: str = ""
 
 
 __all__ = ["AttentionSite", "ModuleParallelPlan"]

@@ -172,9 +172,10 @@ def finalize_grads(module: nn.Module, mesh: DeviceMesh, layout: ParallelLayout) 
     """
     _reduce_partial_grads_(module)
     dense, experts = _split_experts(module)
-    sp = axis(mesh, "sp")
-    if sp is not None:  # each SP rank holds the partial gradient of its own tokens (Ulysses)
-        allreduce_grads_(dense, sp.get_group())
+    for name in ("cp", "sp"):  # each CP / SP rank holds the partial gradient of its own tokens
+        part = axis(mesh, name)
+        if part is not None:
+            allreduce_grads_(dense, part.get_group())
     dp = axis(mesh, "dp")
     if dp is not None and layout.fsdp == 1:
         allreduce_grads_(dense, dp.get_group())

@@ -42,9 +42,9 @@ class BridgeLayout:
     """Where each group's senders and receivers sit in bridge ranks (pure arithmetic).
 
     ``groups``: ``(module, world_size, endpoint_stride)`` in bridge order (producers first). Group
-    ``g``'s rank ``r`` is bridge rank ``offset(g) + r``; its endpoint ``i`` (a producer's unit: TP rank 0
-    of it, stride = tp; a consumer's data replica: its first rank, stride = ranks per replica) is the
-    one rank of those that talks to the bridge.
+    ``g``'s rank ``r`` is bridge rank ``offset(g) + r``; its endpoint ``i`` (a unit: TP rank 0 of it,
+    stride = tp; a consumer's unit is one data replica, or one (replica, CP rank) under context
+    parallelism) is the one rank of those that talks to the bridge.
     """
 
     groups: tuple[tuple[str, int, int], ...]
@@ -68,7 +68,7 @@ class BridgeLayout:
         return self._offset(module)[0] + rank
 
     def endpoint(self, module: str, index: int) -> int:
-        """Bridge rank of ``module``'s endpoint ``index`` (unit leader or replica leader)."""
+        """Bridge rank of ``module``'s endpoint ``index`` (its unit's leader)."""
         offset, stride = self._offset(module)
         return offset + index * stride
 

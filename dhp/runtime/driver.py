@@ -32,6 +32,7 @@ from dhp.config.schema import ModuleConfig, RunConfig
 from dhp.data import StepData
 from dhp.errors import RuntimeFailure
 from dhp.models import get_family
+from dhp.ops.context import row_parts
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
@@ -197,7 +198,7 @@ class Trainer:
             driver_s += time.perf_counter() - td
             consumed.append(self._consume(data, m, sent[m]))
             self._backprop(m, sent[m], consumed[-1])
-        leaders = self.consumer.layout.leaders()
+        leaders = self._consumer_leaders()  # one per endpoint: each holds its own tokens' loss
         stats = [
             self.consumer.get([p.ref(r, 0) for r in leaders], what="consume", timeout_s=self._timeout)
             for p in consumed
@@ -246,6 +247,13 @@ class Trainer:
         if all(b.image_grid_thw is None for b in batches):
             return {}
         out = {}
+        consumer = self.consumer.layout
+        split = None  # context parallelism: each CP rank of a consumer replica takes its own tokens' rows
+        if consumer.cp > 1:
+            split = [
+                row_parts(b.mm_token_type_ids != 0, cp=consumer.cp, multiple=consumer.token_multiple)
+                for b in batches
+            ]
         for link in self.links:
             group = self.groups[link.producer]
             layout, world = group.layout, group.layout.world_size
@@ -262,6 +270,8 @@ class Trainer:
                 tokens_per_image=lambda g: self.family.tokens_per_image(self.hf_config, g),
                 # FSDP collectives span replicas: a replica without images runs a blank one
                 blank=self.family.blank_image(self.hf_config) if layout.fsdp > 1 else None,
+                consumer_split=split,
+                consumer_parts=consumer.cp,
             )
             out[link.producer] = (
                 routing,
@@ -272,7 +282,7 @@ class Trainer:
                     [
                         layout.unit_leader(layout.unit_of(r)) == r for r in range(world)
                     ],  # only TP rank 0 sends
-                    num_returns=self.consumer.layout.num_replicas,
+                    num_returns=consumer.num_units,  # one payload per consumer endpoint
                 ),
             )
         return out
@@ -281,14 +291,16 @@ class Trainer:
         return bool(sent) and any(not self.modules_cfg[p].freeze for p in sent)
 
     def _consume(self, data: StepData, m: int, sent: dict[str, Any]) -> Any:
-        """Issue the consumer's forward+backward of micro-batch ``m``; each replica gets its senders' refs."""
-        replicas = self.consumer.layout.num_replicas
-        inboxes: list[dict[str, list[Any]]] = [{} for _ in range(replicas)]
+        """Issue the consumer's forward+backward of micro-batch ``m``; each replica gets its senders' refs,
+        per consumer endpoint of it (one; under context parallelism one per CP rank)."""
+        replicas, parts = self.consumer.layout.num_replicas, self.consumer.layout.cp
+        inboxes: list[dict[str, list[list[Any]]]] = [{} for _ in range(replicas)]
         for producer, (routing, pending) in sent.items():
             layout = self.groups[producer].layout
             for j in range(replicas):  # one entry per producer unit, read from the unit's sending rank
                 inboxes[j][producer] = [
-                    None if s is None else pending.ref(s, j) for s in unit_senders(routing, j, layout)
+                    [None if s is None else pending.ref(s, e) for s in unit_senders(routing, e, layout)]
+                    for e in range(j * parts, (j + 1) * parts)
                 ]
         grads = self._grads_wanted(sent)
         units = sum(self.groups[p].layout.num_units for p in sent)
@@ -306,7 +318,7 @@ class Trainer:
         """Issue each producer's backward of ``m`` with the gradient rows each of its ranks needs."""
         if not self._grads_wanted(sent):
             return
-        leaders = self.consumer.layout.leaders()
+        leaders = self._consumer_leaders()
         offset = 1  # the consumer returns (stats, grads of the first producer's units, the next's, ...)
         for producer in sent:
             group = self.groups[producer]
@@ -317,6 +329,12 @@ class Trainer:
                 ]
                 self._backprops.append(group.submit(ModuleWorker.backprop, [m] * world, grad_refs))
             offset += layout.num_units
+
+    def _consumer_leaders(self) -> list[int]:
+        """The consumer's endpoint leaders: TP rank 0 of each unit (one per data replica, or per
+        (replica, CP rank) under context parallelism), in endpoint order."""
+        lay = self.consumer.layout
+        return [lay.unit_leader(u) for u in range(lay.num_units)]
 
     def _finalize_grads(self) -> float:
         """Wait for every backward, reduce grads in each group (concurrently), sum the squared norms."""
@@ -372,9 +390,15 @@ def _hf_config(family: Any, model: Any) -> Any:
 
 
 def _endpoint_stride(name: str, specs: dict[str, Any], consumer: str) -> int:
-    """Ranks between two hand-off endpoints of group ``name``: a consumer's data replica, a producer's unit."""
+    """Ranks between two hand-off endpoints of group ``name``: the endpoints of producers and of the
+    consumer alike are units (TP groups); a consumer has one per data replica (sp = 1), or one per
+    (replica, CP rank) under context parallelism."""
     layout = specs[name].layout
-    return layout.ranks_per_replica if name == consumer else layout.tp
+    if name == consumer and layout.sp > 1:
+        raise RuntimeFailure(
+            f"the hand-off's consumer {name!r} has sp={layout.sp}: its endpoints would be cut"
+        )
+    return layout.tp
 
 
 def _aux_losses(stats: list[list[dict[str, Any]]], num_label_tokens: int) -> dict[str, float]:

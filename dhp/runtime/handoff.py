@@ -8,11 +8,15 @@ batch with images. A producer replica that serves several consumer replicas take
 contiguous blocks balanced by patch count, one per serving replica. Inside a producer replica the
 family's SP cut (``family.shard_inputs``) gives each SP rank the layout rows it outputs
 (``token_index``). :func:`route_micro_batch` turns that into per-unit send lists: for each destination
-replica, which local output rows go there and at which row of that replica's layout they land.
+endpoint, which local output rows go there and at which row of that endpoint's layout they land.
 
-Bytes. Each producer unit puts each row once (one payload per destination replica); all ranks of the
-destination replica (its TP ranks) read that one payload. The gradient goes back from the replica's
-leader only, cut per source unit, so no byte is sent twice in either direction.
+A consumer's endpoints are its units (one TP group each): one per data replica, or under context
+parallelism one per (data replica, CP rank), each taking only the rows of its own tokens
+(``consumer_split``: the CP cut of each replica's rows, ``dhp.parallel.cp.row_parts``).
+
+Bytes. Each producer unit puts each row once (one payload per destination endpoint); all ranks of the
+endpoint (its TP ranks) read that one payload. The gradient goes back from the endpoint's leader only,
+cut per source unit, so no byte is sent twice in either direction.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ ShardFn = Callable[[torch.Tensor, torch.Tensor, int], list[Any]]
 
 @dataclass(frozen=True)
 class Route:
-    """Rows of one producer unit's output that go to one consumer replica.
+    """Rows of one producer unit's output that go to one consumer endpoint.
 
     ``src``: row positions in the unit's local output; ``dst``: row positions in the consumer
-    replica's layout (image-token order of that replica's micro-batch).
+    endpoint's layout (image-token order of its tokens of the micro-batch).
     """
 
-    replica: int
+    endpoint: int
     src: torch.Tensor
     dst: torch.Tensor
 
@@ -50,23 +54,23 @@ class ProducerWork:
     shard: Any | None  # the family's input shard (``ProducerShard``)
     routes: tuple[Route, ...]
     num_tokens: int  # output rows of this unit
-    num_consumer_replicas: int = 1
+    num_endpoints: int = 1  # the consumer's endpoints (one payload slot each)
 
 
 @dataclass(frozen=True)
 class MicroBatchRouting:
-    """Routing of one micro-batch. ``units[u]``; ``consumer_rows[j]`` = layout rows of consumer replica j."""
+    """Routing of one micro-batch. ``units[u]``; ``consumer_rows[e]`` = layout rows of consumer endpoint e."""
 
     units: tuple[ProducerWork, ...]
     consumer_rows: tuple[int, ...]
 
-    def sources_of(self, replica: int) -> list[int]:
-        """Producer units that send rows to consumer ``replica`` (in unit order)."""
-        return [u for u, w in enumerate(self.units) if any(x.replica == replica for x in w.routes)]
+    def sources_of(self, endpoint: int) -> list[int]:
+        """Producer units that send rows to consumer ``endpoint`` (in unit order)."""
+        return [u for u, w in enumerate(self.units) if any(x.endpoint == endpoint for x in w.routes)]
 
 
-def unit_senders(routing: MicroBatchRouting, replica: int, layout: ParallelLayout) -> list[int | None]:
-    """Per producer unit, the producer rank whose payload consumer ``replica`` reads, or None.
+def unit_senders(routing: MicroBatchRouting, endpoint: int, layout: ParallelLayout) -> list[int | None]:
+    """Per producer unit, the producer rank whose payload consumer ``endpoint`` reads, or None.
 
     ``routing.units`` has one entry per unit (data replica x SP rank); the unit's TP ranks hold
     the same rows and only its TP rank 0 (``layout.unit_leader``) sends them. A unit index is a rank
@@ -77,7 +81,7 @@ def unit_senders(routing: MicroBatchRouting, replica: int, layout: ParallelLayou
             f"hand-off: routing has {len(routing.units)} producer units, the producer group has "
             f"{layout.num_units} (world {layout.world_size} / tp {layout.tp}) (a routing bug)"
         )
-    srcs = set(routing.sources_of(replica))
+    srcs = set(routing.sources_of(endpoint))
     return [layout.unit_leader(u) if u in srcs else None for u in range(layout.num_units)]
 
 
@@ -111,10 +115,15 @@ def route_micro_batch(
     shard_fn: ShardFn,
     tokens_per_image: Callable[[torch.Tensor], list[int]],
     blank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    consumer_split: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    consumer_parts: int = 1,
 ) -> MicroBatchRouting:
     """Route one micro-batch (one entry per consumer replica) onto ``producer_replicas x sp_size`` units.
 
     ``serving[j]``: the producer replicas that serve consumer replica ``j`` (``Plan.routing``).
+    ``consumer_split[j]`` (context parallelism): per row of replica ``j``'s layout, the part (CP rank) that
+    takes it and its row in that part's layout, of ``consumer_parts`` parts; then consumer endpoint
+    ``j * consumer_parts + part`` gets it. None: one endpoint per replica.
     ``blank`` (``family.blank_image``): a producer replica that gets no image (fewer images than
     replicas, e.g. text-only samples) runs it and its output goes nowhere, its gradient is zero.
     Needed when the producer is FSDP-sharded across replicas: every replica must then take part in
@@ -142,44 +151,72 @@ def route_micro_batch(
         for k, v in enumerate(serve):
             blocks[v].extend(images[cuts[k] : cuts[k + 1]])
     units: list[ProducerWork] = []
-    replicas = len(consumer_rows)
+    if consumer_split is not None:
+        consumer_rows = _split_rows(consumer_split, consumer_rows, consumer_parts)
+    n_end = len(consumer_rows)
     for block in blocks:
         if not block and blank is not None and any(consumer_rows):
             shards = shard_fn(blank[0], blank[1], sp_size)
             units.extend(
-                ProducerWork(
-                    shard=sh, routes=(), num_tokens=sh.token_index.numel(), num_consumer_replicas=replicas
-                )
+                ProducerWork(shard=sh, routes=(), num_tokens=sh.token_index.numel(), num_endpoints=n_end)
                 for sh in shards
             )
         else:
-            units.extend(_route_replica(block, sp_size=sp_size, shard_fn=shard_fn, replicas=replicas))
+            units.extend(
+                _route_replica(
+                    block,
+                    sp_size=sp_size,
+                    shard_fn=shard_fn,
+                    split=consumer_split,
+                    parts=consumer_parts,
+                    n_end=n_end,
+                )
+            )
     return MicroBatchRouting(units=tuple(units), consumer_rows=tuple(consumer_rows))
 
 
-def _route_replica(block, *, sp_size: int, shard_fn: ShardFn, replicas: int) -> list[ProducerWork]:
-    """SP-shard one producer replica's images and map each unit's output rows to consumer replicas."""
+def _split_rows(split, rows_per_replica, parts: int) -> list[int]:
+    """Each endpoint's row count (replica-major, then part), from ``consumer_split``."""
+    out_rows = []
+    for j, (part, _) in enumerate(split):
+        if part.numel() != rows_per_replica[j]:
+            raise RuntimeFailure(
+                f"hand-off: consumer replica {j} has {rows_per_replica[j]} rows, its context split "
+                f"{part.numel()} (a routing bug)"
+            )
+        out_rows += [int((part == p).sum()) for p in range(parts)]
+    return out_rows
+
+
+def _route_replica(
+    block, *, sp_size: int, shard_fn: ShardFn, split, parts: int, n_end: int
+) -> list[ProducerWork]:
+    """SP-shard one producer replica's images and map each unit's output rows to consumer endpoints."""
     if not block:
-        return [ProducerWork(shard=None, routes=(), num_tokens=0, num_consumer_replicas=replicas)] * sp_size
+        return [ProducerWork(shard=None, routes=(), num_tokens=0, num_endpoints=n_end)] * sp_size
     shards = shard_fn(
         torch.cat([pv for _, _, pv, _, _ in block]), torch.stack([g for _, g, _, _, _ in block]), sp_size
     )
-    # replica-local token position -> (consumer replica, dst row)
-    dst_replica, dst_row = [], []
+    # replica-local token position -> (consumer endpoint, dst row)
+    dst_end, dst_row = [], []
     for j, _, _, offset, n in block:
-        dst_replica.append(torch.full((n,), j, dtype=torch.long))
-        dst_row.append(torch.arange(offset, offset + n))
-    rep, row = torch.cat(dst_replica), torch.cat(dst_row)
+        rows = torch.arange(offset, offset + n)
+        if split is None:
+            dst_end.append(torch.full((n,), j, dtype=torch.long))
+            dst_row.append(rows)
+        else:
+            part, local = split[j]
+            dst_end.append(j * parts + part[rows])
+            dst_row.append(local[rows])
+    end, row = torch.cat(dst_end), torch.cat(dst_row)
     out = []
     for shard in shards:
         idx = shard.token_index.long()
         routes = []
-        for j in torch.unique(rep[idx]).tolist():
-            mask = rep[idx] == j
-            routes.append(Route(replica=j, src=torch.nonzero(mask).flatten(), dst=row[idx[mask]]))
+        for e in torch.unique(end[idx]).tolist():
+            mask = end[idx] == e
+            routes.append(Route(endpoint=e, src=torch.nonzero(mask).flatten(), dst=row[idx[mask]]))
         out.append(
-            ProducerWork(
-                shard=shard, routes=tuple(routes), num_tokens=idx.numel(), num_consumer_replicas=replicas
-            )
+            ProducerWork(shard=shard, routes=tuple(routes), num_tokens=idx.numel(), num_endpoints=n_end)
         )
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from dhp import parallel as par
@@ -32,6 +33,7 @@ from dhp.metrics.record import module_kernels
 from dhp.models import get_family
 from dhp.models.dtypes import torch_dtype
 from dhp.models.loading import LoadReport, load_module_weights
+from dhp.ops.context import padded_length, rank_index, row_parts
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.dispatch import Collect, Dispatch, register
@@ -182,7 +184,7 @@ class ModuleWorker(DistWorker):
         t0, wall = time.perf_counter(), time.time()
         self.faults.at("produce")
         (link,) = self.links_out  # one consumer per producer (the graph's loss module)
-        payloads: list[Any] = [None] * work.num_consumer_replicas
+        payloads: list[Any] = [None] * work.num_endpoints
         if work.shard is not None:
             with torch.set_grad_enabled(not self.frozen):
                 shard = _shard_to(
@@ -196,9 +198,9 @@ class ModuleWorker(DistWorker):
             for route in work.routes if send else ():
                 rows = rows_all[route.src.to(self.device)]
                 payload = self.channel.pack(
-                    rows, to=(link.consumer, route.replica), tag=micro_batch, direction="fwd"
+                    rows, to=(link.consumer, route.endpoint), tag=micro_batch, direction="fwd"
                 )
-                payloads[route.replica] = (payload, route.dst.numpy())
+                payloads[route.endpoint] = (payload, route.dst.numpy())
         self._timers["fwd_s"] += time.perf_counter() - t0
         self._events.append(("produce", micro_batch, wall, time.time()))
         return payloads[0] if len(payloads) == 1 else tuple(payloads)
@@ -222,11 +224,11 @@ class ModuleWorker(DistWorker):
         rows = next(iter(outputs.values())).shape[0]
         ref = next(iter(outputs.values()))
         grad = torch.zeros(rows, link.grad_width, dtype=ref.dtype, device=ref.device)
-        by_replica = {r.replica: r for r in work.routes}
-        for j, payload in enumerate(got):
+        by_endpoint = {r.endpoint: r for r in work.routes}
+        for e, payload in enumerate(got):
             if payload is not None:
                 g = self.channel.unpack(payload, device=self.device, tag=micro_batch, direction="bwd")
-                grad[by_replica[j].src.to(self.device)] = g.to(grad.dtype)
+                grad[by_endpoint[e].src.to(self.device)] = g.to(grad.dtype)
         if self.channel.leader_only and tp_group is not None and work.routes:
             dist.broadcast(grad, group=tp_group, group_src=0)
         torch.autograd.backward(*link.backward_pairs(outputs, grad))
@@ -246,13 +248,16 @@ class ModuleWorker(DistWorker):
     ) -> Any:
         """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
 
-        ``inbox``: per producer, one payload ref per producer unit (None where it sends nothing).
-        Returns ``(stats, grad_0, ..., grad_{U-1})`` over the units of every incoming link in link
-        order when ``grads``, else ``stats``. Only the replica's leader sends gradient rows (its TP
-        ranks hold identical ones).
+        ``inbox``: per producer, per endpoint of this replica (one; one per CP rank under context
+        parallelism), one payload ref per producer unit (None where it sends nothing): this rank reads
+        its own endpoint's. Returns ``(stats, grad_0, ..., grad_{U-1})`` over the units of every incoming
+        link in link order when ``grads``, else ``stats``. Only the endpoint's leader (TP rank 0 of its
+        unit) sends gradient rows (its TP ranks hold identical ones).
         """
         t0, wall = time.perf_counter(), time.time()
-        group = par.inner_group(self.mesh, self.layout, ("sp", "tp"))  # the replica's other ranks
+        part = self.layout.coords(self.rank)["cp"]
+        inbox = {p: parts[part] for p, parts in inbox.items()}
+        group = par.inner_group(self.mesh, self.layout, ("sp", "tp"))  # the endpoint's other ranks
         reads = not self.channel.leader_only or _is_root(group)
         # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
         flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
@@ -299,7 +304,7 @@ class ModuleWorker(DistWorker):
                  "aux_losses": {k: float(v) for k, v in out.aux_losses.items()}}  # fmt: skip
         if not grads:
             return stats
-        leader = self.layout.is_replica_leader(self.rank)
+        leader = self.layout.unit_leader(self.layout.unit_of(self.rank)) == self.rank
         payloads: list[Any] = []
         for link in self.links_in:  # per unit of the producer: its rows' gradients, from the leader only
             per_unit: list[Any] = [None] * len(inbox.get(link.producer, []))
@@ -331,7 +336,7 @@ class ModuleWorker(DistWorker):
         """
         if batch.image_grid_thw is None:
             return None
-        n = sum(self.family.tokens_per_image(self.hf_config, batch.image_grid_thw))
+        n = self._endpoint_rows(batch)
         rows_all = torch.zeros(n, link.width, dtype=self.dtype, device=self.device)
         if arrivals is not None:
             filled = 0
@@ -357,15 +362,31 @@ class ModuleWorker(DistWorker):
             dist.broadcast(rows_all, group=broadcast_in, group_src=0)
         return rows_all.requires_grad_(requires_grad)
 
+    def _endpoint_rows(self, batch: VLBatch) -> int:
+        """Hand-off rows this rank's endpoint takes of ``batch``: every image-token row, or under context
+        parallelism those of this CP rank's tokens (``dhp.ops.context.row_parts``)."""
+        lay = self.layout
+        if lay.cp == 1:
+            return sum(self.family.tokens_per_image(self.hf_config, batch.image_grid_thw))
+        part, _ = row_parts(batch.mm_token_type_ids != 0, cp=lay.cp, multiple=lay.token_multiple)
+        return int((part == lay.coords(self.rank)["cp"]).sum())
+
     def _own_rows(self, batch: VLBatch) -> torch.Tensor | None:
-        """Sequence parallelism inside TP: a bool mask over the micro-batch's image-embedding rows, True
+        """Sequence parallelism inside TP: a bool mask over the endpoint's image-embedding rows, True
         for the rows whose tokens fall into this TP rank's sequence shard (the only rows the LLM reads
-        here; the rest are cut away before layer 0). None without SP: every row is needed."""
+        here; the rest are cut away before layer 0). None without SP: every row is needed. Under context
+        parallelism the shard is of this CP rank's tokens."""
         lay = self.layout
         if lay.seq_split == 1:
             return None
+        ids = batch.input_ids
+        if lay.cp > 1:  # the CP rank's tokens of the padded micro-batch, in their local order
+            seq = padded_length(ids.shape[1], lay.token_multiple)
+            ids = F.pad(ids, (0, seq - ids.shape[1]), value=-1)[
+                :, rank_index(seq, lay.cp, lay.coords(self.rank)["cp"])
+            ]
         return par.sequence_shard_rows(
-            batch.input_ids,
+            ids,
             (self.model_cfg.tokens.image_token_id, self.model_cfg.tokens.video_token_id),
             tp=lay.tp,
             rank=self.mesh["tp"].get_local_rank(),

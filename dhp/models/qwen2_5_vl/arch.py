@@ -281,8 +281,11 @@ def vision_axes(*, heads: int, hidden: int, merge: int) -> ModuleAxes:
 
 def llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int) -> ModuleAxes:
     """The decoder's axes (TP over heads, KV heads, vocabulary and MLP width, with sequence parallelism
-    inside TP), declared once as :func:`vision_axes`."""
-    return decoder_axes(heads=heads, kv_heads=kv_heads, vocab=vocab, mlp=mlp, sequence_parallel=True)
+    inside TP; context parallelism: the LLM computes M-RoPE on the whole sequence, then cuts), declared
+    once as :func:`vision_axes`."""
+    return decoder_axes(
+        heads=heads, kv_heads=kv_heads, vocab=vocab, mlp=mlp, sequence_parallel=True, context_parallel=True
+    )
 
 
 ARCH = Qwen25VLArch()

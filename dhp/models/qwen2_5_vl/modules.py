@@ -153,6 +153,7 @@ class LLMModule(LLMBase):
             mm_token_type_ids=mm_token_type_ids, grids=image_grid_thw, second_per_grid_ts=second_per_grid_ts
         )
         video = {"video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts}
+        text_mask = self.text_mask(attention_mask)  # context parallelism: the whole micro-batch's
         if is_packed(attention_mask):  # several samples per row: dhp.models.qwen2_5_vl.packing
             position_ids, extra = packed_llm_inputs(
                 self,
@@ -162,7 +163,7 @@ class LLMModule(LLMBase):
                 image_grid_thw=image_grid_thw,
                 **video,
             )
-            attention_mask = None
+            text_mask = None if self.context_shard is None else text_mask
         else:
             position_ids = self.positions(
                 input_ids=input_ids,
@@ -171,10 +172,12 @@ class LLMModule(LLMBase):
                 image_grid_thw=image_grid_thw,
                 **video,
             )
+        if self.context_shard is not None:  # this rank's tokens; its attention masks the whole sequence
+            position_ids, extra = self.cut(position_ids, dim=-1), {}
         hidden = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
+            attention_mask=text_mask,
             position_ids=position_ids,
             use_cache=False,
             **extra,

@@ -254,7 +254,9 @@ class Qwen3_5Arch(base.Qwen3Arch):
             "model.llm.extra.linear_num_key_heads": n.linear_k_heads,
             "model.llm.extra.linear_num_value_heads": n.linear_v_heads,
         }
-        return base.decoder_axes(n, sequence_parallel=not n.moe, heads=heads)
+        return base.decoder_axes(
+            n, sequence_parallel=not n.moe, heads=heads, context_parallel=True, cp_divides=heads
+        )
 
 
 ARCH = Qwen3_5Arch()

@@ -37,6 +37,7 @@ class Qwen3_5Family(Qwen3Family):
 
     name = "qwen3_5"
     arch = ARCH
+    linear_attention = "language_model.layers.*.linear_attn"  # the Gated DeltaNet layers
     configs: ClassVar[Mapping[str, tuple[type, str]]] = {
         "qwen3_5": (Qwen3_5Config, "Qwen3_5ForConditionalGeneration"),
         "qwen3_5_moe": (Qwen3_5MoeConfig, "Qwen3_5MoeForConditionalGeneration"),

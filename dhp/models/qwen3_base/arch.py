@@ -197,10 +197,17 @@ def decoder_arch(
 
 
 def decoder_axes(
-    n: TextNumbers, *, sequence_parallel: bool, mlp: bool = True, heads: Mapping[str, int] | None = None
+    n: TextNumbers,
+    *,
+    sequence_parallel: bool,
+    mlp: bool = True,
+    heads: Mapping[str, int] | None = None,
+    context_parallel: bool = False,
+    cp_divides: Mapping[str, int] | None = None,
 ) -> ModuleAxes:
     """The LLM's axes (``dhp.models.arch.decoder_axes``): TP over the attention heads, KV heads,
-    ``heads`` (a family's other head groups), the vocabulary and (``mlp``) the SwiGLU width."""
+    ``heads`` (a family's other head groups), the vocabulary and (``mlp``) the SwiGLU width; context
+    parallelism where the decoder's every layer is attention (``context_parallel``)."""
     return arch.decoder_axes(
         heads=n.heads,
         kv_heads=n.kv_heads,
@@ -208,6 +215,8 @@ def decoder_axes(
         mlp=n.mlp if mlp else None,
         sequence_parallel=sequence_parallel,
         head_groups=heads,
+        context_parallel=context_parallel,
+        cp_divides=cp_divides,
     )
 
 

@@ -84,6 +84,8 @@ class Qwen3Family(FamilyBase):
     """
 
     arch: Qwen3Arch
+    #: FQN glob of the LLM's linear-attention layers (a hybrid decoder's); "" for an all-attention one
+    linear_attention: str = ""
     #: flavour name (= ``model_type``) -> (transformers config class, the class ``config.json`` names)
     configs: Mapping[str, tuple[type[PretrainedConfig], str]]
 
@@ -173,6 +175,7 @@ class Qwen3Family(FamilyBase):
             tied=self.tied_parameters(name, hf_config),
             pad_token_id=hf_config.text_config.pad_token_id,
             moe_blocks=MOE_BLOCKS,
+            linear_attention=self.linear_attention,
         )
 
     # --- configs -------------------------------------------------------------------------------

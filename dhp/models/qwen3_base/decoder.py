@@ -158,4 +158,6 @@ class Qwen3DecoderArch(base.Qwen3Arch):
         inside TP (Qwen3-VL's DeepStack adds its features between decoder layers by boolean indexing
         over the whole sequence, and no parity test covers this decoder with it); the experts are split
         by EP (their count from the typed blocks)."""
-        return base.decoder_axes(n, sequence_parallel=False, mlp=n.sparse_layers < n.layers)
+        return base.decoder_axes(
+            n, sequence_parallel=False, mlp=n.sparse_layers < n.layers, context_parallel=True
+        )

@@ -121,15 +121,15 @@ class LLMModule(LLMBase):
         )
         extra: dict[str, Any] = {}
         if deepstack is not None:  # added at the image tokens after the first K decoder layers
-            visual_pos_masks = (input_ids == self.vl_config.image_token_id).to(inputs_embeds.device)
+            visual_pos_masks = (self.cut(input_ids) == self.vl_config.image_token_id).to(inputs_embeds.device)
             extra.update(visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack)
         if self.moe:
             extra["output_router_logits"] = True  # transformers' recorder: every router's [B*S, E] logits
         out = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            attention_mask=self.text_mask(attention_mask),
+            position_ids=self.cut(position_ids, dim=-1),
             use_cache=False,
             **extra,
         )
@@ -137,7 +137,7 @@ class LLMModule(LLMBase):
         if not self.moe:
             return lm
         term, aux = self.router_loss(
-            out.router_logits, attention_mask=attention_mask, num_tokens=lm.num_tokens
+            out.router_logits, attention_mask=self.cut(attention_mask), num_tokens=lm.num_tokens
         )
         return LLMOutput(
             loss_sum=lm.loss_sum + term, num_tokens=lm.num_tokens, aux_losses={ROUTER_AUX_LOSS: aux}

@@ -1,4 +1,4 @@
-"""dhp.layout.ParallelLayout against the rank formula r = ((dp*F + fsdp)*S + sp)*T + tp and the folds
+"""dhp.layout.ParallelLayout against the rank formula r = (((dp*F + fsdp)*C + cp)*S + sp)*T + tp and the folds
 derived from it (token-parallel ranks, experts' grid, ZeRO-1 shards), each living in that one module only;
 and the config's degrees read by its builder only. Pure and fast."""
 
@@ -26,11 +26,13 @@ MESHES = [
     {"dp": 2, "fsdp": 3, "sp": 2, "tp": 4},
     {"fsdp": 2, "tp": 4},
     {"dp": 3, "sp": 4},
+    {"cp": 2, "tp": 2},
+    {"dp": 2, "fsdp": 2, "cp": 2, "tp": 2},
 ]
 
 
 def _formula(d: dict[str, int], c: dict[str, int]) -> int:
-    return ((c["dp"] * d["fsdp"] + c["fsdp"]) * d["sp"] + c["sp"]) * d["tp"] + c["tp"]
+    return (((c["dp"] * d["fsdp"] + c["fsdp"]) * d["cp"] + c["cp"]) * d["sp"] + c["sp"]) * d["tp"] + c["tp"]
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
@@ -38,29 +40,31 @@ def test_layout_matches_the_formula(mesh):
     lay = ParallelLayout.from_config(mesh)
     d = {a: mesh.get(a, 1) for a in PARALLEL_AXES}
     assert lay.degrees == d and list(lay.degrees) == list(PARALLEL_AXES)
-    world = d["dp"] * d["fsdp"] * d["sp"] * d["tp"]
+    world = d["dp"] * d["fsdp"] * d["cp"] * d["sp"] * d["tp"]
     assert lay.world_size == world
     assert lay.mesh() == ({a: v for a, v in d.items() if v > 1} or {"dp": 1})
     assert ParallelLayout.from_config(lay.mesh()) == lay
     assert ParallelLayout.from_config(OmegaConf.create(dict(d, zero=0))) == lay
     assert ParallelLayout.from_config(lay.config_values()) == lay
     assert lay.num_replicas == d["dp"] * d["fsdp"]
-    assert lay.ranks_per_replica == d["sp"] * d["tp"]
-    assert lay.num_units == d["dp"] * d["fsdp"] * d["sp"]
+    assert lay.ranks_per_replica == d["cp"] * d["sp"] * d["tp"]
+    assert lay.num_units == d["dp"] * d["fsdp"] * d["cp"] * d["sp"]
     seen = set()
-    for cdp, cf, cs, ct in itertools.product(*(range(d[a]) for a in PARALLEL_AXES)):
-        c = {"dp": cdp, "fsdp": cf, "sp": cs, "tp": ct}
+    for cdp, cf, cc, cs, ct in itertools.product(*(range(d[a]) for a in PARALLEL_AXES)):
+        c = {"dp": cdp, "fsdp": cf, "cp": cc, "sp": cs, "tp": ct}
         r = _formula(d, c)
         seen.add(r)
         assert lay.coords(r) == c
         assert lay.rank_of(c) == r
         assert lay.replica_of(r) == cdp * d["fsdp"] + cf
-        assert lay.unit_of(r) == (cdp * d["fsdp"] + cf) * d["sp"] + cs
+        assert lay.unit_of(r) == ((cdp * d["fsdp"] + cf) * d["cp"] + cc) * d["sp"] + cs
         assert lay.unit_leader(lay.unit_of(r)) == r - ct
         assert r in lay.replica_ranks(lay.replica_of(r)) and r in lay.unit_ranks(lay.unit_of(r))
-        assert lay.is_replica_leader(r) == (cs == 0 and ct == 0)
+        assert lay.is_replica_leader(r) == (cc == 0 and cs == 0 and ct == 0)
     assert seen == set(range(world))
-    assert lay.leaders() == [r for r in range(world) if lay.coords(r)["sp"] == lay.coords(r)["tp"] == 0]
+    assert lay.leaders() == [
+        r for r in range(world) if lay.coords(r)["cp"] == lay.coords(r)["sp"] == lay.coords(r)["tp"] == 0
+    ]
     for axis in PARALLEL_AXES:
         groups = lay.axis_groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(world))

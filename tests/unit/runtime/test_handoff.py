@@ -67,7 +67,7 @@ def test_every_row_reaches_its_replica_exactly_once(vision_replicas, sp):
     assert len(routing_.units) == vision_replicas * sp
     for j, n in enumerate(routing_.consumer_rows):
         got = torch.cat(
-            [r.dst for w in routing_.units for r in w.routes if r.replica == j] or [torch.zeros(0)]
+            [r.dst for w in routing_.units for r in w.routes if r.endpoint == j] or [torch.zeros(0)]
         )
         assert sorted(got.tolist()) == list(range(n)), f"replica {j}"
     for w in routing_.units:  # each local output row goes to exactly one place
@@ -104,7 +104,7 @@ def test_each_llm_replica_reads_every_row_once_from_tp_rank_0_of_its_units(visio
             if rank is None:
                 continue
             assert v_layout.unit_of(rank) == u and rank % vision.get("tp", 1) == 0  # TP rank 0 sends
-            rows += [x for w in r.units[u].routes if w.replica == j for x in w.dst.tolist()]
+            rows += [x for w in r.units[u].routes if w.endpoint == j for x in w.dst.tolist()]
         assert sorted(rows) == list(range(r.consumer_rows[j])), f"replica {j}"
         # the runtime routes by the planner's routing: exactly its encoder ranks for this replica
         plan_ranks = set(planned[j].vision_ranks)
