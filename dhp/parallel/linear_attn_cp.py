@@ -168,7 +168,7 @@ def apply_deltanet_cp(
         {
             "linear_num_key_heads (per TP rank)": tp_sizes["num_k_heads"],
             "linear_num_value_heads (per TP rank)": tp_sizes["num_v_heads"],
-        },  # fmt: skip
+        },
         degree=cp,
         axis="cp",
         module=module_name,
