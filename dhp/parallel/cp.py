@@ -17,7 +17,9 @@ rank's count: gloo needs equal sizes), and the rank's queries attend over all of
 mask of the whole sequence: causal by global position and never across packed samples (the row's
 sample ids in ``attention_mask``). The gather's backward sums the gradient of every rank's keys and
 values back to their owner. Transient per rank and layer: the gathered K and V, ``2 * S * kv_heads *
-head_dim`` elements, and the mask, ``S / cp * S`` booleans per row. Exact: every query sees exactly
+head_dim`` elements, and the mask, ``S / cp * S`` booleans per row; the attention keeps only the
+rank's own q, k, v for backward, which gathers again and recomputes the attention (one more attention
+forward per layer: the saved activations are 1/cp of the unsplit module's). Exact: every query sees exactly
 the keys it sees unsplit, so the result equals the unsplit attention up to float summation order.
 (All-gather rather than a ring: it is exact for any mask, including packing, costs one collective a
 layer, and for grouped-query attention the K/V are a small part of the hidden state. torch's
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dhp.errors import PlanError
 from dhp.ops.context import rank_index
@@ -168,13 +171,17 @@ def cp_attention(
             f"context parallelism runs its attention with sdpa; attn_implementation="
             f"{shard.inner!r} under cp > 1 is not built yet. Fix: model.attn_implementation=sdpa."
         )
-    k, v = gather_tokens(key, shard), gather_tokens(value, shard)
-    kwargs.pop("is_causal", None)
-    kwargs.pop("sliding_window", None)
-    kwargs.pop("position_ids", None)
-    return sdpa_attention_forward(
-        module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
-    )
+
+    def attend(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor) -> torch.Tensor:
+        k, v = gather_tokens(k_local, shard), gather_tokens(v_local, shard)
+        out, _ = sdpa_attention_forward(
+            module, q, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
+        )
+        return out
+
+    # keep only this rank's q, k, v for backward: the gathered keys and values (cp x larger) are
+    # gathered again there, with the attention recomputed (one more attention forward per layer)
+    return checkpoint(attend, query, key, value, use_reentrant=False), None
 
 
 def register_cp_attention() -> None:

@@ -228,3 +228,23 @@ def test_resume_into_llm_zero1_dp2(full_run) -> None:
     _resume_under(
         full_run, "z", "modules.llm.parallel.tp=1", "modules.llm.parallel.dp=2", "modules.llm.parallel.zero=1"
     )
+
+
+def test_resume_across_cp_2_to_1_to_2(ray_local, tmp_path: Path) -> None:
+    """Context parallelism reshards like any other degree (its parameters are replicated over cp, its
+    optimizer states are ZeRO-1's over dp x cp): a cp=2 run's step-2 checkpoint continues at cp=1, whose
+    step-4 checkpoint continues at cp=2 again; every loss equals the uninterrupted cp=2 run's within
+    1e-5 relative (the all-gather and the cut only reorder fp32 sums)."""
+    steps = ["train.steps=6", "train.checkpoint_every=2", "train.keep_last=3"]
+    cp2 = ["modules.llm.parallel.tp=1", "modules.llm.parallel.cp=2"]
+    cp1 = ["placement=disaggregated", "modules.llm.gpus=1", "modules.llm.parallel.tp=1"]
+    train(tmp_path, "x", *steps, *cp2)
+    (run_x,) = (tmp_path / "x").iterdir()
+    x = losses(tmp_path, "x")
+    train(tmp_path, "y", *steps, *cp1, f"train.resume={run_x / 'checkpoints' / 'step_000002'}")
+    (run_y,) = (tmp_path / "y").iterdir()
+    train(tmp_path, "z", *steps, *cp2, f"train.resume={run_y / 'checkpoints' / 'step_000004'}")
+    y, z = losses(tmp_path, "y"), losses(tmp_path, "z")
+    assert sorted(y) == [3, 4, 5, 6] and sorted(z) == [5, 6]
+    for s, loss in [*y.items(), *z.items()]:
+        assert loss == pytest.approx(x[s], rel=1e-5), (s, loss, x[s])
