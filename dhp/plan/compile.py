@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from dhp.config.handoff import resolve_handoff
 from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.layout import ParallelLayout, module_layout
-from dhp.ops.linear_attn import linear_attention_kernel
+from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
 from dhp.plan.memory import ModuleShape, module_shape
@@ -224,9 +224,10 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
         devices=tuple(devices),
         handoff=resolve_handoff(device=cluster.device, placement=config.placement, handoff=config.handoff)[0],
         loss_chunk_tokens={n: s.loss_chunk_tokens for n, s in shapes.items() if n == "llm"},
-        # the kernel this environment would run on the plan's device (each run's metrics say what ran)
+        # the kernel the plan counts on its device and needs there (the runtime checks it is
+        # installed at start: dhp.ops.linear_attn.require_kernel; each run's metrics say what ran)
         kernels={
-            n: linear_attention_kernel(cluster.device)
+            n: planned_kernel(cluster.device)
             for n, s in shapes.items()
             if s.arch is not None and s.arch.count("linear")
         },

@@ -79,7 +79,7 @@ from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ParallelLayout
-from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
+from dhp.ops.linear_attn import TORCH_FALLBACK, planned_kernel
 from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.trainable import trainable_fraction
@@ -140,8 +140,8 @@ class ModuleShape:
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
     #: MoE rows received per own assignment: 1 (balanced router, the verdict's) or ep (worst case)
     moe_received: float = 1.0
-    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: no
-    #: flash-linear-attention on the plan's device), which saves more (``dhp/plan/blocks.py``)
+    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: the
+    #: plan's device is not one the kernel packages run on), which saves more (``dhp/plan/blocks.py``)
     delta_rule_fallback: bool = False
 
     @property
@@ -395,7 +395,8 @@ def module_shape(
     """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
     architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers;
     ``layout``: the group's degrees (the plan's); ``device`` (the cluster's) picks the
-    linear-attention kernel whose memory is counted."""
+    linear-attention kernel whose memory is counted (``dhp.ops.linear_attn.planned_kernel``: never
+    what the planning host has installed)."""
     arch = architecture(model).modules[name]
     par = layout
     tokens = micro_batch * module.seq_len
@@ -424,5 +425,5 @@ def module_shape(
         handoff_width=arch.handoff_width,
         arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
-        delta_rule_fallback=bool(arch.count("linear")) and linear_attention_kernel(device) == TORCH_FALLBACK,
+        delta_rule_fallback=bool(arch.count("linear")) and planned_kernel(device) == TORCH_FALLBACK,
     )
