@@ -42,8 +42,11 @@ tests/unit/plan/test_activation_calibration.py)::
     frozen encoder (no backward): nothing saved; one block's working set in forward
 
 Blocks that differ (a hybrid of linear- and full-attention blocks, MoE MLPs) sum their own
-per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations and
-the dispatch/combine buffers); every_n drops ceil(L/K)/L of every block's. The one-block working
+per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations,
+the received and combined rows and the routing indices; selective keeps only the matmul outputs and
+recomputes the exchanges); every_n drops ceil(L/K)/L of every block's. The load-balancing loss of a
+module with MoE blocks saves its fp32 router probabilities outside the blocks (``router_aux``: every
+AC mode keeps them). The one-block working
 set is the largest block's, plus a linear block's chunk states (transient in its forward and
 backward, whatever the AC mode).
 
@@ -80,7 +83,7 @@ from omegaconf import DictConfig
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ParallelLayout
 from dhp.ops.linear_attn import TORCH_FALLBACK, planned_kernel
-from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
+from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes, router_aux_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.trainable import trainable_fraction
 
@@ -257,6 +260,16 @@ def checkpointed_blocks(ac: AcMode, layers: int) -> int:
     return 0
 
 
+def recomputed_exchanges(ac: AcMode, layers: int) -> float:
+    """Share of the blocks whose all-to-alls (Ulysses' q/k/v/out, EP's dispatch and combine, the
+    Gated DeltaNet TP weight re-layout) run again in backward: the checkpointed ones under full and
+    every_n, EVERY block under selective, whose policy keeps the outputs of matmuls, attention and
+    the SP-in-TP collectives but never an all-to-all's (``dhp.parallel.ac.SELECTIVE_SAVE``)."""
+    if ac.kind == "selective":
+        return 1.0
+    return checkpointed_blocks(ac, layers) / layers
+
+
 def _uniform_dense(shape: ModuleShape) -> bool:
     """Every block is the calibrated full/window attention + dense MLP of ``shape.layer``."""
     arch = shape.arch
@@ -364,7 +377,8 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     """Saved-for-backward bytes of one rank and micro-batch of ``shape``'s module, by component:
     the blocks, eager scores, and the module's ends as its architecture declares them (patch rows
     in fp32 and the merger for a pixel-input producer; the loss inputs and final norm for a module
-    with a vocabulary head)."""
+    with a vocabulary head; the load-balancing loss's router probabilities of a module with MoE
+    blocks, which no AC mode drops)."""
     arch, a, tokens = shape.arch, shape.precision.act, shape.tokens
     eager, _ = _eager_saved_and_work(shape)
     out = {"layers": saved_layers_bytes(shape), "attention_scores": eager}
@@ -379,6 +393,8 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     if arch.vocab:
         out["loss_inputs"] = int(tokens * (h * a + 8 + 4)) if shape.backward else 0
         out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)
+    if arch.moe_blocks:
+        out["router_aux"] = keep * int(tokens * router_aux_bytes(arch.blocks))
     return out
 
 

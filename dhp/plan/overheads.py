@@ -28,7 +28,10 @@ coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrat
                         (vocab TP); EP 3 per MoE block   per block; loss 1 (+1 AG
                                                          under SP); + the
                                                          recomputed forward's; EP
-                                                         2 per MoE block
+                                                         2 per MoE block; + the
+                                                         forward's all-to-alls of
+                                                         every block under
+                                                         selective AC
     step (once)         tensors = the rank's parameter tensors (norm, clip, AdamW, zero_grad: a loop
                         over them; x2 for DTensor parameters; ZeRO-1: AdamW's share on the owned ones
                         only), and collectives: 1 grad-norm all-reduce,
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import math
 
-from dhp.plan.memory import ModuleShape, checkpointed_blocks
+from dhp.plan.memory import ModuleShape, checkpointed_blocks, recomputed_exchanges
 
 #: AdamW's share of the per-tensor ops of a step (about 10 of the 14: the rest are the grad norm,
 #: the clip and zero_grad, which every rank runs on every tensor)
@@ -87,11 +90,12 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     """(forward, backward) collective calls of one rank per micro-batch."""
     par, lay = shape.layout, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    again = recomputed_exchanges(shape.ac, lay.layers)  # share of blocks re-issuing all-to-alls
     fwd = bwd = 0.0
     if par.sp > 1:  # per full block: qkv (fused) and out; plus one rotary-table gather a forward
         n_full = shape.arch.sp_exchange_blocks
         fwd += 2 * n_full + 1
-        bwd += 2 * n_full + (2 * n_full + 1) * ck / lay.layers
+        bwd += 2 * n_full + (2 * n_full + 1) * again
     if par.tp > 1:
         sp = 2 if shape.layout.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
         fwd_block = 2 * sp  # the attention and MLP outputs
@@ -108,9 +112,9 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
         fwd += lay.layers + 1
         bwd += 2 * (lay.layers + 1)
     if par.ep > 1:  # per MoE block: the per-expert counts, dispatch, combine; backward the reverse two
-        moe = shape.arch.moe_blocks
+        moe = shape.arch.moe_blocks  # + the forward's three again where the exchanges are recomputed
         fwd += 3 * moe
-        bwd += 2 * moe + 3 * moe * ck / lay.layers
+        bwd += 2 * moe + 3 * moe * again
     return fwd, (bwd if shape.backward else 0.0)
 
 

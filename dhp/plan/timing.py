@@ -36,7 +36,9 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                                                            (the non-expert parameters only)
     all-to-all   per MoE block, EP dispatch and combine: T * top_k * h * a bytes each way over the
                  ep ranks; forward 2, backward 2 (the autograd of each is the reverse exchange), + 2
-                 per recomputed block. The EP group is ``ep`` ranks strided by tp (``dhp/parallel/
+                 per block whose exchanges run again in backward: the checkpointed ones under full /
+                 every_n, every block under selective (``memory.recomputed_exchanges``; the same
+                 rule re-issues Ulysses' all-to-alls). The EP group is ``ep`` ranks strided by tp (``dhp/parallel/
                  ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans ep * tp
                  consecutive GPUs: intra-node when they sit in one node, else the inter-node link
     EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts;
@@ -77,6 +79,7 @@ from dhp.plan.memory import (
     checkpointed_blocks,
     non_expert_params,
     rank_params,
+    recomputed_exchanges,
 )
 from dhp.plan.params import architecture
 
@@ -200,12 +203,13 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     """Seconds of collectives of one rank per micro-batch: fwd, bwd (incl. recompute), fsdp."""
     par, a, h, lay = shape.layout, shape.precision.act, shape.layer.hidden, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    again = recomputed_exchanges(shape.ac, lay.layers)  # all-to-alls re-issued in backward
     fwd = bwd = 0.0
     if par.sp > 1:
         n_full = shape.arch.sp_exchange_blocks
         one = all_to_all_s(tokens * h * a, par.sp, link.bw(par.sp), link.lat)
         fwd += 4 * n_full * one
-        bwd += (4 * n_full + 4 * n_full * ck / lay.layers) * one if shape.backward else 0.0
+        bwd += (4 * n_full + 4 * n_full * again) * one if shape.backward else 0.0
     if par.tp > 1:
         full_tokens = tokens  # TP ranks see every token; SP-in-TP moves the same volume as RS+AG
         one = all_reduce_s(full_tokens * h * a, par.tp, link.bw(par.tp), link.lat)
@@ -247,8 +251,8 @@ def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[flo
             one = all_to_all_s(tokens * b.mlp.top_k * h * a, ep, bw, link.lat)
             fwd += 2 * one
             bwd += 2 * one
-    ck = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
-    return fwd, (bwd + ck * fwd if shape.backward else 0.0)
+    again = recomputed_exchanges(shape.ac, shape.layer.layers)  # selective: every block's again
+    return fwd, (bwd + again * fwd if shape.backward else 0.0)
 
 
 def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
