@@ -85,6 +85,7 @@ from dhp.layout import ParallelLayout
 from dhp.ops.linear_attn import TORCH_FALLBACK, planned_kernel
 from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes, router_aux_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
+from dhp.plan.tp_blocks import relayout_elems
 from dhp.plan.trainable import trainable_fraction
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
@@ -395,7 +396,26 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
         out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)
     if arch.moe_blocks:
         out["router_aux"] = keep * int(tokens * router_aux_bytes(arch.blocks))
+    copies = relayout_copies_bytes(shape)
+    if copies:  # per micro-batch, whatever its tokens: the linear blocks' head-layout weights
+        kept = (
+            0.0
+            if shape.ac.kind == "selective"
+            else 1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers
+        )
+        out["tp_weight_copies"] = keep * int(copies * kept)
     return out
+
+
+def relayout_copies_bytes(shape: ModuleShape, *, largest: bool = False) -> int:
+    """Bytes of the head-layout weight copies the linear blocks receive by all-to-all under TP
+    (``dhp/plan/tp_blocks.py``), summed over the blocks (what AC off saves) or the largest block's
+    (``largest``: one exchange's copy); 0 without linear blocks or TP."""
+    if shape.arch is None:
+        return 0
+    tp, h, a = shape.layout.tp, shape.arch.hidden, shape.precision.act
+    per = [sum(relayout_elems(b.attention, hidden=h, tp=tp)) * a for b in shape.arch.blocks]
+    return int(max(per, default=0) if largest else sum(per))
 
 
 def module_shape(

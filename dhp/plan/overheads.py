@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 
 from dhp.plan.memory import ModuleShape, checkpointed_blocks, recomputed_exchanges
+from dhp.plan.tp_blocks import tp_block
 
 #: AdamW's share of the per-tensor ops of a step (about 10 of the 14: the rest are the grad norm,
 #: the clip and zero_grad, which every rank runs on every tensor)
@@ -98,11 +99,13 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
         bwd += 2 * n_full + (2 * n_full + 1) * again
     if par.tp > 1:
         sp = 2 if shape.layout.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
-        fwd_block = 2 * sp  # the attention and MLP outputs
-        # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
-        bwd_block = lay.tp_input_grads + (2 if shape.layout.sequence_parallel else 0)
-        fwd += fwd_block * lay.layers
-        bwd += bwd_block * lay.layers + fwd_block * ck
+        for block in shape.arch.blocks:  # dhp/plan/tp_blocks.py
+            c = tp_block(block, shape.arch, par.tp)
+            moves = len(c.relayout)  # a linear block's weight all-to-alls
+            fwd += c.fwd_reduces * sp + moves
+            # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
+            bwd += c.bwd_reduces + c.bwd_small + (2 if sp == 2 else 0) + moves * (1 + again)
+            bwd += c.fwd_reduces * sp * ck / lay.layers
         if shape.arch.vocab:  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
             # under SP the merged embeddings' grad is all-gathered back to the full sequence
             chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))

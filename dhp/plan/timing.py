@@ -28,9 +28,14 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
 
     all-reduce   2 (n-1)/n * bytes / bw + 2 (n-1) lat      TP: 2 per block fwd; bwd 1 per column-
                                                            parallel input (tp_input_grads: q, k, v,
-                                                           gate, up = 5 unfused) + 2 recompute;
+                                                           gate, up = 5 unfused; a Gated DeltaNet
+                                                           mixer: its input and its norm weight,
+                                                           ``tp_blocks.py``) + 2 recompute;
                                                            RS+AG under sequence_parallel: same volume
                                                            (+ 2 AG of the outputs' grads in bwd)
+    all-to-all   a Gated DeltaNet block under TP: its in_proj_qkv and conv1d shards into the head
+                 layout, 2 per pass, (2K + V) x hidden / tp elements (+ the conv's taps), again in
+                 backward where the block's exchanges are recomputed
     all-to-all   (n-1)/n * bytes / bw + (n-1) lat          Ulysses: q, k, v, out per full-attn block
     all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
                                                            (the non-expert parameters only)
@@ -82,6 +87,7 @@ from dhp.plan.memory import (
     recomputed_exchanges,
 )
 from dhp.plan.params import architecture
+from dhp.plan.tp_blocks import tp_block
 
 ATTN_HALF_SPAN = 128.0
 ATTN_BWD_FACTOR = 2.5
@@ -211,13 +217,9 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         fwd += 4 * n_full * one
         bwd += (4 * n_full + 4 * n_full * again) * one if shape.backward else 0.0
     if par.tp > 1:
-        full_tokens = tokens  # TP ranks see every token; SP-in-TP moves the same volume as RS+AG
-        one = all_reduce_s(full_tokens * h * a, par.tp, link.bw(par.tp), link.lat)
-        fwd += 2 * lay.layers * one
-        # backward: one all-reduce per column-parallel input's grad (torch's TP styles reduce each
-        # projection's on its own); SP adds the all-gathers of the two outputs' grads (one AR's bytes)
-        per = lay.tp_input_grads + (1 if shape.layout.sequence_parallel else 0)
-        bwd += (per * lay.layers + 2 * ck) * one if shape.backward else 0.0
+        tp_fwd, tp_bwd = tp_comm_s(shape, tokens, link, ck=ck, again=again)
+        fwd += tp_fwd
+        bwd += tp_bwd if shape.backward else 0.0
     a2a_fwd, a2a_bwd = moe_all_to_all_s(shape, tokens, link)
     fwd += a2a_fwd
     bwd += a2a_bwd
@@ -234,6 +236,27 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
                 (lay.layers * layer + root) * shape.precision.reduce, par.fsdp, link.bw(span), link.lat
             )
     return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp, "a2a": a2a_fwd + a2a_bwd}
+
+
+def tp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int, again: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's TP collectives per micro-batch, block by block
+    (``dhp/plan/tp_blocks.py``): the hidden-wide all-reduces (TP ranks see every token; SP-in-TP's
+    RS + AG move the same volume; SP adds the all-gathers of the two outputs' grads, one AR's bytes),
+    the tiny all-reduces of replicated weights' grads, and a linear block's weight all-to-alls
+    (again in backward where the exchanges are recomputed: ``again``; ``ck`` checkpointed blocks
+    re-issue their 2 forward all-reduces)."""
+    par, a, h = shape.layout, shape.precision.act, shape.layer.hidden
+    bw = link.bw(par.tp)
+    one = all_reduce_s(tokens * h * a, par.tp, bw, link.lat)
+    small = all_reduce_s(4.0, par.tp, bw, link.lat)  # a few elements: the latency
+    sp = 1 if par.sequence_parallel else 0
+    fwd = bwd = 0.0
+    for block in shape.arch.blocks:
+        c = tp_block(block, shape.arch, par.tp)
+        moves = sum(all_to_all_s(n * a, par.tp, bw, link.lat) for n in c.relayout)
+        fwd += c.fwd_reduces * one + moves
+        bwd += (c.bwd_reduces + sp) * one + c.bwd_small * small + moves * (1 + again)
+    return fwd, bwd + 2 * ck * one
 
 
 def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
