@@ -12,7 +12,7 @@ from dhp.layout import ParallelLayout, module_layout
 from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
-from dhp.plan.memory import ModuleShape, module_shape
+from dhp.plan.memory import ModuleShape, encoder_replica_patches, module_shape
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.placement import assign_gpus, placement_groups, routing
@@ -80,7 +80,9 @@ def module_shapes(
     config: DictConfig, layouts: dict[str, ParallelLayout] | None = None
 ) -> dict[str, ModuleShape]:
     """The ModuleShape of every module of ``config`` (what memory and time read) at ``layouts``
-    (default: the config's, :func:`module_layouts`)."""
+    (default: the config's, :func:`module_layouts`). An encoder's ``seq_len`` is what one of its
+    replicas encodes per driver micro-batch (:func:`~dhp.plan.memory.encoder_replica_patches`), the
+    LLM's rows are the packed rows when packing is on."""
     layouts = module_layouts(config) if layouts is None else layouts
     shapes = {
         str(name): module_shape(
@@ -94,6 +96,13 @@ def module_shapes(
         )
         for name, mod in config.modules.items()
     }
+    if "llm" in shapes:  # an encoder replica encodes the images of every LLM replica it serves
+        for name, shape in shapes.items():
+            if shape.pixels:
+                patches = encoder_replica_patches(
+                    shape.seq_len, producer=layouts[name], consumer=layouts["llm"]
+                )
+                shapes[name] = dataclasses.replace(shape, seq_len=patches)
     row, _ = packed_row_tokens(
         packing=config.data.packing,
         max_tokens=config.data.max_tokens,

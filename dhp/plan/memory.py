@@ -167,6 +167,17 @@ class ModuleShape:
         return self.layout.seq_split
 
 
+def encoder_replica_patches(seq_len: int, *, producer: ParallelLayout, consumer: ParallelLayout) -> int:
+    """Patches one encoder replica encodes per driver micro-batch, at most. ``modules.vision.seq_len``
+    bounds the patches of ONE LLM replica's micro-batch (what the data loader checks, whatever the
+    layouts); with fewer encoder replicas than LLM replicas each serves ``L / V`` of them in one
+    forward (``dhp.plan.placement.routing``: their images concatenated), so it encodes up to
+    ``L / V x seq_len``; with more, a share of one micro-batch's images (whole images: up to
+    ``seq_len``). Memory and time both count this many."""
+    v, n = producer.num_replicas, consumer.num_replicas
+    return seq_len * (n // v) if v <= n else seq_len
+
+
 def sp_rank_tokens(arch: ModuleArch | None, patches: float, sp: int, image: int) -> float:
     """Patches the fullest of ``sp`` Ulysses ranks encodes out of ``patches``: the runtime cuts an
     image on multiples of the family's ``sp_unit`` (a window for a windowed encoder, a merge unit
