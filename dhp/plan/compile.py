@@ -103,18 +103,22 @@ def module_shapes(
                     shape.seq_len, producer=layouts[name], consumer=layouts["llm"]
                 )
                 shapes[name] = dataclasses.replace(shape, seq_len=patches)
-    row, _ = packed_row_tokens(
-        packing=config.data.packing,
-        max_tokens=config.data.max_tokens,
-        llm_seq_len=int(config.modules.llm.seq_len) if "llm" in shapes else 0,
-    )  # validated already: the row holds the longest sample
-    if "llm" in shapes and row:
-        # packed rows of data.max_tokens (0: seq_len); first-fit never needs more rows than
-        # 2 * tokens / row + 1 (any two rows together overflow one), nor more than samples
-        llm = shapes["llm"]
-        rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
-        shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row)
+    if "llm" in shapes:
+        shapes["llm"] = packed_rows(config, shapes["llm"])
     return shapes
+
+
+def packed_rows(config: DictConfig, llm: ModuleShape) -> ModuleShape:
+    """The LLM's shape in packed rows when ``data.packing`` is on (else ``llm``): rows of
+    ``data.max_tokens`` (0: seq_len); first-fit never needs more rows than 2 * tokens / row + 1 (any
+    two rows together overflow one), nor more than samples."""
+    row, _ = packed_row_tokens(
+        packing=config.data.packing, max_tokens=config.data.max_tokens, llm_seq_len=int(llm.seq_len)
+    )  # validated already: the row holds the longest sample
+    if not row:
+        return llm
+    rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
+    return dataclasses.replace(llm, micro_batch=rows, seq_len=row)
 
 
 def memory_estimate(terms: ModuleTerms, shape: ModuleShape, moe: dict | None = None) -> MemoryEstimate:
