@@ -272,14 +272,12 @@ def checkpointed_blocks(ac: AcMode, layers: int) -> int:
     return 0
 
 
-def recomputed_exchanges(ac: AcMode, layers: int) -> float:
-    """Share of the blocks whose all-to-alls (Ulysses' q/k/v/out, EP's dispatch and combine, the
-    Gated DeltaNet TP weight re-layout) run again in backward: the checkpointed ones under full and
-    every_n, EVERY block under selective, whose policy keeps the outputs of matmuls, attention and
-    the SP-in-TP collectives but never an all-to-all's (``dhp.parallel.ac.SELECTIVE_SAVE``)."""
-    if ac.kind == "selective":
-        return 1.0
-    return checkpointed_blocks(ac, layers) / layers
+def recomputed_exchanges(ac: AcMode, layers: int) -> int:
+    """Blocks whose all-to-alls (Ulysses' q/k/v/out, EP's dispatch and combine, the Gated DeltaNet
+    TP weight re-layout) run again in backward: the checkpointed ones under full and every_n, EVERY
+    block under selective, whose policy keeps the outputs of matmuls, attention and the SP-in-TP
+    collectives but never an all-to-all's (``dhp.parallel.ac.SELECTIVE_SAVE``)."""
+    return layers if ac.kind == "selective" else checkpointed_blocks(ac, layers)
 
 
 def _uniform_dense(shape: ModuleShape) -> bool:

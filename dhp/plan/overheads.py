@@ -91,21 +91,21 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     """(forward, backward) collective calls of one rank per micro-batch."""
     par, lay = shape.layout, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
-    again = recomputed_exchanges(shape.ac, lay.layers)  # share of blocks re-issuing all-to-alls
+    again = recomputed_exchanges(shape.ac, lay.layers)  # blocks re-issuing their all-to-alls
     fwd = bwd = 0.0
     if par.sp > 1:  # per full block: qkv (fused) and out; plus one rotary-table gather a forward
         n_full = shape.arch.sp_exchange_blocks
         fwd += 2 * n_full + 1
-        bwd += 2 * n_full + (2 * n_full + 1) * again
+        bwd += 2 * n_full + (2 * n_full + 1) * again / lay.layers
     if par.tp > 1:
         sp = 2 if shape.layout.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
-        for block in shape.arch.blocks:  # dhp/plan/tp_blocks.py
-            c = tp_block(block, shape.arch, par.tp)
-            moves = len(c.relayout)  # a linear block's weight all-to-alls
-            fwd += c.fwd_reduces * sp + moves
-            # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
-            bwd += c.bwd_reduces + c.bwd_small + (2 if sp == 2 else 0) + moves * (1 + again)
-            bwd += c.fwd_reduces * sp * ck / lay.layers
+        blocks = [tp_block(b, shape.arch, par.tp) for b in shape.arch.blocks]  # dhp/plan/tp_blocks.py
+        moves = sum(len(c.relayout) for c in blocks)  # the linear blocks' weight all-to-alls
+        fwd_blocks = sum(c.fwd_reduces for c in blocks) * sp  # the mixers' and MLPs' outputs
+        # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
+        grads = sum(c.bwd_reduces + c.bwd_small for c in blocks) + (2 if sp == 2 else 0) * len(blocks)
+        fwd += fwd_blocks + moves
+        bwd += grads + moves * (1 + again / lay.layers) + fwd_blocks * ck / lay.layers
         if shape.arch.vocab:  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
             # under SP the merged embeddings' grad is all-gathered back to the full sequence
             chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))
@@ -117,7 +117,7 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     if par.ep > 1:  # per MoE block: the per-expert counts, dispatch, combine; backward the reverse two
         moe = shape.arch.moe_blocks  # + the forward's three again where the exchanges are recomputed
         fwd += 3 * moe
-        bwd += 2 * moe + 3 * moe * again
+        bwd += 2 * moe + 3 * moe * again / lay.layers
     return fwd, (bwd if shape.backward else 0.0)
 
 

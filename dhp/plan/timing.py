@@ -215,7 +215,7 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         n_full = shape.arch.sp_exchange_blocks
         one = all_to_all_s(tokens * h * a, par.sp, link.bw(par.sp), link.lat)
         fwd += 4 * n_full * one
-        bwd += (4 * n_full + 4 * n_full * again) * one if shape.backward else 0.0
+        bwd += (4 * n_full + 4 * n_full * again / lay.layers) * one if shape.backward else 0.0
     if par.tp > 1:
         tp_fwd, tp_bwd = tp_comm_s(shape, tokens, link, ck=ck, again=again)
         fwd += tp_fwd
@@ -238,25 +238,24 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp, "a2a": a2a_fwd + a2a_bwd}
 
 
-def tp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int, again: float) -> tuple[float, float]:
+def tp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int, again: int) -> tuple[float, float]:
     """(forward, backward) seconds of one rank's TP collectives per micro-batch, block by block
     (``dhp/plan/tp_blocks.py``): the hidden-wide all-reduces (TP ranks see every token; SP-in-TP's
     RS + AG move the same volume; SP adds the all-gathers of the two outputs' grads, one AR's bytes),
     the tiny all-reduces of replicated weights' grads, and a linear block's weight all-to-alls
-    (again in backward where the exchanges are recomputed: ``again``; ``ck`` checkpointed blocks
+    (again in backward where the exchanges are recomputed: ``again`` blocks; ``ck`` checkpointed blocks
     re-issue their 2 forward all-reduces)."""
     par, a, h = shape.layout, shape.precision.act, shape.layer.hidden
     bw = link.bw(par.tp)
     one = all_reduce_s(tokens * h * a, par.tp, bw, link.lat)
     small = all_reduce_s(4.0, par.tp, bw, link.lat)  # a few elements: the latency
+    blocks = [tp_block(b, shape.arch, par.tp) for b in shape.arch.blocks]
+    moves = sum(all_to_all_s(n * a, par.tp, bw, link.lat) for c in blocks for n in c.relayout)
     sp = 1 if par.sequence_parallel else 0
-    fwd = bwd = 0.0
-    for block in shape.arch.blocks:
-        c = tp_block(block, shape.arch, par.tp)
-        moves = sum(all_to_all_s(n * a, par.tp, bw, link.lat) for n in c.relayout)
-        fwd += c.fwd_reduces * one + moves
-        bwd += (c.bwd_reduces + sp) * one + c.bwd_small * small + moves * (1 + again)
-    return fwd, bwd + 2 * ck * one
+    fwd = sum(c.fwd_reduces for c in blocks) * one + moves
+    hidden = sum(c.bwd_reduces for c in blocks) + sp * len(blocks) + 2 * ck  # exact: integers
+    bwd = hidden * one + sum(c.bwd_small for c in blocks) * small + moves * (1 + again / len(blocks))
+    return fwd, bwd
 
 
 def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
@@ -274,7 +273,7 @@ def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[flo
             one = all_to_all_s(tokens * b.mlp.top_k * h * a, ep, bw, link.lat)
             fwd += 2 * one
             bwd += 2 * one
-    again = recomputed_exchanges(shape.ac, shape.layer.layers)  # selective: every block's again
+    again = recomputed_exchanges(shape.ac, shape.layer.layers) / shape.layer.layers  # selective: all
     return fwd, (bwd + again * fwd if shape.backward else 0.0)
 
 

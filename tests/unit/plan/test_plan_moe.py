@@ -181,3 +181,30 @@ def test_auto_searches_ep_with_the_other_axes() -> None:
     assert {
         d.ep for d in module_degrees("vision", 4, axes=vision, gpus_per_node=4, mixed_precision="fp32")
     } == {1}
+
+
+def test_selective_ac_recomputes_the_exchanges_in_time_calls_and_memory() -> None:
+    """Selective AC keeps matmul outputs only (``dhp.parallel.ac.SELECTIVE_SAVE``), so backward re-issues
+    each MoE block's count exchange, dispatch and combine (``tests/parity/test_ep.py``: 8 all-to-alls
+    per MoE layer and step, as under full AC) and nothing of them is kept for backward."""
+    from dhp.plan.experts import dispatch_bytes
+    from dhp.plan.overheads import collectives
+
+    cfg = _cfg("qwen3_5_35b_a3b")
+    link = link_of(cfg.cluster)
+    shapes = {}
+    for ac in ("off", "selective", "full"):
+        s = _llm(cfg, fsdp=8, ep=8)
+        shapes[ac] = dataclasses.replace(s, ac=dataclasses.replace(s.ac, kind=ac))
+    t = 4096.0
+    m = next(b.mlp for b in shapes["off"].arch.blocks if b.mlp.kind == "moe")
+    one = all_to_all_s(
+        t * m.top_k * shapes["off"].arch.hidden * shapes["off"].precision.act, 8, link.intra, link.lat
+    )
+    blocks = shapes["off"].arch.moe_blocks
+    for ac, per_block in (("off", 4), ("selective", 6), ("full", 6)):
+        assert module_comm(shapes[ac], t, link)["a2a"] == pytest.approx(blocks * per_block * one)
+    ep_calls = {ac: collectives(shapes[ac], t)[1] for ac in shapes}
+    assert ep_calls["selective"] - ep_calls["off"] == pytest.approx(3 * blocks)
+    assert dispatch_bytes(shapes["off"], 1.0)[1] > 0
+    assert dispatch_bytes(shapes["selective"], 1.0)[1] == dispatch_bytes(shapes["full"], 1.0)[1] == 0
