@@ -7,6 +7,8 @@ Token mixer, by :class:`~dhp.models.arch.Attention` kind::
 
     full / window   off: (4h + 3kv)/tp          selective: (2h + 2kv)/tp     (q, k, v, out; the
                                                                               calibrated dense block)
+                    + per-head q/k norms (``qk_norm``, off): [(q + kv)(4 + a) + 4 (heads + kv heads)] / a / tp
+                    (their fp32 inputs and rsqrt, their outputs; ``test_activation_calibration.py``)
     linear          off: (3 (2K+V) + 4V + Hv C)/tp                            selective: (2K + 3V + Hv C)/tp
                     (Gated DeltaNet with flash-linear-attention's chunk kernel, heads split by TP: the
                     conv1d's input and output and the activated q/k/v (2K+V each), the gate z, the
@@ -97,6 +99,8 @@ def mixer_saved_elems(
     else:
         kv = att.kv_dim
         mix = (2 * hidden + 2 * kv) if selective else (4 * hidden + 3 * kv)
+        if att.qk_norm and not selective:  # the per-head norms' fp32 inputs, rsqrt and outputs
+            mix += ((att.q_dim + kv) * (FP32_BYTES + act) + FP32_BYTES * (att.heads + att.kv_heads)) / act
     return mix / tp
 
 

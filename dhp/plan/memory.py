@@ -281,9 +281,15 @@ def recomputed_exchanges(ac: AcMode, layers: int) -> int:
 
 
 def _uniform_dense(shape: ModuleShape) -> bool:
-    """Every block is the calibrated full/window attention + dense MLP of ``shape.layer``."""
+    """Every block is the calibrated full/window attention (no per-head q/k norms) + dense MLP of
+    ``shape.layer``."""
     arch = shape.arch
-    return arch is None or all(b.attention.kind != "linear" and b.mlp.kind == "dense" for b in arch.blocks)
+    if arch is None:
+        return True
+    return all(
+        b.attention.kind != "linear" and not b.attention.qk_norm and b.mlp.kind == "dense"
+        for b in arch.blocks
+    )
 
 
 def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:

@@ -438,7 +438,7 @@ def llm_blocks(n: Numbers) -> tuple[Block, ...]:
         if n.moe
         else Mlp(kind="dense", intermediate=n.mlp)
     )
-    full = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True)
+    full = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True, qk_norm=True)
     linear = Attention(
         kind="linear",
         heads=n.linear_v_heads,

@@ -189,7 +189,7 @@ def validate(model: Any, issues: Issues) -> None:
 
 def llm_arch(n: Numbers) -> ModuleArch:
     """The decoder: causal GQA attention with ``head_dim`` per head, a SwiGLU MLP; vocab-parallel lm_head."""
-    attn = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True)
+    attn = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True, qk_norm=True)
     return ModuleArch(
         hidden=n.hidden,
         blocks=uniform_blocks(n.layers, attn, Mlp(kind="dense", intermediate=n.mlp)),

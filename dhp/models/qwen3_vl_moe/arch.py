@@ -367,7 +367,7 @@ def validate(model: Any, issues: Issues) -> None:
 def llm_blocks(n: Numbers) -> tuple[Block, ...]:
     """Per decoder layer: causal GQA attention with ``head_dim`` per head, and either the sparse MLP
     (``Mlp(kind="moe")``: E experts of I, top-k active, no shared expert) or the dense SwiGLU."""
-    attn = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True)
+    attn = Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True, qk_norm=True)
     moe = Mlp(kind="moe", intermediate=n.moe_mlp, experts=n.experts, top_k=n.top_k)
     dense = Mlp(kind="dense", intermediate=n.mlp)
     return tuple(Block(attn, moe if n.is_sparse(i) else dense) for i in range(n.layers))
