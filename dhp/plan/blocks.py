@@ -7,8 +7,9 @@ Token mixer, by :class:`~dhp.models.arch.Attention` kind::
 
     full / window   off: (4h + 3kv)/tp          selective: (2h + 2kv)/tp     (q, k, v, out; the
                                                                               calibrated dense block)
-                    + per-head q/k norms (``qk_norm``, off): [(q + kv)(4 + a) + 4 (heads + kv heads)] / a / tp
-                    (their fp32 inputs and rsqrt, their outputs; ``test_activation_calibration.py``)
+                    + per-head q/k norms (``qk_norm``, off only):
+                      [(q + kv)(4 + a) + 4 (heads + kv heads)] / a / tp (their fp32 inputs and rsqrt,
+                      their outputs; ``tests/unit/plan/test_activation_calibration.py``)
     linear          off: (3 (2K+V) + 4V + Hv C)/tp                            selective: (2K + 3V + Hv C)/tp
                     (Gated DeltaNet with flash-linear-attention's chunk kernel, heads split by TP: the
                     conv1d's input and output and the activated q/k/v (2K+V each), the gate z, the
@@ -45,10 +46,10 @@ ungated one, ``Mlp.saved_widths``)::
     moe, selective  k r (2 I + h)           the experts' matmul outputs (gate_up, down) per row
                   + E                       the router's logits
                   + 2 shared / tp + h + 1   the shared expert's matmul outputs and its gate's
-                                            Everything else is recomputed in backward, the dispatch
-                                            and combine all-to-alls included (their outputs are not
-                                            matmul outputs): ``dhp/plan/timing.py`` charges them.
     moe, full       nothing but the block input (the whole block is recomputed)
+
+    Selective AC recomputes everything else in backward, the dispatch and combine all-to-alls
+    included (their outputs are not matmul outputs): ``dhp/plan/timing.py`` charges them again.
 
     r = rows received per own assignment: 1 with a balanced router (each rank receives, on average,
     as many rows as it sends), ``ep`` under a fully unbalanced one (every token of the EP group

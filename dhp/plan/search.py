@@ -350,8 +350,8 @@ class Search:
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:
         """Candidates that fit, fastest first (at most ``keep``, and the run config's own plan when it
-        fits, :meth:`own`, last if slower than all of them), before full validation. Why each class of candidates (a placement on
-        some GPUs) gave none that fits is left in :attr:`ruled_out`."""
+        fits, :meth:`own`, last if slower than all of them), before full validation. Why each class
+        of candidates (a placement on some GPUs) gave none that fits is left in :attr:`ruled_out`."""
         best: list[Candidate] = []
         labels: set[str] = set()
         self.ruled_out = {}

@@ -43,9 +43,10 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                  ep ranks; forward 2, backward 2 (the autograd of each is the reverse exchange), + 2
                  per block whose exchanges run again in backward: the checkpointed ones under full /
                  every_n, every block under selective (``memory.recomputed_exchanges``; the same
-                 rule re-issues Ulysses' all-to-alls). The EP group is ``ep`` ranks strided by tp (``dhp/parallel/
-                 ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans ep * tp
-                 consecutive GPUs: intra-node when they sit in one node, else the inter-node link
+                 rule re-issues Ulysses' all-to-alls). The EP group is ``ep`` ranks strided by tp
+                 (``dhp/parallel/ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans
+                 ep * tp consecutive GPUs: intra-node when they sit in one node, else the inter-node
+                 link
     EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts;
                  with zero=1 the experts' owners also broadcast them over edp after the step
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
