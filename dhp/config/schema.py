@@ -190,8 +190,11 @@ class LoraConfig:
 class ModuleConfig:
     """One module = one Ray actor group with its own torch.distributed world.
 
-    seq_len: for the vision module, the max patches per micro-batch (per DP replica);
-    for the LLM, the max tokens per sample (micro-batch rows are padded to the longest sample).
+    seq_len: for the vision module, the max patches of one micro-batch of one LLM data replica
+    (what the data loader enforces); an encoder replica serving k LLM replicas (fewer encoder than
+    LLM replicas) encodes up to k x seq_len per driver micro-batch, which the planner counts
+    (``dhp.plan.memory.encoder_replica_patches``); for the LLM, the max tokens per sample
+    (micro-batch rows are padded to the longest sample).
     """
 
     gpus: int = 1

@@ -42,8 +42,11 @@ tests/unit/plan/test_activation_calibration.py)::
     frozen encoder (no backward): nothing saved; one block's working set in forward
 
 Blocks that differ (a hybrid of linear- and full-attention blocks, MoE MLPs) sum their own
-per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations and
-the dispatch/combine buffers); every_n drops ceil(L/K)/L of every block's. The one-block working
+per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations,
+the received and combined rows and the routing indices; selective keeps only the matmul outputs and
+recomputes the exchanges); every_n drops ceil(L/K)/L of every block's. The load-balancing loss of a
+module with MoE blocks saves its fp32 router probabilities outside the blocks (``router_aux``: every
+AC mode keeps them). The one-block working
 set is the largest block's, plus a linear block's chunk states (transient in its forward and
 backward, whatever the AC mode).
 
@@ -79,9 +82,10 @@ from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ParallelLayout
-from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
-from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
+from dhp.ops.linear_attn import TORCH_FALLBACK, planned_kernel
+from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes, router_aux_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
+from dhp.plan.tp_blocks import relayout_elems
 from dhp.plan.trainable import trainable_fraction
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
@@ -140,8 +144,8 @@ class ModuleShape:
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
     #: MoE rows received per own assignment: 1 (balanced router, the verdict's) or ep (worst case)
     moe_received: float = 1.0
-    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: no
-    #: flash-linear-attention on the plan's device), which saves more (``dhp/plan/blocks.py``)
+    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: the
+    #: plan's device is not one the kernel packages run on), which saves more (``dhp/plan/blocks.py``)
     delta_rule_fallback: bool = False
 
     @property
@@ -161,6 +165,17 @@ class ModuleShape:
     def seq_split(self) -> int:
         """s: how many ways the tensors between TP regions are cut by sequence."""
         return self.layout.seq_split
+
+
+def encoder_replica_patches(seq_len: int, *, producer: ParallelLayout, consumer: ParallelLayout) -> int:
+    """Patches one encoder replica encodes per driver micro-batch, at most. ``modules.vision.seq_len``
+    bounds the patches of ONE LLM replica's micro-batch (what the data loader checks, whatever the
+    layouts); with fewer encoder replicas than LLM replicas each serves ``L / V`` of them in one
+    forward (``dhp.plan.placement.routing``: their images concatenated), so it encodes up to
+    ``L / V x seq_len``; with more, a share of one micro-batch's images (whole images: up to
+    ``seq_len``). Memory and time both count this many."""
+    v, n = producer.num_replicas, consumer.num_replicas
+    return seq_len * (n // v) if v <= n else seq_len
 
 
 def sp_rank_tokens(arch: ModuleArch | None, patches: float, sp: int, image: int) -> float:
@@ -257,10 +272,24 @@ def checkpointed_blocks(ac: AcMode, layers: int) -> int:
     return 0
 
 
+def recomputed_exchanges(ac: AcMode, layers: int) -> int:
+    """Blocks whose all-to-alls (Ulysses' q/k/v/out, EP's dispatch and combine, the Gated DeltaNet
+    TP weight re-layout) run again in backward: the checkpointed ones under full and every_n, EVERY
+    block under selective, whose policy keeps the outputs of matmuls, attention and the SP-in-TP
+    collectives but never an all-to-all's (``dhp.parallel.ac.SELECTIVE_SAVE``)."""
+    return layers if ac.kind == "selective" else checkpointed_blocks(ac, layers)
+
+
 def _uniform_dense(shape: ModuleShape) -> bool:
-    """Every block is the calibrated full/window attention + dense MLP of ``shape.layer``."""
+    """Every block is the calibrated full/window attention (no per-head q/k norms) + dense MLP of
+    ``shape.layer``."""
     arch = shape.arch
-    return arch is None or all(b.attention.kind != "linear" and b.mlp.kind == "dense" for b in arch.blocks)
+    if arch is None:
+        return True
+    return all(
+        b.attention.kind != "linear" and not b.attention.qk_norm and b.mlp.kind == "dense"
+        for b in arch.blocks
+    )
 
 
 def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
@@ -364,7 +393,8 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     """Saved-for-backward bytes of one rank and micro-batch of ``shape``'s module, by component:
     the blocks, eager scores, and the module's ends as its architecture declares them (patch rows
     in fp32 and the merger for a pixel-input producer; the loss inputs and final norm for a module
-    with a vocabulary head)."""
+    with a vocabulary head; the load-balancing loss's router probabilities of a module with MoE
+    blocks, which no AC mode drops)."""
     arch, a, tokens = shape.arch, shape.precision.act, shape.tokens
     eager, _ = _eager_saved_and_work(shape)
     out = {"layers": saved_layers_bytes(shape), "attention_scores": eager}
@@ -379,7 +409,28 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     if arch.vocab:
         out["loss_inputs"] = int(tokens * (h * a + 8 + 4)) if shape.backward else 0
         out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)
+    if arch.moe_blocks:
+        out["router_aux"] = keep * int(tokens * router_aux_bytes(arch.blocks))
+    copies = relayout_copies_bytes(shape)
+    if copies:  # per micro-batch, whatever its tokens: the linear blocks' head-layout weights
+        kept = (
+            0.0
+            if shape.ac.kind == "selective"
+            else 1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers
+        )
+        out["tp_weight_copies"] = keep * int(copies * kept)
     return out
+
+
+def relayout_copies_bytes(shape: ModuleShape, *, largest: bool = False) -> int:
+    """Bytes of the head-layout weight copies the linear blocks receive by all-to-all under TP
+    (``dhp/plan/tp_blocks.py``), summed over the blocks (what AC off saves) or the largest block's
+    (``largest``: one exchange's copy); 0 without linear blocks or TP."""
+    if shape.arch is None:
+        return 0
+    tp, h, a = shape.layout.tp, shape.arch.hidden, shape.precision.act
+    per = [sum(relayout_elems(b.attention, hidden=h, tp=tp)) * a for b in shape.arch.blocks]
+    return int(max(per, default=0) if largest else sum(per))
 
 
 def module_shape(
@@ -395,7 +446,8 @@ def module_shape(
     """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
     architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers;
     ``layout``: the group's degrees (the plan's); ``device`` (the cluster's) picks the
-    linear-attention kernel whose memory is counted."""
+    linear-attention kernel whose memory is counted (``dhp.ops.linear_attn.planned_kernel``: never
+    what the planning host has installed)."""
     arch = architecture(model).modules[name]
     par = layout
     tokens = micro_batch * module.seq_len
@@ -424,5 +476,5 @@ def module_shape(
         handoff_width=arch.handoff_width,
         arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
-        delta_rule_fallback=bool(arch.count("linear")) and linear_attention_kernel(device) == TORCH_FALLBACK,
+        delta_rule_fallback=bool(arch.count("linear")) and planned_kernel(device) == TORCH_FALLBACK,
     )

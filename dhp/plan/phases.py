@@ -48,6 +48,7 @@ from dhp.plan.memory import (
     model_states,
     non_expert_params,
     rank_params,
+    relayout_copies_bytes,
 )
 
 PHASES = (
@@ -182,6 +183,11 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         fwd["delta_rule_states"] = chunks
         if shape.backward:
             bwd["delta_rule_states"] = chunks
+    relayout = 2 * relayout_copies_bytes(shape, largest=True)  # a DeltaNet block's weight exchange:
+    if relayout:  # the payload and the head-layout copy (its grad's two in backward)
+        fwd["weight_relayout"] = relayout
+        if shape.backward:
+            bwd["weight_relayout"] = relayout
     if par.sp > 1 and shape.arch.sp_exchange_blocks:  # Ulysses' q/k/v exchange buffers
         fwd["all_to_all"] = bwd["all_to_all"] = int(2 * 3 * tokens * h / par.tp * a)
     if s > 1:

@@ -34,6 +34,7 @@ from dhp.models import get_family
 from dhp.models.dtypes import torch_dtype
 from dhp.models.loading import LoadReport, load_module_weights
 from dhp.ops.context import padded_length, rank_index, row_parts
+from dhp.ops.linear_attn import require_kernel
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
 from dhp.runtime.dispatch import Collect, Dispatch, register
@@ -90,6 +91,11 @@ class ModuleWorker(DistWorker):
 
         cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        # the kernels this process will run; the plan counted the planned linear-attention kernel
+        # (dhp.ops.linear_attn.planned_kernel): any other one is refused here, before anything is built
+        self.kernels = module_kernels(self.model_cfg, module=self.module_name, device_type=self.device.type)
+        if self.kernels.get("linear_attention"):
+            require_kernel(self.device.type)
         self.mesh = par.build_mesh(self.layout, self.device_type)
         family = self.family = get_family(self.model_cfg.family)
         dtype = self.dtype = torch_dtype(self.model_cfg.dtype)
@@ -134,7 +140,6 @@ class ModuleWorker(DistWorker):
             )
         )
         torch.manual_seed(self.train_cfg.seed + self.rank)  # per-rank stream for dropout & co.
-        self.kernels = module_kernels(self.model_cfg, module=self.module_name, device_type=self.device.type)
         return sum(p.numel() for p in self.module.parameters())
 
     def _parallelize(self, module: nn.Module) -> nn.Module:

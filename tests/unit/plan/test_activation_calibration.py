@@ -171,3 +171,37 @@ def test_flops_match_torch_flop_counter(hf_model) -> None:
     fl = module_flops(shape, 256)
     patch_embed = 2 * 256 * 3 * 2 * 14 * 14 * ARCH["vision"]["hidden_size"]  # Conv3d: not a planner matmul
     assert counter.get_total_flops() == pytest.approx(fl.matmul_fwd + patch_embed, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("family", "model"), [("qwen3_vl", "tiny_qwen3_vl"), ("qwen3_vl_moe", "tiny_qwen3_vl_moe")]
+)
+def test_qwen3_llm_with_per_head_norms_matches_saved_tensors(family: str, model: str) -> None:
+    """Qwen3's attention normalizes q and k per head (``Attention.qk_norm``): their fp32 inputs, rsqrt
+    and outputs are saved too (15 % of tiny Qwen3-VL's LLM activations when left out). The family's
+    LLM module, one forward with the loss (AC off), against every saved term the planner counts."""
+    import torch
+
+    from dhp.metrics.accounting import saved_by_part
+    from dhp.models.entries import model_entry
+    from dhp.models.registry import get_family
+
+    seq, fam, entry = 256, get_family(family), model_entry(model)
+    torch.manual_seed(0)
+    llm = fam.build_module("llm", fam.hf_config(entry), device="cpu", dtype=torch.float32)
+    ids = torch.randint(20, 1000, (1, seq), generator=torch.Generator().manual_seed(0))
+    saved, _ = saved_by_part(
+        lambda: llm(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone(),
+                    mm_token_type_ids=torch.zeros_like(ids)),
+        {},
+        exclude=list(llm.parameters()),
+    )  # fmt: skip
+    module = OmegaConf.merge(
+        OmegaConf.structured(ModuleConfig),
+        {"parallel": {"dp": 1}, "seq_len": seq, "mixed_precision": "fp32", "activation_checkpointing": "off"},
+    )
+    shape = module_shape(
+        "llm", model=OmegaConf.structured(entry), module=module, layout=module_layout(module), micro_batch=1
+    )
+    assert shape.arch.blocks[0].attention.qk_norm
+    assert sum(saved.values()) == pytest.approx(sum(activations_of(shape).values()), rel=TOLERANCE)
