@@ -25,7 +25,7 @@ from dhp.checkpoint import capture_rng_state, load_module_state, restore_rng_sta
 from dhp.checkpoint.async_state import async_save_status, save_module_state_async
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
-from dhp.errors import RuntimeFailure
+from dhp.errors import ConfigError, ConfigIssue, RuntimeFailure
 from dhp.metrics import accounting
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.metrics.record import module_kernels
@@ -73,6 +73,13 @@ class ModuleWorker(DistWorker):
     def build(self) -> int:
         """Mesh over this group's world, the module (loaded or seeded init), parallelism, optimizer.
 
+        Precision (``modules.<name>.mixed_precision``, :mod:`dhp.parallel.precision`): the
+        parameters are stored in the policy's parameter dtype whatever ``model.dtype`` the weights
+        come in (fp32 master weights under ``bf16_master_fp32``: a bf16 checkpoint is upcast as it
+        is read, a random init drawn in ``model.dtype`` is cast), so the gradients and AdamW states
+        are that dtype too; ``parallelize`` makes the module compute in the policy's compute dtype,
+        and the rows handed to the next module travel in it (bf16 under both bf16 policies).
+
         ``model.path`` set: the module is built on ``meta`` (no memory), parallelized there (TP/SP
         swap styles and forwards, AC, FSDP2's ``fully_shard``), then only this rank's storage is
         materialised on its device (``to_empty``) and filled from the safetensors files with this
@@ -82,16 +89,18 @@ class ModuleWorker(DistWorker):
 
         ``model.path`` null: random init builds the FULL module on every rank's device from
         ``train.seed`` and only then shards it, so every plan starts from identical weights. That
-        costs the whole module's parameters (in ``model.dtype``) on each rank until ``parallelize``
-        frees the non-local parts: fine for tiny/benchmark models, not for real sizes (use a path).
-        Returns the number of parameters.
+        costs the whole module's parameters (in ``model.dtype``, then the parameter dtype) on each
+        rank until ``parallelize`` frees the non-local parts: fine for tiny/benchmark models, not for
+        real sizes (use a path). Returns the number of parameters.
         """
 
         cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.mesh = par.build_mesh(self.layout, self.device_type)
         family = self.family = get_family(self.model_cfg.family)
-        dtype = self.dtype = torch_dtype(self.model_cfg.dtype)
+        precision = self.precision = par.precision_of(self.module_cfg.mixed_precision)
+        _check_device_dtype(precision, self.device, module_name=self.module_name)
+        dtype = torch_dtype(self.model_cfg.dtype)  # what the weights come in; stored as precision's
         self.load_report: LoadReport | None = None
         if self.model_cfg.path is None:
             hf_config = self.hf_config = family.hf_config(self.model_cfg)
@@ -112,7 +121,7 @@ class ModuleWorker(DistWorker):
                 family=family,
                 module_name=self.module_name,
                 hf_config=hf_config,
-                dtype=dtype,
+                dtype=precision.param_dtype,
                 device=self.device,
             )
             init_lora_params(self.module, seed=self.train_cfg.seed)  # adapters are not in model.path
@@ -142,6 +151,7 @@ class ModuleWorker(DistWorker):
             module.requires_grad_(False)
         else:  # LoRA adapters (peft) before any parallelism; TP shards them like their base layer
             module = apply_lora(module, module_name=self.module_name, lora=self.module_cfg.lora)
+        par.cast_parameters_(module, self.precision.param_dtype)  # free on meta
         return par.parallelize(
             self.module_name,
             module,
@@ -192,7 +202,8 @@ class ModuleWorker(DistWorker):
                     outputs = self.module(**shard.forward_kwargs())
             if not self.frozen:
                 self._inflight[micro_batch] = (outputs, work)
-            rows_all = link.pack({k: t.detach() for k, t in outputs.items()})
+            # the rows travel in the compute dtype (the planner's hand-off bytes)
+            rows_all = link.pack({k: t.detach().to(self.precision.compute_dtype) for k, t in outputs.items()})
             for route in work.routes if send else ():
                 rows = rows_all[route.src.to(self.device)]
                 payload = self.channel.pack(
@@ -328,7 +339,8 @@ class ModuleWorker(DistWorker):
         if batch.image_grid_thw is None:
             return None
         n = sum(self.family.tokens_per_image(self.hf_config, batch.image_grid_thw))
-        rows_all = torch.zeros(n, link.width, dtype=self.dtype, device=self.device)
+        # the leaf is in this module's compute dtype: its gradient rows go back in it too
+        rows_all = torch.zeros(n, link.width, dtype=self.precision.compute_dtype, device=self.device)
         if arrivals is not None:
             filled = 0
             own = self._own_rows(batch) if not self.channel.leader_only else None
@@ -466,6 +478,25 @@ class ModuleWorker(DistWorker):
             restore_rng_state(extra["rng"])
             return True
         return False
+
+
+def _check_device_dtype(precision: par.Precision, device: torch.device, *, module_name: str) -> None:
+    """ConfigError when this rank's device cannot compute in the policy's dtype (bf16 on a GPU
+    before compute capability 8.0); CPU torch computes bf16 everywhere."""
+    if precision.compute_dtype != torch.bfloat16 or device.type != "cuda":
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    f"modules.{module_name}.mixed_precision",
+                    precision.name,
+                    f"bf16 compute needs a GPU with native bf16 (compute capability >= 8.0); this rank has {name}",
+                    f"set modules.{module_name}.mixed_precision=fp32",
+                )
+            ]
+        )
 
 
 def _is_root(group: Any) -> bool:
