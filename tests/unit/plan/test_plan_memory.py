@@ -106,13 +106,30 @@ def test_fsdp_shards_all_states_but_not_activations() -> None:
     assert fsdp.activations == plain.activations
 
 
-def test_bytes_per_param_follow_the_runtime_dtype() -> None:
-    # the runtime builds modules in model.dtype; AdamW keeps its two states in the parameter dtype
-    bf16, _ = _estimate("qwen_vl_7b", ["modules.llm.parallel.zero=0"], "llm")
-    assert bf16.bytes_per_param == {"params": 2, "grads": 2, "optimizer": 4, "activations": 2}
-    fp32, _ = _estimate("qwen_vl_7b", ["modules.llm.parallel.zero=0", "model.dtype=float32"], "llm")
-    assert fp32.bytes_per_param == {"params": 4, "grads": 4, "optimizer": 8, "activations": 4}
-    assert fp32.optimizer == 2 * bf16.optimizer and fp32.params == 2 * bf16.params
+@pytest.mark.parametrize(
+    ("policy", "want"),
+    [
+        ("bf16", {"params": 2, "grads": 2, "optimizer": 4, "activations": 2}),
+        ("bf16_master_fp32", {"params": 4, "grads": 4, "optimizer": 8, "activations": 2}),
+        ("fp32", {"params": 4, "grads": 4, "optimizer": 8, "activations": 4}),
+    ],
+)
+def test_bytes_per_param_follow_the_precision_policy(policy: str, want: dict) -> None:
+    # the runtime stores parameters in the policy's dtype whatever model.dtype the weights come in
+    # (dhp.parallel.precision); AdamW keeps its two states in the parameter dtype
+    for dtype in ("bfloat16", "float32"):
+        over = [
+            "modules.llm.parallel.zero=0",
+            f"model.dtype={dtype}",
+            f"modules.llm.mixed_precision={policy}",
+        ]
+        mem, _ = _estimate("qwen_vl_7b", over, "llm")
+        assert mem.bytes_per_param == want, (dtype, mem.bytes_per_param)
+    bf16, _ = _estimate(
+        "qwen_vl_7b", ["modules.llm.parallel.zero=0", "modules.llm.mixed_precision=bf16"], "llm"
+    )
+    if policy != "bf16":
+        assert mem.optimizer == 2 * bf16.optimizer and mem.params == 2 * bf16.params
 
 
 def test_activation_checkpointing_and_attention_kernel() -> None:
