@@ -27,6 +27,7 @@ from dhp.config.validate_loop import validate_loop
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_optimizer import validate_optimizer
+from dhp.config.validate_precision import validate_precision
 from dhp.config.validate_run import validate_data, validate_modules, validate_run
 from dhp.config.validate_trainable import validate_trainable
 from dhp.errors import ConfigError, ConfigIssue
@@ -125,6 +126,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     if roots & {"model", "cluster"}:
         return issues.items  # the remaining checks need the architecture and the cluster
     validate_modules(cfg, issues)
+    validate_precision(cfg, issues)  # mixed_precision keys that cannot take effect
     validate_run(cfg, issues)
     validate_data(cfg, issues)
     validate_data_layouts(cfg.data, issues)
