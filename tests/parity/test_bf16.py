@@ -286,6 +286,40 @@ def test_qwen2_5_vl_sp2_tp2_bf16_master_fp32() -> None:
     spawn(_case, 2, "tiny", "A")
 
 
+def _empty_shard(rank: int, world: int) -> None:
+    """One 8x8 image is one attention window: Ulysses SP rank 1 has no rows and runs the exchanges on
+    zero rows (its stand-in tables in its compute dtype); under bf16 compute every rank must still
+    send the rotary tables in one dtype. Output rows and every gradient vs the same math."""
+    family, cfg, ref = _prepared_reference("tiny")
+    batch = tiny_vl_batch(cfg, images=[[(8, 8)]], text_lens=[4], seed=1)
+    ref_vision = modules_from_reference(family, ref, cfg)["vision"]
+    layout, mesh = ParallelLayout(sp=world), _mesh("sp")
+    vision = parallelize("vision", copy.deepcopy(ref_vision), mesh, layout=layout,
+                         activation_checkpointing="off", mixed_precision=POLICY)  # fmt: skip
+    shard = family.shard_inputs("vision", cfg, pixel_values=batch["pixel_values"],
+                                image_grid_thw=batch["image_grid_thw"], sp_size=world)[rank]  # fmt: skip
+    assert (shard.num_patches == 0) == (rank == 1)
+    out = vision(**shard.forward_kwargs())["image_embeds"]
+    cot = torch.randn(16, out.shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out.backward(cot[shard.token_index])
+    finalize_grads(vision, mesh, layout=layout)
+    same = copy.deepcopy(ref_vision)
+    with torch.no_grad():
+        for p in same.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    want = same(batch["pixel_values"], batch["image_grid_thw"])["image_embeds"]
+    want.backward(cot)
+    assert out.dtype == torch.bfloat16 and _rel(out.float(), want[shard.token_index].float()) <= 2e-2
+    _, whole = _errors(
+        {"vision": full_grads(vision)}, {"vision": {n: p.grad.float() for n, p in same.named_parameters()}}
+    )
+    assert whole["vision"] <= BOUNDS["same math"].module, whole
+
+
+def test_vision_sp2_with_an_empty_shard_bf16_master_fp32() -> None:
+    spawn(_empty_shard, 2)
+
+
 SLOW = [(m, p) for m in ("tiny", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe")
         for p in PLANS if (m, p) != ("tiny", "A")]  # fmt: skip
 
