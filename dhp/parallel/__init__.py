@@ -25,7 +25,13 @@ from dhp.parallel.meshutil import build_mesh, inner_group
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.param_groups import apply_trainable, set_lr
 from dhp.parallel.plan_match import match_plan
-from dhp.parallel.precision import PRECISIONS, Precision, cast_parameters_, precision_of
+from dhp.parallel.precision import (
+    PRECISIONS,
+    Precision,
+    cast_parameters_,
+    check_device_computes,
+    precision_of,
+)
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -59,6 +65,7 @@ __all__ = [
     "build_mesh",
     "build_optimizer",
     "cast_parameters_",
+    "check_device_computes",
     "check_divides",
     "clip_grads_",
     "comm_metrics",

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dhp.errors import PlanError
+from dhp.errors import ConfigError, ConfigIssue, PlanError
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,26 @@ def check_parameter_dtypes(module: nn.Module, precision: Precision, *, module_na
             f"module {module_name!r}: mixed_precision={precision.name} stores parameters in "
             f"{precision.param_dtype}, but {len(wrong)} are not: {wrong[:3]}. Fix: build the module "
             f"in {precision.param_dtype} (dhp.parallel.precision.cast_parameters_)."
+        )
+
+
+def check_device_computes(precision: Precision, device: torch.device, *, module_name: str) -> None:
+    """ConfigError when ``device`` cannot compute in the policy's dtype: bf16 on a GPU before compute
+    capability 8.0 (checked on the rank, where the GPU is known); CPU torch computes bf16 everywhere."""
+    if precision.compute_dtype != torch.bfloat16 or device.type != "cuda":
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        path = f"modules.{module_name}.mixed_precision"
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    path,
+                    precision.name,
+                    "bf16 compute needs a GPU with native bf16 (compute capability >= 8.0); this rank "
+                    f"has {torch.cuda.get_device_name(device)}",
+                    f"set {path}=fp32",
+                )
+            ]
         )
 
 
@@ -180,6 +200,7 @@ __all__ = [
     "Precision",
     "apply_compute_cast",
     "cast_parameters_",
+    "check_device_computes",
     "check_parameter_dtypes",
     "precision_of",
 ]

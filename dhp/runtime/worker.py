@@ -25,7 +25,7 @@ from dhp.checkpoint import capture_rng_state, load_module_state, restore_rng_sta
 from dhp.checkpoint.async_state import async_save_status, save_module_state_async
 from dhp.data.batch import VLBatch
 from dhp.data.remote import resolve_pixels
-from dhp.errors import ConfigError, ConfigIssue, RuntimeFailure
+from dhp.errors import RuntimeFailure
 from dhp.metrics import accounting
 from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.metrics.record import module_kernels
@@ -99,7 +99,7 @@ class ModuleWorker(DistWorker):
         self.mesh = par.build_mesh(self.layout, self.device_type)
         family = self.family = get_family(self.model_cfg.family)
         precision = self.precision = par.precision_of(self.module_cfg.mixed_precision)
-        _check_device_dtype(precision, self.device, module_name=self.module_name)
+        par.check_device_computes(precision, self.device, module_name=self.module_name)
         dtype = torch_dtype(self.model_cfg.dtype)  # what the weights come in; stored as precision's
         self.load_report: LoadReport | None = None
         if self.model_cfg.path is None:
@@ -478,25 +478,6 @@ class ModuleWorker(DistWorker):
             restore_rng_state(extra["rng"])
             return True
         return False
-
-
-def _check_device_dtype(precision: par.Precision, device: torch.device, *, module_name: str) -> None:
-    """ConfigError when this rank's device cannot compute in the policy's dtype (bf16 on a GPU
-    before compute capability 8.0); CPU torch computes bf16 everywhere."""
-    if precision.compute_dtype != torch.bfloat16 or device.type != "cuda":
-        return
-    if not torch.cuda.is_bf16_supported(including_emulation=False):
-        name = torch.cuda.get_device_name(device)
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    f"modules.{module_name}.mixed_precision",
-                    precision.name,
-                    f"bf16 compute needs a GPU with native bf16 (compute capability >= 8.0); this rank has {name}",
-                    f"set modules.{module_name}.mixed_precision=fp32",
-                )
-            ]
-        )
 
 
 def _is_root(group: Any) -> bool:
