@@ -12,7 +12,7 @@ Two gloo ranks each build :class:`dhp.runtime.worker.ModuleWorker` for both modu
 and bf16 input and gives a bf16 output in forward; the tensors autograd saves are mostly bf16; the
 loss is fp32; every parameter and gradient is fp32, every AdamW state fp32 (8 bytes per local
 parameter element), and the parameters stay fp32 after the update. ``mixed_precision=bf16`` on the
-same workers stores everything in bf16 (2 + 2 + 4 bytes per element).
+same workers stores everything in bf16 (2 + 2 + 4 bytes per element; slow tier).
 """
 
 from __future__ import annotations
@@ -161,5 +161,6 @@ def test_master_weights_stay_fp32_and_compute_is_bf16() -> None:
     spawn(_master, 2)
 
 
+@pytest.mark.slow
 def test_bf16_policy_stores_everything_in_bf16() -> None:
     spawn(_bf16, 2)
