@@ -25,6 +25,13 @@ from dhp.parallel.meshutil import build_mesh, inner_group
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.param_groups import apply_trainable, set_lr
 from dhp.parallel.plan_match import match_plan
+from dhp.parallel.precision import (
+    PRECISIONS,
+    Precision,
+    cast_parameters_,
+    check_device_computes,
+    precision_of,
+)
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -36,6 +43,7 @@ from dhp.parallel.ulysses import (
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
 __all__ = [
+    "PRECISIONS",
     "STEPS",
     "AcSpec",
     "CommCounter",
@@ -43,6 +51,7 @@ __all__ = [
     "ExpertLoad",
     "FsdpSpec",
     "FusedColwiseParallel",
+    "Precision",
     "UlyssesSpec",
     "UnevenRowwiseParallel",
     "VocabParallelEmbedding",
@@ -55,6 +64,8 @@ __all__ = [
     "apply_ulysses_sp",
     "build_mesh",
     "build_optimizer",
+    "cast_parameters_",
+    "check_device_computes",
     "check_divides",
     "clip_grads_",
     "comm_metrics",
@@ -71,6 +82,7 @@ __all__ = [
     "module_plan",
     "parallelize",
     "partition_params",
+    "precision_of",
     "reduce_sp_grads",
     "sequence_shard_rows",
     "set_lr",

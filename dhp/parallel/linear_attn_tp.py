@@ -216,19 +216,26 @@ def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(owner) if owner else module), name
 
 
+def _param(module: nn.Module, fqn: str) -> torch.Tensor:
+    """The tensor registered as parameter ``fqn``: the Parameter, or the bf16 copy a compute cast
+    (``dhp.parallel.precision``) put in its place while the block runs."""
+    owner, name = _owner(module, fqn)
+    return owner._parameters[name]
+
+
 def _local_params(module: nn.Module, group) -> dict[str, torch.Tensor]:
     """The plain local tensors the layer's own forward computes with (differentiable views of the
     DTensor parameters): head-layout rows for the fused parameters, the shard for the others."""
     layout: DeltaNetLayout = module._dhp_layout
     out = {}
     for fqn, parts in layout.fused.items():
-        x = module.get_parameter(fqn).to_local()
+        x = _param(module, fqn).to_local()
         flat = _ToHeadLayout.apply(x.reshape(x.shape[0], -1), parts, group)
         out[fqn] = flat.reshape(flat.shape[0], *x.shape[1:])
     for fqn in (*layout.colwise, *layout.rowwise):
-        out[fqn] = module.get_parameter(fqn).to_local()
+        out[fqn] = _param(module, fqn).to_local()
     for fqn in layout.shared:
-        out[fqn] = _CopyToTP.apply(module.get_parameter(fqn).to_local(), group)
+        out[fqn] = _CopyToTP.apply(_param(module, fqn).to_local(), group)
     return out
 
 

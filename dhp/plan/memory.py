@@ -1,16 +1,26 @@
 """Per-rank memory terms of one module, in bytes. ``dhp/plan/phases.py`` lays them on a timeline.
 
-Bytes per parameter are what the runtime allocates (``dhp/runtime/worker.py`` builds every module
-in ``model.dtype``; torch's AdamW keeps ``exp_avg``/``exp_avg_sq`` in the parameter's dtype; FSDP2
-casts the reduced gradient back to the parameter's dtype):
+Bytes per parameter are what the runtime allocates (``dhp/parallel/precision.py``: the worker
+stores the parameters in the policy's dtype whatever ``model.dtype`` the weights come in; torch's
+AdamW keeps ``exp_avg``/``exp_avg_sq`` in the parameter's dtype; gradients accumulate in it, FSDP2
+reduce-scatters into it):
 
-    model.dtype   params  grads  optimizer (AdamW: 2 states)
-    bfloat16        2       2      4        -> 8 B/param  (``mixed_precision: bf16``)
-    float32         4       4      8        -> 16 B/param (``bf16_master_fp32`` with fsdp>1: fp32
-                                               master shards, bf16 compute; ``fp32`` otherwise)
+    mixed_precision    params  grads  optimizer (AdamW: 2 states)  compute a  FSDP reduce  cast
+    fp32                 4       4      8   -> 16 B/param             4          4          0
+    bf16_master_fp32     4       4      8   -> 16 B/param             2          4          2
+    bf16                 2       2      4   ->  8 B/param             2          2          0
 
-Compute (activation) bytes ``a``: 2 under FSDP with a bf16 policy (FSDP2 gathers the parameters in
-bf16), else the parameters' dtype.
+Compute (activation) bytes ``a``: the policy's compute dtype, in every plan (FSDP2's policy and, at
+fsdp=1, the unit cast give the same bf16 compute): saved activations, transients, the hand-off rows
+(both ways), FSDP's all-gathered blocks, the TP/SP/EP exchanges.
+
+Compute copies (``cast`` > 0: master weights): a unit casts its parameters to bf16 as it runs.
+Under FSDP that cast is the all-gather (``fsdp_gather``); the parameters FSDP does not gather (all of
+them at fsdp=1, the routed experts under FSDP x EP) are cast by the unit itself
+(:func:`compute_copy_elems`): the root's copies (embeddings, lm_head, patch embedding, merger) and
+the blocks' copies are saved for backward (``compute_weights``, per micro-batch), except the
+checkpointed blocks' (full / every_n / selective AC: dropped at the block's end and cast again in its
+recompute: one block's copy, ``compute_block``, in its forward and its backward).
 
 Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_sharded``,
 ``replicated`` and the routed experts ``expert``, :class:`~dhp.models.arch.ParamCount`):
@@ -88,7 +98,6 @@ from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.tp_blocks import relayout_elems
 from dhp.plan.trainable import trainable_fraction
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 FSDP_LAYERS_IN_FLIGHT = 2  # the block being computed and the prefetched next one
 # Loss chunk chosen when ``loss_chunk_tokens`` is 0: fp32 logits of one chunk <= this many bytes.
 LOSS_CHUNK_TARGET_BYTES = 256 << 20
@@ -104,18 +113,26 @@ class Precision:
     optimizer: int
     act: int
     reduce: int  # bytes per element of FSDP's reduce-scatter of gradients
+    cast: int = 0  # bytes per element of a parameter's compute copy (master weights), else 0
 
     @property
     def per_param(self) -> int:
         return self.param + self.grad + self.optimizer
 
 
-def precision(model_dtype: str, mixed_precision: str, fsdp: int) -> Precision:
-    """What the runtime allocates (see the module docstring)."""
-    p = DTYPE_BYTES[model_dtype]
-    bf16_policy = fsdp > 1 and mixed_precision != "fp32"
-    reduce = 4 if (mixed_precision == "bf16_master_fp32" or (mixed_precision == "fp32" and p == 4)) else 2
-    return Precision(param=p, grad=p, optimizer=2 * p, act=2 if bf16_policy else p, reduce=reduce)
+#: ``mixed_precision`` -> bytes of (parameter, compute, FSDP reduce) elements: the dtypes of
+#: ``dhp.parallel.precision.PRECISIONS`` (torch-free here)
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 4),
+    "bf16_master_fp32": (4, 2, 4),
+    "bf16": (2, 2, 2),
+}
+
+
+def precision(mixed_precision: str) -> Precision:
+    """What the runtime allocates under ``mixed_precision`` (see the module docstring)."""
+    p, a, r = PRECISION_BYTES[mixed_precision]
+    return Precision(param=p, grad=p, optimizer=2 * p, act=a, reduce=r, cast=a if a != p else 0)
 
 
 @dataclass(frozen=True)
@@ -232,6 +249,41 @@ def largest_local_param(shape: ModuleShape) -> float:
         return whole
     vocab = shape.arch.vocab * shape.arch.hidden if shape.arch is not None else 0
     return max(big / lay.ep, vocab / (lay.tp * lay.fsdp))
+
+
+def compute_copy_elems(shape: ModuleShape) -> tuple[float, float, float]:
+    """(one block's, all blocks', the root's) parameter elements one rank casts to the compute dtype
+    itself (module docstring: all at fsdp=1, only the routed experts under FSDP, which gathers the
+    rest); zeros without master weights. The block is the largest (``block_params``); the root is
+    what the blocks leave of the module's parameters."""
+    if not shape.precision.cast:
+        return 0.0, 0.0, 0.0
+    lay, layers = shape.layout, shape.layer.layers
+    dense, dense_block = non_expert_params(shape)
+    block = shape.layer_params.expert / lay.ep
+    total = shape.params.expert / lay.ep
+    if lay.fsdp == 1:
+        block += dense_block.per_tp_rank(lay.tp)
+        total += dense.per_tp_rank(lay.tp)
+    blocks = min(layers * block, total)
+    return block, blocks, total - blocks
+
+
+def compute_copy_bytes(shape: ModuleShape) -> tuple[int, int, int]:
+    """(saved for backward per micro-batch, forward transient, backward transient) bytes of the
+    compute copies (:func:`compute_copy_elems`): the root's and the kept blocks' copies are saved; a
+    checkpointed block's copy lives while it runs and while it is recomputed; without a backward
+    (frozen, nothing upstream trains) nothing is saved and the root's copy and one block's live in
+    forward."""
+    block, blocks, root = compute_copy_elems(shape)
+    if not block and not root:
+        return 0, 0, 0
+    cast, layers = shape.precision.cast, shape.layer.layers
+    if not shape.backward:
+        return 0, int((root + block) * cast), 0
+    recomputed = layers if shape.ac.kind == "selective" else checkpointed_blocks(shape.ac, layers)
+    one = int(block * cast) if recomputed else 0
+    return int((root + blocks * (layers - recomputed) / layers) * cast), one, one
 
 
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
@@ -398,6 +450,9 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     arch, a, tokens = shape.arch, shape.precision.act, shape.tokens
     eager, _ = _eager_saved_and_work(shape)
     out = {"layers": saved_layers_bytes(shape), "attention_scores": eager}
+    copies = compute_copy_bytes(shape)[0]  # master weights' bf16 copies (0 without)
+    if copies:
+        out["compute_weights"] = copies
     keep = 1 if shape.backward else 0
     h = arch.hidden
     if arch.input_row:
@@ -454,7 +509,6 @@ def module_shape(
     chunk = int(module.loss_chunk_tokens)
     if arch.vocab and chunk == 0:
         chunk = default_loss_chunk(arch.vocab, par.tp, tokens)
-    dtype = model.dtype
     return ModuleShape(
         name=name,
         params=arch.params,
@@ -467,7 +521,7 @@ def module_shape(
         ac=parse_ac_mode(module.activation_checkpointing),
         freeze=module.freeze,
         backward=not (module.freeze and not arch.inputs),
-        precision=precision(dtype, module.mixed_precision, par.fsdp),
+        precision=precision(module.mixed_precision),
         attn_implementation=model.attn_implementation,
         loss_chunk_tokens=chunk if arch.vocab else 0,
         image_patches=image_patches if arch.input_row else 0,

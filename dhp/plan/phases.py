@@ -42,6 +42,7 @@ from dhp.plan.memory import (
     ModuleShape,
     activations_of,
     block_work_bytes,
+    compute_copy_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
     largest_local_param,
@@ -176,6 +177,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         bwd["recompute_block"] = block_work_bytes(shape)
     if shape.backward:
         bwd["grad_hidden"] = int(2 * tokens * h / s * a)
+    _, fwd["compute_block"], bwd["compute_block"] = compute_copy_bytes(shape)  # master weights' bf16 copies
     if eager_one:
         fwd["attention_scores"] = bwd["attention_scores"] = eager_one
     chunks = delta_rule_work_bytes(shape)

@@ -75,6 +75,13 @@ class ModuleWorker(DistWorker):
     def build(self) -> int:
         """Mesh over this group's world, the module (loaded or seeded init), parallelism, optimizer.
 
+        Precision (``modules.<name>.mixed_precision``, :mod:`dhp.parallel.precision`): the
+        parameters are stored in the policy's parameter dtype whatever ``model.dtype`` the weights
+        come in (fp32 master weights under ``bf16_master_fp32``: a bf16 checkpoint is upcast as it
+        is read, a random init drawn in ``model.dtype`` is cast), so the gradients and AdamW states
+        are that dtype too; ``parallelize`` makes the module compute in the policy's compute dtype,
+        and the rows handed to the next module travel in it (bf16 under both bf16 policies).
+
         ``model.path`` set: the module is built on ``meta`` (no memory), parallelized there (TP/SP
         swap styles and forwards, AC, FSDP2's ``fully_shard``), then only this rank's storage is
         materialised on its device (``to_empty``) and filled from the safetensors files with this
@@ -84,9 +91,9 @@ class ModuleWorker(DistWorker):
 
         ``model.path`` null: random init builds the FULL module on every rank's device from
         ``train.seed`` and only then shards it, so every plan starts from identical weights. That
-        costs the whole module's parameters (in ``model.dtype``) on each rank until ``parallelize``
-        frees the non-local parts: fine for tiny/benchmark models, not for real sizes (use a path).
-        Returns the number of parameters.
+        costs the whole module's parameters (in ``model.dtype``, then the parameter dtype) on each
+        rank until ``parallelize`` frees the non-local parts: fine for tiny/benchmark models, not for
+        real sizes (use a path). Returns the number of parameters.
         """
 
         cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
@@ -98,7 +105,9 @@ class ModuleWorker(DistWorker):
             require_kernel(self.device.type)
         self.mesh = par.build_mesh(self.layout, self.device_type)
         family = self.family = get_family(self.model_cfg.family)
-        dtype = self.dtype = torch_dtype(self.model_cfg.dtype)
+        precision = self.precision = par.precision_of(self.module_cfg.mixed_precision)
+        par.check_device_computes(precision, self.device, module_name=self.module_name)
+        dtype = torch_dtype(self.model_cfg.dtype)  # what the weights come in; stored as precision's
         self.load_report: LoadReport | None = None
         if self.model_cfg.path is None:
             hf_config = self.hf_config = family.hf_config(self.model_cfg)
@@ -119,7 +128,7 @@ class ModuleWorker(DistWorker):
                 family=family,
                 module_name=self.module_name,
                 hf_config=hf_config,
-                dtype=dtype,
+                dtype=precision.param_dtype,
                 device=self.device,
             )
             init_lora_params(self.module, seed=self.train_cfg.seed)  # adapters are not in model.path
@@ -148,6 +157,7 @@ class ModuleWorker(DistWorker):
             module.requires_grad_(False)
         else:  # LoRA adapters (peft) before any parallelism; TP shards them like their base layer
             module = apply_lora(module, module_name=self.module_name, lora=self.module_cfg.lora)
+        par.cast_parameters_(module, self.precision.param_dtype)  # free on meta
         return par.parallelize(
             self.module_name,
             module,
@@ -199,7 +209,8 @@ class ModuleWorker(DistWorker):
                     outputs = self.module(**shard.forward_kwargs())
             if not self.frozen:
                 self._inflight[micro_batch] = (outputs, work)
-            rows_all = link.pack({k: t.detach() for k, t in outputs.items()})
+            # the rows travel in the compute dtype (the planner's hand-off bytes)
+            rows_all = link.pack({k: t.detach().to(self.precision.compute_dtype) for k, t in outputs.items()})
             for route in work.routes if send else ():
                 rows = rows_all[route.src.to(self.device)]
                 payload = self.channel.pack(
@@ -342,7 +353,8 @@ class ModuleWorker(DistWorker):
         if batch.image_grid_thw is None:
             return None
         n = self._endpoint_rows(batch)
-        rows_all = torch.zeros(n, link.width, dtype=self.dtype, device=self.device)
+        # the leaf is in this module's compute dtype: its gradient rows go back in it too
+        rows_all = torch.zeros(n, link.width, dtype=self.precision.compute_dtype, device=self.device)
         if arrivals is not None:
             filled = 0
             own = self._own_rows(batch) if not self.channel.leader_only else None

@@ -26,6 +26,7 @@ from dhp.config.validate_loop import validate_loop
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_optimizer import validate_optimizer
+from dhp.config.validate_precision import validate_precision
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.models.registry import family_names, get_arch
 from dhp.validation.validate_capabilities import validate_capabilities
@@ -125,6 +126,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     if roots & {"model", "cluster"}:
         return issues.items  # the remaining checks need the architecture and the cluster
     validate_modules(cfg, issues)
+    validate_precision(cfg, issues)  # mixed_precision keys that cannot take effect
     validate_run(cfg, issues)
     validate_data(cfg, issues)
     validate_data_layouts(cfg.data, issues)

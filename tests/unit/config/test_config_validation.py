@@ -68,6 +68,18 @@ MALFORMED = [
     ("qwen_vl_32b", ["handoff=p2p"], "handoff", "disjoint GPUs"),
     ("tiny_vlm", ["handoff=cuda_ipc"], "handoff", "cuda_ipc needs cluster.device=cuda"),
     ("qwen_vl_32b", ["modules.vision.mixed_precision=fp8"], "modules.vision.mixed_precision", "unknown"),
+    (
+        "qwen_vl_32b",
+        ["modules.vision.freeze=true", "modules.vision.mixed_precision=bf16_master_fp32"],
+        "modules.vision.mixed_precision",
+        "no master weights",
+    ),
+    (
+        "qwen_vl_32b",
+        ["model.attn_implementation=flash_attention_2", "modules.llm.mixed_precision=fp32"],
+        "modules.llm.mixed_precision",
+        "bf16/fp16 only",
+    ),
     ("qwen_vl_32b", ["~model"], "model", "no model selected"),
     ("qwen_vl_32b", ["train.warmup_steps=50", "train.steps=10"], "train.warmup_steps", "train.steps=10"),
     (
