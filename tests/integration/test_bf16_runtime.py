@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.config import load_config
+from dhp.validation import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.runtime.driver import Trainer

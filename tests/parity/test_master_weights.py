@@ -25,7 +25,7 @@ import torch.distributed as dist
 from parallel_harness import spawn
 from torch import nn
 
-from dhp.config import load_config
+from dhp.validation import load_config
 from dhp.data.batch import VLBatch
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
