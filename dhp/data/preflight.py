@@ -114,7 +114,7 @@ def check_run_data(cfg: DictConfig, *, read_rows: bool = True, rows: int = SAMPL
     files' existence. Real data needs ``cfg.model.path`` (validation says so; nothing is read here)."""
     model, data = cfg.model, cfg.data
     if data.kind != "llava":  # synthetic: only a model directory's tokenizer is read
-        if model.path is None or not read_rows:
+        if not read_rows or model.path is None:
             return DataChecks()
         try:
             load_tokenizer(str(model.path), tokens=model.tokens, family=model.family)
@@ -122,7 +122,7 @@ def check_run_data(cfg: DictConfig, *, read_rows: bool = True, rows: int = SAMPL
             return DataChecks(issues=_error_issues(e))
         return DataChecks()
     out = DataChecks(issues=data_path_issues(data))
-    if out.issues or model.path is None or not read_rows:
+    if out.issues or not read_rows or model.path is None:
         return out
     try:
         sampled, total = cached_rows(data=data, model=model, seed=int(cfg.train.seed), rows=rows)

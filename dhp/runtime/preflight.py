@@ -75,7 +75,7 @@ def _tracker_issues(cfg, issues: list[ConfigIssue]) -> list[ConfigIssue]:
 def _data_checks(cfg, issues: list[ConfigIssue], *, read_rows: bool, say: Callable[[str], None]):
     """Write a pending tiny checkpoint, then check the data (issues appended; ``read_rows`` False:
     only its files' existence); returns the sampled rows' lengths (None: synthetic, or not read)."""
-    if cfg.data.kind == "synthetic" and cfg.model.path is None:
+    if cfg.data.kind == "synthetic" and (not read_rows or cfg.model.path is None):
         return None  # nothing to read: sizes and weights come from the config
     # reason: the data layer loads torch and the tokenizer's code, which a synthetic plan never needs
     from dhp.data.preflight import check_run_data
