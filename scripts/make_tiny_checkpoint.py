@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Write a tiny, complete Qwen2.5-VL HF directory (config, safetensors, tokenizer, processor).
+"""Write a tiny, complete HF directory of a model family (config, safetensors, tokenizer, processor).
 
-python scripts/make_tiny_checkpoint.py --out /tmp/tiny_qwen [--sharded] [--seed 0]
+python scripts/make_tiny_checkpoint.py --out /tmp/tiny_qwen [--family qwen2_5_vl] [--sharded] [--seed 0]
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ def main() -> None:
         "--sharded", action="store_true", help="write several safetensors shards + index.json"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument(
+        "--family", default="qwen2_5_vl", help="model family: qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5"
+    )
     args = parser.parse_args()
-    path = make_tiny_checkpoint(args.out, sharded=args.sharded, seed=args.seed)
-    print(f"wrote tiny Qwen2.5-VL checkpoint to {path}")
+    path = make_tiny_checkpoint(args.out, family=args.family, sharded=args.sharded, seed=args.seed)
+    print(f"wrote tiny {args.family} checkpoint to {path}")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,8 @@ class DataLengths:
     tokens: list[int] = field(default_factory=list)  # LLM tokens of each sampled row, sorted
     patches: list[int] = field(default_factory=list)  # encoder patches of each sampled row, sorted
     media: int = 0  # images + videos in the sampled rows (a video is one item of its frames)
+    videos: int = 0  # videos in the sampled rows (of ``media``)
+    video_frames: int = 0  # frames sampled from those videos, all of them
     note: str = ""  # why the lengths were not measured (empty when measured or not attempted)
 
 

@@ -18,6 +18,7 @@ from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_byt
 from dhp.plan.placement import assign_gpus, placement_groups, routing
 from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
+from dhp.plan.workload import plan_workload
 
 GIB = 1 << 30
 
@@ -244,6 +245,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
             for n, s in shapes.items()
             if s.arch is not None and s.arch.count("linear")
         },
+        workload=plan_workload(config, shapes, layouts),
     )
     if not estimate:
         return plan

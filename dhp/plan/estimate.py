@@ -237,7 +237,8 @@ def module_features(
     fl = module_flops(shape, tokens)
     h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.layout.tp
     g = 2.0 * tokens * h * m / tp
-    mm_rate = peak * g / (g + cluster.gemm_half_flops)
+    # no tokens (a text-only step's encoder): zero matmul FLOPs at any rate, never 0 / 0
+    mm_rate = peak * g / (g + cluster.gemm_half_flops) if g > 0 else peak
     at_rate = peak * fl.attn_span / (fl.attn_span + ATTN_HALF_SPAN)
     lin_rate = peak * fl.linear_span / (fl.linear_span + ATTN_HALF_SPAN)  # the delta rule's C-wide tiles
     keys = ("intra_node_gbps", "inter_node_gbps", "gpus_per_node", "latency_us")

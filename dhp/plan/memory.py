@@ -200,9 +200,9 @@ def sp_rank_tokens(arch: ModuleArch | None, patches: float, sp: int, image: int)
     image on multiples of the family's ``sp_unit`` (a window for a windowed encoder, a merge unit
     otherwise), so a rank holds whole units: ceil(units / sp) of them (an image of ``image`` patches
     has ceil(image / unit) units of equal share). With fewer units than ranks some ranks idle and
-    the others hold a whole unit."""
-    if sp <= 1 or arch is None:
-        return float(patches)
+    the others hold a whole unit. No patches (a text-only micro-batch): 0, whatever ``image``."""
+    if sp <= 1 or arch is None or patches <= 0:
+        return float(max(patches, 0))
     image = image or int(patches)
     window = arch.sp_unit
     per_image = max(math.ceil(image / window), 1)

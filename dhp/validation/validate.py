@@ -73,6 +73,15 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
         get_arch(model.family).validate(model, issues)
 
 
+def _model_types(model: DictConfig) -> tuple[str, ...]:
+    """The ``config.json`` model type a family with flavours reads for these numbers (Qwen3.5's MoE
+    numbers: ``qwen3_5_moe``); empty for a family without flavours (its name is its model type)."""
+    if model.family not in family_names():
+        return ()
+    flavour = getattr(get_arch(model.family), "flavour", None)  # optional: only families with flavours
+    return (flavour(model).name,) if flavour is not None else ()
+
+
 def _validate_cluster(cluster: DictConfig, issues: Issues) -> None:
     issues.one_of(cluster.device, "cluster.device", DEVICES)
     issues.positive(
@@ -100,7 +109,9 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
         _validate_model(cfg.model, device, issues)
         if cfg.model.llm.vocab_size > 0:
             validate_tokens(cfg.model, issues)
-        validate_model_dir(cfg.model, issues)
+        validate_model_dir(
+            cfg.model, issues, real_data=cfg.data.kind == "llava", model_types=_model_types(cfg.model)
+        )
     if "cluster" not in roots:
         _validate_cluster(cfg.cluster, issues)
         validate_optimizer(cfg.train, device=cfg.cluster.device, issues=issues)

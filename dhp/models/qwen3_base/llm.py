@@ -175,7 +175,9 @@ class LLMModule(LLMBase):
         sample_ids: list[str],
     ) -> list[torch.Tensor] | None:
         """``deepstack_embeds_0..K-1`` in level order; None without images or without DeepStack (K = 0).
-        DataError on a mismatch."""
+        A level given as None is absent (the runtime passes every edge of a producer that sent nothing,
+        a text-only micro-batch, as None). DataError on a mismatch."""
+        deepstack_embeds = {k: v for k, v in deepstack_embeds.items() if v is not None}
         expected = [deepstack_kwarg(k) for k in range(self.num_deepstack)]
         if image_embeds is None:
             if deepstack_embeds:

@@ -146,5 +146,5 @@ def test_dry_run_data_check_lists_every_missing_path(tmp_path):
     with pytest.raises(DataError) as info:
         check_data_paths(broken)
     text = str(info.value)
-    assert "no.jsonl' does not exist" in text and "noimg' is not a directory" in text
-    assert "s-{0000..0001}.tar' does not exist" in text and "Fix:" in text
+    assert "no.jsonl': does not exist (dataset a)" in text and "noimg': is not a directory" in text
+    assert "s-{0000..0001}.tar': does not exist (dataset w)" in text and "Fix:" in text
