@@ -11,6 +11,13 @@ moved as one payload). Per micro-batch ``m`` (gradient accumulation over ``m``):
 
 then ``norm = sqrt(sum of every group's grad_norm_sq)``, clip, AdamW at the scheduled lr.
 
+Nothing blocks between the calls: Ray orders them by their data dependencies. The producers'
+forward of micro-batch m+1 is issued before the consumer's work on m, so when the groups sit on
+different devices they overlap (each actor runs its calls in issue order: F0 F1 B0 F2 B1 ...).
+The payloads are the channel's (``dhp.runtime.transport``: object store, CUDA IPC or the bridge,
+chosen by the plan); the driver routes their refs and never looks inside one. Memory on the
+driver: the routing tensors of one step and object refs; hand-off rows never pass through it.
+
 A loss term defined on a batch (an MoE router's load-balancing loss) is taken over the STEP's batch,
 as the LM loss's mean is over its ``T`` label tokens. With one micro-batch per consumer replica the
 consumer's forward all-reduces what the term needs over its token ranks, so nothing changes. With
@@ -21,12 +28,6 @@ step's sums (``dhp.models.family.StepStatistics``), so the loss and every gradie
 step's batch in one call. Cost: one more forward of every module per micro-batch (the consumer's
 without its LM head), about a third more compute per step; memory: those forwards' transients only
 (the encoder's activations are not kept across the pass, they are recomputed by its real forward).
-Nothing blocks between the calls: Ray orders them by their data dependencies. The producers'
-forward of micro-batch m+1 is issued before the consumer's work on m, so when the groups sit on
-different devices they overlap (each actor runs its calls in issue order: F0 F1 B0 F2 B1 ...).
-The payloads are the channel's (``dhp.runtime.transport``: object store, CUDA IPC or the bridge,
-chosen by the plan); the driver routes their refs and never looks inside one. Memory on the
-driver: the routing tensors of one step and object refs; hand-off rows never pass through it.
 """
 
 from __future__ import annotations
@@ -200,7 +201,9 @@ class Trainer:
         t0 = time.perf_counter()
         driver_s = 0.0
         micro_batches = len(data.micro_batches)
+        td = time.perf_counter()
         whole_step = self._statistics_pass(data)  # the batch terms over the step (several micro-batches)
+        driver_s += time.perf_counter() - td
         sent: list[dict[str, Any] | None] = [None] * micro_batches
         consumed = []
         for m in range(micro_batches):

@@ -332,7 +332,7 @@ class ModuleWorker(DistWorker):
         self._timers["fwd_s"] += time.perf_counter() - t1
         self._events.append(("statistics", micro_batch, wall, time.time()))
 
-    def _step_statistics(self, num_label_tokens: int) -> Any:
+    def _step_statistics(self, num_label_tokens: int) -> StepStatistics:
         """This step's :class:`~dhp.models.family.StepStatistics` (the sums of its statistics pass)."""
         if self._step_sums is None:
             raise RuntimeFailure(

@@ -178,6 +178,11 @@ def _ranks(rank: int, world: int, name: str, per_micro_batch: int) -> None:
     mbs = [concat(mine[i : i + per_micro_batch], pad) for i in range(0, len(mine), per_micro_batch)]
     loss, grads = split_step(modules, mbs, num_label_tokens=label_tokens(whole), step=len(mbs) > 1)
     dist.all_reduce(loss)
+    # every parameter on every rank (a rank with a text-only sample has no encoder gradient), summed
+    grads = {
+        n: {f: grads[n].get(f, torch.zeros_like(p)) for f, p in m.named_parameters()}
+        for n, m in modules.items()
+    }
     for per in grads.values():
         for g in per.values():
             dist.all_reduce(g)
