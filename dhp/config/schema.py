@@ -332,6 +332,10 @@ class TrainConfig:
     steps: int = 100
     global_batch_size: int = 8  # samples per optimizer step, over all DP replicas
     micro_batch_size: int = 1  # samples per forward, per DP replica
+    # an MoE router's load-balancing loss over the step's batch (`step`, transformers' definition on the
+    # whole batch; with several micro-batches per replica a statistics pass first: one more forward of
+    # every module per micro-batch) or over each micro-batch (`micro_batch`: no pass, not HF's loss)
+    router_aux_loss: str = "step"
     lr: float = 1e-5
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10

@@ -10,7 +10,7 @@ from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter, CommStats, comm_metrics
 from dhp.parallel.compose import STEPS, parallelize
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, partition_params
-from dhp.parallel.expert_load import ExpertLoad, track_expert_load
+from dhp.parallel.expert_load import ExpertLoad, expert_load_paused, track_expert_load
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import (
     VocabParallelEmbedding,
@@ -70,6 +70,7 @@ __all__ = [
     "clip_grads_",
     "comm_metrics",
     "decoder_tp_plan",
+    "expert_load_paused",
     "finalize_grads",
     "full_grad_dict",
     "full_param_dict",
