@@ -81,7 +81,7 @@ def _ep(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
 def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     """A module with MoE blocks gets ``aux_loss_group``: the ranks holding DIFFERENT tokens of the step
     (dp x fsdp x sp, flattened; never TP duplicates; None on one rank), over which its router's
-    load-balancing loss all-reduces the expert counts (``dhp.parallel.ep.load_balancing_loss``), so the
+    load-balancing loss all-reduces the expert counts (``dhp.parallel.load_balancing.load_balancing_loss``), so the
     loss is the global batch's at any ep, dp or fsdp degree. A plain attribute, like ``loss_fn``."""
     sub = axes(mesh, TOKEN_AXES)
     if sub is not None and sub.ndim > 1:

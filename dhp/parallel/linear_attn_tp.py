@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from dhp.errors import PlanError
+from dhp.parallel.linear_attn_packed import deltanet_forward
 from dhp.parallel.llm_tp import check_divides
 
 
@@ -240,7 +241,8 @@ def _local_params(module: nn.Module, group) -> dict[str, torch.Tensor]:
 
 
 def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
-    """Gather the input (SP), run transformers' forward on local heads with local tensors, reduce the output."""
+    """Gather the input (SP), run transformers' forward on local heads with local tensors
+    (``linear_attn_packed.deltanet_forward``: a packed micro-batch one sample at a time), reduce the output."""
     mesh: DeviceMesh = self._dhp_mesh
     group = mesh.get_group()
     sp = self._dhp_sequence_parallel
@@ -272,7 +274,7 @@ def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
             owner._parameters[name] = t  # read by transformers' forward (and causal_conv1d) directly
         for a, v in sizes.items():
             setattr(self, a, v)
-        out = type(self).forward(self, *args, **kwargs)
+        out = deltanet_forward(self, *args, **kwargs)  # packed rows: one sample at a time
     finally:
         for owner, name, param in reversed(swapped):
             owner._parameters[name] = param
@@ -281,6 +283,12 @@ def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
     if sp:
         return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
     return _ReduceFromTP.apply(out, group)
+
+
+def tp_forward(layer: nn.Module):
+    """The TP style's bound forward of ``layer`` (:class:`GatedDeltaNetParallel` applied), else None."""
+    forward = layer.__dict__.get("forward")
+    return forward if getattr(forward, "__func__", None) is _deltanet_tp_forward else None
 
 
 class GatedDeltaNetParallel(ParallelStyle):
@@ -358,4 +366,5 @@ __all__ = [
     "head_rows",
     "local_fraction",
     "row_moves",
+    "tp_forward",
 ]

@@ -58,7 +58,7 @@ ungated one, ``Mlp.saved_widths``)::
     (``dhp.parallel.ep.ExpertParallelExperts``) on tiny Qwen3-VL-MoE and Qwen3.5-MoE blocks:
     ``tests/unit/plan/test_moe_saved_memory.py`` and ``scripts/bench_planner.py --blocks``.
 
-The load-balancing loss (``dhp.parallel.ep.load_balancing_loss``, every module with MoE blocks):
+The load-balancing loss (``dhp.parallel.load_balancing.load_balancing_loss``, every module with MoE blocks):
 its fp32 softmax of each MoE block's router logits and int64 top-k indices, 4 E + 8 k bytes per token
 and MoE block, plus the fp32 padding mask (4 bytes per token), are saved OUTSIDE the blocks, so every
 AC mode keeps them (:func:`router_aux_bytes`).

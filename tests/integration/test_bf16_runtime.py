@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhp.validation import load_config
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.runtime.driver import Trainer
 from dhp.runtime.verify import ReferenceModel
+from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from parallel_harness import spawn
 from torch import nn
 
-from dhp.validation import load_config
 from dhp.data.batch import VLBatch
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
@@ -35,6 +34,7 @@ from dhp.runtime.handoff import ProducerWork, Route
 from dhp.runtime.spec import WorkerSpec, without_degrees
 from dhp.runtime.transport import Bf16Bits
 from dhp.runtime.worker import ModuleWorker
+from dhp.validation import load_config
 
 pytestmark = pytest.mark.parity
 

@@ -9,6 +9,12 @@ feature k at those positions after decoder layer k. M-RoPE positions come from t
 ``get_rope_index`` (:meth:`LLMModule.positions`). No state is kept between calls (no ``rope_deltas``, no
 cache).
 
+A packed micro-batch (``attention_mask`` holds each token's sample index, ``dhp.data.packing``): each
+sample's positions are its own and the text model gets the masks that keep the samples apart, the
+Gated DeltaNet layers of a hybrid decoder included (``dhp.models.packing``); the image rows and the
+DeepStack features arrive in the packed row-major order, which is the order of the image tokens, and the
+router sees the same tokens as unpacked (``attention_mask != 0``).
+
 MoE flavour: the auxiliary loss is the one transformers' ``...ForConditionalGeneration.forward`` adds:
 ``router_aux_loss_coef * load_balancing_loss_func`` over every router's logits (recorded by transformers'
 own ``output_router_logits``), padding excluded by the 2-D ``attention_mask``, added to the mean LM loss,
@@ -27,8 +33,6 @@ sums, ``dhp.models.family.StepStatistics``) and hands to each micro-batch (``ste
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,7 +41,9 @@ from transformers import PretrainedConfig
 from dhp.errors import DataError
 from dhp.models.common import LLMBase, rope_index, sample_names
 from dhp.models.family import LLMOutput, StepStatistics
+from dhp.models.packing import packed_llm_inputs
 from dhp.models.qwen3_vision.arch import deepstack_kwarg
+from dhp.ops.packed import is_packed
 from dhp.parallel.load_balancing import RouterStats, load_balancing_loss, router_share, router_stats
 
 __all__ = ["ROUTER_AUX_LOSS", "LLMModule"]
@@ -132,13 +138,24 @@ class LLMModule(LLMBase):
             image_embeds=image_embeds,
             sample_ids=sample_ids,
         )
-        position_ids = self.positions(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-        )
-        extra: dict[str, Any] = {}
+        if is_packed(attention_mask):  # several samples per row: dhp.models.packing
+            position_ids, text_mask, extra = packed_llm_inputs(
+                self,
+                inputs_embeds=inputs_embeds,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+            )
+        else:
+            whole = self.positions(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+            )
+            position_ids = self.cut(whole, dim=-1)  # context parallelism: this rank's tokens
+            text_mask, extra = self.text_mask(attention_mask), {}
         if deepstack is not None:  # added at the image tokens after the first K decoder layers
             visual_pos_masks = (self.cut(input_ids) == self.vl_config.image_token_id).to(inputs_embeds.device)
             extra.update(visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack)
@@ -147,19 +164,20 @@ class LLMModule(LLMBase):
         out = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,
-            attention_mask=self.text_mask(attention_mask),
-            position_ids=self.cut(position_ids, dim=-1),
+            attention_mask=text_mask,
+            position_ids=position_ids,
             use_cache=False,
             **extra,
         )
         if batch_statistics:
-            return self.route_statistics(out.router_logits, attention_mask=self.cut(attention_mask))
+            return self.route_statistics(out.router_logits, attention_mask=self.cut(attention_mask != 0))
         lm = self.loss(hidden=out.last_hidden_state, labels=labels)
         if not self.moe:
             return lm
+        # padding excluded: a packed row's sample ids (k >= 1) mark the same tokens as unpacked
         term, aux = self.router_loss(
             out.router_logits,
-            attention_mask=self.cut(attention_mask),
+            attention_mask=self.cut(attention_mask != 0),
             num_tokens=lm.num_tokens,
             step=step_statistics,
         )
