@@ -293,7 +293,7 @@ def train(
             raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
     cfg = load_config(conf, overrides, smoke=smoke)  # a bad config ends here, before any process starts
     # the rank processes' imports start now, on another core, beside this process's own
-    with for_driver(family=cfg.model.family):
+    with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.runtime.train import train as run_training
 
         cfg = machine_profile(cfg)  # this machine's numbers
@@ -333,7 +333,8 @@ def verify(
     steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    with for_driver(family=cfg.model.family):  # the ranks' imports start beside this process's own
+    # the ranks' imports start beside this process's own
+    with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.models.tiny_cache import ensure_tiny_checkpoint
         from dhp.runtime.verify import render_report, render_step, verify_plan
 
