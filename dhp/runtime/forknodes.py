@@ -161,6 +161,8 @@ class NodeForkServers:
 
     def close(self, timeout_s: float = 15.0) -> None:
         """Stop every node's server, then kill its actor (call it once the ranks' actors are killed)."""
+        if not self.hosts:  # nothing to stop (and no Ray call: Ray's API would start a local instance)
+            return
         refs = [host.close.remote() for host in self.hosts.values()]
         with contextlib.suppress(ray.exceptions.RayError):
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

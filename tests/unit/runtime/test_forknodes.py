@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from dhp.runtime import forkserver
 from dhp.runtime.forklaunch import MISS_ENV
@@ -96,7 +97,8 @@ def test_each_rank_gets_its_nodes_launcher_or_why_its_node_cannot_serve():
         "env_vars": {MISS_ENV: "on node 10.0.0.2 (n2): its Python is /x/python, the driver's is /y/python"}
     }
     assert "not among the reserved" in nodes.runtime_env(pg_b, 1)["env_vars"][MISS_ENV]
-    nodes.close()  # no actor to stop: nothing to do, and no Ray needed for it
+    nodes.close()  # no actor to stop: nothing to do, and no Ray started for it
+    assert not ray.is_initialized()
 
 
 def test_a_server_whose_parent_died_removes_its_socket_folder():
