@@ -287,7 +287,7 @@ def train(
     # before any process starts (the checks dhp plan makes)
     cfg = checked_config(conf, overrides, smoke=smoke)
     # the rank processes' imports start now, on another core, beside this process's own
-    with for_driver(family=cfg.model.family):
+    with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.runtime.train import train as run_training
 
         cfg = machine_profile(cfg)  # this machine's numbers
@@ -326,7 +326,8 @@ def verify(
     steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    with for_driver(family=cfg.model.family):  # the ranks' imports start beside this process's own
+    # the ranks' imports start beside this process's own
+    with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.models.tiny_cache import ensure_tiny_checkpoint
         from dhp.runtime.verify import render_report, render_step, verify_plan
 

@@ -49,6 +49,7 @@ from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.failures import FaultHook
+from dhp.runtime.forknodes import NodeForkServers, start_for_cluster
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
 from dhp.runtime.spec import WorkerSpec, without_degrees
@@ -101,6 +102,7 @@ class Trainer:
         self.groups: dict[str, ActorGroup] = {}
         self._backprops: list[Any] = []
         self._pgs: list[Any] = []
+        self._fork_nodes: NodeForkServers | None = None  # a joined cluster's per-node fork servers
         self._timeout = config.train.step_timeout_s  # every wait on the ranks (the groups' bound)
         self.faults = FaultHook("driver")  # $DHP_INJECT_FAULT (tests only)
         self.startup = startup if startup is not None else Startup()  # phase times (dhp.runtime.startup)
@@ -113,6 +115,7 @@ class Trainer:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             self.startup.mark("placement groups")
+            self._fork_nodes = start_for_cluster(self._pgs, family=config.model.family)
             self.family = get_family(config.model.family)
             self.hf_config = _hf_config(self.family, config.model)
             names = [n for n in self.family.module_names if n in specs]  # producers first
@@ -148,6 +151,7 @@ class Trainer:
                     worker_kwargs={"spec": spec},
                     wait=False,
                     timeout_s=init_timeout_s,  # the start-up's bound; the step's once built
+                    fork_nodes=self._fork_nodes,
                 )
                 self.groups[name].faults = self.faults
             for group in self.groups.values():  # every group's processes start at once
@@ -420,6 +424,9 @@ class Trainer:
                 release(self._pgs)
         finally:
             self.groups, self._pgs = {}, []
+            if self._fork_nodes is not None:  # the ranks' actors are gone: their nodes' servers go
+                self._fork_nodes.close()
+                self._fork_nodes = None
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
             self._owns_ray = False
