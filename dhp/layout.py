@@ -253,6 +253,16 @@ class ParallelLayout:
         (``2 * cp`` chunks, each a multiple of tp under SP inside TP); 1 without CP."""
         return 2 * self.cp * self.seq_split if self.cp > 1 else 1
 
+    def padded_tokens(self, seq_len: int) -> int:
+        """The length a micro-batch row of ``seq_len`` tokens runs at: right-padded to a multiple of
+        :attr:`token_multiple` (``seq_len`` itself without CP)."""
+        return padded_length(seq_len, self.token_multiple)
+
+    def cp_rank_tokens(self, seq_len: int) -> int:
+        """Tokens of one row that each CP rank holds: the padded row's ``1/cp`` (two of its ``2 cp``
+        equal chunks); ``seq_len`` without CP."""
+        return self.padded_tokens(seq_len) // self.cp
+
     @property
     def seq_split(self) -> int:
         """Parts sequence parallelism inside TP cuts the LLM's norm/residual activations into."""
@@ -261,6 +271,11 @@ class ParallelLayout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
+
+
+def padded_length(seq_len: int, multiple: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``multiple`` (the length the CP module pads to)."""
+    return -(-seq_len // multiple) * multiple
 
 
 def module_layout(module: Any) -> ParallelLayout:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from dhp.layout import padded_length
+
+__all__ = ["chunk_bounds", "padded_length", "rank_index", "row_parts"]
+
 
 def chunk_bounds(seq_len: int, cp: int) -> list[tuple[int, int]]:
     """The ``2 * cp`` contiguous chunks ``[start, end)`` of a sequence of ``seq_len`` tokens: sizes
@@ -29,11 +33,6 @@ def rank_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "c
     bounds = chunk_bounds(seq_len, cp)
     (a0, a1), (b0, b1) = bounds[rank], bounds[2 * cp - 1 - rank]
     return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)]).to(device)
-
-
-def padded_length(seq_len: int, multiple: int) -> int:
-    """``seq_len`` rounded up to a multiple of ``multiple`` (the length the CP module pads to)."""
-    return -(-seq_len // multiple) * multiple
 
 
 def row_parts(takes_rows: torch.Tensor, *, cp: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -173,10 +173,18 @@ class ModuleShape:
     @property
     def tokens(self) -> float:
         """Tokens one rank's layers see per micro-batch (before SP-in-TP cuts norms); an encoder:
-        the fullest SP rank's (``sp_rank_tokens``)."""
+        the fullest SP rank's (``sp_rank_tokens``); under context parallelism a CP rank's share of
+        each row padded to ``token_multiple`` (``ParallelLayout.cp_rank_tokens``: what
+        ``dhp.parallel.cp`` runs per rank)."""
         if self.pixels:
             return sp_rank_tokens(self.arch, self.seq_len, self.layout.sp, self.image_patches)
-        return self.micro_batch * self.seq_len
+        return self.micro_batch * self.layout.cp_rank_tokens(self.seq_len)
+
+    @property
+    def row_len(self) -> int:
+        """Tokens of one whole row as the runtime runs it (padded to ``token_multiple`` under CP): what
+        a CP rank's full attention gathers keys of and its linear blocks gather the sequence of."""
+        return self.layout.padded_tokens(self.seq_len) if not self.pixels else self.seq_len
 
     @property
     def seq_split(self) -> int:
@@ -351,6 +359,7 @@ def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
     if _uniform_dense(shape):
         one = selective_elems(layer, tp, s) if selective else per_layer_elems(layer, tp, s)
         return [one] * layer.layers
+    gathered = 0.0 if selective else cp_gathered_input_elems(shape)
     return [
         block_saved_elems(
             b,
@@ -362,8 +371,20 @@ def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
             fallback=shape.delta_rule_fallback,
             act=shape.precision.act,
         )
+        + (gathered if b.attention.kind == "linear" else 0.0)
         for b in shape.arch.blocks
     ]
+
+
+def cp_gathered_input_elems(shape: ModuleShape) -> float:
+    """Extra saved elements per local token of a linear block under context parallelism
+    (``dhp.parallel.linear_attn_cp``): its projections save the all-gathered whole sequence,
+    ``cp x`` the rank's normed input, in place of the rank's own (``(cp - 1) h``); 0 without CP. The
+    mixer's own activations at ``S`` tokens for ``1/cp`` of the heads equal ``S/cp`` tokens of all
+    heads, which the per-token table already counts. Selective AC saves no gathered input (the gather
+    is no matmul output: it runs again in the recompute)."""
+    cp = shape.layout.cp
+    return (cp - 1) * shape.arch.hidden if cp > 1 and shape.arch is not None else 0.0
 
 
 def saved_layers_bytes(shape: ModuleShape) -> int:
@@ -386,7 +407,8 @@ def block_work_bytes(shape: ModuleShape) -> int:
 
 def delta_rule_work_bytes(shape: ModuleShape) -> int:
     """The largest linear block's chunk states on one rank (``dhp/plan/blocks.py``; 0 without one):
-    transient in that block's forward and in its backward, which recomputes them."""
+    transient in that block's forward and in its backward, which recomputes them. Under CP the block
+    runs the whole (gathered) row with ``1/cp`` of each TP rank's heads."""
     if shape.arch is None:
         return 0
     return max(
@@ -394,14 +416,64 @@ def delta_rule_work_bytes(shape: ModuleShape) -> int:
             delta_rule_states_bytes(
                 b.attention,
                 seqs=shape.micro_batch,
-                seq_len=shape.seq_len,
-                tp=shape.layout.tp,
+                seq_len=shape.row_len,  # under CP: the gathered whole row, 1/cp of the heads
+                tp=shape.layout.tp * shape.layout.cp,
                 act=shape.precision.act,
             )
             for b in shape.arch.blocks
         ),
         default=0,
     )
+
+
+def cp_full_blocks(shape: ModuleShape) -> int:
+    """Blocks whose attention all-gathers keys and values over the context group (the score-based
+    ones: full, causal or not; linear blocks gather their input instead); 0 without CP."""
+    if shape.layout.cp <= 1 or shape.arch is None or shape.pixels:
+        return 0
+    return shape.arch.layers - shape.arch.count("linear")
+
+
+def cp_kv_gather_bytes(shape: ModuleShape) -> int:
+    """One full-attention block's all-gathered keys and values on one rank (``dhp.parallel.cp``):
+    ``2 x S x kv_heads/tp x head_dim`` per row of the padded length ``S``, transient while the block's
+    attention runs forward and again while the checkpointed attention is recomputed in backward; 0
+    without CP or full-attention blocks."""
+    if not cp_full_blocks(shape):
+        return 0
+    return int(
+        shape.micro_batch * shape.row_len * 2 * shape.layer.kv_dim / shape.layout.tp * shape.precision.act
+    )
+
+
+def cp_mask_elems(shape: ModuleShape) -> float:
+    """Entries of the context mask of one rank (``ContextShard.text_mask``): its ``S/cp`` queries of
+    every row over the ``S`` gathered keys. Built once per micro-batch as booleans (kept for the
+    recomputed attention: saved for backward); sdpa turns it into an additive bias of the compute
+    dtype while a block's attention runs (transient). 0 without CP or full-attention blocks."""
+    if not cp_full_blocks(shape):
+        return 0.0
+    return shape.micro_batch * shape.layout.cp_rank_tokens(shape.seq_len) * shape.row_len
+
+
+def cp_sequence_gather_bytes(shape: ModuleShape) -> int:
+    """A linear block's whole-row tensors under CP beyond what it saves (``dhp.parallel.linear_attn_cp``):
+    forward its whole-row output partial sum and the all-reduced copy (``2 S h``), backward the
+    gathered gradient and its all-reduced copy of the input (``2 S h``); 0 without CP or linear blocks."""
+    if shape.layout.cp <= 1 or shape.arch is None or not shape.arch.count("linear"):
+        return 0
+    return int(2 * shape.micro_batch * shape.row_len * shape.arch.hidden * shape.precision.act)
+
+
+def cp_work_bytes(shape: ModuleShape) -> tuple[int, int]:
+    """(forward, backward) transient of the CP exchanges of the block that runs, the largest of a
+    full-attention block's (gathered K/V + the mask's bias; backward: the re-gathered K/V, their
+    gradients and the bias) and a linear block's (:func:`cp_sequence_gather_bytes`)."""
+    kv = cp_kv_gather_bytes(shape)
+    bias = int(cp_mask_elems(shape) * shape.precision.act)
+    full_f, full_b = (kv + bias, 2 * kv + bias) if kv else (0, 0)
+    lin = cp_sequence_gather_bytes(shape)
+    return max(full_f, lin), max(full_b, lin) if shape.backward else 0
 
 
 def eager_scores_bytes(shape: ModuleShape, *, seqs: float, seq: float, layers: int) -> int:
@@ -464,6 +536,8 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     if arch.vocab:
         out["loss_inputs"] = int(tokens * (h * a + 8 + 4)) if shape.backward else 0
         out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)
+    if cp_full_blocks(shape):  # the boolean context mask, kept for the recomputed attention
+        out["cp_mask"] = keep * int(cp_mask_elems(shape))
     if arch.moe_blocks:
         out["router_aux"] = keep * int(tokens * router_aux_bytes(arch.blocks))
     copies = relayout_copies_bytes(shape)

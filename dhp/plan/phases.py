@@ -43,6 +43,7 @@ from dhp.plan.memory import (
     activations_of,
     block_work_bytes,
     compute_copy_bytes,
+    cp_work_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
     largest_local_param,
@@ -192,6 +193,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
             bwd["weight_relayout"] = relayout
     if par.sp > 1 and shape.arch.sp_exchange_blocks:  # Ulysses' q/k/v exchange buffers
         fwd["all_to_all"] = bwd["all_to_all"] = int(2 * 3 * tokens * h / par.tp * a)
+    fwd["cp_gather"], bwd["cp_gather"] = cp_work_bytes(shape)  # CP's all-gathered K/V or sequence
     if s > 1:
         fwd["sp_gather"] = bwd["sp_gather"] = int(tokens * h * a)
     if par.fsdp > 1:  # FSDP gathers the non-expert parameters (the experts are EP's, whole)
@@ -216,7 +218,8 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         handoff = int(tokens / merge * (shape.handoff_width or shape.out_hidden) * a)
     trains = grads > 0
     dense, experts = rank_params(shape)
-    dense_sync = dense * shape.trainable * pr.grad if par.fsdp == 1 and (par.dp > 1 or par.sp > 1) else 0
+    replicated = (par.fsdp == 1 and (par.dp > 1 or par.sp > 1)) or par.cp > 1  # all-reduced grads
+    dense_sync = dense * shape.trainable * pr.grad if replicated else 0
     edp = par.edp  # expert grads: all-reduced over edp, on their own
     sync = max(dense_sync, experts * shape.trainable * pr.grad if edp > 1 else 0) if trains else 0
     local_largest = largest_local_param(shape)

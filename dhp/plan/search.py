@@ -122,7 +122,7 @@ class Candidate:
         def deg(m: ModuleChoice) -> str:
             d = m.degrees
             axes = " ".join(
-                f"{k}{getattr(d, k)}" for k in ("dp", "fsdp", "sp", "tp", "ep") if getattr(d, k) > 1
+                f"{k}{getattr(d, k)}" for k in ("dp", "fsdp", "cp", "sp", "tp", "ep") if getattr(d, k) > 1
             )
             seq = "+sp" if m.degrees.sequence_parallel else ""
             return f"{axes or 'dp1'}{seq}{' z1' if m.degrees.zero else ''} ac={m.ac}"
@@ -138,30 +138,40 @@ def _divisors(n: int) -> list[int]:
 def module_degrees(
     name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
 ) -> list[ParallelLayout]:
-    """Every (dp, fsdp, sp, tp, zero, sequence_parallel, ep) of module ``name`` on ``world`` GPUs that
-    the plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's
-    space (ep > 1 only where the module declares expert parallelism, dividing dp x fsdp x sp)."""
+    """Every (dp, fsdp, cp, sp, tp, zero, sequence_parallel, ep) of module ``name`` on ``world`` GPUs
+    that the plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's
+    space (cp > 1 only where the module declares context parallelism; ep > 1 only where it declares
+    expert parallelism, dividing the token ranks dp x fsdp x cp x sp)."""
+    out = []
+    for tp, sp, cp, fsdp in _splits(world, cp=axes.cp):
+        dp = world // (tp * sp * cp * fsdp)
+        eps = _divisors(dp * fsdp * cp * sp) if axes.experts else [1]
+        for z, q, ep in itertools.product((0, 1), (False, True), eps):
+            d = ParallelLayout(dp=dp, fsdp=fsdp, cp=cp, sp=sp, tp=tp, ep=ep, zero=z, sequence_parallel=q)
+            if (z and dp * cp * sp == 1) or (q and tp == 1):
+                continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
+            problems = module_problems(
+                name,
+                gpus=world,
+                layout=d,
+                axes=axes,
+                gpus_per_node=gpus_per_node,
+                activation_checkpointing="off",
+                mixed_precision=mixed_precision,
+            )
+            if not problems:
+                out.append(d)
+    return out
+
+
+def _splits(world: int, *, cp: bool) -> list[tuple[int, int, int, int]]:
+    """(tp, sp, cp, fsdp) whose product divides ``world`` (dp takes the rest); cp = 1 unless the
+    module declares context parallelism."""
     out = []
     for tp in _divisors(world):
         for sp in _divisors(world // tp):
-            for fsdp in _divisors(world // (tp * sp)):
-                dp = world // (tp * sp * fsdp)
-                eps = _divisors(dp * fsdp * sp) if axes.experts else [1]
-                for z, q, ep in itertools.product((0, 1), (False, True), eps):
-                    d = ParallelLayout(dp=dp, fsdp=fsdp, sp=sp, tp=tp, ep=ep, zero=z, sequence_parallel=q)
-                    if (z and dp * sp == 1) or (q and tp == 1):
-                        continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
-                    problems = module_problems(
-                        name,
-                        gpus=world,
-                        layout=d,
-                        axes=axes,
-                        gpus_per_node=gpus_per_node,
-                        activation_checkpointing="off",
-                        mixed_precision=mixed_precision,
-                    )
-                    if not problems:
-                        out.append(d)
+            for c in _divisors(world // (tp * sp)) if cp else [1]:
+                out += [(tp, sp, c, f) for f in _divisors(world // (tp * sp * c))]
     return out
 
 

@@ -47,6 +47,14 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                  (``dhp/parallel/ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans
                  ep * tp consecutive GPUs: intra-node when they sit in one node, else the inter-node
                  link
+    CP (``cp_comm_s``): per full block an all-gather of K and V (2 S kv/tp elements) forward, again
+                 in backward (the checkpointed attention) + an all-reduce of their gathered grads;
+                 per linear block an all-gather of the input + an all-reduce of the output each way;
+                 over cp ranks strided by sp * tp; never overlapped (blocking, consumed at once).
+                 Compute under CP: T = the rank's 1/cp of the padded rows (the load-balanced
+                 chunks give every rank the same work); a full block's span is the whole row S (a
+                 masked kernel over every gathered key) and its attention forward runs once more
+                 in backward; the dense grads are all-reduced over cp once per step
     EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts;
                  with zero=1 the experts' owners also broadcast them over edp after the step
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
@@ -83,6 +91,7 @@ from dhp.models.arch import model_flops
 from dhp.plan.memory import (
     ModuleShape,
     checkpointed_blocks,
+    cp_full_blocks,
     non_expert_params,
     rank_params,
     recomputed_exchanges,
@@ -103,8 +112,17 @@ def matmul_params_per_token(shape: ModuleShape) -> float:
 
 def attention_spans(shape: ModuleShape) -> list[tuple[int, float]]:
     """(blocks, span per query) groups from each block's declared attention (full over an image or,
-    causal, S/2; a window; a linear state)."""
-    return shape.arch.spans(seq_len=shape.seq_len, sample=shape.image_patches or shape.seq_len)
+    causal, S/2; a window; a linear state). Under context parallelism a full block's queries attend
+    over all ``S`` gathered keys of the padded row with an explicit mask (``dhp.parallel.cp``), which
+    the kernel cannot skip: span ``S``, the same on every CP rank (the load-balanced chunks)."""
+    if not cp_full_blocks(shape):
+        return shape.arch.spans(seq_len=shape.seq_len, sample=shape.image_patches or shape.seq_len)
+    out: dict[float, int] = {}
+    for b in shape.arch.blocks:
+        att = b.attention
+        span = float(shape.row_len) if att.kind != "linear" else 0.0
+        out[span] = out.get(span, 0) + 1
+    return [(n, s) for s, n in out.items()]
 
 
 @dataclass(frozen=True)
@@ -157,11 +175,13 @@ def module_flops(shape: ModuleShape, tokens: float) -> Flops:
     linear = tokens * shape.arch.delta_rule_flops() / tp  # value heads split by TP
     chunks = [b.attention.chunk_len for b in shape.arch.blocks if b.attention.kind == "linear"]
     frac = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
+    # CP checkpoints every full block's attention: backward runs its forward once more
+    again = 1.0 if cp_full_blocks(shape) and shape.backward else 0.0
     return Flops(
         matmul_fwd=mm,
         attn_fwd=attn,
         recompute_matmul=frac * block_mm,
-        recompute_attn=frac * attn,
+        recompute_attn=(frac + again) * attn,
         attn_span=weighted / attn if attn else 1.0,
         linear_fwd=linear,
         recompute_linear=frac * linear,
@@ -221,6 +241,10 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
         tp_fwd, tp_bwd = tp_comm_s(shape, tokens, link, ck=ck, again=again)
         fwd += tp_fwd
         bwd += tp_bwd if shape.backward else 0.0
+    if par.cp > 1:
+        cp_fwd, cp_bwd = cp_comm_s(shape, tokens, link, ck=ck)
+        fwd += cp_fwd
+        bwd += cp_bwd if shape.backward else 0.0
     a2a_fwd, a2a_bwd = moe_all_to_all_s(shape, tokens, link)
     fwd += a2a_fwd
     bwd += a2a_bwd
@@ -259,6 +283,36 @@ def tp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int, again: 
     return fwd, bwd
 
 
+def cp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's context-parallel collectives per micro-batch over the
+    cp ranks (strided by sp x tp: the link of ``cp * sp * tp`` consecutive GPUs). ``tokens``: the
+    rank's (1/cp of the padded rows); ``S = cp x tokens`` is what a gather produces.
+
+    - full block: forward all-gathers K and V (``2 S kv/tp`` elements out); backward re-gathers them
+      for the checkpointed attention and all-reduces the gathered gradient of K and V (the runtime's
+      ``_GatherTokens`` sums it whole, twice a reduce-scatter's volume);
+    - linear block: forward all-gathers the input and all-reduces the heads' partial output (``S h``
+      each); backward all-reduces the gathered input's gradient and all-gathers the output's;
+    - a block AC checkpoints issues its forward collectives once more in backward (``ck`` of them).
+
+    None is overlapped: each is a blocking collective whose result the next op reads (no prefetch
+    in ``dhp.parallel.cp``), so all of it is exposed."""
+    par, a, arch = shape.layout, shape.precision.act, shape.arch
+    cp, bw, lat = par.cp, link.bw(par.span("cp")), link.lat
+    whole = tokens * cp
+    kv = whole * 2 * shape.layer.kv_dim / par.tp * a
+    full_f = all_gather_s(kv, cp, bw, lat)
+    full_b = all_gather_s(kv, cp, bw, lat) + all_reduce_s(kv, cp, bw, lat)
+    x = whole * arch.hidden * a
+    lin_f = all_gather_s(x, cp, bw, lat) + all_reduce_s(x, cp, bw, lat)
+    lin_b = lin_f
+    n_lin = arch.count("linear")
+    n_full = arch.layers - n_lin
+    fwd = n_full * full_f + n_lin * lin_f
+    redo = ck / arch.layers
+    return fwd, n_full * full_b + n_lin * lin_b + redo * fwd
+
+
 def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
     """(forward, backward) seconds of one rank's EP dispatch + combine all-to-alls per micro-batch,
     over every MoE block (formulas above; 0 at ep=1)."""
@@ -290,6 +344,8 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
         t += all_reduce_s(experts * pr.grad, edp, link.bw(world), link.lat)
     if par.sp > 1:
         t += all_reduce_s(local * pr.grad, par.sp, link.bw(par.span("sp")), link.lat)
+    if par.cp > 1:  # each CP rank's gradient is its own tokens' (dhp.parallel.optim.finalize_grads)
+        t += all_reduce_s(local * pr.grad, par.cp, link.bw(par.span("cp")), link.lat)
     if par.dp > 1:
         t += all_reduce_s(local * pr.grad, par.dp, link.bw(world), link.lat)
     if par.optimizer_shards > 1:

@@ -130,3 +130,13 @@ def test_tp2_cp2_matches_the_unsplit_llm(family: str, extra) -> None:
     """tp=2 x cp=2 (4 ranks): TP's heads cut inside each CP rank's tokens (and, in the hybrid decoder,
     the DeltaNet heads cut over tp, then each TP rank's over cp)."""
     spawn(_cases, 4, family, {"tp": 2}, extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ep2_cp2_matches_the_unsplit_moe_llm(tp: int) -> None:
+    """ep=2 folded over the cp=2 ranks (the token ranks EP cuts: dp x fsdp x cp x sp): each CP rank
+    dispatches its own tokens to the other's experts and back; the experts' grads are summed over edp
+    (1 here), the dense ones over cp. tp=2 (4 ranks): every TP rank of a CP rank runs its experts whole
+    on the CP rank's tokens."""
+    spawn(_cases, 2 * tp, "qwen3_vl_moe", {"ep": 2, "tp": tp})

@@ -329,16 +329,16 @@ def test_qwen3_5_packing_survives_full_activation_checkpointing() -> None:
     _assert_same_step(got, want, tag="qwen3_5 packed, full AC", moe=False)
 
 
-def _qwen3_5_parallel(rank: int, world: int, kind: str) -> None:
-    """Qwen3.5 packed under ``kind`` (``tp_sp``: TP 2 with sequence parallelism; ``cp``: context
-    parallelism 2) against the same samples unpacked in one process. Each rank gets the vision rows
+def _qwen3_5_parallel(rank: int, world: int, kind: str, family_name: str = "qwen3_5") -> None:
+    """Qwen3.5 (or ``family_name``'s dense LLM) packed under ``kind`` (``tp_sp``: TP 2 with sequence
+    parallelism; ``cp``: context parallelism 2) against the same samples unpacked in one process. Each rank gets the vision rows
     its tokens take (TP + SP: its sequence shard's, the others zero; CP: its own tokens' rows)."""
     from dhp.layout import ParallelLayout
     from dhp.ops.context import rank_index
     from dhp.parallel import build_mesh, finalize_grads, parallelize
     from dhp.parallel.llm_tp import apply_tp, sequence_shard_rows
 
-    family, hf, packed, unpacked, rows = _qwen3_case("qwen3_5", False)
+    family, hf, packed, unpacked, rows = _qwen3_case(family_name, False)
     ref, ref_grads, ref_rows = _run(_build_llm(family, hf), unpacked, rows)
     module = _build_llm(family, hf)
     placed = packed.input_ids == hf.image_token_id
@@ -381,6 +381,13 @@ def test_qwen3_5_packing_composes_with_context_parallelism() -> None:
     layer gathers the whole sequence, then runs each sample of it alone (loss summed over the ranks,
     gradients after the SUM over cp, each rank's image rows)."""
     spawn(_qwen3_5_parallel, 2, "cp")
+
+
+def test_qwen3_vl_packing_composes_with_context_parallelism() -> None:
+    """cp=2 on Qwen3-VL: a packed micro-batch's full attention masks by sample id over the gathered
+    keys, each rank gets its own tokens' image and DeepStack rows (loss summed over the ranks, gradients
+    after the SUM over cp, each rank's rows' gradients)."""
+    spawn(_qwen3_5_parallel, 2, "cp", "qwen3_vl")
 
 
 @pytest.mark.slow

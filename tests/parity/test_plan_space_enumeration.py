@@ -3,16 +3,17 @@ the 4-rank CPU cluster trains one exact step, per family; every other combinatio
 validation.
 
 The space: for each family's tiny recipe, each module and each world size a plan may give it (1..4
-ranks: collocated or any disaggregated split), every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP) the
-search generates (:meth:`dhp.plan.search.Search._degrees`), each under one of the AC modes it
-searches (off, selective, full), assigned so that every mode meets every axis, ZeRO-1 and SP inside
-TP (AC wraps each block whatever the degrees; the full product would triple the cost).
+ranks: collocated or any disaggregated split), every (dp, fsdp, cp, sp, tp, ZeRO-1, SP inside TP) the
+search generates (:meth:`dhp.plan.search.Search._degrees`; cp for the LLM), each under one of the AC
+modes it searches (off, selective, full), assigned so that every mode meets every axis, ZeRO-1 and SP
+inside TP (AC wraps each block whatever the degrees; the full product would triple the cost).
 
 One step, per combination, on gloo ranks (one set of processes per family and world size runs all
 that world's combinations in turn): the family's module through ``parallelize`` (the runtime's
 entry point) on its mesh, each data-parallel replica (dp x fsdp) its own micro-batch, the encoder's
-input cut by the family over SP, the LLM's hand-off rows cut to its sequence shard under SP inside
-TP; forward, backward of the runtime's loss, ``finalize_grads``, and then EVERY parameter's full
+input cut by the family over SP, the LLM's hand-off rows cut to its CP rank's tokens
+(``dhp.ops.context.row_parts``) and to its sequence shard under SP inside TP; forward, backward of
+the runtime's loss, ``finalize_grads``, and then EVERY parameter's full
 gradient is compared with the single-process module's on all replicas' micro-batches, before a
 clipped optimizer step (ZeRO-1 where the plan has it) that must leave finite parameters.
 
@@ -32,6 +33,7 @@ from dhp.config.schema import TrainConfig
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
+from dhp.ops.context import padded_length, rank_index, row_parts
 from dhp.parallel import build_mesh, build_optimizer, clip_grads_, finalize_grads, parallelize
 from dhp.parallel.llm_tp import sequence_shard_rows
 from dhp.plan.search import Search, apply
@@ -47,7 +49,7 @@ TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
 
 
 def _features(d: ParallelLayout) -> set[str]:
-    axes = {a for a in ("dp", "fsdp", "sp", "tp") if getattr(d, a) > 1}
+    axes = {a for a in ("dp", "fsdp", "cp", "sp", "tp") if getattr(d, a) > 1}
     return axes | ({"zero"} if d.zero else set()) | ({"sequence_parallel"} if d.sequence_parallel else set())
 
 
@@ -100,8 +102,18 @@ def _edges(family, hf, batch: dict, replica: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _llm_loss(module, family, hf, batch, replica, total_tokens, own_rows=None) -> torch.Tensor:
+def _cp_rows(batch: dict, d: ParallelLayout, cp_rank: int) -> torch.Tensor:
+    """Indices of the hand-off rows a CP rank receives, in its local order (``row_parts``, as the driver
+    routes them)."""
+    part, local = row_parts(batch["mm_token_type_ids"] != 0, cp=d.cp, multiple=d.token_multiple)
+    mine = (part == cp_rank).nonzero().flatten()
+    return mine[torch.argsort(local[mine])]
+
+
+def _llm_loss(module, family, hf, batch, replica, total_tokens, own_rows=None, cp_rows=None) -> torch.Tensor:
     edges = _edges(family, hf, batch, replica)
+    if cp_rows is not None:  # CP: only the rows of this rank's tokens arrive
+        edges = {k: v[cp_rows] for k, v in edges.items()}
     if own_rows is not None:  # SP inside TP: only this rank's sequence shard's rows arrive
         edges = {k: v * own_rows.unsqueeze(1) for k, v in edges.items()}
     out = module(
@@ -155,11 +167,19 @@ def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> 
         shard = shards[coord["sp"]]
         loss = _vision_loss(module(**shard.forward_kwargs()), shard.token_index, replica)
     else:
-        own = None
+        own, rows = None, None
+        ids = batch["input_ids"]
+        if d.cp > 1:  # the CP rank's tokens of the padded micro-batch, local order (as the worker)
+            rows = _cp_rows(batch, d, coord["cp"])
+            seq = padded_length(ids.shape[1], d.token_multiple)
+            ids = torch.nn.functional.pad(ids, (0, seq - ids.shape[1]), value=-1)[
+                :, rank_index(seq, d.cp, coord["cp"])
+            ]
         if d.sequence_parallel:
-            ids = (hf.image_token_id, hf.video_token_id)
-            own = sequence_shard_rows(batch["input_ids"], ids, tp=d.tp, rank=coord["tp"]).float()
-        loss = _llm_loss(module, family, hf, batch, replica, _label_tokens(hf, layout.num_replicas), own)
+            tokens = (hf.image_token_id, hf.video_token_id)
+            own = sequence_shard_rows(ids, tokens, tp=d.tp, rank=coord["tp"]).float()
+        total = _label_tokens(hf, layout.num_replicas)
+        loss = _llm_loss(module, family, hf, batch, replica, total, own, rows)
     loss.backward()
     finalize_grads(module, mesh, layout=layout)
     key = (name, layout.num_replicas)
@@ -194,6 +214,7 @@ FAST_FAMILY = "qwen2_5_vl"
 def test_every_emitted_module_plan_trains_one_exact_step(family: str) -> None:
     space = _space(RECIPES[family])
     assert sum(len(c) for c in space.values()) >= 35, space  # the space is not trivially small
+    assert any(d.cp > 1 for c in space.values() for name, d, _ in c if name == "llm")  # CP is searched
     for world, combos in sorted(space.items()):
         spawn(_run_world, world, family, combos)
 

@@ -9,6 +9,7 @@ from dhp.config import list_recipes
 from dhp.config.constants import PARALLEL_AXES
 from dhp.config.loader import CONF_DIR, compose_config
 from dhp.config.smoke import smoke_config
+from dhp.layout import module_layout
 from dhp.plan import compile_plan
 from dhp.validation import load_config
 
@@ -74,7 +75,7 @@ def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
         assert axes - {"dp"} == full_axes - {"dp"}, (name, axes, full_axes)  # SP stays SP, TP stays TP...
         mod = smoke.modules[name]
         assert all(mod.parallel[a] in (1, 2) for a in PARALLEL_AXES)
-        assert mod.gpus == mod.parallel.dp * mod.parallel.fsdp * mod.parallel.sp * mod.parallel.tp
+        assert mod.gpus == module_layout(mod).world_size  # dp x fsdp x cp x sp x tp
     plan = compile_plan(smoke)
     assert {d.global_gpu for d in plan.devices} <= set(range(4))
     assert plan.fits

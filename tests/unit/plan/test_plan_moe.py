@@ -174,9 +174,10 @@ def test_auto_searches_ep_with_the_other_axes() -> None:
     cfg = _cfg("tiny_qwen3_vl_moe")
     axes = declared_axes(get_arch(cfg.model.family), "llm", cfg.model)
     degs = module_degrees("llm", 4, axes=axes, gpus_per_node=4, mixed_precision="fp32")
-    eps = {(d.dp * d.fsdp * d.sp, d.ep) for d in degs}
-    assert {(4, 1), (4, 2), (4, 4), (2, 2)} <= eps  # ep over dp x fsdp x sp, any divisor of it
-    assert all((d.dp * d.fsdp * d.sp) % d.ep == 0 for d in degs)
+    eps = {(d.dp * d.fsdp * d.cp * d.sp, d.ep) for d in degs}
+    assert {(4, 1), (4, 2), (4, 4), (2, 2)} <= eps  # ep over dp x fsdp x cp x sp, any divisor of it
+    assert all((d.dp * d.fsdp * d.cp * d.sp) % d.ep == 0 for d in degs)
+    assert any(d.cp == 2 and d.ep == 2 for d in degs)  # EP folds over the context ranks too
     vision = declared_axes(get_arch(cfg.model.family), "vision", cfg.model)
     assert {
         d.ep for d in module_degrees("vision", 4, axes=vision, gpus_per_node=4, mixed_precision="fp32")
