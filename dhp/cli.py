@@ -294,11 +294,15 @@ def train(
     cfg = load_config(conf, overrides, smoke=smoke)  # a bad config ends here, before any process starts
     # the rank processes' imports start now, on another core, beside this process's own
     with for_driver(family=cfg.model.family):
+        from dhp.runtime.interrupts import RunInterrupted
         from dhp.runtime.train import train as run_training
 
         cfg = machine_profile(cfg)  # this machine's numbers
         cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
-        result = run_training(cfg, console=console)
+        try:
+            result = run_training(cfg, console=console)
+        except RunInterrupted as stop:  # Ctrl-C: stopped at a step boundary, saved, torn down
+            result = stop.result
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise typer.Exit(128 + (result.signal or 2))
