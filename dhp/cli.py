@@ -418,8 +418,9 @@ def runs(
 ) -> None:
     """List the runs under ROOT: status, steps, last loss, checkpoints and trackers.
 
-    Status: finished (checkpoint at train.steps), active (metrics written in the last 2 minutes),
-    stopped (resume it with train.resume=auto) or empty (no step logged).
+    Status: finished (checkpoint at the run's last step), active (metrics written in the last 2
+    minutes), failed (the reason and traceback.txt in the note), stopped (resume it with
+    train.resume=auto) or empty (no step logged).
     """
     from pathlib import Path
 

@@ -143,10 +143,13 @@ def build_source(
         for entry in data.datasets
     ]
     processor = SampleProcessor(
-        tokenizer=load_tokenizer(model.path, tokens=model.tokens, family=model.family),
+        tokenizer=load_tokenizer(
+            model.path, tokens=model.tokens, family=model.family, chat_template=data.chat_template
+        ),
         image_processor=load_image_processor(model.path, data=data, family=model.family),
         tokens=model.tokens,
         limits=limits,
+        train_on=data.train_on,
     )
     processor.video = video_spec(data, vision=model.vision, image_processor=processor.image_processor)
     src = LlavaSource(datasets=datasets, weights=[e.weight for e in data.datasets], processor=processor)

@@ -3,7 +3,7 @@
 ``make_tiny_checkpoint(out_dir, family=...)`` writes what a released directory of that family holds:
 ``config.json``, ``model.safetensors`` (or shards + ``model.safetensors.index.json``), a byte-level BPE
 tokenizer trained here with the ``tokenizers`` library (Qwen's special tokens first, so their ids are
-fixed: see ``TINY_TOKENS``) and ``preprocessor_config.json``. The parts every family shares are here
+fixed: see ``TINY_TOKENS``) with a chat template, and ``preprocessor_config.json``. The parts every family shares are here
 (:func:`write_tiny_base`, and :func:`write_tiny_checkpoint`, which is all a family without files of its
 own needs); a family with its own (a processor class, a chat template) has a ``tiny.py`` whose
 ``write_tiny_checkpoint`` adds them.
@@ -25,6 +25,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from dhp.config.schema import ModelConfig
+from dhp.models.chat_templates import CHATML
 from dhp.models.registry import family_package, get_family
 
 # Qwen's special tokens, in this order: ids 0..13 in the tiny tokenizer.
@@ -118,11 +119,13 @@ def make_tiny_checkpoint(
 def write_tiny_checkpoint(
     out: Path, *, family: str, sharded: bool, seed: int, model_cfg: ModelConfig | None
 ) -> Path:
-    """The shared tiny parts only (:func:`write_tiny_base`): the tokenizer and the image processor's
-    files beside the weights; a Qwen3-style family needs no processor file of its own for training."""
+    """The shared tiny parts only (:func:`write_tiny_base`): the tokenizer with the ChatML template
+    (``chat_template.jinja``, as Qwen3-VL's and Qwen3.5's releases render a conversation) and the image
+    processor's files beside the weights; a Qwen3-style family needs no processor file of its own."""
     _, tokenizer, image_processor = write_tiny_base(
         out, family=family, sharded=sharded, seed=seed, model_cfg=model_cfg
     )
+    tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from dhp.ops.context import row_parts
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
+from dhp.runtime.evaluation import EvalParts, EvalResult
 from dhp.runtime.failures import FaultHook
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
@@ -239,8 +241,9 @@ class Trainer:
             aux_losses=_aux_losses(stats, data.num_label_tokens),
         )
 
-    def _produce(self, data: StepData, m: int) -> dict[str, Any]:
-        """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait).
+    def _produce(self, data: StepData, m: int, *, method: Any = ModuleWorker.produce) -> dict[str, Any]:
+        """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait);
+        ``method``: the worker's forward (``ModuleWorker.eval_produce`` for an eval pass).
 
         Returns ``{producer: (routing, pending)}`` for the producers with work (none without images)."""
         batches = data.micro_batches[m]
@@ -276,7 +279,7 @@ class Trainer:
             out[link.producer] = (
                 routing,
                 group.submit(
-                    ModuleWorker.produce,
+                    method,
                     [routing.units[layout.unit_of(r)] for r in range(world)],
                     [m] * world,
                     [
@@ -293,6 +296,21 @@ class Trainer:
     def _consume(self, data: StepData, m: int, sent: dict[str, Any]) -> Any:
         """Issue the consumer's forward+backward of micro-batch ``m``; each replica gets its senders' refs,
         per consumer endpoint of it (one; under context parallelism one per CP rank)."""
+        grads = self._grads_wanted(sent)
+        units = sum(self.groups[p].layout.num_units for p in sent)
+        return self.consumer.submit(
+            ModuleWorker.consume,
+            data.micro_batches[m],
+            self._inboxes(sent),
+            micro_batch=m,
+            num_label_tokens=data.num_label_tokens,
+            grads=grads,
+            num_returns=1 + units if grads else 1,
+        )
+
+    def _inboxes(self, sent: dict[str, Any]) -> list[dict[str, list[list[Any]]]]:
+        """Per consumer replica, per producer, per endpoint of the replica (one; one per CP rank
+        under context parallelism): the payload ref of each producer unit, from its sending rank."""
         replicas, parts = self.consumer.layout.num_replicas, self.consumer.layout.cp
         inboxes: list[dict[str, list[list[Any]]]] = [{} for _ in range(replicas)]
         for producer, (routing, pending) in sent.items():
@@ -302,17 +320,7 @@ class Trainer:
                     [None if s is None else pending.ref(s, e) for s in unit_senders(routing, e, layout)]
                     for e in range(j * parts, (j + 1) * parts)
                 ]
-        grads = self._grads_wanted(sent)
-        units = sum(self.groups[p].layout.num_units for p in sent)
-        return self.consumer.submit(
-            ModuleWorker.consume,
-            data.micro_batches[m],
-            inboxes,
-            micro_batch=m,
-            num_label_tokens=data.num_label_tokens,
-            grads=grads,
-            num_returns=1 + units if grads else 1,
-        )
+        return inboxes
 
     def _backprop(self, m: int, sent: dict[str, Any], consumed: Any) -> None:
         """Issue each producer's backward of ``m`` with the gradient rows each of its ranks needs."""
@@ -343,6 +351,40 @@ class Trainer:
         self._backprops = []
         pend = {n: g.submit(ModuleWorker.finalize_grads) for n, g in self.groups.items()}
         return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self, batches: Iterable[StepData], *, stop: Callable[[], bool]) -> EvalResult | None:
+        """A forward-only pass over ``batches`` on every group (``dhp.runtime.eval_worker``): per eval
+        micro-batch the producers' forward and the consumer's loss, routed as a step's; no gradient,
+        no optimizer state, the ranks' RNG streams put back after. Returns the token-weighted loss
+        (``dhp.runtime.evaluation``), or None when ``stop()`` turned true between two batches (a
+        signal: the pass is dropped, every call of the batches issued has finished)."""
+        t0 = time.perf_counter()
+        for g in self.groups.values():
+            g.call(ModuleWorker.eval_begin)
+        parts = EvalParts()
+        leaders = self._consumer_leaders()  # one per endpoint: each holds its own tokens' loss
+        stopped = False
+        for data in batches:
+            if stop():
+                stopped = True
+                break
+            pending = []
+            for m in range(len(data.micro_batches)):
+                sent = self._produce(data, m, method=ModuleWorker.eval_produce)
+                pending.append(
+                    self.consumer.submit(
+                        ModuleWorker.eval_consume, data.micro_batches[m], self._inboxes(sent), micro_batch=m
+                    )
+                )
+            for p in pending:
+                parts.add(
+                    self.consumer.get([p.ref(r, 0) for r in leaders], what="eval", timeout_s=self._timeout)
+                )
+            parts.count_batch(data)
+        for g in self.groups.values():
+            g.call(ModuleWorker.eval_end)
+        return None if stopped else parts.result(seconds=time.perf_counter() - t0)
 
     # ---- whole-module views and checkpoints --------------------------------------------------
     def full_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -10,7 +10,6 @@ its dispatch/collect contract; the driver (``dhp.runtime.driver``) is the only c
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,10 @@ from dhp.models.loading import LoadReport, load_module_weights
 from dhp.ops.context import padded_length, rank_index, row_parts
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.device_io import shard_to as _shard_to
+from dhp.runtime.device_io import video_kwargs as _video_kwargs
 from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.eval_worker import EvalMethods
 from dhp.runtime.graph import Link
 from dhp.runtime.handoff import ProducerWork
 from dhp.runtime.spec import WorkerSpec
@@ -46,8 +48,9 @@ from dhp.runtime.transport import make_transport
 _SEED_STRIDE = 1_000_003
 
 
-class ModuleWorker(DistWorker):
-    """Build, run and update one module's shard on this rank (see module docstring)."""
+class ModuleWorker(EvalMethods, DistWorker):
+    """Build, run and update one module's shard on this rank (see module docstring); evaluate it
+    forward only (:class:`~dhp.runtime.eval_worker.EvalMethods`)."""
 
     def __init__(self, *, module_name: str, rank: int, world_size: int, spec: WorkerSpec) -> None:
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
@@ -524,24 +527,3 @@ def _optim_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 total += local.numel() * local.element_size()
     return total
-
-
-def _shard_to(shard: Any, device: torch.device) -> Any:
-    """The shard with its tensors on ``device`` (a no-op on cpu)."""
-    if device.type == "cpu":
-        return shard
-
-    return dataclasses.replace(
-        shard,
-        **{
-            f.name: getattr(shard, f.name).to(device)
-            for f in dataclasses.fields(shard)
-            if isinstance(getattr(shard, f.name), torch.Tensor)
-        },
-    )
-
-
-def _video_kwargs(batch: VLBatch, device: torch.device) -> dict:
-    """``second_per_grid_ts`` for the LLM forward when the micro-batch holds videos (else nothing)."""
-    seconds = batch.second_per_grid_ts
-    return {} if seconds is None else {"second_per_grid_ts": seconds.to(device)}
