@@ -71,18 +71,15 @@ def machine_profile(cfg):
     return this_machine(cfg)
 
 
-def with_data_lengths(cfg):
-    """``cfg`` with the data's measured lengths for the step-time estimate (dhp.data.lengths);
-    data that cannot be read is said on stderr, and the estimate fills micro-batches to seq_len.
-    Real data on a tiny model reads its tiny checkpoint's tokenizer: written here when missing
-    (the run would write it next), as ``dhp data check`` does."""
-    if cfg.data.kind == "synthetic":  # sizes known from the config: nothing to measure or import
-        return cfg
-    from dhp.data.lengths import with_data_lengths as measure
-    from dhp.models.tiny_cache import ensure_tiny_checkpoint
+def checked_config(conf: str, overrides: list[str], *, smoke: bool):
+    """The run config after every check a run passes before any process starts, all problems in one
+    ConfigError (dhp.runtime.preflight): what `dhp plan` and `dhp train` both call. Lines that are
+    not problems (the tiny checkpoint used, rows a skip policy skips) go to stderr."""
+    from dhp.runtime.preflight import checked_config as check
 
-    ensure_tiny_checkpoint(cfg.model, say=lambda line: err_console.print(line, markup=False, soft_wrap=True))
-    return measure(cfg, warn=lambda text: err_console.print(text, markup=False, soft_wrap=True))
+    return check(
+        conf, overrides, smoke=smoke, say=lambda line: err_console.print(line, markup=False, soft_wrap=True)
+    )
 
 
 def refine_machine_profile(run_dir, cfg) -> None:
@@ -177,11 +174,11 @@ def plan(
     """
     from dhp.plan import compile_plan, render_plan
     from dhp.plan.reserve import reserve_plan
-    from dhp.validation import load_config
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
-    cfg = machine_profile(load_config(conf, overrides, smoke=smoke))  # this machine's numbers
-    cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
+    # every check dhp train makes before step 1 (the sampled rows' lengths time the step), then
+    # this machine's numbers
+    cfg = machine_profile(checked_config(conf, overrides, smoke=smoke))
     if auto:
         from dhp.plan.auto import render_auto, run_auto
 
@@ -198,11 +195,7 @@ def plan(
             )
     else:
         compiled = compile_plan(cfg)
-    if dry_run:  # the data must be reachable where the run starts
-        from dhp.data.preflight import check_data_paths
-
-        check_data_paths(cfg.data)
-    else:
+    if not dry_run:
         reserve_plan(compiled, cluster=cfg.cluster)
     if as_json:
         print(compiled.to_json_str())
@@ -283,7 +276,6 @@ def train(
     summary table and <train.output_dir>/sweeps/<timestamp>/sweep.jsonl; exits 1 if a run failed.
     """
     from dhp.runtime.forkserver import for_driver
-    from dhp.validation import load_config
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     if multirun:
@@ -291,14 +283,15 @@ def train(
             from dhp.runtime.sweep import run_sweep, sweep_exit_code
 
             raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
-    cfg = load_config(conf, overrides, smoke=smoke)  # a bad config ends here, before any process starts
+    # every problem of the config, the model directory and the sampled data ends here, at once,
+    # before any process starts (the checks dhp plan makes)
+    cfg = checked_config(conf, overrides, smoke=smoke)
     # the rank processes' imports start now, on another core, beside this process's own
-    with for_driver(family=cfg.model.family):
+    with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.runtime.interrupts import RunInterrupted
         from dhp.runtime.train import train as run_training
 
         cfg = machine_profile(cfg)  # this machine's numbers
-        cfg = with_data_lengths(cfg)  # the data's own lengths for the step time
         try:
             result = run_training(cfg, console=console)
         except RunInterrupted as stop:  # Ctrl-C: stopped at a step boundary, saved, torn down
@@ -337,7 +330,8 @@ def verify(
     steps = next((int(a.partition("=")[2]) for a in given if a.startswith("steps=")), steps)
     conf, overrides, smoke = parse_hydra_args(args)
     cfg = load_config(conf, overrides, smoke=smoke)
-    with for_driver(family=cfg.model.family):  # the ranks' imports start beside this process's own
+    # the ranks' imports start beside this process's own
+    with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.models.tiny_cache import ensure_tiny_checkpoint
         from dhp.runtime.verify import render_report, render_step, verify_plan
 

@@ -27,7 +27,11 @@ for_loop) against the planner's, in about a minute (``scripts/measure_optimizer_
     .venv/bin/python scripts/bench_planner.py --optimizer --out runs/optimizer_memory.json
 
 ``--blocks`` measures only the memory of plans with other block kinds (BLOCK_PLANS: a mixture of
-experts with expert parallelism, a hybrid Gated DeltaNet LLM), one run each:
+experts with expert parallelism, a hybrid Gated DeltaNet LLM, an encoder replica serving two LLM
+replicas), one run each, and the saved bytes of each MoE layer under AC off, selective and full
+(MOE_LAYERS: the family's LLM module on 2 gloo ranks at ep=2, one forward under
+``dhp.metrics.accounting.saved_by_part``, the mean over the ranks, whose received rows average to
+what they send: the planner's balanced router) against ``dhp.plan.blocks.mlp_saved_elems``:
 
     .venv/bin/python scripts/bench_planner.py --blocks --steps 2 --out runs/bench_planner_blocks.json
 """
@@ -103,6 +107,7 @@ NO_AC = [
     "data.synthetic.text_tokens=480",
     "modules.llm.seq_len=512",
 ]
+HYBRID_TP1 = ["modules.llm.parallel.tp=1", "modules.llm.parallel.sequence_parallel=false"]
 BLOCK_PLANS: list[tuple[str, str, list[str]]] = [
     ("moe_dp2_ep2", "tiny_qwen3_vl_moe", NO_AC),
     (
@@ -111,10 +116,21 @@ BLOCK_PLANS: list[tuple[str, str, list[str]]] = [
         [*NO_AC, "modules.llm.parallel.dp=1", "modules.llm.parallel.fsdp=2"],
     ),
     ("moe_dp2_ep2_ac", "tiny_qwen3_vl_moe", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
-    ("hybrid_fsdp2", "tiny_qwen3_5", NO_AC),
-    ("hybrid_dp2", "tiny_qwen3_5", [*NO_AC, "modules.llm.parallel.fsdp=1", "modules.llm.parallel.dp=2"]),
-    ("hybrid_fsdp2_ac", "tiny_qwen3_5", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
+    # the recipe's TP=2 (Gated DeltaNet heads split, SP inside TP), and TP=1 under FSDP / DP
+    ("hybrid_tp2", "tiny_qwen3_5", NO_AC),
+    ("hybrid_fsdp2", "tiny_qwen3_5", [*NO_AC, *HYBRID_TP1, "modules.llm.parallel.fsdp=2"]),
+    ("hybrid_dp2", "tiny_qwen3_5", [*NO_AC, *HYBRID_TP1, "modules.llm.parallel.dp=2"]),
+    ("hybrid_tp2_ac", "tiny_qwen3_5", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
+    # one encoder replica (SP=2) serving the two LLM replicas: it encodes both their images
+    (
+        "encoder_serves_2",
+        "tiny_qwen3_vl_moe",
+        ["data.synthetic.patches=256", "train.micro_batch_size=1", "train.global_batch_size=2"],
+    ),
 ]
+#: (family, model) of the MoE layers measured by ``--blocks`` (each under every AC mode)
+MOE_LAYERS = [("qwen3_vl_moe", "tiny_qwen3_vl_moe"), ("qwen3_5", "tiny_qwen3_5_moe")]
+MOE_TOKENS = 256  # per rank
 
 
 def _config(
@@ -149,17 +165,14 @@ def _config(
 def _exact_lengths(cfg) -> list[str]:
     """seq_len overrides that make each module's capacity exactly what the synthetic data fills (the
     planner counts capacity; the run allocates what the samples hold): an LLM sample is
-    images x (patches / merge^2 + 2 markers) + text tokens; a vision micro-batch of one replica holds
-    its share of the LLM replicas' images."""
+    images x (patches / merge^2 + 2 markers) + text tokens; ``modules.vision.seq_len`` bounds one LLM
+    replica's micro-batch (an encoder replica serving several encodes that many times it)."""
     syn, merge = cfg.data.synthetic, cfg.model.vision.spatial_merge_size**2
     tokens = syn.images_per_sample * (syn.patches // merge + 2) + syn.text_tokens
-    from dhp.layout import module_layout
 
-    v, lm = module_layout(cfg.modules["vision"]), module_layout(cfg.modules["llm"])
-    share = cfg.train.micro_batch_size * lm.num_replicas // v.num_replicas
     return [
         f"modules.llm.seq_len={tokens}",
-        f"modules.vision.seq_len={share * syn.patches * syn.images_per_sample}",
+        f"modules.vision.seq_len={cfg.train.micro_batch_size * syn.patches * syn.images_per_sample}",
     ]
 
 
@@ -277,12 +290,17 @@ def _blocks_only(out: Path, steps: int, only: list[str]) -> None:
         for name, recipe, ov in [p for p in BLOCK_PLANS if not only or p[0] in only]:
             cfg = _config(name, ov, out=tmp, steps=steps, recipe=recipe)
             _, _, peaks = _train(cfg, tmp)
-            planned = _planned_peaks(compile_plan(cfg))
+            plan = compile_plan(cfg)
+            planned = _planned_peaks(plan)
+            saved = {g.name: max(r.memory.activations for r in g.ranks) for g in plan.groups}
             mem = {
                 m: {
                     "predicted": planned[m],
                     "measured": peaks[m]["total"],
                     "ratio": peaks[m]["total"] / planned[m],
+                    # the saved activations alone (the plan's live micro-batches, the peak window's)
+                    "predicted_saved": saved[m],
+                    "measured_saved": peaks[m].get("saved", 0),
                 }
                 for m in planned
             }
@@ -293,11 +311,112 @@ def _blocks_only(out: Path, steps: int, only: list[str]) -> None:
             )
     finally:
         ray.shutdown()
+    layers = [] if only else _moe_layers()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"plans": rows}, indent=1))
-    print("BENCH " + json.dumps(rows))
+    out.write_text(json.dumps({"plans": rows, "moe_layers": layers}, indent=1))
+    print("BENCH " + json.dumps({"plans": rows, "moe_layers": layers}))
     within = all(abs(v["ratio"] - 1) <= 0.10 for r in rows for v in r["memory_by_module"].values())
+    within = within and all(abs(r["ratio"] - 1) <= 0.10 for r in layers)
     sys.exit(0 if within else 1)
+
+
+def _moe_layers() -> list[dict]:
+    """Measured (mean over 2 ranks at ep=2) vs predicted saved bytes of each MoE layer, per AC mode."""
+    import torch.multiprocessing as mp
+
+    from dhp.models.entries import model_entry
+    from dhp.models.registry import get_arch
+    from dhp.plan.blocks import mlp_saved_elems
+
+    rows = []
+    ctx = mp.get_context("spawn")
+    for family, model in MOE_LAYERS:
+        from omegaconf import OmegaConf
+
+        arch = get_arch(family).architecture(OmegaConf.structured(model_entry(model))).modules["llm"]
+        mlp = next(b.mlp for b in arch.blocks if b.mlp.kind == "moe")
+        for ac in ("off", "selective", "full"):
+            queue, port = ctx.Queue(), _free_port()
+            procs = [
+                ctx.Process(target=_moe_rank, args=(r, port, family, model, ac, queue)) for r in range(2)
+            ]
+            for p in procs:
+                p.start()
+            got = [queue.get(timeout=600) for _ in procs]
+            for p in procs:
+                p.join()
+            per_rank = [g for g in got if not isinstance(g, str)]
+            if len(per_rank) != len(got):
+                raise RuntimeError(next(g for g in got if isinstance(g, str)))
+            layers = [sum(col) / len(col) for col in zip(*per_rank, strict=True)]
+            per_token = mlp_saved_elems(mlp, hidden=arch.hidden, tp=1, selective=ac == "selective", act=4)
+            # AC off: the block's input is saved by its first projection (the planner's norm term)
+            per_token = 0.0 if ac == "full" else per_token + (arch.hidden if ac == "off" else 0)
+            predicted = MOE_TOKENS * per_token * 4
+            measured = sum(layers) / len(layers)
+            rows.append(
+                {
+                    "model": model,
+                    "ac": ac,
+                    "ep": 2,
+                    "tokens_per_rank": MOE_TOKENS,
+                    "measured_bytes_per_layer": measured,
+                    "measured_by_rank_and_layer": per_rank,
+                    "predicted_bytes_per_layer": predicted,
+                    "ratio": measured / predicted if predicted else (1.0 if measured == 0 else float("inf")),
+                }
+            )
+            print(f"moe layer {model} ac={ac}: measured/predicted {rows[-1]['ratio']:.3f}", flush=True)
+    return rows
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _moe_rank(rank: int, port: int, family: str, model: str, ac: str, queue) -> None:
+    """One rank of the ep=2 MoE-layer measurement: puts its per-MoE-layer saved bytes (or an error)."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from dhp.layout import ParallelLayout
+        from dhp.metrics.accounting import saved_by_part
+        from dhp.models.entries import model_entry
+        from dhp.models.registry import get_family
+        from dhp.parallel import build_mesh
+        from dhp.parallel.compose import parallelize
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        fam = get_family(family)
+        torch.manual_seed(0)
+        module = fam.build_module("llm", fam.hf_config(model_entry(model)), device="cpu", dtype=torch.float32)
+        layout = ParallelLayout(dp=2, ep=2)
+        module = parallelize(
+            "llm",
+            module,
+            build_mesh(layout, "cpu"),
+            layout,
+            activation_checkpointing=ac,
+            mixed_precision="fp32",
+        )
+        layers = module.language_model.layers
+        parts = {f"moe{i}": x.mlp for i, x in enumerate(layers) if hasattr(x.mlp, "experts")}
+        ids = torch.randint(20, 1000, (1, MOE_TOKENS), generator=torch.Generator().manual_seed(rank))
+        text = {"input_ids": ids, "labels": ids.clone(), "mm_token_type_ids": torch.zeros_like(ids)}
+        batch = {**text, "attention_mask": torch.ones_like(ids)}  # text only: no image rows
+        saved, _ = saved_by_part(lambda: module(**batch), parts, exclude=list(module.parameters()))
+        queue.put([saved.get(name, 0) for name in parts])
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put(traceback.format_exc())
 
 
 def _optimizer_only(out: Path) -> None:

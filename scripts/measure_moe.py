@@ -102,7 +102,8 @@ def _step(rank: int, ep: int) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     """One training step at this ep: (this rank's expert bytes and all-to-all bytes, full reduced grads)."""
     from dhp.layout import ParallelLayout
     from dhp.parallel import CommCounter, build_mesh
-    from dhp.parallel.ep import apply_ep, ep_mesh, expert_params, load_balancing_loss, reduce_expert_grads_
+    from dhp.parallel.ep import apply_ep, ep_mesh, expert_params, reduce_expert_grads_
+    from dhp.parallel.load_balancing import load_balancing_loss
 
     s = SIZES
     layout = ParallelLayout(dp=WORLD, ep=ep)

@@ -14,6 +14,11 @@ OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # devices whose torch build runs AdamW(fused=True): CUDA, and CPU since torch 2.4 (the pinned 2.13
 # lists both in torch.utils._foreach_utils._get_fused_kernels_supported_devices)
 FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")
+# ``train.router_aux_loss``: a term defined on a batch (an MoE router's load-balancing loss) over the
+# step's batch, as transformers on the whole batch in one call (a statistics pass first when a replica
+# has several micro-batches), or over each micro-batch's tokens (no pass; the objective then depends on
+# train.micro_batch_size and on dp vs gradient accumulation)
+ROUTER_AUX_LOSS_MODES = ("step", "micro_batch")
 PLACEMENTS = ("collocated", "disaggregated")
 HANDOFFS = ("auto", "object_store", "cuda_ipc", "p2p")
 MODULE_NAMES = ("vision", "llm")

@@ -190,8 +190,11 @@ class LoraConfig:
 class ModuleConfig:
     """One module = one Ray actor group with its own torch.distributed world.
 
-    seq_len: for the vision module, the max patches per micro-batch (per DP replica);
-    for the LLM, the max tokens per sample (micro-batch rows are padded to the longest sample).
+    seq_len: for the vision module, the max patches of one micro-batch of one LLM data replica
+    (what the data loader enforces); an encoder replica serving k LLM replicas (fewer encoder than
+    LLM replicas) encodes up to k x seq_len per driver micro-batch, which the planner counts
+    (``dhp.plan.memory.encoder_replica_patches``); for the LLM, the max tokens per sample
+    (micro-batch rows are padded to the longest sample).
     """
 
     gpus: int = 1
@@ -266,6 +269,8 @@ class DataLengths:
     tokens: list[int] = field(default_factory=list)  # LLM tokens of each sampled row, sorted
     patches: list[int] = field(default_factory=list)  # encoder patches of each sampled row, sorted
     media: int = 0  # images + videos in the sampled rows (a video is one item of its frames)
+    videos: int = 0  # videos in the sampled rows (of ``media``)
+    video_frames: int = 0  # frames sampled from those videos, all of them
     note: str = ""  # why the lengths were not measured (empty when measured or not attempted)
 
 
@@ -359,6 +364,10 @@ class TrainConfig:
     epochs: float = 0.0  # > 0: the run's length in passes over the training data (train.steps=0)
     global_batch_size: int = 8  # samples per optimizer step, over all DP replicas
     micro_batch_size: int = 1  # samples per forward, per DP replica
+    # an MoE router's load-balancing loss over the step's batch (`step`, transformers' definition on the
+    # whole batch; with several micro-batches per replica a statistics pass first: one more forward of
+    # every module per micro-batch) or over each micro-batch (`micro_batch`: no pass, not HF's loss)
+    router_aux_loss: str = "step"
     lr: float = 1e-5
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10

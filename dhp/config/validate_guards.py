@@ -74,13 +74,17 @@ def validate_guards(cfg: DictConfig, issues: Issues) -> None:
         )
 
 
-def validate_model_type(model: DictConfig, raw: dict, issues: Issues) -> None:
-    """``model.path``'s config.json ``model_type`` must be the configured family's."""
+def validate_model_type(
+    model: DictConfig, raw: dict, issues: Issues, *, model_types: tuple[str, ...] = ()
+) -> None:
+    """``model.path``'s config.json ``model_type`` must be the configured family's: its name or one
+    of ``model_types`` (the flavour the numbers declare, e.g. ``qwen3_5_moe`` of ``qwen3_5``)."""
     mt = raw.get("model_type")  # a JSON dict read from disk, not the run config
     issues.check(
-        mt is None or mt == model.family,
+        mt is None or mt == model.family or mt in model_types,
         "model.path",
         model.path,
-        f"config.json has model_type={mt!r} but model.family={model.family!r}",
+        f"config.json has model_type={mt!r} but model.family={model.family!r}"
+        + (f" reads {list(model_types)}" if model_types else ""),
         f"point model.path at a {model.family} checkpoint, or pick the model family of this one",
     )

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from dhp.config.constants import ROUTER_AUX_LOSS_MODES
 from dhp.config.issues import Issues
 
 
 def validate_loop(cfg: DictConfig, issues: Issues) -> None:
-    """``train.seed`` >= 0, a non-empty ``train.output_dir`` and ``train.resume``, named trackers."""
+    """``train.seed`` >= 0, a non-empty ``train.output_dir`` and ``train.resume``, a known
+    ``train.router_aux_loss``, named trackers."""
     train, metrics = cfg.train, cfg.metrics
+    issues.check(
+        train.router_aux_loss in ROUTER_AUX_LOSS_MODES,
+        "train.router_aux_loss",
+        train.router_aux_loss,
+        f"unknown value; allowed: {', '.join(ROUTER_AUX_LOSS_MODES)} (step: over the step's batch, as "
+        "transformers on the whole batch; micro_batch: over each micro-batch, cheaper, not HF's loss)",
+        "use train.router_aux_loss=step (the default) or train.router_aux_loss=micro_batch",
+    )
     issues.check(train.seed >= 0, "train.seed", train.seed, "must be >= 0", "e.g. train.seed=0")
     issues.check(
         bool(str(train.output_dir).strip()),

@@ -1,6 +1,7 @@
 """Checks that need the model's files or token ids: ``model.path`` and ``model.tokens``.
 
-``model.path`` must be a directory with a ``config.json`` whose architecture numbers agree with
+``model.path`` must be a directory with the weights, the tokenizer (and for real data the image
+processor) a run reads, and a ``config.json`` whose architecture numbers agree with
 ``model.vision`` / ``model.llm`` (the planner and the module builders read the YAML numbers, the
 weights come from the directory; a mismatch would plan one model and load another). Both the
 hub's layout (text fields at the top level) and transformers 5's (``text_config``) are read.
@@ -71,6 +72,53 @@ def _read_config_json(path: Path, issues: Issues) -> dict | None:
         return None
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what dhp.models.loading reads
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # beside tokenizer_config.json's key
+
+
+def _missing_files(path: Path, issues: Issues, *, real_data: bool) -> None:
+    """The files a run reads from ``model.path`` beside config.json: the weights (safetensors, one
+    file or an index), the tokenizer with a chat template (the token ids are checked against
+    ``model.tokens``, and real data is rendered with the template) and, for real data, the image
+    processor's ``preprocessor_config.json``. One issue per missing part."""
+    issues.check(
+        any((path / f).is_file() for f in WEIGHT_FILES),
+        "model.path",
+        str(path),
+        f"has no weights ({' or '.join(WEIGHT_FILES)})",
+        "save the model with save_pretrained (safetensors), or point model.path at the downloaded directory",
+    )
+    tok_file = path / "tokenizer_config.json"
+    if not issues.check(
+        tok_file.is_file(),
+        "model.path",
+        str(path),
+        "has no tokenizer (tokenizer_config.json)",
+        "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR))",
+    ):
+        return
+    try:
+        in_config = bool(json.loads(tok_file.read_text()).get("chat_template"))  # a JSON file's key
+    except (OSError, json.JSONDecodeError, AttributeError):
+        in_config = False
+    issues.check(
+        in_config or any((path / f).is_file() for f in CHAT_TEMPLATE_FILES),
+        "model.path",
+        str(path),
+        f"its tokenizer has no chat template (tokenizer_config.json's chat_template, or "
+        f"{' / '.join(CHAT_TEMPLATE_FILES)})",
+        "save the model's chat template with its tokenizer or processor (save_pretrained)",
+    )
+    if real_data:
+        issues.check(
+            (path / "preprocessor_config.json").is_file(),
+            "model.path",
+            str(path),
+            "has no image processor (preprocessor_config.json), which real data needs",
+            "save the model's processor beside the weights (processor.save_pretrained(DIR))",
+        )
+
+
 def _compare(node: DictConfig, prefix: str, raw: dict, keys: dict[str, str], issues: Issues) -> None:
     for ours, theirs in keys.items():
         if theirs not in raw:
@@ -84,15 +132,33 @@ def _compare(node: DictConfig, prefix: str, raw: dict, keys: dict[str, str], iss
         )
 
 
-def validate_model_dir(model: DictConfig, issues: Issues) -> None:
-    """``model.path`` exists and its config.json agrees with the architecture numbers."""
-    if model.path is None or is_pending_tiny_checkpoint(model):
+def validate_model_dir(
+    model: DictConfig, issues: Issues, *, real_data: bool = False, model_types: tuple[str, ...] = ()
+) -> None:
+    """``model.path`` exists, holds what a run reads from it (:func:`_missing_files`) and its
+    config.json agrees with the architecture numbers (its ``model_type`` one of ``model_types``, the
+    family's). ``real_data`` (``data.kind=llava``): the run also needs the image processor, and a
+    model without a tiny checkpoint needs ``model.path``."""
+    if model.path is None:
+        issues.check(
+            not real_data,
+            "model.path",
+            None,
+            f"real data (data.kind=llava) needs the model's tokenizer and image processor, and "
+            f"{model.name} is not a tiny model with a checkpoint to stand in",
+            "set model.path=DIR, a local HF directory of this model (config.json, safetensors, "
+            "tokenizer with a chat template, preprocessor_config.json)",
+        )
         return
-    raw = _read_config_json(Path(model.path).expanduser(), issues)
+    if is_pending_tiny_checkpoint(model):
+        return
+    path = Path(model.path).expanduser()
+    raw = _read_config_json(path, issues)
     if raw is None:
         return
+    _missing_files(path, issues, real_data=real_data)
 
-    validate_model_type(model, raw, issues)
+    validate_model_type(model, raw, issues, model_types=model_types)
     text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     _compare(model.llm, "model.llm", text, _LLM_KEYS, issues)
     if "tie_word_embeddings" in raw:

@@ -34,7 +34,7 @@ DECOMPRESSION_BOMB = "decompression_bomb"  # more pixels than PIL's MAX_IMAGE_PI
 INVALID_UTF8 = "invalid_utf8"  # a JSONL line (or a shard's JSON) that is not UTF-8
 CORRUPT_VIDEO = "corrupt_video"  # a video file that cannot be decoded (or frames of mixed sizes)
 EMPTY_VIDEO = "empty_video"  # a video with zero frames (an empty frames folder)
-UNSUPPORTED_MODALITY = "unsupported_modality"  # audio: no family has an audio module
+UNSUPPORTED_MODALITY = "unsupported_modality"  # audio (no audio module); video (a family without video)
 REASONS = (
     MISSING_FILE,
     CORRUPT_IMAGE,

@@ -132,3 +132,35 @@ def collate(samples: list[Sample], *, pad_token_id: int) -> VLBatch:
         sample_ids=[s.sample_id for s in samples],
         second_per_grid_ts=torch.cat(seconds) if seconds else None,
     )
+
+
+def concat_batches(batches: list[VLBatch], *, pad_token_id: int) -> VLBatch:
+    """Every row of ``batches``, in order, as ONE batch right-padded to the longest row; the visual
+    items concatenated in the same (row-major) order. For a single-process reference that runs the
+    step's whole batch in one call: rows are taken as they are (unpack packed rows first), the pixel
+    rows must be tensors (fetch object-store references first).
+
+    Memory: one ``(sum B, S_max)`` copy of each token tensor and one copy of every pixel row.
+    """
+    if not batches:
+        raise ValueError("concat_batches() needs at least one batch")
+    longest = max(b.input_ids.shape[1] for b in batches)
+
+    def cat(name: str, pad: int) -> torch.Tensor:
+        rows = [getattr(b, name) for b in batches]
+        return torch.cat([torch.nn.functional.pad(r, (0, longest - r.shape[1]), value=pad) for r in rows])
+
+    def items(name: str) -> torch.Tensor | None:
+        kept = [getattr(b, name) for b in batches if getattr(b, name) is not None]
+        return torch.cat(kept, dim=0) if kept else None
+
+    return VLBatch(
+        input_ids=cat("input_ids", pad_token_id),
+        attention_mask=cat("attention_mask", 0),
+        labels=cat("labels", IGNORE_INDEX),
+        mm_token_type_ids=cat("mm_token_type_ids", 0),
+        pixel_values=items("pixel_values"),
+        image_grid_thw=items("image_grid_thw"),
+        sample_ids=[i for b in batches for i in b.sample_ids],
+        second_per_grid_ts=items("second_per_grid_ts"),
+    )

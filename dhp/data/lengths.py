@@ -1,48 +1,105 @@
-"""The data's own lengths for the step-time estimate of a real-data run, measured at plan time.
+"""The rows start-up samples: processed once, before Ray, for the run's checks and the step-time estimate.
 
 A real-data micro-batch is as long as its samples: the loader right-pads the LLM rows to the longest
 sample of the micro-batch and concatenates the samples' patches (``dhp.data.batch.collate``), so a
 plan that times micro-batches filled to ``modules.<m>.seq_len`` can be several times slow on data
-much shorter than its bound. :func:`with_data_lengths` measures a bounded, deterministic sample of
-the configured datasets with the same source and processing as ``dhp data check``
-(``build_source``: records read, images decoded and processed, conversations tokenized) and writes
-the per-row counts into ``data.lengths`` of the config, which the planner reads
-(``dhp.plan.estimate.timing_shapes``). Nothing here starts Ray.
+much shorter than its bound. :func:`cached_rows` processes a bounded, deterministic sample of the
+configured datasets with the same source, record validation and processing as the loader and
+``dhp data check`` (``build_source``: records read, images decoded and processed, videos sampled,
+conversations tokenized), without the per-sample limits, and keeps one :class:`SampledRow` per row:
+its counts, or why it is a bad sample. The start-up checks (``dhp.data.preflight``) compare those
+rows with the run's limits (:meth:`~dhp.data.processing.Limits.broken`, the loader's own rule), and
+:func:`lengths_of` turns the rows that pass into ``data.lengths``, which the planner reads
+(``dhp.plan.estimate.timing_shapes``, ``dhp.plan.workload``). Nothing here starts Ray.
 
 Sample: at most :data:`SAMPLE_ROWS` rows spread evenly over one unshuffled epoch (each dataset
 repeated by its weight, ``epoch_order``), the same rows on every call. Results are cached under
 ``$DHP_CACHE_DIR/data_lengths/`` by the datasets' files (paths, sizes, modification times; a
-folder's own, which a file added or removed changes) and every setting the counts depend on; a
-changed file or setting measures again. Data that cannot be read
-leaves ``data.lengths`` unmeasured with the reason in ``note``: the estimate then fills every
-micro-batch to ``seq_len`` and says why.
+folder's own, which a file added or removed changes), the model directory's files and every setting
+the counts depend on; a changed file or setting measures again. A changed ``seq_len`` does not: the
+rows are measured without limits.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
+import itertools
 import json
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.schema import DataConfig, DataLengths, ModelConfig
 from dhp.data.bad import BadSampleError
+from dhp.data.batch import VIDEO, Sample
 from dhp.data.check import load_or_bad
 from dhp.data.dataset_info import resolve_info
 from dhp.data.llava import resolve_path
+from dhp.data.processing import UNBOUNDED, Limits
 from dhp.data.source import build_source, epoch_order
 from dhp.data.wds import expand_shards
-from dhp.errors import DataError, DhpError
+from dhp.errors import DataError
 
 #: rows measured at most (the demo set's 25 all fit; a large set costs ~SAMPLE_ROWS samples' processing)
 SAMPLE_ROWS = 64
 CACHE_ENV = "DHP_CACHE_DIR"  # the cache root, as dhp.machine.cache reads it (default ~/.cache/dhp)
-CACHE_VERSION = 1  # bump when what is measured changes
+CACHE_VERSION = 2  # bump when what is measured changes
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    """One sampled row as the loader would process it. ``bad``: ``(reason, detail, fix)`` of a bad
+    sample (the counts are then 0); ``items``: per image or video in token order,
+    ``[kind, patches, frames]`` (kind ``image`` or ``video``; frames 1 for an image)."""
+
+    location: str
+    dataset: int  # index into data.datasets
+    bad: tuple[str, str, str] | None = None
+    tokens: int = 0
+    patches: int = 0
+    image_tokens: int = 0
+    video_tokens: int = 0
+    items: tuple[tuple[str, int, int], ...] = field(default_factory=tuple)
+
+    @property
+    def images(self) -> int:
+        return sum(1 for kind, _, _ in self.items if kind == "image")
+
+    @property
+    def videos(self) -> int:
+        return sum(1 for kind, _, _ in self.items if kind == "video")
+
+    @property
+    def frames(self) -> int:
+        """Video frames of the row (sampled frames, every video)."""
+        return sum(f for kind, _, f in self.items if kind == "video")
+
+
+def row_of(sample: Sample | BadSampleError, *, location: str, dataset: int, temporal: int) -> SampledRow:
+    """The :class:`SampledRow` of a processed sample (or of its bad-sample error); ``temporal``:
+    frames per temporal patch (a video item of grid ``(t, h, w)`` sampled ``t * temporal`` frames)."""
+    if isinstance(sample, BadSampleError):
+        return SampledRow(location, dataset, bad=(sample.reason, sample.detail, sample.fix))
+    grids = [] if sample.image_grid_thw is None else sample.image_grid_thw.tolist()
+    runs = [k for k, _ in itertools.groupby(sample.mm_token_type_ids.tolist()) if k != 0]
+    items = tuple(
+        ("video", t * h * w, t * temporal) if kind == VIDEO else ("image", t * h * w, 1)
+        for kind, (t, h, w) in zip(runs, grids, strict=True)
+    )
+    return SampledRow(
+        location,
+        dataset,
+        tokens=sample.num_tokens,
+        patches=sample.num_patches,
+        image_tokens=sample.num_image_tokens,
+        video_tokens=sample.num_video_tokens,
+        items=items,
+    )
 
 
 def sample_indices(sizes: list[int], weights: list[float], *, seed: int, rows: int) -> tuple[list[int], int]:
@@ -55,36 +112,42 @@ def sample_indices(sizes: list[int], weights: list[float], *, seed: int, rows: i
     return [order[i * n // rows] for i in range(rows)], n
 
 
-def measure_lengths(
-    *,
-    data: DataConfig,
-    model: ModelConfig,
-    vision_seq_len: int,
-    llm_seq_len: int,
-    seed: int = 0,
-    rows: int = SAMPLE_ROWS,
-) -> DataLengths:
-    """Process the sampled rows exactly as ``dhp data check`` does and keep each row's LLM tokens,
-    encoder patches and media items. Bad rows are left out of the counts; DataError when none of
-    the sampled rows can be processed, or the source cannot be built (ConfigError, DataError)."""
+def measure_rows(
+    *, data: DataConfig, model: ModelConfig, seed: int = 0, rows: int = SAMPLE_ROWS
+) -> tuple[list[SampledRow], int]:
+    """(the sampled rows, processed as the loader does but without per-sample limits, one epoch's
+    length). ConfigError or DataError when the source cannot be built (a tokenizer, a processor or
+    a dataset file that cannot be read)."""
     source, sizes, weights = build_source(
-        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
+        data=data,
+        model=model,
+        vision_seq_len=UNBOUNDED.vision_seq_len,
+        llm_seq_len=UNBOUNDED.llm_seq_len,
+        seed=seed,
     )
     picks, total = sample_indices(sizes, weights, seed=seed, rows=rows)
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
         loaded = list(pool.map(lambda i: load_or_bad(source, i), picks))
-    good = [s for s in loaded if not isinstance(s, BadSampleError)]
-    if not good:
-        first = next((s for s in loaded if isinstance(s, BadSampleError)), None)
-        raise DataError(
-            f"none of the {len(picks)} sampled rows could be processed" + (f": {first}" if first else "")
-        )
+    starts = [sum(sizes[:d]) for d in range(len(sizes))]
+    temporal = max(int(model.vision.temporal_patch_size), 1)
+    out = [
+        row_of(s, location=source.location(i), dataset=bisect.bisect_right(starts, i) - 1, temporal=temporal)
+        for i, s in zip(picks, loaded, strict=True)
+    ]
+    return out, total
+
+
+def lengths_of(rows: list[SampledRow], *, of_rows: int, limits: Limits) -> DataLengths:
+    """``data.lengths`` of the rows the run would train: neither bad nor over ``limits``."""
+    good = [r for r in rows if r.bad is None and not limits.broken(patches=r.patches, tokens=r.tokens)]
     return DataLengths(
         rows=len(good),
-        of_rows=total,
-        tokens=sorted(s.num_tokens for s in good),
-        patches=sorted(s.num_patches for s in good),
-        media=sum(s.num_images for s in good),
+        of_rows=of_rows,
+        tokens=sorted(r.tokens for r in good),
+        patches=sorted(r.patches for r in good),
+        media=sum(len(r.items) for r in good),
+        videos=sum(r.videos for r in good),
+        video_frames=sum(r.frames for r in good),
     )
 
 
@@ -97,6 +160,8 @@ def _files(path: str, key: str) -> list[list]:
         found = [Path(p) for p in sorted(glob.glob(path))]
     else:
         found = [resolve_path(path, key=key)]
+        if found[0].is_dir() and key == "model.path":  # its files: a rewritten tokenizer measures again
+            found = sorted(p for p in found[0].iterdir() if p.is_file())
     out = []
     try:
         for f in found:
@@ -109,12 +174,10 @@ def _files(path: str, key: str) -> list[list]:
     return out
 
 
-def cache_key(
-    *, data: DataConfig, model: ModelConfig, vision_seq_len: int, llm_seq_len: int, seed: int, rows: int
-) -> str:
-    """A hash of everything the counts depend on: the data settings (not ``lengths`` itself), the
-    model's tokenizer and processor directory, the limits, the sample, and each dataset file's
-    path, size and modification time. DataError when a dataset path cannot be read."""
+def cache_key(*, data: DataConfig, model: ModelConfig, seed: int, rows: int) -> str:
+    """A hash of everything the rows depend on: the data settings (not ``lengths`` itself), the
+    model's numbers and directory, the sample, and each dataset file's path, size and modification
+    time. DataError when a dataset path cannot be read."""
     settings = OmegaConf.to_container(OmegaConf.structured(data), resolve=True)
     settings.pop("lengths", None)
     files = [
@@ -127,8 +190,8 @@ def cache_key(
         "data": settings,
         "files": files,
         "family": str(model.family),
+        "vision": OmegaConf.to_container(OmegaConf.structured(model.vision), resolve=True),
         "tokens": OmegaConf.to_container(OmegaConf.structured(model.tokens), resolve=True),
-        "limits": [vision_seq_len, llm_seq_len],
         "sample": [seed, rows],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -137,6 +200,41 @@ def cache_key(
 def cache_path(key: str) -> Path:
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dhp")
     return root / "data_lengths" / f"{key}.json"
+
+
+def _from_json(doc: dict) -> tuple[list[SampledRow], int]:
+    rows = [
+        SampledRow(
+            **{
+                **r,
+                "bad": tuple(r["bad"]) if r["bad"] else None,
+                "items": tuple(tuple(i) for i in r["items"]),
+            }
+        )
+        for r in doc["rows"]
+    ]
+    return rows, int(doc["of_rows"])
+
+
+def cached_rows(
+    *, data: DataConfig, model: ModelConfig, seed: int = 0, rows: int = SAMPLE_ROWS
+) -> tuple[list[SampledRow], int]:
+    """:func:`measure_rows`, read from the cache when nothing it depends on changed."""
+    path = cache_path(cache_key(data=data, model=model, seed=seed, rows=rows))
+    if path.is_file():
+        try:
+            return _from_json(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):
+            pass  # a damaged entry is measured again and rewritten
+    sampled, total = measure_rows(data=data, model=model, seed=seed, rows=rows)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"rows": [asdict(r) for r in sampled], "of_rows": total}))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs the next start the measurement
+    return sampled, total
 
 
 def cached_lengths(
@@ -148,50 +246,13 @@ def cached_lengths(
     seed: int = 0,
     rows: int = SAMPLE_ROWS,
 ) -> DataLengths:
-    """:func:`measure_lengths`, read from the cache when nothing it depends on changed."""
-    args = dict(
-        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed, rows=rows
-    )
-    path = cache_path(cache_key(**args))
-    if path.is_file():
-        try:
-            return DataLengths(**json.loads(path.read_text()))
-        except (ValueError, TypeError):
-            pass  # a damaged entry is measured again and rewritten
-    lengths = measure_lengths(**args)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(OmegaConf.to_container(OmegaConf.structured(lengths))))
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only costs the next plan the measurement
-    return lengths
+    """``data.lengths`` of the cached rows under these limits (:func:`cached_rows`, :func:`lengths_of`)."""
+    sampled, total = cached_rows(data=data, model=model, seed=seed, rows=rows)
+    return lengths_of(sampled, of_rows=total, limits=Limits(vision_seq_len, llm_seq_len))
 
 
-def with_data_lengths(config: DictConfig, *, warn: Callable[[str], None]) -> DictConfig:
-    """``config`` with ``data.lengths`` measured (cached) for a real-data run; a synthetic run (its
-    lengths are known) or a run without an LLM is returned as is. When the data cannot be read the
-    lengths stay unmeasured, ``note`` holds the reason and ``warn`` is called with it: the estimate
-    falls back to micro-batches filled to ``seq_len``, never silently."""
-    if config.data.kind == "synthetic" or "llm" not in config.modules:
-        return config
-    mods = config.modules
-    try:
-        lengths = cached_lengths(
-            data=config.data,
-            model=config.model,
-            vision_seq_len=int(mods.vision.seq_len) if "vision" in mods else 0,
-            llm_seq_len=int(mods.llm.seq_len),
-            seed=int(config.train.seed),
-        )
-    except (DhpError, OSError, ValueError) as e:
-        reason = " ".join(str(e).split())
-        lengths = DataLengths(note=reason)
-        warn(
-            f"data lengths not measured: {reason}\n"
-            "  the step-time estimate fills every micro-batch to modules.<m>.seq_len instead"
-        )
+def with_lengths(config: DictConfig, lengths: DataLengths) -> DictConfig:
+    """A copy of ``config`` with ``data.lengths`` set (read-only when ``config`` is)."""
     out = config.copy()
     OmegaConf.set_readonly(out, False)
     out.data.lengths = OmegaConf.structured(lengths)

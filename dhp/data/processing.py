@@ -11,6 +11,7 @@ checked before the expensive work and never truncates: a sample over a limit is 
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,22 @@ class Limits:
 
     vision_seq_len: int
     llm_seq_len: int
+
+    def broken(self, *, patches: int = 0, tokens: int = 0) -> list[str]:
+        """The bad-sample reasons of a sample of ``patches`` encoder patches and ``tokens`` LLM tokens
+        (vision first): the one rule the processor raises on and the start-up checks report in full."""
+        return [
+            reason
+            for reason, over in (
+                (bad.VISION_TOO_LONG, patches > self.vision_seq_len),
+                (bad.TEXT_TOO_LONG, tokens > self.llm_seq_len),
+            )
+            if over
+        ]
+
+
+#: no per-sample limit: the start-up checks measure every sampled row, then compare with the run's
+UNBOUNDED = Limits(vision_seq_len=sys.maxsize, llm_seq_len=sys.maxsize)
 
 
 def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str, chat_template: str = OWN):
@@ -130,6 +147,7 @@ class SampleProcessor:
     """
 
     video = None  # dhp.data.video.VideoSpec for records with videos (set by dhp.data.source)
+    video_refusal = ""  # why records with videos are refused (the model family declares no video)
 
     def __init__(
         self,
@@ -169,7 +187,7 @@ class SampleProcessor:
             return process_with_videos(self, record)
         images = [open_image(p, loc=loc) for p in record.images]
         patches = [self.image_processor.get_number_of_image_patches(im.height, im.width) for im in images]
-        if sum(patches) > self.limits.vision_seq_len:
+        if self.limits.broken(patches=sum(patches)):
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.VISION_TOO_LONG,
@@ -180,7 +198,7 @@ class SampleProcessor:
             ids, labels, text_chars = self._tokenize(record)
         counts = [p // (self.merge**2) for p in patches]
         ids, labels, types = self._expand_images(ids, labels, counts, loc=loc)
-        if ids.numel() > self.limits.llm_seq_len:
+        if self.limits.broken(tokens=ids.numel()):
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.TEXT_TOO_LONG,

@@ -26,6 +26,7 @@ from dhp.data.processing import Limits, SampleProcessor, load_image_processor, l
 from dhp.data.synthetic import SyntheticSource
 from dhp.data.video import video_spec
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.models.registry import get_arch
 
 
 class SampleSource(Protocol):
@@ -151,6 +152,12 @@ def build_source(
         limits=limits,
         train_on=data.train_on,
     )
-    processor.video = video_spec(data, vision=model.vision, image_processor=processor.image_processor)
+    if get_arch(model.family).capabilities.video:
+        processor.video = video_spec(data, vision=model.vision, image_processor=processor.image_processor)
+    else:  # a record with a video is a bad sample, named, before any rank sees it
+        processor.video_refusal = (
+            f"model family {model.family} does not declare video (no video path proven against "
+            "transformers), so a record with a video cannot be trained"
+        )
     src = LlavaSource(datasets=datasets, weights=[e.weight for e in data.datasets], processor=processor)
     return src, [len(d) for d in datasets], [e.weight for e in data.datasets]

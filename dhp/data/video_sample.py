@@ -23,6 +23,13 @@ def process_with_videos(proc, record) -> Sample:
     """``proc`` (SampleProcessor, with its ``video`` spec) applied to ``record`` holding videos."""
     loc = record.location
     spec = proc.video
+    if proc.video_refusal:
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.UNSUPPORTED_MODALITY,
+            detail=proc.video_refusal,
+            fix="drop the video records from the dataset, or train them with a family that declares video",
+        )
     if spec is None:
         raise bad.BadSampleError(
             location=loc,
@@ -35,7 +42,7 @@ def process_with_videos(proc, record) -> Sample:
     img_patches = [proc.image_processor.get_number_of_image_patches(im.height, im.width) for im in images]
     vid_patches = [v.pixel_values.shape[0] for v in videos]
     total = sum(img_patches) + sum(vid_patches)
-    if total > proc.limits.vision_seq_len:
+    if proc.limits.broken(patches=total):
         raise bad.BadSampleError(
             location=loc,
             reason=bad.VISION_TOO_LONG,
@@ -51,7 +58,7 @@ def process_with_videos(proc, record) -> Sample:
         proc.tokens.video_token_id: ([v.tokens(proc.merge) for v in videos], VIDEO),
     }
     ids, labels, types, order = _expand(ids, labels, counts, loc=loc)
-    if ids.numel() > proc.limits.llm_seq_len:
+    if proc.limits.broken(tokens=ids.numel()):
         raise bad.BadSampleError(
             location=loc,
             reason=bad.TEXT_TOO_LONG,

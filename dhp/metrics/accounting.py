@@ -10,9 +10,10 @@ about the model):
   ``torch.autograd.graph.saved_tensors_hooks`` while a forward runs (including non-reentrant
   activation checkpointing's saved block inputs, which it saves through autograd), each counted at
   its size when sampled (a storage FSDP has resized to 0 after forward counts 0) and only while
-  autograd holds it (a weakly referenced handle, freed with the graph). Storages of parameters are never
-  counted twice. Not seen: the outputs selective checkpointing keeps in its own cache, and
-  transient buffers freed inside a phase (the planner lists those separately).
+  autograd holds it (a weakly referenced handle, freed with the graph), and the outputs selective
+  checkpointing keeps in its own cache (``dhp.parallel.ac.CACHE_OBSERVERS``: each region's cache,
+  weakly, until backward consumes its entries). Storages of parameters are never counted twice. Not
+  seen: transient buffers freed inside a phase (the planner lists those separately).
 
 The caller samples at the moments the planner's phases peak (the end of a forward, the end of a
 backward, after the optimizer step); :meth:`MemoryAccountant.take` returns the largest sample and
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dhp.parallel.ac import CACHE_OBSERVERS
 
 ENV_VAR = "DHP_MEMORY_ACCOUNTING"
 
@@ -88,6 +91,24 @@ class _Saved:
         return self.tensor
 
 
+def cached_tensors(region: Any) -> list[torch.Tensor]:
+    """The tensors a selective-checkpoint region's recompute context still holds for backward (its
+    ``storage``: op key -> call index -> the kept outputs, wrapped; consumed entries are markers)."""
+    out: list[torch.Tensor] = []
+    for calls in getattr(region, "storage", {}).values():
+        for entry in calls.values():
+            stack = [entry]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, list | tuple):
+                    stack.extend(item)
+                    continue
+                value = getattr(item, "val", None)
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+    return out
+
+
 class MemoryAccountant:
     """Counts one rank's model-state and saved-for-backward bytes (see the module docstring)."""
 
@@ -98,6 +119,7 @@ class MemoryAccountant:
     ) -> None:
         self._module, self._optimizer = module, optimizer
         self._saved: list[weakref.ref] = []
+        self._regions: list[weakref.ref] = []  # selective checkpointing's caches
         self._peak: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -109,8 +131,15 @@ class MemoryAccountant:
             self._saved.append(weakref.ref(held))
             return held
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack):
-            yield
+        def observe(region: Any) -> None:
+            self._regions.append(weakref.ref(region))
+
+        CACHE_OBSERVERS.append(observe)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack):
+                yield
+        finally:
+            CACHE_OBSERVERS.remove(observe)
         self.sample()
 
     def terms(self) -> dict[str, int]:
@@ -123,7 +152,10 @@ class MemoryAccountant:
             taken |= {k[0] for k in map(_storage_key, st[name]) if k is not None}
         live = [h for h in (r() for r in self._saved) if h is not None]
         self._saved = [weakref.ref(h) for h in live]
-        out["saved"] = unique_storage_bytes((h.tensor for h in live), exclude=taken)
+        regions = [g for g in (r() for r in self._regions) if g is not None]
+        self._regions = [weakref.ref(g) for g in regions]
+        cached = [t for g in regions for t in cached_tensors(g)]
+        out["saved"] = unique_storage_bytes([*(h.tensor for h in live), *cached], exclude=taken)
         return out
 
     def sample(self) -> dict[str, int]:
@@ -167,3 +199,74 @@ def flush(acct: MemoryAccountant | None, *, module_name: str, rank: int) -> dict
     with (out / f"{module_name}_{rank}.jsonl").open("a") as f:
         f.write(json.dumps(peak) + "\n")
     return peak
+
+
+def saved_by_part(
+    run: Callable[[], Any], parts: dict[str, torch.nn.Module], exclude: Iterable[torch.Tensor]
+) -> tuple[dict[str, int], Any]:
+    """(bytes saved for backward while each of ``parts`` runs, by name, ``""`` for the rest; the
+    result of ``run()``): one forward under autograd's saved-tensor hooks and selective
+    checkpointing's caches (as :class:`MemoryAccountant` counts them), each storage once, in the part
+    that saved it first; ``exclude``'s storages (parameters) never. A measuring tool for one forward
+    (the planner's per-block terms), not for a running rank."""
+    where = [""]
+    regions: list[Any] = []
+    marks: dict[int, set] = {}
+    cached: dict[int, tuple[str, torch.Tensor]] = {}
+
+    def entries() -> set:
+        return {(n, k, i) for n, r in enumerate(regions) for k, calls in r.storage.items() for i in calls}
+
+    def enter(name: str) -> Callable:
+        def hook(*_: Any) -> None:
+            where[0], marks[id(parts[name])] = name, entries()
+
+        return hook
+
+    def leave(name: str) -> Callable:
+        def hook(*_: Any) -> None:
+            for n, k, i in sorted(entries() - marks[id(parts[name])], key=str):
+                for t in cached_tensors(_One(regions[n].storage[k][i])):
+                    cached.setdefault(id(t), (name, t))
+            where[0] = ""
+
+        return hook
+
+    skip = {k[0] for k in map(_storage_key, exclude) if k is not None}
+    seen: dict[int, tuple[str, int]] = {}
+
+    def note(name: str, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is not None and key[1] and key[0] not in skip and key[0] not in seen:
+            seen[key[0]] = (name, key[1])
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(where[0], t)
+        return t
+
+    handles = []
+    for name, mod in parts.items():
+        handles += [mod.register_forward_pre_hook(enter(name)), mod.register_forward_hook(leave(name))]
+    CACHE_OBSERVERS.append(regions.append)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = run()
+    finally:
+        CACHE_OBSERVERS.remove(regions.append)
+        for h in handles:
+            h.remove()
+    for name, t in cached.values():
+        note(name, t)
+    for t in (t for r in regions for t in cached_tensors(r)):
+        note("", t)
+    out: dict[str, int] = {}
+    for name, nbytes in seen.values():
+        out[name] = out.get(name, 0) + nbytes
+    return out, result
+
+
+class _One:
+    """One cache entry presented as a region with one op (for :func:`cached_tensors`)."""
+
+    def __init__(self, entry: Any) -> None:
+        self.storage = {None: {0: entry}}

@@ -14,6 +14,7 @@ _LAZY = {
     "HandOff": "dhp.models.family",
     "LLMOutput": "dhp.models.family",
     "ModelFamily": "dhp.models.family",
+    "StepStatistics": "dhp.models.family",
     "TINY_TOKENS": "dhp.models.tokens",
     "LoadReport": "dhp.models.loading",
     "build_and_load": "dhp.models.loading",

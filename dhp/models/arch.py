@@ -122,6 +122,9 @@ class Attention:
     value_dim: int = 0  # d_v per value head (``linear``; 0: state / head_dim, or head_dim)
     chunk: int = 0  # tokens per chunk of the chunked delta rule (``linear``; 0: DELTA_RULE_CHUNK)
     conv_kernel: int = 0  # taps of the short causal conv1d over q/k/v (``linear``; 0: none)
+    #: a per-head RMSNorm on q and on k before the rotary embedding (Qwen3's ``q_norm``/``k_norm``):
+    #: its fp32 input and normalized output are saved for backward
+    qk_norm: bool = False
 
     @property
     def q_dim(self) -> int:

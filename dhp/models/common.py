@@ -75,7 +75,12 @@ class LLMBase(nn.Module):
     ``context_shard`` (a plain attribute, None without context parallelism): ``dhp.parallel.cp`` sets it;
     then the family computes every position on the whole sequence and :meth:`cut` keeps this rank's
     tokens: :meth:`embed`, :meth:`text_mask` and :meth:`loss` already do their part.
+
+    ``batch_terms``: the names of the loss terms defined on a batch rather than summed over tokens
+    (``dhp.models.family.StepStatistics`` says what the runtime then does); none here.
     """
+
+    batch_terms: tuple[str, ...] = ()
 
     def __init__(
         self, language_model: nn.Module, lm_head: nn.Linear, config: PretrainedConfig | None

@@ -109,6 +109,30 @@ class LLMOutput:
     aux_losses: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepStatistics:
+    """What a loss module needs to compute its terms defined on a BATCH over the whole step.
+
+    A term defined on a batch (an MoE router's load-balancing loss: a product of two means over the
+    batch's tokens) is not a sum over tokens, so splitting the step into micro-batches would change it.
+    A loss module that has such terms lists them in ``batch_terms`` (a tuple of names; absent or
+    empty: none) and takes two forward keywords:
+
+    - ``batch_statistics=True``: returns, instead of an ``LLMOutput``, the micro-batch's statistics as
+      one detached 1-D tensor, summed over the module's token ranks (a collective; the same on every
+      rank). They are additive: their sum over the step's micro-batches is the step's.
+    - ``step_statistics=StepStatistics(values, num_label_tokens)``: the step's sums (``values``, plain
+      floats, never cast by a mixed-precision policy) and label tokens ``T``; the forward's
+      ``loss_sum`` then holds this micro-batch's exact part of each term over the step, in token-sum
+      units (so ``sum of loss_sum / T`` over micro-batches and ranks is the loss on the step's batch).
+
+    Without ``step_statistics`` such a term is taken over the micro-batch's tokens of every rank.
+    """
+
+    values: tuple[float, ...]
+    num_label_tokens: int
+
+
 @runtime_checkable
 class ModelFamily(Protocol):
     """A model family as a graph of independently built and loaded modules: what the generic layers

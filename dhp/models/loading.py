@@ -138,8 +138,11 @@ def load_module_weights(
     """Materialise a meta-built ``module`` on ``device`` and fill it from ``model_dir``.
 
     Reads only the checkpoint keys this module owns. Missing or unexpected keys raise a
-    CheckpointError listing all of them. Floating tensors are cast to ``dtype`` (from the config).
-    Non-persistent buffers (the rotary ``inv_freq``) are recomputed; tied parameters are re-tied. Parameters that
+    CheckpointError listing all of them. Floating tensors are cast to ``dtype``, the dtype the module
+    stores its parameters in (the precision policy's, ``dhp.parallel.precision``), whatever the files
+    hold: a bf16 checkpoint is upcast to fp32 master weights as each slice is read (a transient of one
+    slice in the file's dtype; ``bytes_read`` counts the file's bytes), an fp32 one rounded to bf16.
+    Non-persistent buffers are recomputed by the family; tied parameters are re-tied. Parameters that
     are already DTensors (TP applied on meta) receive only their local shard (see ``own_slice``).
     """
     index = checkpoint_index(model_dir)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 _HERE = Path(__file__).resolve().parent
 #: a flavour's name -> the family folder that holds it (the family is then held to that flavour)
-ALIASES = {"qwen3_vl_moe": "qwen3_vl"}
+ALIASES = {"qwen3_vl_moe": "qwen3_vl", "qwen3_5_moe": "qwen3_5"}
 _EXTRA: dict[str, Callable[[], Any]] = {}  # families registered by hand (tests)
 _EXTRA_ARCH: dict[str, FamilyArch] = {}
 

@@ -6,10 +6,13 @@ for a given image layout, with random pixels of the right patch shape. ``referen
 (vision -> embeds leaf -> llm, then the embeds gradient back into vision) and return the loss and
 every parameter's gradient keyed by checkpoint-style reference names. ``released_expert_layout``
 rewrites a tiny MoE directory's experts as released checkpoints store them (loader tests).
+``skew_routers_`` makes a tiny MoE model route decisively and unevenly, so a load-balancing loss is far
+above rounding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -157,3 +160,28 @@ def released_expert_layout(out_dir: str | Path) -> dict[str, tuple[int, ...]]:
             shapes[key] = tuple(tensors[key].shape)
         save_file(tensors, str(f), metadata={"format": "pt"})
     return shapes
+
+
+#: the routers of the Qwen3-style MoE layers (``...layers.<i>.mlp.gate.weight``, [E, H]) and the token
+#: embeddings, by key suffix, in a reference model's (checkpoint) names
+ROUTER_SUFFIX, EMBED_SUFFIX = ".mlp.gate.weight", "language_model.embed_tokens.weight"
+
+
+def skew_routers_(tensors: Mapping[str, torch.Tensor], hidden_size: int, *, seed: int = 7) -> int:
+    """Make routing decisive and unequal, in place: every token embedding gets a common direction ``u``,
+    every router is scaled x 20 and experts 0 and 1 are pulled towards ``u`` (so most tokens pick them).
+    ``tensors``: the reference's parameters or checkpoint tensors by name; returns the routers changed."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(hidden_size, generator=gen)
+    u /= u.norm()
+    routers = 0
+    with torch.no_grad():
+        for key, t in tensors.items():
+            if key.endswith(EMBED_SUFFIX):
+                t.add_(0.1 * u.to(t.dtype))
+            elif key.endswith(ROUTER_SUFFIX):
+                t.mul_(20.0)
+                t[0] += 0.5 * u.to(t.dtype)
+                t[1] += 0.3 * u.to(t.dtype)
+                routers += 1
+    return routers

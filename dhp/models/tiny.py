@@ -3,10 +3,11 @@
 ``make_tiny_checkpoint(out_dir, family=...)`` writes what a released directory of that family holds:
 ``config.json``, ``model.safetensors`` (or shards + ``model.safetensors.index.json``), a byte-level BPE
 tokenizer trained here with the ``tokenizers`` library (Qwen's special tokens first, so their ids are
-fixed: see ``TINY_TOKENS``) with a chat template, and ``preprocessor_config.json``. The parts every family shares are here
-(:func:`write_tiny_base`, and :func:`write_tiny_checkpoint`, which is all a family without files of its
-own needs); a family with its own (a processor class, a chat template) has a ``tiny.py`` whose
-``write_tiny_checkpoint`` adds them.
+fixed: see ``TINY_TOKENS``) and ``preprocessor_config.json``. The parts every family shares are here
+(:func:`write_tiny_base`, and :func:`write_tiny_checkpoint`: weights, tokenizer and image processor
+without a chat template); a family with files of its own (a processor class, a chat template) has a
+``tiny.py`` whose ``write_tiny_checkpoint`` adds them, in its own package or its base's
+(:func:`tiny_writer`: ``dhp/models/qwen2_5_vl/tiny.py``, ``dhp/models/qwen3_base/tiny.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from dhp.config.schema import ModelConfig
-from dhp.models.chat_templates import CHATML
-from dhp.models.registry import family_package, get_family
+from dhp.models.registry import get_family
 
 # Qwen's special tokens, in this order: ids 0..13 in the tiny tokenizer.
 SPECIAL_TOKENS = (
@@ -107,35 +107,50 @@ def make_tiny_checkpoint(
     ``sharded`` writes several ``model-0000i-of-0000n.safetensors`` files and the index.
     """
     name = model_cfg.family if model_cfg is not None else family
-    own = f"{family_package(name)}.tiny"
-    writer = (
-        importlib.import_module(own).write_tiny_checkpoint
-        if importlib.util.find_spec(own) is not None
-        else write_tiny_checkpoint
-    )
-    return writer(Path(out_dir), family=name, sharded=sharded, seed=seed, model_cfg=model_cfg)
+    return tiny_writer(name)(Path(out_dir), family=name, sharded=sharded, seed=seed, model_cfg=model_cfg)
+
+
+def tiny_writer(family: str):
+    """The ``write_tiny_checkpoint`` of ``family``: the ``tiny`` module of its own package, else of
+    the package of the nearest base class that has one (a Qwen3-style family's is
+    ``dhp.models.qwen3_base.tiny``), else this module's shared parts."""
+    for cls in type(get_family(family)).__mro__:
+        package = cls.__module__.rpartition(".")[0]
+        if not package.startswith("dhp.models"):
+            continue
+        module = f"{package}.tiny"
+        if importlib.util.find_spec(module) is not None:
+            return importlib.import_module(module).write_tiny_checkpoint
+    return write_tiny_checkpoint
 
 
 def write_tiny_checkpoint(
     out: Path, *, family: str, sharded: bool, seed: int, model_cfg: ModelConfig | None
 ) -> Path:
-    """The shared tiny parts only (:func:`write_tiny_base`): the tokenizer with the ChatML template
-    (``chat_template.jinja``, as Qwen3-VL's and Qwen3.5's releases render a conversation) and the image
-    processor's files beside the weights; a Qwen3-style family needs no processor file of its own."""
+    """The shared tiny parts only (:func:`write_tiny_base`): the tokenizer and the image processor's
+    files beside the weights, no chat template (synthetic data only): a family whose tiny model reads
+    real data writes its own (:func:`tiny_writer`)."""
     _, tokenizer, image_processor = write_tiny_base(
         out, family=family, sharded=sharded, seed=seed, model_cfg=model_cfg
     )
-    tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
     return out
 
 
 def write_tiny_base(
-    out: Path, *, family: str, sharded: bool, seed: int, model_cfg: ModelConfig | None
+    out: Path,
+    *,
+    family: str,
+    sharded: bool,
+    seed: int,
+    model_cfg: ModelConfig | None,
+    original_format: bool = True,
 ) -> tuple[ModelConfig, Qwen2Tokenizer, Qwen2VLImageProcessorPil]:
     """Weights, config.json, the tiny tokenizer and ``preprocessor_config.json`` of ``family``'s tiny
-    model (or ``model_cfg``); returns them for the family to add its own files."""
+    model (or ``model_cfg``); returns them for the family to add its own files. ``original_format``
+    False: the weights as transformers holds them (its ``save_original_format``), not re-laid-out as
+    a release stores them (Qwen3.5-MoE's one tensor per expert, which dhp's loader does not read)."""
     fam = get_family(family)
     model_cfg = model_cfg if model_cfg is not None else fam.tiny_model_config()
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +158,9 @@ def write_tiny_base(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = fam.reference_model(hf_config)
-    model.save_pretrained(out, max_shard_size=SHARD_SIZE if sharded else "50GB")
+    model.save_pretrained(
+        out, max_shard_size=SHARD_SIZE if sharded else "50GB", save_original_format=original_format
+    )
     tokenizer = train_tiny_tokenizer(vocab_size=model_cfg.llm.vocab_size)
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=model_cfg.vision.patch_size,

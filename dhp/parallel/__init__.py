@@ -10,7 +10,7 @@ from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter, CommStats, comm_metrics
 from dhp.parallel.compose import STEPS, parallelize
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, partition_params
-from dhp.parallel.expert_load import ExpertLoad, track_expert_load
+from dhp.parallel.expert_load import ExpertLoad, expert_load_paused, track_expert_load
 from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
 from dhp.parallel.llm_tp import (
     VocabParallelEmbedding,
@@ -25,6 +25,13 @@ from dhp.parallel.meshutil import build_mesh, inner_group
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.param_groups import apply_trainable, set_lr
 from dhp.parallel.plan_match import match_plan
+from dhp.parallel.precision import (
+    PRECISIONS,
+    Precision,
+    cast_parameters_,
+    check_device_computes,
+    precision_of,
+)
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -36,6 +43,7 @@ from dhp.parallel.ulysses import (
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
 __all__ = [
+    "PRECISIONS",
     "STEPS",
     "AcSpec",
     "CommCounter",
@@ -43,6 +51,7 @@ __all__ = [
     "ExpertLoad",
     "FsdpSpec",
     "FusedColwiseParallel",
+    "Precision",
     "UlyssesSpec",
     "UnevenRowwiseParallel",
     "VocabParallelEmbedding",
@@ -55,10 +64,13 @@ __all__ = [
     "apply_ulysses_sp",
     "build_mesh",
     "build_optimizer",
+    "cast_parameters_",
+    "check_device_computes",
     "check_divides",
     "clip_grads_",
     "comm_metrics",
     "decoder_tp_plan",
+    "expert_load_paused",
     "finalize_grads",
     "full_grad_dict",
     "full_param_dict",
@@ -71,6 +83,7 @@ __all__ = [
     "module_plan",
     "parallelize",
     "partition_params",
+    "precision_of",
     "reduce_sp_grads",
     "sequence_shard_rows",
     "set_lr",

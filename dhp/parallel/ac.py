@@ -20,6 +20,7 @@ Parameter FQNs are unchanged (no wrapper modules), so checkpoints and parity key
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,9 +71,20 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: callables told of each selective region's cache as the region starts (``dhp.metrics.accounting``
+#: counts the outputs it keeps, which autograd's saved-tensor hooks never see)
+CACHE_OBSERVERS: list[Callable[[object], None]] = []
+
+
 def selective_context():
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the selective (op-level) policy."""
-    return create_selective_checkpoint_contexts(_selective_policy)
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the selective (op-level) policy. Each
+    observer in :data:`CACHE_OBSERVERS` gets the region's recompute context, whose ``storage`` holds
+    the kept outputs until backward consumes them (torch's ``_CachedTorchDispatchMode``; it lives as
+    long as the region's graph)."""
+    caching, cached = create_selective_checkpoint_contexts(_selective_policy)
+    for observe in CACHE_OBSERVERS:
+        observe(cached)
+    return caching, cached
 
 
 def _outermost_pretrained(module: nn.Module) -> list[PreTrainedModel]:

@@ -2,8 +2,10 @@
 
 Order (torchtitan's): EP (the MoE blocks' experts swapped for expert-parallel ones on the folded mesh,
 :mod:`dhp.parallel.ep`) -> TP (with sequence parallelism inside TP when configured) -> the LLM's loss
-(chunked; the single-process one when there is no TP) -> Ulysses SP -> activation checkpointing ->
-FSDP2. EP is a generic step like the others, not the family's: the family only declares its MoE
+(chunked; the single-process one when there is no TP) -> Ulysses SP -> the bf16 compute cast of fp32
+master weights without FSDP (:mod:`dhp.parallel.precision`; before AC, so a checkpointed block casts
+again in its recompute) -> activation checkpointing -> FSDP2 (whose mixed-precision policy is the same
+cast when fsdp > 1). EP is a generic step like the others, not the family's: the family only declares its MoE
 blocks as data (``plan.moe_blocks``, ``plan.experts``; a module with MoE blocks also gets its
 ``aux_loss_group``, the ranks of different tokens); EP comes first because it replaces modules
 (TP and FSDP must see the expert DTensors, which they leave alone: TP's styles do not match them and
@@ -33,12 +35,13 @@ from dhp.layout import TOKEN_AXES, ParallelLayout
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.cp import apply_cp
 from dhp.parallel.ep import apply_ep, ep_mesh
-from dhp.parallel.fsdp import FsdpSpec, apply_fsdp
+from dhp.parallel.fsdp import FsdpSpec, apply_fsdp, fsdp_blocks
 from dhp.parallel.linear_attn_cp import apply_deltanet_cp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axes, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
 from dhp.parallel.plan_match import matching
+from dhp.parallel.precision import apply_compute_cast, check_parameter_dtypes, precision_of
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
 
 
@@ -78,7 +81,7 @@ def _ep(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
 def _token_group(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
     """A module with MoE blocks gets ``aux_loss_group``: the ranks holding DIFFERENT tokens of the step
     (dp x fsdp x sp, flattened; never TP duplicates; None on one rank), over which its router's
-    load-balancing loss all-reduces the expert counts (``dhp.parallel.ep.load_balancing_loss``), so the
+    load-balancing loss all-reduces the expert counts (``dhp.parallel.load_balancing.load_balancing_loss``), so the
     loss is the global batch's at any ep, dp or fsdp degree. A plain attribute, like ``loss_fn``."""
     sub = axes(mesh, TOKEN_AXES)
     if sub is not None and sub.ndim > 1:
@@ -100,6 +103,14 @@ def _cp(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
 
 def _sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_ulysses_sp(module, mesh, UlyssesSpec(mesh_dim="sp"))
+
+
+def _cast(module: nn.Module, ctx: _Ctx) -> nn.Module:
+    """fsdp == 1 with master weights: the FSDP units (the family's blocks, then the root) cast their
+    parameters to the compute dtype while they run (``dhp.parallel.precision.apply_compute_cast``)."""
+    blocks = [m for _, m in fsdp_blocks(module, ctx.plan.blocks)]
+    apply_compute_cast(module, blocks, dtype=precision_of(ctx.mixed_precision).compute_dtype)
+    return module
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,11 @@ STEPS: tuple[Step, ...] = (
     Step("loss", lambda c: c.plan.loss and c.layout.tp == 1, lambda m, mesh, c: _loss(m, c)),
     Step("cp", lambda c: c.layout.cp > 1, _cp),
     Step("sp", lambda c: c.layout.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
+    Step(
+        "cast",
+        lambda c: c.layout.fsdp == 1 and precision_of(c.mixed_precision).casts,
+        lambda m, mesh, c: _cast(m, c),
+    ),
     Step(
         "ac",
         lambda c: parse_ac_mode(c.activation_checkpointing).enabled,
@@ -196,8 +212,10 @@ def parallelize(
     """Apply ``module_name``'s strategies to ``module`` in place over ``mesh`` and return it.
 
     ``mesh`` is the group's mesh (axes dp, fsdp, sp, tp with degree > 1). ``mixed_precision`` is the
-    FSDP2 policy (fp32 | bf16_master_fp32 | bf16); without FSDP parameters keep their dtype and the
-    caller chooses the compute dtype. ``loss_chunk_tokens``: tokens per chunk of the LLM's
+    module's policy (fp32 | bf16_master_fp32 | bf16, :mod:`dhp.parallel.precision`): ``module``'s
+    parameters must already be stored in its parameter dtype (PlanError otherwise); the module then
+    computes in its compute dtype, through FSDP2's policy when fsdp > 1 and through the unit cast
+    otherwise. ``loss_chunk_tokens``: tokens per chunk of the LLM's
     cross-entropy (0 = ``dhp.ops.DEFAULT_LOSS_CHUNK_TOKENS``). ``layout`` is the group's (the mesh was cut
     from it: dhp.parallel.meshutil.build_mesh); its ``sequence_parallel`` turns on
     sequence parallelism inside the LLM's TP group (nothing to shard at tp=1: a no-op there). Raises
@@ -212,6 +230,7 @@ def parallelize(
         loss_chunk_tokens,
     )
     _check(ctx, mesh)
+    check_parameter_dtypes(module, precision_of(mixed_precision), module_name=module_name)
     for step in STEPS:
         if step.enabled(ctx):
             module = step.apply(module, mesh, ctx)

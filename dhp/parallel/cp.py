@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dhp.errors import PlanError
 from dhp.ops.context import rank_index
+from dhp.parallel.llm_tp import pad_to_multiple
 
 #: the attention implementation name registered with transformers
 CP_ATTENTION = "dhp_cp"
@@ -164,6 +165,7 @@ def cp_attention(
             f"rank's keys (shape {want}); the family's forward must pass module.text_mask(attention_mask) "
             "as the text model's attention_mask."
         )
+    # transformers loads with the first CP module, not with dhp.parallel (the driver imports it)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if shard.inner not in ("sdpa", "eager"):
@@ -186,7 +188,7 @@ def cp_attention(
 
 def register_cp_attention() -> None:
     """Register :func:`cp_attention` with transformers (idempotent)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # loaded with the first CP module, as above
 
     AttentionInterface.register(CP_ATTENTION, cp_attention)
 
@@ -200,8 +202,6 @@ def apply_cp(module: nn.Module, group: dist.ProcessGroup, *, multiple: int, pad_
     (``2 * cp``, times tp under sequence parallelism inside TP, so every chunk splits evenly there too):
     padding has attention mask 0 and ignored labels, and sits after every real token, so no real
     token attends to it or is counted by the loss."""
-    from dhp.parallel.llm_tp import pad_to_multiple
-
     register_cp_attention()
     config = module.language_model.config
     shard = ContextShard(group, inner=config._attn_implementation)

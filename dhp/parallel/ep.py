@@ -48,9 +48,9 @@ Gradient reduction contract (the caller's finalize step):
   shards together. :func:`expert_params` lists them so a DP/ZeRO-1/FSDP step can exclude them.
 - everything else (router included): as the module's plan already does (SUM over dp, sp, ...).
 - the load-balancing loss is a product of two batch means, so a per-rank HF aux loss summed or
-  averaged over DP ranks is NOT the global one; :func:`load_balancing_loss` all-reduces the
-  per-expert counts and returns this rank's exact share of the global loss (shares sum to the HF
-  value on the concatenated batch; their gradients, summed, are its gradient).
+  averaged over DP ranks is NOT the global one; ``dhp.parallel.load_balancing`` all-reduces the
+  per-expert counts and gives each rank its exact share of the loss over the step's tokens (shares
+  sum to the HF value on the concatenated batch; their gradients, summed, are its gradient).
 
 Memory per rank
 ---------------
@@ -93,7 +93,7 @@ backward, so the CPU path is the loop.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -370,53 +370,3 @@ def reduce_expert_grads_(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> No
         if p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             dist.all_reduce(g, op=dist.ReduceOp.SUM, group=edp.get_group())
-
-
-# ------------------------------------------------------------------------------------ auxiliary loss
-
-
-def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor],
-    *,
-    num_experts: int,
-    top_k: int,
-    group: dist.ProcessGroup | None,
-    attention_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's share, global value) of transformers' ``load_balancing_loss_func`` over ``group``'s tokens.
-
-    ``router_logits``: one [T_local, E] tensor per MoE layer (what transformers records with
-    ``output_router_logits``); ``group``: the ranks whose tokens form the global batch (dp x fsdp x sp,
-    never tp duplicates; None = this rank alone). The loss is ``E * sum_e f_e * P_e`` with ``f`` the
-    share of top-k assignments and ``P`` the mean router probability, both over all layers and all
-    ranks' tokens. ``f`` has no gradient, so with ``f`` all-reduced the loss is linear in each rank's
-    probability sums: the shares sum to the global value, and their gradients summed over ranks (as
-    DP sums gradients) are the global loss's. Memory: [T_local, E] probabilities per layer.
-    """
-    if not router_logits:
-        raise PlanError(
-            "load_balancing_loss: no router logits (call the model with output_router_logits=True)."
-        )
-    dev = router_logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    rows = torch.zeros((), dtype=torch.float32, device=dev)
-    mask = None if attention_mask is None else attention_mask.reshape(-1).to(dev, torch.float32)
-    for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-        weight = (
-            torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.repeat_interleave(top_k)
-        )
-        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen, weight)
-        prob_sum = prob_sum + (probs if mask is None else probs * mask.unsqueeze(-1)).sum(0)
-        rows = rows + (probs.shape[0] if mask is None else mask.sum())
-    stats = torch.cat([counts, rows.view(1)]).detach()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-    counts_g, rows_g = stats[:-1], stats[-1]
-    share = num_experts * torch.sum((counts_g / rows_g) * prob_sum) / rows_g
-    total = share.detach().clone()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return share, total

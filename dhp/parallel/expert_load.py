@@ -9,13 +9,16 @@ forward re-run by activation checkpointing inside backward is not counted twice.
 
 :meth:`ExpertLoad.take` (collective over the module's world, once per step) sums the counters over
 the ranks that see different tokens (the whole world, divided by the tp degree whose ranks route
-the same tokens), summarises them and resets. Memory: ``L * E`` int64 per rank; one all-reduce of
+the same tokens), summarises them and resets. A forward that is not the step's training forward (the
+runtime's step-statistics pass, without gradient) runs under :func:`expert_load_paused`. Memory: ``L * E`` int64 per rank; one all-reduce of
 that size per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,12 +83,15 @@ class ExpertLoad:
         self.duplicates = duplicates  # ranks that route the same tokens (the tp degree)
         self.counts: torch.Tensor | None = None
         self.layers = len(experts)
+        self.paused = False  # True: forwards are not counted (expert_load_paused)
         for i, m in enumerate(experts):
             m.register_forward_pre_hook(self._hook(i))
 
     def _hook(self, layer: int):
         def count(_module: nn.Module, args: tuple[Any, ...]) -> None:
             if torch._C._current_graph_task_id() != -1:  # a recompute inside backward (AC): counted once
+                return
+            if self.paused:
                 return
             top_k_index = args[1]
             if self.counts is None:
@@ -127,3 +133,16 @@ def track_expert_load(
         raise PlanError(f"expert load: no module matches block glob {block_glob!r} with `{experts_attr}`.")
     num_experts = int(blocks[0].gate_up_proj.shape[0])  # the global count (a DTensor's shape is global)
     return ExpertLoad(blocks, num_experts, duplicates=duplicates)
+
+
+@contextlib.contextmanager
+def expert_load_paused(load: ExpertLoad | None) -> Iterator[None]:
+    """Inside the block, ``load``'s hooks count nothing (a no-op for None)."""
+    if load is None:
+        yield
+        return
+    load.paused = True
+    try:
+        yield
+    finally:
+        load.paused = False

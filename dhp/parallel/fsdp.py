@@ -27,12 +27,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from dhp.errors import PlanError
 from dhp.parallel.ep import expert_params
 from dhp.parallel.meshutil import axes
+from dhp.parallel.precision import PRECISIONS
 
-#: ``modules.<name>.mixed_precision`` -> FSDP2 policy (None: compute in the parameters' dtype)
+#: ``modules.<name>.mixed_precision`` -> FSDP2 policy (None: compute in the parameters' dtype), from
+#: the one table of :mod:`dhp.parallel.precision` (bf16 over bf16 parameters casts nothing)
 MIXED_PRECISION: dict[str, MixedPrecisionPolicy | None] = {
-    "fp32": None,
-    "bf16_master_fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+    name: None
+    if p.compute_dtype == torch.float32
+    else MixedPrecisionPolicy(param_dtype=p.compute_dtype, reduce_dtype=p.reduce_dtype)
+    for name, p in PRECISIONS.items()
 }
 
 

@@ -15,7 +15,9 @@ tokens), so a CP rank cannot run it on its own tokens alone. Instead, for each G
 Exact: every head sees its whole sequence, state reset and conv included, as unsplit. Parameters stay
 whole and replicated over cp (their views are cut for the forward only), so each rank's gradient is
 non-zero on its heads' rows, and the SUM over cp that ``finalize_grads`` does for every replicated
-parameter gives the whole gradient. Under TP the cut applies inside each TP rank's heads.
+parameter gives the whole gradient. Under TP the cut applies inside each TP rank's heads. A packed
+micro-batch: the layer's mask entry is the whole micro-batch's sample ids, so on the gathered sequence
+each sample runs on its own (``dhp.parallel.linear_attn_packed``), as unsplit.
 
 Memory and traffic per layer and rank: the gathered input, ``S * H`` elements (saved for backward
 unless activation checkpointing recomputes the layer), and the layer's own activations at ``S`` tokens
@@ -33,7 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dhp.ops.context import rank_index
-from dhp.parallel.linear_attn_tp import DeltaNetLayout, check_divides, gated_deltanet_layout, head_rows
+from dhp.parallel.linear_attn_packed import deltanet_forward
+from dhp.parallel.linear_attn_tp import (
+    DeltaNetLayout,
+    check_divides,
+    gated_deltanet_layout,
+    head_rows,
+    tp_forward,
+)
 
 
 def _global_order(seq: int, cp: int, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -137,8 +146,9 @@ def _plain_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
 
 
 def call_with(module: nn.Module, tensors: dict[str, torch.Tensor], sizes: dict[str, int], *args, **kwargs):
-    """transformers' own forward of ``module`` with ``tensors`` in place of its parameters and ``sizes``
-    as its head and width attributes, both restored after."""
+    """transformers' own forward of ``module`` (``linear_attn_packed.deltanet_forward``: a packed
+    micro-batch one sample at a time, on the gathered whole sequence) with ``tensors`` in place of its
+    parameters and ``sizes`` as its head and width attributes, both restored after."""
     swapped, before = [], {a: getattr(module, a) for a in sizes}
     try:
         for fqn, t in tensors.items():
@@ -148,7 +158,7 @@ def call_with(module: nn.Module, tensors: dict[str, torch.Tensor], sizes: dict[s
             owner._parameters[name] = t  # read by transformers' forward directly
         for a, v in sizes.items():
             setattr(module, a, v)
-        return type(module).forward(module, *args, **kwargs)
+        return deltanet_forward(module, *args, **kwargs)
     finally:
         for owner, name, param in reversed(swapped):
             owner._parameters[name] = param
@@ -176,8 +186,8 @@ def apply_deltanet_cp(
     layer._dhp_cp_layout = layout
     layer._dhp_cp_group = group
     layer._dhp_cp_narrow = None
-    tp_forward = layer.__dict__.get("forward")  # the TP style's bound forward, if TP was applied
-    inner = tp_forward if tp_forward is not None else types.MethodType(_plain_forward, layer)
+    tp = tp_forward(layer)  # the TP style's bound forward, if TP was applied
+    inner = tp if tp is not None else types.MethodType(_plain_forward, layer)
     layer._dhp_cp_inner = inner
     layer._dhp_narrow = functools.partial(narrowed, layer)
     layer.forward = types.MethodType(_deltanet_cp_forward, layer)

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from dhp.errors import PlanError
+from dhp.parallel.linear_attn_packed import deltanet_forward
 from dhp.parallel.llm_tp import check_divides
 
 
@@ -216,24 +217,32 @@ def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(owner) if owner else module), name
 
 
+def _param(module: nn.Module, fqn: str) -> torch.Tensor:
+    """The tensor registered as parameter ``fqn``: the Parameter, or the bf16 copy a compute cast
+    (``dhp.parallel.precision``) put in its place while the block runs."""
+    owner, name = _owner(module, fqn)
+    return owner._parameters[name]
+
+
 def _local_params(module: nn.Module, group) -> dict[str, torch.Tensor]:
     """The plain local tensors the layer's own forward computes with (differentiable views of the
     DTensor parameters): head-layout rows for the fused parameters, the shard for the others."""
     layout: DeltaNetLayout = module._dhp_layout
     out = {}
     for fqn, parts in layout.fused.items():
-        x = module.get_parameter(fqn).to_local()
+        x = _param(module, fqn).to_local()
         flat = _ToHeadLayout.apply(x.reshape(x.shape[0], -1), parts, group)
         out[fqn] = flat.reshape(flat.shape[0], *x.shape[1:])
     for fqn in (*layout.colwise, *layout.rowwise):
-        out[fqn] = module.get_parameter(fqn).to_local()
+        out[fqn] = _param(module, fqn).to_local()
     for fqn in layout.shared:
-        out[fqn] = _CopyToTP.apply(module.get_parameter(fqn).to_local(), group)
+        out[fqn] = _CopyToTP.apply(_param(module, fqn).to_local(), group)
     return out
 
 
 def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
-    """Gather the input (SP), run transformers' forward on local heads with local tensors, reduce the output."""
+    """Gather the input (SP), run transformers' forward on local heads with local tensors
+    (``linear_attn_packed.deltanet_forward``: a packed micro-batch one sample at a time), reduce the output."""
     mesh: DeviceMesh = self._dhp_mesh
     group = mesh.get_group()
     sp = self._dhp_sequence_parallel
@@ -265,7 +274,7 @@ def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
             owner._parameters[name] = t  # read by transformers' forward (and causal_conv1d) directly
         for a, v in sizes.items():
             setattr(self, a, v)
-        out = type(self).forward(self, *args, **kwargs)
+        out = deltanet_forward(self, *args, **kwargs)  # packed rows: one sample at a time
     finally:
         for owner, name, param in reversed(swapped):
             owner._parameters[name] = param
@@ -274,6 +283,12 @@ def _deltanet_tp_forward(self: nn.Module, *args, **kwargs):
     if sp:
         return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
     return _ReduceFromTP.apply(out, group)
+
+
+def tp_forward(layer: nn.Module):
+    """The TP style's bound forward of ``layer`` (:class:`GatedDeltaNetParallel` applied), else None."""
+    forward = layer.__dict__.get("forward")
+    return forward if getattr(forward, "__func__", None) is _deltanet_tp_forward else None
 
 
 class GatedDeltaNetParallel(ParallelStyle):
@@ -351,4 +366,5 @@ __all__ = [
     "head_rows",
     "local_fraction",
     "row_moves",
+    "tp_forward",
 ]

@@ -140,6 +140,9 @@ class _RotaryCache:
     micro-batch's forward, again in a block's recompute; selective AC replays a block by counting
     each op's invocations, so ops that run in one pass and not the other must stay invisible to it.
     The tables are position data (detached, no autograd), so nothing is lost by hiding them.
+    They are exchanged and kept in fp32, the dtype transformers computes them in: a rank without rows
+    builds empty stand-ins in its activations' dtype (bf16 under a bf16 precision policy), and one
+    exchange needs one dtype on every rank.
     """
 
     def __init__(self) -> None:
@@ -152,7 +155,7 @@ class _RotaryCache:
         self.key = pos
         cos, sin = pos
         with _outside_selective_ac():  # one collective for both tables
-            both = _gather_rows(torch.cat([cos.detach(), sin.detach()], dim=-1), split, group)
+            both = _gather_rows(torch.cat([cos.detach(), sin.detach()], dim=-1).float(), split, group)
             self.value = (both[..., : cos.shape[-1]], both[..., cos.shape[-1] :])
         return self.value
 

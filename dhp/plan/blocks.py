@@ -7,6 +7,9 @@ Token mixer, by :class:`~dhp.models.arch.Attention` kind::
 
     full / window   off: (4h + 3kv)/tp          selective: (2h + 2kv)/tp     (q, k, v, out; the
                                                                               calibrated dense block)
+                    + per-head q/k norms (``qk_norm``, off only):
+                      [(q + kv)(4 + a) + 4 (heads + kv heads)] / a / tp (their fp32 inputs and rsqrt,
+                      their outputs; ``tests/unit/plan/test_activation_calibration.py``)
     linear          off: (3 (2K+V) + 4V + Hv C)/tp                            selective: (2K + 3V + Hv C)/tp
                     (Gated DeltaNet with flash-linear-attention's chunk kernel, heads split by TP: the
                     conv1d's input and output and the activated q/k/v (2K+V each), the gate z, the
@@ -21,21 +24,44 @@ MLP, by :class:`~dhp.models.arch.Mlp` kind (f = 4 off, 2 selective for a gated M
 ungated one, ``Mlp.saved_widths``)::
 
     dense           f m / tp
-    moe             f k I r                 the experts' activations of the rows this rank computes
-                                            (k = top_k, I = expert width); experts are not TP-
-                                            sharded (every TP rank runs its EP rank's experts on all
-                                            of its tokens), so no /tp
-                  + k h (2 + 2 r)           dispatch and combine buffers, kept for backward
-                                            (``dhp/parallel/ep.py``): the sorted copy of the rank's own
-                                            assignments and the combined rows coming back (k h each),
-                                            the rows received and the expert outputs sent back (k h r
-                                            each)
-                  + 2 E                     router logits and probabilities (fp32)
-                  + f shared / tp           the always-on shared expert
+
+    moe, off        k r (h + 4 I)           the rows this rank's experts compute (k = top_k, I =
+                                            expert width): the received rows regrouped by expert,
+                                            the gate_up output (2I), the activation and the product
+                                            (I each). Experts are not TP-sharded (every TP rank runs
+                                            its EP rank's experts on all of its tokens), so no /tp
+                  + k h                     the combined rows back on the token's rank, kept by the
+                                            routing-weight product (the dispatched and received
+                                            copies themselves are not saved: the row gathers keep
+                                            only their indices)
+                  + k                       the routing weights in the activations' dtype
+                  + [8 k (2 + 2 r) + 4 (E + k + 1) + 8 k] / a
+                                            bytes of fixed width: four int64 routing permutations
+                                            (the token order and its inverse, k per token; the
+                                            received rows' regrouping and its inverse, k r), the
+                                            router's fp32 probabilities (E), top-k values and their
+                                            sum, and its int64 top-k indices
+                  + 4 shared / tp + h + 1   a shared expert (gated SwiGLU) and its output scaled by
+                                            its sigmoid gate (the output and the gate)
+    moe, selective  k r (2 I + h)           the experts' matmul outputs (gate_up, down) per row
+                  + E                       the router's logits
+                  + 2 shared / tp + h + 1   the shared expert's matmul outputs and its gate's
+    moe, full       nothing but the block input (the whole block is recomputed)
+
+    Selective AC recomputes everything else in backward, the dispatch and combine all-to-alls
+    included (their outputs are not matmul outputs): ``dhp/plan/timing.py`` charges them again.
 
     r = rows received per own assignment: 1 with a balanced router (each rank receives, on average,
     as many rows as it sends), ``ep`` under a fully unbalanced one (every token of the EP group
     routed to this rank's experts) -- ``dhp/plan/memory.py`` says which the verdict uses.
+    Measured against autograd's saved storages and selective checkpointing's cache of the EP forward
+    (``dhp.parallel.ep.ExpertParallelExperts``) on tiny Qwen3-VL-MoE and Qwen3.5-MoE blocks:
+    ``tests/unit/plan/test_moe_saved_memory.py`` and ``scripts/bench_planner.py --blocks``.
+
+The load-balancing loss (``dhp.parallel.load_balancing.load_balancing_loss``, every module with MoE blocks):
+its fp32 softmax of each MoE block's router logits and int64 top-k indices, 4 E + 8 k bytes per token
+and MoE block, plus the fp32 padding mask (4 bytes per token), are saved OUTSIDE the blocks, so every
+AC mode keeps them (:func:`router_aux_bytes`).
 
 A linear block's transient while it runs (forward, and backward, which recomputes it): the states at
 every chunk boundary, (ceil(S/C) + 1) x Hv/tp x d_k x d_v per sequence (``act`` bytes; the last one is
@@ -74,17 +100,42 @@ def mixer_saved_elems(
     else:
         kv = att.kv_dim
         mix = (2 * hidden + 2 * kv) if selective else (4 * hidden + 3 * kv)
+        if att.qk_norm and not selective:  # the per-head norms' fp32 inputs, rsqrt and outputs
+            mix += ((att.q_dim + kv) * (FP32_BYTES + act) + FP32_BYTES * (att.heads + att.kv_heads)) / act
     return mix / tp
 
 
-def mlp_saved_elems(mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float = 1.0) -> float:
-    """Saved elements per token of one block's MLP on one rank (table above); ``received``: r."""
-    f = mlp.saved_widths(selective=selective)
-    if mlp.kind != "moe":
-        return f * mlp.intermediate / tp
-    experts = f * mlp.top_k * mlp.intermediate * received
-    buffers = mlp.top_k * hidden * (2 + 2 * received)
-    return experts + buffers + 2 * mlp.experts + f * mlp.shared / tp
+#: bytes of an int64 routing index and of an fp32 element (the router's probabilities)
+INDEX_BYTES, FP32_BYTES = 8, 4
+
+
+def moe_saved_elems(mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float, act: int) -> float:
+    """Saved elements (of ``act`` bytes) per token of one MoE block on one rank (the table above)."""
+    k, i, h, r, e = mlp.top_k, mlp.intermediate, hidden, received, mlp.experts
+    shared = (mlp.saved_widths(selective=selective) * mlp.shared / tp + h + 1) if mlp.shared else 0.0
+    if selective:
+        return k * r * (2 * i + h) + e + shared
+    fixed = INDEX_BYTES * k * (2 + 2 * r) + FP32_BYTES * (e + k + 1) + INDEX_BYTES * k
+    return k * r * (h + 4 * i) + k * h + k + shared + fixed / act
+
+
+def mlp_saved_elems(
+    mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float = 1.0, act: int = 2
+) -> float:
+    """Saved elements (of ``act`` bytes) per token of one block's MLP on one rank (table above);
+    ``received``: r."""
+    if mlp.kind == "moe":
+        return moe_saved_elems(mlp, hidden=hidden, tp=tp, selective=selective, received=received, act=act)
+    return mlp.saved_widths(selective=selective) * mlp.intermediate / tp
+
+
+def router_aux_bytes(blocks: tuple[Block, ...]) -> float:
+    """Bytes per token the load-balancing loss saves outside the blocks (table above): 4 E + 8 k per
+    MoE block, and the fp32 padding mask once; 0 without MoE blocks."""
+    moe = [b.mlp for b in blocks if b.mlp.kind == "moe"]
+    if not moe:
+        return 0.0
+    return sum(FP32_BYTES * m.experts + INDEX_BYTES * m.top_k for m in moe) + FP32_BYTES
 
 
 def block_saved_elems(
@@ -107,14 +158,22 @@ def block_saved_elems(
     return (
         base
         + mixer
-        + mlp_saved_elems(block.mlp, hidden=hidden, tp=tp, selective=selective, received=received)
+        + mlp_saved_elems(block.mlp, hidden=hidden, tp=tp, selective=selective, received=received, act=act)
     )
 
 
 def dispatch_elems(mlp: Mlp, *, hidden: int, received: float) -> float:
-    """Elements per token of one MoE block's dispatch and combine buffers (part of
-    :func:`mlp_saved_elems`): k h (2 + 2 r)."""
+    """Elements per token of one MoE block's dispatch and combine buffers while it runs: the sorted
+    copy of the rank's assignments and the combined rows coming back (k h each), the rows received
+    and the expert outputs sent back (k h r each): k h (2 + 2 r)."""
     return mlp.top_k * hidden * (2 + 2 * received) if mlp.kind == "moe" else 0.0
+
+
+def dispatch_saved_elems(mlp: Mlp, *, hidden: int, received: float) -> float:
+    """Of :func:`dispatch_elems`, what AC off keeps for backward (part of :func:`moe_saved_elems`):
+    the received rows regrouped by expert and the combined rows, k h (1 + r). Selective and full AC
+    keep none: the exchanges run again in backward."""
+    return mlp.top_k * hidden * (1 + received) if mlp.kind == "moe" else 0.0
 
 
 def delta_rule_states_bytes(att: Attention, *, seqs: float, seq_len: int, tp: int, act: int) -> int:

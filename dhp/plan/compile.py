@@ -9,15 +9,16 @@ from omegaconf import DictConfig
 from dhp.config.handoff import resolve_handoff
 from dhp.config.validate_data_keys import packed_row_tokens
 from dhp.layout import ParallelLayout, module_layout
-from dhp.ops.linear_attn import linear_attention_kernel
+from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
-from dhp.plan.memory import ModuleShape, module_shape
+from dhp.plan.memory import ModuleShape, encoder_replica_patches, module_shape
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.placement import assign_gpus, placement_groups, routing
 from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
+from dhp.plan.workload import plan_workload
 
 GIB = 1 << 30
 
@@ -80,7 +81,9 @@ def module_shapes(
     config: DictConfig, layouts: dict[str, ParallelLayout] | None = None
 ) -> dict[str, ModuleShape]:
     """The ModuleShape of every module of ``config`` (what memory and time read) at ``layouts``
-    (default: the config's, :func:`module_layouts`)."""
+    (default: the config's, :func:`module_layouts`). An encoder's ``seq_len`` is what one of its
+    replicas encodes per driver micro-batch (:func:`~dhp.plan.memory.encoder_replica_patches`), the
+    LLM's rows are the packed rows when packing is on."""
     layouts = module_layouts(config) if layouts is None else layouts
     shapes = {
         str(name): module_shape(
@@ -94,18 +97,29 @@ def module_shapes(
         )
         for name, mod in config.modules.items()
     }
-    row, _ = packed_row_tokens(
-        packing=config.data.packing,
-        max_tokens=config.data.max_tokens,
-        llm_seq_len=int(config.modules.llm.seq_len) if "llm" in shapes else 0,
-    )  # validated already: the row holds the longest sample
-    if "llm" in shapes and row:
-        # packed rows of data.max_tokens (0: seq_len); first-fit never needs more rows than
-        # 2 * tokens / row + 1 (any two rows together overflow one), nor more than samples
-        llm = shapes["llm"]
-        rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
-        shapes["llm"] = dataclasses.replace(llm, micro_batch=rows, seq_len=row)
+    if "llm" in shapes:  # an encoder replica encodes the images of every LLM replica it serves
+        for name, shape in shapes.items():
+            if shape.pixels:
+                patches = encoder_replica_patches(
+                    shape.seq_len, producer=layouts[name], consumer=layouts["llm"]
+                )
+                shapes[name] = dataclasses.replace(shape, seq_len=patches)
+    if "llm" in shapes:
+        shapes["llm"] = packed_rows(config, shapes["llm"])
     return shapes
+
+
+def packed_rows(config: DictConfig, llm: ModuleShape) -> ModuleShape:
+    """The LLM's shape in packed rows when ``data.packing`` is on (else ``llm``): rows of
+    ``data.max_tokens`` (0: seq_len); first-fit never needs more rows than 2 * tokens / row + 1 (any
+    two rows together overflow one), nor more than samples."""
+    row, _ = packed_row_tokens(
+        packing=config.data.packing, max_tokens=config.data.max_tokens, llm_seq_len=int(llm.seq_len)
+    )  # validated already: the row holds the longest sample
+    if not row:
+        return llm
+    rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
+    return dataclasses.replace(llm, micro_batch=rows, seq_len=row)
 
 
 def memory_estimate(terms: ModuleTerms, shape: ModuleShape, moe: dict | None = None) -> MemoryEstimate:
@@ -224,12 +238,14 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
         devices=tuple(devices),
         handoff=resolve_handoff(device=cluster.device, placement=config.placement, handoff=config.handoff)[0],
         loss_chunk_tokens={n: s.loss_chunk_tokens for n, s in shapes.items() if n == "llm"},
-        # the kernel this environment would run on the plan's device (each run's metrics say what ran)
+        # the kernel the plan counts on its device and needs there (the runtime checks it is
+        # installed at start: dhp.ops.linear_attn.require_kernel; each run's metrics say what ran)
         kernels={
-            n: linear_attention_kernel(cluster.device)
+            n: planned_kernel(cluster.device)
             for n, s in shapes.items()
             if s.arch is not None and s.arch.count("linear")
         },
+        workload=plan_workload(config, shapes, layouts),
     )
     if not estimate:
         return plan

@@ -168,7 +168,8 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
 def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape, *, llm_replicas: int) -> float:
     """Patches one vision rank (of ``shape``'s layout) encodes per driver micro-batch, the LLM having
     ``llm_replicas`` data replicas: the real share when the data is synthetic (known patches per
-    sample) or its lengths were measured (``data_lengths``), else the configured capacity ``seq_len``."""
+    sample) or its lengths were measured (``data_lengths``), else the replica's capacity (``shape``'s
+    ``seq_len``: ``dhp.plan.memory.encoder_replica_patches``)."""
     total = vision_patches_per_replica(
         config,
         seq_len=shape.seq_len,
@@ -184,8 +185,9 @@ def vision_patches_per_replica(
 ) -> float:
     """Patches one encoder replica encodes per driver micro-batch: its share of the LLM replicas'
     samples when the data is synthetic (images and videos of known size) or measured (the sampled
-    rows' mean patches), else its capacity ``seq_len``. The estimate and the ``--auto`` search both
-    time the encoder with this."""
+    rows' mean patches), else its capacity ``seq_len`` (the replica's:
+    ``dhp.plan.memory.encoder_replica_patches``, which also caps the share). The estimate and the
+    ``--auto`` search both time the encoder with this."""
     if config.data.kind != "synthetic":
         lengths = data_lengths(config)
         if lengths is None:
@@ -235,7 +237,8 @@ def module_features(
     fl = module_flops(shape, tokens)
     h, m, tp = shape.layer.hidden, shape.layer.mlp, shape.layout.tp
     g = 2.0 * tokens * h * m / tp
-    mm_rate = peak * g / (g + cluster.gemm_half_flops)
+    # no tokens (a text-only step's encoder): zero matmul FLOPs at any rate, never 0 / 0
+    mm_rate = peak * g / (g + cluster.gemm_half_flops) if g > 0 else peak
     at_rate = peak * fl.attn_span / (fl.attn_span + ATTN_HALF_SPAN)
     lin_rate = peak * fl.linear_span / (fl.linear_span + ATTN_HALF_SPAN)  # the delta rule's C-wide tiles
     keys = ("intra_node_gbps", "inter_node_gbps", "gpus_per_node", "latency_us")
@@ -384,7 +387,7 @@ def estimate_step(
                 video_item = syn.patches * (syn.video_frames // video_frames_per_row(config.model))
                 images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:
-            images = [config.modules["vision"].seq_len] * (n_mb * shapes["vision"].layout.num_replicas)
+            images = [shapes["vision"].seq_len] * (n_mb * shapes["vision"].layout.num_replicas)
     vision = float(sum(images))
     model_flops = palm_model_flops(config, images, seqs)
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})

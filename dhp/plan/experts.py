@@ -9,7 +9,8 @@ The memory and time terms themselves live with the others (``memory.py``, ``bloc
   AdamW states partitioned over edp with zero=1);
 - the dispatch and combine buffers of one micro-batch over all MoE blocks, with a balanced router
   (what the verdict uses) and with a fully unbalanced one (every row of the EP group sent to one
-  rank's experts), and the module's peak in that worst case;
+  rank's experts), and the module's peak in that worst case; the load-balancing loss's saved
+  router probabilities (kept whatever the AC mode);
 - a linear-attention module's recurrent state per sequence and chunk states per rank.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems
+from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems, dispatch_saved_elems
 from dhp.plan.memory import ModuleShape, checkpointed_blocks
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms
 
@@ -42,15 +43,15 @@ def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
 
 def dispatch_bytes(shape: ModuleShape, received: float) -> tuple[int, int]:
     """(one MoE block's, the saved-for-backward total's) dispatch + combine buffers of one micro-batch
-    on one rank: a block allocates them while it runs; backward needs those of every block that
-    activation checkpointing does not recompute."""
+    on one rank: a block allocates them while it runs; backward needs the received and combined rows
+    of every block that activation checkpointing does not recompute (none under selective AC, which
+    recomputes the exchanges: ``dhp/plan/blocks.py``)."""
     arch = shape.arch
     per = [dispatch_elems(b.mlp, hidden=arch.hidden, received=received) for b in arch.blocks]
     kept = 0.0
     if shape.backward and shape.ac.kind != "selective":
-        kept = sum(per) * (1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers)
-    elif shape.backward:  # selective keeps the exchanges' outputs
-        kept = sum(per)
+        saved = [dispatch_saved_elems(b.mlp, hidden=arch.hidden, received=received) for b in arch.blocks]
+        kept = sum(saved) * (1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers)
     a = shape.precision.act
     return int(shape.tokens * max(per) * a), int(shape.tokens * kept * a)
 

@@ -1,16 +1,26 @@
 """Per-rank memory terms of one module, in bytes. ``dhp/plan/phases.py`` lays them on a timeline.
 
-Bytes per parameter are what the runtime allocates (``dhp/runtime/worker.py`` builds every module
-in ``model.dtype``; torch's AdamW keeps ``exp_avg``/``exp_avg_sq`` in the parameter's dtype; FSDP2
-casts the reduced gradient back to the parameter's dtype):
+Bytes per parameter are what the runtime allocates (``dhp/parallel/precision.py``: the worker
+stores the parameters in the policy's dtype whatever ``model.dtype`` the weights come in; torch's
+AdamW keeps ``exp_avg``/``exp_avg_sq`` in the parameter's dtype; gradients accumulate in it, FSDP2
+reduce-scatters into it):
 
-    model.dtype   params  grads  optimizer (AdamW: 2 states)
-    bfloat16        2       2      4        -> 8 B/param  (``mixed_precision: bf16``)
-    float32         4       4      8        -> 16 B/param (``bf16_master_fp32`` with fsdp>1: fp32
-                                               master shards, bf16 compute; ``fp32`` otherwise)
+    mixed_precision    params  grads  optimizer (AdamW: 2 states)  compute a  FSDP reduce  cast
+    fp32                 4       4      8   -> 16 B/param             4          4          0
+    bf16_master_fp32     4       4      8   -> 16 B/param             2          4          2
+    bf16                 2       2      4   ->  8 B/param             2          2          0
 
-Compute (activation) bytes ``a``: 2 under FSDP with a bf16 policy (FSDP2 gathers the parameters in
-bf16), else the parameters' dtype.
+Compute (activation) bytes ``a``: the policy's compute dtype, in every plan (FSDP2's policy and, at
+fsdp=1, the unit cast give the same bf16 compute): saved activations, transients, the hand-off rows
+(both ways), FSDP's all-gathered blocks, the TP/SP/EP exchanges.
+
+Compute copies (``cast`` > 0: master weights): a unit casts its parameters to bf16 as it runs.
+Under FSDP that cast is the all-gather (``fsdp_gather``); the parameters FSDP does not gather (all of
+them at fsdp=1, the routed experts under FSDP x EP) are cast by the unit itself
+(:func:`compute_copy_elems`): the root's copies (embeddings, lm_head, patch embedding, merger) and
+the blocks' copies are saved for backward (``compute_weights``, per micro-batch), except the
+checkpointed blocks' (full / every_n / selective AC: dropped at the block's end and cast again in its
+recompute: one block's copy, ``compute_block``, in its forward and its backward).
 
 Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_sharded``,
 ``replicated`` and the routed experts ``expert``, :class:`~dhp.models.arch.ParamCount`):
@@ -42,8 +52,11 @@ tests/unit/plan/test_activation_calibration.py)::
     frozen encoder (no backward): nothing saved; one block's working set in forward
 
 Blocks that differ (a hybrid of linear- and full-attention blocks, MoE MLPs) sum their own
-per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations and
-the dispatch/combine buffers); every_n drops ceil(L/K)/L of every block's. The one-block working
+per_layer / selective (``dhp/plan/blocks.py``: a Gated DeltaNet mixer, the experts' activations,
+the received and combined rows and the routing indices; selective keeps only the matmul outputs and
+recomputes the exchanges); every_n drops ceil(L/K)/L of every block's. The load-balancing loss of a
+module with MoE blocks saves its fp32 router probabilities outside the blocks (``router_aux``: every
+AC mode keeps them). The one-block working
 set is the largest block's, plus a linear block's chunk states (transient in its forward and
 backward, whatever the AC mode).
 
@@ -79,12 +92,12 @@ from omegaconf import DictConfig
 
 from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ParallelLayout
-from dhp.ops.linear_attn import TORCH_FALLBACK, linear_attention_kernel
-from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes
+from dhp.ops.linear_attn import TORCH_FALLBACK, planned_kernel
+from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes, router_aux_bytes
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
+from dhp.plan.tp_blocks import relayout_elems
 from dhp.plan.trainable import trainable_fraction
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 FSDP_LAYERS_IN_FLIGHT = 2  # the block being computed and the prefetched next one
 # Loss chunk chosen when ``loss_chunk_tokens`` is 0: fp32 logits of one chunk <= this many bytes.
 LOSS_CHUNK_TARGET_BYTES = 256 << 20
@@ -100,18 +113,26 @@ class Precision:
     optimizer: int
     act: int
     reduce: int  # bytes per element of FSDP's reduce-scatter of gradients
+    cast: int = 0  # bytes per element of a parameter's compute copy (master weights), else 0
 
     @property
     def per_param(self) -> int:
         return self.param + self.grad + self.optimizer
 
 
-def precision(model_dtype: str, mixed_precision: str, fsdp: int) -> Precision:
-    """What the runtime allocates (see the module docstring)."""
-    p = DTYPE_BYTES[model_dtype]
-    bf16_policy = fsdp > 1 and mixed_precision != "fp32"
-    reduce = 4 if (mixed_precision == "bf16_master_fp32" or (mixed_precision == "fp32" and p == 4)) else 2
-    return Precision(param=p, grad=p, optimizer=2 * p, act=2 if bf16_policy else p, reduce=reduce)
+#: ``mixed_precision`` -> bytes of (parameter, compute, FSDP reduce) elements: the dtypes of
+#: ``dhp.parallel.precision.PRECISIONS`` (torch-free here)
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 4),
+    "bf16_master_fp32": (4, 2, 4),
+    "bf16": (2, 2, 2),
+}
+
+
+def precision(mixed_precision: str) -> Precision:
+    """What the runtime allocates under ``mixed_precision`` (see the module docstring)."""
+    p, a, r = PRECISION_BYTES[mixed_precision]
+    return Precision(param=p, grad=p, optimizer=2 * p, act=a, reduce=r, cast=a if a != p else 0)
 
 
 @dataclass(frozen=True)
@@ -140,8 +161,8 @@ class ModuleShape:
     trainable: float = 1.0  # share of the params with grads + optimizer states (dhp.plan.trainable)
     #: MoE rows received per own assignment: 1 (balanced router, the verdict's) or ep (worst case)
     moe_received: float = 1.0
-    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: no
-    #: flash-linear-attention on the plan's device), which saves more (``dhp/plan/blocks.py``)
+    #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: the
+    #: plan's device is not one the kernel packages run on), which saves more (``dhp/plan/blocks.py``)
     delta_rule_fallback: bool = False
 
     @property
@@ -163,14 +184,25 @@ class ModuleShape:
         return self.layout.seq_split
 
 
+def encoder_replica_patches(seq_len: int, *, producer: ParallelLayout, consumer: ParallelLayout) -> int:
+    """Patches one encoder replica encodes per driver micro-batch, at most. ``modules.vision.seq_len``
+    bounds the patches of ONE LLM replica's micro-batch (what the data loader checks, whatever the
+    layouts); with fewer encoder replicas than LLM replicas each serves ``L / V`` of them in one
+    forward (``dhp.plan.placement.routing``: their images concatenated), so it encodes up to
+    ``L / V x seq_len``; with more, a share of one micro-batch's images (whole images: up to
+    ``seq_len``). Memory and time both count this many."""
+    v, n = producer.num_replicas, consumer.num_replicas
+    return seq_len * (n // v) if v <= n else seq_len
+
+
 def sp_rank_tokens(arch: ModuleArch | None, patches: float, sp: int, image: int) -> float:
     """Patches the fullest of ``sp`` Ulysses ranks encodes out of ``patches``: the runtime cuts an
     image on multiples of the family's ``sp_unit`` (a window for a windowed encoder, a merge unit
     otherwise), so a rank holds whole units: ceil(units / sp) of them (an image of ``image`` patches
     has ceil(image / unit) units of equal share). With fewer units than ranks some ranks idle and
-    the others hold a whole unit."""
-    if sp <= 1 or arch is None:
-        return float(patches)
+    the others hold a whole unit. No patches (a text-only micro-batch): 0, whatever ``image``."""
+    if sp <= 1 or arch is None or patches <= 0:
+        return float(max(patches, 0))
     image = image or int(patches)
     window = arch.sp_unit
     per_image = max(math.ceil(image / window), 1)
@@ -219,6 +251,41 @@ def largest_local_param(shape: ModuleShape) -> float:
     return max(big / lay.ep, vocab / (lay.tp * lay.fsdp))
 
 
+def compute_copy_elems(shape: ModuleShape) -> tuple[float, float, float]:
+    """(one block's, all blocks', the root's) parameter elements one rank casts to the compute dtype
+    itself (module docstring: all at fsdp=1, only the routed experts under FSDP, which gathers the
+    rest); zeros without master weights. The block is the largest (``block_params``); the root is
+    what the blocks leave of the module's parameters."""
+    if not shape.precision.cast:
+        return 0.0, 0.0, 0.0
+    lay, layers = shape.layout, shape.layer.layers
+    dense, dense_block = non_expert_params(shape)
+    block = shape.layer_params.expert / lay.ep
+    total = shape.params.expert / lay.ep
+    if lay.fsdp == 1:
+        block += dense_block.per_tp_rank(lay.tp)
+        total += dense.per_tp_rank(lay.tp)
+    blocks = min(layers * block, total)
+    return block, blocks, total - blocks
+
+
+def compute_copy_bytes(shape: ModuleShape) -> tuple[int, int, int]:
+    """(saved for backward per micro-batch, forward transient, backward transient) bytes of the
+    compute copies (:func:`compute_copy_elems`): the root's and the kept blocks' copies are saved; a
+    checkpointed block's copy lives while it runs and while it is recomputed; without a backward
+    (frozen, nothing upstream trains) nothing is saved and the root's copy and one block's live in
+    forward."""
+    block, blocks, root = compute_copy_elems(shape)
+    if not block and not root:
+        return 0, 0, 0
+    cast, layers = shape.precision.cast, shape.layer.layers
+    if not shape.backward:
+        return 0, int((root + block) * cast), 0
+    recomputed = layers if shape.ac.kind == "selective" else checkpointed_blocks(shape.ac, layers)
+    one = int(block * cast) if recomputed else 0
+    return int((root + blocks * (layers - recomputed) / layers) * cast), one, one
+
+
 def model_states(shape: ModuleShape) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes resident on one rank; formulas in the module docstring."""
     lay, pr = shape.layout, shape.precision
@@ -257,10 +324,24 @@ def checkpointed_blocks(ac: AcMode, layers: int) -> int:
     return 0
 
 
+def recomputed_exchanges(ac: AcMode, layers: int) -> int:
+    """Blocks whose all-to-alls (Ulysses' q/k/v/out, EP's dispatch and combine, the Gated DeltaNet
+    TP weight re-layout) run again in backward: the checkpointed ones under full and every_n, EVERY
+    block under selective, whose policy keeps the outputs of matmuls, attention and the SP-in-TP
+    collectives but never an all-to-all's (``dhp.parallel.ac.SELECTIVE_SAVE``)."""
+    return layers if ac.kind == "selective" else checkpointed_blocks(ac, layers)
+
+
 def _uniform_dense(shape: ModuleShape) -> bool:
-    """Every block is the calibrated full/window attention + dense MLP of ``shape.layer``."""
+    """Every block is the calibrated full/window attention (no per-head q/k norms) + dense MLP of
+    ``shape.layer``."""
     arch = shape.arch
-    return arch is None or all(b.attention.kind != "linear" and b.mlp.kind == "dense" for b in arch.blocks)
+    if arch is None:
+        return True
+    return all(
+        b.attention.kind != "linear" and not b.attention.qk_norm and b.mlp.kind == "dense"
+        for b in arch.blocks
+    )
 
 
 def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
@@ -364,10 +445,14 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     """Saved-for-backward bytes of one rank and micro-batch of ``shape``'s module, by component:
     the blocks, eager scores, and the module's ends as its architecture declares them (patch rows
     in fp32 and the merger for a pixel-input producer; the loss inputs and final norm for a module
-    with a vocabulary head)."""
+    with a vocabulary head; the load-balancing loss's router probabilities of a module with MoE
+    blocks, which no AC mode drops)."""
     arch, a, tokens = shape.arch, shape.precision.act, shape.tokens
     eager, _ = _eager_saved_and_work(shape)
     out = {"layers": saved_layers_bytes(shape), "attention_scores": eager}
+    copies = compute_copy_bytes(shape)[0]  # master weights' bf16 copies (0 without)
+    if copies:
+        out["compute_weights"] = copies
     keep = 1 if shape.backward else 0
     h = arch.hidden
     if arch.input_row:
@@ -379,7 +464,28 @@ def activations_of(shape: ModuleShape) -> dict[str, int]:
     if arch.vocab:
         out["loss_inputs"] = int(tokens * (h * a + 8 + 4)) if shape.backward else 0
         out["final_norm"] = int(tokens * 2 * h / shape.seq_split * a)
+    if arch.moe_blocks:
+        out["router_aux"] = keep * int(tokens * router_aux_bytes(arch.blocks))
+    copies = relayout_copies_bytes(shape)
+    if copies:  # per micro-batch, whatever its tokens: the linear blocks' head-layout weights
+        kept = (
+            0.0
+            if shape.ac.kind == "selective"
+            else 1 - checkpointed_blocks(shape.ac, arch.layers) / arch.layers
+        )
+        out["tp_weight_copies"] = keep * int(copies * kept)
     return out
+
+
+def relayout_copies_bytes(shape: ModuleShape, *, largest: bool = False) -> int:
+    """Bytes of the head-layout weight copies the linear blocks receive by all-to-all under TP
+    (``dhp/plan/tp_blocks.py``), summed over the blocks (what AC off saves) or the largest block's
+    (``largest``: one exchange's copy); 0 without linear blocks or TP."""
+    if shape.arch is None:
+        return 0
+    tp, h, a = shape.layout.tp, shape.arch.hidden, shape.precision.act
+    per = [sum(relayout_elems(b.attention, hidden=h, tp=tp)) * a for b in shape.arch.blocks]
+    return int(max(per, default=0) if largest else sum(per))
 
 
 def module_shape(
@@ -395,14 +501,14 @@ def module_shape(
     """Collect the sizes of module ``name`` that the estimate reads: all from the family's typed
     architecture (:func:`dhp.plan.params.architecture`), none from ``model``'s raw numbers;
     ``layout``: the group's degrees (the plan's); ``device`` (the cluster's) picks the
-    linear-attention kernel whose memory is counted."""
+    linear-attention kernel whose memory is counted (``dhp.ops.linear_attn.planned_kernel``: never
+    what the planning host has installed)."""
     arch = architecture(model).modules[name]
     par = layout
     tokens = micro_batch * module.seq_len
     chunk = int(module.loss_chunk_tokens)
     if arch.vocab and chunk == 0:
         chunk = default_loss_chunk(arch.vocab, par.tp, tokens)
-    dtype = model.dtype
     return ModuleShape(
         name=name,
         params=arch.params,
@@ -415,7 +521,7 @@ def module_shape(
         ac=parse_ac_mode(module.activation_checkpointing),
         freeze=module.freeze,
         backward=not (module.freeze and not arch.inputs),
-        precision=precision(dtype, module.mixed_precision, par.fsdp),
+        precision=precision(module.mixed_precision),
         attn_implementation=model.attn_implementation,
         loss_chunk_tokens=chunk if arch.vocab else 0,
         image_patches=image_patches if arch.input_row else 0,
@@ -424,5 +530,5 @@ def module_shape(
         handoff_width=arch.handoff_width,
         arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
-        delta_rule_fallback=bool(arch.count("linear")) and linear_attention_kernel(device) == TORCH_FALLBACK,
+        delta_rule_fallback=bool(arch.count("linear")) and planned_kernel(device) == TORCH_FALLBACK,
     )

@@ -28,7 +28,10 @@ coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrat
                         (vocab TP); EP 3 per MoE block   per block; loss 1 (+1 AG
                                                          under SP); + the
                                                          recomputed forward's; EP
-                                                         2 per MoE block
+                                                         2 per MoE block; + the
+                                                         forward's all-to-alls of
+                                                         every block under
+                                                         selective AC
     step (once)         tensors = the rank's parameter tensors (norm, clip, AdamW, zero_grad: a loop
                         over them; x2 for DTensor parameters; ZeRO-1: AdamW's share on the owned ones
                         only), and collectives: 1 grad-norm all-reduce,
@@ -43,7 +46,8 @@ from __future__ import annotations
 
 import math
 
-from dhp.plan.memory import ModuleShape, checkpointed_blocks
+from dhp.plan.memory import ModuleShape, checkpointed_blocks, recomputed_exchanges
+from dhp.plan.tp_blocks import tp_block
 
 #: AdamW's share of the per-tensor ops of a step (about 10 of the 14: the rest are the grad norm,
 #: the clip and zero_grad, which every rank runs on every tensor)
@@ -87,18 +91,21 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     """(forward, backward) collective calls of one rank per micro-batch."""
     par, lay = shape.layout, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    again = recomputed_exchanges(shape.ac, lay.layers)  # blocks re-issuing their all-to-alls
     fwd = bwd = 0.0
     if par.sp > 1:  # per full block: qkv (fused) and out; plus one rotary-table gather a forward
         n_full = shape.arch.sp_exchange_blocks
         fwd += 2 * n_full + 1
-        bwd += 2 * n_full + (2 * n_full + 1) * ck / lay.layers
+        bwd += 2 * n_full + (2 * n_full + 1) * again / lay.layers
     if par.tp > 1:
         sp = 2 if shape.layout.sequence_parallel else 1  # SP inside TP: a reduce-scatter + an all-gather each
-        fwd_block = 2 * sp  # the attention and MLP outputs
+        blocks = [tp_block(b, shape.arch, par.tp) for b in shape.arch.blocks]  # dhp/plan/tp_blocks.py
+        moves = sum(len(c.relayout) for c in blocks)  # the linear blocks' weight all-to-alls
+        fwd_blocks = sum(c.fwd_reduces for c in blocks) * sp  # the mixers' and MLPs' outputs
         # one all-reduce per column-parallel input's grad; SP all-gathers the two outputs' grads
-        bwd_block = lay.tp_input_grads + (2 if shape.layout.sequence_parallel else 0)
-        fwd += fwd_block * lay.layers
-        bwd += bwd_block * lay.layers + fwd_block * ck
+        grads = sum(c.bwd_reduces + c.bwd_small for c in blocks) + (2 if sp == 2 else 0) * len(blocks)
+        fwd += fwd_blocks + moves
+        bwd += grads + moves * (1 + again / lay.layers) + fwd_blocks * ck / lay.layers
         if shape.arch.vocab:  # the vocab-parallel embedding; the loss: 2 a chunk, 1 for its grad;
             # under SP the merged embeddings' grad is all-gathered back to the full sequence
             chunks = math.ceil(tokens / max(shape.loss_chunk_tokens, 1))
@@ -108,9 +115,9 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
         fwd += lay.layers + 1
         bwd += 2 * (lay.layers + 1)
     if par.ep > 1:  # per MoE block: the per-expert counts, dispatch, combine; backward the reverse two
-        moe = shape.arch.moe_blocks
+        moe = shape.arch.moe_blocks  # + the forward's three again where the exchanges are recomputed
         fwd += 3 * moe
-        bwd += 2 * moe + 3 * moe * ck / lay.layers
+        bwd += 2 * moe + 3 * moe * again / lay.layers
     return fwd, (bwd if shape.backward else 0.0)
 
 

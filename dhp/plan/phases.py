@@ -42,12 +42,14 @@ from dhp.plan.memory import (
     ModuleShape,
     activations_of,
     block_work_bytes,
+    compute_copy_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
     largest_local_param,
     model_states,
     non_expert_params,
     rank_params,
+    relayout_copies_bytes,
 )
 
 PHASES = (
@@ -175,6 +177,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         bwd["recompute_block"] = block_work_bytes(shape)
     if shape.backward:
         bwd["grad_hidden"] = int(2 * tokens * h / s * a)
+    _, fwd["compute_block"], bwd["compute_block"] = compute_copy_bytes(shape)  # master weights' bf16 copies
     if eager_one:
         fwd["attention_scores"] = bwd["attention_scores"] = eager_one
     chunks = delta_rule_work_bytes(shape)
@@ -182,6 +185,11 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         fwd["delta_rule_states"] = chunks
         if shape.backward:
             bwd["delta_rule_states"] = chunks
+    relayout = 2 * relayout_copies_bytes(shape, largest=True)  # a DeltaNet block's weight exchange:
+    if relayout:  # the payload and the head-layout copy (its grad's two in backward)
+        fwd["weight_relayout"] = relayout
+        if shape.backward:
+            bwd["weight_relayout"] = relayout
     if par.sp > 1 and shape.arch.sp_exchange_blocks:  # Ulysses' q/k/v exchange buffers
         fwd["all_to_all"] = bwd["all_to_all"] = int(2 * 3 * tokens * h / par.tp * a)
     if s > 1:

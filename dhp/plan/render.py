@@ -66,6 +66,44 @@ def groups_table(plan: Plan) -> Table:
     return table
 
 
+def _num(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "?"
+    return f"{x:.4g}{unit}" if isinstance(x, float) and not x.is_integer() else f"{int(x)}{unit}"
+
+
+def workload_table(plan: Plan) -> Table | None:
+    """What the plan's numbers are for (``dhp.plan.workload``): each module's bound and timed
+    micro-batch, the batch, the per-sample media and lengths, the tokens per step."""
+    w = plan.workload
+    if not w:
+        return None
+    b = w["batch"]
+    table = Table(
+        title=f"workload ({w['source']}): micro-batch {b['micro_batch_size']} samples per LLM replica, "
+        f"global batch {b['global_batch_size']}, {b['micro_batches_per_step']} micro-batches per step"
+    )
+    for col in ("module", "replicas", "bound (seq_len; memory)", "micro-batch timed", "per rank"):
+        table.add_column(col, justify="left" if col == "module" else "right")
+    for name, m in w["modules"].items():
+        if "patches_per_micro_batch" in m:
+            bound, timed = f"{m['seq_len']} patches", _num(m["patches_per_micro_batch"], " patches")
+            rank = f"{_num(m['patches_per_rank'], ' patches')} (sp={m['sp']})"
+        else:
+            bound = f"{m['seq_len']} tokens/row"
+            timed, rank = f"{m['rows_per_micro_batch']} x {m['tokens_per_row']} tokens", ""
+        table.add_row(name, str(m["replicas"]), bound, timed, rank)
+    s, t = w["per_sample"], w["tokens_per_step"]
+    table.caption = (
+        f"per sample: {_num(s['images'])} images, {_num(s['videos'])} videos ({_num(s['video_frames'])} "
+        f"frames), {_num(s['audio'])} audio; {_num(s['llm_tokens'])} LLM tokens (max "
+        f"{_num(s['llm_tokens_max'])}), {_num(s['vision_patches'])} patches (max {_num(s['vision_patches_max'])})"
+        f"\nper step: {_num(t['text'])} LLM tokens ({_num(t['llm_padded'])} with padding), "
+        f"{_num(t['vision'])} patches"
+    )
+    return table
+
+
 def placement_table(plan: Plan) -> Table:
     table = Table(title="Ray placement groups (one per node)")
     for col in ("pg", "node", "strategy", "bundles", "bundle", "GPUs (global)"):
@@ -253,6 +291,7 @@ def render_plan(plan: Plan, *, console: Console, reserved: bool = False) -> None
     """Print the plan's tables and a one-line verdict to ``console``."""
     tables = (
         groups_table(plan),
+        workload_table(plan),
         placement_table(plan),
         rank_table(plan),
         memory_table(plan),

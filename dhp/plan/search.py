@@ -3,7 +3,8 @@
 Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
-  N/2, N/4, ... GPUs, which win only where more ranks are predicted slower (``Search.placements``);
+  N/2, N/4, ... GPUs, which win only where more ranks are predicted slower, and on the run
+  config's own GPU count and split (``Search.placements``);
 - per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP, ep) that
   :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and ``parallelize``
   apply (the axes the family declares for the module, sp and tp exclusive, tp inside a node and
@@ -12,7 +13,16 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 - activation checkpointing off | selective | full per module;
 - sequence parallelism inside TP (on or off, where tp > 1 and the module has it);
 - micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
-  ``seq_len`` (patches per micro-batch and replica) scales with it from the patches per sample.
+  ``seq_len`` (the patches of one LLM replica's micro-batch, what the loader bounds) scales with
+  it from the patches per sample (the recipe's own at the recipe's micro-batch); an encoder
+  replica serving several LLM replicas is sized and timed for all their patches, as
+  ``dhp plan`` does (``memory.encoder_replica_patches``).
+
+The run config's own plan is always a candidate when it fits (``Search.own``), timed and sized as
+``dhp plan`` times and sizes it, so ``--auto`` never returns something slower. When nothing fits
+and validates, the error names, per class of candidates (a placement on some GPUs), what ruled it
+out (memory, with the smallest peak; no valid layout; no micro-batch), and what validation refused
+among the plans that fit (``no_plan_message``).
 
 What the user fixed on the command line (``modules.vision.parallel.sp=4``, ``placement=...``,
 ``train.micro_batch_size=2``, an AC mode, ...) is kept: candidates that differ there are never
@@ -29,7 +39,9 @@ break on the candidate's text form, so the result is deterministic.
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -42,7 +54,7 @@ from dhp.errors import PlanError
 from dhp.layout import ParallelLayout, module_layout
 from dhp.models.arch import ModuleAxes
 from dhp.models.registry import get_arch
-from dhp.plan.compile import image_patches
+from dhp.plan.compile import image_patches, packed_rows
 from dhp.plan.estimate import (
     busy_processes,
     coefficients,
@@ -52,8 +64,8 @@ from dhp.plan.estimate import (
     timing_shapes,
     vision_patches_per_replica,
 )
-from dhp.plan.memory import module_shape, sp_rank_tokens
-from dhp.plan.params import architecture
+from dhp.plan.memory import encoder_replica_patches, module_shape, sp_rank_tokens
+from dhp.plan.params import architecture, video_frames_per_row
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
 from dhp.plan.schedule import schedule
 
@@ -157,6 +169,16 @@ def _fixed(fixed: set[str], key: str) -> bool:
     return key in fixed
 
 
+def _patches_per_sample(config: DictConfig) -> float:
+    """Patches of one sample, which candidates' ``modules.vision.seq_len`` scale with: synthetic
+    data's images and videos, else the recipe's bound per sample (its seq_len over its micro-batch)."""
+    if config.data.kind == "synthetic":
+        syn = config.data.synthetic
+        video = syn.videos_per_sample * (syn.video_frames // video_frames_per_row(config.model)) * syn.patches
+        return float(syn.patches * syn.images_per_sample + video)
+    return config.modules["vision"].seq_len / config.train.micro_batch_size
+
+
 class Search:
     """The search over one validated run config (see the module docstring)."""
 
@@ -168,12 +190,9 @@ class Search:
         self.gpn = config.cluster.gpus_per_node
         self.n = config.cluster.nodes * self.gpn
         self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
-        v0, l0 = config.modules["vision"], config.modules["llm"]
-        mb0 = config.train.micro_batch_size
-        l_reps = module_layout(l0).num_replicas
-        share0 = mb0 * l_reps / module_layout(v0).num_replicas
-        self.patches_per_sample = v0.seq_len / share0
+        self.patches_per_sample = _patches_per_sample(config)
         self._cache: dict[tuple, ModuleChoice | None] = {}
+        self.ruled_out: dict[str, ClassReport] = {}  # by class label, after run(): none of it fits
         self._procs = 0
         self._placement = "collocated"
         self.best_full: Candidate | None = None  # the fastest candidate seen on all N GPUs
@@ -199,12 +218,18 @@ class Search:
         return ["off", "selective", "full"]
 
     def totals(self) -> list[int]:
-        """GPU counts a plan may use: the cluster's N, then N/2, N/4, ... (see ``placements``)."""
+        """GPU counts a plan may use: the cluster's N, then N/2, N/4, ..., and the run config's own
+        count when it is none of these (see ``placements``)."""
         out, t = [self.n], self.n
         while t % 2 == 0 and t > 1:
             t //= 2
             out.append(t)
-        return out
+        mine = self._own_gpus()
+        return out + ([mine] if 0 < mine <= self.n and mine not in out else [])
+
+    def _own_gpus(self) -> int:
+        v, lm = int(self.cfg.modules["vision"].gpus), int(self.cfg.modules["llm"].gpus)
+        return max(v, lm) if self.cfg.placement == "collocated" else v + lm
 
     def placements(self) -> list[tuple[str, int, int]]:
         """(placement, vision GPUs, LLM GPUs): collocated on t GPUs, or disaggregated with every split
@@ -217,7 +242,9 @@ class Search:
         for t in self.totals():
             out += [("collocated", t, t)] if colloc else []
             out += [("disaggregated", v, t - v) for v in range(1, t)] if disagg else []
-        return out
+        mods = self.cfg.modules
+        mine = (str(self.cfg.placement), int(mods["vision"].gpus), int(mods["llm"].gpus))
+        return out + ([mine] if mine not in out else [])
 
     def micro_batches(self, l_reps: int, v_reps: int) -> list[int]:
         gb = self.cfg.train.global_batch_size
@@ -229,18 +256,34 @@ class Search:
             mb for mb in mbs if gb % (mb * l_reps) == 0 and (v_reps <= l_reps or mb % (v_reps // l_reps) == 0)
         ]
 
-    def vision_seq_len(self, mb: int, l_reps: int, v_reps: int, sp: int) -> int:
-        if _fixed(self.fixed, "modules.vision.seq_len"):
-            return int(self.cfg.modules["vision"].seq_len)
-        unit = architecture(self.cfg.model).modules["vision"].merge * sp
-        need = self.patches_per_sample * mb * l_reps / v_reps
+    def vision_seq_len(self, mb: int, sp: int) -> int:
+        """``modules.vision.seq_len`` of a candidate: the patches of one LLM replica's micro-batch of
+        ``mb`` samples (what the loader bounds; an encoder replica serving several LLM replicas
+        encodes that many times it: ``memory.encoder_replica_patches``), on whole merge units of
+        every SP rank. The recipe's own when it is fixed, or when ``mb`` is the recipe's."""
+        cfg = self.cfg
+        if _fixed(self.fixed, "modules.vision.seq_len") or mb == cfg.train.micro_batch_size:
+            return int(cfg.modules["vision"].seq_len)
+        unit = architecture(cfg.model).modules["vision"].merge * sp
+        need = self.patches_per_sample * mb
         return int(math.ceil(need / unit) * unit)
 
     # ---- one module ---------------------------------------------------------------------------
     def module(
-        self, name: str, world: int, d: ParallelLayout, ac: str, mb: int, n_mb: int, seq: int, tokens: float
+        self,
+        name: str,
+        world: int,
+        d: ParallelLayout,
+        ac: str,
+        mb: int,
+        n_mb: int,
+        seq: int,
+        tokens: float,
+        l_reps: int = 1,
     ) -> ModuleChoice | None:
-        key = (name, world, d, ac, mb, n_mb, seq, tokens, self._procs, self._placement)
+        """One module's candidate; ``l_reps``: the LLM's data replicas (an encoder replica serves
+        ``l_reps / d.num_replicas`` of them per micro-batch)."""
+        key = (name, world, d, ac, mb, n_mb, seq, tokens, l_reps, self._procs, self._placement)
         if key in self._cache:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
@@ -255,6 +298,13 @@ class Search:
             image_patches=self._image(),
             device=self.cluster.device,
         )
+        if name == "llm":  # as compile.module_shapes: packed rows when packing is on
+            shape = packed_rows(self.cfg, shape)
+        if shape.pixels:  # as compile.module_shapes: every patch of the LLM replicas it serves
+            replicas = ParallelLayout(dp=l_reps)
+            shape = dataclasses.replace(
+                shape, seq_len=encoder_replica_patches(seq, producer=d, consumer=replicas)
+            )
         terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
         procs = busy_processes(max(self._procs, world))
         # time on the data's measured lengths, as the winner's estimate line does; memory (terms) keeps
@@ -291,83 +341,168 @@ class Search:
         return image_patches(self.cfg)  # the estimate's span of one image or video
 
     def _vision_tokens(self, mb: int, l_reps: int, d: ParallelLayout, seq: int) -> float:
+        bound = encoder_replica_patches(seq, producer=d, consumer=ParallelLayout(dp=l_reps))
         total = vision_patches_per_replica(
-            self.cfg, seq_len=seq, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.num_replicas
+            self.cfg, seq_len=bound, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.num_replicas
         )
         return sp_rank_tokens(architecture(self.cfg.model).modules["vision"], total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:
-        """Candidates that fit, fastest first (at most ``keep``), before full validation."""
+        """Candidates that fit, fastest first (at most ``keep``, and the run config's own plan when it
+        fits, :meth:`own`, last if slower than all of them), before full validation. Why each class
+        of candidates (a placement on some GPUs) gave none that fits is left in :attr:`ruled_out`."""
         best: list[Candidate] = []
+        labels: set[str] = set()
+        self.ruled_out = {}
         worst = math.inf
+
+        def add(cand: Candidate) -> None:
+            nonlocal worst
+            if cand.label() in labels:
+                return
+            labels.add(cand.label())
+            if cand.gpus == self.n and (self.best_full is None or cand.step_s < self.best_full.step_s):
+                self.best_full = cand
+            best.append(cand)
+            best.sort(key=lambda c: (c.step_s, c.label()))
+            del best[keep:]
+            if len(best) >= 10:
+                worst = best[9].step_s
+
+        mine = self.own()
+        if mine is not None:
+            add(mine)
         for placement, vw, lw in self.placements():
             self._procs, self._placement = vw + lw, placement
-            procs = 2 if placement == "collocated" else 1
-            budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
-            solo = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
-            l_opts = self._degrees("llm", lw)
-            v_opts = self._degrees("vision", vw)
-            for ld in l_opts:
-                for v_reps in sorted({d.num_replicas for d in v_opts}):
-                    if max(v_reps, ld.num_replicas) % min(v_reps, ld.num_replicas):
-                        continue
-                    for mb in self.micro_batches(ld.num_replicas, v_reps):
-                        n_mb = self.cfg.train.global_batch_size // (mb * ld.num_replicas)
-                        llms = [
-                            self.module(
-                                "llm", lw, ld, ac, mb, n_mb, int(self.cfg.modules["llm"].seq_len), 0.0
-                            )
-                            for ac in self._acs("llm")
-                            if self._keep("llm", lw, ld, ac)
-                        ]
-                        llms = [
-                            c
-                            for c in llms
-                            if placement == "collocated" or gpu_timeline([c.terms]).peak <= solo
-                        ]
-                        if not llms:
-                            continue
-                        l_best = min(c.per_mb for c in llms)
-                        if n_mb * l_best > worst:
-                            continue  # bound: the LLM alone is slower than the 10th best step
-                        for vd in v_opts:
-                            if vd.num_replicas != v_reps:
-                                continue
-                            seq = self.vision_seq_len(mb, ld.num_replicas, v_reps, vd.sp)
-                            tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
-                            for vac in self._acs("vision"):
-                                if not self._keep("vision", vw, vd, vac):
-                                    continue
-                                vc = self.module("vision", vw, vd, vac, mb, n_mb, seq, tokens)
-                                for lc in llms:
-                                    cand = self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo)
-                                    if cand is None:
-                                        continue
-                                    if cand.gpus == self.n and (
-                                        self.best_full is None or cand.step_s < self.best_full.step_s
-                                    ):
-                                        self.best_full = cand
-                                    best.append(cand)
-                                    best.sort(key=lambda c: (c.step_s, c.label()))
-                                    del best[keep:]
-                                    if len(best) >= 10:
-                                        worst = best[9].step_s
+            report = self.ruled_out.setdefault(_class_label(placement, vw, lw), ClassReport())
+            for cand in self._class(placement, vw, lw, report, bound=lambda: worst):
+                add(cand)
+        self.ruled_out = {k: r for k, r in self.ruled_out.items() if not r.fits}
+        if mine is not None and mine.label() not in {c.label() for c in best}:
+            best.append(mine)  # slower than all ``keep`` others, and still a candidate
         return best
 
-    def _pair(self, placement, mb, seq, vc, lc, n_mb, budget, solo) -> Candidate | None:
+    def _budgets(self, placement: str) -> tuple[int, int]:
+        """(usable bytes of a GPU the placement shares, of a GPU one module has alone)."""
+        procs = 2 if placement == "collocated" else 1
+        budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
+        return budget, self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
+
+    def _class(self, placement: str, vw: int, lw: int, report: ClassReport, bound) -> list[Candidate]:
+        """The candidates of one placement on (vw, lw) GPUs that fit, noting in ``report`` why the
+        others do not; ``bound()``: the step time an LLM alone must beat to be worth pairing."""
+        budget, solo = self._budgets(placement)
+        l_opts, v_opts = self._degrees("llm", lw), self._degrees("vision", vw)
+        if not l_opts or not v_opts:
+            report.note = (
+                f"no valid {'LLM' if not l_opts else 'vision'} layout on {lw if not l_opts else vw} GPUs"
+            )
+            return []
+        out = []
+        for ld in l_opts:
+            for v_reps in sorted({d.num_replicas for d in v_opts}):
+                if max(v_reps, ld.num_replicas) % min(v_reps, ld.num_replicas):
+                    continue
+                for mb in self.micro_batches(ld.num_replicas, v_reps):
+                    n_mb = self.cfg.train.global_batch_size // (mb * ld.num_replicas)
+                    seq_l = int(self.cfg.modules["llm"].seq_len)
+                    llms = [
+                        self.module("llm", lw, ld, ac, mb, n_mb, seq_l, 0.0)
+                        for ac in self._acs("llm")
+                        if self._keep("llm", lw, ld, ac)
+                    ]
+                    if placement != "collocated":  # the LLM's GPUs are its own
+                        for c in llms:
+                            report.over(gpu_timeline([c.terms]).peak, solo)
+                        llms = [c for c in llms if gpu_timeline([c.terms]).peak <= solo]
+                    if not llms:
+                        continue
+                    if n_mb * min(c.per_mb for c in llms) > bound():
+                        continue  # bound: the LLM alone is slower than the 10th best step
+                    for vd in v_opts:
+                        if vd.num_replicas != v_reps:
+                            continue
+                        seq = self.vision_seq_len(mb, vd.sp)
+                        tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
+                        for vac in self._acs("vision"):
+                            if not self._keep("vision", vw, vd, vac):
+                                continue
+                            vc = self.module("vision", vw, vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
+                            for lc in llms:
+                                cand = self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, report)
+                                if cand is not None:
+                                    out.append(cand)
+        if not report.pairs and not report.note and not report.peak:
+            report.note = "no micro-batch size divides the global batch over both modules' replicas"
+        return out
+
+    def own(self) -> Candidate | None:
+        """The run config's own plan as a candidate, timed and sized as every other (None when it
+        does not fit): its placement, GPU counts, degrees, AC modes, micro-batch and vision seq_len."""
+        cfg = self.cfg
+        v, lm = cfg.modules["vision"], cfg.modules["llm"]
+        vd, ld = module_layout(v), module_layout(lm)
+        placement, mb = str(cfg.placement), int(cfg.train.micro_batch_size)
+        self._procs, self._placement = int(v.gpus) + int(lm.gpus), placement
+        n_mb = cfg.train.global_batch_size // (mb * ld.num_replicas)
+        seq = int(v.seq_len)
+        lc = self.module(
+            "llm", int(lm.gpus), ld, str(lm.activation_checkpointing), mb, n_mb, int(lm.seq_len), 0.0
+        )
+        tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
+        vac = str(v.activation_checkpointing)
+        vc = self.module("vision", int(v.gpus), vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
+        budget, solo = self._budgets(placement)
+        return self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, ClassReport())
+
+    def _pair(self, placement, mb, seq, vc, lc, n_mb, budget, solo, report) -> Candidate | None:
         if placement == "collocated":
             line = gpu_timeline([vc.terms, lc.terms])
             peak, cap = line.peak, budget
         else:
             peak = max(gpu_timeline([vc.terms]).peak, gpu_timeline([lc.terms]).peak)
             cap = solo
+        report.pairs += 1
+        report.fits += 1 if peak <= cap else 0
+        report.over(peak, cap)
         if peak > cap:
             return None
         per = {"vision": vc.time, "llm": lc.time}
         hand = vc.time["handoff_s"]
         sch = schedule(placement, per, n_mb=n_mb, handoff=hand, dispatch=self.cluster.dispatch_overhead_s)
         return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
+
+
+@dataclass
+class ClassReport:
+    """What one class of candidates (a placement on some GPUs) gave: pairs evaluated, pairs that
+    fit, and the smallest peak against the usable memory (what ruled the class out when none fit)."""
+
+    pairs: int = 0
+    fits: int = 0
+    peak: int = 0  # the smallest peak seen (bytes)
+    cap: int = 0
+    note: str = ""
+
+    def over(self, peak: int, cap: int) -> None:
+        """Note a peak above ``cap`` (the smallest one is kept)."""
+        if peak > cap and (not self.peak or peak < self.peak):
+            self.peak, self.cap = peak, cap
+
+    def why(self) -> str:
+        if self.note:
+            return self.note
+        return f"none fits memory (smallest peak {_size(self.peak)} > {_size(self.cap)} usable)"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _class_label(placement: str, vw: int, lw: int) -> str:
+    gpus = f"{vw} GPU{'s' if vw > 1 else ''}"
+    return f"collocated on {gpus}" if placement == "collocated" else f"disaggregated {vw}:{lw}"
 
 
 def reason(
@@ -408,6 +543,26 @@ def apply(config: DictConfig, overrides: list[str]) -> DictConfig:
     return out
 
 
+def no_plan_message(search: Search, refused: collections.Counter[str]) -> str:
+    """Why ``--auto`` found nothing: per class of candidates the constraint that ruled it out
+    (memory, with the smallest peak; no valid layout; no micro-batch), and what validation refused
+    among the ones that fit, most frequent first."""
+    lines = [f"{label}: {r.why()}" for label, r in search.ruled_out.items()]
+    shown = lines[:8] + ([f"... and {len(lines) - 8} more classes"] if len(lines) > 8 else [])
+    text = "dhp plan --auto found no plan that fits and validates on this cluster"
+    if shown:
+        text += ". Ruled out by class: " + "; ".join(shown)
+    if refused:
+        worst = "; ".join(f"{why} ({n}x)" for why, n in refused.most_common(3))
+        text += f". Plans that fit but validation refused: {worst}"
+    fix = (
+        "change the refused setting above"
+        if refused
+        else "a larger cluster profile or shorter modules.*.seq_len"
+    )
+    return text + f". Fix: {fix}"
+
+
 def auto_plan(
     config: DictConfig, fixed: set[str], *, top: int = 10
 ) -> tuple[list[tuple[Candidate, list[str]]], str]:
@@ -419,17 +574,17 @@ def auto_plan(
         raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")
     search = Search(config, fixed)
     out = []
+    refused: collections.Counter[str] = collections.Counter()
     for cand in search.run():
         ov = cand.overrides()
-        if validate(apply(config, ov)):
+        problems = validate(apply(config, ov))
+        if problems:
+            refused[f"{problems[0].path}: {problems[0].rule}"] += 1
             continue
         out.append((cand, ov))
         if len(out) == top:
             break
     if not out:
-        raise PlanError(
-            "dhp plan --auto found no plan that fits and validates on this cluster. Fix: a larger "
-            "cluster profile, shorter modules.*.seq_len, or fewer fixed settings on the command line"
-        )
+        raise PlanError(no_plan_message(search, refused))
     runner_up = out[1][0] if len(out) > 1 else None
     return out, reason(out[0][0], runner_up, cluster_gpus=search.n, best_full=search.best_full)

@@ -28,17 +28,25 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
 
     all-reduce   2 (n-1)/n * bytes / bw + 2 (n-1) lat      TP: 2 per block fwd; bwd 1 per column-
                                                            parallel input (tp_input_grads: q, k, v,
-                                                           gate, up = 5 unfused) + 2 recompute;
+                                                           gate, up = 5 unfused; a Gated DeltaNet
+                                                           mixer: its input and its norm weight,
+                                                           ``tp_blocks.py``) + 2 recompute;
                                                            RS+AG under sequence_parallel: same volume
                                                            (+ 2 AG of the outputs' grads in bwd)
+    all-to-all   a Gated DeltaNet block under TP: its in_proj_qkv and conv1d shards into the head
+                 layout, 2 per pass, (2K + V) x hidden / tp elements (+ the conv's taps), again in
+                 backward where the block's exchanges are recomputed
     all-to-all   (n-1)/n * bytes / bw + (n-1) lat          Ulysses: q, k, v, out per full-attn block
     all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
                                                            (the non-expert parameters only)
     all-to-all   per MoE block, EP dispatch and combine: T * top_k * h * a bytes each way over the
                  ep ranks; forward 2, backward 2 (the autograd of each is the reverse exchange), + 2
-                 per recomputed block. The EP group is ``ep`` ranks strided by tp (``dhp/parallel/
-                 ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans ep * tp
-                 consecutive GPUs: intra-node when they sit in one node, else the inter-node link
+                 per block whose exchanges run again in backward: the checkpointed ones under full /
+                 every_n, every block under selective (``memory.recomputed_exchanges``; the same
+                 rule re-issues Ulysses' all-to-alls). The EP group is ``ep`` ranks strided by tp
+                 (``dhp/parallel/ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans
+                 ep * tp consecutive GPUs: intra-node when they sit in one node, else the inter-node
+                 link
     EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts;
                  with zero=1 the experts' owners also broadcast them over edp after the step
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
@@ -77,8 +85,10 @@ from dhp.plan.memory import (
     checkpointed_blocks,
     non_expert_params,
     rank_params,
+    recomputed_exchanges,
 )
 from dhp.plan.params import architecture
+from dhp.plan.tp_blocks import tp_block
 
 ATTN_HALF_SPAN = 128.0
 ATTN_BWD_FACTOR = 2.5
@@ -200,20 +210,17 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     """Seconds of collectives of one rank per micro-batch: fwd, bwd (incl. recompute), fsdp."""
     par, a, h, lay = shape.layout, shape.precision.act, shape.layer.hidden, shape.layer
     ck = checkpointed_blocks(shape.ac, lay.layers) if shape.backward else 0
+    again = recomputed_exchanges(shape.ac, lay.layers)  # all-to-alls re-issued in backward
     fwd = bwd = 0.0
     if par.sp > 1:
         n_full = shape.arch.sp_exchange_blocks
         one = all_to_all_s(tokens * h * a, par.sp, link.bw(par.sp), link.lat)
         fwd += 4 * n_full * one
-        bwd += (4 * n_full + 4 * n_full * ck / lay.layers) * one if shape.backward else 0.0
+        bwd += (4 * n_full + 4 * n_full * again / lay.layers) * one if shape.backward else 0.0
     if par.tp > 1:
-        full_tokens = tokens  # TP ranks see every token; SP-in-TP moves the same volume as RS+AG
-        one = all_reduce_s(full_tokens * h * a, par.tp, link.bw(par.tp), link.lat)
-        fwd += 2 * lay.layers * one
-        # backward: one all-reduce per column-parallel input's grad (torch's TP styles reduce each
-        # projection's on its own); SP adds the all-gathers of the two outputs' grads (one AR's bytes)
-        per = lay.tp_input_grads + (1 if shape.layout.sequence_parallel else 0)
-        bwd += (per * lay.layers + 2 * ck) * one if shape.backward else 0.0
+        tp_fwd, tp_bwd = tp_comm_s(shape, tokens, link, ck=ck, again=again)
+        fwd += tp_fwd
+        bwd += tp_bwd if shape.backward else 0.0
     a2a_fwd, a2a_bwd = moe_all_to_all_s(shape, tokens, link)
     fwd += a2a_fwd
     bwd += a2a_bwd
@@ -232,6 +239,26 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     return {"fwd": fwd, "bwd": bwd, "fsdp": fsdp, "a2a": a2a_fwd + a2a_bwd}
 
 
+def tp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int, again: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's TP collectives per micro-batch, block by block
+    (``dhp/plan/tp_blocks.py``): the hidden-wide all-reduces (TP ranks see every token; SP-in-TP's
+    RS + AG move the same volume; SP adds the all-gathers of the two outputs' grads, one AR's bytes),
+    the tiny all-reduces of replicated weights' grads, and a linear block's weight all-to-alls
+    (again in backward where the exchanges are recomputed: ``again`` blocks; ``ck`` checkpointed blocks
+    re-issue their 2 forward all-reduces)."""
+    par, a, h = shape.layout, shape.precision.act, shape.layer.hidden
+    bw = link.bw(par.tp)
+    one = all_reduce_s(tokens * h * a, par.tp, bw, link.lat)
+    small = all_reduce_s(4.0, par.tp, bw, link.lat)  # a few elements: the latency
+    blocks = [tp_block(b, shape.arch, par.tp) for b in shape.arch.blocks]
+    moves = sum(all_to_all_s(n * a, par.tp, bw, link.lat) for c in blocks for n in c.relayout)
+    sp = 1 if par.sequence_parallel else 0
+    fwd = sum(c.fwd_reduces for c in blocks) * one + moves
+    hidden = sum(c.bwd_reduces for c in blocks) + sp * len(blocks) + 2 * ck  # exact: integers
+    bwd = hidden * one + sum(c.bwd_small for c in blocks) * small + moves * (1 + again / len(blocks))
+    return fwd, bwd
+
+
 def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
     """(forward, backward) seconds of one rank's EP dispatch + combine all-to-alls per micro-batch,
     over every MoE block (formulas above; 0 at ep=1)."""
@@ -247,8 +274,8 @@ def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[flo
             one = all_to_all_s(tokens * b.mlp.top_k * h * a, ep, bw, link.lat)
             fwd += 2 * one
             bwd += 2 * one
-    ck = checkpointed_blocks(shape.ac, shape.layer.layers) / shape.layer.layers if shape.backward else 0.0
-    return fwd, (bwd + ck * fwd if shape.backward else 0.0)
+    again = recomputed_exchanges(shape.ac, shape.layer.layers) / shape.layer.layers  # selective: all
+    return fwd, (bwd + again * fwd if shape.backward else 0.0)
 
 
 def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:

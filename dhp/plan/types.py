@@ -217,6 +217,9 @@ class Plan:
     loss_chunk_tokens: dict[str, int] = field(default_factory=dict)  # resolved per module (0 -> planner)
     # module -> kernel name of its linear-attention layers (dhp.ops.linear_attn), modules that have them
     kernels: dict[str, str] = field(default_factory=dict)
+    #: what the numbers are for: batch, per-sample media and lengths, per module the bound and the timed
+    #: micro-batch, tokens per step (``dhp.plan.workload``), JSON-able
+    workload: dict | None = None
 
     @property
     def resources(self) -> dict[str, float]:
@@ -260,6 +263,7 @@ class Plan:
             "loss_chunk_tokens": dict(self.loss_chunk_tokens),
             "kernels": dict(self.kernels),
             "estimate": self.estimate,
+            "workload": self.workload,
         }
 
     def to_json_str(self) -> str:

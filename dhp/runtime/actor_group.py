@@ -25,13 +25,10 @@ from dhp.errors import DhpError, PlanError, RuntimeFailure
 from dhp.layout import ParallelLayout
 from dhp.plan.types import bundle_total
 from dhp.runtime.base_worker import DistWorker, RankProcess
-from dhp.runtime.devices import NOSET_VISIBLE
 from dhp.runtime.dispatch import collect_results, contract_of, split_args
 from dhp.runtime.failures import FAULT_DRIVER_ENV, FAULT_ENV, FaultHook, WorkerFailure, rank_error
-from dhp.runtime.forkserver import IMPORT_ENV, runtime_env_fields
-
-#: every rank actor's environment; NOSET_VISIBLE: each sees all GPUs of its node (dhp.runtime.devices)
-WORKER_ENV = {**IMPORT_ENV, **NOSET_VISIBLE}
+from dhp.runtime.forknodes import WORKER_ENV, NodeForkServers
+from dhp.runtime.forkserver import runtime_env_fields
 
 
 @dataclass(frozen=True)
@@ -125,12 +122,15 @@ class ActorGroup:
         worker_kwargs: dict[str, Any],
         wait: bool = True,
         timeout_s: float = 900.0,
+        fork_nodes: NodeForkServers | None = None,
     ) -> None:
         """Start one actor per rank in its placement-group bundle. ``wait=False`` returns at once
         (call :meth:`wait_started`), so several groups' processes start, and import torch and the
         model code, at the same time instead of one group after the other. ``timeout_s`` bounds every
         wait on the ranks that names no bound of its own (the Trainer's: its start-up bound while
-        the groups start and build, ``train.step_timeout_s`` after): no wait on a rank is unbounded."""
+        the groups start and build, ``train.step_timeout_s`` after): no wait on a rank is unbounded.
+        ``fork_nodes``: a joined cluster's per-node fork servers, each rank forked from its bundle's
+        node's (else from this node's server when one serves a local Ray, else the ordinary way)."""
         self.spec = spec
         self.name = spec.name
         self.layout = spec.layout
@@ -146,7 +146,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
                 ),
-                runtime_env={"env_vars": _worker_env(), **runtime_env_fields()},
+                runtime_env=_runtime_env(fork_nodes, pgs[slot.pg_index], slot.bundle_index),
             ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
             for rank, slot in enumerate(spec.slots)
         ]
@@ -402,6 +402,13 @@ def release(pgs: Sequence[Any]) -> None:
     """Free reserved placement groups."""
     for pg in pgs:
         remove_placement_group(pg)
+
+
+def _runtime_env(fork_nodes: NodeForkServers | None, pg: Any, bundle_index: int) -> dict[str, Any]:
+    """A rank actor's runtime_env: the ranks' environment and how its process starts (forked from
+    its node's server, or the ordinary way with the reason in its environment)."""
+    launch = fork_nodes.runtime_env(pg, bundle_index) if fork_nodes is not None else runtime_env_fields()
+    return {**launch, "env_vars": {**_worker_env(), **launch.get("env_vars", {})}}
 
 
 def _worker_env() -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Moving a rank's inputs onto its device: a producer's input shard, a consumer's video timing.
+"""A rank's inputs on its device and the tags its hand-off payloads carry: a producer's input shard,
+the loss module's forward keywords of a micro-batch, a micro-batch's hand-off tag.
 
 Shared by the training step's and the evaluation's worker methods (``dhp.runtime.worker``,
 ``dhp.runtime.eval_worker``). On cpu nothing is copied; on a GPU each tensor is copied once.
@@ -12,6 +13,10 @@ from typing import Any
 import torch
 
 from dhp.data.batch import VLBatch
+
+#: hand-off tags of a pass without backward (the step-statistics pass, an evaluation) start here
+#: (a micro-batch's own tag is its index)
+STATISTICS_TAG = 1 << 20
 
 
 def shard_to(shard: Any, device: torch.device) -> Any:
@@ -27,6 +32,26 @@ def shard_to(shard: Any, device: torch.device) -> Any:
             if isinstance(getattr(shard, f.name), torch.Tensor)
         },
     )
+
+
+def hand_off_tag(micro_batch: int, backward: bool) -> int:
+    """The hand-off tag of a micro-batch's rows: its index, or apart from every index in a pass
+    without backward (``backward=False``: the step-statistics pass, an evaluation), so the payloads
+    of two passes never pair up."""
+    return micro_batch if backward else STATISTICS_TAG + micro_batch
+
+
+def batch_kwargs(batch: VLBatch, device: torch.device) -> dict[str, Any]:
+    """The loss module's forward keywords of a micro-batch (everything but the hand-off edges)."""
+    return {
+        "input_ids": batch.input_ids.to(device),
+        "attention_mask": batch.attention_mask.to(device),
+        "labels": batch.labels.to(device),
+        "mm_token_type_ids": batch.mm_token_type_ids.to(device),
+        "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.to(device),
+        "sample_ids": batch.sample_ids,
+        **video_kwargs(batch, device),
+    }
 
 
 def video_kwargs(batch: VLBatch, device: torch.device) -> dict:

@@ -10,12 +10,24 @@ moved as one payload). Per micro-batch ``m`` (gradient accumulation over ``m``):
     producer.backprop(grads)
 
 then ``norm = sqrt(sum of every group's grad_norm_sq)``, clip, AdamW at the scheduled lr.
+
 Nothing blocks between the calls: Ray orders them by their data dependencies. The producers'
 forward of micro-batch m+1 is issued before the consumer's work on m, so when the groups sit on
 different devices they overlap (each actor runs its calls in issue order: F0 F1 B0 F2 B1 ...).
 The payloads are the channel's (``dhp.runtime.transport``: object store, CUDA IPC or the bridge,
 chosen by the plan); the driver routes their refs and never looks inside one. Memory on the
 driver: the routing tensors of one step and object refs; hand-off rows never pass through it.
+
+A loss term defined on a batch (an MoE router's load-balancing loss) is taken over the STEP's batch,
+as the LM loss's mean is over its ``T`` label tokens. With one micro-batch per consumer replica the
+consumer's forward all-reduces what the term needs over its token ranks, so nothing changes. With
+several (and ``train.router_aux_loss=step``, the default) a statistics pass runs first: per micro-batch
+every producer's forward without gradient and the consumer's forward without gradient, which sums the
+term's statistics (the routers' counts) over the step; the loop above then gives every micro-batch the
+step's sums (``dhp.models.family.StepStatistics``), so the loss and every gradient are those of the
+step's batch in one call. Cost: one more forward of every module per micro-batch (the consumer's
+without its LM head), about a third more compute per step; memory: those forwards' transients only
+(the encoder's activations are not kept across the pass, they are recomputed by its real forward).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, s
 from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.evaluation import EvalParts, EvalResult
 from dhp.runtime.failures import FaultHook
+from dhp.runtime.forknodes import NodeForkServers, start_for_cluster
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
 from dhp.runtime.spec import WorkerSpec, without_degrees
@@ -91,6 +104,7 @@ class Trainer:
         self.groups: dict[str, ActorGroup] = {}
         self._backprops: list[Any] = []
         self._pgs: list[Any] = []
+        self._fork_nodes: NodeForkServers | None = None  # a joined cluster's per-node fork servers
         self._timeout = config.train.step_timeout_s  # every wait on the ranks (the groups' bound)
         self.faults = FaultHook("driver")  # $DHP_INJECT_FAULT (tests only)
         self.startup = startup if startup is not None else Startup()  # phase times (dhp.runtime.startup)
@@ -103,6 +117,7 @@ class Trainer:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             self.startup.mark("placement groups")
+            self._fork_nodes = start_for_cluster(self._pgs, family=config.model.family)
             self.family = get_family(config.model.family)
             self.hf_config = _hf_config(self.family, config.model)
             names = [n for n in self.family.module_names if n in specs]  # producers first
@@ -138,6 +153,7 @@ class Trainer:
                     worker_kwargs={"spec": spec},
                     wait=False,
                     timeout_s=init_timeout_s,  # the start-up's bound; the step's once built
+                    fork_nodes=self._fork_nodes,
                 )
                 self.groups[name].faults = self.faults
             for group in self.groups.values():  # every group's processes start at once
@@ -153,6 +169,8 @@ class Trainer:
             }
             for g in self.groups.values():  # every later wait on the ranks: a step's bound
                 g.timeout_s = self._timeout
+            # the consumer's loss terms defined on a batch (dhp.models.family.StepStatistics)
+            self.batch_terms: tuple[str, ...] = self.consumer.call(ModuleWorker.batch_terms)
             self.startup.mark("build (modules, weight load, parallelism, optimizer)")
         except BaseException:
             self.close(graceful=False)
@@ -189,6 +207,9 @@ class Trainer:
         t0 = time.perf_counter()
         driver_s = 0.0
         micro_batches = len(data.micro_batches)
+        td = time.perf_counter()
+        whole_step = self._statistics_pass(data)  # the batch terms over the step (several micro-batches)
+        driver_s += time.perf_counter() - td
         sent: list[dict[str, Any] | None] = [None] * micro_batches
         consumed = []
         for m in range(micro_batches):
@@ -198,7 +219,7 @@ class Trainer:
             if m + 1 < micro_batches:
                 sent[m + 1] = self._produce(data, m + 1)  # overlaps the consumer's work on m
             driver_s += time.perf_counter() - td
-            consumed.append(self._consume(data, m, sent[m]))
+            consumed.append(self._consume(data, m, sent[m], step_statistics=whole_step))
             self._backprop(m, sent[m], consumed[-1])
         leaders = self._consumer_leaders()  # one per endpoint: each holds its own tokens' loss
         stats = [
@@ -241,9 +262,27 @@ class Trainer:
             aux_losses=_aux_losses(stats, data.num_label_tokens),
         )
 
-    def _produce(self, data: StepData, m: int, *, method: Any = ModuleWorker.produce) -> dict[str, Any]:
-        """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait);
-        ``method``: the worker's forward (``ModuleWorker.eval_produce`` for an eval pass).
+    def _statistics_pass(self, data: StepData) -> bool:
+        """Issue the step-statistics pass (module docstring) when the step needs it; whether it did.
+
+        Needed when the consumer has loss terms defined on a batch, ``train.router_aux_loss`` is ``step``
+        and a replica's batch is cut into several micro-batches (one micro-batch: its forward already
+        sees the step's tokens). Per micro-batch: each producer's forward without gradient, then the
+        consumer's ``statistics_pass``; no wait (the actors run them before the step's own calls)."""
+        if len(data.micro_batches) < 2 or not self.batch_terms or self.train_cfg.router_aux_loss != "step":
+            return False
+        for m in range(len(data.micro_batches)):
+            sent = self._produce(data, m, backward=False)
+            self._backprops.append(  # awaited with the backwards, before the grads are reduced
+                self.consumer.submit(
+                    ModuleWorker.statistics_pass, data.micro_batches[m], self._inboxes(sent), micro_batch=m
+                )
+            )
+        return True
+
+    def _produce(self, data: StepData, m: int, *, backward: bool = True) -> dict[str, Any]:
+        """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait); without
+        gradient and kept activations for the statistics pass (``backward=False``).
 
         Returns ``{producer: (routing, pending)}`` for the producers with work (none without images)."""
         batches = data.micro_batches[m]
@@ -279,12 +318,13 @@ class Trainer:
             out[link.producer] = (
                 routing,
                 group.submit(
-                    method,
+                    ModuleWorker.produce,
                     [routing.units[layout.unit_of(r)] for r in range(world)],
                     [m] * world,
                     [
                         layout.unit_leader(layout.unit_of(r)) == r for r in range(world)
                     ],  # only TP rank 0 sends
+                    backward=backward,
                     num_returns=consumer.num_units,  # one payload per consumer endpoint
                 ),
             )
@@ -293,24 +333,9 @@ class Trainer:
     def _grads_wanted(self, sent: dict[str, Any]) -> bool:
         return bool(sent) and any(not self.modules_cfg[p].freeze for p in sent)
 
-    def _consume(self, data: StepData, m: int, sent: dict[str, Any]) -> Any:
-        """Issue the consumer's forward+backward of micro-batch ``m``; each replica gets its senders' refs,
-        per consumer endpoint of it (one; under context parallelism one per CP rank)."""
-        grads = self._grads_wanted(sent)
-        units = sum(self.groups[p].layout.num_units for p in sent)
-        return self.consumer.submit(
-            ModuleWorker.consume,
-            data.micro_batches[m],
-            self._inboxes(sent),
-            micro_batch=m,
-            num_label_tokens=data.num_label_tokens,
-            grads=grads,
-            num_returns=1 + units if grads else 1,
-        )
-
     def _inboxes(self, sent: dict[str, Any]) -> list[dict[str, list[list[Any]]]]:
-        """Per consumer replica, per producer, per endpoint of the replica (one; one per CP rank
-        under context parallelism): the payload ref of each producer unit, from its sending rank."""
+        """Per consumer replica, per producer, per consumer endpoint of it (one; under context
+        parallelism one per CP rank), the refs of the payloads each producer unit sent there."""
         replicas, parts = self.consumer.layout.num_replicas, self.consumer.layout.cp
         inboxes: list[dict[str, list[list[Any]]]] = [{} for _ in range(replicas)]
         for producer, (routing, pending) in sent.items():
@@ -321,6 +346,22 @@ class Trainer:
                     for e in range(j * parts, (j + 1) * parts)
                 ]
         return inboxes
+
+    def _consume(self, data: StepData, m: int, sent: dict[str, Any], *, step_statistics: bool) -> Any:
+        """Issue the consumer's forward+backward of micro-batch ``m``; each replica gets its senders' refs
+        (:meth:`_inboxes`). ``step_statistics``: its batch terms over the step (the statistics pass ran)."""
+        grads = self._grads_wanted(sent)
+        units = sum(self.groups[p].layout.num_units for p in sent)
+        return self.consumer.submit(
+            ModuleWorker.consume,
+            data.micro_batches[m],
+            self._inboxes(sent),
+            micro_batch=m,
+            num_label_tokens=data.num_label_tokens,
+            grads=grads,
+            step_statistics=step_statistics,
+            num_returns=1 + units if grads else 1,
+        )
 
     def _backprop(self, m: int, sent: dict[str, Any], consumed: Any) -> None:
         """Issue each producer's backward of ``m`` with the gradient rows each of its ranks needs."""
@@ -371,7 +412,7 @@ class Trainer:
                 break
             pending = []
             for m in range(len(data.micro_batches)):
-                sent = self._produce(data, m, method=ModuleWorker.eval_produce)
+                sent = self._produce(data, m, backward=False)  # no gradient, nothing kept
                 pending.append(
                     self.consumer.submit(
                         ModuleWorker.eval_consume, data.micro_batches[m], self._inboxes(sent), micro_batch=m
@@ -419,6 +460,9 @@ class Trainer:
                 release(self._pgs)
         finally:
             self.groups, self._pgs = {}, []
+            if self._fork_nodes is not None:  # the ranks' actors are gone: their nodes' servers go
+                self._fork_nodes.close()
+                self._fork_nodes = None
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
             self._owns_ray = False
@@ -444,9 +488,10 @@ def _endpoint_stride(name: str, specs: dict[str, Any], consumer: str) -> int:
 
 
 def _aux_losses(stats: list[list[dict[str, Any]]], num_label_tokens: int) -> dict[str, float]:
-    """Each auxiliary loss over the step: per micro-batch the value over all replicas' tokens (the same
-    on every replica leader), weighted by the leaders' label tokens, over the step's ``T``, as the
-    loss weights its term."""
+    """Each auxiliary loss over the step: per micro-batch the value its term was computed on (the same
+    on every replica leader: over the step's tokens after a statistics pass, so the same in every
+    micro-batch too; else over the micro-batch's tokens of all replicas), weighted by the leaders'
+    label tokens, over the step's ``T``, as the loss weights its term."""
     out: dict[str, float] = {}
     for per_m in stats:
         for s in per_m:

@@ -13,7 +13,8 @@ environment (``IMPORT_ENV``: the OpenMP thread count is read when torch loads). 
 local Ray instance carry ``runtime_env={"py_executable": ...}`` naming :mod:`dhp.runtime.forklaunch`,
 which hands Ray's worker command to this server; the forked child then runs Ray's own
 ``default_worker.py`` and registers with the raylet under its own pid. A joined cluster's ranks
-(other nodes, other environments) start the ordinary way.
+fork from a server of their own node instead, one per node the run's placement groups reserved,
+each started by a small actor there for the run's lifetime (:mod:`dhp.runtime.forknodes`).
 
 Safety of the fork: the server never initialises CUDA (it refuses to fork once
 ``torch.cuda.is_initialized()``), holds one thread (it refuses with a second one), and freezes its
@@ -76,7 +77,7 @@ FORKED_ENV = "DHP_FORKED_FROM"
 #: set to 0 to start every rank process the ordinary way
 ENABLE_ENV = "DHP_FORK_SERVER"
 _LAUNCHER = Path(__file__).with_name("forklaunch.py")
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this dhp package
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this dhp package
 
 _CURRENT: ForkServer | None = None
 
@@ -109,8 +110,16 @@ class ForkServer:
 
     @classmethod
     def start(cls, *, env: dict[str, str] = IMPORT_ENV, preload: Sequence[str] = BASE_PRELOAD) -> ForkServer:
-        """Spawn the server (it preloads ``preload`` at once, beside whatever the caller does next)."""
+        """Spawn this driver's server (it preloads ``preload`` at once, beside whatever the caller
+        does next); :func:`current` returns it until it is closed."""
         global _CURRENT
+        _CURRENT = cls.spawn(env=env, preload=preload)
+        return _CURRENT
+
+    @classmethod
+    def spawn(cls, *, env: dict[str, str], preload: Sequence[str]) -> ForkServer:
+        """Spawn a server child of this process in a folder of its own (so two servers on one
+        machine never share a socket); it ends when this process does. Not :func:`current`."""
         tmpdir = tempfile.mkdtemp(prefix="dhp-fork-")
         path = os.path.join(tmpdir, "server.sock")
         cmd = [sys.executable, "-m", "dhp.runtime.forkserver", path, str(os.getpid()), ",".join(preload)]
@@ -120,14 +129,24 @@ class ForkServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            cwd=_PACKAGE_ROOT,  # `-m` puts the working directory first: the server imports this dhp
+            cwd=PACKAGE_ROOT,  # `-m` puts the working directory first: the server imports this dhp
             start_new_session=True,  # a Ctrl-C at the terminal is the driver's to handle, not this one's
         )
-        _CURRENT = cls(proc, path, tmpdir)
-        return _CURRENT
+        return cls(proc, path, tmpdir)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_listening(self, timeout_s: float) -> str | None:
+        """Wait until the server's socket exists (it binds it before its imports): None, or why not."""
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self.path):
+            if not self.alive():
+                return f"the fork server exited with code {self.proc.poll()} before listening"
+            if time.monotonic() > deadline:
+                return f"the fork server did not listen within {timeout_s:.0f}s"
+            time.sleep(0.02)
+        return None
 
     def request(self, obj: dict[str, Any], *, timeout_s: float = 120.0) -> dict[str, Any]:
         """One request/reply (``preload`` or ``status``); waits for the server's socket to appear."""
@@ -172,23 +191,24 @@ class ForkServer:
             _CURRENT = None
 
 
-def start_for_driver(family: str | None = None) -> ForkServer | None:
-    """Start this node's server for a driver that may start its own local Ray (``$RAY_ADDRESS``
-    unset, fork server enabled, no Ray connected in this process yet), preloading ``family``'s
-    modules too, before the driver's own heavy imports; None otherwise (a server already running in
-    this process keeps serving)."""
+def start_for_driver(family: str | None = None, *, ray_address: str | None = None) -> ForkServer | None:
+    """Start this node's server for a driver that may start its own local Ray (no
+    ``cluster.ray_address`` given as ``ray_address``, ``$RAY_ADDRESS`` unset, fork server enabled,
+    no Ray connected in this process yet), preloading ``family``'s modules too, before the driver's
+    own heavy imports; None otherwise (a joined cluster's nodes start their own servers,
+    dhp.runtime.forknodes; a server already running in this process keeps serving)."""
     ray = sys.modules.get("ray")  # looked up, not imported: this runs before the driver's imports
     if ray is not None and ray.is_initialized():
         return None
-    if not enabled() or os.environ.get("RAY_ADDRESS") or current() is not None:
+    if not enabled() or ray_address or os.environ.get("RAY_ADDRESS") or current() is not None:
         return None
     return ForkServer.start(preload=(*BASE_PRELOAD, *(family_modules(family) if family else ())))
 
 
 @contextlib.contextmanager
-def for_driver(family: str | None = None) -> Iterator[ForkServer | None]:
+def for_driver(family: str | None = None, *, ray_address: str | None = None) -> Iterator[ForkServer | None]:
     """:func:`start_for_driver` for the ``with`` block; the server is stopped when it ends."""
-    server = start_for_driver(family)
+    server = start_for_driver(family, ray_address=ray_address)
     try:
         yield server
     finally:
@@ -421,6 +441,9 @@ def main(argv: list[str]) -> None:
     finally:
         server.listener.close()
         server._end_children()
+        with contextlib.suppress(OSError):  # a parent that died never removes them (close() does)
+            os.unlink(path)
+            os.rmdir(os.path.dirname(path))
 
 
 if __name__ == "__main__":

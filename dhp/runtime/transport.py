@@ -9,7 +9,8 @@ only an endpoint's leader may unpack (it broadcasts to its peers); ``release()``
 update, ``drain()`` at the end of the backward, ``abandon()`` when a step is dropped; ``connect(...)``
 joins what the channel needs (the bridge's communicators; nothing for the others).
 
-- ``cpu``: Ray object store. ``pack`` gives a numpy *view* of the tensor (no copy); Ray writes it
+- ``cpu``: Ray object store. ``pack`` gives a numpy *view* of the tensor (no copy; bf16 rows as an
+  int16 view of their bits, :class:`Bf16Bits`, since numpy has no bfloat16); Ray writes it
   once into shared memory, and every reader on the node maps the same bytes (``unpack`` is a
   zero-copy ``torch.from_numpy`` of the read-only buffer). Memory: one copy in the object store.
 - ``cuda_ipc`` (collocated groups on the same GPUs): ``pack`` gives a CUDA IPC memory handle
@@ -75,17 +76,28 @@ class _RayTransport:
         return None
 
 
+@dataclass(frozen=True)
+class Bf16Bits:
+    """bf16 rows in the object store: numpy has no bfloat16, so their bits travel as an int16 view
+    (still zero-copy, 2 bytes per element) and are viewed back as bfloat16 on unpack."""
+
+    bits: np.ndarray
+
+
 class CpuTransport(_RayTransport):
     """Object-store transport with zero-copy numpy views (see module docstring)."""
 
     name = "cpu"
 
-    def pack(self, t: torch.Tensor, **where: Any) -> np.ndarray:
-        return t.detach().contiguous().numpy()
+    def pack(self, t: torch.Tensor, **where: Any) -> np.ndarray | Bf16Bits:
+        t = t.detach().contiguous()
+        return Bf16Bits(t.view(torch.int16).numpy()) if t.dtype == torch.bfloat16 else t.numpy()
 
-    def unpack(self, payload: np.ndarray, *, device: torch.device, **where: Any) -> torch.Tensor:
+    def unpack(self, payload: np.ndarray | Bf16Bits, *, device: torch.device, **where: Any) -> torch.Tensor:
         with warnings.catch_warnings():  # the object store buffer is read-only; we never write to it
             warnings.simplefilter("ignore", UserWarning)
+            if isinstance(payload, Bf16Bits):
+                return torch.from_numpy(payload.bits).view(torch.bfloat16).to(device)
             return torch.from_numpy(payload).to(device)
 
     def release(self) -> None:

@@ -2,22 +2,29 @@
 
 The plan runs through the real runtime (:class:`dhp.runtime.Trainer`, Ray actor groups, hand-offs)
 with ``collect_grads=True``; the reference is the family's untouched transformers model
-(``family.reference_model``) in THIS (driver) process, started from the plan's own initial weights, fed the same batches (the
-union of all data replicas' micro-batches, normalised by the same global label-token count ``T``),
-clipped by the same global norm and stepped by the same AdamW and LR schedule. Each step compares
-the loss, the global grad norm, every parameter's gradient (before clipping) and every parameter
-after the update (so a wrong clip coefficient, LR group or optimizer shard shows even where grads
-agree). The reference's update applies the PLAN's gradients of that step (already compared with its
+(``family.reference_model``, its ``...ForConditionalGeneration``) in THIS (driver) process, started from
+the plan's own initial weights, called as transformers calls it: the step's whole batch (every sample
+of every data replica's micro-batches, right-padded to one tensor, packed rows unpacked into their
+samples) in ONE forward with ``labels``, and, for a model with a router, ``output_router_logits=True``,
+so its own ``loss`` is the mean LM loss plus ``router_aux_loss_coef * load_balancing_loss_func`` over the
+whole batch. Nothing of the plan's loss code is shared. It is clipped by the same global norm and
+stepped by the same AdamW and LR schedule. Each step compares the loss, the global grad norm, every
+parameter's gradient (before clipping) and every parameter after the update (so a wrong clip
+coefficient, LR group or optimizer shard shows even where grads agree). The report names the
+reference's definition; where the plan's definition differs from it by choice
+(``train.router_aux_loss=micro_batch`` with several micro-batches per replica), the report says so and
+fails. The reference's update applies the PLAN's gradients of that step (already compared with its
 own), so the parameter check sees the update path alone: AdamW normalises each element by its own
 history, which turns a rounding-level difference in a near-zero gradient into up to ~lr per element
 (LoRA's A matrices after a zero B are the common case); comparing updates of different gradients
 would flag that rounding, and loosening the tolerance to ~lr would hide a wrong LR. Memory: the driver
-holds one full fp32 copy of the model, its grads and Adam states, plus one full gradient copy of
-the plan: tiny and small models only.
+holds one full fp32 copy of the model, its grads and Adam states, the activations and logits of the
+step's whole batch, plus one full gradient copy of the plan: tiny and small models only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,19 +37,19 @@ from rich.table import Table
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.data import build_run_loader
+from dhp.data.batch import VLBatch, concat_batches
 from dhp.data.packing import unpacked
+from dhp.data.remote import as_tensor
 from dhp.data.video import reference_visual_kwargs
-from dhp.errors import ConfigError, ConfigIssue
+from dhp.errors import ConfigError, ConfigIssue, DataError
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
-from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
 from dhp.parallel.lora import inject_reference_lora
 from dhp.parallel.param_groups import set_lr
 from dhp.plan import compile_plan
 from dhp.runtime.driver import Trainer
-from dhp.runtime.reference_moe import RouterAux
 from dhp.runtime.reference_trainable import reference_optimizer
-from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.schedule import make_schedule
 
 CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's clip_grad_norm_
 
@@ -81,6 +88,9 @@ class VerifyReport:
     grad_atol: float = 1e-4
     param_atol: float = 1e-4
     plan_summary: str = ""
+    reference: str = ""  # the reference's definition (ReferenceModel.definition)
+    # why the plan's definition differs from the reference's by choice (empty: it does not); fails
+    definition_differs: str = ""
 
     def step_ok(self, s: StepDiff) -> bool:
         diffs = [*s.grad_max_abs_diff.values(), *s.param_max_abs_diff.values()]
@@ -95,7 +105,8 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.steps) and all(self.step_ok(s) for s in self.steps)
+        same = not self.definition_differs
+        return same and bool(self.steps) and all(self.step_ok(s) for s in self.steps)
 
 
 class ReferenceModel:
@@ -116,13 +127,31 @@ class ReferenceModel:
         self.family = get_family(model.family)
         hf_config = self.family.hf_config(model)
         self.model = self.family.reference_model(hf_config)
-        self.router_aux = RouterAux.of(hf_config)  # an MoE model's load-balancing term (or None)
+        self.router_coef = _router_coef(hf_config)  # the load-balancing term's weight; None: no router
+        self.pad_token_id = model.tokens.pad_token_id
         self.owner = self._owners()
         inject_reference_lora(self.model, self.owner, modules=modules)  # the plan's LoRA, by HF FQN
         self._load(initial, hf_config)
         # freeze / freeze_patterns / LoRA -> requires_grad; AdamW with the plan's param groups
         self.optimizer = reference_optimizer(self.model, self.owner, modules=modules, train=train)
         self.grad_clip = train.grad_clip
+
+    def definition(self, data) -> str:
+        """One line: what the reference computes on ``data`` (StepData), e.g. ``Qwen3VLMoeFor...Generation
+        on the step's 4 samples in one call; loss = mean CE + 0.001 * load_balancing_loss_func``."""
+        rows = [b for mb in data.micro_batches for b in mb]
+        samples = sum(len(unpacked(b)) for b in rows)
+        loss = (
+            "mean CE"
+            if self.router_coef is None
+            else f"mean CE + {self.router_coef:g} * load_balancing_loss_func"
+        )
+        packed = sum(b.input_ids.shape[0] for b in rows) != samples
+        note = " (packed rows unpacked into their samples)" if packed else ""
+        return (
+            f"{type(self.model).__name__} on the step's {samples} samples{note} in one call; loss = {loss} "
+            "(transformers' own)"
+        )
 
     def _owners(self) -> dict[str, tuple[str, str]]:
         """HF state-dict key -> (module, module FQN), via the family's own split."""
@@ -176,38 +205,32 @@ class ReferenceModel:
         self, data, *, lr: float, apply_grads: dict[str, dict[str, torch.Tensor]] | None = None
     ) -> tuple[float, float, dict[str, dict[str, torch.Tensor]]]:
         """One optimizer step on ``data`` (StepData): returns (loss, grad norm, pre-clip grads by module),
-        all of the reference's own computation.
+        all of the reference's own computation: transformers' ``loss`` of ONE forward on the step's
+        whole batch (:func:`step_batch`), backpropagated once.
 
         ``apply_grads`` (``{module: {FQN: full grad}}``, the plan's grads of this step): the update
         clips and applies those instead of the reference's own (a tensor the plan does not hold keeps
         the reference's gradient; the gradient comparison reports it as missing).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        aux = self.router_aux
-        for micro in data.micro_batches:
-            logits, masks, labels, aux_kw = [], [], 0, {} if aux is None else {"output_router_logits": True}
-            for b in (one for x in micro for one in unpacked(x)):  # packed rows: each sample alone
-                out = self.model.base_model(
-                    input_ids=b.input_ids,
-                    attention_mask=b.attention_mask,
-                    **reference_visual_kwargs(b),  # images and videos apart; ray pixels fetched here
-                    mm_token_type_ids=b.mm_token_type_ids,
-                    use_cache=False,
-                    **aux_kw,
-                )
-                head = self.model.get_output_embeddings()
-                loss_sum = shifted_ce_sum(out.last_hidden_state, head.weight, b.labels, bias=head.bias)
-                if aux is not None:  # the router term spans the micro-batch: one backward after it
-                    logits.append(out.router_logits)
-                    masks.append(b.attention_mask)
-                    labels += int((b.labels[:, 1:] != IGNORE_INDEX).sum())
-                (loss_sum / data.num_label_tokens).backward(retain_graph=aux is not None)
-                total += float(loss_sum.detach())
-            if aux is not None and logits:  # coef * L(micro-batch) in loss-sum units (its label tokens)
-                term = aux.coef * aux.loss(logits, masks) * labels
-                (term / data.num_label_tokens).backward()
-                total += float(term.detach())
+        batch = step_batch(data, pad_token_id=self.pad_token_id)
+        if batch.num_label_tokens != data.num_label_tokens:
+            raise DataError(
+                f"step {data.step + 1}: the step's batch has {batch.num_label_tokens} label tokens after "
+                f"the shift, the loader counted T={data.num_label_tokens}: the loss normalisers differ "
+                "(a loader or packing bug)."
+            )
+        router = {} if self.router_coef is None else {"output_router_logits": True}
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            labels=batch.labels,
+            mm_token_type_ids=batch.mm_token_type_ids,
+            **reference_visual_kwargs(batch),  # images and videos apart
+            use_cache=False,
+            **router,
+        )
+        out.loss.backward()
         grads: dict[str, dict[str, torch.Tensor]] = {}
         params = [p for p in self.model.parameters() if p.grad is not None]
         for key, p in self.model.named_parameters():
@@ -228,7 +251,41 @@ class ReferenceModel:
             p.grad.mul_(coef)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        return total / data.num_label_tokens, norm, grads
+        return float(out.loss.detach()), norm, grads
+
+
+def step_batch(data, *, pad_token_id: int) -> VLBatch:
+    """The step's whole batch as transformers takes it: every sample of every data replica's
+    micro-batches, in order, packed rows unpacked into their samples, right-padded to one tensor, the
+    pixels fetched (``data.engine=ray``)."""
+    rows = [one for mb in data.micro_batches for b in mb for one in unpacked(b)]
+    rows = [dataclasses.replace(b, pixel_values=as_tensor(b.pixel_values)) for b in rows]
+    return concat_batches(rows, pad_token_id=pad_token_id)
+
+
+def _router_coef(hf_config) -> float | None:
+    """``router_aux_loss_coef`` of a model whose transformers class adds the load-balancing loss when
+    called with ``output_router_logits`` (its text config has that flag); None for a model without a router."""
+    text = hf_config.get_text_config()
+    if not hasattr(text, "output_router_logits"):
+        return None
+    return float(text.router_aux_loss_coef)
+
+
+def definition_differs(config: RunConfig, data, *, router_coef: float | None) -> str:
+    """Why the plan's loss on ``data`` (StepData) is not the reference's by definition, or ''.
+
+    ``train.router_aux_loss=micro_batch`` with several micro-batches per replica takes the router's
+    load-balancing term over each micro-batch's tokens; transformers' (the reference's) is over the
+    step's batch."""
+    n_mb = len(data.micro_batches)
+    if router_coef is None or not router_coef or n_mb < 2 or config.train.router_aux_loss != "micro_batch":
+        return ""
+    return (
+        f"train.router_aux_loss=micro_batch with {n_mb} micro-batches per LLM replica: the plan's router "
+        "load-balancing term is each micro-batch's (weighted by its label tokens), the reference's is "
+        "over the step's batch; they differ by definition. Fix: train.router_aux_loss=step (the default)"
+    )
 
 
 def _grad_norm(params: list[torch.Tensor]) -> float:
@@ -301,9 +358,9 @@ def verify_plan(
     plan = compile_plan(config)
     loader = build_run_loader(config, plan.layouts)
     t = config.train
-    schedule = WarmupCosine(
-        lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio
-    )
+    # the run's own schedule (train.lr_schedule) over the verified steps, both sides at one LR a step
+    warmup = round(t.warmup_ratio * steps) if t.warmup_ratio else t.warmup_steps
+    schedule = make_schedule(t, total_steps=steps, warmup_steps=min(warmup, steps))
     meshes = ", ".join(f"{g.name} {dict(g.mesh) | _ep(g.layout)}" for g in plan.groups)
     report = VerifyReport(
         loss_rtol=loss_rtol,
@@ -352,6 +409,10 @@ def compare_steps(
     for _ in range(steps):
         data = next(loader)
         step_lr = lr()
+        report.reference = report.reference or ref.definition(data)
+        report.definition_differs = report.definition_differs or definition_differs(
+            config, data, router_coef=ref.router_coef
+        )
         res = trainer.step(data, lr=step_lr, collect_grads=True)
         ref_loss, ref_norm, ref_grads = ref.step(data, lr=step_lr, apply_grads=res.grads)
         diffs, worst = compare_grads(res.grads, ref_grads)
@@ -394,6 +455,12 @@ def render_report(report: VerifyReport, *, console) -> None:
     console.print(
         f"[bold]dhp verify[/] vs unsplit transformers: {escape(report.plan_summary)}", soft_wrap=True
     )
+    if report.reference:
+        console.print(f"reference: {escape(report.reference)}", soft_wrap=True)
+    if report.definition_differs:
+        console.print(
+            f"[bold red]the plan's definition differs[/]: {escape(report.definition_differs)}", soft_wrap=True
+        )
     modules = sorted({m for s in report.steps for m in s.grad_max_abs_diff})
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for col in ("module", "max|dg|", "at step", "tensor", "max|dp|", "at step ", "tensor "):
@@ -424,6 +491,8 @@ def render_report(report: VerifyReport, *, console) -> None:
             f"[bold red]failing steps[/]: {', '.join(failing)} (their lines above say which module)"
         )
     verdict = "[bold green]PASS" if report.passed else "[bold red]FAIL"
+    if report.definition_differs:
+        verdict += " (the plan's definition differs from the reference's, see above)"
     console.print(
         f"{verdict}[/]: loss and grad norm within {report.loss_rtol:g} relative, every parameter's gradient "
         f"within {report.grad_atol:g} and every parameter after the update within {report.param_atol:g} "

@@ -31,12 +31,15 @@ from dhp.metrics.memory import peak_memory_bytes, reset_peak_memory
 from dhp.metrics.record import module_kernels
 from dhp.models import get_family
 from dhp.models.dtypes import torch_dtype
+from dhp.models.family import StepStatistics
 from dhp.models.loading import LoadReport, load_module_weights
 from dhp.ops.context import padded_length, rank_index, row_parts
+from dhp.ops.linear_attn import require_kernel
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.device_io import batch_kwargs as _batch_kwargs
+from dhp.runtime.device_io import hand_off_tag as _tag
 from dhp.runtime.device_io import shard_to as _shard_to
-from dhp.runtime.device_io import video_kwargs as _video_kwargs
 from dhp.runtime.dispatch import Collect, Dispatch, register
 from dhp.runtime.eval_worker import EvalMethods
 from dhp.runtime.graph import Link
@@ -67,6 +70,7 @@ class ModuleWorker(EvalMethods, DistWorker):
         # the plan's resolved loss chunk (the config's value, or the planner's choice when it is 0)
         self.loss_chunk_tokens = spec.loss_chunk_tokens or spec.module.loss_chunk_tokens
         self._inflight: dict[int, tuple[dict[str, torch.Tensor], ProducerWork]] = {}
+        self._step_sums: torch.Tensor | None = None  # this step's batch statistics (statistics_pass), float64
         # handoff_bytes: hand-off bytes this rank copied out of the channel (consumer ranks)
         self._timers = {"fwd_s": 0.0, "bwd_s": 0.0, "step_s": 0.0, "wait_s": 0.0, "handoff_bytes": 0.0}
         self._events: list[tuple[str, int, float, float]] = []  # (method, micro-batch, start, end) wall clock
@@ -77,6 +81,13 @@ class ModuleWorker(EvalMethods, DistWorker):
     def build(self) -> int:
         """Mesh over this group's world, the module (loaded or seeded init), parallelism, optimizer.
 
+        Precision (``modules.<name>.mixed_precision``, :mod:`dhp.parallel.precision`): the
+        parameters are stored in the policy's parameter dtype whatever ``model.dtype`` the weights
+        come in (fp32 master weights under ``bf16_master_fp32``: a bf16 checkpoint is upcast as it
+        is read, a random init drawn in ``model.dtype`` is cast), so the gradients and AdamW states
+        are that dtype too; ``parallelize`` makes the module compute in the policy's compute dtype,
+        and the rows handed to the next module travel in it (bf16 under both bf16 policies).
+
         ``model.path`` set: the module is built on ``meta`` (no memory), parallelized there (TP/SP
         swap styles and forwards, AC, FSDP2's ``fully_shard``), then only this rank's storage is
         materialised on its device (``to_empty``) and filled from the safetensors files with this
@@ -86,16 +97,23 @@ class ModuleWorker(EvalMethods, DistWorker):
 
         ``model.path`` null: random init builds the FULL module on every rank's device from
         ``train.seed`` and only then shards it, so every plan starts from identical weights. That
-        costs the whole module's parameters (in ``model.dtype``) on each rank until ``parallelize``
-        frees the non-local parts: fine for tiny/benchmark models, not for real sizes (use a path).
-        Returns the number of parameters.
+        costs the whole module's parameters (in ``model.dtype``, then the parameter dtype) on each
+        rank until ``parallelize`` frees the non-local parts: fine for tiny/benchmark models, not for
+        real sizes (use a path). Returns the number of parameters.
         """
 
         cuda = self.device_type == "cuda"  # init_dist already selected Ray's GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        # the kernels this process will run; the plan counted the planned linear-attention kernel
+        # (dhp.ops.linear_attn.planned_kernel): any other one is refused here, before anything is built
+        self.kernels = module_kernels(self.model_cfg, module=self.module_name, device_type=self.device.type)
+        if self.kernels.get("linear_attention"):
+            require_kernel(self.device.type)
         self.mesh = par.build_mesh(self.layout, self.device_type)
         family = self.family = get_family(self.model_cfg.family)
-        dtype = self.dtype = torch_dtype(self.model_cfg.dtype)
+        precision = self.precision = par.precision_of(self.module_cfg.mixed_precision)
+        par.check_device_computes(precision, self.device, module_name=self.module_name)
+        dtype = torch_dtype(self.model_cfg.dtype)  # what the weights come in; stored as precision's
         self.load_report: LoadReport | None = None
         if self.model_cfg.path is None:
             hf_config = self.hf_config = family.hf_config(self.model_cfg)
@@ -116,7 +134,7 @@ class ModuleWorker(EvalMethods, DistWorker):
                 family=family,
                 module_name=self.module_name,
                 hf_config=hf_config,
-                dtype=dtype,
+                dtype=precision.param_dtype,
                 device=self.device,
             )
             init_lora_params(self.module, seed=self.train_cfg.seed)  # adapters are not in model.path
@@ -137,7 +155,6 @@ class ModuleWorker(EvalMethods, DistWorker):
             )
         )
         torch.manual_seed(self.train_cfg.seed + self.rank)  # per-rank stream for dropout & co.
-        self.kernels = module_kernels(self.model_cfg, module=self.module_name, device_type=self.device.type)
         return sum(p.numel() for p in self.module.parameters())
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
@@ -146,6 +163,7 @@ class ModuleWorker(EvalMethods, DistWorker):
             module.requires_grad_(False)
         else:  # LoRA adapters (peft) before any parallelism; TP shards them like their base layer
             module = apply_lora(module, module_name=self.module_name, lora=self.module_cfg.lora)
+        par.cast_parameters_(module, self.precision.param_dtype)  # free on meta
         return par.parallelize(
             self.module_name,
             module,
@@ -176,36 +194,38 @@ class ModuleWorker(EvalMethods, DistWorker):
 
     # ---- producer ----------------------------------------------------------------------------
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
-    def produce(self, work: ProducerWork, micro_batch: int, send: bool) -> Any:
+    def produce(self, work: ProducerWork, micro_batch: int, send: bool, *, backward: bool = True) -> Any:
         """Run this rank's input shard through the module; return one payload per consumer replica.
 
         The module returns ``{kwarg: (rows, width)}`` for its edges; the link's payload to a replica is
         its routed rows of all edges, concatenated (``Link.pack``), or None when no row goes there, or
         when ``send`` is False (TP ranks > 0 of a unit hold the same rows as its rank 0). Activations
-        stay here until ``backprop``.
+        stay here until ``backprop``. ``backward=False`` (the step-statistics pass): no gradient, nothing
+        kept, the payloads tagged apart from the micro-batch's own (:func:`_tag`).
         """
         t0, wall = time.perf_counter(), time.time()
         self.faults.at("produce")
         (link,) = self.links_out  # one consumer per producer (the graph's loss module)
         payloads: list[Any] = [None] * work.num_endpoints
         if work.shard is not None:
-            with torch.set_grad_enabled(not self.frozen):
+            with torch.set_grad_enabled(backward and not self.frozen):
                 shard = _shard_to(
                     resolve_pixels(work.shard), self.device
                 )  # data.engine=ray: rows from the store
-                with accounting.saving(self._acct):
+                with accounting.saving(self._acct if backward else None):
                     outputs = self.module(**shard.forward_kwargs())
-            if not self.frozen:
+            if backward and not self.frozen:
                 self._inflight[micro_batch] = (outputs, work)
-            rows_all = link.pack({k: t.detach() for k, t in outputs.items()})
+            # the rows travel in the compute dtype (the planner's hand-off bytes)
+            rows_all = link.pack({k: t.detach().to(self.precision.compute_dtype) for k, t in outputs.items()})
             for route in work.routes if send else ():
                 rows = rows_all[route.src.to(self.device)]
                 payload = self.channel.pack(
-                    rows, to=(link.consumer, route.endpoint), tag=micro_batch, direction="fwd"
+                    rows, to=(link.consumer, route.endpoint), tag=_tag(micro_batch, backward), direction="fwd"
                 )
                 payloads[route.endpoint] = (payload, route.dst.numpy())
         self._timers["fwd_s"] += time.perf_counter() - t0
-        self._events.append(("produce", micro_batch, wall, time.time()))
+        self._events.append(("produce" if backward else "produce_statistics", micro_batch, wall, time.time()))
         return payloads[0] if len(payloads) == 1 else tuple(payloads)
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.NONE)
@@ -248,6 +268,7 @@ class ModuleWorker(EvalMethods, DistWorker):
         micro_batch: int,
         num_label_tokens: int,
         grads: bool,
+        step_statistics: bool = False,
     ) -> Any:
         """Forward + backward of one micro-batch with ``loss_sum / T``; returns stats and grad payloads.
 
@@ -255,43 +276,22 @@ class ModuleWorker(EvalMethods, DistWorker):
         parallelism), one payload ref per producer unit (None where it sends nothing): this rank reads
         its own endpoint's. Returns ``(stats, grad_0, ..., grad_{U-1})`` over the units of every incoming
         link in link order when ``grads``, else ``stats``. Only the endpoint's leader (TP rank 0 of its
-        unit) sends gradient rows (its TP ranks hold identical ones).
+        unit) sends gradient rows (its TP ranks hold identical ones). ``step_statistics``: the module's
+        terms defined on a batch are taken over the step, from the sums of this step's
+        :meth:`statistics_pass` (``dhp.models.family.StepStatistics``).
         """
-        t0, wall = time.perf_counter(), time.time()
-        part = self.layout.coords(self.rank)["cp"]
-        inbox = {p: parts[part] for p, parts in inbox.items()}
-        group = par.inner_group(self.mesh, self.layout, ("sp", "tp"))  # the endpoint's other ranks
-        reads = not self.channel.leader_only or _is_root(group)
-        # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
-        flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
-        self.faults.at("handoff")
-        values = iter(ray.get(flat))
-        got = {
-            p: [None if ref is None or not reads else next(values) for ref in refs]
-            for p, refs in inbox.items()
-        }
-        wait, wall = time.perf_counter() - t0, time.time()  # the event starts after its inputs arrived
-        self._timers["wait_s"] += wait
+        got, inbox, wait, group, reads = self._receive(inbox)
+        wall = time.time()  # the event starts after its inputs arrived
         t1 = time.perf_counter()
-        leaves = {link.producer: self._assemble(batch, link, got[link.producer] if reads else None,
-                                                micro_batch, requires_grad=grads, broadcast_in=group)
-                  for link in self.links_in if link.producer in inbox}  # fmt: skip
-        edge_inputs: dict[str, torch.Tensor | None] = {}
-        for link in self.links_in:
-            leaf = leaves.get(link.producer)
-            edge_inputs.update(
-                link.split(leaf) if leaf is not None else dict.fromkeys(e.kwarg for e in link.edges)
-            )
+        leaves, edge_inputs = self._edge_inputs(
+            batch, got, micro_batch, reads=reads, requires_grad=grads, broadcast_in=group
+        )
+        step = self._step_statistics(num_label_tokens) if step_statistics else None
         self.faults.at("forward")
         with torch.set_grad_enabled(True), accounting.saving(self._acct):
             out = self.module(
-                input_ids=batch.input_ids.to(self.device),
-                attention_mask=batch.attention_mask.to(self.device),
-                labels=batch.labels.to(self.device),
-                mm_token_type_ids=batch.mm_token_type_ids.to(self.device),
-                image_grid_thw=None if batch.image_grid_thw is None else batch.image_grid_thw.to(self.device),
-                sample_ids=batch.sample_ids,
-                **_video_kwargs(batch, self.device),
+                **_batch_kwargs(batch, self.device),
+                **({} if step is None else {"step_statistics": step}),
                 **edge_inputs,
             )
         t2 = time.perf_counter()
@@ -321,6 +321,79 @@ class ModuleWorker(EvalMethods, DistWorker):
             payloads += per_unit
         return (stats, *payloads)
 
+    # ---- the step's statistics (terms defined on the batch) -----------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def batch_terms(self) -> tuple[str, ...]:
+        """The module's loss terms defined on a batch (``dhp.models.family.StepStatistics``); () for a
+        producer, or a loss without one (the driver runs :meth:`statistics_pass` only for these)."""
+        return tuple(getattr(self.module, "batch_terms", ()))  # a loss module without the attribute has none
+
+    @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.NONE)
+    def statistics_pass(self, batch: VLBatch, inbox: dict[str, list[Any]], *, micro_batch: int) -> None:
+        """The step-statistics pass of micro-batch ``micro_batch`` (every micro-batch of the step, before
+        any :meth:`consume` of it): the module's forward WITHOUT gradient on the producers' rows of
+        their ``produce(backward=False)``, returning its batch statistics over the module's token ranks;
+        added to this rank's step sums (reset at micro-batch 0). Nothing is kept for backward; the
+        expert-load counters skip this forward (the real one counts). Cost: one forward of the module
+        per micro-batch (no LM head or loss); memory: that forward's transients only.
+        """
+        got, _, _, group, reads = self._receive(inbox)
+        wall, t1 = time.time(), time.perf_counter()
+        _, edge_inputs = self._edge_inputs(
+            batch, got, _tag(micro_batch, False), reads=reads, requires_grad=False, broadcast_in=group
+        )
+        self.faults.at("statistics")
+        with torch.no_grad(), par.expert_load_paused(self.expert_load):
+            values = self.module(**_batch_kwargs(batch, self.device), batch_statistics=True, **edge_inputs)
+        values = values.double().cpu()
+        self._step_sums = values if micro_batch == 0 or self._step_sums is None else self._step_sums + values
+        self._timers["fwd_s"] += time.perf_counter() - t1
+        self._events.append(("statistics", micro_batch, wall, time.time()))
+
+    def _step_statistics(self, num_label_tokens: int) -> StepStatistics:
+        """This step's :class:`~dhp.models.family.StepStatistics` (the sums of its statistics pass)."""
+        if self._step_sums is None:
+            raise RuntimeFailure(
+                f"module {self.module_name!r} rank {self.rank}: asked for the step's statistics before any "
+                "statistics_pass of the step (a driver bug)"
+            )
+        return StepStatistics(values=tuple(self._step_sums.tolist()), num_label_tokens=num_label_tokens)
+
+    def _receive(self, inbox: dict[str, list[Any]]) -> tuple[dict[str, list[Any]], dict, float, Any, bool]:
+        """This rank's endpoint's payloads of ``inbox`` (waits for them): ``(got, inbox of this endpoint,
+        seconds waited, the endpoint's other ranks' group, whether this rank reads the channel)``."""
+        t0 = time.perf_counter()
+        part = self.layout.coords(self.rank)["cp"]
+        inbox = {p: parts[part] for p, parts in inbox.items()}
+        group = par.inner_group(self.mesh, self.layout, ("sp", "tp"))  # the endpoint's other ranks
+        reads = not self.channel.leader_only or _is_root(group)
+        # a leader-only channel: the other ranks of the replica read nothing (the leader broadcasts)
+        flat = [ref for refs in inbox.values() for ref in refs if ref is not None] if reads else []
+        self.faults.at("handoff")
+        values = iter(ray.get(flat))
+        got = {
+            p: [None if ref is None or not reads else next(values) for ref in refs]
+            for p, refs in inbox.items()
+        }
+        wait = time.perf_counter() - t0
+        self._timers["wait_s"] += wait
+        return got, inbox, wait, group, reads
+
+    def _edge_inputs(
+        self, batch: VLBatch, got: dict, tag: int, *, reads: bool, requires_grad: bool, broadcast_in: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+        """(one leaf per incoming link, the module's edge keyword arguments: views of the leaves)."""
+        leaves = {link.producer: self._assemble(batch, link, got[link.producer] if reads else None, tag,
+                                                requires_grad=requires_grad, broadcast_in=broadcast_in)
+                  for link in self.links_in if link.producer in got}  # fmt: skip
+        edge_inputs: dict[str, torch.Tensor | None] = {}
+        for link in self.links_in:
+            leaf = leaves.get(link.producer)
+            edge_inputs.update(
+                link.split(leaf) if leaf is not None else dict.fromkeys(e.kwarg for e in link.edges)
+            )
+        return leaves, edge_inputs
+
     def _assemble(
         self,
         batch: VLBatch,
@@ -340,7 +413,8 @@ class ModuleWorker(EvalMethods, DistWorker):
         if batch.image_grid_thw is None:
             return None
         n = self._endpoint_rows(batch)
-        rows_all = torch.zeros(n, link.width, dtype=self.dtype, device=self.device)
+        # the leaf is in this module's compute dtype: its gradient rows go back in it too
+        rows_all = torch.zeros(n, link.width, dtype=self.precision.compute_dtype, device=self.device)
         if arrivals is not None:
             filled = 0
             own = self._own_rows(batch) if not self.channel.leader_only else None

@@ -26,6 +26,7 @@ from dhp.config.validate_loop import validate_loop
 from dhp.config.validate_metrics import validate_metrics
 from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_optimizer import validate_optimizer
+from dhp.config.validate_precision import validate_precision
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.models.registry import family_names, get_arch
 from dhp.validation.validate_capabilities import validate_capabilities
@@ -73,6 +74,15 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
         get_arch(model.family).validate(model, issues)
 
 
+def _model_types(model: DictConfig) -> tuple[str, ...]:
+    """The ``config.json`` model type a family with flavours reads for these numbers (Qwen3.5's MoE
+    numbers: ``qwen3_5_moe``); empty for a family without flavours (its name is its model type)."""
+    if model.family not in family_names():
+        return ()
+    flavour = getattr(get_arch(model.family), "flavour", None)  # optional: only families with flavours
+    return (flavour(model).name,) if flavour is not None else ()
+
+
 def _validate_cluster(cluster: DictConfig, issues: Issues) -> None:
     issues.one_of(cluster.device, "cluster.device", DEVICES)
     issues.positive(
@@ -100,7 +110,9 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
         _validate_model(cfg.model, device, issues)
         if cfg.model.llm.vocab_size > 0:
             validate_tokens(cfg.model, issues)
-        validate_model_dir(cfg.model, issues)
+        validate_model_dir(
+            cfg.model, issues, real_data=cfg.data.kind == "llava", model_types=_model_types(cfg.model)
+        )
     if "cluster" not in roots:
         _validate_cluster(cfg.cluster, issues)
         validate_optimizer(cfg.train, device=cfg.cluster.device, issues=issues)
@@ -126,6 +138,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     if roots & {"model", "cluster"}:
         return issues.items  # the remaining checks need the architecture and the cluster
     validate_modules(cfg, issues)
+    validate_precision(cfg, issues)  # mixed_precision keys that cannot take effect
     validate_run(cfg, issues)
     validate_data(cfg, issues)
     validate_data_layouts(cfg.data, issues)

@@ -32,6 +32,9 @@ def test_dry_run_headline_tables() -> None:
         "activations",
         "fits",
         "7: sp7",
+        "workload (synthetic)",
+        "micro-batches per step",
+        "per step:",
     )
     for needle in needles:
         assert needle in text, needle
@@ -51,6 +54,20 @@ def test_json_parses_with_required_keys() -> None:
     assert gpus[0] == gpus[1] == list(range(8))
     mem = doc["groups"][1]["ranks"][3]["memory"]
     assert set(mem) >= {"params", "grads", "optimizer", "activations", "total"}
+    w = doc["workload"]  # what the numbers are for
+    assert set(w) == {"source", "batch", "per_sample", "modules", "tokens_per_step"}
+    assert set(w["batch"]) == {"micro_batch_size", "global_batch_size", "micro_batches_per_step"}
+    assert set(w["per_sample"]) >= {
+        "images",
+        "videos",
+        "video_frames",
+        "audio",
+        "llm_tokens",
+        "vision_patches",
+    }
+    assert set(w["modules"]["vision"]) >= {"seq_len", "patches_per_micro_batch", "patches_per_rank"}
+    assert set(w["modules"]["llm"]) >= {"seq_len", "rows_per_micro_batch", "tokens_per_row"}
+    assert set(w["tokens_per_step"]) == {"text", "vision", "llm_padded"}
 
 
 def test_overrides_reach_the_plan() -> None:

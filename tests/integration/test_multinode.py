@@ -6,15 +6,26 @@ Plan: vision Ulysses SP=4 over all 4 slots (one SP group spanning both nodes) co
 TP=2 x DP=2 (each TP group on one node, the DP replicas on different nodes). Checked:
 - the plan puts every LLM TP group inside one node and lets the vision SP group and the LLM DP
   replicas span the nodes; the runtime's actors run exactly there (each actor's Ray node id);
+- every rank on both nodes is forked from a pre-imported fork server of its own node (one per node,
+  each preloading what the driver's would, each on its own socket), and the start-up line says so;
 - two training steps across the nodes equal the single-process transformers model: the loss within
   1e-5 relative and every parameter's gradient within 1e-4 absolute (fp32; the plans differ only in
-  reduction order, observed ~1e-7), the tolerances of ``dhp verify``.
+  reduction order, observed ~1e-7), the tolerances of ``dhp verify``;
+- closing the run leaves nothing running on either node: no rank, no launcher, no fork server, no
+  socket folder.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import ray
+from procs import alive, descendants
+
+from dhp.runtime import forkserver
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,6 +50,7 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     ray.shutdown()  # the session's shared local instance (conftest), if up: this module needs its own
+    forkserver.close_current()  # and that instance's fork server serves no node of this cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     c.add_node(num_cpus=2)
     c.wait_for_nodes()
@@ -70,20 +82,62 @@ def test_plan_keeps_tp_in_a_node_and_spans_sp_and_dp():
     assert all(pg.strategy == "STRICT_PACK" for pg in plan.placement_groups)
 
 
-def test_training_across_two_nodes_matches_the_single_process_model(cluster):
-    from dhp.data import build_run_loader
+@pytest.fixture(scope="module")
+def run(cluster):
+    """One Trainer across both nodes for this module's tests (the last one closes it)."""
     from dhp.plan import compile_plan
-    from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
-    from dhp.runtime.verify import ReferenceModel, compare_grads
     from dhp.validation import load_config
 
     cfg = load_config("tiny_vlm", [*TWO_NODES, "train.steps=2", "train.warmup_steps=0"])
     plan = compile_plan(cfg)
+    trainer = Trainer(cfg, plan)
+    try:
+        yield cfg, plan, trainer
+    finally:
+        trainer.close()
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_ranks_on_both_nodes_fork_from_their_own_nodes_server(run):
+    from dhp.runtime.startup import actors_phase
+
+    _, _, trainer = run
+    nodes = trainer._fork_nodes
+    assert nodes is not None and len(nodes.servers) == 2
+    procs = [p for g in trainer.groups.values() for p in g.procs]
+    assert [p.how for p in procs] == ["forked"] * 8, [p.how for p in procs]
+    for p in procs:  # each rank is a child of the server of the node it runs on
+        assert _ppid(p.pid) == nodes.servers[p.node_id].pid, (p, nodes.servers)
+    sockets = {s.py_executable.split()[-1] for s in nodes.servers.values()}
+    assert len(sockets) == 2  # two nodes on one machine: a socket each
+    want = [*forkserver.BASE_PRELOAD, *forkserver.family_modules("qwen2_5_vl")]
+    for status in nodes.status().values():  # what the driver's own server would have preloaded
+        assert status["loaded"] == want and status["failed"] == {} and status["refusal"] is None, status
+    line = actors_phase([p.how for p in procs])
+    assert line == "actors start (8 ranks forked from the pre-imported fork server)"
+    assert line in [phase for phase, _ in trainer.startup.phases]
+
+
+def test_training_across_two_nodes_matches_the_single_process_model(run):
+    from dhp.data import build_run_loader
+    from dhp.plan.compile import module_layouts
+    from dhp.runtime.verify import ReferenceModel, compare_grads
+
+    cfg, plan, trainer = run
     loader = build_run_loader(cfg, module_layouts(cfg))
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     assert len(nodes) == 2
-    trainer = Trainer(cfg, plan)
     try:
         # where the actors really run: ray node of each rank, against the plan's node index
         placed = {
@@ -113,5 +167,25 @@ def test_training_across_two_nodes_matches_the_single_process_model(cluster):
             assert set(diffs) == {"vision", "llm"}
             assert max(diffs.values()) <= 1e-4, (diffs, worst)
     finally:
-        trainer.close()
         loader.close()
+
+
+def test_closing_the_run_leaves_nothing_running_on_either_node(run):
+    _, _, trainer = run
+    servers = list(trainer._fork_nodes.servers.values())
+    folders = [Path(s.py_executable.split()[-1]).parent for s in servers]
+    ranks = [p.pid for g in trainer.groups.values() for p in g.procs]
+    launchers = [pid for pid in descendants(os.getpid()) if "forklaunch.py" in _cmdline(pid)]
+    ours = [*ranks, *(s.pid for s in servers), *launchers]  # Ray's worker process of each rank: a launcher
+    assert len(ranks) == 8 and len(servers) == 2 and len(launchers) >= 8 and all(map(alive, ours))
+    trainer.close()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in ours) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in ours if alive(pid)] == []
+    left = [
+        _cmdline(pid)
+        for pid in descendants(os.getpid())
+        if "forklaunch.py" in _cmdline(pid) or "dhp.runtime.forkserver" in _cmdline(pid)
+    ]
+    assert left == [] and not any(f.exists() for f in folders), (left, folders)

@@ -52,9 +52,9 @@ from dhp.parallel.ep import (
     apply_ep,
     ep_mesh,
     expert_params,
-    load_balancing_loss,
     reduce_expert_grads_,
 )
+from dhp.parallel.load_balancing import load_balancing_loss
 
 pytestmark = pytest.mark.parity
 

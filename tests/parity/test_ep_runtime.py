@@ -56,8 +56,9 @@ from dhp.parallel import (
     grad_norm_sq,
     parallelize,
 )
-from dhp.parallel.ep import expert_params, load_balancing_loss
+from dhp.parallel.ep import expert_params
 from dhp.parallel.expert_load import summarize, track_expert_load
+from dhp.parallel.load_balancing import load_balancing_loss
 from dhp.parallel.module_plan import ModuleParallelPlan
 
 pytestmark = pytest.mark.parity

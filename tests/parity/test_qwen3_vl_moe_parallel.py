@@ -29,14 +29,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from parallel_harness import spawn
-from test_split_qwen3_vl_moe import _skew_routers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.qwen3_base.llm import ROUTER_AUX_LOSS
-from dhp.models.testing import modules_from_reference, relative_error, tiny_vl_batch
+from dhp.models.testing import modules_from_reference, relative_error, skew_routers_, tiny_vl_batch
 from dhp.parallel import finalize_grads, full_grad_dict, parallelize
 from dhp.parallel.ep import expert_params
 
@@ -50,7 +49,7 @@ def _setup():
     cfg = family.tiny_hf_config()
     torch.manual_seed(0)
     ref = family.reference_model(cfg)
-    _skew_routers(ref, cfg)
+    skew_routers_(dict(ref.named_parameters()), cfg.text_config.hidden_size)
     batch = tiny_vl_batch(cfg, images=[[(8, 6), (4, 4)], [(6, 10)]], text_lens=[5, 9], seed=4)
     ref.zero_grad(set_to_none=True)
     out = ref(**{k: v for k, v in batch.items() if k != "sample_ids"}, output_router_logits=True)

@@ -36,6 +36,7 @@ from dhp.models.testing import (
     modules_from_reference,
     reference_step,
     relative_error,
+    skew_routers_,
     split_step,
     tiny_vl_batch,
 )
@@ -116,22 +117,6 @@ def test_qwen3_5_vision_has_one_edge_and_the_llm_checks_it(setup):
         modules["llm"](**kwargs, image_embeds=outs["image_embeds"][:-1])
 
 
-def _skew_routers_(ref: torch.nn.Module, hf_config) -> None:
-    """Every token embedding gets a common direction ``u``; each router is scaled x 20 with experts 0 and
-    1 pulled towards ``u``, so most tokens pick them (decisive, unbalanced routing)."""
-    t = hf_config.text_config
-    gen = torch.Generator().manual_seed(7)
-    u = torch.randn(t.hidden_size, generator=gen)
-    u /= u.norm()
-    with torch.no_grad():
-        ref.get_parameter("model.language_model.embed_tokens.weight").add_(0.1 * u)
-        for i in range(t.num_hidden_layers):
-            w = ref.get_parameter(f"model.language_model.layers.{i}.mlp.gate.weight")
-            w.mul_(20.0)
-            w[0] += 0.5 * u
-            w[1] += 0.3 * u
-
-
 def test_qwen3_5_moe_split_matches_reference():
     """The MoE flavour: loss incl. the aux loss, the aux loss itself and every grad vs transformers."""
     family = get_family("qwen3_5")
@@ -141,7 +126,7 @@ def test_qwen3_5_moe_split_matches_reference():
     ref = family.reference_model(hf_config)
     assert type(ref).__name__ == "Qwen3_5MoeForConditionalGeneration"
     slow_decay_(ref)
-    _skew_routers_(ref, hf_config)
+    assert skew_routers_(dict(ref.named_parameters()), t.hidden_size) == t.num_hidden_layers
     modules = modules_from_reference(family, ref, hf_config)
     batch = tiny_vl_batch(hf_config, images=[[(8, 6), (4, 10)], [(6, 6)]], text_lens=[5, 9], seed=3)
     assert (batch["attention_mask"] == 0).any()  # padding: the aux loss must mask it as HF does

@@ -130,3 +130,27 @@ def test_qwen3_vl_deepstack_edges_change_the_loss(setup):
         missing = {k: v for k, v in outs.items() if k != deepstack_kwarg(1)}
         with pytest.raises(DataError, match="DeepStack features"):
             modules["llm"](**kwargs, **missing)
+
+
+def test_qwen3_vl_text_only_micro_batch_with_every_edge_none(setup):
+    """A micro-batch without images: the runtime's consumer passes every edge of the producer that
+    sent nothing as None (image_embeds and each DeepStack level); the LLM then matches transformers
+    fed no pixels: loss within 1e-5 relative, every LLM gradient within 1e-4."""
+    family, hf_config, ref, modules = setup
+    batch = tiny_vl_batch(hf_config, images=[[], []], text_lens=[7, 12], seed=3)
+    assert batch["pixel_values"] is None
+    ref_loss, ref_grads = reference_step(ref, batch)
+    llm = modules["llm"]
+    llm.zero_grad(set_to_none=True)
+    edges = dict.fromkeys(h.kwarg for h in family.handoffs_for(hf_config))
+    assert len(edges) == 1 + len(hf_config.vision_config.deepstack_visual_indexes)
+    keys = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "image_grid_thw", "sample_ids")
+    out = llm(**{k: batch[k] for k in keys}, **edges)
+    loss = out.loss_sum / out.num_tokens
+    loss.backward()
+    assert relative_error(loss.detach(), ref_loss) <= LOSS_RTOL, (loss.item(), ref_loss.item())
+    mapped = {family.checkpoint_owner(name): name for name in ref_grads}
+    grads = {n: p.grad for n, p in llm.named_parameters() if p.grad is not None}
+    assert grads and all(("llm", n) in mapped for n in grads)
+    worst = max(relative_error(g, ref_grads[mapped[("llm", n)]]) for n, g in grads.items())
+    assert worst <= GRAD_RTOL, worst

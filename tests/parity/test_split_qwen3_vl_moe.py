@@ -25,12 +25,11 @@ import torch
 from dhp.models import get_family
 from dhp.models.qwen3_base.llm import ROUTER_AUX_LOSS
 from dhp.models.qwen3_vision.arch import deepstack_kwarg
-from dhp.models.testing import modules_from_reference, relative_error, tiny_vl_batch
+from dhp.models.testing import modules_from_reference, relative_error, skew_routers_, tiny_vl_batch
 
 pytestmark = pytest.mark.parity
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
-ROUTERS = "model.language_model.layers.{}.mlp.gate.weight"
 
 
 def _reference_step(ref, batch):
@@ -72,31 +71,13 @@ def _split_step(vision, llm, batch):
     return loss.detach(), out, grads
 
 
-def _skew_routers(ref, hf_config) -> None:
-    """Make routing decisive and unequal: every token embedding gets a common direction ``u``, the
-    routers are scaled x 20 and experts 0 and 1 are pulled towards ``u`` (so most tokens pick them)."""
-    t = hf_config.text_config
-    gen = torch.Generator().manual_seed(7)
-    u = torch.randn(t.hidden_size, generator=gen)
-    u /= u.norm()
-    with torch.no_grad():
-        ref.get_parameter("model.language_model.embed_tokens.weight").add_(0.1 * u)
-        for i in range(t.num_hidden_layers):
-            if i in t.mlp_only_layers:
-                continue
-            w = ref.get_parameter(ROUTERS.format(i))
-            w.mul_(20.0)
-            w[0] += 0.5 * u
-            w[1] += 0.3 * u
-
-
 @pytest.fixture(scope="module")
 def setup():
     family = get_family("qwen3_vl_moe")
     hf_config = family.tiny_hf_config()
     torch.manual_seed(0)
     ref = family.reference_model(hf_config)
-    _skew_routers(ref, hf_config)
+    skew_routers_(dict(ref.named_parameters()), hf_config.text_config.hidden_size)
     return family, hf_config, ref, modules_from_reference(family, ref, hf_config)
 
 

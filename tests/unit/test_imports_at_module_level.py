@@ -40,7 +40,6 @@ UNREVIEWED = {
     "dhp/metrics/loggers.py": 7,
     "dhp/metrics/report.py": 2,
     "dhp/metrics/writer.py": 2,
-    "dhp/models/qwen2_5_vl/packing.py": 2,
     "dhp/parallel/optim.py": 1,
     "dhp/plan/calibrate.py": 2,
     "dhp/plan/reserve.py": 3,

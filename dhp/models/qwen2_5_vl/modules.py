@@ -22,7 +22,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from dhp.models.checks import check_vision_inputs
 from dhp.models.common import LLMBase, LossFn, rope_index, sample_names, shifted_ce_sum
 from dhp.models.family import LLMOutput
-from dhp.models.qwen2_5_vl.packing import packed_llm_inputs
+from dhp.models.packing import packed_llm_inputs
 from dhp.models.qwen2_5_vl.video import split_visual
 from dhp.ops.packed import is_packed
 
@@ -147,33 +147,31 @@ class LLMModule(LLMBase):
             image_embeds=image_embeds,
             sample_ids=sample_ids,
         )
-        extra: dict = {}
         # images and videos share one ordered item stream; M-RoPE takes them apart (video.py)
         image_grid_thw, video_grid_thw, second_per_grid_ts = split_visual(
             mm_token_type_ids=mm_token_type_ids, grids=image_grid_thw, second_per_grid_ts=second_per_grid_ts
         )
         video = {"video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts}
-        text_mask = self.text_mask(attention_mask)  # context parallelism: the whole micro-batch's
-        if is_packed(attention_mask):  # several samples per row: dhp.models.qwen2_5_vl.packing
-            position_ids, extra = packed_llm_inputs(
+        if is_packed(attention_mask):  # several samples per row: dhp.models.packing
+            position_ids, text_mask, extra = packed_llm_inputs(
                 self,
+                inputs_embeds=inputs_embeds,
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 mm_token_type_ids=mm_token_type_ids,
                 image_grid_thw=image_grid_thw,
                 **video,
             )
-            text_mask = None if self.context_shard is None else text_mask
         else:
-            position_ids = self.positions(
+            whole = self.positions(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 mm_token_type_ids=mm_token_type_ids,
                 image_grid_thw=image_grid_thw,
                 **video,
             )
-        if self.context_shard is not None:  # this rank's tokens; its attention masks the whole sequence
-            position_ids, extra = self.cut(position_ids, dim=-1), {}
+            position_ids = self.cut(whole, dim=-1)  # context parallelism: this rank's tokens
+            text_mask, extra = self.text_mask(attention_mask), {}
         hidden = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,

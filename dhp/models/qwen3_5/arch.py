@@ -39,11 +39,12 @@ from dhp.models.qwen3_vision.arch import vision_tp_sharded
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
-#: What this family's runtime does exactly. Packing and video are not declared: the LLM's M-RoPE
-#: positions have no per-sample (packed) path and no video parity test, so validation refuses
-#: ``data.packing`` and video data for this family.
+#: What this family's runtime does exactly. Packing, in both flavours (per-sample positions, full
+#: attention kept inside each sample, every Gated DeltaNet layer run once per sample:
+#: dhp.parallel.linear_attn_packed; tests/parity/test_packing.py). Video is not declared (no video
+#: parity test), so validation refuses video data for this family.
 CAPABILITIES = Capabilities(
-    packing=False,
+    packing=True,
     video=False,
     tp_sharded={
         "vision": vision_tp_sharded(deepstack=False),

@@ -151,8 +151,10 @@ def mlp_params(n: TextNumbers, *, sparse: bool, shared: bool = False) -> ParamCo
 
 # --- the typed decoder -----------------------------------------------------------------------------
 def full_attention(n: TextNumbers) -> Attention:
-    """Causal GQA attention with ``head_dim`` per head."""
-    return Attention(kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True)
+    """Causal GQA attention with ``head_dim`` per head and Qwen3's per-head q/k RMSNorms."""
+    return Attention(
+        kind="full", heads=n.heads, kv_heads=n.kv_heads, head_dim=n.head_dim, causal=True, qk_norm=True
+    )
 
 
 def dense_mlp(n: TextNumbers) -> Mlp:

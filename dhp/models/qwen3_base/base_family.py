@@ -51,7 +51,9 @@ from dhp.models.qwen3_vision.arch import edges
 from dhp.models.qwen3_vision.config import vision_config_kwargs, vision_numbers_from_hf
 from dhp.models.qwen3_vision.sp import Qwen3VisionShard, shard_images
 from dhp.models.qwen3_vision.tp import vision_parallel_plan
+from dhp.parallel.linear_attn_packed import split_packed_rows
 from dhp.parallel.module_plan import ModuleParallelPlan
+from dhp.parallel.plan_match import matching
 
 IMAGE_TOKENS = "image_tokens"
 #: the decoder layers (FSDP units) and, in the MoE flavour, their sparse blocks (``gate`` router +
@@ -213,7 +215,9 @@ class Qwen3Family(FamilyBase):
     def new_module(
         self, name: str, hf_config: PretrainedConfig, *, device: torch.device | str, dtype: torch.dtype
     ) -> nn.Module:
-        """transformers' encoder in the shared wrapper, or its decoder + ``lm_head`` in :class:`LLMModule`."""
+        """transformers' encoder in the shared wrapper, or its decoder + ``lm_head`` in :class:`LLMModule`
+        (its linear-attention layers, if any, run a packed micro-batch one sample at a time:
+        ``dhp.parallel.linear_attn_packed.split_packed_rows``)."""
         # reason: the wrappers load torch.distributed and the EP loss; the driver builds no module
         from dhp.models.qwen3_base.llm import LLMModule
         from dhp.models.qwen3_vision.modules import VisionModule
@@ -223,7 +227,7 @@ class Qwen3Family(FamilyBase):
             visual = classes.vision._from_config(hf_config.vision_config, dtype=dtype)
             return VisionModule(visual, num_deepstack=self._levels(hf_config))
         text = hf_config.text_config
-        return LLMModule(
+        llm = LLMModule(
             classes.text._from_config(text, dtype=dtype),
             lm_head(text, device=device, dtype=dtype),
             hf_config,
@@ -232,6 +236,9 @@ class Qwen3Family(FamilyBase):
             num_deepstack=self._levels(hf_config),
             family=self.name,
         )
+        for _, layer in matching(llm, (self.linear_attention,) if self.linear_attention else ()):
+            split_packed_rows(layer)  # a packed micro-batch: each sample through the layer on its own
+        return llm
 
     def reference_class(self, hf_config: PretrainedConfig) -> type[nn.Module]:
         """``...ForConditionalGeneration`` of the config's flavour."""

@@ -9,19 +9,29 @@ feature k at those positions after decoder layer k. M-RoPE positions come from t
 ``get_rope_index`` (:meth:`LLMModule.positions`). No state is kept between calls (no ``rope_deltas``, no
 cache).
 
+A packed micro-batch (``attention_mask`` holds each token's sample index, ``dhp.data.packing``): each
+sample's positions are its own and the text model gets the masks that keep the samples apart, the
+Gated DeltaNet layers of a hybrid decoder included (``dhp.models.packing``); the image rows and the
+DeepStack features arrive in the packed row-major order, which is the order of the image tokens, and the
+router sees the same tokens as unpacked (``attention_mask != 0``).
+
 MoE flavour: the auxiliary loss is the one transformers' ``...ForConditionalGeneration.forward`` adds:
-``load_balancing_loss_func`` over every router's logits (recorded by transformers' own
-``output_router_logits``), padding excluded by the 2-D ``attention_mask``, times
-``router_aux_loss_coef``, added to the mean LM loss. It is computed here by
-:func:`dhp.parallel.ep.load_balancing_loss` (the same formula; over ``aux_loss_group``'s tokens when the
-batch is spread over ranks) and put into ``loss_sum`` in token-sum units (:meth:`LLMModule.router_loss`,
-its one home), so ``loss_sum / num_tokens`` is transformers' ``loss``; its unweighted value is returned
-beside (``LLMOutput.aux_losses["router_aux_loss"]``, transformers' ``aux_loss``) for logging.
+``router_aux_loss_coef * load_balancing_loss_func`` over every router's logits (recorded by transformers'
+own ``output_router_logits``), padding excluded by the 2-D ``attention_mask``, added to the mean LM loss,
+both over the batch of the call. dhp's batch is the STEP's (every micro-batch of every data replica),
+so the term is ``coef * L(step)``, ``L`` over the step's unpadded tokens, like the LM loss's mean over the
+step's label tokens ``T``, whatever the micro-batch cut or the data-parallel degree. :meth:`LLMModule.
+router_loss` (its one home) puts each rank's and micro-batch's exact part of it into ``loss_sum`` in
+token-sum units (``dhp.parallel.load_balancing``): with one micro-batch per step from the counts
+all-reduced over ``aux_loss_group`` inside the forward; with several from the step's counts, which the
+runtime gathers first (``batch_statistics=True``: a forward without gradient that returns the routing
+sums, ``dhp.models.family.StepStatistics``) and hands to each micro-batch (``step_statistics``). So
+``sum of loss_sum / T`` is transformers' ``loss`` on the step's batch in one call. Its unweighted value
+(over the step, or over the micro-batch without ``step_statistics``) is returned beside
+(``LLMOutput.aux_losses["router_aux_loss"]``, transformers' ``aux_loss``) for logging.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,9 +40,11 @@ from transformers import PretrainedConfig
 
 from dhp.errors import DataError
 from dhp.models.common import LLMBase, rope_index, sample_names
-from dhp.models.family import LLMOutput
+from dhp.models.family import LLMOutput, StepStatistics
+from dhp.models.packing import packed_llm_inputs
 from dhp.models.qwen3_vision.arch import deepstack_kwarg
-from dhp.parallel.ep import load_balancing_loss
+from dhp.ops.packed import is_packed
+from dhp.parallel.load_balancing import RouterStats, load_balancing_loss, router_share, router_stats
 
 __all__ = ["ROUTER_AUX_LOSS", "LLMModule"]
 
@@ -51,9 +63,12 @@ class LLMModule(LLMBase):
     gives the positions; ``family`` names the family in messages.
 
     ``aux_loss_group`` (MoE): the process group whose ranks hold DIFFERENT tokens of the step's batch
-    (the module's dp x fsdp x sp ranks, never TP duplicates), set by ``dhp.parallel``; then the
+    (the module's dp x fsdp x cp x sp ranks, never TP duplicates), set by ``dhp.parallel``; then the
     load-balancing loss is the group's (its per-expert counts are all-reduced). None (the default): this
     rank's tokens alone. A plain attribute, like ``loss_fn``.
+
+    ``batch_terms`` (MoE with a non-zero ``router_aux_loss_coef``): ``("router_aux_loss",)``, the term
+    defined on the step's batch (``dhp.models.family.StepStatistics``).
     """
 
     def __init__(
@@ -74,6 +89,12 @@ class LLMModule(LLMBase):
         self._family = family
         self.aux_loss_group: dist.ProcessGroup | None = None  # a plain attribute, set by dhp.parallel
 
+    @property
+    def batch_terms(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The router's load-balancing loss, when the model adds one (MoE, coefficient != 0)."""
+        coef = self.vl_config.text_config.router_aux_loss_coef if self.moe else 0.0
+        return (ROUTER_AUX_LOSS,) if coef else ()
+
     def forward(
         self,
         *,
@@ -85,15 +106,19 @@ class LLMModule(LLMBase):
         image_embeds: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
+        batch_statistics: bool = False,
+        step_statistics: StepStatistics | None = None,
         **deepstack_embeds: torch.Tensor,
-    ) -> LLMOutput:
+    ) -> LLMOutput | torch.Tensor:
         """One micro-batch -> ``LLMOutput(loss_sum, num_tokens, aux_losses)``.
 
         ``image_embeds`` and ``deepstack_embeds_k`` (the vision module's outputs) are placed at the
         image-token positions: the first in the input embeddings, feature k added after decoder layer
         k. Make them leaves with ``requires_grad`` to receive the gradients for the encoder's backward.
-        MoE: ``loss_sum`` includes the weighted load-balancing term (:meth:`router_loss`), ``aux_losses``
-        its unweighted value. Raises DataError when image tokens and embeddings disagree, when a
+        MoE: ``loss_sum`` includes the weighted load-balancing term (:meth:`router_loss`; over the step
+        with ``step_statistics``), ``aux_losses`` its unweighted value. ``batch_statistics=True`` (MoE):
+        no LM head and no loss; returns the micro-batch's routing sums over ``aux_loss_group``
+        (``RouterStats.values``, :meth:`route_statistics`; call it without gradient). Raises DataError when image tokens and embeddings disagree, when a
         DeepStack level is missing or extra, when ``mm_token_type_ids`` is missing with images (M-RoPE
         would silently become 1D), and for videos (``second_per_grid_ts``): these families declare no
         video capability.
@@ -113,13 +138,24 @@ class LLMModule(LLMBase):
             image_embeds=image_embeds,
             sample_ids=sample_ids,
         )
-        position_ids = self.positions(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-        )
-        extra: dict[str, Any] = {}
+        if is_packed(attention_mask):  # several samples per row: dhp.models.packing
+            position_ids, text_mask, extra = packed_llm_inputs(
+                self,
+                inputs_embeds=inputs_embeds,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+            )
+        else:
+            whole = self.positions(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+            )
+            position_ids = self.cut(whole, dim=-1)  # context parallelism: this rank's tokens
+            text_mask, extra = self.text_mask(attention_mask), {}
         if deepstack is not None:  # added at the image tokens after the first K decoder layers
             visual_pos_masks = (self.cut(input_ids) == self.vl_config.image_token_id).to(inputs_embeds.device)
             extra.update(visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack)
@@ -128,34 +164,64 @@ class LLMModule(LLMBase):
         out = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,
-            attention_mask=self.text_mask(attention_mask),
-            position_ids=self.cut(position_ids, dim=-1),
+            attention_mask=text_mask,
+            position_ids=position_ids,
             use_cache=False,
             **extra,
         )
+        if batch_statistics:
+            return self.route_statistics(out.router_logits, attention_mask=self.cut(attention_mask != 0))
         lm = self.loss(hidden=out.last_hidden_state, labels=labels)
         if not self.moe:
             return lm
+        # padding excluded: a packed row's sample ids (k >= 1) mark the same tokens as unpacked
         term, aux = self.router_loss(
-            out.router_logits, attention_mask=self.cut(attention_mask), num_tokens=lm.num_tokens
+            out.router_logits,
+            attention_mask=self.cut(attention_mask != 0),
+            num_tokens=lm.num_tokens,
+            step=step_statistics,
         )
         return LLMOutput(
             loss_sum=lm.loss_sum + term, num_tokens=lm.num_tokens, aux_losses={ROUTER_AUX_LOSS: aux}
         )
 
     def router_loss(
-        self, router_logits: tuple[torch.Tensor, ...], *, attention_mask: torch.Tensor, num_tokens: int
+        self,
+        router_logits: tuple[torch.Tensor, ...],
+        *,
+        attention_mask: torch.Tensor,
+        num_tokens: int,
+        step: StepStatistics | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the weighted load-balancing term in ``loss_sum`` units, the unweighted group loss, detached).
+        """(the weighted load-balancing term in ``loss_sum`` units, the unweighted loss, detached).
 
-        ``load_balancing_loss`` gives this rank's share ``s_r`` of the loss ``L`` over the group's tokens
-        (shares sum to ``L``). The term is ``coef * s_r * N``, ``N`` the group's label tokens of this
-        micro-batch (all-reduced), so that with the runtime's ``sum_r loss_sum_r / N`` the step's loss
-        is ``mean CE + coef * L``: transformers' ``loss`` for one rank and one micro-batch, and for
-        several micro-batches their token-weighted mean, as the LM loss. Gradients flow through the
-        router probabilities only (the expert counts are constants, as in transformers).
+        ``L = E * sum_e (C_e / R) * (S_e / R)`` over a set of tokens: ``C`` the top-k counts, ``S`` the
+        router probability sums, ``R`` the unpadded rows (tokens x MoE layers). With ``C`` and ``R`` of the
+        set known, this rank's micro-batch holds the share ``s = E * sum_e (C_e / R) * s_e / R`` of ``L``
+        (its own probability sums ``s_e``); the shares of the set sum to ``L``, their gradients to its.
+
+        ``step`` given (several micro-batches per step): the set is the step's tokens, ``C`` and ``R`` the
+        step's (``step.values``) and the term is ``coef * s * T`` (``T = step.num_label_tokens``), so with
+        the runtime's ``sum loss_sum / T`` the step's loss is ``mean CE + coef * L(step)``. ``step`` None:
+        the set is this micro-batch's tokens over ``aux_loss_group`` (counts all-reduced here) and the
+        term is ``coef * s * N``, ``N`` the group's label tokens of the micro-batch: with one micro-batch
+        per step ``N = T`` and this IS the step's loss; with several it is the per-micro-batch definition
+        (``train.router_aux_loss=micro_batch``), each micro-batch's ``L`` weighted by its label tokens.
+        Gradients flow through the router probabilities only (the counts are constants, as in
+        transformers).
         """
         t = self.vl_config.text_config
+        if step is not None:
+            local = router_stats(
+                router_logits,
+                num_experts=t.num_experts,
+                top_k=t.num_experts_per_tok,
+                attention_mask=attention_mask,
+            )
+            total = RouterStats.of_values(step.values, device=local.probs.device)
+            share = router_share(local, total, num_experts=t.num_experts)
+            tokens = torch.tensor(float(step.num_label_tokens), device=share.device)
+            return t.router_aux_loss_coef * share * tokens, total.loss(t.num_experts)
         share, total = load_balancing_loss(
             router_logits,
             num_experts=t.num_experts,
@@ -168,6 +234,24 @@ class LLMModule(LLMBase):
             dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.aux_loss_group)
         return t.router_aux_loss_coef * share * tokens, total
 
+    def route_statistics(
+        self, router_logits: tuple[torch.Tensor, ...], *, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The micro-batch's routing sums over ``aux_loss_group`` (``RouterStats.values``: counts,
+        probability sums, rows; 2E + 1 floats, the same on every rank of the group; a collective)."""
+        if not self.moe:
+            raise DataError(
+                f"the {self._family} LLM has no router: it has no batch statistics (batch_terms is empty)."
+            )
+        t = self.vl_config.text_config
+        local = router_stats(
+            router_logits,
+            num_experts=t.num_experts,
+            top_k=t.num_experts_per_tok,
+            attention_mask=attention_mask,
+        )
+        return local.all_reduced(self.aux_loss_group).values()
+
     def deepstack_list(
         self,
         image_embeds: torch.Tensor | None,
@@ -175,7 +259,9 @@ class LLMModule(LLMBase):
         sample_ids: list[str],
     ) -> list[torch.Tensor] | None:
         """``deepstack_embeds_0..K-1`` in level order; None without images or without DeepStack (K = 0).
-        DataError on a mismatch."""
+        A level given as None is absent (the runtime passes every edge of a producer that sent nothing,
+        a text-only micro-batch, as None). DataError on a mismatch."""
+        deepstack_embeds = {k: v for k, v in deepstack_embeds.items() if v is not None}
         expected = [deepstack_kwarg(k) for k in range(self.num_deepstack)]
         if image_embeds is None:
             if deepstack_embeds:

@@ -20,11 +20,12 @@ from dhp.models.qwen3_base.arch import Flavour
 from dhp.models.qwen3_base.decoder import Qwen3DecoderArch
 from dhp.models.qwen3_vision.arch import vision_tp_sharded
 
-#: What this family's runtime does exactly. Packing and video are not declared: the LLM's position
-#: ids and DeepStack placement have no per-sample (packed) path and no video parity test, so
-#: validation refuses ``data.packing`` and video data for this family.
+#: What this family's runtime does exactly. Packing, in both flavours (per-sample positions, attention
+#: kept inside each sample, DeepStack at the packed image tokens, the router over the same tokens:
+#: tests/parity/test_packing.py). Video is not declared (no video parity test), so validation refuses
+#: video data for this family.
 CAPABILITIES = Capabilities(
-    packing=False,
+    packing=True,
     video=False,
     tp_sharded={
         "vision": vision_tp_sharded(deepstack=True),

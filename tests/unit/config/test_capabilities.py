@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,10 +20,21 @@ def _error_paths(recipe: str, overrides: list[str]) -> dict[str, str]:
     return {i.path: i.rule for i in exc.value.issues}
 
 
-def test_qwen3_vl_packing_is_refused_with_the_fix() -> None:
-    assert not get_arch("qwen3_vl").capabilities.packing
-    issues = _error_paths("tiny_qwen3_vl", ["data.packing=true"])
-    assert "data.packing" in issues and "does not declare packing" in issues["data.packing"]
+def test_packing_is_refused_for_a_family_that_does_not_declare_it(monkeypatch) -> None:
+    # every family packs today (each with its parity test); the rule is held on Qwen3-VL's declaration
+    # with packing taken out
+    arch = get_arch("qwen3_vl")
+    monkeypatch.setattr(type(arch), "capabilities", dataclasses.replace(arch.capabilities, packing=False))
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_qwen3_vl", ["data.packing=true"])
+    (issue,) = [i for i in exc.value.issues if i.path == "data.packing"]
+    assert "does not declare packing" in issue.rule
+    assert "qwen2_5_vl" in issue.fix and "qwen3_5" in issue.fix  # the families that do
+
+
+@pytest.mark.parametrize("recipe", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe"])
+def test_the_qwen3_families_declare_packing(recipe: str) -> None:
+    load_config(recipe, ["data.packing=true"])
 
 
 def test_qwen3_vl_synthetic_video_is_refused() -> None:

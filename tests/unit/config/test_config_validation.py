@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dhp.errors import ConfigError
@@ -68,6 +70,18 @@ MALFORMED = [
     ("qwen_vl_32b", ["handoff=p2p"], "handoff", "disjoint GPUs"),
     ("tiny_vlm", ["handoff=cuda_ipc"], "handoff", "cuda_ipc needs cluster.device=cuda"),
     ("qwen_vl_32b", ["modules.vision.mixed_precision=fp8"], "modules.vision.mixed_precision", "unknown"),
+    (
+        "qwen_vl_32b",
+        ["modules.vision.freeze=true", "modules.vision.mixed_precision=bf16_master_fp32"],
+        "modules.vision.mixed_precision",
+        "no master weights",
+    ),
+    (
+        "qwen_vl_32b",
+        ["model.attn_implementation=flash_attention_2", "modules.llm.mixed_precision=fp32"],
+        "modules.llm.mixed_precision",
+        "bf16/fp16 only",
+    ),
     ("qwen_vl_32b", ["~model"], "model", "no model selected"),
     ("qwen_vl_32b", ["train.warmup_steps=50", "train.steps=10"], "train.warmup_steps", "train.steps=10"),
     (
@@ -251,3 +265,35 @@ def test_model_path_checked_against_config_json(tmp_path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config("tiny_vlm", [f"model.path={tmp_path / 'missing'}"])
     assert [i.path for i in info.value.issues] == ["model.path"]
+
+
+def test_model_path_holds_what_a_run_reads(tmp_path) -> None:
+    """Beside config.json: the weights, the tokenizer with a chat template and, for real data, the
+    image processor; each missing part is its own issue, all at once."""
+    from dhp.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    for name in ("model.safetensors", "chat_template.jinja", "preprocessor_config.json"):
+        (ckpt / name).unlink()
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_vlm", [f"model.path={ckpt}", f"data.path={tmp_path / 'rows.jsonl'}"])
+    rules = [i.rule for i in info.value.issues]
+    assert [i.path for i in info.value.issues] == ["model.path"] * 3
+    assert rules[0].startswith("has no weights (model.safetensors or model.safetensors.index.json)")
+    assert rules[1].startswith("its tokenizer has no chat template")
+    assert rules[2].startswith("has no image processor (preprocessor_config.json)")
+    with pytest.raises(ConfigError) as info:  # synthetic data reads no image processor
+        load_config("tiny_vlm", [f"model.path={ckpt}"])
+    assert len(info.value.issues) == 2
+
+
+def test_a_flavours_checkpoint_is_its_familys(tmp_path) -> None:
+    """A family with flavours reads the checkpoint of the flavour its numbers declare: Qwen3.5's MoE
+    numbers a ``qwen3_5_moe`` config.json (as released), its dense numbers a ``qwen3_5`` one."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe"}))
+    overrides = [f"model.path={tmp_path}"]
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_qwen3_5_moe", overrides)
+    assert not any("model_type" in i.rule for i in info.value.issues)  # only the missing files
+    with pytest.raises(ConfigError, match=r"model_type='qwen3_5_moe' but model.family='qwen3_5' reads"):
+        load_config("tiny_qwen3_5", overrides)

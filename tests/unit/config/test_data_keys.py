@@ -34,6 +34,7 @@ def test_more_data_train_metrics_keys() -> None:
             "data.synthetic.text_tokens_max=3",  # < text_tokens
             "train.seed=-1",
             "train.output_dir=' '",
+            "train.router_aux_loss=per_step",  # step | micro_batch
             "metrics.wandb.project=''",
         ]
     )
@@ -45,6 +46,7 @@ def test_more_data_train_metrics_keys() -> None:
         "data.synthetic.text_tokens_max",
         "train.seed",
         "train.output_dir",
+        "train.router_aux_loss",
         "metrics.wandb.project",
     ):
         assert want in paths, (want, paths)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dhp.config.data_shortcuts import CACHE_ENV, tiny_checkpoint_dir
+from dhp.errors import ConfigError
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
 from dhp.validation import load_config
 
@@ -56,7 +57,11 @@ def test_synthetic_data_and_other_models_keep_model_path_unset(tmp_path, monkeyp
     assert load_config("tiny_vlm").model.path is None  # synthetic: seeded random init as before
     own = load_config("tiny_vlm", [f"data.path={_my_jsonl(tmp_path)}", "model.path=null"])
     assert own.model.path is not None  # null is the default: real data still needs a tokenizer
-    real = load_config("qwen_vl_7b", [f"data.path={_my_jsonl(tmp_path)}"])
-    assert real.model.path is None and not real.model.tiny  # refused when its data is built (model.path)
+    with pytest.raises(ConfigError) as info:  # a model without a tiny checkpoint: real data needs its own
+        load_config("qwen_vl_7b", [f"data.path={_my_jsonl(tmp_path)}"])
+    (issue,) = info.value.issues
+    assert (issue.path, issue.value) == ("model.path", None) and "set model.path=DIR" in issue.fix
+    real = load_config("qwen_vl_7b")
+    assert real.model.path is None and not real.model.tiny
     assert ensure_tiny_checkpoint(real.model, say=pytest.fail) is None
     assert not (tmp_path / "cache").exists()

@@ -1,7 +1,8 @@
 """The step-time estimate of a real-data run times the data's measured lengths (dhp.data.lengths):
 the same counts ``dhp data check`` reports, a micro-batch's LLM rows padded to its expected longest
 sample, the encoder on the rows' mean patches; memory keeps the seq_len bound. Data that cannot be
-read is said, with its reason, and the estimate falls back to seq_len-filled micro-batches."""
+read stops the start-up checks (``dhp plan`` and ``dhp train`` alike) with its reason; a plan
+compiled from a config whose lengths were never measured fills micro-batches to seq_len and says so."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import math
 import os
 import shutil
 
+import pytest
 from conftest import DEMO, jsonl_data
 from typer.testing import CliRunner
 
 from dhp.cli import app
 from dhp.data.check import check_data
-from dhp.data.lengths import cached_lengths, sample_indices, with_data_lengths
+from dhp.data.lengths import cached_lengths, sample_indices
+from dhp.errors import ConfigError
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts, module_shapes
 from dhp.plan.estimate import timing_shapes, vision_patches_per_replica
+from dhp.runtime.preflight import checked_config
 from dhp.validation import load_config
 
 ROWS = [  # three rows of clearly different lengths: text only, one photo, two photos and more text
@@ -48,18 +52,23 @@ def _write_rows(tmp_path, rows=ROWS):
     return path
 
 
+def _overrides(tiny_model, path) -> list[str]:
+    return [f"model.path={tiny_model.path}", f"data.path={path}"]
+
+
 def _config(tiny_model, path):
-    return load_config("tiny_vlm", [f"model.path={tiny_model.path}", f"data.path={path}"])
+    return load_config("tiny_vlm", _overrides(tiny_model, path))
 
 
 def test_the_estimate_times_the_measured_lengths(tiny_model, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DHP_CACHE_DIR", str(tmp_path / "cache"))
     path = _write_rows(tmp_path)
     cfg = _config(tiny_model, path)
-    warned: list[str] = []
-    measured = with_data_lengths(cfg, warn=warned.append)
+    said: list[str] = []
+    measured = checked_config("tiny_vlm", _overrides(tiny_model, path), say=said.append)
     lengths = measured.data.lengths
-    assert warned == [] and lengths.rows == 3 and lengths.of_rows == 3 and lengths.media == 3
+    assert said == [] and lengths.rows == 3 and lengths.of_rows == 3 and lengths.media == 3
+    assert (lengths.videos, lengths.video_frames) == (0, 0)
     # the counts dhp data check reports for the same rows (3 rows: p0, p50, p100 are all of them)
     report = check_data(
         data=jsonl_data(path, tmp_path, max_pixels=cfg.data.max_pixels),
@@ -116,28 +125,25 @@ def test_lengths_are_cached_by_path_and_mtime(tiny_model, tmp_path, monkeypatch)
     assert second.rows == 1 and list(second.tokens) == [first.tokens[0]]
 
 
-def test_unreadable_data_says_why_and_fills_to_seq_len(tiny_model, tmp_path, monkeypatch) -> None:
+def test_unreadable_data_stops_the_start_up_checks_and_the_plan(tiny_model, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DHP_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "broken.jsonl"
-    path.write_text("{not json\n")
-    cfg = _config(tiny_model, path)
-    warned: list[str] = []
-    out = with_data_lengths(cfg, warn=warned.append)
-    assert out.data.lengths.rows == 0 and "broken.jsonl" in out.data.lengths.note
-    assert len(warned) == 1 and warned[0].startswith("data lengths not measured: ")
-    assert out.data.lengths.note in warned[0] and "seq_len" in warned[0]
-    line = compile_plan(out).estimate["provenance"]
-    assert f"micro-batches filled to seq_len (data lengths: {out.data.lengths.note})" in line
-    # the CLI prints the reason (stderr) and plans on
+    path = tmp_path / "broken.json"
+    path.write_text("[{not json\n")
+    with pytest.raises(ConfigError) as info:
+        checked_config("tiny_vlm", _overrides(tiny_model, path), say=pytest.fail)
+    assert "broken.json" in str(info.value)
+    # the CLI's plan stops on it (the entry point prints it and exits 2; dhp train stops on the same)
     args = ["plan", "conf=tiny_vlm", f"model.path={tiny_model.path}", f"data.path={path}", "--dry-run"]
     res = CliRunner().invoke(app, args)
-    assert res.exit_code == 0, res.output
-    assert "data lengths not measured" in res.output and "broken.jsonl" in res.output
+    assert isinstance(res.exception, ConfigError) and "broken.json" in str(res.exception)
+    # a config whose lengths were never measured (the library's compile_plan): filled to seq_len, said
+    line = compile_plan(_config(tiny_model, path)).estimate["provenance"]
+    assert "micro-batches filled to seq_len (data lengths: not measured)" in line
 
 
 def test_synthetic_data_is_left_as_configured() -> None:
-    cfg = load_config("tiny_vlm", [])
-    assert with_data_lengths(cfg, warn=lambda text: None) is cfg
+    cfg = checked_config("tiny_vlm", [], say=pytest.fail)
+    assert cfg.data.lengths.rows == 0 and cfg.data.kind == "synthetic"
     assert "data's lengths" not in compile_plan(cfg).estimate["provenance"]
 
 

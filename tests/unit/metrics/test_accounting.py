@@ -53,6 +53,22 @@ def test_checkpointed_block_saves_only_its_input() -> None:
     y.sum().backward()
 
 
+def test_selective_checkpointing_counts_the_outputs_its_cache_keeps() -> None:
+    """Selective AC keeps the matmul outputs in its own cache, not through autograd's hooks: the
+    accountant counts them while the region's graph lives, and nothing once backward consumed them."""
+    from dhp.parallel.ac import selective_context
+
+    m, _, acct = _toy()
+    x = torch.randn(B, D_IN, requires_grad=True)
+    with acct.saving():
+        y = checkpoint(m, x, use_reentrant=False, context_fn=selective_context)
+    # the block input, and the two addmm outputs (B x H, B x D_OUT); the ReLU is recomputed
+    assert acct.terms()["saved"] == 4 * (B * D_IN + B * H + B * D_OUT)
+    y.sum().backward()
+    del y
+    assert acct.terms()["saved"] == 0
+
+
 def test_views_share_one_storage_and_excluded_pointers_are_skipped() -> None:
     a = torch.zeros(10)
     assert unique_storage_bytes([a, a[2:5], a.view(2, 5)]) == 40

@@ -108,7 +108,7 @@ def test_qwen3_5_27b_typed_architecture_declares_the_hybrid_layers():
     assert full.span(seq_len=8192, sample=0) == 2 * full.span(seq_len=4096, sample=0)
     assert vision.count("full") == vision.layers == 27 and vision.outputs == llm.inputs == ("image_embeds",)
     assert vision.handoff_width == 5120  # no DeepStack: one edge
-    assert not typed.capabilities.packing and not typed.capabilities.video
+    assert typed.capabilities.packing and not typed.capabilities.video  # tests/parity/test_packing.py
 
 
 def test_qwen3_5_bad_arch_numbers_are_config_errors(family):

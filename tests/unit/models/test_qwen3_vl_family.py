@@ -101,7 +101,7 @@ def test_qwen3_vl_32b_typed_architecture(family):
     assert vision.handoff_width == 4 * 5120  # image_embeds + 3 DeepStack levels
     assert vision.outputs == llm.inputs == ("image_embeds", *(f"deepstack_embeds_{k}" for k in range(3)))
     assert llm.layer_shape().kv_dim == 8 * 128
-    assert not typed.capabilities.packing and not typed.capabilities.video
+    assert typed.capabilities.packing and not typed.capabilities.video  # tests/parity/test_packing.py
 
 
 def test_qwen3_vl_bad_arch_numbers_are_config_errors(family):

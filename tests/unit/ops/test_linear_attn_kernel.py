@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 from transformers.integrations import hub_kernels
 
+from dhp.errors import PlanError
 from dhp.metrics.record import module_kernels
 from dhp.models.arch import Architecture, Attention, Block, Mlp
 from dhp.models.registry import get_arch, register_family, unregister_family
@@ -20,6 +21,8 @@ from dhp.ops.linear_attn import (
     is_slow_fallback,
     kernel_note,
     linear_attention_kernel,
+    planned_kernel,
+    require_kernel,
 )
 from dhp.plan import compile_plan
 from dhp.plan.render import groups_table
@@ -98,3 +101,43 @@ def test_plan_json_and_table_name_the_kernel() -> None:
     assert slow.to_json()["kernels"] == {"llm": TORCH_FALLBACK}
     caption = groups_table(slow).caption.plain  # plain text: "[gpu]" must not be read as markup
     assert "llm torch-fallback (SLOW on cuda" in caption and "pip install 'dhp[gpu]'" in caption
+
+
+def test_the_plan_counts_the_devices_kernel_whatever_the_planning_host_has(monkeypatch) -> None:
+    """``dhp plan conf=qwen3_5_35b_a3b --json`` (a CUDA recipe) is the same document whether the
+    kernel packages import on the planning host or not, and the planner never tries to import them:
+    it counts flash-linear-attention's kernel, which the plan says it needs. A CPU plan counts the
+    torch fallback."""
+    cfg = load_config("qwen3_5_35b_a3b", [])
+    docs = []
+    for present in (True, False):
+        monkeypatch.setattr(linear_attn, "_importable", lambda mod, attr, p=present: p)
+        docs.append(compile_plan(cfg).to_json_str())
+
+    def refuse(mod, attr):
+        raise AssertionError(f"the planner imported {mod}")
+
+    monkeypatch.setattr(linear_attn, "_importable", refuse)
+    plan = compile_plan(cfg)
+    assert docs[0] == docs[1] == plan.to_json_str()
+    assert plan.kernels == {"llm": FLA_CHUNK} and planned_kernel("cuda") == FLA_CHUNK
+    caption = groups_table(plan).caption.plain
+    assert "llm fla-chunk (needs flash-linear-attention + causal-conv1d: pip install 'dhp[gpu]')" in caption
+    cpu = compile_plan(load_config("tiny_qwen3_5", []))
+    assert cpu.kernels == {"llm": TORCH_FALLBACK} and planned_kernel("cpu") == TORCH_FALLBACK
+
+
+def test_the_runtime_refuses_a_kernel_other_than_the_planned_one(monkeypatch) -> None:
+    """At start a rank runs the planned kernel or stops with the missing packages and the fix (as a
+    missing flash-attn refuses flash_attention_2), never a silent fallback."""
+    present: set = set()
+    monkeypatch.setattr(linear_attn, "_importable", lambda mod, attr: (mod, attr) in present)
+    assert require_kernel("cpu") == TORCH_FALLBACK  # the planned kernel on CPU
+    with pytest.raises(PlanError, match="flash-linear-attention and causal-conv1d do not import") as err:
+        require_kernel("cuda")
+    assert "pip install 'dhp[gpu]'" in str(err.value) and "fla-chunk" in str(err.value)
+    present.add(linear_attn.DELTA_RULE_KERNEL)
+    with pytest.raises(PlanError, match="causal-conv1d does not import"):
+        require_kernel("cuda")
+    present.add(linear_attn.CONV1D_KERNEL)
+    assert require_kernel("cuda") == FLA_CHUNK

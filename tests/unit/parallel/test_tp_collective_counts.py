@@ -93,3 +93,57 @@ def test_tp_input_grads_count_the_column_parallel_projections(family: str, name:
     ]
     typed = get_arch(family).architecture(OmegaConf.structured(model)).modules[name]
     assert len(colwise) == typed.tp_input_grads, colwise
+
+
+class _AllCollectives(TorchDispatchMode):
+    """Counts every collective dispatched, functional (DTensor's) or not (``dist.*``: the Gated
+    DeltaNet style's all-to-alls and all-reduces), all-to-alls apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduce_like = 0
+        self.all_to_all = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap")):
+            if "alltoall" in name or "all_to_all" in name:
+                self.all_to_all += 1
+            else:
+                self.reduce_like += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_hybrid_deltanet_decoder_issues_what_the_planner_counts(mesh, sequence_parallel: bool) -> None:
+    """Tiny Qwen3.5 (3 Gated DeltaNet layers, 1 full-attention layer) under the family's TP plan: per
+    block what ``dhp.plan.tp_blocks.tp_block`` says (a DeltaNet mixer reduces its input's and its norm
+    weight's grads, not one per projection, and moves 2 weight shards by all-to-all each pass)."""
+    from omegaconf import OmegaConf
+
+    from dhp.models.entries import model_entry
+    from dhp.parallel.llm_tp import apply_tp
+    from dhp.plan.tp_blocks import tp_block
+
+    family, entry = get_family("qwen3_5"), model_entry("tiny_qwen3_5")
+    torch.manual_seed(0)
+    module = family.build_module("llm", family.hf_config(entry), device="cpu", dtype=torch.float32)
+    apply_tp(module, mesh, sequence_parallel=sequence_parallel, module_name="llm")
+    h = entry.llm.hidden_size
+    embeds = torch.randn(1, 16, h, requires_grad=True)
+    positions = torch.arange(16).view(1, 1, 16).expand(3, 1, 16)
+    with _AllCollectives() as fwd:
+        hidden = module.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
+    local = hidden.to_local() if hasattr(hidden, "to_local") else hidden
+    with _AllCollectives() as bwd:
+        local.float().pow(2).mean().backward()
+    arch = get_arch("qwen3_5").architecture(OmegaConf.structured(entry)).modules["llm"]
+    blocks = [tp_block(b, arch, 2) for b in arch.blocks]
+    assert {b.attention.kind for b in arch.blocks} == {"linear", "full"}
+    sp = 2 if sequence_parallel else 1  # a reduce-scatter and an all-gather for each all-reduce
+    moves = sum(len(c.relayout) for c in blocks)
+    assert moves == 2 * arch.count("linear")
+    assert (fwd.all_to_all, bwd.all_to_all) == (moves, moves)
+    assert fwd.reduce_like == sum(c.fwd_reduces * sp for c in blocks)
+    gathers = (2 * len(blocks) + 1) if sequence_parallel else 0  # the outputs' grads, and the input's
+    assert bwd.reduce_like == sum(c.bwd_reduces + c.bwd_small for c in blocks) + gathers

@@ -171,3 +171,80 @@ def test_flops_match_torch_flop_counter(hf_model) -> None:
     fl = module_flops(shape, 256)
     patch_embed = 2 * 256 * 3 * 2 * 14 * 14 * ARCH["vision"]["hidden_size"]  # Conv3d: not a planner matmul
     assert counter.get_total_flops() == pytest.approx(fl.matmul_fwd + patch_embed, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("family", "model"), [("qwen3_vl", "tiny_qwen3_vl"), ("qwen3_vl_moe", "tiny_qwen3_vl_moe")]
+)
+def test_qwen3_llm_with_per_head_norms_matches_saved_tensors(family: str, model: str) -> None:
+    """Qwen3's attention normalizes q and k per head (``Attention.qk_norm``): their fp32 inputs, rsqrt
+    and outputs are saved too (15 % of tiny Qwen3-VL's LLM activations when left out). The family's
+    LLM module, one forward with the loss (AC off), against every saved term the planner counts."""
+    import torch
+
+    from dhp.metrics.accounting import saved_by_part
+    from dhp.models.entries import model_entry
+    from dhp.models.registry import get_family
+
+    seq, fam, entry = 256, get_family(family), model_entry(model)
+    torch.manual_seed(0)
+    llm = fam.build_module("llm", fam.hf_config(entry), device="cpu", dtype=torch.float32)
+    ids = torch.randint(20, 1000, (1, seq), generator=torch.Generator().manual_seed(0))
+    saved, _ = saved_by_part(
+        lambda: llm(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone(),
+                    mm_token_type_ids=torch.zeros_like(ids)),
+        {},
+        exclude=list(llm.parameters()),
+    )  # fmt: skip
+    module = OmegaConf.merge(
+        OmegaConf.structured(ModuleConfig),
+        {"parallel": {"dp": 1}, "seq_len": seq, "mixed_precision": "fp32", "activation_checkpointing": "off"},
+    )
+    shape = module_shape(
+        "llm", model=OmegaConf.structured(entry), module=module, layout=module_layout(module), micro_batch=1
+    )
+    assert shape.arch.blocks[0].attention.qk_norm
+    assert sum(saved.values()) == pytest.approx(sum(activations_of(shape).values()), rel=TOLERANCE)
+
+
+def _master_weights(shape):
+    """``shape`` under ``bf16_master_fp32`` (fp32 master weights, bf16 compute)."""
+    import dataclasses
+
+    from dhp.plan.memory import precision
+
+    return dataclasses.replace(shape, precision=precision("bf16_master_fp32"))
+
+
+def test_master_weights_match_saved_tensors(hf_model) -> None:
+    """``bf16_master_fp32`` at fsdp=1 (the runtime's unit cast, ``dhp.parallel.precision``): what autograd
+    saves, the bf16 copies of the weights the ops keep included, against the planner's bf16
+    activations plus ``compute_weights`` (the LLM's blocks here: ``language_model`` has no lm_head and
+    its embedding is not called; the encoder's blocks, patch embedding and merger)."""
+    import copy
+
+    import torch
+
+    from dhp.parallel.precision import apply_compute_cast
+    from dhp.plan.memory import compute_copy_elems
+
+    seq = 512
+    lm = copy.deepcopy(hf_model.model.language_model)
+    for unit in (*lm.layers, lm.norm):
+        apply_compute_cast(unit, [], dtype=torch.bfloat16)
+    embeds = torch.randn(1, seq, ARCH["llm"]["hidden_size"]).bfloat16().requires_grad_(True)
+    positions = torch.arange(seq).view(1, 1, seq).expand(3, 1, seq)
+    measured = _saved_bytes(lm, lambda: lm(inputs_embeds=embeds, position_ids=positions))
+    shape = _master_weights(_shape("llm", seq)[1])
+    detail = activations_of(shape)
+    _, blocks, _ = compute_copy_elems(shape)
+    assert detail["layers"] + detail["final_norm"] + 2 * blocks == pytest.approx(measured, rel=TOLERANCE)
+
+    visual = copy.deepcopy(hf_model.model.visual)
+    apply_compute_cast(visual, list(visual.blocks), dtype=torch.bfloat16)
+    grid = torch.tensor([[1, 32, 32]])
+    pixels = torch.randn(1024, 3 * 2 * 14 * 14)
+    measured = _saved_bytes(visual, lambda: visual(pixels, grid_thw=grid))
+    detail = activations_of(_master_weights(_shape("vision", 1024)[1]))
+    assert detail["compute_weights"] > 0
+    assert sum(detail.values()) == pytest.approx(measured, rel=TOLERANCE)

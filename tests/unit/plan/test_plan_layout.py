@@ -71,9 +71,9 @@ def test_disaggregated_unequal_gpu_counts() -> None:
     assert all(r.gpu_fraction == 1.0 for g in plan.groups for r in g.ranks)
     assert llm.mesh == {"dp": 3, "tp": 2}
     assert [r.coords for r in llm.ranks[:3]] == [
-        {"dp": 0, "fsdp": 0, "sp": 0, "tp": 0},
-        {"dp": 0, "fsdp": 0, "sp": 0, "tp": 1},
-        {"dp": 1, "fsdp": 0, "sp": 0, "tp": 0},
+        {"dp": 0, "fsdp": 0, "cp": 0, "sp": 0, "tp": 0},
+        {"dp": 0, "fsdp": 0, "cp": 0, "sp": 0, "tp": 1},
+        {"dp": 1, "fsdp": 0, "cp": 0, "sp": 0, "tp": 0},
     ]
     assert len(plan.placement_groups[0].bundles) == 8
     assert all(b == {"GPU": 1.0, "CPU": 4.0} for b in plan.placement_groups[0].bundles)
@@ -85,19 +85,18 @@ def test_disaggregated_unequal_gpu_counts() -> None:
     ]
 
 
-def test_two_nodes() -> None:
+def test_four_nodes() -> None:
     plan = compile_plan(load_config("qwen_vl_72b", []))
     vision, llm = plan.group("vision"), plan.group("llm")
-    assert vision.mesh == {"dp": 2, "sp": 8} and llm.mesh == {"fsdp": 2, "tp": 8}
-    assert [r.node for r in llm.ranks] == [0] * 8 + [1] * 8
+    assert vision.mesh == {"dp": 4, "sp": 8} and llm.mesh == {"fsdp": 4, "tp": 8}
+    assert [r.node for r in llm.ranks] == [n for n in range(4) for _ in range(8)]
     assert _tp_groups_in_one_node(llm)
-    assert [(pg.node, len(pg.bundles)) for pg in plan.placement_groups] == [(0, 8), (1, 8)]
+    assert [(pg.node, len(pg.bundles)) for pg in plan.placement_groups] == [(n, 8) for n in range(4)]
     assert {(r.placement_group, r.bundle_index) for r in llm.ranks} == {
-        (p, b) for p in (0, 1) for b in range(8)
+        (p, b) for p in range(4) for b in range(8)
     }
     assert [(r.llm_ranks, r.vision_ranks) for r in plan.routing] == [
-        (tuple(range(8)), tuple(range(8))),
-        (tuple(range(8, 16)), tuple(range(8, 16))),
+        (tuple(range(8 * n, 8 * n + 8)), tuple(range(8 * n, 8 * n + 8))) for n in range(4)
     ]
 
 

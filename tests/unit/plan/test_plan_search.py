@@ -1,12 +1,18 @@
 """`--auto`'s search space holds selective AC and the LLM's sequence parallelism, keeps what the user
-fixed, and its overrides round-trip through `apply` as typed values."""
+fixed, holds every recipe's own plan that fits, says why it found nothing, and its overrides
+round-trip through `apply` as typed values."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
-from dhp.plan.search import Search, apply
-from dhp.validation import load_config
+from dhp.config.loader import RECIPES_DIR
+from dhp.errors import PlanError
+from dhp.plan.compile import compile_plan
+from dhp.plan.search import Search, apply, auto_plan, no_plan_message
+from dhp.validation import load_config, validate
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +39,7 @@ def test_search_space_has_selective_ac_and_llm_sequence_parallel() -> None:
 
 def test_overrides_apply_as_typed_values() -> None:
     cfg = load_config("tiny_vlm", [])
-    (best,) = Search(cfg, set()).run(keep=1)
+    best = Search(cfg, set()).run(keep=1)[0]
     out = apply(cfg, best.overrides())
     assert out.modules.llm.parallel.sequence_parallel is best.llm.degrees.sequence_parallel
     assert out.modules.llm.activation_checkpointing == best.llm.ac
@@ -59,3 +65,68 @@ def test_oversubscription_counts_every_rank_process_and_the_driver() -> None:
     assert oversubscription(cfg.cluster, 5.0) == 2.5 and oversubscription(cfg.cluster, 1.0) == 1.0
     gpu = load_config("qwen_vl_7b", [])  # host_cores 0: GPUs never share
     assert oversubscription(gpu.cluster, 9.0) == 1.0
+
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if p.stem != "tiny_vlm_demo")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_recipes_own_plan_is_a_candidate(recipe: str) -> None:
+    """Every recipe whose plan fits is in ``--auto``'s space and is one of its candidates, timed and
+    sized exactly as ``dhp plan`` does it; ``--auto`` can only return something at least as fast."""
+    cfg = load_config(recipe, [])
+    plan = compile_plan(cfg)
+    if not plan.fits or "vision" not in cfg.modules:
+        pytest.skip("the recipe's own plan does not fit")
+    search = Search(cfg, set())
+    own = search.own()
+    assert own is not None
+    assert own.step_s == pytest.approx(plan.estimate["step_time_s"], rel=1e-9)
+    assert own.peak == max(d.total for d in plan.devices)
+    v, lm = own.vision, own.llm
+    assert (own.placement, v.world, lm.world) in search.placements()
+    assert v.degrees in search._degrees("vision", v.world) and lm.degrees in search._degrees("llm", lm.world)
+    assert v.ac in search._acs("vision") and lm.ac in search._acs("llm")
+    assert own.micro_batch in search.micro_batches(lm.degrees.num_replicas, v.degrees.num_replicas)
+    assert own.vision_seq_len == search.vision_seq_len(own.micro_batch, v.degrees.sp)
+    assert not validate(apply(cfg, own.overrides()))  # the overrides rebuild the recipe's plan
+
+
+def test_the_search_returns_the_recipes_plan_or_a_faster_one() -> None:
+    fixed = {
+        "placement",
+        "train.micro_batch_size",
+        "modules.vision.gpus",
+        "modules.vision.activation_checkpointing",
+    }
+    cfg = load_config("tiny_qwen3_vl_moe", [])
+    search = Search(cfg, fixed)  # a smaller space, to keep it fast: the recipe's placement, ...
+    found = search.run()
+    own = search.own()
+    assert own.label() in {c.label() for c in found} and found[0].step_s <= own.step_s
+
+
+@pytest.mark.slow
+def test_auto_finds_a_plan_for_the_30b_at_least_as_fast_as_the_recipe() -> None:
+    """qwen3_vl_30b_a3b: the search once wrote every candidate's vision seq_len for a share of the
+    patches (per encoder replica) that validation then refused, and found nothing."""
+    cfg = load_config("qwen3_vl_30b_a3b", [])
+    out, _ = auto_plan(cfg, set(), top=1)
+    assert out[0][0].step_s <= compile_plan(cfg).estimate["step_time_s"]
+
+
+def test_a_search_that_finds_nothing_names_what_ruled_each_class_out() -> None:
+    overrides = ["cluster.device_memory_gib=1.05", "placement=disaggregated"]  # less than the reserve
+    fixed = {"placement", "modules.vision.activation_checkpointing", "modules.llm.activation_checkpointing"}
+    cfg = load_config("tiny_vlm", overrides)
+    with pytest.raises(PlanError) as err:
+        auto_plan(cfg, fixed)
+    text = str(err.value)
+    assert "disaggregated 2:2: none fits memory (smallest peak" in text and "MiB usable)" in text
+    assert "disaggregated 1:3: no micro-batch size divides the global batch" in text  # 4 over dp=3
+    assert "fewer fixed settings" not in text
+    search = Search(cfg, fixed)
+    search.run()
+    message = no_plan_message(search, collections.Counter({"modules.vision.seq_len: too short": 3}))
+    assert "validation refused: modules.vision.seq_len: too short (3x)" in message
+    assert "Fix: change the refused setting above" in message

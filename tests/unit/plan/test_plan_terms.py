@@ -53,7 +53,7 @@ MODEL = OmegaConf.create(
 )
 
 
-def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int = 0, **par):
+def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int = 0, mp: str = "fp32", **par):
     degrees = {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1, "zero": 0, "sequence_parallel": False} | par
     module = OmegaConf.merge(
         OmegaConf.structured(ModuleConfig),
@@ -63,7 +63,7 @@ def _shape(name: str, *, seq: int = 4, mb: int = 1, ac: str = "off", chunk: int 
             "activation_checkpointing": ac,
             "loss_chunk_tokens": chunk,
             "freeze": False,
-            "mixed_precision": "fp32",
+            "mixed_precision": mp,
         },
     )
     return module_shape(
@@ -83,6 +83,41 @@ def test_model_states_bytes() -> None:
     assert tp2.params == 4 * (1696 // 2 + 40)
     z1 = module_terms(_shape("llm", dp=2, zero=1), micro_batches=1, optimizer_impl="for_loop")
     assert z1.optimizer == 8 * P_LLM // 2
+
+
+def test_master_weights_states_activations_and_compute_copies() -> None:
+    # bf16_master_fp32: fp32 parameters, gradients and AdamW states (4 + 4 + 8 B per parameter),
+    # bf16 compute (2 B per activation element, the hand-off rows included)
+    mp = "bf16_master_fp32"
+    t = module_terms(_shape("llm", mp=mp), micro_batches=1, optimizer_impl="fused")
+    assert (t.params, t.grads, t.optimizer) == (4 * P_LLM, 4 * P_LLM, 8 * P_LLM)
+    assert t.saved["layers"] == 4 * 2 * 140 * 2 and t.handoff == 4 * 8 * 2
+    # fsdp=1, the unit cast: each block's bf16 copy (608 = 592 + 2 norms of 8) and the root's
+    # (1736 - 2 * 608 = 520: embedding, lm_head, final norm) are saved for backward, 2 B each
+    assert t.saved["compute_weights"] == (2 * 608 + 520) * 2
+    assert "compute_block" not in t.fwd_work
+    # AC full: a block's copy is dropped at its end and cast again in its recompute
+    full = module_terms(_shape("llm", mp=mp, ac="full"), micro_batches=1, optimizer_impl="fused")
+    assert full.saved["compute_weights"] == 520 * 2
+    assert full.fwd_work["compute_block"] == full.bwd_work["compute_block"] == 608 * 2
+    # every_n:2 on 2 layers: block 1 keeps its copy
+    every = module_terms(_shape("llm", mp=mp, ac="every_n:2"), micro_batches=1, optimizer_impl="fused")
+    assert every.saved["compute_weights"] == (520 + 608) * 2
+    # FSDP: its all-gather is the cast (bf16 gathered blocks), gradients reduce-scattered in fp32
+    f = module_terms(_shape("llm", mp=mp, fsdp=2), micro_batches=1, optimizer_impl="fused")
+    assert "compute_weights" not in f.saved
+    assert f.fwd_work["fsdp_gather"] == (2 * 608 + 520) * 2 and f.bwd_work["fsdp_reduce_scatter"] == 608 * 4
+    assert (f.params, f.grads, f.optimizer) == (4 * P_LLM // 2, 4 * P_LLM // 2, 8 * P_LLM // 2)
+    # bf16 stores bf16 (2 + 2 + 4) and casts nothing; fp32 computes in fp32
+    b = module_terms(_shape("llm", mp="bf16"), micro_batches=1, optimizer_impl="fused")
+    assert (b.params, b.grads, b.optimizer) == (
+        2 * P_LLM,
+        2 * P_LLM,
+        4 * P_LLM,
+    ) and "compute_weights" not in b.saved
+    assert b.saved["layers"] == t.saved["layers"] and b.handoff == t.handoff
+    fp32 = module_terms(_shape("llm"), micro_batches=1, optimizer_impl="fused")
+    assert fp32.handoff == 2 * t.handoff and "compute_weights" not in fp32.saved
 
 
 def test_saved_activations_per_ac_mode() -> None:
@@ -214,7 +249,7 @@ def test_adamw_states_bytes_equal_the_planners(dtype: str) -> None:
     p.grad = torch.ones_like(p)
     opt.step()
     state = [t for t in opt.state[p].values() if t.dim() > 0]
-    want = precision(dtype, "bf16", fsdp=1)
+    want = precision({"bfloat16": "bf16", "float32": "fp32"}[dtype])
     assert sum(t.numel() * t.element_size() for t in state) == want.optimizer * p.numel()
     assert p.grad.element_size() == want.grad and p.element_size() == want.param
 
@@ -304,3 +339,74 @@ def test_sp_ranks_hold_whole_windows() -> None:
     assert sp_rank_tokens(v, 16, 8, 16) == 4  # 4 windows over 8 ranks: the fullest holds one window
     assert sp_rank_tokens(v, 12, 2, 12) == 8  # 3 windows over 2 ranks: ceil(3/2) = 2 windows
     assert sp_rank_tokens(v, 16, 1, 16) == 16
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """A 2-rank fake process group in this process (collectives dispatch and do nothing): enough to
+    build, parallelize and step a module and count what it allocates on rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_bytes(tensors) -> int:
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16_master_fp32", "bf16"])
+@pytest.mark.parametrize("degrees", [{"tp": 2}, {"fsdp": 2}, {"dp": 2}], ids=["tp2", "fsdp2", "dp2"])
+def test_model_states_equal_what_a_parallelized_module_allocates(
+    fake_world, policy: str, degrees: dict
+) -> None:
+    """The tiny Qwen2.5-VL LLM built as the worker builds it (fp32 weights stored in the policy's
+    parameter dtype), parallelized, one forward + backward + AdamW step: its parameters, gradients
+    and AdamW states (local shards, in the dtypes the policy names) are exactly the planner's bytes."""
+    import torch
+
+    from dhp.config.schema import TrainConfig
+    from dhp.layout import ParallelLayout
+    from dhp.models import get_family
+    from dhp.models.entries import model_entry
+    from dhp.models.testing import tiny_vl_batch
+    from dhp.parallel import build_mesh, build_optimizer, cast_parameters_, parallelize, precision_of
+
+    entry = model_entry("tiny")
+    family = get_family(entry.family)
+    cfg = family.hf_config(entry)
+    pol = precision_of(policy)
+    module = cast_parameters_(
+        family.build_module("llm", cfg, device="cpu", dtype=torch.float32), pol.param_dtype
+    )
+    layout = ParallelLayout(**degrees)
+    mesh = build_mesh(layout, "cpu")
+    parallelize("llm", module, mesh, layout, activation_checkpointing="off", mixed_precision=policy)
+    batch = tiny_vl_batch(cfg, images=[[]], text_lens=[16], seed=0)  # text only: no hand-off edges
+    out = module(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")},
+                 image_grid_thw=None, sample_ids=batch["sample_ids"])  # fmt: skip
+    (out.loss_sum / out.num_tokens).backward()
+    params = list(module.parameters())
+    got = {"params": _local_bytes(params), "grads": _local_bytes([p.grad for p in params])}
+    optimizer = build_optimizer(module, mesh, layout, train=TrainConfig())
+    optimizer.step()
+    states = [t for st in optimizer.state.values() for t in st.values() if t.dim() > 0]
+    got["optimizer"] = _local_bytes(states)
+    assert {p.dtype for p in params} | {t.dtype for t in states} == {pol.param_dtype}
+    assert {p.grad.dtype for p in params} == {pol.param_dtype}
+
+    planned = OmegaConf.merge(
+        OmegaConf.structured(ModuleConfig),
+        {"parallel": degrees, "seq_len": 16, "mixed_precision": policy, "gpus": 2},
+    )
+    shape = module_shape(
+        "llm", model=OmegaConf.structured(entry), module=planned, layout=module_layout(planned), micro_batch=1
+    )
+    t = module_terms(shape, micro_batches=1, optimizer_impl="fused")
+    assert got == {"params": t.params, "grads": t.grads, "optimizer": t.optimizer}
+    assert shape.precision.act == torch.tensor([], dtype=pol.compute_dtype).element_size()

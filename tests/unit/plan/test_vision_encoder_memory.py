@@ -82,3 +82,69 @@ def test_encoder_saved_bytes_match_the_plan(hidden: int, mlp: int, depth: int, d
     # within 2 %: these settings agree within 0.5 % (what is left: norm statistics, rotary tables and
     # the position-table taps); a SwiGLU's 4 MLP widths or a missed DeepStack merger is 6-25 % here
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+def test_an_encoder_replica_serving_two_llm_replicas_is_planned_for_both_their_images() -> None:
+    """With one encoder replica and two LLM replicas, the encoder encodes both replicas' images in
+    one forward per driver micro-batch (``dhp.plan.placement.routing``): ``modules.vision.seq_len``
+    bounds one LLM replica's micro-batch, so the planner counts twice that, for memory and time."""
+    from dhp.plan import compile_plan
+    from dhp.validation import load_config
+
+    common = [
+        "placement=disaggregated",
+        "modules.vision.gpus=1",
+        "modules.vision.parallel.sp=1",
+        f"data.synthetic.patches={PATCHES}",
+        "data.synthetic.images_per_sample=1",
+        f"modules.vision.seq_len={PATCHES}",
+        "train.micro_batch_size=1",
+    ]
+    two = load_config("tiny_qwen3_vl_moe", [*common, "train.global_batch_size=2"])  # llm dp=2
+    one = load_config(
+        "tiny_qwen3_vl_moe",
+        [*common, "train.global_batch_size=1", "modules.llm.gpus=1", "modules.llm.parallel.dp=1",
+         "modules.llm.parallel.ep=1"],
+    )  # fmt: skip
+    family = get_family("qwen3_vl_moe")
+    torch.manual_seed(0)
+    vision = family.build_module("vision", family.hf_config(two.model), device="cpu", dtype=torch.float32)
+    v = two.model.vision
+    row = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    side = int(PATCHES**0.5)
+    measured = _saved_bytes(vision, torch.randn(2 * PATCHES, row), torch.tensor([[1, side, side]] * 2))
+    plans = {n: compile_plan(cfg) for n, cfg in (("two", two), ("one", one))}
+    planned = {n: p.group("vision").ranks[0].memory.detail for n, p in plans.items()}
+    assert measured == pytest.approx(sum(planned["two"].values()), rel=0.10)
+    assert sum(planned["two"].values()) == pytest.approx(2 * sum(planned["one"].values()), rel=0.01)
+    # time: the estimate's vision FLOPs are those of every patch it counts in its throughput
+    est = {n: p.estimate for n, p in plans.items()}
+    for n, e in est.items():
+        patches_per_mb = e["vision_tokens_per_s"] * e["step_time_s"] / e["micro_batches"]
+        assert patches_per_mb == pytest.approx(PATCHES * (2 if n == "two" else 1))
+    flops = {n: e["modules"]["vision"]["tflops_per_rank"] / e["micro_batches"] for n, e in est.items()}
+    assert flops["two"] == pytest.approx(2 * flops["one"], rel=0.01)
+
+
+def test_the_30b_plans_vision_flops_of_the_patches_it_counts_in_its_throughput() -> None:
+    """``dhp plan conf=qwen3_vl_30b_a3b --json``: 8 LLM replicas per encoder replica. The vision
+    TFLOPs the plan charges its ranks are the PaLM FLOPs of the vision tokens its own throughput
+    counts per step (131K patches; within the planner's extra terms: the merger, the patch rows,
+    DeepStack), not of the 16K patches of one LLM replica's micro-batch."""
+    import json
+
+    from dhp.models.arch import palm_flops
+    from dhp.plan import compile_plan
+    from dhp.plan.params import architecture
+    from dhp.validation import load_config
+
+    cfg = load_config("qwen3_vl_30b_a3b", [])
+    plan = compile_plan(cfg)
+    doc = json.loads(plan.to_json_str())["estimate"]
+    patches = doc["vision_tokens_per_s"] * doc["step_time_s"]
+    syn = cfg.data.synthetic
+    assert patches == pytest.approx(cfg.train.global_batch_size * syn.images_per_sample * syn.patches)
+    palm = palm_flops(architecture(cfg.model).modules["vision"], [syn.patches] * round(patches / syn.patches),
+                      frozen=False)  # fmt: skip
+    charged = doc["modules"]["vision"]["tflops_per_rank"] * 1e12 * plan.group("vision").world_size
+    assert 1.0 <= charged / palm <= 1.12

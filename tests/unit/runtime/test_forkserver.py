@@ -227,3 +227,12 @@ def test_close_ends_the_children_still_running(tmp_path):
         proc.kill()
         proc.wait()
         srv.close()
+
+
+def test_a_driver_joining_a_cluster_starts_no_server_of_its_own(monkeypatch):
+    """Its ranks run on the cluster's nodes, which start their own (dhp.runtime.forknodes)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert forkserver.start_for_driver("qwen2_5_vl", ray_address="10.0.0.1:6379") is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert forkserver.start_for_driver("qwen2_5_vl") is None
+    assert forkserver.current() is None

@@ -126,6 +126,16 @@ def test_cpu_transport_is_zero_copy_on_pack():
     assert torch.equal(CpuTransport().unpack(packed, device=torch.device("cpu")), t)
 
 
+def test_cpu_transport_carries_bf16_rows_zero_copy():
+    # numpy has no bfloat16: the rows' bits travel as int16 (2 bytes per element, no copy) and come
+    # back bit for bit as bfloat16 (what both bf16 precision policies hand off)
+    t = torch.randn(3, 4).to(torch.bfloat16)
+    packed = CpuTransport().pack(t)
+    assert packed.bits.ctypes.data == t.data_ptr() and packed.bits.nbytes == t.numel() * 2
+    back = CpuTransport().unpack(packed, device=torch.device("cpu"))
+    assert back.dtype == torch.bfloat16 and torch.equal(back, t)
+
+
 def test_a_rank_without_tokens_still_gets_its_shard():
     # one 8x8 image = one 64-patch window: SP rank 1 has no tokens but must still run the
     # full-attention all-to-alls with its peer, so it gets an (empty) shard, never None

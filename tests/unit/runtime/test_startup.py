@@ -135,3 +135,14 @@ def _fresh_interpreter(code: str, *args: str) -> dict:
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_actors_line_says_how_the_ranks_began_and_why_a_node_could_not_fork() -> None:
+    assert (
+        startup.actors_phase(["forked"] * 8)
+        == "actors start (8 ranks forked from the pre-imported fork server)"
+    )
+    assert startup.actors_phase(["fresh"] * 2) == "actors start (a process per rank, its imports)"
+    why = "on node 10.0.0.2 (3fa2c1d0): its Python is /opt/py/bin/python, the driver's is /usr/bin/python"
+    line = startup.actors_phase(["forked"] * 4 + [f"fresh: {why}"] * 4)
+    assert line == f"actors start (4 of 8 ranks forked; the others imported everything: {why})"

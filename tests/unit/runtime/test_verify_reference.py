@@ -9,10 +9,19 @@ import torch
 from omegaconf import OmegaConf
 
 from dhp.data import build_run_loader
+from dhp.data.batch import concat_batches
 from dhp.errors import ConfigError
 from dhp.models import get_family
 from dhp.plan.compile import module_layouts
-from dhp.runtime.verify import ReferenceModel, StepDiff, VerifyReport, check_verifiable, compare_grads
+from dhp.runtime.verify import (
+    ReferenceModel,
+    StepDiff,
+    VerifyReport,
+    check_verifiable,
+    compare_grads,
+    definition_differs,
+    step_batch,
+)
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
@@ -147,3 +156,61 @@ def test_reference_update_applies_the_given_grads_and_returns_its_own() -> None:
         for k, p in sd.items():
             moved_own, moved_forced = own.params()[m][k] - init[m][k], p - init[m][k]
             assert torch.allclose(moved_forced, -moved_own, atol=1e-6), (m, k)  # fp32 rounding of p - p0
+
+
+def test_moe_reference_is_hf_on_the_whole_step_in_one_call() -> None:
+    # 2 replicas x 2 micro-batches of 1 sample: the reference is ONE forward of transformers' model on
+    # the step's 4 samples with output_router_logits (its own loss: mean CE + coef * aux over all 4)
+    cfg = OmegaConf.to_object(load_config("tiny_qwen3_vl_moe", ["train.micro_batch_size=1"]))
+    data = next(build_run_loader(cfg, module_layouts(cfg)))
+    assert len(data.micro_batches) == 2 and len(data.micro_batches[0]) == 2
+    family = get_family(cfg.model.family)
+    hf = family.hf_config(cfg.model)
+    torch.manual_seed(0)
+    init = {
+        n: dict(family.build_module(n, hf, device="cpu", dtype=torch.float32).state_dict())
+        for n in family.module_names
+    }
+    ref = ReferenceModel(model=cfg.model, modules=cfg.modules, train=cfg.train, initial=init)
+    assert ref.definition(data) == (
+        "Qwen3VLMoeForConditionalGeneration on the step's 4 samples in one call; loss = mean CE + "
+        "0.02 * load_balancing_loss_func (transformers' own)"
+    )
+    whole = step_batch(data, pad_token_id=cfg.model.tokens.pad_token_id)
+    assert whole.input_ids.shape[0] == 4 and whole.num_label_tokens == data.num_label_tokens
+    with torch.no_grad():
+        out = ref.model(
+            input_ids=whole.input_ids,
+            attention_mask=whole.attention_mask,
+            labels=whole.labels,
+            mm_token_type_ids=whole.mm_token_type_ids,
+            pixel_values=whole.pixel_values,
+            image_grid_thw=whole.image_grid_thw,
+            output_router_logits=True,
+        )
+    loss, _, grads = ref.step(data, lr=1e-3)
+    assert loss == pytest.approx(float(out.loss), rel=1e-6) and float(out.aux_loss) > 0
+    assert any(k.endswith("mlp.gate.weight") for k in grads["llm"])  # the routers get the aux gradient
+
+
+def test_a_plan_defined_otherwise_fails_with_the_reason() -> None:
+    cfg = load_config("tiny_qwen3_vl_moe", ["train.micro_batch_size=1", "train.router_aux_loss=micro_batch"])
+    data = next(build_run_loader(cfg, module_layouts(cfg)))
+    why = definition_differs(cfg, data, router_coef=0.02)
+    assert "train.router_aux_loss=micro_batch with 2 micro-batches per LLM replica" in why
+    assert definition_differs(cfg, data, router_coef=None) == ""  # a dense model has no router term
+    ok = StepDiff(1, 2.0, 2.0, 1.0, 1.0, {"llm": 0.0}, {"llm": "w"})
+    assert VerifyReport(steps=[ok]).passed and not VerifyReport(steps=[ok], definition_differs=why).passed
+
+
+def test_concat_batches_pads_rows_and_keeps_the_image_order() -> None:
+    cfg = OmegaConf.to_object(load_config("tiny_vlm", ["train.micro_batch_size=1"]))
+    data = next(build_run_loader(cfg, module_layouts(cfg)))
+    parts = [b for mb in data.micro_batches for b in mb]
+    whole = concat_batches(parts, pad_token_id=0)
+    assert whole.input_ids.shape == (len(parts), max(b.input_ids.shape[1] for b in parts))
+    assert whole.num_label_tokens == data.num_label_tokens
+    assert torch.equal(whole.pixel_values, torch.cat([b.pixel_values for b in parts]))
+    for i, b in enumerate(parts):
+        n = b.input_ids.shape[1]
+        assert torch.equal(whole.input_ids[i, :n], b.input_ids[0]) and not whole.attention_mask[i, n:].any()
