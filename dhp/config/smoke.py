@@ -18,8 +18,8 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
 layout of the recipe's family, ``scripts/make_tiny_checkpoint.py``): the run reads that checkpoint
 (tokenizer, chat template, image processor, weights) and keeps the recipe's real data
 (``data.path``), its images shrunk to at most ``SMOKE_MAX_PIXELS`` and its conversations given
-``SMOKE_REAL_LLM_SEQ`` tokens. So an SFT recipe for a real size trains end to end on its tiny
-counterpart: ``dhp train conf=sft_qwen_vl_7b smoke=true model.path=TINY data.path=FILE``.
+``SMOKE_REAL_LLM_SEQ`` tokens. So a fine-tune of a real size trains end to end on its tiny
+counterpart: ``dhp train conf=qwen_vl_7b train=sft data=sft smoke=true model.path=TINY data.path=FILE``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the SFT recipe tests share (imported as a sibling module, like ``procs``): a LLaMA-Factory
+"""What the SFT tests share (imported as a sibling module, like ``procs``): a LLaMA-Factory
 file of real photographs (scikit-image's bundled ones, captions written here) and the tiny
 checkpoint, in its family's real layout, that a recipe's ``smoke=true`` run reads."""
 
@@ -49,10 +49,10 @@ def llamafactory_file(path: Path, names: list[str] | None = None) -> Path:
     return path
 
 
-def tiny_checkpoint(recipe: str, out: Path) -> Path:
+def tiny_checkpoint(recipe: str, out: Path, overrides: list[str] | None = None) -> Path:
     """The tiny checkpoint of ``recipe``'s family at the numbers its smoke run shrinks to."""
     from dhp.models import make_tiny_checkpoint
     from dhp.validation import load_config
 
-    model = load_config(recipe, [], smoke=True).model
+    model = load_config(recipe, list(overrides or []), smoke=True).model
     return make_tiny_checkpoint(out, model_cfg=model)

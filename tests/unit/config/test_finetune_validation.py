@@ -59,8 +59,11 @@ def test_chat_template_and_loss_mask_names():
     assert load_config("tiny_vlm", ["data.chat_template=/templates/mine.jinja"])  # read when data opens
 
 
-def test_sft_recipes_need_data_and_say_how():
-    got = _issues(recipe="sft_qwen_vl_7b")
+def test_sft_presets_need_data_and_say_how():
+    from dhp.config.loader import compose_run
+
+    got = _issues("train=sft", "data=sft", recipe="qwen_vl_7b")
     assert "give your data with data.path=FILE" in got["data.datasets"]
-    cfg = load_config("sft_qwen_vl_7b", ["data.path=my.json"])
+    cfg = compose_run("qwen_vl_7b", ["train=sft", "data=sft", "data.path=my.json"])
     assert (cfg.train.steps, cfg.train.epochs, cfg.train.keep_best, cfg.data.eval.split) == (0, 3, True, 0.02)
+    assert (cfg.train.lr_schedule, cfg.train.warmup_ratio, cfg.data.train_on) == ("cosine", 0.03, "assistant")

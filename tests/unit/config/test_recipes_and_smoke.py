@@ -15,8 +15,6 @@ from dhp.validation import load_config
 pytestmark = pytest.mark.unit
 
 RECIPES = [name for name, _ in list_recipes()]
-#: an SFT recipe trains on the user's data: given here as the shipped LLaMA-Factory demo file
-DEMO_FILE = "dhp/data_assets/demo/mllm_demo.json"
 REQUIRED = {"qwen_vl_32b", "qwen_vl_32b_tp", "qwen_vl_32b_zero3", "qwen_vl_7b", "qwen_vl_72b", "tiny_vlm"}
 
 
@@ -27,17 +25,11 @@ def test_required_recipes_exist_with_descriptions() -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_loads_frozen(recipe: str) -> None:
-    cfg = load_config(recipe, _full(recipe))
+    cfg = load_config(recipe, ["model.path=null"])  # tiny_vlm_demo's weights are written by `make demo`
     assert cfg.name == recipe
     assert OmegaConf.is_readonly(cfg)
     with pytest.raises(Exception, match="read-only"):
         cfg.train.steps = 3
-
-
-def _full(recipe: str) -> list[str]:
-    """Overrides a recipe loads with here: no weights (tiny_vlm_demo's are written by `make demo`),
-    and data for a recipe that trains on the user's (the SFT recipes)."""
-    return ["model.path=null"] + ([f"data.path={DEMO_FILE}"] if recipe.startswith("sft_") else [])
 
 
 def test_headline_recipe_shape() -> None:
@@ -69,7 +61,7 @@ def _axes(cfg) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
-    full = load_config(recipe, _full(recipe))
+    full = load_config(recipe, ["model.path=null"])
     smoke = load_config(recipe, [], smoke=True)  # validates
     assert smoke.cluster.name == "local_cpu" and smoke.cluster.device == "cpu"
     tiny = smoke.model.name

@@ -1,9 +1,10 @@
-"""Every SFT recipe trains end to end on its tiny counterpart, as a user runs it on a real checkpoint:
-``dhp train conf=R smoke=true model.path=TINY data.path=F``, with TINY a tiny checkpoint in the real
-layout of the recipe's family (tokenizer with its chat template, processor, safetensors) and F a
-LLaMA-Factory file of real photographs. The smoke run keeps each module's strategy (SP stays SP,
-FSDP stays FSDP, EP stays EP), the recipe's data and its evaluation (2 % held out, after each of its 2
-steps, the best checkpoint kept), and ``dhp export`` of the best checkpoint loads in transformers.
+"""A fine-tune with the SFT presets trains end to end on the tiny counterpart of each family's recipe,
+as a user runs it on a real checkpoint: ``dhp train conf=R train=sft data=sft smoke=true
+model.path=TINY data.path=F``, with TINY a tiny checkpoint in the real layout of the recipe's family
+(tokenizer with its chat template, processor, safetensors) and F a LLaMA-Factory file of real
+photographs. The smoke run keeps each module's strategy (SP stays SP, TP stays TP, EP stays EP), the
+preset's data and its evaluation (2 % held out, after each of its 2 steps, the best checkpoint kept),
+and ``dhp export`` of the best checkpoint loads in transformers.
 
 Qwen2.5-VL is the fast case; the other families are the slow matrix. A second test checks that an
 evaluation changes no training loss (with LoRA dropout drawing from the RNG in every step).
@@ -31,11 +32,12 @@ pytestmark = pytest.mark.integration
 
 SLOW = pytest.mark.slow
 RECIPES = [
-    "sft_qwen_vl_7b",
-    pytest.param("sft_qwen3_vl_8b", marks=SLOW),
-    pytest.param("sft_qwen3_vl_30b_a3b", marks=SLOW),
-    pytest.param("sft_qwen3_5_27b", marks=SLOW),
+    "qwen_vl_7b",
+    pytest.param("qwen3_vl_8b", marks=SLOW),
+    pytest.param("qwen3_vl_30b_a3b", marks=SLOW),  # MoE: EP, the router's load-balancing term
+    pytest.param("qwen3_5_27b", marks=SLOW),  # hybrid linear attention
 ]
+SFT = ["train=sft", "data=sft"]  # conf/train/sft.yaml, conf/data/sft.yaml
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +51,19 @@ def data_files(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _sft(recipe: str, tiny: Path, data: Path, out: Path, *overrides: str):
-    """``dhp train conf=RECIPE smoke=true model.path=TINY data.path=DATA`` in this process."""
-    cfg = load_config(
-        recipe, [f"model.path={tiny}", f"data.path={data}", f"train.output_dir={out}", *overrides], smoke=True
-    )
+    """``dhp train conf=RECIPE train=sft data=sft smoke=true model.path=TINY data.path=DATA`` here."""
+    given = [*SFT, f"model.path={tiny}", f"data.path={data}", f"train.output_dir={out}", *overrides]
+    cfg = load_config(recipe, given, smoke=True)
     console = io.StringIO()
     result = train(cfg, console=Console(file=console, width=200))
     return result, console.getvalue()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_sft_recipe_trains_with_eval_on_its_tiny_counterpart_and_exports(
+def test_sft_presets_train_with_eval_on_the_tiny_counterpart_and_export(
     ray_local, tmp_path, data_files, recipe
 ):
-    tiny = tiny_checkpoint(recipe, tmp_path / "tiny")
+    tiny = tiny_checkpoint(recipe, tmp_path / "tiny", SFT)
     result, said = _sft(recipe, tiny, data_files[0], tmp_path / "runs")
     assert sorted(result.losses) == [1, 2] and all(math.isfinite(v) for v in result.losses.values())
     assert sorted(result.evals) == [1, 2] and all(math.isfinite(v) for v in result.evals.values())
@@ -88,14 +89,14 @@ def test_evaluation_changes_no_training_loss(ray_local, tmp_path, data_files):
     loss is bit-equal. LoRA dropout 0.1 draws from every rank's RNG in each training forward, so an
     evaluation that moved a stream, left a module in eval mode or changed a weight would show."""
     train_file, val_file = data_files
-    tiny = tiny_checkpoint("sft_qwen_vl_7b", tmp_path / "tiny")
-    lora = ["lora=attn_mlp", "modules.llm.lora.dropout=0.1"]
+    tiny = tiny_checkpoint("qwen_vl_7b", tmp_path / "tiny", SFT)
+    lora = ["+lora=attn_mlp", "modules.llm.lora.dropout=0.1"]
     with_eval, _ = _sft(
-        "sft_qwen_vl_7b", tiny, train_file, tmp_path / "a", *lora,
+        "qwen_vl_7b", tiny, train_file, tmp_path / "a", *lora,
         f"data.eval.path={val_file}", "data.eval.split=0",
     )  # fmt: skip
     without, _ = _sft(
-        "sft_qwen_vl_7b", tiny, train_file, tmp_path / "b", *lora,
+        "qwen_vl_7b", tiny, train_file, tmp_path / "b", *lora,
         "data.eval.split=0", "train.keep_best=false", "train.eval_every=0",
     )  # fmt: skip
     assert sorted(with_eval.evals) == [1, 2] and not without.evals
@@ -103,9 +104,3 @@ def test_evaluation_changes_no_training_loss(ray_local, tmp_path, data_files):
     rows = [r for r in read_run_log(with_eval.run_dir / "metrics.jsonl").records]
     assert [e["eval_samples"] for e in read_run_log(with_eval.run_dir / "metrics.jsonl").evals] == [3, 3]
     assert rows and with_eval.losses[2] != with_eval.losses[1]
-
-
-def test_every_sft_recipe_is_in_the_matrix():
-    here = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes").glob("sft_*.yaml"))
-    listed = sorted(r if isinstance(r, str) else r.values[0] for r in RECIPES)
-    assert here == listed
