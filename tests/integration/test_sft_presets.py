@@ -90,7 +90,9 @@ def test_evaluation_changes_no_training_loss(ray_local, tmp_path, data_files):
     evaluation that moved a stream, left a module in eval mode or changed a weight would show."""
     train_file, val_file = data_files
     tiny = tiny_checkpoint("qwen_vl_7b", tmp_path / "tiny", SFT)
-    lora = ["+lora=attn_mlp", "modules.llm.lora.dropout=0.1"]
+    # LoRA dropout is refused under TP: the LLM sharded by FSDP instead
+    fsdp = [f"modules.llm.parallel.{k}={v}" for k, v in (("tp", 1), ("dp", 1), ("fsdp", 8), ("zero", 0))]
+    lora = ["+lora=attn_mlp", "modules.llm.lora.dropout=0.1", *fsdp]
     with_eval, _ = _sft(
         "qwen_vl_7b", tiny, train_file, tmp_path / "a", *lora,
         f"data.eval.path={val_file}", "data.eval.split=0",
