@@ -23,8 +23,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from dhp.errors import CheckpointError
 from dhp.models.checks import check_image_alignment, check_text_only
 from dhp.models.family import LLMOutput
+from dhp.models.packing import packed_llm_inputs
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
+from dhp.ops.packed import is_packed
 
 #: ``loss_fn(hidden (B, S, H), lm_head, labels (B, S) unshifted, *, shift=True) -> fp32 loss SUM``
 #: (``shift=False``: ``labels`` are already each token's target)
@@ -110,6 +112,40 @@ class LLMBase(nn.Module):
         # a hybrid decoder takes a mapping: its linear-attention layers run on the whole (gathered)
         # sequence (dhp.parallel.linear_attn_cp), so their padding mask is the whole micro-batch's
         return {"full_attention": full, "linear_attention": attention_mask}
+
+    def text_inputs(
+        self,
+        *,
+        inputs_embeds: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        mm_token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        **video: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, Any, dict[str, Any]]:
+        """``(position_ids, attention_mask, extra kwargs)`` for the text model on one micro-batch: a packed
+        one's per-sample positions and masks (``dhp.models.packing.packed_llm_inputs``), else the
+        family's :meth:`positions` on the whole sequence, cut to this rank's tokens, and
+        :meth:`text_mask`. Needs the family's ``positions`` (M-RoPE from transformers)."""
+        if is_packed(attention_mask):  # several samples per row
+            return packed_llm_inputs(
+                self,
+                inputs_embeds=inputs_embeds,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+                **video,
+            )
+        whole = self.positions(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            **video,
+        )
+        position_ids = self.cut(whole, dim=-1)  # context parallelism: this rank's tokens
+        return position_ids, self.text_mask(attention_mask), {}
 
     def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` mask of the tokens that take the encoder's rows, in order (the image tokens)."""

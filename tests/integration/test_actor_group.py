@@ -88,6 +88,7 @@ def test_killed_actor_is_named_by_module_and_rank(ray_local):
         release(pgs)
 
 
+@pytest.mark.slow
 def test_failed_rank_is_blamed_not_its_busy_peer(ray_local):
     # rank 1 is alive but busy past the blame grace (3 s) and its 2 s liveness probe: the failure
     # names rank 0 and its own error, not rank 1 as dead
@@ -103,6 +104,7 @@ def test_failed_rank_is_blamed_not_its_busy_peer(ray_local):
         release(pgs)
 
 
+@pytest.mark.slow
 def test_ranks_forked_from_the_fork_server_form_worlds_and_report_their_death(ray_local):
     """With a fork server serving this node, every rank is a child of it (torch already imported),
     joins its gloo world, and a SIGKILLed rank is still reported by module and rank."""

@@ -39,6 +39,7 @@ def _cfg(out, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_async_checkpoints_verify_and_resume_exactly(ray_local, tmp_path) -> None:
     a = train(_cfg(tmp_path))
     ckpts = sorted((a.run_dir / "checkpoints").iterdir())

@@ -135,12 +135,14 @@ def test_smoke_flag_shrinks_to_cpu() -> None:
     assert [g["mesh"] for g in doc["groups"]] == [{"dp": 2, "sp": 2}, {"fsdp": 2, "tp": 2}]
 
 
+@pytest.mark.slow
 def test_reserve_on_local_ray_then_release() -> None:
     out = dhp("plan", "conf=tiny_vlm", timeout=180)
     assert out.returncode == 0, out.stderr
     assert "reserved on the Ray cluster and released" in out.stdout
 
 
+@pytest.mark.slow
 def test_unplaceable_plan_names_missing_resources() -> None:
     # the tiny model planned for 8 GPUs: this CPU box's local Ray has no GPU at all
     out = dhp("plan", "conf=tiny_vlm", "cluster=h100_8x", timeout=180)

@@ -58,6 +58,7 @@ def test_shipped_demo_passes_with_a_summary(tiny_dir):
     assert "images per sample: 0 image(s): 3, 1 image(s): 18, 2 image(s): 3, 3 image(s): 1" in text
 
 
+@pytest.mark.slow
 def test_deleted_and_truncated_images_are_named_and_fail(tiny_dir, tmp_path):
     root, overrides = broken_copy(tmp_path)
     out = check(tiny_dir, *overrides)
@@ -90,6 +91,7 @@ def test_missing_dataset_file_is_a_short_error(tiny_dir, tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_all_four_formats_through_the_cli(tiny_dir, tmp_path):
     """One `dhp data check` over a messages JSONL, a typed-parts JSON, a parquet export and WebDataset
     shards built from the demo photos: every bad record is named by its own kind of location."""

@@ -56,6 +56,7 @@ def _same(a, b) -> None:
                 assert torch.equal(x.pixel_values, y.pixel_values.resolve())
 
 
+@pytest.mark.slow
 def test_ray_batches_equal_local_across_an_epoch_and_resume(ray_local, tiny_model):
     local, remote = _loader(tiny_model, "local"), _loader(tiny_model, "ray")
     try:
@@ -124,6 +125,7 @@ def test_train_losses_equal_local_and_resume_under_ray(ray_local, tmp_path):
         assert abs(resumed.losses[step] - ray_run.losses[step]) <= 1e-6 * abs(ray_run.losses[step])
 
 
+@pytest.mark.slow
 def test_ray_skip_policy_counts_bad_runs_within_one_epoch_pass(ray_local, tiny_model, tmp_path):
     """The Ray engine's skip policy, as the local one's (tests/unit/data/test_loader.py): seed 0 orders 4
     records [0,1,3,2] (epoch 2) then [2,3,1,0] (epoch 3); with 2 and 3 bad, four bad records in a row

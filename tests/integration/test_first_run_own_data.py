@@ -112,6 +112,7 @@ def trains(own, recipe: str, data: Path, *extra: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_tiny_vlm_trains_photos_a_video_and_text(ray_local, own, cache):
     rows = trains(own, "tiny_vlm", own["mixed"])
     assert all(r["tokens_per_s_vision"] > 0 for r in rows)

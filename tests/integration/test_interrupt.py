@@ -80,6 +80,7 @@ def _check_stopped(run_dir: Path, out: str, seen: set[int], sig: signal.Signals)
     return float(said.group(1))
 
 
+@pytest.mark.slow
 def test_sigterm_between_two_ranks_submissions_saves_and_exits_143(tmp_path) -> None:
     seen: set[int] = set()
     t0 = time.monotonic()

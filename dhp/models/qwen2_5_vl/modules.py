@@ -22,9 +22,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from dhp.models.checks import check_vision_inputs
 from dhp.models.common import LLMBase, LossFn, rope_index, sample_names, shifted_ce_sum
 from dhp.models.family import LLMOutput
-from dhp.models.packing import packed_llm_inputs
 from dhp.models.qwen2_5_vl.video import split_visual
-from dhp.ops.packed import is_packed
 
 __all__ = ["LLMModule", "LossFn", "VisionModule", "mrope_positions", "shifted_ce_sum"]
 
@@ -152,26 +150,14 @@ class LLMModule(LLMBase):
             mm_token_type_ids=mm_token_type_ids, grids=image_grid_thw, second_per_grid_ts=second_per_grid_ts
         )
         video = {"video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts}
-        if is_packed(attention_mask):  # several samples per row: dhp.models.packing
-            position_ids, text_mask, extra = packed_llm_inputs(
-                self,
-                inputs_embeds=inputs_embeds,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                mm_token_type_ids=mm_token_type_ids,
-                image_grid_thw=image_grid_thw,
-                **video,
-            )
-        else:
-            whole = self.positions(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                mm_token_type_ids=mm_token_type_ids,
-                image_grid_thw=image_grid_thw,
-                **video,
-            )
-            position_ids = self.cut(whole, dim=-1)  # context parallelism: this rank's tokens
-            text_mask, extra = self.text_mask(attention_mask), {}
+        position_ids, text_mask, extra = self.text_inputs(
+            inputs_embeds=inputs_embeds,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            **video,
+        )
         hidden = self.language_model(
             input_ids=None,
             inputs_embeds=inputs_embeds,

@@ -41,9 +41,7 @@ from transformers import PretrainedConfig
 from dhp.errors import DataError
 from dhp.models.common import LLMBase, rope_index, sample_names
 from dhp.models.family import LLMOutput, StepStatistics
-from dhp.models.packing import packed_llm_inputs
 from dhp.models.qwen3_vision.arch import deepstack_kwarg
-from dhp.ops.packed import is_packed
 from dhp.parallel.load_balancing import RouterStats, load_balancing_loss, router_share, router_stats
 
 __all__ = ["ROUTER_AUX_LOSS", "LLMModule"]
@@ -138,24 +136,13 @@ class LLMModule(LLMBase):
             image_embeds=image_embeds,
             sample_ids=sample_ids,
         )
-        if is_packed(attention_mask):  # several samples per row: dhp.models.packing
-            position_ids, text_mask, extra = packed_llm_inputs(
-                self,
-                inputs_embeds=inputs_embeds,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                mm_token_type_ids=mm_token_type_ids,
-                image_grid_thw=image_grid_thw,
-            )
-        else:
-            whole = self.positions(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                mm_token_type_ids=mm_token_type_ids,
-                image_grid_thw=image_grid_thw,
-            )
-            position_ids = self.cut(whole, dim=-1)  # context parallelism: this rank's tokens
-            text_mask, extra = self.text_mask(attention_mask), {}
+        position_ids, text_mask, extra = self.text_inputs(
+            inputs_embeds=inputs_embeds,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+        )
         if deepstack is not None:  # added at the image tokens after the first K decoder layers
             visual_pos_masks = (self.cut(input_ids) == self.vl_config.image_token_id).to(inputs_embeds.device)
             extra.update(visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack)

@@ -87,6 +87,7 @@ def test_export_under_other_architecture_is_refused(tmp_path: Path) -> None:
         export_hf(ckpt, out_dir=tmp_path / "hf", model=other)
 
 
+@pytest.mark.slow
 def test_cli_export_reads_the_run_config(tmp_path: Path) -> None:
     import subprocess
     import sys

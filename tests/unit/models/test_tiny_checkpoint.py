@@ -134,6 +134,7 @@ def test_auto_processor_loads_where_torchvision_exists(tiny_dir):
     assert type(proc).__name__ == "Qwen2_5_VLProcessor"
 
 
+@pytest.mark.slow
 def test_script_writes_a_sharded_directory(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [
