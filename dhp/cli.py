@@ -288,10 +288,14 @@ def train(
     cfg = checked_config(conf, overrides, smoke=smoke)
     # the rank processes' imports start now, on another core, beside this process's own
     with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
+        from dhp.runtime.interrupts import RunInterrupted
         from dhp.runtime.train import train as run_training
 
         cfg = machine_profile(cfg)  # this machine's numbers
-        result = run_training(cfg, console=console)
+        try:
+            result = run_training(cfg, console=console)
+        except RunInterrupted as stop:  # Ctrl-C: stopped at a step boundary, saved, torn down
+            result = stop.result
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise typer.Exit(128 + (result.signal or 2))
@@ -408,8 +412,9 @@ def runs(
 ) -> None:
     """List the runs under ROOT: status, steps, last loss, checkpoints and trackers.
 
-    Status: finished (checkpoint at train.steps), active (metrics written in the last 2 minutes),
-    stopped (resume it with train.resume=auto) or empty (no step logged).
+    Status: finished (checkpoint at the run's last step), active (metrics written in the last 2
+    minutes), failed (the reason and traceback.txt in the note), stopped (resume it with
+    train.resume=auto) or empty (no step logged).
     """
     from pathlib import Path
 

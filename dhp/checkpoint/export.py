@@ -37,6 +37,7 @@ from dhp.checkpoint.module_state import MODEL_KEY, single_process_quiet
 from dhp.config.schema import ModelConfig
 from dhp.errors import CheckpointError
 from dhp.models import get_family
+from dhp.models.chat_templates import named_template
 from dhp.models.dtypes import torch_dtype
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
 from dhp.validation import load_config
@@ -264,7 +265,7 @@ def export_checkpoint(
     ensure_tiny_checkpoint(cfg.model, say=say)
     cast = None if dtype is None else torch_dtype(dtype)
     lora = {m: c.lora for m, c in cfg.modules.items()}
-    return Path(ckpt), export_hf(
+    out = export_hf(
         Path(ckpt),
         out_dir=Path(out_dir),
         model=cfg.model,
@@ -274,3 +275,21 @@ def export_checkpoint(
         lora_mode=lora_mode or cfg.export.lora,  # the CLI's --lora, else the run's export.lora
         adapter_base=adapter_base,
     )
+    write_trained_template(out, cfg.data.chat_template)
+    return Path(ckpt), out
+
+
+def write_trained_template(out_dir: Path, chat_template: str) -> None:
+    """The chat template the run trained with goes with the weights: a run with a
+    ``data.chat_template`` override writes it as ``chat_template.jinja`` (the checkpoint's own
+    template files, copied beside the weights, are replaced by it)."""
+    text = named_template(chat_template)
+    if text is None:
+        return
+    (out_dir / "chat_template.json").unlink(missing_ok=True)
+    tok = out_dir / "tokenizer_config.json"
+    if tok.is_file():
+        cfg = json.loads(tok.read_text())
+        if cfg.pop("chat_template", None) is not None:
+            tok.write_text(json.dumps(cfg, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(text)

@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from dhp.checkpoint.best import protected_steps
 from dhp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dhp.checkpoint.meta import META_FILE, CheckpointMeta, write_meta
 from dhp.errors import CheckpointError
@@ -62,14 +63,18 @@ def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 
 
 def prune_checkpoints(checkpoints_dir: Path, *, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and temp dirs of dead writers.
+    """Delete all but the newest ``keep_last`` complete checkpoints (and the best one, which
+    ``train.keep_best`` marks: ``dhp.checkpoint.best``), and temp dirs of dead writers.
 
     ``keep_last <= 0`` keeps everything. Returns the deleted paths.
     """
     removed: list[Path] = []
     complete = list_checkpoints(checkpoints_dir)
+    keep = protected_steps(checkpoints_dir)
     if keep_last > 0:
-        for _, p in complete[:-keep_last]:
+        for step, p in complete[:-keep_last]:
+            if step in keep:
+                continue
             shutil.rmtree(p)
             removed.append(p)
     for p in Path(checkpoints_dir).iterdir():

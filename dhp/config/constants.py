@@ -27,3 +27,7 @@ DATA_KINDS = ("llava", "synthetic")
 DATA_ENGINES = ("local", "ray")
 DATASET_FORMATS = ("auto", "llava", "messages", "parquet", "webdataset")
 BAD_SAMPLE_POLICIES = ("raise", "skip")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # dhp.runtime.schedule
+RESUME_HORIZONS = ("keep", "new")  # train.resume_horizon
+TRAIN_ON = ("assistant", "all")  # data.train_on: the tokens that carry the loss
+CHAT_TEMPLATE_OWN = "checkpoint"  # data.chat_template: model.path's own template

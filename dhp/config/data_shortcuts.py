@@ -28,7 +28,7 @@ from dhp.errors import ConfigError, ConfigIssue
 USER_OPTION = "user_file"  # the group option name the file is composed under
 CACHE_ENV = "DHP_CACHE_DIR"  # the cache root, as dhp.machine.cache reads it (default ~/.cache/dhp)
 TINY_CHECKPOINT_SEED = 0  # the random weights' seed, as scripts/make_tiny_checkpoint.py's default
-TINY_CHECKPOINT_FORMAT = 1  # bump when the writer's output changes, so old cache entries are not read
+TINY_CHECKPOINT_FORMAT = 2  # bump when the writer's output changes, so old cache entries are not read
 
 
 def data_file_override(overrides: list[str]) -> tuple[list[str], Path | None]:

@@ -188,7 +188,8 @@ def _tiny_model_file(model: DictConfig):
 def compose_run(conf: str, overrides: list[str] | None = None, *, smoke: bool = False) -> DictConfig:
     """Compose a run config and (``smoke=True``) shrink it to a smoke run, not yet validated: what
     :func:`dhp.validation.load_config` validates and freezes. ``smoke`` applies
-    :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2). Real data
+    :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2; a
+    ``model.path=`` override is kept, with the real data). Real data
     on a tiny model without ``model.path`` names the tiny checkpoint
     (:func:`dhp.config.data_shortcuts.use_tiny_checkpoint`; the run writes it)."""
     cfg = compose_config(conf, list(overrides or []))
@@ -197,6 +198,8 @@ def compose_run(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
             cfg,
             tiny_model=OmegaConf.load(_tiny_model_file(cfg.model)),
             local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
+            # a model.path given here is a tiny checkpoint of the family: the smoke run reads it
+            keep_model_path=any(o.partition("=")[0] == "model.path" for o in overrides or []),
         )
     use_tiny_checkpoint(cfg)
     return cfg

@@ -275,6 +275,22 @@ class DataLengths:
 
 
 @dataclass
+class EvalDataConfig:
+    """The evaluation data (``dhp.data.eval_batches``): a file of its own (``path``, any format
+    ``data.path`` takes) or ``split``, a seeded share of every training dataset's records held out
+    of training (the same records for a given ``train.seed``). Neither: no evaluation. Each eval pass
+    reads every eval sample once, in file order, in batches of ``batch_size`` samples (0:
+    ``train.global_batch_size``) shaped as a training step's."""
+
+    path: str = ""
+    format: str = "auto"
+    image_root: str = ""  # the folder the eval file's media paths are relative to ("": its folder)
+    split: float = 0.0  # in [0, 1): the share of each training dataset held out for evaluation
+    batch_size: int = 0
+    max_samples: int = 0  # > 0: evaluate only the first max_samples eval samples
+
+
+@dataclass
 class DataConfig:
     """Where samples come from and how they are processed. Owned by ``dhp/data``."""
 
@@ -310,6 +326,14 @@ class DataConfig:
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 112 * 112
     lengths: DataLengths = field(default_factory=DataLengths)  # measured by the CLI (above)
+    eval: EvalDataConfig = field(default_factory=EvalDataConfig)
+    # how conversations become text: ``checkpoint`` (model.path's own template, from
+    # chat_template.jinja or tokenizer_config.json), a named template (dhp.models.chat_templates:
+    # chatml, qwen2_vl) or the path of a .jinja file
+    chat_template: str = "checkpoint"
+    # which tokens carry the loss: ``assistant`` (the assistant turns' content and end token) or ``all``
+    # (every text token; image and video positions and padding never do)
+    train_on: str = "assistant"
 
 
 @dataclass
@@ -327,9 +351,17 @@ class OptimizerConfig:
 
 @dataclass
 class TrainConfig:
-    """The optimisation loop: batch sizes, schedule, checkpoints, logging."""
+    """The optimisation loop: batch sizes, schedule, checkpoints, evaluation, logging.
 
-    steps: int = 100
+    The run's length is ``steps`` or ``epochs`` (set one, the other 0): ``epochs`` passes over the
+    training data make ``ceil(epochs * samples per epoch / global_batch_size)`` steps, counted when
+    the data is opened. The LR schedule (``lr_schedule``, dhp.runtime.schedule) warms up for
+    ``warmup_steps`` or ``warmup_ratio`` of the steps (one of them) and decays over the run's steps;
+    a resume keeps the checkpoint's horizon unless ``resume_horizon=new``.
+    """
+
+    steps: int = 100  # 0: the length comes from train.epochs
+    epochs: float = 0.0  # > 0: the run's length in passes over the training data (train.steps=0)
     global_batch_size: int = 8  # samples per optimizer step, over all DP replicas
     micro_batch_size: int = 1  # samples per forward, per DP replica
     # an MoE router's load-balancing loss over the step's batch (`step`, transformers' definition on the
@@ -339,6 +371,14 @@ class TrainConfig:
     lr: float = 1e-5
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
+    warmup_ratio: float = 0.0  # > 0: warmup over this share of the run's steps (train.warmup_steps=0)
+    lr_schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup, stable, decay)
+    decay_ratio: float = 0.1  # wsd: the share of the run's steps in its final linear decay
+    # a resume whose run length differs from the checkpoint's: keep its LR horizon, or take the new one
+    resume_horizon: str = "keep"  # keep | new
+    # evaluation on data.eval: every eval_every steps (0: only after the last step) and at the end
+    eval_every: int = 0
+    keep_best: bool = False  # keep the checkpoint of the lowest eval loss (checkpoints/best) beside keep_last
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0

@@ -9,9 +9,17 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
   FSDP stays FSDP); ``gpus`` is recomputed. When the groups would still need more than the local
   ranks, ``dp`` is dropped first (it is the axis least specific to a strategy), then ``fsdp``;
   collocated groups left with different rank counts get ``dp`` up to the largest count;
-- train: 2 steps, no warmup, micro batch 1 (or the encoder/LLM replica ratio), global batch =
-  micro * LLM replicas, no checkpoints;
+- train: 2 steps (``train.epochs`` off), no warmup, micro batch 1 (or the encoder/LLM replica ratio),
+  global batch = micro * LLM replicas, no checkpoints but the last; an evaluation the recipe asks
+  for (``data.eval``) runs after each of the 2 steps, on the eval batches of one step's shape;
 - data: small synthetic samples; sequence lengths sized to them.
+
+``keep_model_path`` (a ``model.path=DIR`` given on the command line: a tiny checkpoint in the real
+layout of the recipe's family, ``scripts/make_tiny_checkpoint.py``): the run reads that checkpoint
+(tokenizer, chat template, image processor, weights) and keeps the recipe's real data
+(``data.path``), its images shrunk to at most ``SMOKE_MAX_PIXELS`` and its conversations given
+``SMOKE_REAL_LLM_SEQ`` tokens. So a fine-tune of a real size trains end to end on its tiny
+counterpart: ``dhp train conf=qwen_vl_7b train=sft data=sft smoke=true model.path=TINY data.path=FILE``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ SMOKE_PATCHES = 64  # one 112x112 image: 8x8 patches of 14 px, 16 LLM tokens aft
 SMOKE_TEXT_TOKENS = 32
 SMOKE_VISION_SEQ = 256
 SMOKE_LLM_SEQ = 128
+SMOKE_MAX_PIXELS = 112 * 112  # real photos: at most 64 patches of 14 px (49 of 16 px) per image
+SMOKE_REAL_LLM_SEQ = 512  # a real conversation of the tiny tokenizer, an image's tokens included
+SMOKE_EVAL_SAMPLES = 4  # an evaluation reads at most this many eval samples
 
 
 def _set(mod: DictConfig, **degrees: int) -> None:
@@ -81,13 +92,16 @@ def _replicas(cfg: DictConfig, name: str) -> int:
     return module_layout(cfg.modules[name]).num_replicas
 
 
-def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: DictConfig) -> DictConfig:
+def smoke_config(
+    cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: DictConfig, keep_model_path: bool = False
+) -> DictConfig:
     """Return a shrunken copy of ``cfg`` (the input is not modified); see the module docstring."""
     out = cfg.copy()
-    family = out.model.family
+    family, path = out.model.family, out.model.path
+    real = keep_model_path and path is not None and out.data.kind == "llava"
     out.model = OmegaConf.merge(out.model, tiny_model)
     out.model.family = family
-    out.model.path = None
+    out.model.path = path if real else None
     out.model.attn_implementation = "sdpa"
     out.cluster = OmegaConf.merge(out.cluster, local_cluster)
     for mod in out.modules.values():
@@ -100,16 +114,51 @@ def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: Dict
     if "vision" in out.modules:
         out.modules.vision.seq_len = SMOKE_VISION_SEQ
     if "llm" in out.modules:
-        out.modules.llm.seq_len = SMOKE_LLM_SEQ
+        out.modules.llm.seq_len = SMOKE_REAL_LLM_SEQ if real else SMOKE_LLM_SEQ
     rl, rv = _replicas(out, "llm"), _replicas(out, "vision")
-    train = out.train
+    # an LLM micro-batch feeds every encoder replica
+    _shrink_train(out.train, micro=max(1, rv // rl), llm_replicas=rl)
+    if real:
+        _shrink_real_data(out.data)
+    else:
+        _synthetic_data(out.data)
+    _shrink_eval(out)
+    return out
+
+
+def _shrink_train(train: DictConfig, *, micro: int, llm_replicas: int) -> None:
     train.steps = SMOKE_STEPS
+    train.epochs = 0
     train.warmup_steps = 0
-    train.micro_batch_size = max(1, rv // rl)  # an LLM micro-batch feeds every encoder replica
-    train.global_batch_size = train.micro_batch_size * rl
+    train.warmup_ratio = 0.0
+    train.micro_batch_size = micro
+    train.global_batch_size = micro * llm_replicas
     train.checkpoint_every = 0
     train.resume = None
-    data = out.data
+
+
+def _shrink_real_data(data: DictConfig) -> None:
+    """The recipe's real data with small images, read on the driver."""
+    data.max_pixels = SMOKE_MAX_PIXELS
+    data.min_pixels = min(data.min_pixels, SMOKE_MAX_PIXELS)
+    data.num_workers = 0
+    data.engine = "local"
+
+
+def _shrink_eval(cfg: DictConfig) -> None:
+    """An evaluation the recipe asks for runs after each smoke step, on batches of a step's shape;
+    an eval file needs real data (a synthetic run holds out its own samples instead)."""
+    ev = cfg.data.eval
+    if not (ev.path or ev.split > 0):
+        return
+    if ev.path and cfg.data.kind == "synthetic":
+        ev.path, ev.split = "", 0.25
+    ev.batch_size = 0
+    ev.max_samples = min(ev.max_samples, SMOKE_EVAL_SAMPLES) if ev.max_samples else SMOKE_EVAL_SAMPLES
+    cfg.train.eval_every = 1
+
+
+def _synthetic_data(data: DictConfig) -> None:
     data.kind = "synthetic"
     data.datasets = []
     data.synthetic.num_samples = 8
@@ -118,4 +167,3 @@ def smoke_config(cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: Dict
     data.synthetic.text_tokens = SMOKE_TEXT_TOKENS
     data.num_workers = 0
     data.engine = "local"  # one CPU box: no data actors to start
-    return out

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from dhp.config.schema import DataConfig, ModelConfig
 from dhp.data import bad
+from dhp.data.processing import template_source
 from dhp.data.show import describe_sample
 from dhp.data.source import build_source
 
@@ -141,7 +142,14 @@ def check_data(
             images[n_img] = images.get(n_img, 0) + 1
             videos[n_vid] = videos.get(n_vid, 0) + 1
             if len(shown) < show and hasattr(source, "processor"):
-                shown.append(describe_sample(sample, tokenizer=source.processor.tokenizer))
+                shown.append(
+                    describe_sample(
+                        sample,
+                        tokenizer=source.processor.tokenizer,
+                        template=template_source(model.path, data.chat_template),
+                        train_on=data.train_on,
+                    )
+                )
     elapsed = time.perf_counter() - start
     return DataReport(
         num_records=len(source),

@@ -26,8 +26,9 @@ from dhp.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfig
 from dhp.config.validate_data_keys import data_engine_problems
 from dhp.data import bad
 from dhp.data.batch import Sample, VLBatch, collate
+from dhp.data.holdout import split_source
 from dhp.data.packing import pack, packed_max_tokens
-from dhp.data.source import SampleSource, epoch_order
+from dhp.data.source import SampleSource, build_source, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
 from dhp.layout import ParallelLayout
 
@@ -211,7 +212,8 @@ class StepLoader:
         step, and the step after it starts building now (errors surface when their step is asked for).
 
         ``data.metrics`` (metrics.jsonl's ``data``): ``wait_s`` (time this call blocked),
-        ``samples_per_s`` (samples over the time the step took to build), ``workers``. When the wait exceeds
+        ``samples_per_s`` (samples over the time the step took to build), ``workers``, ``epoch``
+        (samples of the stream read through this step, bad ones included, over one epoch's). When the wait exceeds
         :data:`WAIT_WARN_FRACTION` of the time since the previous step was handed out (from the third
         step on), one warning names the fix.
         """
@@ -232,6 +234,7 @@ class StepLoader:
             "wait_s": wait,
             "samples_per_s": self.spec.global_batch_size / max(build_s, 1e-9),
             "workers": float(self.num_data_workers),
+            "epoch": self._served["position"] / self.epoch_len,  # epochs of the stream read so far
         }
         if self._last_return is not None and data.step >= 2 and not self._warned_wait:
             period = now - self._last_return
@@ -378,19 +381,21 @@ def build_loader(
     dp_size: int,
     vision_seq_len: int,
     llm_seq_len: int,
+    opened: tuple[SampleSource, list[int], list[float]] | None = None,
 ) -> StepLoader:
     """The step loader for ``data`` (DataConfig), ``model`` (ModelConfig) and ``train`` (TrainConfig).
 
     ``dp_size`` = LLM data replicas (``dp*fsdp`` of ``modules.llm``); ``vision_seq_len`` and
-    ``llm_seq_len`` = ``modules.vision.seq_len`` / ``modules.llm.seq_len``.
+    ``llm_seq_len`` = ``modules.vision.seq_len`` / ``modules.llm.seq_len``. ``opened``: the source,
+    sizes and weights when the caller opened them (:func:`open_training_data`).
     """
-    from dhp.data.source import build_source
-
     check_engine(data)
     max_tokens = packed_max_tokens(data, llm_seq_len=llm_seq_len)
-    source, sizes, weights = build_source(
-        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=train.seed
-    )
+    if opened is None:
+        opened, _ = open_training_data(
+            data=data, model=model, train=train, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len
+        )
+    source, sizes, weights = opened
     spec = LoaderSpec(
         dp_size=dp_size,
         global_batch_size=train.global_batch_size,
@@ -416,6 +421,20 @@ def build_loader(
             prefetch_depth=data.prefetch_depth,
         )
     return StepLoader(source=source, sizes=sizes, weights=weights, spec=spec)
+
+
+def open_training_data(
+    *, data: DataConfig, model: ModelConfig, train: TrainConfig, vision_seq_len: int, llm_seq_len: int
+) -> tuple[tuple[SampleSource, list[int], list[float]], SampleSource | None]:
+    """``((source, sizes, weights), held out)``: the training data, less the records
+    ``data.eval.split`` holds out for evaluation (``dhp.data.holdout``; None without a split)."""
+    source, sizes, weights = build_source(
+        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=train.seed
+    )
+    if data.eval.split <= 0:
+        return (source, sizes, weights), None
+    kept, held = split_source(source, sizes, split=data.eval.split, seed=train.seed)
+    return (kept, kept.sizes, weights), held
 
 
 def build_run_loader(config: RunConfig, layouts: Mapping[str, ParallelLayout]) -> StepLoader:

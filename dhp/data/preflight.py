@@ -2,7 +2,8 @@
 share (:func:`check_run_data`, called by ``dhp.runtime.preflight``), every problem collected.
 
 - every dataset's ``path`` names something (a file, a folder, or a glob / brace range with at least one
-  match) and every ``image_root`` is a folder (:func:`data_path_issues`);
+  match) and every ``image_root`` is a folder, ``data.eval.path`` and its ``image_root`` too
+  (:func:`data_path_issues`);
 - the model directory's tokenizer and image processor load, and the datasets open (``build_source``);
 - the rows start-up samples (``dhp.data.lengths``: up to ``SAMPLE_ROWS``, the rows the step-time
   estimate measures) pass the loader's record validation: a bad one is named by ``file:line``, reason
@@ -86,6 +87,32 @@ def data_path_issues(data: DataConfig) -> list[ConfigIssue]:
                     "point image_root at the folder the records' relative media paths start from",
                 )
             )
+    return issues + _eval_path_issues(data)
+
+
+def _eval_path_issues(data: DataConfig) -> list[ConfigIssue]:
+    """The evaluation file (``data.eval.path``) and its image root, when given, exist."""
+    ev = data.eval
+    issues = []
+    if ev.path and not _exists(ev.path):
+        issues.append(
+            ConfigIssue(
+                "data.eval.path",
+                ev.path,
+                "does not exist (the evaluation file)",
+                "correct the path, or hold out a share of the training data instead: "
+                "data.eval.path='' data.eval.split=0.02",
+            )
+        )
+    if ev.path and ev.image_root and not resolve_path(ev.image_root, key="image_root").is_dir():
+        issues.append(
+            ConfigIssue(
+                "data.eval.image_root",
+                ev.image_root,
+                "is not a directory",
+                "point it at the folder the eval records' relative media paths start from",
+            )
+        )
     return issues
 
 

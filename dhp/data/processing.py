@@ -1,5 +1,6 @@
-"""Sample processing: images through the model family's image processor, text through the model's
-chat template, labels on assistant turns only, image tokens expanded to their merged count.
+"""Sample processing: images through the model family's image processor, text through the chat
+template (the checkpoint's own, or ``data.chat_template``), labels on assistant turns only (or on
+every text token, ``data.train_on=all``), image tokens expanded to their merged count.
 
 Built offline from a local HF model directory (tokenizer files + ``preprocessor_config.json``). The
 family gives the image processor (``family.load_image_processor``) and the special tokens' text
@@ -23,6 +24,7 @@ from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
 from dhp.data.images import open_image
 from dhp.data.llava import Record
 from dhp.errors import ConfigError, ConfigIssue, DataError
+from dhp.models.chat_templates import OWN, named_template, template_names
 from dhp.models.registry import get_family
 
 
@@ -50,9 +52,11 @@ class Limits:
 UNBOUNDED = Limits(vision_seq_len=sys.maxsize, llm_seq_len=sys.maxsize)
 
 
-def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str):
+def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str, chat_template: str = OWN):
     """The model directory's tokenizer, with its special-token ids checked against ``model.tokens``
-    (the token texts come from model family ``family``)."""
+    (the token texts come from model family ``family``) and its chat template: the directory's own
+    (``chat_template="checkpoint"``) or the one ``data.chat_template`` names
+    (:mod:`dhp.models.chat_templates`)."""
     from transformers import AutoTokenizer
 
     if not (Path(model_path) / "tokenizer_config.json").is_file():
@@ -61,9 +65,14 @@ def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str):
             "directory with the tokenizer (scripts/make_tiny_checkpoint.py writes one)"
         )
     tok = AutoTokenizer.from_pretrained(model_path)
+    named = _named_template(chat_template)
+    if named is not None:
+        tok.chat_template = named
     if tok.chat_template is None:
         raise DataError(
-            f"the tokenizer in {model_path} has no chat_template. Fix: add one to tokenizer_config.json"
+            f"the tokenizer in {model_path} has no chat template (no chat_template.jinja, none in "
+            "tokenizer_config.json). Fix: name one, e.g. data.chat_template=chatml "
+            f"(one of {', '.join(template_names()[1:])}, or a .jinja file), or add it to the directory"
         )
     issues = []
     for field_name, token in get_family(family).token_strings().items():
@@ -81,6 +90,30 @@ def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str):
     if issues:
         raise ConfigError(issues)
     return tok
+
+
+def _named_template(name: str) -> str | None:
+    """The text of ``data.chat_template`` (None: the checkpoint's own); ConfigError naming the key
+    when the name is unknown or its file unreadable."""
+    try:
+        return named_template(name)
+    except KeyError:
+        rule = f"unknown template; known: {', '.join(template_names())}, or a .jinja file"
+    except OSError as e:
+        rule = f"cannot read the template file ({e.strerror or e})"
+    raise ConfigError([ConfigIssue("data.chat_template", name, rule, "name a template or a readable .jinja")])
+
+
+def template_source(model_path: str, chat_template: str) -> str:
+    """Where the chat template of a run comes from, as ``dhp data check --show`` states it."""
+    if chat_template != OWN:
+        return f"data.chat_template={chat_template}"
+    own = (
+        "chat_template.jinja"
+        if (Path(model_path) / "chat_template.jinja").is_file()
+        else "tokenizer_config.json"
+    )
+    return f"the checkpoint's own ({own})"
 
 
 def load_image_processor(model_path: str, *, data: DataConfig, family: str):
@@ -116,8 +149,17 @@ class SampleProcessor:
     video = None  # dhp.data.video.VideoSpec for records with videos (set by dhp.data.source)
     video_refusal = ""  # why records with videos are refused (the model family declares no video)
 
-    def __init__(self, *, tokenizer, image_processor, tokens: SpecialTokens, limits: Limits) -> None:
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        image_processor,
+        tokens: SpecialTokens,
+        limits: Limits,
+        train_on: str = "assistant",
+    ) -> None:
         self.tokenizer = tokenizer
+        self.train_on = train_on  # data.train_on: assistant turns only, or every text token
         self.image_processor = image_processor
         self.tokens = tokens
         self.limits = limits
@@ -196,9 +238,14 @@ class SampleProcessor:
         )
 
     def _tokenize(self, record: Record) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Render with the chat template; label the tokens inside assistant turns (content + end token)."""
+        """Render with the chat template; label the tokens inside assistant turns (content + end
+        token), or every token (``train_on="all"``; the image and video positions lose theirs when
+        they are expanded)."""
         messages = [_message(role, text) for role, text in record.turns]
         full = self._render(messages, generation_prompt=False)
+        if self.train_on == "all":
+            ids = torch.tensor(self.tokenizer(full, add_special_tokens=False)["input_ids"], dtype=torch.long)
+            return ids, ids.clone(), len(full)
         spans = []
         for i, (role, _) in enumerate(record.turns):
             if role != "assistant":

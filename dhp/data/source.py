@@ -144,10 +144,13 @@ def build_source(
         for entry in data.datasets
     ]
     processor = SampleProcessor(
-        tokenizer=load_tokenizer(model.path, tokens=model.tokens, family=model.family),
+        tokenizer=load_tokenizer(
+            model.path, tokens=model.tokens, family=model.family, chat_template=data.chat_template
+        ),
         image_processor=load_image_processor(model.path, data=data, family=model.family),
         tokens=model.tokens,
         limits=limits,
+        train_on=data.train_on,
     )
     if get_arch(model.family).capabilities.video:
         processor.video = video_spec(data, vision=model.vision, image_processor=processor.image_processor)

@@ -1,6 +1,7 @@
 """``dhp report RUN_DIR``: PNG plots and a summary table of one run, read from its ``metrics.jsonl``.
 
-Plots (one PNG each, in ``--out`` or ``<run_dir>/report``): loss, grad norm, learning rate,
+Plots (one PNG each, in ``--out`` or ``<run_dir>/report``): loss (with the eval loss of each
+``eval`` event beside the training curve), grad norm, learning rate,
 tokens/s (vision and text), the per-module time split of each step (fwd/bwd/optimizer step and the
 LLM's wait on the hand-off), and peak memory per rank. One continuous curve per run directory:
 every restart and resume is marked on each step plot with a dashed vertical line, where a
@@ -115,7 +116,10 @@ def write_report(run_dir: Path, *, out_dir: Path | None = None) -> tuple[list[Pa
         if not _has(rows, key):
             continue
         fig, ax = plt.subplots(figsize=(8, 3.6))
-        ax.plot(x, [r[key] for r in rows], marker="o", ms=3)
+        ax.plot(x, [r[key] for r in rows], marker="o", ms=3, label="train" if log.evals else None)
+        if key == "loss" and log.evals:
+            ex, ey = eval_points(rows, log.evals)
+            ax.plot(ex, ey, marker="s", ms=4, color="tab:orange", label="eval (data.eval)")
         finish(fig, ax, name, ylabel)
 
     if _has(rows, "tokens_per_s_vision") and _has(rows, "tokens_per_s_text"):
@@ -133,6 +137,14 @@ def write_report(run_dir: Path, *, out_dir: Path | None = None) -> tuple[list[Pa
             ax.plot(x, [r["peak_mem_bytes"].get(k, float("nan")) / 2**20 for r in rows], marker=".", label=k)
         finish(fig, ax, "peak memory per rank", "MiB (cuda: allocated; cpu: RSS high-water)")
     return written, rows
+
+
+def eval_points(rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """Each eval loss at the x of its step's record (the last record of that step: after a restart
+    the step ran again), for the loss plot's second curve."""
+    at = {r["step"]: i for i, r in enumerate(rows)}
+    pts = [(at[e["step"]], e["eval_loss"]) for e in evals if e["step"] in at]
+    return [i for i, _ in pts], [v for _, v in pts]
 
 
 def _nothing_to_report(run_dir: Path, log: RunLog) -> ConfigError:
@@ -209,6 +221,14 @@ def render_report_summary(
         "loss first -> last (min)",
         f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} ({min(r['loss'] for r in rows):.4f})",
     )
+    if log.evals:
+        first, last = log.evals[0], log.evals[-1]
+        best = min(log.evals, key=lambda e: e["eval_loss"])
+        table.add_row(
+            "eval loss first -> last (best)",
+            f"{first['eval_loss']:.4f} -> {last['eval_loss']:.4f} ({best['eval_loss']:.4f} at step "
+            f"{best['step']}; {len(log.evals)} evaluation(s) of {last['eval_samples']} samples)",
+        )
     for key, label, fmt in (
         ("grad_norm", "grad norm (median)", "{:.3g}"),
         ("step_s", "step time (median)", "{:.3f} s"),

@@ -7,8 +7,9 @@ keys. ``dhp runs`` and ``dhp report`` read it through :func:`read_run_log`, whic
 any of these: lines that do not parse are counted, not fatal.
 
 Lines are of two kinds: step records (``"step"`` and ``"loss"``, the fixed names of
-``dhp.metrics.writer.METRIC_KEYS``) and events (``{"event": "restart" | "resume" | "failed", "step":
-N, ...}``, where ``step`` is the step training continues after, or the step that failed).
+``dhp.metrics.writer.METRIC_KEYS``) and events (``{"event": "start" | "restart" | "resume" |
+"failed" | "eval", "step": N, ...}``, where ``step`` is the step training continues after (0 for
+``start``), the step that failed, or the step an evaluation followed).
 """
 
 from __future__ import annotations
@@ -33,10 +34,25 @@ class RunLog:
     """The parsed lines of one ``metrics.jsonl``, in file order."""
 
     records: list[dict[str, Any]] = field(default_factory=list)  # step records
-    events: list[dict[str, Any]] = field(default_factory=list)  # restart / resume / failed
+    events: list[dict[str, Any]] = field(default_factory=list)  # start / restart / resume / failed / eval
     marks: list[Mark] = field(default_factory=list)  # restarts and resumes, at record indices
     bad_lines: int = 0  # lines that are not a JSON object (a write cut short by a kill)
     last: dict[str, Any] | None = None  # the last line read (a record or an event)
+
+    @property
+    def evals(self) -> list[dict[str, Any]]:
+        """The ``eval`` events (``step``, ``eval_loss``, ...), in file order."""
+        return [
+            e for e in self.events if e["event"] == "eval" and isinstance(e.get("eval_loss"), int | float)
+        ]
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's length as its last ``start`` or ``resume`` event states it (None: none does)."""
+        for e in reversed(self.events):
+            if e["event"] in ("start", "resume") and isinstance(e.get("total_steps"), int):
+                return e["total_steps"]
+        return None
 
     @property
     def failed(self) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """``dhp runs``: the runs under an output directory, one row each, read from their run directories.
 
 A run directory is ``<root>/<name>/<timestamp>/`` holding ``config.yaml``. Its status comes from what
-it wrote: ``finished`` (a checkpoint at ``train.steps``, the end-of-run save), ``active`` (metrics
+it wrote: ``finished`` (a checkpoint at the run's last step: ``train.steps``, or for a run by
+``train.epochs`` the ``total_steps`` of its start/resume events), ``active`` (metrics
 written in the last ``ACTIVE_S`` seconds and not finished), ``failed`` (the run ended on an error it
 recorded: its reason and ``traceback.txt`` are in the note), ``stopped`` (steps or events logged,
 not finished: interrupted or killed; resume with ``train.resume=auto``) or ``empty`` (nothing logged).
@@ -36,7 +37,7 @@ class RunInfo:
     name: str
     status: str
     steps: int  # the last logged step
-    target_steps: int | None  # train.steps (None: no readable config.yaml)
+    target_steps: int | None  # train.steps, or what train.epochs made (None: not known)
     last_loss: float | None
     checkpoints: tuple[int, ...]  # steps of the complete checkpoints
     trackers: tuple[str, ...]  # wandb / mlflow, from trackers.json
@@ -71,6 +72,8 @@ def read_run(run_dir: Path, *, now: float | None = None) -> RunInfo:
     name, target, problem = _target_steps(run_dir)
     metrics = run_dir / "metrics.jsonl"
     log = read_run_log(metrics)
+    if target == 0:  # a run by train.epochs: its step count is in its start/resume events
+        target = log.total_steps
     last = log.records[-1] if log.records else None
     ckpts = tuple(step for step, _ in list_checkpoints(run_dir / "checkpoints"))
     notes = [problem] if problem else []
@@ -89,6 +92,8 @@ def read_run(run_dir: Path, *, now: float | None = None) -> RunInfo:
         status = "stopped"
     else:
         status = "empty"
+    if log.evals:
+        notes.append(_eval_note(log.evals))
     restarts = sum(e["event"] == "restart" for e in log.events)
     resumes = sum(e["event"] == "resume" for e in log.events)
     if restarts or resumes:
@@ -105,6 +110,14 @@ def read_run(run_dir: Path, *, now: float | None = None) -> RunInfo:
         note="; ".join(notes),
         skipped=count_skipped(run_dir),
     )
+
+
+def _eval_note(evals: list[dict]) -> str:
+    """``eval 1.2345 at step 40 (best 1.2000 at step 20)``: the last and the lowest eval loss."""
+    last = evals[-1]
+    best = min(evals, key=lambda e: e["eval_loss"])
+    text = f"eval {last['eval_loss']:.4f} at step {last['step']}"
+    return text if best is last else f"{text} (best {best['eval_loss']:.4f} at step {best['step']})"
 
 
 def _is_run_dir(path: Path) -> bool:

@@ -75,6 +75,14 @@ class MetricsWriter:
         for lg in self.loggers:
             lg.log(record["step"], scalars)
 
+    def write_event(self, event: dict[str, Any], scalars: dict[str, float]) -> None:
+        """Append one event line (``{"event": "eval", "step": N, ...}``) and give the loggers its
+        ``scalars`` at step N (e.g. ``eval/loss``)."""
+        self._file.write(json.dumps(event, sort_keys=True) + "\n")
+        self._file.flush()
+        for lg in self.loggers:
+            lg.log(event["step"], scalars)
+
     def close(self) -> None:
         self._file.close()
         for lg in self.loggers:
@@ -88,7 +96,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def append_event(path: Path, event: dict[str, Any]) -> None:
-    """Append one event line (``{"event": "restart" | "resume" | "failed", "step": ..., ...}``) to a
+    """Append one event line (``{"event": "start" | "restart" | "resume" | "failed", "step": ...}``) to a
     ``metrics.jsonl``, on a line of its own even after a line a kill cut short."""
     with path.open("a", encoding="utf-8") as f:
         if _ends_mid_line(path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ from dhp.ops.context import row_parts
 from dhp.plan import Plan
 from dhp.runtime.actor_group import ActorGroup, init_groups, release, reserve, specs_from_plan
 from dhp.runtime.bridge import BridgeLayout
+from dhp.runtime.evaluation import EvalParts, EvalResult
 from dhp.runtime.failures import FaultHook
 from dhp.runtime.forknodes import NodeForkServers, start_for_cluster
 from dhp.runtime.graph import links_of
@@ -390,6 +392,40 @@ class Trainer:
         self._backprops = []
         pend = {n: g.submit(ModuleWorker.finalize_grads) for n, g in self.groups.items()}
         return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self, batches: Iterable[StepData], *, stop: Callable[[], bool]) -> EvalResult | None:
+        """A forward-only pass over ``batches`` on every group (``dhp.runtime.eval_worker``): per eval
+        micro-batch the producers' forward and the consumer's loss, routed as a step's; no gradient,
+        no optimizer state, the ranks' RNG streams put back after. Returns the token-weighted loss
+        (``dhp.runtime.evaluation``), or None when ``stop()`` turned true between two batches (a
+        signal: the pass is dropped, every call of the batches issued has finished)."""
+        t0 = time.perf_counter()
+        for g in self.groups.values():
+            g.call(ModuleWorker.eval_begin)
+        parts = EvalParts()
+        leaders = self._consumer_leaders()  # one per endpoint: each holds its own tokens' loss
+        stopped = False
+        for data in batches:
+            if stop():
+                stopped = True
+                break
+            pending = []
+            for m in range(len(data.micro_batches)):
+                sent = self._produce(data, m, backward=False)  # no gradient, nothing kept
+                pending.append(
+                    self.consumer.submit(
+                        ModuleWorker.eval_consume, data.micro_batches[m], self._inboxes(sent), micro_batch=m
+                    )
+                )
+            for p in pending:
+                parts.add(
+                    self.consumer.get([p.ref(r, 0) for r in leaders], what="eval", timeout_s=self._timeout)
+                )
+            parts.count_batch(data)
+        for g in self.groups.values():
+            g.call(ModuleWorker.eval_end)
+        return None if stopped else parts.result(seconds=time.perf_counter() - t0)
 
     # ---- whole-module views and checkpoints --------------------------------------------------
     def full_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -141,6 +141,11 @@ class WorkerFailure(RuntimeFailure):
         return CODE if any(e.kind == CODE for e in self.errors) else INFRA
 
 
+class RunFailed(RuntimeFailure):
+    """The failure that ended a run, already recorded in its run dir (``traceback.txt`` and the
+    ``failed`` event of ``metrics.jsonl``): nothing is written for it a second time."""
+
+
 def failure_kind(err: RuntimeFailure) -> str:
     """CODE when a rank raised a Python exception of dhp's or the model's; INFRA otherwise (a lost
     actor, a hang: the RuntimeFailures the driver raises itself)."""

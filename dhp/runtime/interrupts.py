@@ -7,6 +7,13 @@ checkpoint at the step boundary and exits ``128 + signal`` (130, 143). Before th
 has run that a checkpoint could keep, so the first signal stops at once. A second one stops at
 once without a checkpoint (the previous one stays the newest); a third ends the process. Nothing
 here touches placements or memory.
+
+In a caller's own process (a test, a notebook, a script calling ``dhp.runtime.train.train``) a
+Ctrl-C still ends the caller after the graceful stop: when the SIGINT handler before the run was
+Python's own (``signal.default_int_handler``), the run raises :class:`RunInterrupted` (a
+``KeyboardInterrupt`` carrying the run's result) once it has stopped, saved and torn down, so
+pytest stops as it does on any Ctrl-C. A caller with a handler of its own (the CLI's) gets the
+result back and reads ``result.signal``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,15 @@ from typing import Any
 
 class HardStop(BaseException):
     """A second Ctrl-C or SIGTERM: stop at once, no checkpoint."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run whose caller had Python's default SIGINT handling: raised after the
+    graceful stop (checkpoint, teardown); ``result`` is what the run returned."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__(f"interrupted; run dir {getattr(result, 'run_dir', None)}")
+        self.result = result
 
 
 class Signals:
@@ -92,7 +108,10 @@ class Signals:
 
 @contextlib.contextmanager
 def run_signals(result: Any):
-    """Install the SIGINT/SIGTERM handlers for the run (main thread only); restore them after."""
+    """Install the SIGINT/SIGTERM handlers for the run (main thread only); restore them after.
+
+    When the body returns after a Ctrl-C and the SIGINT handler before was Python's default, raise
+    :class:`RunInterrupted` (the caller sees its KeyboardInterrupt after the graceful stop)."""
     sig = Signals(result)
     if threading.current_thread() is not threading.main_thread():
         yield sig
@@ -106,6 +125,8 @@ def run_signals(result: Any):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if result.signal == signal.SIGINT and old[signal.SIGINT] is signal.default_int_handler:
+        raise RunInterrupted(result)
 
 
 def _say(line: str) -> None:

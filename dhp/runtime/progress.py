@@ -72,5 +72,13 @@ class TrainProgress:
         if bad:
             reasons = ", ".join(f"{r} {n}" for r, n in sorted(bad.items()))
             table.add_row("bad samples skipped", f"{sum(bad.values())} ({reasons})")
+        if result.evals:
+            steps = sorted(result.evals)
+            best = min(steps, key=lambda k: result.evals[k])
+            table.add_row(
+                "eval loss first -> last (best)",
+                f"{result.evals[steps[0]]:.4f} -> {result.evals[steps[-1]]:.4f} "
+                f"({result.evals[best]:.4f} at step {best})",
+            )
         table.add_row("last checkpoint", str(result.last_checkpoint))
         self.console.print(table)

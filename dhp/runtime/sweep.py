@@ -28,6 +28,7 @@ from dhp.errors import ConfigError, ConfigIssue, DhpError
 from dhp.metrics.rundir import read_run_log
 from dhp.plan import compile_plan
 from dhp.runtime.driver import connect_ray
+from dhp.runtime.interrupts import RunInterrupted
 from dhp.runtime.train import train
 from dhp.validation import load_config
 
@@ -91,12 +92,13 @@ def run_sweep(conf: str, overrides: list[str], *, smoke: bool, console: Console)
     out = _sweep_dir(first.train.output_dir)
     console.print(f"[bold]dhp train -m[/]: {len(members)} runs, summary in {out / 'sweep.jsonl'}")
     owns_ray = _start_shared_ray(conf, combos, smoke=smoke)
+    interrupt = None
     try:
         for m in members:
             console.rule(
                 f"sweep run {m.index + 1}/{len(members)}: {' '.join(f'{k}={v}' for k, v in m.swept.items())}"
             )
-            _run_member(m, conf=conf, smoke=smoke, console=console)
+            interrupt = _run_member(m, conf=conf, smoke=smoke, console=console)
             with (out / "sweep.jsonl").open("a", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(m), sort_keys=True) + "\n")
             if m.status == "interrupted":
@@ -105,6 +107,8 @@ def run_sweep(conf: str, overrides: list[str], *, smoke: bool, console: Console)
         if owns_ray and ray.is_initialized():
             ray.shutdown()
     render_sweep(members, console=console, path=out / "sweep.jsonl")
+    if interrupt is not None:  # the caller's Ctrl-C, after the summary (dhp.runtime.interrupts)
+        raise interrupt
     return members
 
 
@@ -137,10 +141,17 @@ def _start_shared_ray(conf: str, combos: list, *, smoke: bool) -> bool:
     return connect_ray(cluster=best[1].cluster, plan=best[2])
 
 
-def _run_member(m: SweepMember, *, conf: str, smoke: bool, console: Console) -> None:
+def _run_member(m: SweepMember, *, conf: str, smoke: bool, console: Console) -> RunInterrupted | None:
+    """Train one member, recording its outcome in ``m``; the RunInterrupted of a Ctrl-C (if any),
+    which the sweep raises again once its summary is written."""
     t0 = time.monotonic()
+    interrupt = None
     try:
         result = train(load_config(conf, m.overrides, smoke=smoke), console=console)
+    except RunInterrupted as stop:  # Ctrl-C under Python's default handling: the sweep ends after it
+        m.status, m.run_dir = "interrupted", str(stop.result.run_dir)
+        _fill_metrics(m, Path(stop.result.run_dir) / "metrics.jsonl")
+        interrupt = stop
     except DhpError as e:  # a user-fixable failure of this member: record it, go on
         m.status, m.error = "failed", f"{type(e).__name__}: {e}"
     except Exception as e:  # a bug in one member must not lose the others' results
@@ -152,6 +163,7 @@ def _run_member(m: SweepMember, *, conf: str, smoke: bool, console: Console) -> 
     m.seconds = time.monotonic() - t0
     if m.error:
         console.print(f"[red]sweep run {m.index + 1} failed[/]: {m.error.splitlines()[0]}")
+    return interrupt
 
 
 def _fill_metrics(m: SweepMember, path: Path) -> None:

@@ -3,11 +3,16 @@
 Run directory: ``<train.output_dir>/<name>/<YYYYmmdd-HHMMSS>/`` (a resumed run continues the one it
 resumes: ``dhp.runtime.rundirs``) with ``config.yaml``,
 ``plan.json``, ``metrics.jsonl``, ``checkpoints/step_XXXXXX/{<module>/, meta.json}`` and ``tb/``
-when ``train.tensorboard``. Failures: a dead or failed actor, a hang or a non-finite step raise
+when ``train.tensorboard``; it is made only once the data is open (``dhp.runtime.run_start``), so a
+config or data error leaves none. The run is ``train.steps`` or ``train.epochs`` long
+(``dhp.runtime.run_length``), evaluated on ``data.eval`` every ``train.eval_every`` steps and at the
+end (``dhp.runtime.eval_loop``). Failures: a dead or failed actor, a hang or a non-finite step raise
 RuntimeFailure naming module, rank and the last good checkpoint (a hang: with every rank's stack in
-``traceback.txt``). Ctrl-C and SIGTERM never cut a step: the step running ends, the loop saves a
+``traceback.txt``); anything else that ends the run (a bad sample, a bug) is recorded too: its
+traceback in ``traceback.txt``, a ``failed`` event in ``metrics.jsonl``. Ctrl-C and SIGTERM never cut a step: the step running ends, the loop saves a
 checkpoint at that boundary (``train.save_on_interrupt``) and the run ends with 130 or 143
-(``dhp.runtime.interrupts``); Ray is always shut down (no orphan processes).
+(``dhp.runtime.interrupts``; a caller with Python's own Ctrl-C handling gets its KeyboardInterrupt
+after that stop); Ray is always shut down (no orphan processes).
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ from rich.markup import escape
 
 import dhp.data
 from dhp.config.schema import RunConfig, TrainConfig
-from dhp.errors import DhpError, RuntimeFailure
+from dhp.errors import RuntimeFailure
 from dhp.metrics.writer import append_event
 from dhp.models.registry import family_package
 from dhp.models.tiny_cache import ensure_tiny_checkpoint
-from dhp.runtime.failures import INFRA, FailureLog, failed_event, failure_kind
+from dhp.runtime.eval_loop import EvalLoop
+from dhp.runtime.failures import INFRA, FailureLog, RunFailed, failed_event, failure_kind
+from dhp.runtime.horizon import apply, horizon_change
 from dhp.runtime.interrupts import HardStop, Signals, run_signals
-from dhp.runtime.rundirs import FORK, continued_run_dir, resume_event
-from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.run_length import RunLength
+from dhp.runtime.run_start import RunData, make_run_dir, open_run_data, record_failure, start_run_dir
+from dhp.runtime.rundirs import FORK
 from dhp.runtime.stacks import stuck_lines
 from dhp.runtime.startup import RUNTIME_MODULES, Startup, connect_ray_importing
 
@@ -42,7 +50,7 @@ from dhp.runtime.startup import RUNTIME_MODULES, Startup, connect_ray_importing
 class RunResult:
     """What a finished (or interrupted) run produced."""
 
-    run_dir: Path
+    run_dir: Path | None  # None only when the run stopped before its data was open
     losses: dict[int, float] = field(default_factory=dict)
     last_checkpoint: Path | None = None
     interrupted: bool = False
@@ -50,20 +58,16 @@ class RunResult:
     signal_time: float | None = None  # time.monotonic() when it came
     restarts: int = 0
     startup: Startup = field(default_factory=Startup)  # the first attempt's phases (dhp.runtime.startup)
+    evals: dict[int, float] = field(default_factory=dict)  # step -> eval loss (data.eval)
+    length: RunLength | None = None  # the run's steps and warmup, once its data is open
 
 
-def make_run_dir(*, output_dir: str, name: str) -> Path:
-    """A fresh ``<output_dir>/<name>/<timestamp>`` (a suffix keeps two runs in one second apart)."""
-    base = Path(output_dir) / name / time.strftime("%Y%m%d-%H%M%S")
-    run_dir, i = base, 1
-    while run_dir.exists():
-        run_dir, i = base.with_name(f"{base.name}-{i}"), i + 1
-    run_dir.mkdir(parents=True)
-    return run_dir
+__all__ = ["RunResult", "make_run_dir", "train"]
 
 
 def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
-    """Train ``config`` to ``train.steps`` (resuming per ``train.resume``); returns the RunResult.
+    """Train ``config`` for ``train.steps`` (or ``train.epochs``), resuming per ``train.resume``;
+    returns the RunResult.
 
     ``train.resume=auto`` continues the run directory of the checkpoint it resumes (metrics.jsonl
     gets a ``resume`` event, the trackers continue their runs); ``fork`` resumes the same checkpoint
@@ -72,9 +76,10 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
     A dead actor, node or collective, or a step timeout, restarts the whole run from the newest
     checkpoint of this run dir that verifies (at most ``train.max_restarts`` times). SIGTERM is
     Ctrl-C: the step running ends, a checkpoint at that boundary, ``result.signal`` set (the CLI
-    exits 128+signal); a second one stops at once (``dhp.runtime.interrupts``).
+    exits 128+signal); a second one stops at once (``dhp.runtime.interrupts``). A Ctrl-C whose
+    caller had Python's default handler ends in ``RunInterrupted`` after that stop.
     """
-    from dhp.checkpoint import remove_stale_temps, resolve_resume
+    from dhp.checkpoint import capture_rng_state, remove_stale_temps, resolve_resume
 
     console = console or Console()
     startup = Startup.from_process_start()
@@ -90,69 +95,81 @@ def train(config: RunConfig, *, console: Console | None = None) -> RunResult:
         console.print(f"[yellow]resume=auto: skipped {escape(str(path))}[/]: " + escape("; ".join(problems)))
 
     plan = _compile(config)
-    fork = t.resume == FORK
     resume = resolve_resume(
-        "auto" if fork else t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped
+        "auto" if t.resume == FORK else t.resume, output_dir=t.output_dir, name=config.name, on_skip=skipped
     )
     checked = _check_resume(resume, config=config, plan=plan)  # refuse before any actor or run dir
-    run_dir = None if fork else continued_run_dir(resume, output_dir=t.output_dir, name=config.name)
-    if run_dir is None:
-        run_dir = _make_run_dir_or_fail(config)
-        console.print(f"[bold]dhp train[/] {config.name}: run dir {run_dir}")
-    else:
-        append_event(run_dir / "metrics.jsonl", resume_event(resume, step=checked[0].step))
-        console.print(f"[bold]dhp train[/] {config.name}: continuing run dir {run_dir} (from {resume.name})")
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config, resolve=True))
-    (run_dir / "plan.json").write_text(plan.to_json_str())
-    startup.mark("plan + run dir")
-    result = RunResult(run_dir=run_dir, last_checkpoint=resume, startup=startup)
-    from dhp.checkpoint import capture_rng_state
-
+    result = RunResult(run_dir=None, last_checkpoint=resume, startup=startup)
     initial_rng = capture_rng_state()
+    with run_signals(result) as sig:
+        try:  # the data before the run dir: a data or config error leaves none behind
+            data = open_run_data(config, plan, checked)
+        except (KeyboardInterrupt, HardStop):
+            return _stopped_early(result, console)
+        result.length = data.length
+        result.run_dir = start_run_dir(
+            config, plan, resume=resume, checked=checked, data=data, console=console
+        )
+        startup.mark("data, plan + run dir")
+        return _attempts(
+            config, plan, resume, checked, data=data, result=result, console=console, sig=sig,
+            initial_rng=initial_rng, skipped=skipped,
+        )  # fmt: skip
+
+
+def _stopped_early(result: RunResult, console: Console) -> RunResult:
+    """A signal outside an attempt's own handling (the data being opened, a restart's backoff):
+    nothing is running that could save, so the run stops with the signal's exit code."""
+    result.interrupted = True
+    last = result.last_checkpoint
+    console.print(f"interrupted before a step could run; last good checkpoint: {last or 'none'}")
+    return result
+
+
+def _attempts(
+    config, plan, resume, checked, *, data: RunData, result: RunResult, console, sig, initial_rng, skipped
+) -> RunResult:
+    """The attempts of one run: the first, then one per restartable failure (``train.max_restarts``).
+    Whatever else ends the run is recorded in its run dir (``dhp.runtime.run_start.record_failure``)."""
+    t, run_dir = config.train, result.run_dir
     restarts = 0
     failures = FailureLog(run_dir)
     failed: _Restart | None = None  # the attempt the next one restarts after
-    with run_signals(result) as sig:
-        while True:
-            try:
-                if failed is not None:  # inside the try: a signal in the backoff stops the run
-                    restarts += 1
-                    resume = _restart_point(run_dir, console=console, skipped=skipped)
-                    checked = _check_resume(resume, config=config, plan=plan)
-                    if resume is None:
-                        from dhp.checkpoint import restore_rng_state
+    while True:
+        try:
+            if failed is not None:  # inside the try: a signal in the backoff stops the run
+                restarts += 1
+                resume = _restart_point(run_dir, console=console, skipped=skipped)
+                checked = _check_resume(resume, config=config, plan=plan)
+                if resume is None:
+                    from dhp.checkpoint import restore_rng_state
 
-                        restore_rng_state(initial_rng)
-                    _record_restart(
-                        run_dir, restarts=restarts, failure=failed.failure, resume=resume, console=console
-                    )
-                    time.sleep(t.restart_backoff_s)
-                _attempt(
-                    config, plan, resume, checked, result=result, console=console, sig=sig, failures=failures
+                    restore_rng_state(initial_rng)
+                _record_restart(
+                    run_dir, restarts=restarts, failure=failed.failure, resume=resume, console=console
                 )
-                return result
-            except _Restart as r:
-                if sig.requested:  # a signal during the failed attempt's teardown: no new attempt
-                    result.interrupted = True
-                    last = result.last_checkpoint
-                    console.print(f"interrupted; not restarted; last good checkpoint: {last or 'none'}")
-                    return result
-                failed, sig.mode = r, "raise"  # the backoff and the next start stop at once on a signal
-            except (KeyboardInterrupt, HardStop):
-                # a signal outside an attempt's own handling (its loader being built, a restart's
-                # backoff): nothing is running that could save, so stop with the signal's exit code
+                time.sleep(t.restart_backoff_s)
+            _attempt(
+                config, plan, resume, checked, data=data, result=result, console=console, sig=sig,
+                failures=failures,
+            )  # fmt: skip
+            return result
+        except _Restart as r:
+            if sig.requested:  # a signal during the failed attempt's teardown: no new attempt
                 result.interrupted = True
                 last = result.last_checkpoint
-                console.print(f"interrupted before a step could run; last good checkpoint: {last or 'none'}")
+                console.print(f"interrupted; not restarted; last good checkpoint: {last or 'none'}")
                 return result
-            except Exception as e:  # a bug in the driver's own code: its traceback goes to the run dir
-                if not isinstance(e, DhpError):
-                    step = max(result.losses, default=0) + 1
-                    path = failures.write(
-                        e, attempt=restarts + 1, step=step, verdict="run ended: an error in dhp"
-                    )
-                    e.add_note(f"traceback: {path}")
-                raise
+            failed, sig.mode = r, "raise"  # the backoff and the next start stop at once on a signal
+        except (KeyboardInterrupt, HardStop):
+            return _stopped_early(result, console)
+        except Exception as e:  # a bad sample, a checkpoint error, a bug: the run dir says it failed
+            if not isinstance(e, RunFailed):
+                step = max(result.losses, default=0) + 1
+                record_failure(
+                    e, run_dir=run_dir, failures=failures, attempt=restarts + 1, step=step, console=console
+                )
+            raise
 
 
 class _Restart(Exception):
@@ -167,24 +184,6 @@ def _compile(config: RunConfig):
     from dhp.plan import compile_plan
 
     return compile_plan(config)
-
-
-def _make_run_dir_or_fail(config: RunConfig) -> Path:
-    from dhp.errors import ConfigError, ConfigIssue
-
-    try:
-        return make_run_dir(output_dir=config.train.output_dir, name=config.name)
-    except OSError as e:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    path="train.output_dir",
-                    value=config.train.output_dir,
-                    rule=f"cannot create the run directory ({e.strerror or e})",
-                    fix="choose a writable directory with free space, e.g. train.output_dir=$HOME/runs",
-                )
-            ]
-        ) from e
 
 
 def _restart_point(run_dir: Path, *, console: Console, skipped) -> Path | None:
@@ -219,7 +218,16 @@ def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: C
 
 
 def _attempt(
-    config, plan, resume, checked, *, result: RunResult, console: Console, sig: Signals, failures: FailureLog
+    config,
+    plan,
+    resume,
+    checked,
+    *,
+    data: RunData,
+    result: RunResult,
+    console: Console,
+    sig: Signals,
+    failures: FailureLog,
 ) -> None:
     """One life of the actor groups: start them, resume, run the loop; on a restartable failure with
     restarts left, tear everything down and raise _Restart.
@@ -230,12 +238,10 @@ def _attempt(
     run_dir = result.run_dir
     clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
     sig.mode = "raise"
-    loader = dhp.data.build_run_loader(config, plan.layouts)
+    loader = data.take_loader() or dhp.data.build_run_loader(config, plan.layouts)  # a restart: its own
     loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
     clock.mark("data loader")
-    schedule = WarmupCosine(
-        lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio
-    )
+    schedule = data.schedule(t)
     trainer = None
     owns_ray = False
     loop: _Loop | None = None
@@ -263,7 +269,15 @@ def _attempt(
         if config.checkpoint.async_save:
             saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir, hold=sig.held)
         stage = f"resuming from {resume}" if resume else "starting the step loop"
-        start = _resume(trainer, resume, checked, loader=loader, schedule=schedule, console=console)
+        start = _resume(
+            trainer,
+            resume,
+            checked,
+            loader=loader,
+            schedule=schedule,
+            console=console,
+            resume_horizon=t.resume_horizon,
+        )
         clock.mark("resume")
         loop = _Loop(
             config=config,
@@ -276,9 +290,12 @@ def _attempt(
             sig=sig,
             resumed_from=resume,
             saver=saver,
+            evals=EvalLoop(
+                batches=data.evals, train=t, total=data.length.steps, run_dir=run_dir, console=console
+            ),
         )
         sig.mode = "defer"
-        with TrainProgress(console=console, total=t.steps, start=start) as progress:
+        with TrainProgress(console=console, total=data.length.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
         sig.mode = "quiet"  # the run is over: a signal now is counted, nothing is cut
         progress.summary(result, loop.records)
@@ -372,7 +389,7 @@ def _failed_attempt(
         if last
         else "no checkpoint was written yet"
     )
-    raise RuntimeFailure(f"{e}{stuck}\n  not restarted: {why}\n  tracebacks: {path}\n  {hint}") from e
+    raise RunFailed(f"{e}{stuck}\n  not restarted: {why}\n  tracebacks: {path}\n  {hint}") from e
 
 
 def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
@@ -390,9 +407,9 @@ def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
     return meta, notes
 
 
-def _resume(trainer, resume, checked, *, loader, schedule, console) -> int:
+def _resume(trainer, resume, checked, *, loader, schedule, console, resume_horizon: str = "keep") -> int:
     """Load ``resume`` (if any, checked by ``_check_resume``) into the groups, the loader, the LR
-    schedule and the driver RNG."""
+    schedule (its horizon per ``train.resume_horizon``: ``dhp.runtime.horizon``) and the driver RNG."""
     if resume is None:
         return 0
     from dhp.checkpoint import restore_rng_state
@@ -401,7 +418,8 @@ def _resume(trainer, resume, checked, *, loader, schedule, console) -> int:
     trainer.load_modules(str(resume))
     loader.load_state_dict(meta.data_state)
     if meta.scheduler_state is not None:
-        schedule.load_state_dict(meta.scheduler_state)
+        state = meta.scheduler_state
+        apply(schedule, state, horizon_change(state, schedule, mode=resume_horizon))
     restore_rng_state(meta.driver_rng)
     for n in notes:
         console.print(f"[yellow]resume:[/] {n}")
@@ -453,8 +471,8 @@ def _save(trainer, *, config, plan, step, loader, schedule, run_dir, hold=contex
 
 
 class _Loop:
-    """The step loop: data -> lr -> driver step -> metrics -> checkpoint; a signal (``sig``) ends it
-    at the next step boundary, with a checkpoint of that step."""
+    """The step loop: data -> lr -> driver step -> metrics -> evaluation when due -> checkpoint; a
+    signal (``sig``) ends it at the next step boundary, with a checkpoint of that step."""
 
     def __init__(
         self,
@@ -469,6 +487,7 @@ class _Loop:
         sig: Signals,
         resumed_from=None,
         saver=None,
+        evals: EvalLoop,
     ) -> None:
         from dhp.metrics import MetricsWriter
         from dhp.metrics.loggers import open_loggers
@@ -477,6 +496,8 @@ class _Loop:
         self.loader, self.schedule, self.run_dir, self.result = loader, schedule, run_dir, result
         self.sig = sig
         self.saver = saver  # AsyncCheckpoints when checkpoint.async_save, else None (synchronous saves)
+        self.evals = evals
+        self.total = evals.total  # the run's last step (train.steps, or what train.epochs make)
         t = config.train
         loggers = open_loggers(  # metrics.loggers; train.tensorboard=true still adds TensorBoard
             config.metrics,
@@ -494,13 +515,13 @@ class _Loop:
         self.devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
 
     def run(self, *, start: int, progress) -> None:
-        """Steps ``start + 1 .. train.steps``; after a signal, the step running ends the loop."""
+        """Steps ``start + 1 ..`` the run's last; after a signal, the step running ends the loop."""
         from dhp.metrics.record import build_record
 
         t = self.config.train
         try:
             self.done_step = start
-            for step in range(start + 1, t.steps + 1):
+            for step in range(start + 1, self.total + 1):
                 self._running = step
                 data = next(self.loader)
                 lr = self.schedule.next_lr()
@@ -519,18 +540,49 @@ class _Loop:
                     world_devices=self.devices,
                 )
                 self.records.append(rec)
-                if step % t.log_every == 0 or step == t.steps:
+                if step % t.log_every == 0 or step == self.total:
                     self.writer.write(rec)
                 progress.update(step=step, record=rec)
+                evaluated = self._evaluate(step)
                 if self.saver is not None:
                     self._checkpoint_async(step)
-                elif _checkpoint_due(t, step):
+                elif _checkpoint_due(t, step, total=self.total):
                     self.result.last_checkpoint = self._save(step)
-                if self.sig.requested and step < t.steps:
+                if evaluated is not None and t.keep_best and self.evals.is_best(evaluated):
+                    self.evals.keep(self._checkpoint_of(step), evaluated)
+                if self.sig.requested and step < self.total:
                     self._stop(step)
                     return
         finally:
             self.writer.close()
+
+    def _evaluate(self, step: int):
+        """The evaluation after ``step`` when one is due (``dhp.runtime.eval_loop``), else None."""
+        if not self.evals.due(step, stopping=self.sig.requested):
+            return None
+        res = self.evals.run(self.trainer, step, writer=self.writer, stop=lambda: self.sig.requested)
+        if res is not None:
+            self.result.evals[step] = res.loss
+        return res
+
+    def _checkpoint_of(self, step: int) -> Path:
+        """This step's committed checkpoint: the one just written, else one written now."""
+        if self.saver is not None:
+            done = self.saver.finish()  # the save in flight (this step's, when it was due)
+            self.result.last_checkpoint = done or self.result.last_checkpoint
+            last = self.result.last_checkpoint
+            if last is not None and last.name == f"step_{step:06d}" and last.parent.parent == self.run_dir:
+                return last
+            meta = _meta(
+                config=self.config, plan=self.plan, step=step, loader=self.loader, schedule=self.schedule
+            )
+            self.saver.start(step=step, meta=meta)
+            self.result.last_checkpoint = self.saver.finish()
+            return self.result.last_checkpoint
+        last = self.result.last_checkpoint
+        if last is None or last.name != f"step_{step:06d}" or last.parent.parent != self.run_dir:
+            self.result.last_checkpoint = self._save(step)
+        return self.result.last_checkpoint
 
     def _save(self, step: int) -> Path:
         return _save(
@@ -573,12 +625,12 @@ class _Loop:
         is waited for: the run ends with its final checkpoint committed)."""
         t = self.config.train
         done = self.saver.poll()
-        if _checkpoint_due(t, step):
+        if _checkpoint_due(t, step, total=self.total):
             meta = _meta(
                 config=self.config, plan=self.plan, step=step, loader=self.loader, schedule=self.schedule
             )
             done = self.saver.start(step=step, meta=meta) or done
-            if step == t.steps:
+            if step == self.total:
                 done = self.saver.finish()
         if done is not None:
             self.result.last_checkpoint = done
@@ -590,7 +642,9 @@ class _Loop:
         return (self.done_step or 0) + 1
 
 
-def _checkpoint_due(train: TrainConfig, step: int) -> bool:
+def _checkpoint_due(train: TrainConfig, step: int, *, total: int | None = None) -> bool:
     """A checkpoint is written after ``step``: every ``train.checkpoint_every`` steps (0: never on a
-    stride) and always after the last step. The one rule for the synchronous and async savers."""
-    return bool(train.checkpoint_every and step % train.checkpoint_every == 0) or step == train.steps
+    stride) and always after the last step (``total``: the run's length, default ``train.steps``).
+    The one rule for the synchronous and async savers."""
+    last = train.steps if total is None else total
+    return bool(train.checkpoint_every and step % train.checkpoint_every == 0) or step == last

@@ -49,7 +49,7 @@ from dhp.parallel.param_groups import set_lr
 from dhp.plan import compile_plan
 from dhp.runtime.driver import Trainer
 from dhp.runtime.reference_trainable import reference_optimizer
-from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.schedule import make_schedule
 
 CLIP_EPS = 1e-6  # clip coefficient = grad_clip / (norm + CLIP_EPS), as torch's clip_grad_norm_
 
@@ -358,9 +358,9 @@ def verify_plan(
     plan = compile_plan(config)
     loader = build_run_loader(config, plan.layouts)
     t = config.train
-    schedule = WarmupCosine(
-        lr=t.lr, warmup_steps=t.warmup_steps, total_steps=steps, min_lr_ratio=t.min_lr_ratio
-    )
+    # the run's own schedule (train.lr_schedule) over the verified steps, both sides at one LR a step
+    warmup = round(t.warmup_ratio * steps) if t.warmup_ratio else t.warmup_steps
+    schedule = make_schedule(t, total_steps=steps, warmup_steps=min(warmup, steps))
     meshes = ", ".join(f"{g.name} {dict(g.mesh) | _ep(g.layout)}" for g in plan.groups)
     report = VerifyReport(
         loss_rtol=loss_rtol,

@@ -10,7 +10,6 @@ its dispatch/collect contract; the driver (``dhp.runtime.driver``) is the only c
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,11 @@ from dhp.ops.context import padded_length, rank_index, row_parts
 from dhp.ops.linear_attn import require_kernel
 from dhp.parallel.lora import apply_lora, init_lora_params
 from dhp.runtime.base_worker import DistWorker
+from dhp.runtime.device_io import batch_kwargs as _batch_kwargs
+from dhp.runtime.device_io import hand_off_tag as _tag
+from dhp.runtime.device_io import shard_to as _shard_to
 from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.eval_worker import EvalMethods
 from dhp.runtime.graph import Link
 from dhp.runtime.handoff import ProducerWork
 from dhp.runtime.spec import WorkerSpec
@@ -46,12 +49,11 @@ from dhp.runtime.transport import make_transport
 
 #: seed offset per module so vision and llm draw different random inits from one train.seed
 _SEED_STRIDE = 1_000_003
-#: hand-off tags of the step-statistics pass start here (a micro-batch's own tag is its index)
-_STATISTICS_TAG = 1 << 20
 
 
-class ModuleWorker(DistWorker):
-    """Build, run and update one module's shard on this rank (see module docstring)."""
+class ModuleWorker(EvalMethods, DistWorker):
+    """Build, run and update one module's shard on this rank (see module docstring); evaluate it
+    forward only (:class:`~dhp.runtime.eval_worker.EvalMethods`)."""
 
     def __init__(self, *, module_name: str, rank: int, world_size: int, spec: WorkerSpec) -> None:
         super().__init__(module_name=module_name, rank=rank, world_size=world_size)
@@ -599,43 +601,3 @@ def _optim_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 total += local.numel() * local.element_size()
     return total
-
-
-def _shard_to(shard: Any, device: torch.device) -> Any:
-    """The shard with its tensors on ``device`` (a no-op on cpu)."""
-    if device.type == "cpu":
-        return shard
-
-    return dataclasses.replace(
-        shard,
-        **{
-            f.name: getattr(shard, f.name).to(device)
-            for f in dataclasses.fields(shard)
-            if isinstance(getattr(shard, f.name), torch.Tensor)
-        },
-    )
-
-
-def _tag(micro_batch: int, backward: bool) -> int:
-    """The hand-off tag of a micro-batch's rows: its index, or apart from every index in the
-    step-statistics pass (``backward=False``), so the two passes' payloads never pair up."""
-    return micro_batch if backward else _STATISTICS_TAG + micro_batch
-
-
-def _batch_kwargs(batch: VLBatch, device: torch.device) -> dict[str, Any]:
-    """The loss module's forward keywords of a micro-batch (everything but the hand-off edges)."""
-    return {
-        "input_ids": batch.input_ids.to(device),
-        "attention_mask": batch.attention_mask.to(device),
-        "labels": batch.labels.to(device),
-        "mm_token_type_ids": batch.mm_token_type_ids.to(device),
-        "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.to(device),
-        "sample_ids": batch.sample_ids,
-        **_video_kwargs(batch, device),
-    }
-
-
-def _video_kwargs(batch: VLBatch, device: torch.device) -> dict:
-    """``second_per_grid_ts`` for the LLM forward when the micro-batch holds videos (else nothing)."""
-    seconds = batch.second_per_grid_ts
-    return {} if seconds is None else {"second_per_grid_ts": seconds.to(device)}

@@ -30,6 +30,7 @@ from dhp.config.validate_precision import validate_precision
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.models.registry import family_names, get_arch
 from dhp.validation.validate_capabilities import validate_capabilities
+from dhp.validation.validate_finetune import validate_finetune
 from dhp.validation.validate_run import validate_data, validate_modules, validate_run
 from dhp.validation.validate_trainable import validate_trainable
 
@@ -144,6 +145,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_capabilities(cfg, issues)
     validate_data_keys(cfg, issues)
     validate_trainable(cfg, issues)  # freeze_patterns / param_groups / lora globs against real FQNs
+    validate_finetune(cfg, issues)  # run length, LR schedule, evaluation, chat template
     return issues.items
 
 

@@ -134,14 +134,8 @@ def _validate_batch(train: DictConfig, rv: int, rl: int, issues: Issues) -> None
 
 
 def _validate_train(train: DictConfig, issues: Issues) -> None:
-    issues.positive(train, "train", ["steps", "global_batch_size", "micro_batch_size", "lr", "log_every"])
-    issues.check(
-        0 <= train.warmup_steps <= max(train.steps, 0),
-        "train.warmup_steps",
-        train.warmup_steps,
-        f"must be in [0, train.steps={train.steps}]",
-        "shorten the warmup or train longer",
-    )
+    # the run's length (train.steps or train.epochs) and its warmup: validate_finetune.py
+    issues.positive(train, "train", ["global_batch_size", "micro_batch_size", "lr", "log_every"])
     issues.check(
         0.0 <= train.min_lr_ratio <= 1.0,
         "train.min_lr_ratio",
@@ -183,7 +177,7 @@ def validate_data(cfg: DictConfig, issues: Issues) -> None:
             "data.datasets",
             [],
             "data.kind=llava needs at least one dataset",
-            "list datasets (name, path, image_root) or use data=synthetic",
+            "give your data with data.path=FILE (docs/DATA.md), list data.datasets, or use data=synthetic",
         )
         for i, ds in enumerate(data.datasets):
             issues.check(ds.weight > 0, f"data.datasets.{i}.weight", ds.weight, "must be > 0", "e.g. 1.0")

@@ -44,10 +44,12 @@ class Interrupted:
 
 def train_with_fault(cfg, fault: str | None) -> Interrupted:
     """``train(cfg)`` in this process with ``$DHP_INJECT_FAULT=fault``; Ctrl-C is given its default
-    handling for the run (a suite started in the background inherits it ignored)."""
+    handling for the run (a suite started in the background inherits it ignored), so a SIGINT ends
+    in RunInterrupted after the graceful stop: its result is returned."""
     from rich.console import Console
 
     from dhp.runtime.failures import FAULT_ENV
+    from dhp.runtime.interrupts import RunInterrupted
     from dhp.runtime.train import train
 
     before = set(rank_processes())
@@ -59,7 +61,10 @@ def train_with_fault(cfg, fault: str | None) -> Interrupted:
                 mp.setenv(FAULT_ENV, fault)
             else:
                 mp.delenv(FAULT_ENV, raising=False)
-            result = train(cfg, console=Console(file=out, width=250))
+            try:
+                result = train(cfg, console=Console(file=out, width=250))
+            except RunInterrupted as stop:  # Python's own Ctrl-C handling: raised after the stop
+                result = stop.result
     finally:
         signal.signal(signal.SIGINT, old)
     stop_s = None if result.signal_time is None else time.monotonic() - result.signal_time

@@ -119,3 +119,40 @@ def test_ctrl_c_at_any_moment_saves_and_leaves_no_orphans(tmp_path) -> None:
     assert proc.returncode == 130, out[-3000:]
     (run_dir,) = (tmp_path / "int").iterdir()
     assert _check_stopped(run_dir, out, seen, signal.SIGINT) < STOP_BOUND_S
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_pytest_after_an_in_process_run_saved(tmp_path) -> None:
+    """`make test` on Ctrl-C: a test that calls train() in pytest's own process gets the graceful
+    stop (the step ends, a checkpoint), then pytest's KeyboardInterrupt, so the session stops there
+    instead of failing that one test and going on with the next."""
+    runs = tmp_path / "runs"
+    (tmp_path / "test_child.py").write_text(
+        "import io\n"
+        "from rich.console import Console\n"
+        "from dhp.runtime.train import train\n"
+        "from dhp.validation import load_config\n\n"
+        "def test_trains():\n"
+        f"    cfg = load_config('tiny_vlm', ['name=c', 'train.output_dir={runs}', 'train.steps=50'])\n"
+        "    train(cfg, console=Console(file=io.StringIO()))\n\n"
+        "def test_after():\n"
+        f"    open('{tmp_path / 'ran_after'}', 'w').close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env |= {"DHP_INJECT_FAULT": "sigint:driver:produce:2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_child.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    out = proc.stdout + proc.stderr
+    # pytest's Ctrl-C exit (2, "interrupted"), named by the KeyboardInterrupt the run raised
+    assert proc.returncode == 2 and "! dhp.runtime.interrupts.RunInterrupted: interrupted" in out, out[-3000:]
+    assert not (tmp_path / "ran_after").exists()  # the session stopped at the interrupted test
+    (run_dir,) = (runs / "c").iterdir()
+    done, _ = checkpoints(run_dir)
+    assert done == [max(logged(run_dir))] and done[0] >= 2  # saved at the step boundary first

@@ -15,28 +15,9 @@ from pathlib import Path
 
 from transformers import Qwen2_5_VLProcessor
 
-QWEN_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}"
-    "{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}"
-    "{% endif %}"
-    "{% endfor %}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from dhp.models.chat_templates import QWEN2_VL
+
+QWEN_CHAT_TEMPLATE = QWEN2_VL  # Qwen2.5-VL's own (dhp.models.chat_templates names it qwen2_vl)
 
 
 class Qwen2_5_VLImageTextProcessor(Qwen2_5_VLProcessor):

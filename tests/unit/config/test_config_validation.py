@@ -200,7 +200,7 @@ def test_issue_carries_value_and_fix() -> None:
         ("qwen_vl_32b", ["modules.vision.parallel=="], "modules.vision.parallel"),
         ("qwen_vl_32b", ["+foo=1"], "foo"),  # Hydra's + appends even in struct mode
         ("qwen_vl_32b", ["+modules.vision.parallel.ulysses=8"], "modules.vision.parallel.ulysses"),
-        ("qwen_vl_32b", ["+train.lr_schedule=cosine"], "train.lr_schedule"),
+        ("qwen_vl_32b", ["+train.lr_scheduler=cosine"], "train.lr_scheduler"),
         ("no_such_recipe", [], "conf"),
         ("/nonexistent/run.yaml", [], "conf"),
     ],

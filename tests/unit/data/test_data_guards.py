@@ -148,3 +148,20 @@ def test_dry_run_data_check_lists_every_missing_path(tmp_path):
     text = str(info.value)
     assert "no.jsonl': does not exist (dataset a)" in text and "noimg': is not a directory" in text
     assert "s-{0000..0001}.tar': does not exist (dataset w)" in text and "Fix:" in text
+
+
+def test_a_missing_eval_file_is_named_before_the_run(tmp_path):
+    from dhp.config.schema import EvalDataConfig
+    from dhp.data.preflight import data_path_issues
+
+    data = DataConfig(
+        kind="llava",
+        datasets=[DatasetEntry(name="a", path="pkg://dhp.data_assets/demo/captions.json")],
+        eval=EvalDataConfig(path=str(tmp_path / "val.json"), image_root=str(tmp_path / "noimg")),
+    )
+    got = {i.path: i for i in data_path_issues(data)}
+    assert set(got) == {"data.eval.path", "data.eval.image_root"}
+    assert "does not exist" in got["data.eval.path"].rule and "data.eval.split" in got["data.eval.path"].fix
+    (tmp_path / "val.json").write_text("[]")
+    (tmp_path / "noimg").mkdir()
+    assert data_path_issues(data) == []

@@ -32,7 +32,11 @@ def test_a_data_bound_loop_is_reported_once_with_the_fix(tiny_model, caplog):
     assert len(warned) == 1 and warned[0].startswith("data: step 3 waited")
     assert "data.num_workers" in warned[0] and "data.max_pixels" in warned[0]
     m = steps[-1].metrics
-    assert set(m) == {"wait_s", "samples_per_s", "workers"} and m["workers"] == 1.0 and m["samples_per_s"] > 0
+    assert (
+        set(m) == {"wait_s", "samples_per_s", "workers", "epoch"}
+        and m["workers"] == 1.0
+        and m["samples_per_s"] > 0
+    )
 
 
 def test_a_loop_that_never_waits_is_not_reported(tiny_model, caplog):

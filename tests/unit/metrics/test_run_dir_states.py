@@ -123,3 +123,28 @@ def test_runs_and_report_read_every_run_dir_state(state: str, tmp_path: Path) ->
     else:
         assert isinstance(report.exception, DhpError), text  # a clear refusal: exit 2 from `dhp`
     assert says in text, text
+
+
+def test_an_epochs_run_is_finished_at_its_counted_length_and_its_evals_are_noted(tmp_path: Path) -> None:
+    """A run by train.epochs has train.steps=0 in config.yaml: its length is the start event's
+    total_steps; its eval events are noted (last and best) and drawn beside the loss."""
+    from dhp.metrics.report import eval_points
+    from dhp.metrics.runs import read_run
+
+    run = tmp_path / "x" / "20000101-000000"
+    run.mkdir(parents=True)
+    cfg = (RECORDED / "config.yaml").read_text().replace("  steps: 3\n", "  steps: 0\n  epochs: 1.0\n", 1)
+    (run / "config.yaml").write_text(cfg)
+    r1, r2, r3 = _records()
+    start = {"event": "start", "step": 0, "time": 1.0, "total_steps": 3, "epochs": 1.0}
+    evals = [
+        {"event": "eval", "step": s, "time": 1.0, "eval_loss": v, "eval_samples": 4}
+        for s, v in ((2, 6.5), (3, 6.6))
+    ]
+    (run / "metrics.jsonl").write_text(_lines(start, r1, r2, evals[0], r3, evals[1]))
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_000003" / "meta.json").write_text("{}")
+    info = read_run(run)
+    assert (info.status, info.target_steps) == ("finished", 3)
+    assert "eval 6.6000 at step 3 (best 6.5000 at step 2)" in info.note
+    assert eval_points([r1, r2, r3], evals) == ([1, 2], [6.5, 6.6])

@@ -70,3 +70,32 @@ def test_a_real_signal_reaches_the_handler_and_the_old_handlers_come_back() -> N
                 break
     assert result.signal == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _ctrl_c_in_a_run(previous) -> SimpleNamespace:
+    """A real SIGINT inside ``run_signals`` (the step loop's mode) under SIGINT handler ``previous``."""
+    result = SimpleNamespace(signal=None, signal_time=None)
+    old = signal.signal(signal.SIGINT, previous)
+    try:
+        with run_signals(result) as s:
+            s.mode = "defer"
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                if s.requested:
+                    break
+            assert s.requested  # the graceful stop: nothing raised inside the run
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return result
+
+
+def test_ctrl_c_reaches_a_caller_with_python_default_handling_after_the_stop() -> None:
+    """pytest, a notebook, a script: the run stops gracefully, then the caller's KeyboardInterrupt
+    (carrying the run's result), so `make test` stops on Ctrl-C as on any other test."""
+    from dhp.runtime.interrupts import RunInterrupted
+
+    with pytest.raises(KeyboardInterrupt) as stop:
+        _ctrl_c_in_a_run(signal.default_int_handler)
+    assert isinstance(stop.value, RunInterrupted) and stop.value.result.signal == signal.SIGINT
+    own = _ctrl_c_in_a_run(lambda signum, frame: None)  # a program with its own handler: the result
+    assert own.signal == signal.SIGINT
