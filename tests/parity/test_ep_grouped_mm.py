@@ -52,7 +52,9 @@ def test_grouped_mm_forward_and_backward_match_the_loop(device: str, dtype: torc
     down = (torch.randn(e, H, INTER, generator=g) / INTER**0.5).to(device, dtype)
     want = _run(_loop_path, x, gate_up, down)
     got = _run(_grouped_path, x, gate_up, down)
-    for name, a, b in zip(("output", "d/d rows", "d/d gate_up_proj", "d/d down_proj"), got, want, strict=True):
+    for name, a, b in zip(
+        ("output", "d/d rows", "d/d gate_up_proj", "d/d down_proj"), got, want, strict=True
+    ):
         assert a.shape == b.shape, name
         assert _rel(a, b) <= rtol, f"{device} {name}: relative error {_rel(a, b):.2e} > {rtol:.0e}"
     empty = [i for i, c in enumerate(COUNTS) if c == 0]
