@@ -113,6 +113,32 @@ def _compare(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
         raise CheckpointError("\n".join(lines))
 
 
+def _group_params(state: dict[str, Any]) -> list[list[str]] | None:
+    """This rank's parameter FQNs of each optimizer group, in group order (None without an optimizer)."""
+    if OPTIM_KEY not in state:
+        return None
+    return [list(g["params"]) for g in state[OPTIM_KEY]["param_groups"]]
+
+
+def _restore_group_params(state: dict[str, Any], live: list[list[str]] | None) -> None:
+    """Give each loaded optimizer group this rank's parameter FQNs again, by group index.
+
+    DCP stores a non-tensor value once, so every rank reads back ONE rank's ``param_groups``, whose
+    ``params`` lists name that rank's parameters. Under ZeRO-1 each rank's groups hold different
+    parameters (the same groups, in the same order, with the same settings on every rank), so a rank
+    whose parameters that list does not name would get groups without their settings (lr, betas, ...)
+    from ``set_state_dict``, and its first step would fail. The groups' settings come from the
+    checkpoint; only the parameter lists are this rank's. A checkpoint with another number of groups
+    is left as read (``set_state_dict`` reports it)."""
+    if live is None:
+        return
+    groups = state[OPTIM_KEY]["param_groups"]
+    if len(groups) != len(live):
+        return
+    for group, names in zip(groups, live, strict=True):
+        group["params"] = names
+
+
 def read_module_info(path: Path) -> dict[str, Any]:
     """``{"world_size", "has_optimizer"}`` of a saved module dir; CheckpointError when absent."""
     f = Path(path) / MODULE_FILE
@@ -147,8 +173,10 @@ def load_module_state(
     state = _state(model, optimizer)
     flat, _ = flatten_state_dict(state)
     _compare(path, _logical_shapes(flat))
+    live_groups = _group_params(state)
     with single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    _restore_group_params(state, live_groups)
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state[MODEL_KEY], optim_state_dict={})
     else:
