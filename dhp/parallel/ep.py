@@ -86,8 +86,9 @@ Composition (what is proven, what is not yet)
 
 Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
 ``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)
-and a per-expert loop otherwise; ``grouped_mm_used`` says which, and this torch's CPU kernel has no
-backward, so the CPU path is the loop.
+and a per-expert loop otherwise; ``grouped_mm_used`` says which. This torch's CPU kernel runs backward
+only for a dense incoming gradient (a stride-0 one raises), so the CPU path stays the loop; the grouped
+path's forward and backward are held against the loop on CPU by ``tests/parity/test_ep_grouped_mm.py``.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def grouped_mm_used(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) 
 
     ``torch._grouped_mm`` needs CUDA with compute capability >= 8.0, bf16 operands and rows whose byte
     strides are 16-byte aligned (``H`` and ``I`` multiples of 8 in bf16). The CPU kernel of this torch
-    runs forward but has no backward, so CPU always loops.
+    has a backward only for dense incoming gradients, so CPU always loops.
     """
     if not (hasattr(torch, "_grouped_mm") and x.is_cuda):
         return False

@@ -291,7 +291,7 @@ def test_ep2_matches_single_process_hf(tmp_path):
 def test_grouped_mm_path_matches_loop():
     """The torch._grouped_mm path (taken on CUDA bf16) against the loop, forward, on CPU fp32 (<= 1e-5
     relative): the transposes, the offsets and empty experts are right before a GPU ever runs it.
-    This torch's CPU grouped_mm has no backward, so the backward is left to the GPU check."""
+    The backward is held by tests/parity/test_ep_grouped_mm.py."""
     g = torch.Generator().manual_seed(3)
     counts = torch.tensor([3, 0, 5, 2])  # expert 1 receives no rows
     x = torch.randn(int(counts.sum()), H, generator=g)
