@@ -118,6 +118,23 @@ def commit_checkpoint(tmp: Path, *, meta: CheckpointMeta, keep_last: int) -> Pat
     return final
 
 
+def remove_own_temps(checkpoints_dir: str | Path) -> list[Path]:
+    """Delete this process's temp checkpoint dirs (``*.tmp-<this pid>``, ``-old`` included) in one
+    run's ``checkpoints/``. Call only once the writers are gone (the groups torn down): a save cut by a
+    second signal removes its temp dir at once, but a rank still writing into it can recreate it until
+    the rank is stopped. Returns what was removed."""
+    removed: list[Path] = []
+    ckdir = Path(checkpoints_dir)
+    if not ckdir.is_dir():
+        return removed
+    for p in sorted(ckdir.iterdir()):
+        m = _ANY_TMP_RE.match(p.name)
+        if m and p.is_dir() and int(m.group(2)) == os.getpid():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 def remove_stale_temps(output_dir: str | Path, *, name: str) -> list[Path]:
     """Delete temp checkpoint dirs (``*.tmp-<pid>``) of writers that are no longer alive, in every
     run dir of ``name``; returns what was removed so the caller can say so."""

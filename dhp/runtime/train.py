@@ -348,6 +348,11 @@ def _attempt(
                 ray.shutdown()
         if saver is not None:  # a save still in flight never counts: its writers are gone
             saver.abandon()
+        # a save cut by a second signal: its ranks may have written into the temp dir after the driver
+        # removed it; they are gone now, so nothing can recreate it
+        from dhp.checkpoint import remove_own_temps  # after the start-up's imports (dhp.runtime.startup)
+
+        remove_own_temps(run_dir / "checkpoints")
 
 
 def _failed_attempt(

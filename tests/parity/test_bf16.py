@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.entries import model_entry
-from dhp.models.testing import modules_from_reference, split_step, tiny_vl_batch
+from dhp.models.testing import modules_from_reference, skew_routers_, split_step, tiny_vl_batch
 from dhp.parallel import finalize_grads, parallelize
 
 pytestmark = pytest.mark.parity
@@ -90,15 +90,11 @@ def _prepared_reference(model_name: str):
     torch.manual_seed(0)
     ref = family.reference_model(cfg)
     if entry.family == "qwen3_5":
-        from test_split_qwen3_5 import _skew_routers_, slow_decay_
+        from test_split_qwen3_5 import slow_decay_
 
         slow_decay_(ref)
-        if _moe(family, cfg):
-            _skew_routers_(ref, cfg)
-    elif _moe(family, cfg):
-        from test_split_qwen3_vl_moe import _skew_routers
-
-        _skew_routers(ref, cfg)
+    if _moe(family, cfg):
+        skew_routers_(dict(ref.named_parameters()), cfg.text_config.hidden_size)
     return family, cfg, ref
 
 

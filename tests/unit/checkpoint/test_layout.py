@@ -192,3 +192,21 @@ def test_module_records_from_config() -> None:
 
     recs = module_records(_modules(vision_freeze=True), world_sizes={"vision": 2, "llm": 4})
     assert recs == {"vision": ModuleRecord(2, True, False), "llm": ModuleRecord(4, False, True)}
+
+
+def test_own_temps_are_removed_after_the_teardown_and_no_one_elses(tmp_path) -> None:
+    """A save cut by a second signal: once the ranks are gone the driver removes its own temp dirs
+    (``step_X.tmp-<its pid>`` and ``-old``), never another live writer's nor a committed step."""
+    import os
+
+    from dhp.checkpoint import remove_own_temps
+
+    ck = tmp_path / "checkpoints"
+    own = [ck / f"step_000011.tmp-{os.getpid()}", ck / f"step_000009.tmp-{os.getpid()}-old"]
+    other = ck / "step_000011.tmp-1"  # pid 1: alive, someone else's
+    done = ck / "step_000010"
+    for d in (*own, other, done):
+        (d / "llm").mkdir(parents=True)
+    assert sorted(remove_own_temps(ck)) == sorted(own)
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000010", "step_000011.tmp-1"]
+    assert remove_own_temps(tmp_path / "missing") == []
