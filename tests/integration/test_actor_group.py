@@ -49,6 +49,7 @@ def _group(name, mesh, cpus=0.25):
     return ActorGroup(spec, pgs=pgs, worker_cls=EchoWorker, worker_kwargs={}), pgs
 
 
+@pytest.mark.slow
 def test_two_groups_own_separate_worlds_and_follow_contracts(ray_local):
     (vision, pg_v), (llm, pg_l) = _group("vision", {"sp": 2}), _group("llm", {"dp": 2, "tp": 2})
     try:
@@ -66,6 +67,7 @@ def test_two_groups_own_separate_worlds_and_follow_contracts(ray_local):
         release(pg_v + pg_l)
 
 
+@pytest.mark.slow
 def test_unplaceable_group_fails_fast_with_plan_error(ray_local):
     t0 = time.monotonic()
     with pytest.raises(PlanError, match=r"cannot place the plan: .*total \{'CPU': 6.0\}.*Fix: "):
@@ -74,6 +76,7 @@ def test_unplaceable_group_fails_fast_with_plan_error(ray_local):
     assert time.monotonic() - t0 < 15
 
 
+@pytest.mark.slow
 def test_killed_actor_is_named_by_module_and_rank(ray_local):
     group, pgs = _group("vision", {"sp": 2})
     try:

@@ -99,6 +99,7 @@ def _run(rank: int, ports: tuple[int, int, int], errors, done) -> None:
         raise
 
 
+@pytest.mark.slow
 def test_pipelined_exchange_over_the_bridge() -> None:
     ctx = mp.get_context("spawn")
     errors, done = ctx.Queue(), ctx.Barrier(VISION + LLM)

@@ -17,6 +17,7 @@ def dhp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_dry_run_headline_tables() -> None:
     out = dhp("plan", "conf=qwen_vl_32b", "--dry-run")
     assert out.returncode == 0, out.stderr
@@ -70,6 +71,7 @@ def test_json_parses_with_required_keys() -> None:
     assert set(w["tokens_per_step"]) == {"text", "vision", "llm_padded"}
 
 
+@pytest.mark.slow
 def test_overrides_reach_the_plan() -> None:
     out = dhp(
         "plan",
@@ -127,6 +129,7 @@ def test_recipes_lists_every_recipe() -> None:
         assert name in out.stdout
 
 
+@pytest.mark.slow
 def test_smoke_flag_shrinks_to_cpu() -> None:
     out = dhp("plan", "conf=qwen_vl_72b", "smoke=true", "--dry-run", "--json")
     assert out.returncode == 0, out.stderr

@@ -48,6 +48,7 @@ def broken_copy(tmp_path: Path) -> tuple[Path, list[str]]:
     return root, overrides
 
 
+@pytest.mark.slow
 def test_shipped_demo_passes_with_a_summary(tiny_dir):
     out = check(tiny_dir)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -84,6 +85,7 @@ def test_json_report_and_skip_policy(tiny_dir, tmp_path):
     assert set(doc["text_tokens_percentiles"]) == {"p0", "p50", "p90", "p99", "p100"}
 
 
+@pytest.mark.slow
 def test_missing_dataset_file_is_a_short_error(tiny_dir, tmp_path):
     out = check(tiny_dir, f"data.datasets.0.path={tmp_path / 'nope.json'}")
     assert out.returncode == 2

@@ -148,6 +148,7 @@ def test_bad_rows_among_the_sampled_ones_are_named_by_line_and_reason(files, mon
     assert all(flat(f"{path}:{n}") in said for n in (4, 9, 11))
 
 
+@pytest.mark.slow
 def test_a_long_video_breaks_every_limit_in_one_run(files, monkeypatch):
     path = files["root"] / "long_video.jsonl"
     args = [

@@ -39,6 +39,7 @@ def _config(tmp_path, data, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_a_run_killed_by_a_bad_sample_is_failed_with_its_reason(ray_local, tmp_path):
     data = llamafactory_file(tmp_path / "photos.json", ["coffee.png", "moon.png", "grass.png", "coins.png"])
     data.write_text(data.read_text().replace("grass.png", "no_such_photo.png"))  # record 3: step 2

@@ -59,6 +59,7 @@ def _sft(recipe: str, tiny: Path, data: Path, out: Path, *overrides: str):
     return result, console.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_sft_presets_train_with_eval_on_the_tiny_counterpart_and_export(
     ray_local, tmp_path, data_files, recipe

@@ -39,6 +39,7 @@ def test_a_data_bound_loop_is_reported_once_with_the_fix(tiny_model, caplog):
     )
 
 
+@pytest.mark.slow
 def test_a_loop_that_never_waits_is_not_reported(tiny_model, caplog):
     loader = _loader(tiny_model, prefetch=True)
     with caplog.at_level(logging.WARNING, logger="dhp.data"):

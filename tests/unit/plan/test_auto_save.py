@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from dhp.cli import app
 
 
+@pytest.mark.slow
 def test_auto_save_prints_the_path_and_renames_the_run(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     args = ["plan", "conf=tiny_vlm", "cluster.gpus_per_node=2", "--auto", "--dry-run", "--save", "sub/a.yaml"]
@@ -20,6 +22,7 @@ def test_auto_save_prints_the_path_and_renames_the_run(tmp_path, monkeypatch) ->
     assert "dhp train conf=sub/a.yaml" in out.output
 
 
+@pytest.mark.slow
 def test_a_name_given_on_the_command_line_is_kept(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     args = ["plan", "conf=tiny_vlm", "cluster.gpus_per_node=2", "name=mine", "--auto", "--dry-run"]

@@ -25,6 +25,7 @@ def _tp_groups_in_one_node(group) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_planner_imports_no_ray_or_process_groups() -> None:
     code = (
         "import sys; from dhp.validation import load_config; from dhp.plan import compile_plan;"

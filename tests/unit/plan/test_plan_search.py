@@ -37,6 +37,7 @@ def test_search_space_has_selective_ac_and_llm_sequence_parallel() -> None:
     assert a < b
 
 
+@pytest.mark.slow
 def test_overrides_apply_as_typed_values() -> None:
     cfg = load_config("tiny_vlm", [])
     best = Search(cfg, set()).run(keep=1)[0]

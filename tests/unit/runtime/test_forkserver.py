@@ -111,6 +111,7 @@ def test_a_child_killed_by_a_signal_exits_the_launcher_with_128_plus_it(server, 
     assert launch(server, str(killer)).returncode == 128 + signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_without_a_server_the_launcher_starts_the_worker_itself_and_says_why(script, tmp_path):
     done = launch(str(tmp_path / "none.sock"), str(script), env={"MARK": "m2"})
     assert done.returncode == 0, done.stderr
@@ -133,6 +134,7 @@ def test_a_server_that_loaded_ray_refuses_to_fork(script):
         srv.close()
 
 
+@pytest.mark.slow
 def test_the_base_preload_holds_torch_and_never_ray(script):
     srv = ForkServer.start()  # BASE_PRELOAD: torch and dhp's rank code
     try:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import pytest
 from rich.console import Console
 
 from dhp.runtime import startup
@@ -69,6 +70,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_the_driver_reaches_ray_start_without_transformers_model_code(tmp_path) -> None:
     """What ``connect_ray_importing`` overlaps with Ray's start must not already be loaded before it:
     transformers' model code and the worker module (each over a second of CPU on the 2-core box)."""
@@ -120,6 +122,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_the_driver_uses_every_family_without_loading_transformers_model_code() -> None:
     """The driver reads a family's module names, transformers config and hand-offs; only a rank
     builds modules. Loading model code there would cost the driver ~2.3 CPU-s of start-up, taken
