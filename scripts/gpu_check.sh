@@ -8,6 +8,8 @@
 #   deltanet  the Gated DeltaNet kernel dhp names (fla-chunk or a torch fallback, which fails here),
 #          flash-linear-attention's chunked delta rule + causal-conv1d vs transformers' torch
 #          reference (output, state, input grads; fp32), and fwd+bwd ms of each on the GPU
+#   grouped  EP's grouped-GEMM expert path (torch._grouped_mm, bf16) vs the per-expert loop, forward
+#          and backward, with empty experts (their weight gradients must be exactly zero)
 #   bf16   tiny and 7B-width (2 layers) VisionModule+LLMModule fwd/bwd, bf16 vs fp32 on the GPU
 #   ipc    2 processes on one GPU: image embeddings through dhp's CudaIpcTransport vs a host copy;
 #          a hand-off packed while the GPU still writes is ordered by the interprocess event alone
@@ -82,10 +84,11 @@ run_check() {
   ((rc == 124 || rc == 137)) && log "== $name: TIMED OUT after ${limit}s"
 }
 
-ORDER=env,flash,deltanet,bf16,ipc,nccl,mfu,train
+ORDER=env,flash,deltanet,grouped,bf16,ipc,nccl,mfu,train
 run_check env 60
 run_check flash 45
 run_check deltanet 45
+run_check grouped 45
 run_check bf16 90
 run_check ipc 75
 run_check nccl 90 --nccl2-timeout 40

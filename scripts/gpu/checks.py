@@ -2,7 +2,7 @@
 
     python scripts/gpu/checks.py CHECK --out FILE [--cpu]
 
-CHECK is one of env, bf16, nccl, ipc, flash, deltanet, mfu, train. ``--cpu`` (or a machine without CUDA)
+CHECK is one of env, bf16, nccl, ipc, flash, deltanet, grouped, mfu, train. ``--cpu`` (or a machine without CUDA)
 runs tiny sizes on the CPU: checks that need CUDA report ``skipped: no CUDA`` after exercising
 their harness on CPU tensors / gloo, so the script's logic can be tested anywhere.
 The result is ``{"check", "status": pass|fail|skipped, "figures": {...}, "notes": [...]}``; an
@@ -25,6 +25,7 @@ if str(HERE) not in sys.path:
 from check_bf16 import check_bf16  # noqa: E402
 from check_deltanet import check_deltanet  # noqa: E402
 from check_env import check_env, check_flash  # noqa: E402
+from check_grouped import check_grouped  # noqa: E402
 from check_helpers import Ctx, say, tail  # noqa: E402
 from check_ipc import check_ipc  # noqa: E402
 from check_mfu import check_mfu  # noqa: E402
@@ -40,6 +41,7 @@ CHECKS = {
     "ipc": check_ipc,
     "flash": check_flash,
     "deltanet": check_deltanet,
+    "grouped": check_grouped,
     "mfu": check_mfu,
     "train": check_train,
 }

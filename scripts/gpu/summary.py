@@ -20,6 +20,7 @@ KEY_FIGURES = {
     "ipc": ["transport_module", "bytes_equal", "event_order.ok", "event_order.pack_nonblocking"],
     "flash": ["flash_attn"],
     "deltanet": ["kernel", "rel_err.delta_rule.out", "rel_err.delta_rule.grad_q", "ms_fwd_bwd.dispatched"],
+    "grouped": ["grouped_mm_used", "rel_err.d_gate_up", "empty_expert_grad_max_abs"],
     "mfu": ["step_s", "tokens_per_s_text", "achieved_tflops", "mfu", "peak_mem_gib"],
     "train": ["plan_rc", "train_rc"],
 }
