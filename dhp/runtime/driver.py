@@ -52,6 +52,7 @@ from dhp.runtime.bridge import BridgeLayout
 from dhp.runtime.evaluation import EvalParts, EvalResult
 from dhp.runtime.failures import FaultHook
 from dhp.runtime.forknodes import NodeForkServers, start_for_cluster
+from dhp.runtime.forkserver import preload_family
 from dhp.runtime.graph import links_of
 from dhp.runtime.handoff import route_micro_batch, unit_senders
 from dhp.runtime.spec import WorkerSpec, without_degrees
@@ -117,6 +118,7 @@ class Trainer:
             pgs, specs = specs_from_plan(plan, cpus_per_rank=config.cluster.cpus_per_rank)
             self._pgs = reserve(pgs, timeout_s=ready_timeout_s)
             self.startup.mark("placement groups")
+            preload_family(config.model.family)  # a local server started for none or another
             self._fork_nodes = start_for_cluster(self._pgs, family=config.model.family)
             self.family = get_family(config.model.family)
             self.hf_config = _hf_config(self.family, config.model)

@@ -19,8 +19,10 @@ each started by a small actor there for the run's lifetime (:mod:`dhp.runtime.fo
 Safety of the fork: the server never initialises CUDA (it refuses to fork once
 ``torch.cuda.is_initialized()``), holds one thread (it refuses with a second one), and freezes its
 objects from the garbage collector (``gc.freeze``) so children do not copy pages by collecting them.
-A child gets the launcher's environment, working directory and stdin/stdout/stderr, Python's and
-numpy's RNGs reseeded (torch's default generator is left as a fresh process has it: dhp seeds each
+A child gets a session and process group of its own (Ray's clean-up of a dead worker kills that
+worker's whole group: sharing the server's, one rank's death, or any rank's teardown, would take
+the server and every rank forked beside it), the launcher's environment, working directory and
+stdin/stdout/stderr, Python's and numpy's RNGs reseeded (torch's default generator is left as a fresh process has it: dhp seeds each
 rank itself). Every refusal is answered with its reason; the launcher then starts the rank the
 ordinary way and the rank reports the reason (``DistWorker.started``).
 
@@ -223,9 +225,19 @@ def use_for_local_ray() -> None:
         server.serving = True
 
 
-def close_current() -> None:
-    """Stop the server this driver started, if any (a joined cluster, the end of a run)."""
+def preload_family(family: str) -> None:
+    """Ask the server serving this node's local Ray, if any, to import ``family``'s modules before
+    it forks the next rank (a no-op for a family it holds). A server started for another family, or
+    none (a test session's, a sweep's), would otherwise leave every rank to import them itself."""
     server = current()
+    if server is not None and server.serving:
+        server.preload(family_modules(family))
+
+
+def close_current() -> None:
+    """Stop the server this driver started, if any (a joined cluster, the end of a run); one that
+    died (a SIGKILL) still has its socket folder removed."""
+    server = _CURRENT
     if server is not None:
         server.close()
 
@@ -356,6 +368,10 @@ class _Server:
         """In the child: drop the server's sockets, take the launcher's place, run Ray's worker."""
         code = 1
         try:
+            # a process group of its own, as Ray gives a rank it starts itself: Ray's worker cleanup
+            # kills the dead worker's whole process group, which would otherwise be this server's
+            # (the server and every other rank forked from it)
+            os.setsid()
             self.listener.close()
             for c in self.children.values():
                 c.close()

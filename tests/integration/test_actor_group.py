@@ -131,10 +131,22 @@ def test_ranks_forked_from_the_fork_server_form_worlds_and_report_their_death(ra
             os.kill(llm.pids[1], signal.SIGKILL)
             with pytest.raises(RuntimeFailure, match=r"module 'llm' rank 1 \(pid \d+\) died"):
                 llm.collect(pending, timeout_s=60)
+            # Ray's cleanup of the dead worker kills its process group: only that rank's own, so the
+            # server and the ranks forked beside it (another module's) live on
+            time.sleep(2.0)
+            assert server.alive() and vision.call(EchoWorker.all_reduce_sum, 1.0) == [2.0, 2.0]
         finally:
             vision.shutdown()
             llm.shutdown(destroy_dist=False)
             release(pg_v + pg_l)
+        # killed by the teardown too, the ranks leave the server serving: the next group forks again
+        time.sleep(1.0)
+        again, pg_a = _group("llm", {"tp": 2})
+        try:
+            assert server.alive() and again.starts == ["forked"] * 2
+        finally:
+            again.shutdown(destroy_dist=False)
+            release(pg_a)
     finally:
         if own:
             server.close()

@@ -148,6 +148,31 @@ def test_the_base_preload_holds_torch_and_never_ray(script):
         srv.close()
 
 
+@pytest.mark.slow
+def test_a_run_asks_the_serving_server_for_its_family_and_only_a_serving_one():
+    srv = ForkServer.start(preload=("json",))
+    try:
+        forkserver.preload_family("qwen3_vl")  # not serving a local Ray (yet): left alone
+        assert srv.request({"op": "status"})["loaded"] == ["json"]
+        srv.serving = True
+        forkserver.preload_family("qwen3_vl")
+        status = srv.request({"op": "status"})  # answered once the preload before it is done
+        assert status["loaded"] == ["json", *forkserver.family_modules("qwen3_vl")], status
+        assert status["failed"] == {} and status["refusal"] is None, status
+    finally:
+        srv.close()
+
+
+def test_a_dead_servers_folder_is_removed_by_close_current():
+    srv = ForkServer.start(preload=())
+    srv.request({"op": "status"})
+    os.kill(srv.proc.pid, signal.SIGKILL)  # nothing of its own clean-up runs
+    srv.proc.wait(timeout=10)
+    assert forkserver.current() is None and os.path.exists(srv.path)
+    forkserver.close_current()
+    assert not os.path.exists(os.path.dirname(srv.path))
+
+
 def test_the_server_ends_when_its_driver_does(tmp_path):
     code = (
         "import sys, time\nfrom dhp.runtime.forkserver import ForkServer\n"
