@@ -71,14 +71,19 @@ def machine_profile(cfg):
     return this_machine(cfg)
 
 
-def checked_config(conf: str, overrides: list[str], *, smoke: bool):
+def checked_config(conf: str, overrides: list[str], *, smoke: bool, worst_case: bool = False):
     """The run config after every check a run passes before any process starts, all problems in one
     ConfigError (dhp.runtime.preflight): what `dhp plan` and `dhp train` both call. Lines that are
-    not problems (the tiny checkpoint used, rows a skip policy skips) go to stderr."""
+    not problems (the tiny checkpoint used, rows a skip policy skips) go to stderr. ``worst_case``:
+    `dhp plan --worst-case` only."""
     from dhp.runtime.preflight import checked_config as check
 
     return check(
-        conf, overrides, smoke=smoke, say=lambda line: err_console.print(line, markup=False, soft_wrap=True)
+        conf,
+        overrides,
+        smoke=smoke,
+        say=lambda line: err_console.print(line, markup=False, soft_wrap=True),
+        worst_case=worst_case,
     )
 
 
@@ -166,11 +171,19 @@ def plan(
         "--save",
         help="With --auto: write the chosen run as a recipe YAML, run name <name>_auto (unless name= is given).",
     ),
+    worst_case: bool = typer.Option(
+        False,
+        "--worst-case",
+        help="Fill every micro-batch to its seq_len and read no data row: plans a recipe without "
+        "its model.path and data.path (dhp train still needs them).",
+    ),
 ) -> None:
     """Compile a run's plan: groups, placement, routing, memory by phase and a step-time estimate.
 
     Usage: dhp plan conf=RECIPE|PATH key=value... smoke=true --dry-run --json (all but conf= optional).
     Without --dry-run the placement groups are also reserved on the Ray cluster, then released.
+    --worst-case plans a recipe before you have its files (an SFT recipe's model.path and data.path):
+    every micro-batch filled to its seq_len.
     """
     from dhp.plan import compile_plan, render_plan
     from dhp.plan.reserve import reserve_plan
@@ -178,11 +191,13 @@ def plan(
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     # every check dhp train makes before step 1 (the sampled rows' lengths time the step), then
     # this machine's numbers
-    cfg = machine_profile(checked_config(conf, overrides, smoke=smoke))
+    cfg = machine_profile(checked_config(conf, overrides, smoke=smoke, worst_case=worst_case))
     if auto:
         from dhp.plan.auto import render_auto, run_auto
 
-        compiled, ranked, why = run_auto(cfg, {o.partition("=")[0] for o in overrides}, save=save or None)
+        compiled, ranked, why = run_auto(
+            cfg, {o.partition("=")[0] for o in overrides}, save=save or None, worst_case=worst_case
+        )
         if not as_json:
             render_auto(ranked, why, compiled, console)
         if save:  # stderr under --json: stdout stays one JSON document

@@ -42,13 +42,16 @@ def auto_name(name: str) -> str:
     return name if name.endswith(AUTO_SUFFIX) else name + AUTO_SUFFIX
 
 
-def run_auto(config: DictConfig, fixed: set[str], *, save: str | None) -> tuple[Plan, list, str]:
+def run_auto(
+    config: DictConfig, fixed: set[str], *, save: str | None, worst_case: bool = False
+) -> tuple[Plan, list, str]:
     """Search, compile the winner and optionally save it; returns (winner plan, ranked, reason).
+    ``worst_case``: :func:`dhp.plan.search.auto_plan`'s.
 
     The saved recipe runs under :func:`auto_name` (``name=`` given on the command line is kept
     as the user wrote it: it is theirs to choose).
     """
-    ranked, why = auto_plan(config, fixed)
+    ranked, why = auto_plan(config, fixed, worst_case=worst_case)
     best = ranked[0][0]
     chosen = apply(config, ranked[0][1])
     OmegaConf.set_readonly(chosen, False)

@@ -574,11 +574,12 @@ def no_plan_message(search: Search, refused: collections.Counter[str]) -> str:
 
 
 def auto_plan(
-    config: DictConfig, fixed: set[str], *, top: int = 10
+    config: DictConfig, fixed: set[str], *, top: int = 10, worst_case: bool = False
 ) -> tuple[list[tuple[Candidate, list[str]]], str]:
     """The ``top`` fastest valid plans that fit, each with the overrides that produce it, and one
-    sentence on why the first wins."""
-    from dhp.validation.validate import validate
+    sentence on why the first wins. ``worst_case`` (``dhp plan --worst-case``): a candidate's
+    missing run inputs (``model.path``, the data) refuse it no more than they refused the config."""
+    from dhp.validation.validate import is_missing_input, validate
 
     if "vision" not in config.modules:
         raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")
@@ -587,7 +588,7 @@ def auto_plan(
     refused: collections.Counter[str] = collections.Counter()
     for cand in search.run():
         ov = cand.overrides()
-        problems = validate(apply(config, ov))
+        problems = [p for p in validate(apply(config, ov)) if not (worst_case and is_missing_input(p))]
         if problems:
             refused[f"{problems[0].path}: {problems[0].rule}"] += 1
             continue

@@ -15,6 +15,12 @@ In order, each problem collected and all of them raised as one ConfigError (exit
 
 The sampled rows' lengths go into ``data.lengths`` of the returned (frozen) config, for the plan's
 step time and workload.
+
+``worst_case`` (``dhp plan --worst-case``; never ``dhp train``): the plan of a recipe before its
+user has the files, e.g. an SFT recipe that takes ``model.path`` and ``data.path``. The two problems
+of the run's own inputs (a real-size model without ``model.path``, real data without a dataset) are
+said, not raised, and no row is read: every micro-batch is filled to its ``seq_len``, the plan's
+worst case. Every other problem is still raised.
 """
 
 from __future__ import annotations
@@ -34,29 +40,56 @@ def _under(issues: list[ConfigIssue], *roots: str) -> bool:
 
 
 def checked_config(
-    conf: str, overrides: list[str] | None = None, *, smoke: bool = False, say: Callable[[str], None]
+    conf: str,
+    overrides: list[str] | None = None,
+    *,
+    smoke: bool = False,
+    say: Callable[[str], None],
+    worst_case: bool = False,
 ) -> RunConfig:
     """Compose ``conf`` with ``overrides`` (``smoke``: shrunk to a tiny CPU run) and run every check
     of the module docstring; returns the config frozen, with ``data.lengths`` measured for real data.
     ``say`` gets the lines worth a user's eye that are not problems (the tiny checkpoint used, rows a
-    ``skip`` policy will skip). Raises one ConfigError with every problem found."""
-    from dhp.validation import validate  # reason: the families' code, after the CLI's fast start
+    ``skip`` policy will skip). Raises one ConfigError with every problem found. ``worst_case``: see
+    the module docstring."""
+    # reason: the families' code, after the CLI's fast start
+    from dhp.validation.validate import is_missing_input, validate
 
     cfg = compose_run(conf, overrides, smoke=smoke)
     issues = list(validate(cfg))
     issues += _tracker_issues(cfg, issues)
     lengths = None
-    if not _under(issues, "data", "conf"):  # the data settings hold: their files can be looked for
-        # and, with a model that passed (its numbers, its directory), its rows read
-        lengths = _data_checks(cfg, issues, read_rows=not _under(issues, "model"), say=say)
+    if worst_case:
+        _say_worst_case(cfg, [i for i in issues if is_missing_input(i)], say)
+        issues = [i for i in issues if not is_missing_input(i)]
+    has_data = cfg.data.kind != "llava" or bool(cfg.data.datasets)
+    if has_data and not _under(issues, "data", "conf"):  # the data settings hold: their files can be
+        # looked for and, with a model that passed (its numbers, its directory), its rows read
+        read_rows = not worst_case and not _under(issues, "model")
+        lengths = _data_checks(cfg, issues, read_rows=read_rows, say=say)
     if issues:
         raise ConfigError(_unique(issues))
     OmegaConf.resolve(cfg)
     if lengths is not None:
         OmegaConf.set_readonly(cfg, False)
         cfg.data.lengths = OmegaConf.structured(lengths)
+    elif worst_case and cfg.data.kind != "synthetic":
+        OmegaConf.set_readonly(cfg, False)
+        cfg.data.lengths.note = "not read: --worst-case"  # the estimate line says so
     OmegaConf.set_readonly(cfg, True)
     return cfg  # type: ignore[return-value]  # a DictConfig typed by RunConfig
+
+
+def _say_worst_case(cfg, inputs: list[ConfigIssue], say: Callable[[str], None]) -> None:
+    """The line ``--worst-case`` prints: what the plan does without the data, what train will need."""
+    if cfg.data.kind == "synthetic":
+        line = "--worst-case: synthetic data: the plan uses its configured sample sizes"
+    else:
+        line = "--worst-case: every micro-batch filled to its seq_len; no data row is read"
+    if inputs:
+        need = "; ".join(f"{i.path}: {i.fix}" for i in inputs)
+        line += f". dhp train needs what this plan went without: {need}"
+    say(line)
 
 
 def _tracker_issues(cfg, issues: list[ConfigIssue]) -> list[ConfigIssue]:

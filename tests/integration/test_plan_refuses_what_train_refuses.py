@@ -177,3 +177,27 @@ def test_a_long_video_breaks_every_limit_in_one_run(files, monkeypatch):
     text = flat(res.stderr)
     assert text.count("ConfigError") == 1 and "3configerror(s)" in text and "Traceback" not in res.stderr
     assert all(flat(e) in text for e in expected), res.stderr[-4000:]
+
+
+def test_an_sft_recipe_is_refused_without_its_files_and_planned_with_worst_case(files, monkeypatch):
+    """An SFT recipe takes the user's model.path and data.path: plan and train both refuse it without
+    them, naming both; `dhp plan --worst-case` plans it (every micro-batch at seq_len) and says what
+    train will still need, and refuses every other problem as before."""
+    need = [
+        "model.path = None: real data (data.kind=llava) needs the model's tokenizer and image processor",
+        "data.datasets = []: data.kind=llava needs at least one dataset",
+    ]
+    refused_alike(files, monkeypatch, ["conf=sft_qwen_vl_7b", "train.epochs=0", "train.steps=2"], need)
+    res = dhp_here("plan", "conf=sft_qwen_vl_7b", "--dry-run", "--worst-case", "--json")
+    assert res.exit_code == 0, explain(res)
+    said = flat(res.output)
+    assert flat("--worst-case: every micro-batch filled to its seq_len; no data row is read.") in said
+    assert flat("dhp train needs what this plan went without: model.path: set model.path=DIR") in said
+    assert flat("data.datasets: give your data with data.path=FILE") in said
+    plan = json.loads(res.stdout[res.stdout.index("{") :])
+    assert plan["fits"], plan["memory"] if "memory" in plan else plan.keys()
+    # another problem is still a problem, and the inputs are not among them
+    res = dhp_here("plan", "conf=sft_qwen_vl_7b", "modules.llm.parallel.fsdp=3", "--dry-run", "--worst-case")
+    assert isinstance(res.exception, ConfigError), explain(res)
+    issues = [str(i) for i in res.exception.issues]
+    assert issues and not any(i.startswith(("model.path", "data.datasets")) for i in issues), issues

@@ -11,6 +11,7 @@ from dhp.config.loader import CONF_DIR, compose_config
 from dhp.config.smoke import smoke_config
 from dhp.layout import module_layout
 from dhp.plan import compile_plan
+from dhp.runtime.preflight import checked_config
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit
@@ -24,9 +25,18 @@ def test_required_recipes_exist_with_descriptions() -> None:
     assert all(desc for _, desc in list_recipes())
 
 
+def _full(recipe: str):
+    """A recipe as shipped, validated: no weights (tiny_vlm_demo's are written by `make demo`); an SFT
+    recipe, which takes the user's model.path and data.path, as `dhp plan --worst-case` checks it
+    (every other problem raised)."""
+    if recipe.startswith("sft_"):
+        return checked_config(recipe, ["model.path=null"], say=lambda _line: None, worst_case=True)
+    return load_config(recipe, ["model.path=null"])
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_loads_frozen(recipe: str) -> None:
-    cfg = load_config(recipe, ["model.path=null"])  # tiny_vlm_demo's weights are written by `make demo`
+    cfg = _full(recipe)
     assert cfg.name == recipe
     assert OmegaConf.is_readonly(cfg)
     with pytest.raises(Exception, match="read-only"):
@@ -62,7 +72,7 @@ def _axes(cfg) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
-    full = load_config(recipe, ["model.path=null"])
+    full = _full(recipe)
     smoke = load_config(recipe, [], smoke=True)  # validates
     assert smoke.cluster.name == "local_cpu" and smoke.cluster.device == "cpu"
     tiny = smoke.model.name
@@ -122,3 +132,13 @@ def test_smoke_shrinks_a_flavour_to_its_own_tiny_model() -> None:
     dense = load_config("qwen3_5_27b", [], smoke=True).model
     assert dense.name == "tiny_qwen3_5" and "num_experts" not in dense.llm.extra
     assert load_config("qwen3_vl_30b_a3b", [], smoke=True).model.name == "tiny_qwen3_vl_moe"
+
+
+def test_the_sft_presets_make_any_recipe_the_sft_recipes_fine_tune() -> None:
+    """`conf=qwen_vl_7b train=sft data=sft` (the presets on a base recipe) trains and holds out its
+    data as the SFT recipe does; +lora=attn_mlp adds the same LoRA as the recipe's lora=attn_mlp."""
+    preset = load_config("qwen_vl_7b", ["train=sft", "data=sft", "+lora=attn_mlp"], smoke=True)
+    recipe = load_config("sft_qwen_vl_7b", ["lora=attn_mlp"], smoke=True)
+    assert preset.train == recipe.train and preset.data == recipe.data
+    assert preset.modules.llm.lora == recipe.modules.llm.lora and recipe.modules.llm.lora.rank > 0
+    assert recipe.train.eval_every == 1 and recipe.data.eval.split > 0  # smoke: an eval each step

@@ -1,13 +1,13 @@
-"""A fine-tune with the SFT presets trains end to end on the tiny counterpart of each family's recipe,
-as a user runs it on a real checkpoint: ``dhp train conf=R train=sft data=sft smoke=true
-model.path=TINY data.path=F``, with TINY a tiny checkpoint in the real layout of the recipe's family
-(tokenizer with its chat template, processor, safetensors) and F a LLaMA-Factory file of real
-photographs. The smoke run keeps each module's strategy (SP stays SP, TP stays TP, EP stays EP), the
-preset's data and its evaluation (2 % held out, after each of its 2 steps, the best checkpoint kept),
-and ``dhp export`` of the best checkpoint loads in transformers.
+"""Every SFT recipe trains end to end on its tiny counterpart, as a user runs it on a real checkpoint:
+``dhp train conf=sft_R smoke=true model.path=TINY data.path=F``, with TINY a tiny checkpoint in the
+real layout of the recipe's family (tokenizer with its chat template, processor, safetensors) and F a
+LLaMA-Factory file of real photographs. The smoke run keeps each module's strategy (SP stays SP, FSDP
+stays FSDP, EP stays EP), the recipe's data and its evaluation (its presets ``train=sft data=sft``: 2 %
+held out, after each of its 2 steps, the best checkpoint kept), and ``dhp export`` of the best
+checkpoint loads in transformers.
 
-Qwen2.5-VL is the fast case; the other families are the slow matrix. A second test checks that an
-evaluation changes no training loss (with LoRA dropout drawing from the RNG in every step).
+A second test checks that an evaluation changes no training loss (with LoRA dropout drawing from the
+RNG in every step).
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ pytestmark = pytest.mark.integration
 
 SLOW = pytest.mark.slow
 RECIPES = [
-    "qwen_vl_7b",
-    pytest.param("qwen3_vl_8b", marks=SLOW),
-    pytest.param("qwen3_vl_30b_a3b", marks=SLOW),  # MoE: EP, the router's load-balancing term
-    pytest.param("qwen3_5_27b", marks=SLOW),  # hybrid linear attention
+    "sft_qwen_vl_7b",
+    "sft_qwen3_vl_8b",
+    "sft_qwen3_vl_30b_a3b",  # MoE: EP, the router's load-balancing term
+    "sft_qwen3_5_27b",  # hybrid linear attention
 ]
-SFT = ["train=sft", "data=sft"]  # conf/train/sft.yaml, conf/data/sft.yaml
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +50,8 @@ def data_files(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _sft(recipe: str, tiny: Path, data: Path, out: Path, *overrides: str):
-    """``dhp train conf=RECIPE train=sft data=sft smoke=true model.path=TINY data.path=DATA`` here."""
-    given = [*SFT, f"model.path={tiny}", f"data.path={data}", f"train.output_dir={out}", *overrides]
+    """``dhp train conf=RECIPE smoke=true model.path=TINY data.path=DATA`` here."""
+    given = [f"model.path={tiny}", f"data.path={data}", f"train.output_dir={out}", *overrides]
     cfg = load_config(recipe, given, smoke=True)
     console = io.StringIO()
     result = train(cfg, console=Console(file=console, width=200))
@@ -61,10 +60,10 @@ def _sft(recipe: str, tiny: Path, data: Path, out: Path, *overrides: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_sft_presets_train_with_eval_on_the_tiny_counterpart_and_export(
+def test_sft_recipes_train_with_eval_on_the_tiny_counterpart_and_export(
     ray_local, tmp_path, data_files, recipe
 ):
-    tiny = tiny_checkpoint(recipe, tmp_path / "tiny", SFT)
+    tiny = tiny_checkpoint(recipe, tmp_path / "tiny")
     result, said = _sft(recipe, tiny, data_files[0], tmp_path / "runs")
     assert sorted(result.losses) == [1, 2] and all(math.isfinite(v) for v in result.losses.values())
     assert sorted(result.evals) == [1, 2] and all(math.isfinite(v) for v in result.evals.values())
@@ -90,16 +89,16 @@ def test_evaluation_changes_no_training_loss(ray_local, tmp_path, data_files):
     loss is bit-equal. LoRA dropout 0.1 draws from every rank's RNG in each training forward, so an
     evaluation that moved a stream, left a module in eval mode or changed a weight would show."""
     train_file, val_file = data_files
-    tiny = tiny_checkpoint("qwen_vl_7b", tmp_path / "tiny", SFT)
+    tiny = tiny_checkpoint("sft_qwen_vl_7b", tmp_path / "tiny")
     # LoRA dropout is refused under TP: the LLM sharded by FSDP instead
     fsdp = [f"modules.llm.parallel.{k}={v}" for k, v in (("tp", 1), ("dp", 1), ("fsdp", 8), ("zero", 0))]
-    lora = ["+lora=attn_mlp", "modules.llm.lora.dropout=0.1", *fsdp]
+    lora = ["lora=attn_mlp", "modules.llm.lora.dropout=0.1", *fsdp]
     with_eval, _ = _sft(
-        "qwen_vl_7b", tiny, train_file, tmp_path / "a", *lora,
+        "sft_qwen_vl_7b", tiny, train_file, tmp_path / "a", *lora,
         f"data.eval.path={val_file}", "data.eval.split=0",
     )  # fmt: skip
     without, _ = _sft(
-        "qwen_vl_7b", tiny, train_file, tmp_path / "b", *lora,
+        "sft_qwen_vl_7b", tiny, train_file, tmp_path / "b", *lora,
         "data.eval.split=0", "train.keep_best=false", "train.eval_every=0",
     )  # fmt: skip
     assert sorted(with_eval.evals) == [1, 2] and not without.evals
