@@ -298,7 +298,9 @@ def train(
             result = stop.result
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
-        raise typer.Exit(128 + (result.signal or 2))
+        from dhp.runtime.supervisor import exit_code
+
+        raise typer.Exit(exit_code(result.signal))
     raise typer.Exit(0)
 
 

@@ -130,16 +130,18 @@ def _make_run_dir_or_fail(config: RunConfig) -> Path:
 
 
 def record_failure(
-    e: BaseException, *, run_dir: Path, failures: FailureLog, attempt: int, step: int, console: Console
+    e: BaseException,
+    *,
+    why: str,
+    run_dir: Path,
+    failures: FailureLog,
+    attempt: int,
+    step: int,
+    console: Console,
 ) -> Path:
-    """Write ``e``'s traceback and the ``failed`` event of a run that ends on it; returns the
-    traceback file. A user-fixable error (DataError, CheckpointError, ...) recurs on a restart, so
-    it ends the run; any other exception is a bug in dhp (its traceback is noted on ``e``)."""
-    why = (
-        f"a {type(e).__name__} recurs on every attempt (fix it and resume)"
-        if isinstance(e, DhpError)
-        else "an error in dhp"
-    )
+    """Write ``e``'s traceback and the ``failed`` event of a run that ends on it (``why``: the
+    supervisor's reason, ``dhp.runtime.supervisor.Supervisor.on_error``); returns the traceback
+    file. An exception that is no DhpError is a bug in dhp (its traceback is noted on ``e``)."""
     path = failures.write(e, attempt=attempt, step=step, verdict=f"run ended: {why}")
     append_event(run_dir / "metrics.jsonl", failed_event(e, step=step, why=why, path=path))
     if not isinstance(e, DhpError):

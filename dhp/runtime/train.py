@@ -44,6 +44,7 @@ from dhp.runtime.run_start import RunData, make_run_dir, open_run_data, record_f
 from dhp.runtime.rundirs import FORK
 from dhp.runtime.stacks import stuck_lines
 from dhp.runtime.startup import RUNTIME_MODULES, Startup, connect_ray_importing
+from dhp.runtime.supervisor import RESTART, STOP, Decision, Supervisor
 
 
 @dataclass
@@ -129,33 +130,24 @@ def _stopped_early(result: RunResult, console: Console) -> RunResult:
 def _attempts(
     config, plan, resume, checked, *, data: RunData, result: RunResult, console, sig, initial_rng, skipped
 ) -> RunResult:
-    """The attempts of one run: the first, then one per restartable failure (``train.max_restarts``).
-    Whatever else ends the run is recorded in its run dir (``dhp.runtime.run_start.record_failure``)."""
-    t, run_dir = config.train, result.run_dir
-    restarts = 0
-    failures = FailureLog(run_dir)
+    """The attempts of one run: the first, then one per restart the supervisor decides
+    (``dhp.runtime.supervisor``). Whatever else ends the run is recorded in its run dir
+    (``dhp.runtime.run_start.record_failure``)."""
+    boss = Supervisor(config.train, FailureLog(result.run_dir))
     failed: _Restart | None = None  # the attempt the next one restarts after
     while True:
         try:
             if failed is not None:  # inside the try: a signal in the backoff stops the run
-                restarts += 1
-                resume = _restart_point(run_dir, console=console, skipped=skipped)
-                checked = _check_resume(resume, config=config, plan=plan)
-                if resume is None:
-                    from dhp.checkpoint import restore_rng_state
-
-                    restore_rng_state(initial_rng)
-                _record_restart(
-                    run_dir, restarts=restarts, failure=failed.failure, resume=resume, console=console
-                )
-                time.sleep(t.restart_backoff_s)
-            _attempt(
-                config, plan, resume, checked, data=data, result=result, console=console, sig=sig,
-                failures=failures,
-            )  # fmt: skip
+                resume, checked = _restart(
+                    config, plan, failed, result=result, console=console, skipped=skipped, initial_rng=initial_rng
+                )  # fmt: skip
+            _Attempt(
+                config, plan, resume, checked, data=data, result=result, console=console, sig=sig, boss=boss
+            ).run()  # fmt: skip
             return result
         except _Restart as r:
-            if sig.requested:  # a signal during the failed attempt's teardown: no new attempt
+            signum = result.signal if sig.requested else None
+            if boss.before_restart(r.decision, signum=signum).action == STOP:  # a signal in the teardown
                 result.interrupted = True
                 last = result.last_checkpoint
                 console.print(f"interrupted; not restarted; last good checkpoint: {last or 'none'}")
@@ -164,20 +156,43 @@ def _attempts(
         except (KeyboardInterrupt, HardStop):
             return _stopped_early(result, console)
         except Exception as e:  # a bad sample, a checkpoint error, a bug: the run dir says it failed
-            if not isinstance(e, RunFailed):
+            decision = boss.on_error(e)
+            if decision.record:
                 step = max(result.losses, default=0) + 1
                 record_failure(
-                    e, run_dir=run_dir, failures=failures, attempt=restarts + 1, step=step, console=console
-                )
+                    e, why=decision.why, run_dir=result.run_dir, failures=boss.failures, attempt=decision.attempt,
+                    step=step, console=console,
+                )  # fmt: skip
             raise
 
 
 class _Restart(Exception):
-    """Internal: the attempt failed with a restartable failure and restarts are left."""
+    """Internal: the attempt failed and the supervisor decided a restart (``decision``)."""
 
-    def __init__(self, failure: RuntimeFailure) -> None:
+    def __init__(self, failure: RuntimeFailure, decision: Decision) -> None:
         super().__init__(str(failure))
         self.failure = failure
+        self.decision = decision
+
+
+def _restart(config, plan, failed: _Restart, *, result: RunResult, console, skipped, initial_rng):
+    """Before a restart: the newest checkpoint of the run dir that verifies (none: step 0, with the
+    run's first RNG state), its check, the ``restart`` record, then the supervisor's backoff."""
+    resume = _restart_point(result.run_dir, console=console, skipped=skipped)
+    checked = _check_resume(resume, config=config, plan=plan)
+    if resume is None:
+        from dhp.checkpoint import restore_rng_state
+
+        restore_rng_state(initial_rng)
+    _record_restart(
+        result.run_dir,
+        restarts=failed.decision.restart,
+        failure=failed.failure,
+        resume=resume,
+        console=console,
+    )
+    time.sleep(failed.decision.wait_s)
+    return resume, checked
 
 
 def _compile(config: RunConfig):
@@ -217,42 +232,61 @@ def _record_restart(run_dir: Path, *, restarts: int, failure, resume, console: C
     console.print(f"[yellow]restart {restarts}[/] after: {escape(rec['reason'])}; resuming {escape(where)}")
 
 
-def _attempt(
-    config,
-    plan,
-    resume,
-    checked,
-    *,
-    data: RunData,
-    result: RunResult,
-    console: Console,
-    sig: Signals,
-    failures: FailureLog,
-) -> None:
-    """One life of the actor groups: start them, resume, run the loop; on a restartable failure with
-    restarts left, tear everything down and raise _Restart.
+class _Attempt:
+    """One life of the actor groups: start them, resume, run the loop; a RuntimeFailure goes to the
+    supervisor (``_failed``): _Restart after the teardown, or the RunFailed that ends the run.
 
     A signal before the loop stops at once (nothing saved); in the loop, the first one ends the loop
     at the next step boundary with a checkpoint (``_Loop.run``), a second one stops at once."""
-    t = config.train
-    run_dir = result.run_dir
-    clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
-    sig.mode = "raise"
-    loader = data.take_loader() or dhp.data.build_run_loader(config, plan.layouts)  # a restart: its own
-    loader.record_skipped_to(run_dir / "bad_samples.jsonl")  # every skipped sample, named
-    clock.mark("data loader")
-    schedule = data.schedule(t)
-    trainer = None
-    owns_ray = False
-    loop: _Loop | None = None
-    saver = None  # checkpoint.async_save: the save in flight (dhp.runtime.checkpointing)
-    graceful = True
-    stage = "starting Ray"
-    try:
+
+    def __init__(
+        self, config, plan, resume, checked, *, data: RunData, result: RunResult, console: Console,
+        sig: Signals, boss: Supervisor,
+    ) -> None:  # fmt: skip
+        self.config, self.plan, self.resume, self.checked = config, plan, resume, checked
+        self.data, self.result, self.console, self.sig, self.boss = data, result, console, sig, boss
+        self.trainer = None
+        self.owns_ray = False
+        self.loop: _Loop | None = None
+        self.saver = None  # checkpoint.async_save: the save in flight (dhp.runtime.checkpointing)
+        self.graceful = True
+        self.stage = "starting Ray"
+
+    def run(self) -> None:
+        """The attempt, start to teardown; returns when the run is over (done or stopped)."""
+        result, sig = self.result, self.sig
+        clock = result.startup if result.restarts == 0 else Startup()  # a restart's phases are not printed
+        sig.mode = "raise"
+        loader = self.data.take_loader() or dhp.data.build_run_loader(self.config, self.plan.layouts)
+        loader.record_skipped_to(result.run_dir / "bad_samples.jsonl")  # every skipped sample, named
+        clock.mark("data loader")
+        schedule = self.data.schedule(self.config.train)
+        try:
+            start = self._start(clock, loader=loader, schedule=schedule)
+            self._steps(clock, start=start)
+        except KeyboardInterrupt:  # a signal before the loop (mode "raise"): nothing ran that could be saved
+            last = result.last_checkpoint
+            self._stopped(
+                f"interrupted while {self.stage}, before a step could run; last good checkpoint: {last or 'none'}"
+            )
+        except HardStop:
+            self._stopped(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
+        except SystemExit as e:
+            self._exited(e)
+        except RuntimeFailure as e:
+            self.graceful, sig.mode = False, "quiet"  # a signal now: no restart (Supervisor.on_failure)
+            self._failed(e)
+        finally:
+            self._teardown()
+
+    def _start(self, clock: Startup, *, loader, schedule) -> int:
+        """Ray, the actor groups, the async saver, the resume and the loop; returns the step
+        the loop starts after."""
+        config, t, sig = self.config, self.config.train, self.sig
         # Ray starts while a thread imports the runtime, worker and model code (dhp.runtime.startup)
-        owns_ray = connect_ray_importing(
+        self.owns_ray = connect_ray_importing(
             cluster=config.cluster,
-            plan=plan,
+            plan=self.plan,
             modules=(*RUNTIME_MODULES, f"{family_package(config.model.family)}.family"),
         )
         sig.reinstall()
@@ -260,141 +294,114 @@ def _attempt(
         # loaded by connect_ray_importing's thread: the worker's module, transformers' model code
         from dhp.runtime.checkpointing import AsyncCheckpoints
         from dhp.runtime.driver import Trainer
+
+        self.stage = "starting and building the actor groups"
+        ready = 60.0 if self.result.restarts == 0 else t.restart_wait_s
+        self.trainer = Trainer(
+            config, self.plan, ready_timeout_s=ready, startup=clock, owns_ray=self.owns_ray
+        )
+        sig.reinstall()
+        run_dir = self.result.run_dir
+        if config.checkpoint.async_save:
+            self.saver = AsyncCheckpoints(self.trainer, config=config, run_dir=run_dir, hold=sig.held)
+        self.stage = f"resuming from {self.resume}" if self.resume else "starting the step loop"
+        start = _resume(
+            self.trainer, self.resume, self.checked, loader=loader, schedule=schedule, console=self.console,
+            resume_horizon=t.resume_horizon,
+        )  # fmt: skip
+        clock.mark("resume")
+        evals = EvalLoop(
+            batches=self.data.evals,
+            train=t,
+            total=self.data.length.steps,
+            run_dir=run_dir,
+            console=self.console,
+        )
+        self.loop = _Loop(
+            config=config, plan=self.plan, trainer=self.trainer, loader=loader, schedule=schedule,
+            run_dir=run_dir, result=self.result, sig=sig, resumed_from=self.resume, saver=self.saver, evals=evals,
+        )  # fmt: skip
+        return start
+
+    def _steps(self, clock: Startup, *, start: int) -> None:
+        """The step loop under the progress display; then its summary and the start-up table."""
         from dhp.runtime.progress import TrainProgress
 
-        stage = "starting and building the actor groups"
-        ready = 60.0 if result.restarts == 0 else t.restart_wait_s
-        trainer = Trainer(config, plan, ready_timeout_s=ready, startup=clock, owns_ray=owns_ray)
-        sig.reinstall()
-        if config.checkpoint.async_save:
-            saver = AsyncCheckpoints(trainer, config=config, run_dir=run_dir, hold=sig.held)
-        stage = f"resuming from {resume}" if resume else "starting the step loop"
-        start = _resume(
-            trainer,
-            resume,
-            checked,
-            loader=loader,
-            schedule=schedule,
-            console=console,
-            resume_horizon=t.resume_horizon,
-        )
-        clock.mark("resume")
-        loop = _Loop(
-            config=config,
-            plan=plan,
-            trainer=trainer,
-            loader=loader,
-            schedule=schedule,
-            run_dir=run_dir,
-            result=result,
-            sig=sig,
-            resumed_from=resume,
-            saver=saver,
-            evals=EvalLoop(
-                batches=data.evals, train=t, total=data.length.steps, run_dir=run_dir, console=console
-            ),
-        )
+        result, loop, sig = self.result, self.loop, self.sig
         sig.mode = "defer"
-        with TrainProgress(console=console, total=data.length.steps, start=start) as progress:
+        with TrainProgress(console=self.console, total=self.data.length.steps, start=start) as progress:
             loop.run(start=start, progress=progress)
         sig.mode = "quiet"  # the run is over: a signal now is counted, nothing is cut
         progress.summary(result, loop.records)
         if loop.records and clock is result.startup:
             clock.add("step 1 (its own wall time)", loop.records[0]["step_s"])
-            clock.render(console)
-            clock.write(run_dir / "startup.json")
+            clock.render(self.console)
+            clock.write(result.run_dir / "startup.json")
         if result.interrupted:
-            loop.say_stopped(console)
-    except KeyboardInterrupt:  # a signal before the loop (mode "raise"): nothing ran that could be saved
-        graceful, result.interrupted = False, True
-        last = result.last_checkpoint
-        console.print(
-            f"interrupted while {stage}, before a step could run; last good checkpoint: {last or 'none'}"
-        )
-    except HardStop:
-        graceful, result.interrupted = False, True
-        console.print(f"stopped at once; last good checkpoint: {result.last_checkpoint or 'none'}")
-    except SystemExit as e:
-        if e.code != signal.SIGTERM or trainer is not None:
-            raise
-        # SIGTERM inside ray.init: Ray's own handler (set there, before ours is put back) exits 15
-        graceful, result.interrupted = False, True
-        result.signal = result.signal or signal.SIGTERM
-        console.print("terminated while starting Ray; nothing was trained or saved")
+            loop.say_stopped(self.console)
+
+    def _stopped(self, line: str) -> None:
+        """A signal stopped the attempt at once: no graceful teardown, the run is interrupted."""
+        self.graceful, self.result.interrupted = False, True
+        self.console.print(line)
+
+    def _exited(self, e: SystemExit) -> None:
+        """SIGTERM inside ray.init: Ray's own handler (set there, before ours is put back) exits 15;
+        any other SystemExit goes on up."""
+        if e.code != signal.SIGTERM or self.trainer is not None:
+            raise e
+        self.result.signal = self.result.signal or signal.SIGTERM
+        self._stopped("terminated while starting Ray; nothing was trained or saved")
         import ray
 
         with contextlib.suppress(Exception):
             ray.shutdown()  # whatever that half-done ray.init started
-    except RuntimeFailure as e:
-        graceful, sig.mode = False, "quiet"  # a signal now: no restart (_failed_attempt)
-        _failed_attempt(
-            e,
-            config=config,
-            trainer=trainer,
-            loop=loop,
-            result=result,
-            sig=sig,
-            console=console,
-            failures=failures,
+
+    def _failed(self, e: RuntimeFailure) -> None:
+        """A failed attempt, before its teardown: read every rank's stack when the ranks may still be
+        running (a hang, a broken collective), write the tracebacks, then raise _Restart when the
+        supervisor restarts, else the RuntimeFailure that ends the run (naming any stuck rank)."""
+        result, trainer, failures = self.result, self.trainer, self.boss.failures
+        step = self.loop.failing_step() if self.loop is not None else 0
+        stacks = trainer.rank_stacks() if trainer is not None and failure_kind(e) == INFRA else []
+        stuck = "".join(f"\n  stuck: {line}" for line in stuck_lines(stacks))
+        signum = result.signal if self.sig.requested else None
+        decision = self.boss.on_failure(e, step=step, started=trainer is not None, signum=signum)
+        path = failures.write(e, attempt=decision.attempt, step=step, verdict=decision.verdict, stacks=stacks)
+        if decision.action == RESTART:
+            if stuck:
+                self.console.print(escape(f"{str(e).splitlines()[0]}{stuck}"))
+            result.restarts = self.boss.restarts
+            raise _Restart(e, decision) from e
+        append_event(
+            result.run_dir / "metrics.jsonl", failed_event(e, step=step, why=decision.why, path=path)
         )
-    finally:
-        sig.mode = "quiet"  # the teardown runs to its end (a third signal still exits at once)
-        if trainer is not None:
-            trainer.close(graceful=graceful)
-        elif owns_ray:  # Ray started but no trainer took it over (an interrupt, or Trainer failed)
+        last = result.last_checkpoint
+        hint = (
+            f"last good checkpoint: {last} (resume with train.resume=auto)"
+            if last
+            else "no checkpoint was written yet"
+        )
+        raise RunFailed(f"{e}{stuck}\n  not restarted: {decision.why}\n  tracebacks: {path}\n  {hint}") from e
+
+    def _teardown(self) -> None:
+        """The teardown runs to its end (a third signal still exits at once): the groups or Ray,
+        the save in flight, the temp dirs of a cut save."""
+        self.sig.mode = "quiet"
+        if self.trainer is not None:
+            self.trainer.close(graceful=self.graceful)
+        elif self.owns_ray:  # Ray started but no trainer took it over (an interrupt, or Trainer failed)
             import ray  # loaded already: Ray started above
 
             with contextlib.suppress(Exception):
                 ray.shutdown()
-        if saver is not None:  # a save still in flight never counts: its writers are gone
-            saver.abandon()
+        if self.saver is not None:  # a save still in flight never counts: its writers are gone
+            self.saver.abandon()
         # a save cut by a second signal: its ranks may have written into the temp dir after the driver
         # removed it; they are gone now, so nothing can recreate it
         from dhp.checkpoint import remove_own_temps  # after the start-up's imports (dhp.runtime.startup)
 
-        remove_own_temps(run_dir / "checkpoints")
-
-
-def _failed_attempt(
-    e: RuntimeFailure, *, config, trainer, loop, result: RunResult, sig: Signals, console, failures
-) -> None:
-    """A failed attempt, before its teardown: read every rank's stack when the ranks may still be
-    running (a hang, a broken collective), write the tracebacks, then raise _Restart when a restart
-    may heal it, else the RuntimeFailure that ends the run (naming any stuck rank)."""
-    from dhp.runtime.checkpointing import SaveFailed
-    from dhp.runtime.driver import NonFiniteStep
-
-    t, run_dir = config.train, result.run_dir
-    step = loop.failing_step() if loop is not None else 0
-    stacks = trainer.rank_stacks() if trainer is not None and failure_kind(e) == INFRA else []
-    stuck = "".join(f"\n  stuck: {line}" for line in stuck_lines(stacks))
-    why = failures.verdict(e, step=step)
-    if why is None and isinstance(e, NonFiniteStep | SaveFailed):
-        why = "restarting would not change it"
-    if why is None and trainer is None:
-        why = "the actor groups did not start"
-    if why is None and sig.requested:
-        why = f"a stop was asked for ({signal.Signals(result.signal).name})"
-    attempt = result.restarts + 1
-    if why is None and result.restarts < t.max_restarts:
-        failures.write(
-            e, attempt=attempt, step=step, verdict=f"restarted ({attempt} of {t.max_restarts})", stacks=stacks
-        )
-        if stuck:
-            console.print(escape(f"{str(e).splitlines()[0]}{stuck}"))
-        result.restarts += 1
-        raise _Restart(e) from e
-    if why is None:
-        why = f"no restart left (after {result.restarts} restart(s), train.max_restarts={t.max_restarts})"
-    path = failures.write(e, attempt=attempt, step=step, verdict=f"run ended: {why}", stacks=stacks)
-    append_event(run_dir / "metrics.jsonl", failed_event(e, step=step, why=why, path=path))
-    last = result.last_checkpoint
-    hint = (
-        f"last good checkpoint: {last} (resume with train.resume=auto)"
-        if last
-        else "no checkpoint was written yet"
-    )
-    raise RunFailed(f"{e}{stuck}\n  not restarted: {why}\n  tracebacks: {path}\n  {hint}") from e
+        remove_own_temps(self.result.run_dir / "checkpoints")
 
 
 def _check_resume(resume, *, config, plan) -> tuple[Any, list[str]] | None:
