@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"StepResult": "dhp.runtime.driver", "Trainer": "dhp.runtime.driver"}
+_LAZY = {"StepResult": "dhp.runtime.driver_step", "Trainer": "dhp.runtime.driver"}
 
 __all__ = sorted(_LAZY)
 

@@ -138,18 +138,8 @@ class ActorGroup:
         self.timeout_s = timeout_s
         self.faults: FaultHook | None = None  # the driver's $DHP_INJECT_FAULT points (tests only)
         self.procs: list[RankProcess] = []  # per rank: pid, how it began, node, stack file
-        remote_cls = ray.remote(worker_cls)
-        self.actors = [
-            remote_cls.options(
-                num_cpus=slot.num_cpus,
-                num_gpus=slot.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
-                ),
-                runtime_env=_runtime_env(fork_nodes, pgs[slot.pg_index], slot.bundle_index),
-            ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
-            for rank, slot in enumerate(spec.slots)
-        ]
+        self.actors = _start_actors(spec, pgs=pgs, worker_cls=worker_cls, worker_kwargs=worker_kwargs,
+                                    fork_nodes=fork_nodes)  # fmt: skip
         self._pid_refs = self._submit_raw(DistWorker.started, [((), {})] * spec.world_size)
         if wait:
             self.wait_started()
@@ -402,6 +392,30 @@ def release(pgs: Sequence[Any]) -> None:
     """Free reserved placement groups."""
     for pg in pgs:
         remove_placement_group(pg)
+
+
+def _start_actors(
+    spec: GroupSpec,
+    *,
+    pgs: Sequence[Any],
+    worker_cls: type,
+    worker_kwargs: dict[str, Any],
+    fork_nodes: NodeForkServers | None,
+) -> list[Any]:
+    """One actor of ``worker_cls`` per rank of ``spec``, each in its slot's placement-group bundle
+    (its CPUs and GPUs), forked from its node's fork server when one serves it; returns at once."""
+    remote_cls = ray.remote(worker_cls)
+    return [
+        remote_cls.options(
+            num_cpus=slot.num_cpus,
+            num_gpus=slot.num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pgs[slot.pg_index], placement_group_bundle_index=slot.bundle_index
+            ),
+            runtime_env=_runtime_env(fork_nodes, pgs[slot.pg_index], slot.bundle_index),
+        ).remote(module_name=spec.name, rank=rank, world_size=spec.world_size, **worker_kwargs)
+        for rank, slot in enumerate(spec.slots)
+    ]
 
 
 def _runtime_env(fork_nodes: NodeForkServers | None, pg: Any, bundle_index: int) -> dict[str, Any]:

@@ -133,23 +133,10 @@ def route_micro_batch(
     Memory: builds each producer replica's pixel rows once (a concatenation of its images' rows);
     the SP cut copies only each rank's rows.
     """
-    blocks: list[list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = [
-        [] for _ in range(producer_replicas)
-    ]
-    consumer_rows = []
-    for j, (pv, grid) in enumerate(zip(pixel_values, image_grid_thw, strict=True)):
-        images, offset, row = [], 0, 0  # (replica j, grid row, pixels, dst offset, rows)
-        counts = tokens_per_image(grid) if grid is not None else []
-        for g, n_rows in zip(grid if grid is not None else [], counts, strict=True):
-            n = int(g.prod())
-            images.append((j, g, pv[row : row + n], offset, n_rows))
-            row += n
-            offset += n_rows
-        consumer_rows.append(offset)
-        serve = list(serving[j])
-        cuts = assign_images([int(g.prod()) for _, g, _, _, _ in images], parts=len(serve))
-        for k, v in enumerate(serve):
-            blocks[v].extend(images[cuts[k] : cuts[k + 1]])
+    blocks, consumer_rows = _replica_blocks(
+        pixel_values, image_grid_thw, serving=serving, producer_replicas=producer_replicas,
+        tokens_per_image=tokens_per_image,
+    )  # fmt: skip
     units: list[ProducerWork] = []
     if consumer_split is not None:
         consumer_rows = _split_rows(consumer_split, consumer_rows, consumer_parts)
@@ -173,6 +160,37 @@ def route_micro_batch(
                 )
             )
     return MicroBatchRouting(units=tuple(units), consumer_rows=tuple(consumer_rows))
+
+
+def _replica_blocks(
+    pixel_values: list[torch.Tensor | None],
+    image_grid_thw: list[torch.Tensor | None],
+    *,
+    serving: Sequence[Sequence[int]],
+    producer_replicas: int,
+    tokens_per_image: Callable[[torch.Tensor], list[int]],
+) -> tuple[list[list[tuple[int, torch.Tensor, torch.Tensor, int, int]]], list[int]]:
+    """Each producer replica's images ``(consumer replica, grid row, pixels, dst offset, rows)``, the
+    images of consumer replica ``j`` cut over the replicas serving it (:func:`assign_images`), and
+    each consumer replica's hand-off row count. The pixels are views of ``pixel_values``."""
+    blocks: list[list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = [
+        [] for _ in range(producer_replicas)
+    ]
+    consumer_rows = []
+    for j, (pv, grid) in enumerate(zip(pixel_values, image_grid_thw, strict=True)):
+        images, offset, row = [], 0, 0  # (replica j, grid row, pixels, dst offset, rows)
+        counts = tokens_per_image(grid) if grid is not None else []
+        for g, n_rows in zip(grid if grid is not None else [], counts, strict=True):
+            n = int(g.prod())
+            images.append((j, g, pv[row : row + n], offset, n_rows))
+            row += n
+            offset += n_rows
+        consumer_rows.append(offset)
+        serve = list(serving[j])
+        cuts = assign_images([int(g.prod()) for _, g, _, _, _ in images], parts=len(serve))
+        for k, v in enumerate(serve):
+            blocks[v].extend(images[cuts[k] : cuts[k + 1]])
+    return blocks, consumer_rows
 
 
 def _split_rows(split, rows_per_replica, parts: int) -> list[int]:

@@ -58,7 +58,7 @@ def _final(err: RuntimeFailure) -> bool:
     imported here: they live beside torch and the worker, loaded once Ray started)."""
     # heavy: torch and the worker's module, loaded once Ray started (dhp.runtime.startup)
     from dhp.runtime.checkpointing import SaveFailed
-    from dhp.runtime.driver import NonFiniteStep
+    from dhp.runtime.driver_step import NonFiniteStep
 
     return isinstance(err, NonFiniteStep | SaveFailed)
 

@@ -138,7 +138,7 @@ def test_a_rank_stuck_in_a_collective_is_named_with_every_rank_stack(hung_run) -
         assert ("in finalize_grads" in head) == (who == "'llm' rank 1"), head
     hung = next(s for s in sections if s.startswith("stack of module 'llm' rank 1"))
     assert re.search(
-        r'failures.py", line \d+ in _fire\n.*\n.*worker.py", line \d+ in finalize_grads', hung
+        r'failures.py", line \d+ in _fire\n.*\n.*worker_step.py", line \d+ in finalize_grads', hung
     ), hung
     assert heads[-1] == "driver" and "CallTimeout" in sections[-1]
     assert not left, left  # the hung rank is gone with its group

@@ -110,7 +110,7 @@ import json, sys
 import dhp.runtime.driver, dhp.runtime.checkpointing, dhp.data, dhp.runtime.progress
 from dhp.validation import load_config
 from dhp.models import get_family
-from dhp.runtime.driver import _hf_config
+from dhp.runtime.driver_start import _hf_config
 seen = {}
 for recipe in sys.argv[1:]:
     cfg = load_config(recipe, [])
