@@ -13,10 +13,10 @@ import ray
 
 from dhp.config.schema import TrainConfig
 from dhp.errors import ConfigError, DataError, PlanError, RuntimeFailure
-from dhp.runtime.checkpointing import SaveFailed
-from dhp.runtime.driver_step import NonFiniteStep
-from dhp.runtime.failures import FailureLog, RunFailed, WorkerFailure, rank_error
-from dhp.runtime.supervisor import GIVE_UP, RESTART, STOP, Supervisor, exit_code
+from dhp.runtime.actors.failures import FailureLog, RunFailed, WorkerFailure, rank_error
+from dhp.runtime.loop.checkpointing import SaveFailed
+from dhp.runtime.loop.driver_step import NonFiniteStep
+from dhp.runtime.loop.supervisor import GIVE_UP, RESTART, STOP, Supervisor, exit_code
 
 pytestmark = pytest.mark.unit
 
