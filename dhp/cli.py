@@ -73,10 +73,10 @@ def machine_profile(cfg):
 
 def checked_config(conf: str, overrides: list[str], *, smoke: bool, worst_case: bool = False):
     """The run config after every check a run passes before any process starts, all problems in one
-    ConfigError (dhp.runtime.preflight): what `dhp plan` and `dhp train` both call. Lines that are
-    not problems (the tiny checkpoint used, rows a skip policy skips) go to stderr. ``worst_case``:
-    `dhp plan --worst-case` only."""
-    from dhp.runtime.preflight import checked_config as check
+    ConfigError (dhp.runtime.launch.preflight): what `dhp plan` and `dhp train` both call. Lines that
+    are not problems (the tiny checkpoint used, rows a skip policy skips) go to stderr.
+    ``worst_case``: `dhp plan --worst-case` only."""
+    from dhp.runtime.launch.preflight import checked_config as check
 
     return check(
         conf,
@@ -290,12 +290,12 @@ def train(
     dhp train conf=tiny_vlm -m train.lr=1e-3,2e-3 train.steps=2: one run per combination, then a
     summary table and <train.output_dir>/sweeps/<timestamp>/sweep.jsonl; exits 1 if a run failed.
     """
-    from dhp.runtime.forkserver import for_driver
+    from dhp.runtime.launch.forkserver import for_driver
 
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     if multirun:
         with for_driver():  # every member's ranks fork from one server (each member's family on use)
-            from dhp.runtime.sweep import run_sweep, sweep_exit_code
+            from dhp.runtime.loop.sweep import run_sweep, sweep_exit_code
 
             raise typer.Exit(sweep_exit_code(run_sweep(conf, overrides, smoke=smoke, console=console)))
     # every problem of the config, the model directory and the sampled data ends here, at once,
@@ -303,8 +303,8 @@ def train(
     cfg = checked_config(conf, overrides, smoke=smoke)
     # the rank processes' imports start now, on another core, beside this process's own
     with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
-        from dhp.runtime.interrupts import RunInterrupted
-        from dhp.runtime.train import train as run_training
+        from dhp.runtime.loop.interrupts import RunInterrupted
+        from dhp.runtime.loop.train import train as run_training
 
         cfg = machine_profile(cfg)  # this machine's numbers
         try:
@@ -313,7 +313,9 @@ def train(
             result = stop.result
     refine_machine_profile(result.run_dir, cfg)
     if result.interrupted:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
-        raise typer.Exit(128 + (result.signal or 2))
+        from dhp.runtime.loop.supervisor import exit_code
+
+        raise typer.Exit(exit_code(result.signal))
     raise typer.Exit(0)
 
 
@@ -337,7 +339,7 @@ def verify(
     parameter-after-update difference per module (tolerance: loss and grad norm 1e-5 relative, every
     gradient and parameter 1e-4 absolute; fp32 only).
     """
-    from dhp.runtime.forkserver import for_driver
+    from dhp.runtime.launch.forkserver import for_driver
     from dhp.validation import load_config
 
     given = command_words(ctx, words)
@@ -348,7 +350,7 @@ def verify(
     # the ranks' imports start beside this process's own
     with for_driver(family=cfg.model.family, ray_address=cfg.cluster.ray_address):
         from dhp.models.tiny_cache import ensure_tiny_checkpoint
-        from dhp.runtime.verify import render_report, render_step, verify_plan
+        from dhp.runtime.verify.compare import render_report, render_step, verify_plan
 
         ensure_tiny_checkpoint(cfg.model, say=lambda line: console.print(escape(line)))
         report = verify_plan(

@@ -179,7 +179,7 @@ def _exact_lengths(cfg) -> list[str]:
 def _train(cfg, out: Path) -> tuple[Path, float, dict[str, int]]:
     """Train; (run dir, median step_s after the first, {module: accounted peak bytes, max over ranks})."""
     from dhp.metrics.accounting import ENV_VAR
-    from dhp.runtime.train import train
+    from dhp.runtime.loop.train import train
 
     acct = Path(os.environ[ENV_VAR])
     for f in acct.glob("*.jsonl"):

@@ -15,7 +15,7 @@ run: absolute seconds move with the machine's load. Runs go to a temporary outpu
 ``--nodes N`` runs every arm on a simulated N-node Ray cluster on this machine
 (``ray.cluster_utils.Cluster``: a head and N-1 worker nodes of ``--node-cpus`` CPUs each, started
 once by this script and joined by each run through ``cluster.ray_address``), so the fork-server arm
-forks each node's ranks from a server of that node (dhp.runtime.forknodes). The plan of
+forks each node's ranks from a server of that node (dhp.runtime.launch.forknodes). The plan of
 tests/integration/test_multinode.py, 8 ranks over two nodes::
 
     python scripts/bench_startup.py --nodes 2 cluster.gpus_per_node=2 cluster.cpus_per_rank=0.25 \

@@ -4,7 +4,7 @@ Usage: .venv/bin/python scripts/bench_step_split.py [conf=tiny_vlm] [steps=6] [w
 
 Both sides run the same batches from the same initial weights: dhp through the real runtime
 (Ray actor groups, gloo, hand-off), the reference as the unsplit transformers model + AdamW in this
-process (``dhp.runtime.verify.ReferenceModel``). Definitions, per step (median over measured steps):
+process (``dhp.runtime.verify.compare.ReferenceModel``). Definitions, per step (median over measured steps):
 - compute_s: sum over modules of the slowest rank's fwd+bwd+optimizer seconds (worker-timed,
   excluding time spent waiting for hand-off payloads);
 - driver_s: driver-side routing and bookkeeping;
@@ -27,8 +27,8 @@ def main(argv: list[str]) -> dict:
     from dhp.plan import compile_plan
     from dhp.plan.compile import module_layouts
     from dhp.runtime import Trainer
-    from dhp.runtime.schedule import WarmupCosine
-    from dhp.runtime.verify import ReferenceModel
+    from dhp.runtime.loop.schedule import WarmupCosine
+    from dhp.runtime.verify.compare import ReferenceModel
     from dhp.validation import load_config
 
     opts = {"conf": "tiny_vlm", "steps": "6", "warmup": "2"}

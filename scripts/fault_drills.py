@@ -405,7 +405,7 @@ def drill_enospc_at_save(ctx: Ctx) -> str:
 
 def drill_same_second_run_dirs(ctx: Ctx) -> str:
     sys.path.insert(0, str(ROOT))
-    from dhp.runtime.train import make_run_dir
+    from dhp.runtime.loop.train import make_run_dir
 
     dirs = {make_run_dir(output_dir=str(ctx.work / "same"), name="n") for _ in range(3)}
     expect(len(dirs) == 3, f"run dirs collide: {dirs}")

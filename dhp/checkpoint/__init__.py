@@ -4,7 +4,7 @@ Driver side: :func:`begin_checkpoint`, :func:`commit_checkpoint`, :func:`resolve
 :func:`check_resume_compatible`, :class:`CheckpointMeta`. Worker side (collective inside one
 group): :func:`save_module_state`, :func:`load_module_state`. See docs/INTERFACES.md.
 :func:`export_hf` is imported on first use: it loads the families' transformers model code, which
-the driver's path to Ray's start does without (dhp.runtime.startup).
+the driver's path to Ray's start does without (dhp.runtime.launch.startup).
 """
 
 import importlib

@@ -355,7 +355,7 @@ class TrainConfig:
 
     The run's length is ``steps`` or ``epochs`` (set one, the other 0): ``epochs`` passes over the
     training data make ``ceil(epochs * samples per epoch / global_batch_size)`` steps, counted when
-    the data is opened. The LR schedule (``lr_schedule``, dhp.runtime.schedule) warms up for
+    the data is opened. The LR schedule (``lr_schedule``, dhp.runtime.loop.schedule) warms up for
     ``warmup_steps`` or ``warmup_ratio`` of the steps (one of them) and decays over the run's steps;
     a resume keeps the checkpoint's horizon unless ``resume_horizon=new``.
     """

@@ -11,7 +11,7 @@ when loaded, checked with the model). Refused here, before anything starts:
   bf16/fp16 only, an fp32 module's attention inputs stay fp32 and the kernel refuses them.
 
 Checked where it is known: whether a GPU computes bf16 (compute capability 8.0 or newer) is checked by
-each rank on its own device as it builds (``dhp.runtime.worker``: a ConfigError naming the same
+each rank on its own device as it builds (``dhp.runtime.loop.worker``: a ConfigError naming the same
 key); CPU torch computes bf16 on every machine.
 """
 

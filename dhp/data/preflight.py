@@ -1,5 +1,5 @@
 """What the data of a run must pass before any process starts: the checks ``dhp plan`` and ``dhp train``
-share (:func:`check_run_data`, called by ``dhp.runtime.preflight``), every problem collected.
+share (:func:`check_run_data`, called by ``dhp.runtime.launch.preflight``), every problem collected.
 
 - every dataset's ``path`` names something (a file, a folder, or a glob / brace range with at least one
   match) and every ``image_root`` is a folder, ``data.eval.path`` and its ``image_root`` too

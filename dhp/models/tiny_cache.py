@@ -34,7 +34,7 @@ def ensure_tiny_checkpoint(model: DictConfig, *, say: Callable[[str], None]) -> 
         return None
     if not (path / "config.json").is_file():
         # transformers' tokenizer, processor and model classes: only when the checkpoint is written
-        # (`dhp train` reaches Ray's start without transformers' model code, dhp.runtime.startup)
+        # (`dhp train` reaches Ray's start without transformers' model code, dhp.runtime.launch.startup)
         from dhp.models.tiny import make_tiny_checkpoint
 
         path.parent.mkdir(parents=True, exist_ok=True)

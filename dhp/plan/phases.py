@@ -1,6 +1,6 @@
 """Memory by phase: what each module's rank holds in each phase of a step, and the peak per GPU.
 
-One step, per micro-batch, runs these phases in order (``dhp/runtime/driver.py``), then finishes:
+One step, per micro-batch, runs these phases in order (``dhp/runtime/loop/driver.py``), then finishes:
 
     vision_fwd, handoff, llm_fwd, llm_bwd, handback, vision_bwd  (x micro-batches)
     grad_sync, grad_norm, optimizer

@@ -162,7 +162,7 @@ __all__ = ["MIXED_PRECISIONS", "Issues", "raise_if_invalid", "validate"]
 def is_missing_input(issue: ConfigIssue) -> bool:
     """Whether ``issue`` is one of a run's own inputs missing: ``model.path`` of a model without a
     tiny checkpoint to stand in (for real data), or real data without any dataset. ``dhp plan
-    --worst-case`` plans without them (``dhp.runtime.preflight``); ``dhp train`` never does."""
+    --worst-case`` plans without them (``dhp.runtime.launch.preflight``); ``dhp train`` never does."""
     return (issue.path == "model.path" and issue.value is None) or (
         issue.path == "data.datasets" and issue.value == []
     )

@@ -67,7 +67,7 @@ def _schedule(train: DictConfig, issues: Issues) -> None:
             f"train.warmup_steps={train.warmup_steps} is set too: the warmup is one of them",
             "train.warmup_steps=0 to warm up over a share of the run, or train.warmup_ratio=0",
         )
-    if train.steps > 0:  # an epochs run's length is known once its data is open (dhp.runtime.run_length)
+    if train.steps > 0:  # an epochs run's length is known once its data is open (dhp.runtime.loop.run_length)
         issues.check(
             train.warmup_steps <= train.steps,
             "train.warmup_steps",

@@ -152,9 +152,11 @@ def init_world(ctx: Ctx) -> str:
 def load_transport():
     """dhp's transport module; loaded from its file when ``dhp.runtime`` cannot import (no Ray here)."""
     try:
-        return importlib.import_module("dhp.runtime.transport"), "dhp.runtime.transport"
+        return importlib.import_module("dhp.runtime.handoff.transport"), "dhp.runtime.handoff.transport"
     except ImportError as e:
-        spec = importlib.util.spec_from_file_location("dhp_transport", ROOT / "dhp/runtime/transport.py")
+        spec = importlib.util.spec_from_file_location(
+            "dhp_transport", ROOT / "dhp/runtime/handoff/transport.py"
+        )
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        return mod, f"dhp/runtime/transport.py loaded by path (dhp.runtime needs {e.name or 'ray'})"
+        return mod, f"dhp/runtime/handoff/transport.py loaded by path (dhp.runtime needs {e.name or 'ray'})"

@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from dhp.ray_connect import LOCAL_RAY
-from dhp.runtime import forkserver
+from dhp.runtime.launch import forkserver
 
 RAY_CPUS = 4
 
@@ -28,7 +28,7 @@ RAY_CPUS = 4
 @pytest.fixture(scope="module")
 def ray_local():
     """The shared local Ray instance (started here if this process has none), its rank processes
-    forked from a fork server as ``dhp train`` does (dhp.runtime.forkserver)."""
+    forked from a fork server as ``dhp train`` does (dhp.runtime.launch.forkserver)."""
     if not ray.is_initialized():
         here = str(Path(__file__).resolve().parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)

@@ -34,7 +34,7 @@ PLACEMENTS = {
 
 @dataclass
 class Interrupted:
-    """One run through ``dhp.runtime.train.train`` with a fault set."""
+    """One run through ``dhp.runtime.loop.train.train`` with a fault set."""
 
     result: object  # RunResult
     console: str
@@ -48,9 +48,9 @@ def train_with_fault(cfg, fault: str | None) -> Interrupted:
     in RunInterrupted after the graceful stop: its result is returned."""
     from rich.console import Console
 
-    from dhp.runtime.failures import FAULT_ENV
-    from dhp.runtime.interrupts import RunInterrupted
-    from dhp.runtime.train import train
+    from dhp.runtime.actors.failures import FAULT_ENV
+    from dhp.runtime.loop.interrupts import RunInterrupted
+    from dhp.runtime.loop.train import train
 
     before = set(rank_processes())
     out = io.StringIO()

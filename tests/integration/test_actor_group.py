@@ -10,9 +10,9 @@ import ray
 
 from dhp.errors import PlanError, RuntimeFailure
 from dhp.layout import ParallelLayout
-from dhp.runtime.actor_group import ActorGroup, GroupSpec, RankSlot, init_groups, release, reserve
-from dhp.runtime.base_worker import DistWorker
-from dhp.runtime.dispatch import Collect, Dispatch, register
+from dhp.runtime.actors.actor_group import ActorGroup, GroupSpec, RankSlot, init_groups, release, reserve
+from dhp.runtime.actors.base_worker import DistWorker
+from dhp.runtime.actors.dispatch import Collect, Dispatch, register
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +111,7 @@ def test_failed_rank_is_blamed_not_its_busy_peer(ray_local):
 def test_ranks_forked_from_the_fork_server_form_worlds_and_report_their_death(ray_local):
     """With a fork server serving this node, every rank is a child of it (torch already imported),
     joins its gloo world, and a SIGKILLed rank is still reported by module and rank."""
-    from dhp.runtime import forkserver
+    from dhp.runtime.launch import forkserver
 
     own = forkserver.current() is None  # the shared Ray's fixture runs one already (conftest)
     server = forkserver.ForkServer.start() if own else forkserver.current()

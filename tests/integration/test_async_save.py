@@ -15,7 +15,7 @@ import pytest
 from plans import ALL_ONE
 
 from dhp.checkpoint import remove_stale_temps, resolve_resume, verify_checkpoint
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.integration

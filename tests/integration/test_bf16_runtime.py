@@ -19,8 +19,8 @@ import torch
 
 from dhp.data import build_run_loader
 from dhp.plan import compile_plan
-from dhp.runtime.driver import Trainer
-from dhp.runtime.verify import ReferenceModel
+from dhp.runtime.loop.driver import Trainer
+from dhp.runtime.verify.compare import ReferenceModel
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""The p2p hand-off bridge (``dhp.runtime.bridge``) between real processes over gloo.
+"""The p2p hand-off bridge (``dhp.runtime.handoff.bridge``) between real processes over gloo.
 
 Three processes stand for 2 vision ranks and 1 LLM rank, each with its own *default* world of
 its own (as in the runtime), and join the bridge beside it. They run the pipelined order the
@@ -31,7 +31,7 @@ def _rows(m: int, src: int) -> torch.Tensor:
 
 def _run(rank: int, ports: tuple[int, int, int], errors, done) -> None:
     from dhp.errors import RuntimeFailure
-    from dhp.runtime.bridge import Bridge, BridgeLayout
+    from dhp.runtime.handoff.bridge import Bridge, BridgeLayout
 
     try:
         own, world_port = (rank, ports[0]) if rank < VISION else (rank - VISION, ports[1])

@@ -18,7 +18,7 @@ from cli_here import dhp_here, explain
 from plans import ALL_ONE
 
 from dhp.config.data_shortcuts import CACHE_ENV
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "data"))  # the layout builders

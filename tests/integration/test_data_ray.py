@@ -94,7 +94,7 @@ def _train(out, name: str, *overrides: str):
     module's Ray: no second start)."""
     from rich.console import Console
 
-    from dhp.runtime.train import train
+    from dhp.runtime.loop.train import train
     from dhp.validation import load_config
 
     cfg = load_config(

@@ -21,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from dhp.metrics.rundir import read_run_log
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

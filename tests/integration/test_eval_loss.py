@@ -24,7 +24,7 @@ from dhp.data.packing import unpacked
 from dhp.data.video import reference_visual_kwargs
 from dhp.ops.cross_entropy import IGNORE_INDEX, shifted_ce_sum
 from dhp.plan import compile_plan
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

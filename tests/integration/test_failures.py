@@ -3,7 +3,7 @@ and a rank stuck in a collective is named.
 
 One tiny run (every degree 1, ``train.max_restarts=3``) whose LLM rank raises NotImplementedError
 at its first optimizer step (the ``DHP_INJECT_FAULT`` worker hook, passed to the actors through
-their runtime env) runs through ``dhp.runtime.train.train`` on the shared test Ray. Checked: it
+their runtime env) runs through ``dhp.runtime.loop.train.train`` on the shared test Ray. Checked: it
 ends on the first attempt (no restart event, no new Ray), naming the error and the rank; the
 run dir's ``traceback.txt`` holds the rank's traceback down to the raising line and the driver's;
 ``metrics.jsonl`` ends with a ``failed`` event that ``dhp runs`` shows; ``dhp report`` refuses the
@@ -37,8 +37,8 @@ def failed_run(ray_local, tmp_path_factory):
     from rich.console import Console
 
     from dhp.errors import RuntimeFailure
-    from dhp.runtime.failures import FAULT_ENV
-    from dhp.runtime.train import train
+    from dhp.runtime.actors.failures import FAULT_ENV
+    from dhp.runtime.loop.train import train
     from dhp.validation import load_config
 
     out = tmp_path_factory.mktemp("runs")
@@ -56,7 +56,7 @@ def failed_run(ray_local, tmp_path_factory):
 
 
 def test_not_implemented_in_a_worker_ends_the_run_at_once(failed_run) -> None:
-    from dhp.runtime import failures
+    from dhp.runtime.actors import failures
 
     run_dir, err, took, console = failed_run
     text = str(err)
@@ -98,8 +98,8 @@ def hung_run(ray_local, tmp_path_factory):
     from interrupts import orphans_since, rank_processes
 
     from dhp.errors import RuntimeFailure
-    from dhp.runtime.failures import FAULT_ENV
-    from dhp.runtime.train import train
+    from dhp.runtime.actors.failures import FAULT_ENV
+    from dhp.runtime.loop.train import train
     from dhp.validation import load_config
 
     out = tmp_path_factory.mktemp("hang")
@@ -138,7 +138,7 @@ def test_a_rank_stuck_in_a_collective_is_named_with_every_rank_stack(hung_run) -
         assert ("in finalize_grads" in head) == (who == "'llm' rank 1"), head
     hung = next(s for s in sections if s.startswith("stack of module 'llm' rank 1"))
     assert re.search(
-        r'failures.py", line \d+ in _fire\n.*\n.*worker.py", line \d+ in finalize_grads', hung
+        r'failures.py", line \d+ in _fire\n.*\n.*worker_step.py", line \d+ in finalize_grads', hung
     ), hung
     assert heads[-1] == "driver" and "CallTimeout" in sections[-1]
     assert not left, left  # the hung rank is gone with its group

@@ -130,7 +130,7 @@ def test_ctrl_c_stops_pytest_after_an_in_process_run_saved(tmp_path) -> None:
     (tmp_path / "test_child.py").write_text(
         "import io\n"
         "from rich.console import Console\n"
-        "from dhp.runtime.train import train\n"
+        "from dhp.runtime.loop.train import train\n"
         "from dhp.validation import load_config\n\n"
         "def test_trains():\n"
         f"    cfg = load_config('tiny_vlm', ['name=c', 'train.output_dir={runs}', 'train.steps=50'])\n"
@@ -151,7 +151,9 @@ def test_ctrl_c_stops_pytest_after_an_in_process_run_saved(tmp_path) -> None:
     )
     out = proc.stdout + proc.stderr
     # pytest's Ctrl-C exit (2, "interrupted"), named by the KeyboardInterrupt the run raised
-    assert proc.returncode == 2 and "! dhp.runtime.interrupts.RunInterrupted: interrupted" in out, out[-3000:]
+    assert proc.returncode == 2 and "! dhp.runtime.loop.interrupts.RunInterrupted: interrupted" in out, out[
+        -3000:
+    ]
     assert not (tmp_path / "ran_after").exists()  # the session stopped at the interrupted test
     (run_dir,) = (runs / "c").iterdir()
     done, _ = checkpoints(run_dir)

@@ -1,6 +1,6 @@
 """Partial freeze, per-group optimizer settings and LoRA through the real runtime (Ray actor groups,
 gloo, tiny Qwen2.5-VL in fp32) against the single-process transformers model with the same settings
-(``dhp.runtime.verify.ReferenceModel``: the same frozen set, peft's LoRA layers, AdamW with the same
+(``dhp.runtime.verify.compare.ReferenceModel``: the same frozen set, peft's LoRA layers, AdamW with the same
 param groups, the same clip and LR).
 
 Tolerances (fp32, the issue's): loss within 1e-5 relative; every gradient and, after the last step,
@@ -19,8 +19,8 @@ from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
-from dhp.runtime.schedule import WarmupCosine
-from dhp.runtime.verify import ReferenceModel, compare_grads
+from dhp.runtime.loop.schedule import WarmupCosine
+from dhp.runtime.verify.compare import ReferenceModel, compare_grads
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration]

@@ -25,7 +25,7 @@ import pytest
 import ray
 from procs import alive, descendants
 
-from dhp.runtime import forkserver
+from dhp.runtime.launch import forkserver
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -110,7 +110,7 @@ def _cmdline(pid: int) -> str:
 
 
 def test_ranks_on_both_nodes_fork_from_their_own_nodes_server(run):
-    from dhp.runtime.startup import actors_phase
+    from dhp.runtime.launch.startup import actors_phase
 
     _, _, trainer = run
     nodes = trainer._fork_nodes
@@ -132,7 +132,7 @@ def test_ranks_on_both_nodes_fork_from_their_own_nodes_server(run):
 def test_training_across_two_nodes_matches_the_single_process_model(run):
     from dhp.data import build_run_loader
     from dhp.plan.compile import module_layouts
-    from dhp.runtime.verify import ReferenceModel, compare_grads
+    from dhp.runtime.verify.compare import ReferenceModel, compare_grads
 
     cfg, plan, trainer = run
     loader = build_run_loader(cfg, module_layouts(cfg))
@@ -186,6 +186,6 @@ def test_closing_the_run_leaves_nothing_running_on_either_node(run):
     left = [
         _cmdline(pid)
         for pid in descendants(os.getpid())
-        if "forklaunch.py" in _cmdline(pid) or "dhp.runtime.forkserver" in _cmdline(pid)
+        if "forklaunch.py" in _cmdline(pid) or "dhp.runtime.launch.forkserver" in _cmdline(pid)
     ]
     assert left == [] and not any(f.exists() for f in folders), (left, folders)

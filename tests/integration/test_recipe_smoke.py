@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -7,7 +7,7 @@ fp32, same reduction order); run C resumes the step-5 checkpoint from another ru
 new run dir of its own) with the LLM at TP=1 instead of TP=2 (DCP reshards) and must match within
 1e-5 relative (different reduction order in the TP matmuls, nothing else).
 
-The runs A, B, C and Z go through ``dhp.runtime.train.train`` (what ``dhp train`` calls) on the
+The runs A, B, C and Z go through ``dhp.runtime.loop.train.train`` (what ``dhp train`` calls) on the
 module's shared local Ray; the refused resume, the killed-actor restart and the export go through
 the real CLI, whose exit codes, process tree and output they check.
 """
@@ -56,7 +56,7 @@ def train(out: Path, name: str, *overrides: str) -> None:
     """``dhp train conf=tiny_vlm name=NAME ...`` in this process (on the shared local Ray)."""
     from rich.console import Console
 
-    from dhp.runtime.train import train as run_train
+    from dhp.runtime.loop.train import train as run_train
     from dhp.validation import load_config
 
     run = [

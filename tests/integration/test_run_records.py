@@ -16,7 +16,7 @@ from dhp.cli import app
 from dhp.errors import ConfigError, DataError
 from dhp.metrics.rundir import read_run_log
 from dhp.metrics.runs import read_run
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.integration

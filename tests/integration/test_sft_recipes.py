@@ -25,7 +25,7 @@ from sft import llamafactory_file, tiny_checkpoint
 from dhp.checkpoint.export import export_checkpoint
 from dhp.metrics.rundir import read_run_log
 from dhp.metrics.runs import read_run
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.integration

@@ -2,7 +2,7 @@
 
 Trainer on a local Ray with gloo worlds and ``make_tiny_checkpoint``: the first step's loss and every
 full gradient must match the single-process transformers model ``from_pretrained`` from the same
-directory (:class:`dhp.runtime.verify.ReferenceModel`). Comparing outputs, not only weights, catches
+directory (:class:`dhp.runtime.verify.compare.ReferenceModel`). Comparing outputs, not only weights, catches
 a non-persistent buffer (rotary ``inv_freq``) left as ``to_empty`` garbage (checked: skipping
 ``init_buffers`` fails both asserts' plans). Under LLM TP=2 (or FSDP=2) each rank reads half of the
 LLM's checkpoint bytes (``LoadReport.bytes_read``), a quarter under TP=2 x FSDP=2.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dhp.models import build_and_load, get_family, make_tiny_checkpoint
-from dhp.runtime.verify import ReferenceModel, compare_grads
-from dhp.runtime.worker import ModuleWorker
+from dhp.runtime.loop.worker import ModuleWorker
+from dhp.runtime.verify.compare import ReferenceModel, compare_grads
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,7 +36,7 @@ def _first_step(tiny_dir, *overrides):
     from dhp.data import build_run_loader
     from dhp.plan import compile_plan
     from dhp.plan.compile import module_layouts
-    from dhp.runtime.driver import Trainer
+    from dhp.runtime.loop.driver import Trainer
 
     cfg = load_config("tiny_vlm", [f"model.path={tiny_dir}", *overrides])
     loader = build_run_loader(cfg, module_layouts(cfg))

@@ -9,7 +9,7 @@ optimizer states. Each test is aimed at a class of bug that once survived the fa
 - the loss normalised by a replica's or micro-batch's own label-token count instead of the global
   ``T`` (wrong gradient scale), a row swap in the image hand-off (wrong LLM input), clipping by each
   group's own norm instead of the global one (wrong update): ``test_step_matches_reference``
-  compares (``dhp.runtime.verify.compare_steps``) the loss, the global grad norm, every gradient and
+  compares (``dhp.runtime.verify.compare.compare_steps``) the loss, the global grad norm, every gradient and
   every parameter after each step;
 - clipping is also observed directly: the gradient the optimizers step with has the global norm
   ``grad_clip`` summed over both groups (per-group clipping gives ``grad_clip * sqrt(2)``);
@@ -38,7 +38,7 @@ from dhp.data import build_run_loader
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts
 from dhp.runtime import Trainer
-from dhp.runtime.verify import VerifyReport, compare_steps
+from dhp.runtime.verify.compare import VerifyReport, compare_steps
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""`dhp.runtime.train` end to end on a real local Ray with gloo worlds and the tiny Qwen2.5-VL: the
+"""`dhp.runtime.loop.train` end to end on a real local Ray with gloo worlds and the tiny Qwen2.5-VL: the
 run directory and metrics, a non-finite step, skipped bad samples, and an FSDP vision replica
 without images. Each plan's numbers against the unsplit model (loss, every gradient and every
 parameter after the update) are checked by tests/integration/test_verify.py.
@@ -15,7 +15,7 @@ from plans import ALL_ONE
 
 from dhp.errors import RuntimeFailure
 from dhp.metrics import METRIC_KEYS
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -24,7 +24,7 @@ import pytest
 from cli_here import dhp_here, explain, words
 from rich.console import Console
 
-from dhp.runtime.verify import render_report, verify_plan
+from dhp.runtime.verify.compare import render_report, verify_plan
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -142,7 +142,7 @@ def test_verify_video_packed_sp2_tp2(ray_local) -> None:
 def test_verify_lora_recipe_at_its_own_lr(ray_local) -> None:
     # adapters only, vision SP=2 + LLM TP=2 with SP, lr 5e-3: AdamW turns rounding-level differences
     # of the near-zero A-matrix gradients into ~lr per element, so the parameter check compares the
-    # update of the plan's own gradients (dhp.runtime.verify), not two trajectories
+    # update of the plan's own gradients (dhp.runtime.verify.compare), not two trajectories
     _passed("tiny_vlm_lora", 3)
 
 

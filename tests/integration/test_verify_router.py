@@ -36,8 +36,8 @@ from dhp.models import get_family
 from dhp.models.qwen2_5_vl.processor import QWEN_CHAT_TEMPLATE
 from dhp.models.testing import skew_routers_
 from dhp.models.tiny import make_tiny_checkpoint
-from dhp.runtime.driver import Trainer
-from dhp.runtime.verify import VerifyReport, render_report, verify_plan
+from dhp.runtime.loop.driver import Trainer
+from dhp.runtime.verify.compare import VerifyReport, render_report, verify_plan
 from dhp.validation import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

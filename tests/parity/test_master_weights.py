@@ -2,7 +2,7 @@
 and AdamW states, bf16 compute and bf16 hand-off rows (a precision that silently did nothing would
 leave the numbers close, so the dtypes are looked at, not inferred from a tolerance).
 
-Two gloo ranks each build :class:`dhp.runtime.worker.ModuleWorker` for both modules of ``tiny_vlm``
+Two gloo ranks each build :class:`dhp.runtime.loop.worker.ModuleWorker` for both modules of ``tiny_vlm``
 (vision Ulysses SP=2, LLM TP=2 with sequence parallelism: fsdp=1, the unit cast) from a config with
 ``model.dtype=bfloat16`` (weights drawn in bf16, as a bf16 checkpoint holds them) and
 ``mixed_precision=bf16_master_fp32``, then run one step by hand through the workers' own pieces:
@@ -29,11 +29,11 @@ from dhp.data.batch import VLBatch
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
 from dhp.plan import compile_plan
-from dhp.runtime.graph import links_of
-from dhp.runtime.handoff import ProducerWork, Route
-from dhp.runtime.spec import WorkerSpec, without_degrees
-from dhp.runtime.transport import Bf16Bits
-from dhp.runtime.worker import ModuleWorker
+from dhp.runtime.actors.spec import WorkerSpec, without_degrees
+from dhp.runtime.handoff.graph import links_of
+from dhp.runtime.handoff.routing import ProducerWork, Route
+from dhp.runtime.handoff.transport import Bf16Bits
+from dhp.runtime.loop.worker import ModuleWorker
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.parity

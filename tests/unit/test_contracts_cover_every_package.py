@@ -39,3 +39,15 @@ def test_validation_sits_above_the_families_and_the_strategies():
     layers = [{n.strip() for n in layer.split("|")} for layer in _contracts()["layers"]["layers"]]
     at = {name: i for i, layer in enumerate(layers) for name in layer}  # 0 = the top
     assert at["dhp.plan"] < at["dhp.validation"] < at["dhp.models"] < at["dhp.parallel"] < at["dhp.config"]
+
+
+def test_every_room_of_the_runtime_is_in_the_rooms_contract_and_nothing_lies_outside_one():
+    """``dhp.runtime`` holds only its rooms (subpackages, each in the ``runtime-rooms`` layers)."""
+    import dhp.runtime
+
+    rooms = _contracts()["runtime-rooms"]
+    assert rooms["containers"] == ["dhp.runtime"]
+    layered = {name.strip() for layer in rooms["layers"] for name in layer.split("|")}
+    found = {m.name: m.ispkg for m in pkgutil.iter_modules(dhp.runtime.__path__)}
+    assert [n for n, pkg in found.items() if not pkg] == [], "a module outside the rooms of dhp.runtime"
+    assert set(found) == layered, f"rooms {sorted(found)} vs the contract's {sorted(layered)}"

@@ -45,7 +45,7 @@ UNREVIEWED = {
     "dhp/plan/reserve.py": 3,
     "dhp/plan/search.py": 1,
     "dhp/plan/trainable.py": 5,
-    "dhp/runtime/train.py": 21,
+    "dhp/runtime/loop/train.py": 21,
 }
 
 

@@ -11,7 +11,7 @@ from dhp.config.loader import CONF_DIR, compose_config
 from dhp.config.smoke import smoke_config
 from dhp.layout import module_layout
 from dhp.plan import compile_plan
-from dhp.runtime.preflight import checked_config
+from dhp.runtime.launch.preflight import checked_config
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit

@@ -22,7 +22,7 @@ from dhp.errors import ConfigError
 from dhp.plan import compile_plan
 from dhp.plan.compile import module_layouts, module_shapes
 from dhp.plan.estimate import timing_shapes, vision_patches_per_replica
-from dhp.runtime.preflight import checked_config
+from dhp.runtime.launch.preflight import checked_config
 from dhp.validation import load_config
 
 ROWS = [  # three rows of clearly different lengths: text only, one photo, two photos and more text

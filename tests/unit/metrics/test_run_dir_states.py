@@ -2,7 +2,7 @@
 
 Each state is built from the files of one real run (``recorded_run/``: the ``config.yaml`` and
 ``metrics.jsonl`` that ``dhp train conf=tiny_vlm train.steps=3`` wrote, every degree 1), cut or
-extended the way a run writes them: events are the lines ``dhp.runtime.train`` appends (restart,
+extended the way a run writes them: events are the lines ``dhp.runtime.loop.train`` appends (restart,
 resume, failed), a cut line is what a kill mid-write leaves. Both commands run through the CLI's
 own app. A command may refuse a run dir with a user error (a DhpError: no step to plot), never with
 anything else: that would be the "internal error ... This is a bug in dhp" exit.

@@ -102,7 +102,7 @@ def test_lora_on_experts_is_refused_with_the_fix() -> None:
 
 
 def test_router_loss_is_label_token_weighted_over_the_step() -> None:
-    from dhp.runtime.driver import _aux_losses
+    from dhp.runtime.loop.driver_step import _aux_losses
 
     # micro-batch 0: both replica leaders report the group's value 2.0 with 3 and 1 label tokens;
     # micro-batch 1: one leader, 1.0 over 4 tokens; T = 8 -> (2*4 + 1*4) / 8

@@ -9,7 +9,7 @@ from dhp.config.schema import TrainConfig
 from dhp.plan.compile import compile_plan
 from dhp.plan.search import Search, apply
 from dhp.plan.types import bundle_total
-from dhp.runtime.train import _checkpoint_due
+from dhp.runtime.loop.train import _checkpoint_due
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit

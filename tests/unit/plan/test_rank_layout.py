@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 import dhp
 from dhp.config.constants import PARALLEL_AXES
 from dhp.layout import ParallelLayout
-from dhp.runtime import dispatch
+from dhp.runtime.actors import dispatch
 
 MESHES = [
     {"dp": 1},

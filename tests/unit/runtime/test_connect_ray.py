@@ -9,7 +9,7 @@ import pytest
 
 from dhp.config.schema import ClusterConfig
 from dhp.errors import PlanError
-from dhp.runtime.driver import connect_ray
+from dhp.runtime.loop.driver import connect_ray
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,12 @@
-"""Device selection when every actor sees all GPUs of its node (``dhp.runtime.devices``)."""
+"""Device selection when every actor sees all GPUs of its node (``dhp.runtime.launch.devices``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from dhp.errors import RuntimeFailure
-from dhp.runtime.actor_group import WORKER_ENV
-from dhp.runtime.devices import local_cuda_index
+from dhp.runtime.actors.actor_group import WORKER_ENV
+from dhp.runtime.launch.devices import local_cuda_index
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dhp.errors import RuntimeFailure
-from dhp.runtime.dispatch import (
+from dhp.runtime.actors.dispatch import (
     Collect,
     Contract,
     Dispatch,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from dhp.runtime.eval_worker import EvalMethods
-from dhp.runtime.transport import CpuTransport
+from dhp.runtime.handoff.transport import CpuTransport
+from dhp.runtime.loop.eval_worker import EvalMethods
 
 pytestmark = pytest.mark.unit
 

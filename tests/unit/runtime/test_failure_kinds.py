@@ -9,7 +9,7 @@ import ray
 import torch
 
 from dhp.errors import DataError, RuntimeFailure
-from dhp.runtime.failures import CODE, INFRA, FailureLog, WorkerFailure, classify, rank_error
+from dhp.runtime.actors.failures import CODE, INFRA, FailureLog, WorkerFailure, classify, rank_error
 
 pytestmark = pytest.mark.unit
 

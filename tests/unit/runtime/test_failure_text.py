@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.runtime.actor_group import _first_line
+from dhp.runtime.actors.actor_group import _first_line
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The test-only fault hook (``DHP_INJECT_FAULT``, dhp.runtime.failures): its grammar, that each fault
+"""The test-only fault hook (``DHP_INJECT_FAULT``, dhp.runtime.actors.failures): its grammar, that each fault
 fires once, in the step it names (a save point: the step it saves), and where it is refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from dhp.runtime.failures import FAULT_ENV, Fault, FaultHook, parse_faults
+from dhp.runtime.actors.failures import FAULT_ENV, Fault, FaultHook, parse_faults
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""A joined cluster's per-node fork servers (dhp.runtime.forknodes), without Ray.
+"""A joined cluster's per-node fork servers (dhp.runtime.launch.forknodes), without Ray.
 
 The actor class that holds a node's server runs here as a plain object, spawning a real server
 (preloading only ``json``: what is tested is who starts what, not the imports); the launcher command
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from dhp.runtime import forkserver
-from dhp.runtime.forklaunch import MISS_ENV
-from dhp.runtime.forknodes import ForkServerHost, NodeForkServers, NodeServer
-from dhp.runtime.forkserver import PACKAGE_ROOT
+from dhp.runtime.launch import forkserver
+from dhp.runtime.launch.forklaunch import MISS_ENV
+from dhp.runtime.launch.forknodes import ForkServerHost, NodeForkServers, NodeServer
+from dhp.runtime.launch.forkserver import PACKAGE_ROOT
 
 pytestmark = pytest.mark.skipif(not forkserver.enabled(), reason="fork server: Linux with fork only")
 
@@ -103,7 +103,7 @@ def test_each_rank_gets_its_nodes_launcher_or_why_its_node_cannot_serve():
 
 def test_a_server_whose_parent_died_removes_its_socket_folder():
     code = (
-        "from dhp.runtime.forkserver import ForkServer\n"
+        "from dhp.runtime.launch.forkserver import ForkServer\n"
         "s = ForkServer.spawn(env={}, preload=())\nprint(s.proc.pid, s.path, flush=True)\n"
         "s.request({'op': 'status'})\nimport os\nos._exit(0)\n"  # no close(): a node's actor killed
     )

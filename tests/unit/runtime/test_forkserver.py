@@ -1,4 +1,4 @@
-"""The rank fork server (dhp.runtime.forkserver) and its launcher (dhp.runtime.forklaunch), without Ray.
+"""The rank fork server (dhp.runtime.launch.forkserver) and its launcher (dhp.runtime.launch.forklaunch), without Ray.
 
 Each test runs the launcher exactly as Ray's worker start runs it (``python -S forklaunch.py SOCKET
 SCRIPT ARGS...``) on a real server process, with a small script in place of Ray's default_worker.py.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dhp.runtime import forkserver
-from dhp.runtime.forklaunch import MISS_ENV
-from dhp.runtime.forkserver import FORKED_ENV, ForkServer
+from dhp.runtime.launch import forkserver
+from dhp.runtime.launch.forklaunch import MISS_ENV
+from dhp.runtime.launch.forkserver import FORKED_ENV, ForkServer
 
 pytestmark = pytest.mark.skipif(not forkserver.enabled(), reason="fork server: Linux with fork only")
 
@@ -175,7 +175,7 @@ def test_a_dead_servers_folder_is_removed_by_close_current():
 
 def test_the_server_ends_when_its_driver_does(tmp_path):
     code = (
-        "import sys, time\nfrom dhp.runtime.forkserver import ForkServer\n"
+        "import sys, time\nfrom dhp.runtime.launch.forkserver import ForkServer\n"
         "s = ForkServer.start(preload=())\nprint(s.proc.pid, flush=True)\n"
         "s.request({'op': 'status'})\nimport os\nos._exit(0)\n"  # no close(): a driver that died
     )
@@ -213,7 +213,7 @@ def test_a_launcher_gone_before_its_answer_leaves_the_server_serving(server, scr
     server kills the orphan child and keeps serving the next ones."""
     import socket
 
-    from dhp.runtime.forklaunch import send_msg
+    from dhp.runtime.launch.forklaunch import send_msg
 
     marker = tmp_path / "started"
     sleeper = tmp_path / "sleep.py"
@@ -257,7 +257,7 @@ def test_close_ends_the_children_still_running(tmp_path):
 
 
 def test_a_driver_joining_a_cluster_starts_no_server_of_its_own(monkeypatch):
-    """Its ranks run on the cluster's nodes, which start their own (dhp.runtime.forknodes)."""
+    """Its ranks run on the cluster's nodes, which start their own (dhp.runtime.launch.forknodes)."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert forkserver.start_for_driver("qwen2_5_vl", ray_address="10.0.0.1:6379") is None
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")

@@ -7,8 +7,8 @@ from dhp.errors import RuntimeFailure
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.plan.placement import routing
-from dhp.runtime.handoff import assign_images, route_micro_batch, unit_senders
-from dhp.runtime.transport import CpuTransport
+from dhp.runtime.handoff.routing import assign_images, route_micro_batch, unit_senders
+from dhp.runtime.handoff.transport import CpuTransport
 
 pytestmark = pytest.mark.unit
 
@@ -148,7 +148,7 @@ def test_a_rank_without_tokens_still_gets_its_shard():
 def test_handoff_resolves_by_device_and_placement():
     from dhp.config.handoff import resolve_handoff
     from dhp.errors import PlanError
-    from dhp.runtime.transport import CudaIpcTransport, make_transport
+    from dhp.runtime.handoff.transport import CudaIpcTransport, make_transport
 
     def resolve(device: str, placement: str, handoff: str = "auto") -> tuple[str, str | None]:
         return resolve_handoff(device=device, placement=placement, handoff=handoff)

@@ -1,4 +1,4 @@
-"""What each SIGINT/SIGTERM does in each part of a run (dhp.runtime.interrupts.Signals): before the
+"""What each SIGINT/SIGTERM does in each part of a run (dhp.runtime.loop.interrupts.Signals): before the
 loop the first one raises; in the loop it only asks for a stop and the second one raises HardStop,
 after a commit when it lands inside one; in the teardown nothing raises; a third one exits."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dhp.runtime.interrupts import HardStop, Signals, run_signals
+from dhp.runtime.loop.interrupts import HardStop, Signals, run_signals
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def _ctrl_c_in_a_run(previous) -> SimpleNamespace:
 def test_ctrl_c_reaches_a_caller_with_python_default_handling_after_the_stop() -> None:
     """pytest, a notebook, a script: the run stops gracefully, then the caller's KeyboardInterrupt
     (carrying the run's result), so `make test` stops on Ctrl-C as on any other test."""
-    from dhp.runtime.interrupts import RunInterrupted
+    from dhp.runtime.loop.interrupts import RunInterrupted
 
     with pytest.raises(KeyboardInterrupt) as stop:
         _ctrl_c_in_a_run(signal.default_int_handler)

@@ -1,4 +1,4 @@
-"""Reading a rank's faulthandler dump (dhp.runtime.stacks): the worker method its thread is inside and
+"""Reading a rank's faulthandler dump (dhp.runtime.actors.stacks): the worker method its thread is inside and
 that thread's innermost frame, from a real dump of this process while a thread waits inside one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from dhp.runtime.stacks import _parse, _worker_methods, stuck_lines
+from dhp.runtime.actors.stacks import _parse, _worker_methods, stuck_lines
 
 pytestmark = pytest.mark.unit
 

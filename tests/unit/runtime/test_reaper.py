@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dhp.runtime.reaper import _alive, start_reaper
+from dhp.runtime.launch.reaper import _alive, start_reaper
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +26,7 @@ sess, root = sys.argv[1], sys.argv[2]
 raylet = subprocess.Popen([sys.executable, "-c",
     "import subprocess, sys, time; subprocess.Popen(['sleep', '300']); time.sleep(300)", sess])
 other = subprocess.Popen(["sleep", "301"])
-sys.path.insert(0, root + "/dhp/runtime")  # the watchdog's module alone: stdlib only, no torch
+sys.path.insert(0, root + "/dhp/runtime/launch")  # the watchdog's module alone: stdlib only, no torch
 from reaper import start_reaper
 print(raylet.pid, other.pid, start_reaper(sess), flush=True)
 time.sleep(300)

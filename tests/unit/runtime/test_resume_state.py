@@ -14,8 +14,8 @@ import torch
 from dhp.checkpoint import CheckpointMeta, capture_rng_state
 from dhp.data import build_run_loader
 from dhp.plan.compile import module_layouts
-from dhp.runtime.schedule import WarmupCosine
-from dhp.runtime.train import _resume
+from dhp.runtime.loop.schedule import WarmupCosine
+from dhp.runtime.loop.train import _resume
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit

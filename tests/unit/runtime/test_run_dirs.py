@@ -1,4 +1,4 @@
-"""Which run directory a resume writes into (``dhp.runtime.rundirs``): its own when the checkpoint
+"""Which run directory a resume writes into (``dhp.runtime.loop.rundirs``): its own when the checkpoint
 is one of this run name's, a new one otherwise."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dhp.runtime.rundirs import continued_run_dir
+from dhp.runtime.loop.rundirs import continued_run_dir
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from dhp.errors import ConfigError
-from dhp.runtime.horizon import apply, horizon_change
-from dhp.runtime.run_length import run_length
-from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.loop.horizon import apply, horizon_change
+from dhp.runtime.loop.run_length import run_length
+from dhp.runtime.loop.schedule import WarmupCosine
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from dhp.runtime.schedule import WarmupCosine
+from dhp.runtime.loop.schedule import WarmupCosine
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_no_warmup_starts_at_peak():
 def _run(kind: str, **kw) -> list[float]:
     from types import SimpleNamespace
 
-    from dhp.runtime.schedule import make_schedule
+    from dhp.runtime.loop.schedule import make_schedule
 
     train = SimpleNamespace(
         lr=1.0, min_lr_ratio=0.1, lr_schedule=kind, decay_ratio=kw.pop("decay_ratio", 0.1)
@@ -51,7 +51,7 @@ def test_each_schedule_after_the_same_warmup():
 
 
 def test_state_names_the_horizon_and_resumes_the_step():
-    from dhp.runtime.schedule import WarmupLinear
+    from dhp.runtime.loop.schedule import WarmupLinear
 
     s = WarmupLinear(lr=1.0, warmup_steps=2, total_steps=10, min_lr_ratio=0.0)
     for _ in range(3):

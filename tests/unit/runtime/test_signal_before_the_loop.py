@@ -18,7 +18,7 @@ import ray
 from rich.console import Console
 
 import dhp.data
-from dhp.runtime.train import train
+from dhp.runtime.loop.train import train
 from dhp.validation import load_config
 
 pytestmark = pytest.mark.unit

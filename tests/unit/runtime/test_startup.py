@@ -12,12 +12,12 @@ import time
 import pytest
 from rich.console import Console
 
-from dhp.runtime import startup
-from dhp.runtime.startup import Startup, process_age_s
+from dhp.runtime.launch import startup
+from dhp.runtime.launch.startup import Startup, process_age_s
 
 
 def test_phases_sum_to_the_wall_time_and_render(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr("dhp.runtime.startup._FIRST_RUN", True)
+    monkeypatch.setattr("dhp.runtime.launch.startup._FIRST_RUN", True)
     age = process_age_s()
     assert age is not None and age > 0  # this process started before the test
     clock = Startup.from_process_start()
@@ -41,7 +41,7 @@ def test_phases_sum_to_the_wall_time_and_render(tmp_path, monkeypatch) -> None:
 
 
 def test_a_second_run_of_one_process_does_not_count_the_first(monkeypatch) -> None:
-    monkeypatch.setattr("dhp.runtime.startup._FIRST_RUN", True)
+    monkeypatch.setattr("dhp.runtime.launch.startup._FIRST_RUN", True)
     assert Startup.from_process_start().phases  # the process's own start-up
     assert Startup.from_process_start().phases == []  # a sweep's next run: its phases only
 
@@ -51,7 +51,7 @@ def test_a_second_run_of_one_process_does_not_count_the_first(monkeypatch) -> No
 _TO_RAY_START = """
 import json, sys
 import dhp.cli  # what `dhp train` loads first
-import dhp.runtime.train as tr
+import dhp.runtime.loop.train as tr
 from dhp.validation import load_config
 from dhp.errors import PlanError
 
@@ -74,7 +74,7 @@ print(json.dumps(seen))
 def test_the_driver_reaches_ray_start_without_transformers_model_code(tmp_path) -> None:
     """What ``connect_ray_importing`` overlaps with Ray's start must not already be loaded before it:
     transformers' model code and the worker module (each over a second of CPU on the 2-core box)."""
-    heavy = ["transformers.modeling_utils", "dhp.runtime.worker", "dhp.runtime.driver"]
+    heavy = ["transformers.modeling_utils", "dhp.runtime.loop.worker", "dhp.runtime.loop.driver"]
     seen = _fresh_interpreter(_TO_RAY_START, str(tmp_path), *heavy)
     assert seen == dict.fromkeys(heavy, False), seen
 
@@ -107,10 +107,10 @@ def test_a_module_that_fails_to_import_in_the_thread_is_left_to_the_caller(monke
 
 _DRIVER_SIDE = """
 import json, sys
-import dhp.runtime.driver, dhp.runtime.checkpointing, dhp.data, dhp.runtime.progress
+import dhp.runtime.loop.driver, dhp.runtime.loop.checkpointing, dhp.data, dhp.runtime.loop.progress
 from dhp.validation import load_config
 from dhp.models import get_family
-from dhp.runtime.driver import _hf_config
+from dhp.runtime.loop.driver_start import _hf_config
 seen = {}
 for recipe in sys.argv[1:]:
     cfg = load_config(recipe, [])

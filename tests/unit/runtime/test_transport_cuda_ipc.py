@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dhp.runtime.transport import CudaIpcTransport
+from dhp.runtime.handoff.transport import CudaIpcTransport
 
 pytestmark = pytest.mark.unit
 

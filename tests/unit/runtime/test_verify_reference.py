@@ -13,7 +13,7 @@ from dhp.data.batch import concat_batches
 from dhp.errors import ConfigError
 from dhp.models import get_family
 from dhp.plan.compile import module_layouts
-from dhp.runtime.verify import (
+from dhp.runtime.verify.compare import (
     ReferenceModel,
     StepDiff,
     VerifyReport,

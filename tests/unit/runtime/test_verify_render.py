@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from dhp.runtime.verify import StepDiff, VerifyReport, render_report, render_step
+from dhp.runtime.verify.compare import StepDiff, VerifyReport, render_report, render_step
 
 
 def _step(n: int, grad: float) -> StepDiff:
