@@ -119,7 +119,11 @@ def _degree_problems(prefix: str, gpus: int, lay: ParallelLayout, out: Issues) -
             product == gpus,
             f"{prefix}.gpus",
             gpus,
-            "must equal dp*fsdp*sp*tp = " + "*".join(str(d) for d in degs.values()) + f" = {product}",
+            "must equal "
+            + "*".join(degs)
+            + " = "
+            + "*".join(str(d) for d in degs.values())
+            + f" = {product}",
             f"set {prefix}.gpus={product} or change the degrees",
         )
     return ok  # False: a degree or the GPU count < 1 (nothing below may divide by it)

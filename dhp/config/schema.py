@@ -137,7 +137,7 @@ class ClusterConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of one module's mesh. ``gpus`` of the module must equal dp*fsdp*sp*tp.
+    """Degrees of one module's mesh. ``gpus`` of the module must equal dp*fsdp*cp*sp*tp.
 
     Mesh axis order (outer -> inner): dp, fsdp, cp, sp, tp (dhp.layout). sp and tp are mutually
     exclusive. zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across
@@ -151,7 +151,7 @@ class ParallelConfig:
     # context parallelism (the LLM): each of cp ranks holds 2 of the sequence's 2*cp causal-balanced
     # chunks (dhp/parallel/cp.py); needs a family that declares cp for the module
     cp: int = 1
-    # expert-parallel degree of the module's MoE layers; the EP group is folded from the dp x fsdp x sp ranks (docs in dhp/parallel/ep.py); 1 = no EP
+    # expert-parallel degree of the module's MoE layers; the EP group is folded from the dp x fsdp x cp x sp ranks (docs in dhp/parallel/ep.py); 1 = no EP
     ep: int = 1
     zero: int = 0
     # Megatron-style sequence parallelism inside the TP group (norms/residual sharded by sequence)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 
 # (recipe, overrides, key path that must be named, words the rule must contain)
 MALFORMED = [
-    ("qwen_vl_32b", ["modules.vision.gpus=4"], "modules.vision.gpus", "dp*fsdp*sp*tp"),
+    ("qwen_vl_32b", ["modules.vision.gpus=4"], "modules.vision.gpus", "dp*fsdp*cp*sp*tp"),
     (
         "qwen_vl_32b",
         [
