@@ -228,7 +228,9 @@ RANK_POINTS = {
 }
 #: rank points that belong to the step just done (the others belong to the step running)
 _AFTER_STEP = {"save", "save_async"}
-ACTIONS = ("raise", "hang", "sigterm", "sigint")
+ACTIONS = ("raise", "hang", "sigterm", "sigint", "delay")
+#: how long a ``delay`` fault holds its phase
+DELAY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,8 @@ def parse_faults(text: str) -> list[Fault]:
 
     ACTION: ``raise`` (NotImplementedError: a deterministic code error), ``hang`` (block in a
     collective the peers never join), ``sigterm`` / ``sigint`` (send that signal to the driver; a
-    rank then sleeps 0.5 s, so the driver takes it while the phase still runs). WHERE:
+    rank then sleeps 0.5 s, so the driver takes it while the phase still runs), ``delay`` (hold the
+    phase ``DELAY_S`` longer: a slow rank, for tests of what runs meanwhile). WHERE:
     ``<module>/<rank>``, ``<module>/*`` or ``driver``. POINT: a key of RANK_POINTS on a rank, a
     worker method's name on the driver. STEP: the k-th step of this process's life, from 1 (a save
     point: the step it saves). A malformed entry is a ValueError (the hook is for tests)."""
@@ -305,6 +308,9 @@ class FaultHook:
             raise NotImplementedError(what)
         if f.action == "hang":  # the peers finished this call: nobody joins this collective
             torch.distributed.barrier()
+            return
+        if f.action == "delay":
+            time.sleep(DELAY_S)
             return
         sig = signal.SIGTERM if f.action == "sigterm" else signal.SIGINT
         driver = os.getpid() if self.module == "driver" else int(os.environ[FAULT_DRIVER_ENV])

@@ -4,20 +4,24 @@ fires once, in the step it names (a save point: the step it saves), and where it
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
-from dhp.runtime.actors.failures import FAULT_ENV, Fault, FaultHook, parse_faults
+from dhp.runtime.actors.failures import DELAY_S, FAULT_ENV, Fault, FaultHook, parse_faults
 
 pytestmark = pytest.mark.unit
 
 
 def test_the_grammar_reads_every_action_and_place() -> None:
-    got = parse_faults("raise:llm/0:optimizer, hang:vision/*:grad_sync:2,sigterm:driver:produce:3")
+    got = parse_faults(
+        "raise:llm/0:optimizer, hang:vision/*:grad_sync:2,sigterm:driver:produce:3,delay:llm/1:forward"
+    )
     assert got == [
         Fault("raise", "llm", 0, "optimizer", None),
         Fault("hang", "vision", None, "grad_sync", 2),
         Fault("sigterm", "driver", None, "produce", 3),
+        Fault("delay", "llm", 1, "forward", None),
     ]
     assert parse_faults("") == []
 
@@ -61,3 +65,14 @@ def test_the_driver_signals_itself(monkeypatch) -> None:
     finally:
         signal.signal(signal.SIGTERM, old)
     assert got == [signal.SIGTERM]
+
+
+def test_a_delay_holds_its_phase_once(monkeypatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "delay:llm/0:forward")
+    hook = FaultHook("llm", 0)
+    t0 = time.perf_counter()
+    hook.at("forward")
+    held = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    hook.at("forward")  # once per process
+    assert held >= DELAY_S and time.perf_counter() - t1 < DELAY_S
