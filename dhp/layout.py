@@ -16,10 +16,17 @@ Every derived fact is computed here and nowhere else:
 - the token-parallel fold: the dp x fsdp x cp x sp ranks (``TOKEN_AXES``), which see different
   tokens; expert parallelism cuts them into EP groups of ``ep`` consecutive ranks, and the ``edp``
   ranks that hold the same experts (Megatron's parallel folding; :meth:`ParallelLayout.expert_grid`);
+- expert TP (``etp`` = 1 or tp): with ``etp = tp`` the TP ranks of a unit also cut the experts'
+  work: each routes 1/tp of the unit's tokens, and one all-to-all group holds ``ep x etp`` ranks
+  (``expert_group``), each with ``E / (ep x etp)`` experts; with ``etp = 1`` every TP rank of a unit
+  holds the same experts and runs them on the same tokens;
+- expert FSDP (``expert_fsdp``): the experts' parameters, gradients and optimizer states are also
+  sharded over their ``edp`` ranks (FSDP2 on the experts' own mesh), so a rank keeps
+  ``1 / (ep x etp x edp)`` of them (``expert_param_shards``);
 - ZeRO-1 shards the optimizer state over the ranks that hold identical parameters and gradients:
   the dp x cp x sp ranks (``ZERO1_AXES``) for dense parameters, the edp ranks for experts.
 
-The axes still to come (pp, expert-tp) join ``MESH_AXES`` / the folds here, and only here.
+The axis still to come (pp) joins ``MESH_AXES`` / the folds here, and only here.
 The constructor does not validate: ``dhp.config.plan_space`` reports bad degrees as config issues
 before any derived fact is asked for.
 """
@@ -39,10 +46,14 @@ TOKEN_AXES = ("dp", "fsdp", "cp", "sp")
 #: ZeRO-1 shards the dense optimizer state over the ranks that hold identical parameters and
 #: gradients: the dp, cp and sp axes (flattened)
 ZERO1_AXES = ("dp", "cp", "sp")
-#: the axes of the experts' mesh, outer -> inner: TP index, expert-data-parallel, expert-parallel
-EXPERT_MESH_AXES = ("etp", "edp", "ep")
+#: the axes of the experts' mesh, outer -> inner: ``erep`` (the tp / etp TP ranks that hold the same
+#: experts), ``edp`` (the ranks of the token fold that hold the same experts), ``ep`` (one all-to-all
+#: group: ep x etp ranks, each with its own experts)
+EXPERT_MESH_AXES = ("erep", "edp", "ep")
 #: every key of a ``modules.<m>.parallel`` config node, in the order the schema declares them
-CONFIG_KEYS = ("dp", "fsdp", "sp", "tp", "cp", "ep", "zero", "sequence_parallel")
+CONFIG_KEYS = ("dp", "fsdp", "sp", "tp", "cp", "ep", "etp", "expert_fsdp", "zero", "sequence_parallel")
+#: the boolean keys among them
+BOOL_KEYS = ("expert_fsdp", "sequence_parallel")
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,8 @@ class ParallelLayout:
     tp: int = 1
     cp: int = 1  # context parallelism: the module's tokens cut in 2 x cp balanced chunks (dhp.parallel.cp)
     ep: int = 1  # expert parallelism over the token-parallel fold (1: experts whole on every rank)
+    etp: int = 1  # TP ranks that cut the experts' work (1 or tp; see the module docstring)
+    expert_fsdp: bool = False  # the experts also sharded over their edp ranks (FSDP2)
     zero: int = 0  # 0: plain DP; 1: ZeRO-1 (optimizer states partitioned, see ZERO1_AXES)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group
 
@@ -73,7 +86,7 @@ class ParallelLayout:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             value = get(f.name, f.default)
-            out[f.name] = bool(value) if f.name == "sequence_parallel" else int(value)
+            out[f.name] = bool(value) if f.name in BOOL_KEYS else int(value)
         return cls(**out)
 
     def config_values(self) -> dict[str, int | bool]:
@@ -219,14 +232,40 @@ class ParallelLayout:
         """Consecutive GPUs one EP group reaches across (its all-to-all's link): ep x tp."""
         return self.ep * self.tp
 
+    @property
+    def expert_group(self) -> int:
+        """Ranks of one all-to-all group, each holding its own ``1/(ep x etp)`` of the experts."""
+        return self.ep * self.etp
+
+    @property
+    def expert_copies_over_tp(self) -> int:
+        """TP ranks of a unit that hold the same experts and run them on the same tokens (tp / etp)."""
+        return self.tp // self.etp if self.etp >= 1 else self.tp
+
+    @property
+    def expert_param_shards(self) -> int:
+        """Parts the experts' parameters and gradients are cut into: ep x etp, times edp under expert FSDP."""
+        return self.expert_group * (self.edp if self.expert_fsdp else 1)
+
+    @property
+    def moe_tokens_split(self) -> int:
+        """Parts a unit's tokens are cut into before the experts' dispatch (etp; 1 without expert TP)."""
+        return self.etp
+
     def expert_grid(self) -> list[list[list[int]]]:
-        """The ranks of the experts' mesh ``EXPERT_MESH_AXES``, ``[tp][edp][ep]``: for each TP index the
-        token fold's ranks, row-major (sp fastest, then cp), cut into EP groups of ``ep`` consecutive ones."""
-        grid = []
+        """The ranks of the experts' mesh ``EXPERT_MESH_AXES``, ``[tp / etp][edp][ep x etp]``.
+
+        For each TP index ``t`` the token fold's ranks (row-major: sp fastest, then cp) are cut into EP
+        groups of ``ep`` consecutive units. With ``etp = 1`` each TP index has its own groups; with
+        ``etp = tp`` a group takes every TP rank of its ``ep`` units (``ep x tp`` consecutive ranks)."""
+        groups = []
         for t in range(self.tp):
             fold = [r for r in range(self.world_size) if r % self.tp == t]
-            grid.append([fold[i : i + self.ep] for i in range(0, len(fold), self.ep)])
-        return grid
+            groups.append([fold[i : i + self.ep] for i in range(0, len(fold), self.ep)])
+        if self.etp == 1:
+            return groups
+        merged = [sorted(r for t in range(self.tp) for r in groups[t][d]) for d in range(self.edp)]
+        return [merged]
 
     # ---- the optimizer's and the sequence's shards -------------------------------------------
     @property
@@ -244,8 +283,9 @@ class ParallelLayout:
 
     @property
     def expert_optimizer_shards(self) -> int:
-        """Parts the experts' optimizer state is cut into beyond ep: ZeRO-1 over the edp ranks, else 1."""
-        return max(1, self.edp) if self.zero == 1 else 1
+        """Parts the experts' optimizer state is cut into beyond ep x etp: over the edp ranks under
+        ZeRO-1 or expert FSDP, else 1."""
+        return max(1, self.edp) if self.zero == 1 or self.expert_fsdp else 1
 
     @property
     def token_multiple(self) -> int:

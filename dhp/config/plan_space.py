@@ -204,6 +204,26 @@ def _axes_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes, out: Issu
         "set ep=1",
     ):
         _divides(out, f"{prefix}.parallel.ep", ep, {"number of experts": axes.experts})
+    moe_axes = {"etp": lay.etp > 1, "expert_fsdp": lay.expert_fsdp}
+    for key, on in moe_axes.items():
+        if on:
+            out.check(
+                axes.experts > 0,
+                f"{prefix}.parallel.{key}",
+                getattr(lay, key),
+                "this module has no mixture-of-experts blocks (expert TP and expert FSDP need an MoE family)",
+                f"set {key}={'1' if key == 'etp' else 'false'}",
+            )
+    group = lay.expert_group
+    if group > 1 and axes.experts > 0 and lay.etp > 1:
+        out.check(
+            axes.experts % group == 0,
+            f"{prefix}.parallel.etp",
+            lay.etp,
+            f"number of experts={axes.experts} is not divisible by ep x etp = {lay.ep} x {lay.etp} "
+            "(each rank of an all-to-all group holds 1/(ep x etp) of them)",
+            f"choose ep x etp among the divisors of {axes.experts}",
+        )
 
 
 def _ep_problems(prefix: str, lay: ParallelLayout, out: Issues) -> None:
@@ -218,6 +238,30 @@ def _ep_problems(prefix: str, lay: ParallelLayout, out: Issues) -> None:
         ep,
         f"the EP group is folded from the dp x fsdp x sp ranks ({folded}), which ep must divide",
         f"choose ep among the divisors of {folded}, or raise dp/fsdp",
+    )
+    etp = lay.etp
+    out.check(
+        etp in (1, lay.tp),
+        f"{prefix}.parallel.etp",
+        etp,
+        f"expert TP cuts the experts' work over all of a unit's TP ranks or none: it must be 1 or tp={lay.tp}",
+        f"set etp=1 (every TP rank runs the same experts) or etp={lay.tp}",
+    )
+    out.check(
+        not (etp > 1 and lay.sequence_parallel),
+        f"{prefix}.parallel.sequence_parallel",
+        True,
+        "expert TP cuts a unit's tokens over its TP ranks itself; sequence parallelism inside TP would "
+        "cut them again",
+        "set sequence_parallel=false when etp > 1",
+    )
+    out.check(
+        not lay.expert_fsdp or lay.edp > 1,
+        f"{prefix}.parallel.expert_fsdp",
+        True,
+        f"expert FSDP shards the experts over their edp ranks (dp x fsdp x cp x sp / ep = {lay.edp}), "
+        "and there is only one",
+        "set expert_fsdp=false, or raise dp/fsdp (or lower ep) so that edp > 1",
     )
     out.check(
         not (ep > 1 and lay.tp > 1 and lay.sequence_parallel),

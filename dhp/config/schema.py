@@ -153,6 +153,10 @@ class ParallelConfig:
     cp: int = 1
     # expert-parallel degree of the module's MoE layers; the EP group is folded from the dp x fsdp x cp x sp ranks (docs in dhp/parallel/ep.py); 1 = no EP
     ep: int = 1
+    # expert TP: 1, or tp to cut the experts' work over the TP ranks too (each routes 1/tp of the tokens;
+    # an all-to-all group of ep x tp ranks); expert_fsdp: experts also FSDP-sharded over their edp ranks
+    etp: int = 1
+    expert_fsdp: bool = False
     zero: int = 0
     # Megatron-style sequence parallelism inside the TP group (norms/residual sharded by sequence)
     sequence_parallel: bool = False
