@@ -35,7 +35,7 @@ from dhp.layout import TOKEN_AXES, ParallelLayout
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.cp import apply_cp
 from dhp.parallel.ep import apply_ep, ep_mesh
-from dhp.parallel.fsdp import FsdpSpec, apply_fsdp, fsdp_blocks
+from dhp.parallel.fsdp import FsdpSpec, apply_expert_fsdp, apply_fsdp, fsdp_blocks
 from dhp.parallel.linear_attn_cp import apply_deltanet_cp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axes, axis, axis_size
@@ -72,9 +72,12 @@ def _loss(module: nn.Module, ctx: _Ctx) -> nn.Module:
 
 
 def _ep(module: nn.Module, mesh: DeviceMesh, ctx: _Ctx) -> nn.Module:
-    """Experts of ``plan.moe_blocks`` sharded over ``ep`` ranks folded from dp x fsdp x sp (a collective:
-    builds the (etp, edp, ep) mesh's process groups)."""
-    apply_ep(module, ep_mesh(mesh, ctx.layout), block_glob=ctx.plan.moe_blocks)
+    """Experts of ``plan.moe_blocks`` sharded over ``ep`` ranks folded from dp x fsdp x cp x sp, times
+    the TP ranks under expert TP (``etp = tp``: each routes 1/tp of its unit's tokens). A collective:
+    builds the (erep, edp, ep) mesh's process groups."""
+    tp = axis(mesh, "tp") if ctx.layout.etp > 1 else None
+    group = None if tp is None else tp.get_group()
+    apply_ep(module, ep_mesh(mesh, ctx.layout), block_glob=ctx.plan.moe_blocks, tp_group=group)
     return module
 
 
@@ -113,6 +116,13 @@ def _cast(module: nn.Module, ctx: _Ctx) -> nn.Module:
     return module
 
 
+def _expert_fsdp(module: nn.Module, ctx: _Ctx) -> nn.Module:
+    """The experts' own FSDP2 units over ``edp`` (``dhp.parallel.fsdp.apply_expert_fsdp``), before the
+    compute cast (which leaves FSDP units to their policy) and the dense FSDP (which leaves them out)."""
+    apply_expert_fsdp(module, ctx.mixed_precision)
+    return module
+
+
 @dataclass(frozen=True)
 class Step:
     """One strategy: when it is on (a predicate on the config) and how to apply it."""
@@ -128,7 +138,7 @@ def _ac_spec(value: str) -> AcSpec:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("ep", lambda c: c.layout.ep > 1, _ep),
+    Step("ep", lambda c: c.layout.expert_group > 1 or c.layout.expert_fsdp, _ep),
     Step("moe_tokens", lambda c: bool(c.plan.moe_blocks), _token_group),
     Step(
         "tp",
@@ -138,6 +148,11 @@ STEPS: tuple[Step, ...] = (
     Step("loss", lambda c: c.plan.loss and c.layout.tp == 1, lambda m, mesh, c: _loss(m, c)),
     Step("cp", lambda c: c.layout.cp > 1, _cp),
     Step("sp", lambda c: c.layout.sp > 1, lambda m, mesh, c: _sp(m, mesh)),
+    Step(
+        "expert_fsdp",
+        lambda c: c.layout.expert_fsdp,
+        lambda m, mesh, c: _expert_fsdp(m, c),
+    ),
     Step(
         "cast",
         lambda c: c.layout.fsdp == 1 and precision_of(c.mixed_precision).casts,

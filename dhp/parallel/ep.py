@@ -32,19 +32,36 @@ call signature, so the block's forward and the router stay transformers' unmodif
 
 The mesh ("MoE parallel folding", as in Megatron-Core)
 ------------------------------------------------------
-Attention and the dense parts keep the module's own axes (dp, fsdp, sp, tp). For the MoE layers the
-ranks of the module's dp x fsdp x sp axes (the ranks that see DIFFERENT tokens) are folded into one
+Attention and the dense parts keep the module's own axes (dp, fsdp, cp, sp, tp). For the MoE layers the
+ranks of the module's dp x fsdp x cp x sp axes (the ranks that see DIFFERENT tokens) are folded into one
 axis of size ``n`` and re-split as ``edp x ep`` with ``ep`` innermost (consecutive ranks, so an EP group
 prefers SP neighbours, then FSDP, then DP: the most local links). :func:`ep_mesh` builds this as a
-3-D DeviceMesh ``("etp", "edp", "ep")`` from the layout's fold (``ParallelLayout.expert_grid``, the one
-place the fold is computed): ``etp`` is the module's tp axis. Expert tensor parallelism
-(sharding I inside each expert over ``etp``) is not implemented yet: with tp > 1 every TP rank of a
-TP group holds the same tokens and runs the same experts (correct, redundant compute).
+3-D DeviceMesh ``("erep", "edp", "ep")`` from the layout's fold (``ParallelLayout.expert_grid``, the one
+place the fold is computed):
+
+- ``etp = 1`` (the default): ``erep`` is the module's tp axis; every TP rank of a unit holds the same
+  experts and runs them on the same tokens (correct, redundant compute);
+- ``etp = tp`` (expert TP over the expert axis, torchtitan's and Megatron's "EP borrows TP"): ``erep``
+  is 1 and an all-to-all group takes every TP rank of its ``ep`` units (``ep x tp`` ranks, each with
+  ``E / (ep x tp)`` experts). Inside the experts module each TP rank keeps 1/tp of the unit's
+  (identical) tokens (:class:`_TakeMyRows`: forward a row slice, backward an all-gather of the rows'
+  gradients, so the replicated input's gradient stays whole on every TP rank), routes only those,
+  and the outputs are all-gathered back over TP (:class:`_GatherRows`: backward takes the own rows of
+  the replicated output's gradient). No TP rank repeats another's expert work. Expert TP inside each
+  expert (column/row slices of ``I``) is not what this does: transformers fuses gate and up in one
+  ``[E, 2I, H]`` tensor whose per-rank slice (gate rows and up rows) is not one block, so a DCP
+  checkpoint could not keep the HF layout.
+
+Expert FSDP (``expert_fsdp``, :func:`dhp.parallel.fsdp.apply_expert_fsdp`): each experts module is its
+own FSDP2 unit on the ``edp`` axis of this mesh, so the expert DTensors become 2-D
+(``(edp, ep)``: Shard over both) and a rank holds ``1/(ep x etp x edp)`` of the experts' parameters,
+gradients and AdamW states; the unit all-gathers its local experts over ``edp`` before its forward (and
+again in backward) and reduce-scatters their gradients (SUM) after.
 
 Gradient reduction contract (the caller's finalize step):
 
-- expert parameters: SUM over ``edp`` (:func:`reduce_expert_grads_`), never over dp/sp: the ranks of
-  an EP group hold different experts, so a dp all-reduce that included them would add unrelated
+- expert parameters: SUM over ``edp`` (:func:`reduce_expert_grads_`; FSDP2's reduce-scatter under
+  expert FSDP), never over dp/sp: the ranks of an EP group hold different experts, so a dp all-reduce that included them would add unrelated
   shards together. :func:`expert_params` lists them so a DP/ZeRO-1/FSDP step can exclude them.
 - everything else (router included): as the module's plan already does (SUM over dp, sp, ...).
 - the load-balancing loss is a product of two batch means, so a per-rank HF aux loss summed or
@@ -54,9 +71,10 @@ Gradient reduction contract (the caller's finalize step):
 
 Memory per rank
 ---------------
-- expert parameters and their gradients: ``1/ep`` of the dense-replicated amount (``3*E*I*H/ep``
-  parameters per MoE layer), the same on every ``edp`` rank; their AdamW states ``1/ep`` too, or
-  ``1/(ep*edp)`` with ZeRO-1 (``dhp.parallel.dp.Zero1AdamW`` partitions them over ``edp``, per tensor);
+- expert parameters and their gradients: ``1/(ep*etp)`` of the dense-replicated amount
+  (``3*E*I*H/(ep*etp)`` parameters per MoE layer), the same on every ``edp`` rank, or ``1/(ep*etp*edp)``
+  under expert FSDP (plus one MoE layer's local experts gathered while it runs); their AdamW states
+  alike, or ``1/(ep*edp)`` with ZeRO-1 (``dhp.parallel.dp.Zero1AdamW`` partitions them over ``edp``, per tensor);
   router and dense parts unchanged.
 - dispatch and combine buffers, per MoE layer and per micro-batch: ``T*k`` rows of ``H`` each way
   (the rows a rank sends, and the rows it receives: ``T*k`` on average, up to ``ep*T*k`` under a fully
@@ -81,8 +99,8 @@ Composition (what is proven, what is not yet)
   step; the checkpoint of those states resumes at the same plan and at ep=1.
 - refused: LoRA on experts (``dhp.parallel.lora``: the 3-D parameters are not ``nn.Linear``), sequence
   parallelism inside TP with ep > 1 (the plan-validity rule).
-- not yet: expert TP (``etp``), expert PARAMETER sharding over ``edp`` (FSDP of the experts on the edp
-  sub-mesh): with fsdp > 1 every edp rank still holds its 1/ep of the experts' params, grads and states.
+- expert TP over the expert axis (``etp = tp``) and expert FSDP over ``edp``: tested against the
+  single-process model (``tests/parity/test_expert_axes.py``), with resumes across them.
 
 Expert compute: :func:`grouped_expert_mlp` is the one function both devices use. It calls
 ``torch._grouped_mm`` on CUDA (bf16, compute capability >= 8.0, ``H`` and ``I`` multiples of 8)
@@ -110,16 +128,18 @@ from dhp.layout import EXPERT_MESH_AXES, ParallelLayout
 
 
 def ep_mesh(module_mesh: DeviceMesh, layout: ParallelLayout) -> DeviceMesh:
-    """The MoE mesh ``("etp", "edp", "ep")`` folded from the module's token-parallel ranks, as
-    ``layout.expert_grid()`` lays them out ([tp][edp][ep]; dhp.layout). Collective over the module world
-    (creates the new axes' process groups); PlanError when ``layout.ep`` does not divide the fold or the
-    layout is not the module mesh's."""
+    """The MoE mesh ``("erep", "edp", "ep")`` folded from the module's token-parallel ranks, as
+    ``layout.expert_grid()`` lays them out ([tp / etp][edp][ep x etp]; dhp.layout). Collective over the
+    module world (creates the new axes' process groups); PlanError when ``layout.ep`` does not divide the
+    fold, etp is neither 1 nor tp, or the layout is not the module mesh's."""
     n, ep = layout.token_ranks, layout.ep
     if ep < 1 or n % ep:
         raise PlanError(
-            f"parallel.ep={ep} must divide the module's dp x fsdp x sp ranks ({n}); "
+            f"parallel.ep={ep} must divide the module's dp x fsdp x cp x sp ranks ({n}); "
             f"pick ep among {[d for d in range(1, n + 1) if n % d == 0]}."
         )
+    if layout.etp not in (1, layout.tp):
+        raise PlanError(f"parallel.etp={layout.etp} must be 1 or tp={layout.tp}.")
     if module_mesh.size() != layout.world_size:
         raise PlanError(
             f"ep_mesh: the module mesh has {module_mesh.size()} ranks, its layout {layout.world_size}."
@@ -134,7 +154,7 @@ def local_expert_range(num_experts: int, ep_group_mesh: DeviceMesh) -> tuple[int
     ep = ep_group_mesh.size()
     if num_experts % ep:
         raise PlanError(
-            f"parallel.ep={ep} must divide the number of experts ({num_experts}); "
+            f"parallel.ep x etp={ep} must divide the number of experts ({num_experts}); "
             f"pick ep among {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}."
         )
     per = num_experts // ep
@@ -229,20 +249,82 @@ def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     return received
 
 
+def tp_rows(total: int, size: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of the rows TP rank ``rank`` of ``size`` keeps of ``total`` (balanced: the first
+    ``total % size`` ranks take one more)."""
+    base, extra = divmod(total, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def _gather_rows(x: torch.Tensor, total: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ``total`` rows of every TP rank's :func:`tp_rows` slice ``x``, in rank order (one padded
+    ``all_gather_into_tensor``; gloo and NCCL need equal sizes)."""
+    size = dist.get_world_size(group)
+    per = -(-total // size)
+    padded = x.new_zeros((per, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((size * per, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    keep = [
+        out[r * per : r * per + (hi - lo)]
+        for r, (lo, hi) in enumerate(tp_rows(total, size, q) for q in range(size))
+    ]
+    return torch.cat(keep, dim=0)
+
+
+class _TakeMyRows(torch.autograd.Function):
+    """Forward: this TP rank's rows of a tensor every TP rank holds whole. Backward: the rows'
+    gradients all-gathered, so the (replicated) input's gradient is whole and equal on every TP rank."""
+
+    @staticmethod
+    def forward(ctx, x, group: dist.ProcessGroup):  # type: ignore[override]
+        ctx.group, ctx.total = group, x.shape[0]
+        lo, hi = tp_rows(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
+        return x[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _gather_rows(grad, ctx.total, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every TP rank's rows gathered into the whole tensor (replicated). Backward: this rank's
+    rows of the gradient (every TP rank holds the same whole gradient of a replicated activation)."""
+
+    @staticmethod
+    def forward(ctx, x, total: int, group: dist.ProcessGroup):  # type: ignore[override]
+        ctx.bounds = tp_rows(total, dist.get_world_size(group), dist.get_rank(group))
+        return _gather_rows(x, total, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        lo, hi = ctx.bounds
+        return grad[lo:hi].contiguous(), None, None
+
+
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a transformers experts module: this rank's ``E/ep`` experts, tokens exchanged by all-to-all.
 
     Parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are DTensors ``Shard(0)`` on the
     1-D ``ep`` mesh (local: [E/ep, 2I, H] and [E/ep, H, I]). ``forward(hidden [T, H], top_k_index [T, k],
     top_k_weights [T, k]) -> [T, H]`` is collective over the EP group: every EP rank must call it for
-    every MoE block in the same order (a rank with no tokens still calls it with T = 0).
+    every MoE block in the same order (a rank with no tokens still calls it with T = 0). With
+    ``tp_group`` (expert TP, ``etp = tp``) the inputs are the unit's, equal on its TP ranks: each keeps
+    its :func:`tp_rows` of them, and the output is gathered back whole over ``tp_group``.
     """
 
     def __init__(
-        self, experts: nn.Module, ep_group_mesh: DeviceMesh, *, fold_mesh: DeviceMesh | None = None
+        self,
+        experts: nn.Module,
+        ep_group_mesh: DeviceMesh,
+        *,
+        fold_mesh: DeviceMesh | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.fold_mesh = fold_mesh  # the 3-D (etp, edp, ep) mesh: finalize reduces over its edp
+        self.fold_mesh = fold_mesh  # the 3-D (erep, edp, ep) mesh: finalize reduces over its edp
+        self.tp_group = tp_group  # expert TP: the unit's TP ranks split its tokens
         _check_layout(experts)
         self.num_experts = experts.gate_up_proj.shape[0]
         self.mesh = ep_group_mesh
@@ -257,11 +339,28 @@ class ExpertParallelExperts(nn.Module):
             dt = DTensor.from_local(local, ep_group_mesh, [Shard(0)], run_check=False)
             setattr(self, name, nn.Parameter(dt, requires_grad=full.requires_grad))
         self.last_a2a_rows = 0  # rows this rank handed to dispatch + combine in its last forward
+        self.last_routed_tokens = 0  # tokens this rank routed in its last forward (1/tp of them under etp)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.tp_group is None:
+            return self._routed(hidden_states, top_k_index, top_k_weights)
+        total, group = hidden_states.shape[0], self.tp_group
+        lo, hi = tp_rows(total, dist.get_world_size(group), dist.get_rank(group))
+        mine = self._routed(
+            _TakeMyRows.apply(hidden_states, group),
+            top_k_index[lo:hi],
+            _TakeMyRows.apply(top_k_weights, group),
+        )
+        return _GatherRows.apply(mine, total, group)
+
+    def _routed(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch, local experts, combine, weighting: the tokens this rank routes."""
         t, k = top_k_index.shape
+        self.last_routed_tokens = t
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, hence by EP rank
         sent = hidden_states[order // k]
@@ -321,11 +420,17 @@ def _check_layout(experts: nn.Module) -> None:
 
 
 def apply_ep(
-    module: nn.Module, mesh: DeviceMesh, *, block_glob: str, experts_attr: str = "experts"
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    block_glob: str,
+    experts_attr: str = "experts",
+    tp_group: dist.ProcessGroup | None = None,
 ) -> list[str]:
     """Swap ``experts_attr`` of every block matching ``block_glob`` for :class:`ExpertParallelExperts`.
 
-    ``mesh`` is :func:`ep_mesh`'s 3-D mesh (its ``ep`` axis is used). ``block_glob`` is an FQN glob the
+    ``mesh`` is :func:`ep_mesh`'s 3-D mesh (its ``ep`` axis is used); ``tp_group``: the module's TP
+    group under expert TP (``etp = tp``), None otherwise. ``block_glob`` is an FQN glob the
     family declares (e.g. ``"language_model.layers.*.mlp"``); blocks without ``experts_attr`` (dense
     MLP layers) are skipped. Apply before TP/FSDP and before building the optimizer. Returns the FQNs
     swapped; raises PlanError when none matched.
@@ -334,7 +439,9 @@ def apply_ep(
     done = []
     for fqn, sub in list(module.named_modules()):
         if fnmatch.fnmatchcase(fqn, block_glob) and hasattr(sub, experts_attr):
-            swapped = ExpertParallelExperts(getattr(sub, experts_attr), ep_axis, fold_mesh=mesh)
+            swapped = ExpertParallelExperts(
+                getattr(sub, experts_attr), ep_axis, fold_mesh=mesh, tp_group=tp_group
+            )
             setattr(sub, experts_attr, swapped)
             done.append(f"{fqn}.{experts_attr}")
     if not done:

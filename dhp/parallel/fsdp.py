@@ -9,9 +9,12 @@ by the step's global label-token count (see INTERFACES "Loss and gradient scalin
 Expert-parallel parameters (:func:`dhp.parallel.ep.expert_params`, DTensors ``Shard(0)`` over the
 ``ep`` ranks) are left out (``ignored_params``): FSDP neither gathers nor reduces them. They stay
 sharded over ``ep`` (1/ep of the experts per rank) and REPLICATED over the ``edp`` ranks (the folded
-dp x fsdp x sp ranks outside one EP group); ``finalize_grads`` sums their grads over ``edp``. Sharding
-them further over ``edp`` (FSDP on the edp sub-mesh) is not implemented; ZeRO-1 (fsdp=1) partitions
-their optimizer states over ``edp`` (``dhp.parallel.dp.Zero1AdamW``).
+dp x fsdp x sp ranks outside one EP group); ``finalize_grads`` sums their grads over ``edp``; ZeRO-1
+partitions their optimizer states over ``edp`` (``dhp.parallel.dp.Zero1AdamW``). Under expert FSDP
+(``parallel.expert_fsdp``, :func:`apply_expert_fsdp`) each experts module is instead an FSDP2 unit of its
+own on the ``edp`` axis of the experts' mesh: parameters, gradients and states at 1/(ep x etp x edp),
+one MoE layer's local experts all-gathered over ``edp`` while it runs (forward, and again in backward)
+and their gradients reduce-scattered (SUM) over ``edp``; the dense units then leave them to it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from dhp.errors import PlanError
-from dhp.parallel.ep import expert_params
+from dhp.parallel.ep import ExpertParallelExperts, expert_params
 from dhp.parallel.meshutil import axes
 from dhp.parallel.precision import PRECISIONS
 
@@ -81,14 +85,47 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, spec: FsdpSpec) -> nn.Module
         raise PlanError(f"apply_fsdp needs an fsdp axis of degree > 1; mesh axes are {mesh.mesh_dim_names}.")
     policy = mixed_precision_policy(spec.mixed_precision)
     kw = {"mesh": shard_mesh} if policy is None else {"mesh": shard_mesh, "mp_policy": policy}
-    ignored = {p for _, p in expert_params(module)}
+    owned = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    ignored = {p for _, p in expert_params(module) if id(p) not in owned}  # expert FSDP owns the others
     if ignored:
         kw["ignored_params"] = ignored
     for _, block in fsdp_blocks(module, spec.block_globs):
         fully_shard(block, reshard_after_forward=spec.reshard_after_forward, **kw)
     fully_shard(module, reshard_after_forward=False, **kw)
+    _sum_reductions(module)
+    return module
+
+
+def _sum_reductions(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # SUM: losses are pre-normalised by the global token count
             m.set_force_sum_reduction_for_comms(True)  # plain SUM op (gloo has no PREMUL_SUM), same on NCCL
-    return module
+
+
+def apply_expert_fsdp(module: nn.Module, mixed_precision: str) -> list[nn.Module]:
+    """Make every expert-parallel experts module of ``module`` an FSDP2 unit on the ``edp`` axis of its
+    experts' mesh (apply after :func:`dhp.parallel.ep.apply_ep`, before the dense :func:`apply_fsdp`).
+
+    Placement: each expert DTensor (``Shard(0)`` over the ``ep`` group) is sharded again over ``edp``,
+    on the experts dim when a rank's ``E/(ep x etp)`` experts divide by edp (whole experts per rank),
+    else on dim 1; a rank then holds 1/(ep x etp x edp) of the experts' parameters, gradients and
+    (through the optimizer) states. Returns the units; PlanError when there is no EP module or edp = 1.
+    """
+    units = [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+    if not units or units[0].fold_mesh is None:
+        raise PlanError("expert_fsdp: the module has no expert-parallel experts (apply EP first).")
+    edp = units[0].fold_mesh["edp"]
+    if edp.size() == 1:
+        raise PlanError("expert_fsdp needs edp > 1 (the token ranks over ep); set expert_fsdp=false.")
+    policy = mixed_precision_policy(mixed_precision)
+    kw = {"mesh": edp} if policy is None else {"mesh": edp, "mp_policy": policy}
+
+    def placement(p: nn.Parameter) -> Shard:
+        local = p.to_local().shape[0]
+        return Shard(0) if local % edp.size() == 0 else Shard(1)
+
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=True, shard_placement_fn=placement, **kw)
+    _sum_reductions(module)
+    return units

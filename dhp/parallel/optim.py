@@ -88,6 +88,8 @@ def build_optimizer(
         experts = [p for _, p in expert_params(module)]
         fold = expert_fold_mesh(module)
         edp = fold["edp"].get_group() if fold is not None and fold["edp"].size() > 1 else None
+        if layout.expert_fsdp:  # the experts' states are already 1/edp per rank (their FSDP shards)
+            edp = None
         return Zero1AdamW(params, dp_group=group, unpartitioned=experts, expert_group=edp, **adamw)
     return torch.optim.AdamW(params, **adamw)
 
@@ -168,7 +170,8 @@ def finalize_grads(module: nn.Module, mesh: DeviceMesh, layout: ParallelLayout) 
 
     Expert-parallel parameters (``dhp.parallel.ep``) are excluded from the sp/dp sums (the ranks of an
     EP group hold different experts; FSDP ignores them) and SUMMED over ``edp`` instead: the all-to-all
-    backward already brought every token of the EP group to its expert's rank.
+    backward already brought every token of the EP group to its expert's rank. Under expert FSDP
+    their own FSDP2 units reduce-scattered them over ``edp`` in backward: nothing is left to do.
     """
     _reduce_partial_grads_(module)
     dense, experts = _split_experts(module)
@@ -180,7 +183,7 @@ def finalize_grads(module: nn.Module, mesh: DeviceMesh, layout: ParallelLayout) 
     if dp is not None and layout.fsdp == 1:
         allreduce_grads_(dense, dp.get_group())
     fold = expert_fold_mesh(module)
-    if experts and fold is not None:
+    if experts and fold is not None and not layout.expert_fsdp:  # expert FSDP reduce-scattered them
         reduce_expert_grads_(experts, fold)
 
 

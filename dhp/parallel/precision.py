@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from dhp.errors import ConfigError, ConfigIssue, PlanError
@@ -166,10 +167,11 @@ def _unit_slots(units: list[nn.Module]) -> list[list[Slot]]:
     for i, unit in enumerate(units):  # outer units first, so an inner one overrides
         for sub in unit.modules():
             inner[id(sub)] = i
+    fsdp_owned = {id(s) for m in units[0].modules() if isinstance(m, FSDPModule) for s in m.modules()}
     slots: list[list[Slot]] = [[] for _ in units]
     for i, unit in enumerate(units):
         for sub in unit.modules():
-            if inner[id(sub)] != i:
+            if inner[id(sub)] != i or id(sub) in fsdp_owned:  # an FSDP unit casts through its policy
                 continue
             for name, p in sub._parameters.items():
                 if p is not None and p.is_floating_point():
