@@ -109,7 +109,7 @@ def apply_expert_fsdp(module: nn.Module, mixed_precision: str) -> list[nn.Module
 
     Placement: each expert DTensor (``Shard(0)`` over the ``ep`` group) is sharded again over ``edp``,
     on the experts dim when a rank's ``E/(ep x etp)`` experts divide by edp (whole experts per rank),
-    else on dim 1; a rank then holds 1/(ep x etp x edp) of the experts' parameters, gradients and
+    else on dim 1 when that divides, else unevenly on the experts dim (FSDP2 pads it); a rank then holds 1/(ep x etp x edp) of the experts' parameters, gradients and
     (through the optimizer) states. Returns the units; PlanError when there is no EP module or edp = 1.
     """
     units = [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
@@ -122,8 +122,10 @@ def apply_expert_fsdp(module: nn.Module, mixed_precision: str) -> list[nn.Module
     kw = {"mesh": edp} if policy is None else {"mesh": edp, "mp_policy": policy}
 
     def placement(p: nn.Parameter) -> Shard:
-        local = p.to_local().shape[0]
-        return Shard(0) if local % edp.size() == 0 else Shard(1)
+        rows, cols = p.to_local().shape[:2]
+        if rows % edp.size() and cols % edp.size() == 0:
+            return Shard(1)
+        return Shard(0)  # whole experts per rank; uneven (FSDP2 pads dim 0) when neither dim divides
 
     for unit in units:
         fully_shard(unit, reshard_after_forward=True, shard_placement_fn=placement, **kw)

@@ -44,23 +44,29 @@ pytestmark = pytest.mark.parity
 
 RTOL = 1e-4
 RECIPES = {"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl", "qwen3_5": "tiny_qwen3_5"}
+#: an MoE family's LLM space (ep, etp, expert FSDP beside the rest); its vision encoder is Qwen3-VL's,
+#: enumerated above. Its router's load-balancing term is switched off here (a product of batch means,
+#: which the per-replica reference would not sum to; its parity is held in tests/parity/test_ep*.py),
+#: so both sides train on the cross-entropy alone, routed as the runtime routes
+MOE = {"qwen3_vl_moe": ("tiny_qwen3_vl_moe", ("llm",))}
 IMAGES = ([[(4, 8)], [(4, 4), (2, 4)]], [[(4, 4)], [(2, 4)]], [[(2, 8)], [(4, 4)]], [[(4, 4)], []])
 TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
 
 
 def _features(d: ParallelLayout) -> set[str]:
-    axes = {a for a in ("dp", "fsdp", "cp", "sp", "tp") if getattr(d, a) > 1}
-    return axes | ({"zero"} if d.zero else set()) | ({"sequence_parallel"} if d.sequence_parallel else set())
+    axes = {a for a in ("dp", "fsdp", "cp", "sp", "tp", "ep", "etp") if getattr(d, a) > 1}
+    flags = {f for f in ("zero", "sequence_parallel", "expert_fsdp") if getattr(d, f)}
+    return axes | flags
 
 
-def _space(recipe: str) -> dict[int, list[tuple[str, ParallelLayout, str]]]:
+def _space(recipe: str, modules: tuple[str, ...] = ()) -> dict[int, list[tuple[str, ParallelLayout, str]]]:
     """{world: [(module, degrees, ac)]}: every degree combination the search can emit on this recipe's
     cluster, each with one of the AC modes it searches, chosen so that every AC mode meets every
     feature (each axis > 1, ZeRO-1, SP inside TP) of the module at least once."""
     search = Search(load_config(recipe, []), set())
     worlds = sorted({w for _, v, lw in search.placements() for w in (v, lw)})
     out: dict[int, list[tuple[str, ParallelLayout, str]]] = {w: [] for w in worlds}
-    for name in search.cfg.modules:
+    for name in modules or tuple(search.cfg.modules):
         acs, seen, i = search._acs(name), set(), 0
         for w in worlds:
             for d in search._degrees(name, w):
@@ -199,6 +205,8 @@ def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> 
 def _run_world(rank: int, world: int, family_name: str, combos: list) -> None:
     family = get_family(family_name)
     hf = family.hf_config(family.tiny_model_config())
+    if family_name in MOE:
+        hf.text_config.router_aux_loss_coef = 0.0
     refs: dict = {}
     for name, d, ac in combos:
         _one_step(family, hf, name, d, ac, refs)
@@ -215,6 +223,18 @@ def test_every_emitted_module_plan_trains_one_exact_step(family: str) -> None:
     space = _space(RECIPES[family])
     assert sum(len(c) for c in space.values()) >= 35, space  # the space is not trivially small
     assert any(d.cp > 1 for c in space.values() for name, d, _ in c if name == "llm")  # CP is searched
+    for world, combos in sorted(space.items()):
+        spawn(_run_world, world, family, combos)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_every_emitted_moe_llm_plan_trains_one_exact_step(family: str) -> None:
+    recipe, modules = MOE[family]
+    space = _space(recipe, modules)
+    layouts = [d for c in space.values() for _, d, _ in c]
+    for feature in ("ep", "etp", "expert_fsdp"):  # the expert axes are searched
+        assert any(feature in _features(d) for d in layouts), (feature, layouts)
     for world, combos in sorted(space.items()):
         spawn(_run_world, world, family, combos)
 
