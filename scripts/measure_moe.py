@@ -10,6 +10,11 @@ edp reduction (ep = 2: each expert shard is held by 2 ranks) that the 2-rank par
 - ``expert_state_bytes[ep]``: the largest rank's live bytes of expert parameters plus their AdamW
   states (exp_avg, exp_avg_sq, step), counted from the real tensors (local DTensor shards).
   Check: ep=N <= 1.10 x (ep=1) / N.
+- the expert axes beyond ep, through dhp's own appliers on the same model and ranks: ``ep2_edp2``
+  (dp=4 x ep=2 with expert FSDP: the experts FSDP2-sharded over their 2 edp ranks,
+  ``dhp.parallel.fsdp.apply_expert_fsdp``) and ``etp2_ep2`` (dp=2 x tp=2 x ep=2 x etp=2: the 2 TP ranks
+  of a unit route half its tokens each, the experts cut over all 4 ranks). Counted after the AdamW
+  step like the others. Check: each <= 1.10 x (ep=1) / 4.
 - ``a2a_bytes``: at ep = 4, what every rank handed to ``all_to_all`` over the step (forward and
   backward), summed over ranks, counted by ``dhp.parallel.CommCounter`` on the dispatcher (so the
   per-expert count exchange is included), against the minimum: for each MoE layer, dispatch and
@@ -149,6 +154,45 @@ def _step(rank: int, ep: int) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     }, grads
 
 
+#: the expert axes measured beyond ep: name -> (layout keywords, parts the experts are cut into)
+AXES = {
+    "ep2_edp2": ({"dp": 4, "ep": 2, "expert_fsdp": True}, 4),
+    "etp2_ep2": ({"dp": 2, "tp": 2, "ep": 2, "etp": 2}, 4),
+}
+
+
+def _axes_step(rank: int, name: str) -> dict[str, int]:
+    """One step at an expert-axes layout of :data:`AXES`: this rank's expert param and AdamW bytes."""
+    from dhp.layout import ParallelLayout
+    from dhp.parallel import build_mesh
+    from dhp.parallel.ep import apply_ep, ep_mesh
+    from dhp.parallel.fsdp import apply_expert_fsdp
+    from dhp.parallel.meshutil import axis
+
+    s = SIZES
+    layout = ParallelLayout(**AXES[name][0])
+    module_mesh = build_mesh(layout, "cpu")
+    model = _model()
+    tp = axis(module_mesh, "tp") if layout.etp > 1 else None
+    apply_ep(model, ep_mesh(module_mesh, layout), block_glob="language_model.layers.*.mlp",
+             tp_group=None if tp is None else tp.get_group())  # fmt: skip
+    if layout.expert_fsdp:
+        apply_expert_fsdp(model, "fp32")
+    g = torch.Generator().manual_seed(100 + layout.unit_of(rank))  # a unit's TP ranks: the same tokens
+    ids = torch.randint(0, s["vocab"], (s["seqs"], s["seq"]), generator=g)
+    out = model["language_model"](input_ids=ids)
+    logits = model["lm_head"](out.last_hidden_state).float()
+    F.cross_entropy(logits[:, :-1].reshape(-1, s["vocab"]), ids[:, 1:].reshape(-1)).backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    experts = [p for n, p in model.named_parameters() if _is_expert(n)]
+    states = [v for p in experts for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return {
+        "expert_param_bytes": sum(_local_bytes(p) for p in experts),
+        "expert_optimizer_bytes": sum(_local_bytes(v) for v in states),
+    }
+
+
 def _rank(rank: int, port: int, out_path: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -162,6 +206,10 @@ def _rank(rank: int, port: int, out_path: str) -> None:
             gathered: list[dict[str, int]] = [{}] * WORLD
             dist.all_gather_object(gathered, mine)
             results[ep] = gathered
+        for name in AXES:
+            gathered = [{}] * WORLD
+            dist.all_gather_object(gathered, _axes_step(rank, name))
+            results[name] = gathered
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
         dist.barrier()
@@ -176,15 +224,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = os.path.join(tmp, "raw.json")
         mp.start_processes(_rank, args=(_free_port(), raw_path), nprocs=WORLD, join=True, start_method="fork")
-        raw = {int(k): v for k, v in json.loads(Path(raw_path).read_text()).items()}
+        raw = {int(k) if k.isdigit() else k: v for k, v in json.loads(Path(raw_path).read_text()).items()}
 
     grad_err = max(r["grad_rel_error_vs_ep1"] for ep in EPS for r in raw[ep])
-    state = {ep: max(r["expert_param_bytes"] + r["expert_optimizer_bytes"] for r in raw[ep]) for ep in EPS}
+    state = {
+        k: max(r["expert_param_bytes"] + r["expert_optimizer_bytes"] for r in raw[k]) for k in (*EPS, *AXES)
+    }
     top = max(EPS)
     measured = sum(r["a2a_payload_bytes"] for r in raw[top])
     minimum = sum(r["a2a_minimum_bytes"] for r in raw[top])
     report = {
-        "expert_state_bytes": {str(ep): state[ep] for ep in EPS},
+        "expert_state_bytes": {"ep1": state[1]} | {str(k): state[k] for k in (*EPS, *AXES)},
         "a2a_bytes": {"measured": measured, "minimum": minimum},
         "detail": {
             "world": WORLD,
@@ -192,7 +242,7 @@ def main() -> int:
             "grad_rel_error_vs_ep1": grad_err,
             "a2a_wire_bytes": sum(r["a2a_wire_bytes"] for r in raw[top]),
             "sizes": SIZES,
-            "per_rank": {str(ep): raw[ep] for ep in EPS},
+            "per_rank": {str(k): raw[k] for k in (*EPS, *AXES)},
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -205,6 +255,12 @@ def main() -> int:
         good = state[ep] <= bound
         ok &= good
         print(f"  ep={ep}: {state[ep]:>10,d} B   bound {bound:>12,.0f} B   {'ok' if good else 'OVER'}")
+    for name, (_, parts) in AXES.items():
+        bound = MEM_BOUND * state[1] / parts
+        good = state[name] <= bound
+        ok &= good
+        print(f"  {name}: {state[name]:>10,d} B   bound {bound:>12,.0f} B   {'ok' if good else 'OVER'}"
+              f"   ({state[name] / state[1]:.4f} of ep=1)")  # fmt: skip
     off = abs(measured - minimum) / minimum
     ok &= off <= A2A_BOUND
     print(
