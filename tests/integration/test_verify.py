@@ -114,6 +114,20 @@ def test_qwen3_vl_moe_verify_disaggregated_ep2(ray_local) -> None:
     _passed("tiny_qwen3_vl_moe", 1, "placement=disaggregated")
 
 
+def test_moe_expert_tp_and_expert_fsdp_through_the_runtime(ray_local) -> None:
+    # the experts' two axes beyond EP, from the tiny HF checkpoint through the workers: Qwen3.5-MoE
+    # (shared expert, Gated DeltaNet TP) at tp=2 x etp=2 (each TP rank routes half the tokens to
+    # its 4 of the 8 experts), disaggregated; Qwen3-VL-MoE at dp=2 with expert FSDP (each rank
+    # keeps half of every expert tensor, gathered per layer), collocated
+    _passed(
+        "tiny_qwen3_5_moe",
+        2,
+        "placement=disaggregated",
+        "modules.llm.parallel={dp: 1, fsdp: 1, sp: 1, tp: 2, ep: 1, etp: 2, zero: 0, sequence_parallel: false}",
+    )
+    _passed("tiny_qwen3_vl_moe", 2, "modules.llm.parallel.ep=1", "modules.llm.parallel.expert_fsdp=true")
+
+
 # ---- collocated on 2 bundles (vision rank i and LLM rank i share bundle i) --------------------
 def test_llm_dp2_sums_over_replicas(ray_local) -> None:
     # the reference sees the union of both replicas' micro-batches, normalised by the global T
