@@ -90,6 +90,32 @@ def test_ep_rule_folds_over_token_ranks_and_needs_moe_blocks() -> None:
     assert len(_problems(sp=2, tp=2, mp="fp8", ac="x")) >= 4
 
 
+def test_expert_tp_and_expert_fsdp_rules() -> None:
+    moe = ModuleAxes(tp=True, sp=True, tp_sequence_parallel=True, experts=8)
+
+    def problems(axes: ModuleAxes = moe, **deg) -> list[str]:
+        par = ParallelLayout(**deg)
+        items = module_problems("llm", gpus=par.world_size, layout=par, axes=axes, gpus_per_node=8,
+                                activation_checkpointing="off", mixed_precision="fp32")  # fmt: skip
+        return [f"{i.path}: {i.rule}; fix: {i.fix}" for i in items]
+
+    assert problems(dp=2, tp=2, ep=2, etp=2) == []  # 8 experts over ep x etp = 4 ranks
+    assert problems(tp=2, etp=2) == []  # the TP group alone cuts the experts
+    assert problems(dp=2, expert_fsdp=True) == [] and problems(fsdp=4, ep=2, expert_fsdp=True) == []
+    (p,) = problems(dp=2, tp=4, etp=2)
+    assert p.startswith("modules.llm.parallel.etp:") and "must be 1 or tp=4" in p and "etp=4" in p
+    (p,) = problems(tp=2, etp=2, sequence_parallel=True)
+    assert "sequence_parallel" in p and "etp > 1" in p
+    (p,) = problems(dp=2, ep=2, expert_fsdp=True)
+    assert p.startswith("modules.llm.parallel.expert_fsdp:") and "/ ep = 1)" in p and "edp > 1" in p
+    (p,) = problems(
+        tp=8, ep=1, etp=8, axes=ModuleAxes(tp=True, sp=True, tp_sequence_parallel=True, experts=4)
+    )
+    assert "number of experts=4 is not divisible by ep x etp = 1 x 8" in p
+    dense = problems(axes=AXES, tp=2, etp=2) + problems(axes=AXES, dp=2, expert_fsdp=True)
+    assert len(dense) == 2 and all("no mixture-of-experts blocks" in p for p in dense)
+
+
 def test_placement_rule() -> None:
     ok = placement_problems({"vision": 4, "llm": 4}, {"vision": 2, "llm": 4}, placement="collocated",
                             handoff="auto", device="cpu", total_gpus=4)  # fmt: skip

@@ -113,6 +113,21 @@ def test_the_expert_fold(degrees, grid):
     assert lay.ep_span == lay.ep * lay.tp
 
 
+def test_the_expert_fold_with_expert_tp_and_expert_fsdp():
+    # etp = tp: one all-to-all group takes every TP rank of its ep units (ep x tp consecutive ranks)
+    lay = ParallelLayout(dp=2, sp=2, tp=2, ep=2, etp=2)
+    assert lay.expert_grid() == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert lay.expert_group == 4 and lay.expert_copies_over_tp == 1 and lay.expert_param_shards == 4
+    assert ParallelLayout(dp=2, tp=2, ep=2).expert_copies_over_tp == 2  # etp = 1: every TP rank the same
+    # expert FSDP: the experts also cut over their edp ranks, their states with them
+    fsdp = ParallelLayout(fsdp=4, ep=2, expert_fsdp=True)
+    assert fsdp.edp == 2 and fsdp.expert_param_shards == 4 and fsdp.expert_optimizer_shards == 2
+    assert fsdp.replace(expert_fsdp=False).expert_param_shards == 2
+    both = ParallelLayout(fsdp=2, tp=2, etp=2, expert_fsdp=True)
+    assert both.expert_grid() == [[[0, 1], [2, 3]]] and both.expert_param_shards == 4
+    assert ParallelLayout.from_config({"tp": 2, "etp": 2, "expert_fsdp": 1}).expert_fsdp is True
+
+
 def test_zero1_and_sequence_shards():
     lay = ParallelLayout(dp=2, sp=2, ep=2, zero=1)
     assert lay.zero1_ranks == 4 and lay.optimizer_shards == 4 and lay.expert_optimizer_shards == 2
