@@ -245,7 +245,9 @@ def _ep_problems(prefix: str, lay: ParallelLayout, out: Issues) -> None:
         f"{prefix}.parallel.etp",
         etp,
         f"expert TP cuts the experts' work over all of a unit's TP ranks or none: it must be 1 or tp={lay.tp}",
-        f"set etp=1 (every TP rank runs the same experts) or etp={lay.tp}",
+        f"set etp=1 (every TP rank runs the same experts) or etp={lay.tp}"
+        if lay.tp > 1
+        else "set etp=1 (expert TP needs tp > 1), or raise tp and set etp to it",
     )
     out.check(
         not (etp > 1 and lay.sequence_parallel),
