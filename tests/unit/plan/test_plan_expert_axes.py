@@ -221,6 +221,11 @@ def test_auto_offers_expert_fsdp_and_expert_tp_for_an_moe_module_and_only_valid_
     vdegs = module_degrees("vision", 8, axes=vision, gpus_per_node=8, mixed_precision="fp32")
     assert not any(d.expert_fsdp or d.etp > 1 for d in vdegs)  # no MoE blocks, no expert axes
     # the search itself ranks such candidates among the plans that fit
-    fixed = {"placement", "train.micro_batch_size", "modules.vision.gpus", "modules.vision.activation_checkpointing"}
+    fixed = {
+        "placement",
+        "train.micro_batch_size",
+        "modules.vision.gpus",
+        "modules.vision.activation_checkpointing",
+    }
     found = Search(cfg, fixed).run()
     assert any(c.llm.degrees.expert_fsdp for c in found) and any("efsdp" in c.label() for c in found)
