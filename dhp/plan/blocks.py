@@ -48,6 +48,10 @@ ungated one, ``Mlp.saved_widths``)::
                   + 2 shared / tp + h + 1   the shared expert's matmul outputs and its gate's
     moe, full       nothing but the block input (the whole block is recomputed)
 
+    Under expert TP (``etp = tp``) each TP rank routes 1/etp of the unit's tokens: every term above
+    but the shared expert's (k r (...), k h, k, the fixed-width routing bytes; selective's k r (2 I + h)
+    and E) is divided by etp.
+
     Selective AC recomputes everything else in backward, the dispatch and combine all-to-alls
     included (their outputs are not matmul outputs): ``dhp/plan/timing.py`` charges them again.
 
@@ -109,23 +113,28 @@ def mixer_saved_elems(
 INDEX_BYTES, FP32_BYTES = 8, 4
 
 
-def moe_saved_elems(mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float, act: int) -> float:
-    """Saved elements (of ``act`` bytes) per token of one MoE block on one rank (the table above)."""
+def moe_saved_elems(
+    mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float, act: int, etp: int = 1
+) -> float:
+    """Saved elements (of ``act`` bytes) per token of one MoE block on one rank (the table above);
+    ``etp``: the TP ranks that cut the unit's tokens before the dispatch (1/etp of the routed part)."""
     k, i, h, r, e = mlp.top_k, mlp.intermediate, hidden, received, mlp.experts
     shared = (mlp.saved_widths(selective=selective) * mlp.shared / tp + h + 1) if mlp.shared else 0.0
     if selective:
-        return k * r * (2 * i + h) + e + shared
+        return k * r * (2 * i + h) / etp + e / etp + shared
     fixed = INDEX_BYTES * k * (2 + 2 * r) + FP32_BYTES * (e + k + 1) + INDEX_BYTES * k
-    return k * r * (h + 4 * i) + k * h + k + shared + fixed / act
+    return k * r * (h + 4 * i) / etp + k * h / etp + k / etp + shared + fixed / act / etp
 
 
 def mlp_saved_elems(
-    mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float = 1.0, act: int = 2
+    mlp: Mlp, *, hidden: int, tp: int, selective: bool, received: float = 1.0, act: int = 2, etp: int = 1
 ) -> float:
     """Saved elements (of ``act`` bytes) per token of one block's MLP on one rank (table above);
-    ``received``: r."""
+    ``received``: r; ``etp``: expert TP (an MoE MLP's routed part / etp)."""
     if mlp.kind == "moe":
-        return moe_saved_elems(mlp, hidden=hidden, tp=tp, selective=selective, received=received, act=act)
+        return moe_saved_elems(
+            mlp, hidden=hidden, tp=tp, selective=selective, received=received, act=act, etp=etp
+        )
     return mlp.saved_widths(selective=selective) * mlp.intermediate / tp
 
 
@@ -148,9 +157,11 @@ def block_saved_elems(
     received: float = 1.0,
     fallback: bool = False,
     act: int = 2,
+    etp: int = 1,
 ) -> float:
     """Saved elements per token of one block: the residual region's norms (4h/s, selective 2h/s),
-    its mixer and its MLP (``fallback``/``act``: :func:`mixer_saved_elems`)."""
+    its mixer and its MLP (``fallback``/``act``: :func:`mixer_saved_elems`; ``etp``: expert TP,
+    :func:`moe_saved_elems`)."""
     base = (2 if selective else 4) * hidden / s
     mixer = mixer_saved_elems(
         block.attention, hidden=hidden, tp=tp, selective=selective, fallback=fallback, act=act
@@ -158,22 +169,25 @@ def block_saved_elems(
     return (
         base
         + mixer
-        + mlp_saved_elems(block.mlp, hidden=hidden, tp=tp, selective=selective, received=received, act=act)
+        + mlp_saved_elems(
+            block.mlp, hidden=hidden, tp=tp, selective=selective, received=received, act=act, etp=etp
+        )
     )
 
 
-def dispatch_elems(mlp: Mlp, *, hidden: int, received: float) -> float:
+def dispatch_elems(mlp: Mlp, *, hidden: int, received: float, etp: int = 1) -> float:
     """Elements per token of one MoE block's dispatch and combine buffers while it runs: the sorted
     copy of the rank's assignments and the combined rows coming back (k h each), the rows received
-    and the expert outputs sent back (k h r each): k h (2 + 2 r)."""
-    return mlp.top_k * hidden * (2 + 2 * received) if mlp.kind == "moe" else 0.0
+    and the expert outputs sent back (k h r each): k h (2 + 2 r); under expert TP each TP rank
+    routes 1/etp of the unit's tokens: / etp."""
+    return mlp.top_k * hidden * (2 + 2 * received) / etp if mlp.kind == "moe" else 0.0
 
 
-def dispatch_saved_elems(mlp: Mlp, *, hidden: int, received: float) -> float:
+def dispatch_saved_elems(mlp: Mlp, *, hidden: int, received: float, etp: int = 1) -> float:
     """Of :func:`dispatch_elems`, what AC off keeps for backward (part of :func:`moe_saved_elems`):
-    the received rows regrouped by expert and the combined rows, k h (1 + r). Selective and full AC
-    keep none: the exchanges run again in backward."""
-    return mlp.top_k * hidden * (1 + received) if mlp.kind == "moe" else 0.0
+    the received rows regrouped by expert and the combined rows, k h (1 + r) / etp. Selective and
+    full AC keep none: the exchanges run again in backward."""
+    return mlp.top_k * hidden * (1 + received) / etp if mlp.kind == "moe" else 0.0
 
 
 def delta_rule_states_bytes(att: Attention, *, seqs: float, seq_len: int, tp: int, act: int) -> int:

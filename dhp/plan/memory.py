@@ -26,16 +26,30 @@ Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_s
 ``replicated`` and the routed experts ``expert``, :class:`~dhp.models.arch.ParamCount`):
 
     P_rank = (P_tp_sharded / tp + P_replicated) / fsdp
-    X_rank = P_expert / ep                    (whole on every TP rank: no expert TP)
+    X_rank = P_expert / expert_param_shards    (ep x etp, times edp under expert FSDP)
     params = (P_rank + X_rank) * b_param;  grads = (P_rank + X_rank) * b_grad (0 when frozen)
     optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt;
-                + X_rank * b_opt / edp with zero=1, else X_rank * b_opt
+                + P_expert * b_opt / (ep x etp x edp) with zero=1 or expert FSDP,
+                  else P_expert * b_opt / (ep x etp)     (``expert_owned_params``)
 
-Expert parallelism (``dhp/parallel/ep.py``): EP rank r holds experts [r E/ep, (r+1) E/ep) of every MoE
-block. The expert parameters (and their grads) are REPLICATED over the edp = dp*fsdp*sp/ep ranks that
-hold the same experts (FSDP shards only the other parameters, whose finalize step skips the experts),
-so fsdp does not divide X_rank. ZeRO-1 partitions the experts' AdamW states over those edp ranks
-(``Zero1AdamW``'s expert partition): 1/(ep * edp) of the experts' states per rank.
+Expert parallelism (``dhp/parallel/ep.py``): rank r of an all-to-all group of ep x etp ranks
+(``ParallelLayout.expert_group``) holds experts [r E/(ep etp), (r+1) E/(ep etp)) of every MoE
+block. Without expert FSDP the expert parameters (and their grads) are REPLICATED over the
+edp = dp*fsdp*cp*sp/ep ranks that hold the same experts (FSDP shards only the other parameters,
+whose finalize step skips the experts), so fsdp does not divide X_rank; ZeRO-1 partitions the
+experts' AdamW states over those edp ranks (``Zero1AdamW``'s expert partition). With expert FSDP
+(``expert_fsdp``) FSDP2 shards the experts' parameters, grads and states over their edp ranks
+too: 1/(ep x etp x edp) of each per rank; each MoE layer's local experts (1/(ep x etp) of its
+experts, unsharded) are all-gathered in the compute dtype while the layer runs forward and again
+in its backward (``expert_fsdp_gather``: two layers in flight with prefetch, as the dense blocks),
+and backward holds one layer's unsharded expert gradient before its reduce-scatter over edp.
+
+Expert TP (``etp = tp``): each TP rank of a unit routes 1/tp of the unit's tokens, so every
+per-token expert term of the blocks (the received rows, the experts' activations, the routing
+permutations; ``dhp/plan/blocks.py``) is 1/etp of what it is at etp=1, and the MoE output is
+all-gathered over TP (``etp_output_gather``: T x h in the compute dtype, in forward; its gradient
+in backward). The load-balancing loss's router probabilities are counted for all of the unit's
+tokens whatever etp (an upper bound).
 
 Saved activations of one micro-batch (per token and layer, pre-norm SwiGLU block; h hidden, m MLP,
 kv the K/V width; calibrated against autograd's saved tensors in
@@ -239,37 +253,61 @@ def non_expert_params(shape: ModuleShape) -> tuple[ParamCount, ParamCount]:
 
 def rank_params(shape: ModuleShape) -> tuple[float, float]:
     """(the non-expert parameters, the routed experts' parameters) one rank holds: the first TP- and
-    FSDP-sharded, the second 1/ep of the experts (whole on every TP rank, replicated over edp; module
-    docstring)."""
+    FSDP-sharded, the second ``1/expert_param_shards`` of the experts (1/(ep x etp), replicated over
+    edp; also 1/edp of that under expert FSDP; module docstring)."""
     lay = shape.layout
     return shape.params.per_tp_rank(lay.tp) / lay.fsdp - shape.params.expert / lay.fsdp, (
-        shape.params.expert / lay.ep
+        shape.params.expert / lay.expert_param_shards
     )
+
+
+def expert_state_split(layout: ParallelLayout) -> int:
+    """Parts a rank's routed-expert parameters are cut into once more for their AdamW states: edp
+    under ZeRO-1 without expert FSDP (``expert_optimizer_shards``); 1 under expert FSDP, whose
+    parameter shard is already 1/edp, and without ZeRO-1."""
+    return 1 if layout.expert_fsdp else layout.expert_optimizer_shards
+
+
+def expert_owned_params(shape: ModuleShape) -> float:
+    """Routed-expert parameters whose AdamW states live on one rank: P_expert / (ep x etp x
+    expert_optimizer_shards), i.e. 1/(ep x etp), cut over edp under ZeRO-1 or expert FSDP."""
+    return rank_params(shape)[1] / expert_state_split(shape.layout)
+
+
+def expert_layer_gather_elems(shape: ModuleShape) -> float:
+    """Elements of one MoE layer's local experts as expert FSDP all-gathers them over edp (the
+    largest block's routed experts / (ep x etp), unsharded); 0 without expert FSDP."""
+    lay = shape.layout
+    if not lay.expert_fsdp or not shape.params.expert:
+        return 0.0
+    return shape.layer_params.expert / lay.expert_group
 
 
 def largest_local_param(shape: ModuleShape) -> float:
     """Elements of the largest parameter tensor on one rank: the family's largest / (tp * fsdp); when
     that is a routed-experts tensor (at least a third of one block's experts: a 3-D gate/up/down),
-    1/ep of it, or the vocabulary table / (tp * fsdp) if that is larger."""
+    1/expert_param_shards of it, or the vocabulary table / (tp * fsdp) if that is larger."""
     lay, big = shape.layout, shape.largest_param
     whole = big / (lay.tp * lay.fsdp)
     if not shape.params.expert or 3 * big < shape.layer_params.expert:
         return whole
     vocab = shape.arch.vocab * shape.arch.hidden if shape.arch is not None else 0
-    return max(big / lay.ep, vocab / (lay.tp * lay.fsdp))
+    return max(big / lay.expert_param_shards, vocab / (lay.tp * lay.fsdp))
 
 
 def compute_copy_elems(shape: ModuleShape) -> tuple[float, float, float]:
     """(one block's, all blocks', the root's) parameter elements one rank casts to the compute dtype
     itself (module docstring: all at fsdp=1, only the routed experts under FSDP, which gathers the
-    rest); zeros without master weights. The block is the largest (``block_params``); the root is
+    rest; under expert FSDP the experts' gather is their cast, so none of theirs); zeros without
+    master weights. The block is the largest (``block_params``); the root is
     what the blocks leave of the module's parameters."""
     if not shape.precision.cast:
         return 0.0, 0.0, 0.0
     lay, layers = shape.layout, shape.layer.layers
     dense, dense_block = non_expert_params(shape)
-    block = shape.layer_params.expert / lay.ep
-    total = shape.params.expert / lay.ep
+    own = 0 if lay.expert_fsdp else 1  # expert FSDP gathers the experts in the compute dtype
+    block = own * shape.layer_params.expert / lay.expert_group
+    total = own * shape.params.expert / lay.expert_group
     if lay.fsdp == 1:
         block += dense_block.per_tp_rank(lay.tp)
         total += dense.per_tp_rank(lay.tp)
@@ -308,7 +346,7 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
         int(grads),
         int(
             dense * t * pr.optimizer / lay.optimizer_shards
-            + experts * t * pr.optimizer / lay.expert_optimizer_shards
+            + experts * t * pr.optimizer / expert_state_split(lay)
         ),
     )
 
@@ -369,6 +407,7 @@ def _blocks_elems(shape: ModuleShape, *, selective: bool) -> list[float]:
             selective=selective,
             received=shape.moe_received,
             fallback=shape.delta_rule_fallback,
+            etp=shape.layout.etp,
             act=shape.precision.act,
         )
         + (gathered if b.attention.kind == "linear" else 0.0)

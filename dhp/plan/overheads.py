@@ -32,6 +32,11 @@ coefficient in seconds per call (``dhp/plan/estimate.py``), which ``dhp calibrat
                                                          forward's all-to-alls of
                                                          every block under
                                                          selective AC
+                        expert TP 1 output all-gather    expert TP 1 reduce-scatter
+                        per MoE block; expert FSDP 1     per MoE block (+ the
+                        experts' all-gather per MoE      recomputed); expert FSDP
+                        block                            all-gather + reduce-scatter
+                                                         per MoE block
     step (once)         tensors = the rank's parameter tensors (norm, clip, AdamW, zero_grad: a loop
                         over them; x2 for DTensor parameters; ZeRO-1: AdamW's share on the owned ones
                         only), and collectives: 1 grad-norm all-reduce,
@@ -114,10 +119,18 @@ def collectives(shape: ModuleShape, tokens: float) -> tuple[float, float]:
     if par.fsdp > 1:
         fwd += lay.layers + 1
         bwd += 2 * (lay.layers + 1)
-    if par.ep > 1:  # per MoE block: the per-expert counts, dispatch, combine; backward the reverse two
-        moe = shape.arch.moe_blocks  # + the forward's three again where the exchanges are recomputed
+    if par.expert_group > 1:  # per MoE block: the per-expert counts, dispatch, combine; backward the
+        moe = shape.arch.moe_blocks  # reverse two + the forward's three again where they are recomputed
         fwd += 3 * moe
         bwd += 2 * moe + 3 * moe * again / lay.layers
+    if par.etp > 1:  # per MoE block: the output's all-gather over TP; backward its reduce-scatter
+        moe = shape.arch.moe_blocks  # + the checkpointed blocks' gather again
+        fwd += moe
+        bwd += moe + moe * ck / lay.layers
+    if par.expert_fsdp and par.edp > 1:  # per MoE block: the experts' all-gather each way, the
+        moe = shape.arch.moe_blocks  # grads' reduce-scatter in backward
+        fwd += moe
+        bwd += 2 * moe
     return fwd, (bwd if shape.backward else 0.0)
 
 

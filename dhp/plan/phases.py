@@ -24,7 +24,8 @@ In each phase a module's rank holds:
   block's activations as it writes that block's gradients (the peak of the two together is at one
   end); accumulation keeps the previous micro-batch's grads;
 - the transient of the phase it runs (``dhp/plan/memory.py``): one block's working set, all-to-all
-  buffers, FSDP's gathered blocks, the loss chunk, the hand-off payload, the flat all-reduce buffer,
+  buffers, FSDP's gathered blocks, expert FSDP's gathered experts of one MoE layer and expert TP's
+  all-gathered MoE output, the loss chunk, the hand-off payload, the flat all-reduce buffer,
   the grad-norm squares, AdamW's temporaries.
 
 Collocated modules are two processes on one GPU: their live sets add up phase by phase on one
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 from dhp.errors import PlanError
 from dhp.plan.memory import (
+    FSDP_LAYERS_IN_FLIGHT,
     ModuleShape,
     activations_of,
     block_work_bytes,
@@ -46,6 +48,8 @@ from dhp.plan.memory import (
     cp_work_bytes,
     delta_rule_work_bytes,
     eager_block_bytes,
+    expert_layer_gather_elems,
+    expert_state_split,
     largest_local_param,
     model_states,
     non_expert_params,
@@ -196,7 +200,15 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
     fwd["cp_gather"], bwd["cp_gather"] = cp_work_bytes(shape)  # CP's all-gathered K/V or sequence
     if s > 1:
         fwd["sp_gather"] = bwd["sp_gather"] = int(tokens * h * a)
-    if par.fsdp > 1:  # FSDP gathers the non-expert parameters (the experts are EP's, whole)
+    if par.etp > 1 and shape.arch.moe_blocks:  # expert TP: the MoE output all-gathered over TP
+        fwd["etp_output_gather"] = bwd["etp_output_gather"] = int(tokens * h * a)
+    gathered_experts = expert_layer_gather_elems(shape)  # expert FSDP: one MoE layer's local experts
+    if gathered_experts:
+        fwd["expert_fsdp_gather"] = int(FSDP_LAYERS_IN_FLIGHT * gathered_experts * a)
+        if shape.backward:
+            bwd["expert_fsdp_gather"] = fwd["expert_fsdp_gather"]
+            bwd["expert_fsdp_reduce_scatter"] = int(gathered_experts * pr.reduce) if grads else 0
+    if par.fsdp > 1:  # FSDP gathers the non-expert parameters (the experts: EP's, or expert FSDP's)
         dense, dense_block = non_expert_params(shape)
         layer_full = dense_block.per_tp_rank(par.tp)
         root_full = dense.per_tp_rank(par.tp) - shape.layer.layers * layer_full
@@ -220,8 +232,10 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
     dense, experts = rank_params(shape)
     replicated = (par.fsdp == 1 and (par.dp > 1 or par.sp > 1)) or par.cp > 1  # all-reduced grads
     dense_sync = dense * shape.trainable * pr.grad if replicated else 0
-    edp = par.edp  # expert grads: all-reduced over edp, on their own
-    sync = max(dense_sync, experts * shape.trainable * pr.grad if edp > 1 else 0) if trains else 0
+    edp = par.edp  # expert grads: all-reduced over edp, on their own (expert FSDP reduce-scatters
+    # them in each backward instead)
+    expert_sync = experts * shape.trainable * pr.grad if edp > 1 and not par.expert_fsdp else 0
+    sync = max(dense_sync, expert_sync) if trains else 0
     local_largest = largest_local_param(shape)
     norm = int(2 * 8 * local_largest) if trains else 0
     optim = 0
@@ -229,10 +243,10 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         owned = optimizer / pr.optimizer  # elements whose AdamW states live here
         optim = int(adamw_temp_elems(optimizer_impl, owned=owned, largest=local_largest) * pr.optimizer / 2)
         if par.optimizer_shards > 1:  # one owner's coalesced broadcast buffer: the
-            # dense partition's over dp x sp, then the experts' over edp (one after the other)
-            edp_owned = (
-                experts * pr.param / par.expert_optimizer_shards if par.expert_optimizer_shards > 1 else 0
-            )
+            # dense partition's over dp x sp, then the experts' over edp (one after the other;
+            # none under expert FSDP, whose shards are their owners' own)
+            split = expert_state_split(par)
+            edp_owned = experts * pr.param / split if split > 1 else 0
             optim += int(max(dense * pr.param / par.optimizer_shards, edp_owned))
     return ModuleTerms(
         name=shape.name,

@@ -44,8 +44,10 @@ def groups_table(plan: Plan) -> Table:
         table.add_column(col)
     for g in plan.groups:
         mesh = " x ".join(f"{a}={d}" for a, d in g.mesh.items())
-        ep = g.ranks[0].memory.moe.get("ep", 1) if g.ranks[0].memory.moe else 1
+        moe = g.ranks[0].memory.moe or {}
+        ep, etp = moe.get("ep", 1), moe.get("etp", 1)
         mesh += f" (ep={ep} folded over dp x fsdp x sp)" if ep > 1 else ""
+        mesh += f" (etp={etp}: the TP ranks cut the experts' work)" if etp > 1 else ""
         nodes = sorted({r.node for r in g.ranks})
         gpus = _ranges([r.global_gpu for r in g.ranks])
         fracs = sorted({r.gpu_fraction for r in g.ranks})
@@ -194,11 +196,23 @@ def _moe_notes(moe: dict) -> list[str]:
         return []
     by_ep = ", ".join(f"ep={e}: {gib(b)}" for e, b in moe["expert_state_bytes_by_ep"].items())
     shards = moe["expert_optimizer_shards"]
-    zero1 = f" (AdamW states ZeRO-1 over edp: 1/{shards} each)" if shards > 1 else ""
+    head = f"  MoE: {moe['moe_blocks']} blocks x {moe['experts']} experts, "
+    if moe.get("expert_fsdp"):  # the experts' params, grads and states all cut over edp too
+        etp = f" x etp={moe['etp']}" if moe.get("etp", 1) > 1 else ""
+        line = (
+            f"{head}ep={moe['ep']}{etp} x edp={moe['edp']} (expert FSDP): 1/{moe['expert_param_shards']} "
+            f"of the experts per rank ({moe['experts_per_rank']} experts per all-to-all rank, sharded over "
+            f"edp)"
+        )
+    else:
+        zero1 = f" (AdamW states ZeRO-1 over edp: 1/{shards} each)" if shards > 1 else ""
+        etp = f", etp={moe['etp']}" if moe.get("etp", 1) > 1 else ""
+        line = (
+            f"{head}ep={moe['ep']}{etp} (edp={moe['edp']}): {moe['experts_per_rank']} experts per rank, "
+            f"replicated over edp{zero1}"
+        )
     return [
-        f"  MoE: {moe['moe_blocks']} blocks x {moe['experts']} experts, ep={moe['ep']} (edp={moe['edp']}): "
-        f"{moe['experts_per_rank']} experts per rank, replicated over edp{zero1}; expert params+grads+optimizer "
-        f"{gib(moe['expert_state_bytes'])} per rank",
+        f"{line}; expert params+grads+optimizer {gib(moe['expert_state_bytes'])} per rank",
         f"  expert states per rank by ep: {by_ep}",
         f"  dispatch+combine buffers / micro-batch: balanced router {gib(moe['dispatch_combine_block_bytes'])}"
         f" per MoE block, {gib(moe['dispatch_combine_saved_bytes'])} saved for backward; fully unbalanced "

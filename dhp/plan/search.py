@@ -5,11 +5,12 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
   N/2, N/4, ... GPUs, which win only where more ranks are predicted slower, and on the run
   config's own GPU count and split (``Search.placements``);
-- per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP, ep) that
-  :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and ``parallelize``
-  apply (the axes the family declares for the module, sp and tp exclusive, tp inside a node and
-  dividing what the family names, ZeRO-1 only without FSDP; ep > 1 only for a module with MoE
-  blocks, dividing dp x fsdp x sp and the expert count);
+- per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP, ep, etp, expert FSDP)
+  that :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and
+  ``parallelize`` apply (the axes the family declares for the module, sp and tp exclusive, tp inside
+  a node and dividing what the family names, ZeRO-1 only without FSDP; ep > 1, etp in {1, tp} and
+  expert FSDP only for a module with MoE blocks, ep dividing dp x fsdp x sp and ep x etp the expert
+  count, expert FSDP only with edp > 1);
 - activation checkpointing off | selective | full per module;
 - sequence parallelism inside TP (on or off, where tp > 1 and the module has it);
 - micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
@@ -125,7 +126,8 @@ class Candidate:
                 f"{k}{getattr(d, k)}" for k in ("dp", "fsdp", "cp", "sp", "tp", "ep") if getattr(d, k) > 1
             )
             seq = "+sp" if m.degrees.sequence_parallel else ""
-            return f"{axes or 'dp1'}{seq}{' z1' if m.degrees.zero else ''} ac={m.ac}"
+            experts = (f" etp{d.etp}" if d.etp > 1 else "") + (" efsdp" if d.expert_fsdp else "")
+            return f"{axes or 'dp1'}{seq}{experts}{' z1' if m.degrees.zero else ''} ac={m.ac}"
 
         split = "" if self.placement == "collocated" else f" {self.vision.world}:{self.llm.world}"
         return f"{self.placement}{split} | vision {deg(self.vision)} | llm {deg(self.llm)} | mb {self.micro_batch}"
@@ -138,16 +140,22 @@ def _divisors(n: int) -> list[int]:
 def module_degrees(
     name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
 ) -> list[ParallelLayout]:
-    """Every (dp, fsdp, cp, sp, tp, zero, sequence_parallel, ep) of module ``name`` on ``world`` GPUs
-    that the plan-validity rule (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's
-    space (cp > 1 only where the module declares context parallelism; ep > 1 only where it declares
-    expert parallelism, dividing the token ranks dp x fsdp x cp x sp)."""
+    """Every (dp, fsdp, cp, sp, tp, zero, sequence_parallel, ep, etp, expert_fsdp) of module ``name``
+    on ``world`` GPUs that the plan-validity rule (:func:`dhp.config.plan_space.module_problems`)
+    accepts: the runtime's space (cp > 1 only where the module declares context parallelism; ep > 1,
+    etp = tp and expert_fsdp only where it declares expert parallelism, ep dividing the token ranks
+    dp x fsdp x cp x sp, ep x etp the experts, expert_fsdp with edp > 1)."""
     out = []
     for tp, sp, cp, fsdp in _splits(world, cp=axes.cp):
         dp = world // (tp * sp * cp * fsdp)
         eps = _divisors(dp * fsdp * cp * sp) if axes.experts else [1]
-        for z, q, ep in itertools.product((0, 1), (False, True), eps):
-            d = ParallelLayout(dp=dp, fsdp=fsdp, cp=cp, sp=sp, tp=tp, ep=ep, zero=z, sequence_parallel=q)
+        etps = sorted({1, tp}) if axes.experts else [1]
+        efsdps = (False, True) if axes.experts else (False,)
+        for z, q, ep, etp, efsdp in itertools.product((0, 1), (False, True), eps, etps, efsdps):
+            d = ParallelLayout(
+                dp=dp, fsdp=fsdp, cp=cp, sp=sp, tp=tp, ep=ep, etp=etp, expert_fsdp=efsdp, zero=z,
+                sequence_parallel=q,
+            )  # fmt: skip
             if (z and dp * cp * sp == 1) or (q and tp == 1):
                 continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
             problems = module_problems(

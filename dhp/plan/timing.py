@@ -13,8 +13,10 @@ token, h hidden, span = attention span per query):
     backward     = 2 x matmul + 2.5 x (attention + delta rule)   (flash recomputes the scores in
                    backward; the chunk kernel recomputes its states)
     MoE: N counts the ACTIVE experts (top-k) and the router, never the idle experts; the routed
-    experts are not TP-sharded (``ParamCount.expert``: whole on every TP rank), so every TP rank
-    computes them for all of its tokens: their matmul is 2 * T * N_experts (no /tp)
+    experts are not TP-sharded (``ParamCount.expert``: whole on every TP rank), so with etp=1 every
+    TP rank computes them for all of its tokens: their matmul is 2 * T * N_experts / etp (no /tp;
+    under expert TP, etp = tp, each TP rank routes 1/tp of the unit's tokens and no TP rank repeats
+    another's expert work)
     recompute    = the checkpointed blocks' forward again (full, every_n); selective recomputes
                    only elementwise ops (no matmul FLOPs)
 
@@ -40,13 +42,22 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
     all-gather   (n-1)/n * bytes / bw + (n-1) lat          FSDP: every block fwd and bwd; RS of grads
                                                            (the non-expert parameters only)
     all-to-all   per MoE block, EP dispatch and combine: T * top_k * h * a bytes each way over the
-                 ep ranks; forward 2, backward 2 (the autograd of each is the reverse exchange), + 2
-                 per block whose exchanges run again in backward: the checkpointed ones under full /
-                 every_n, every block under selective (``memory.recomputed_exchanges``; the same
-                 rule re-issues Ulysses' all-to-alls). The EP group is ``ep`` ranks strided by tp
-                 (``dhp/parallel/ep.py``: ep innermost of the folded dp x fsdp x sp), i.e. it spans
-                 ep * tp consecutive GPUs: intra-node when they sit in one node, else the inter-node
-                 link
+                 ep x etp ranks (``expert_group``), each sending 1/etp of the unit's rows; forward 2,
+                 backward 2 (the autograd of each is the reverse exchange), + 2 per block whose
+                 exchanges run again in backward: the checkpointed ones under full / every_n, every
+                 block under selective (``memory.recomputed_exchanges``; the same rule re-issues
+                 Ulysses' all-to-alls). The EP group is ``ep`` units strided by tp (``dhp/parallel/
+                 ep.py``: ep innermost of the folded dp x fsdp x cp x sp; with etp = tp every TP rank
+                 of those units), i.e. it spans ep * tp consecutive GPUs (``ep_span``): intra-node
+                 when they sit in one node, else the inter-node link
+    expert TP:   per MoE block an all-gather of the MoE output over the TP group (T h a bytes out),
+                 forward, and its reverse (a reduce-scatter of the same size) in backward; the
+                 checkpointed blocks' forward issues it once more in backward
+    expert FSDP: per MoE block an all-gather of its local experts (1/(ep x etp) of them, compute
+                 dtype) over edp in forward and again in backward, and a reduce-scatter of their
+                 grads (reduce dtype) in backward, on the link edp spans (its ranks are ep x tp apart:
+                 the whole group's GPUs); overlapped with compute like the dense FSDP collectives
+                 (counted in ``fsdp``)
     CP (``cp_comm_s``): per full block an all-gather of K and V (2 S kv/tp elements) forward, again
                  in backward (the checkpointed attention) + an all-reduce of their gathered grads;
                  per linear block an all-gather of the input + an all-reduce of the output each way;
@@ -55,8 +66,9 @@ Communication (bytes per rank, ring algorithms, bw = link GB/s * comm_efficiency
                  chunks give every rank the same work); a full block's span is the whole row S (a
                  masked kernel over every gathered key) and its attention forward runs once more
                  in backward; the dense grads are all-reduced over cp once per step
-    EP expert grads: all-reduce over the edp = dp * fsdp * sp / ep ranks holding the same experts;
-                 with zero=1 the experts' owners also broadcast them over edp after the step
+    EP expert grads: all-reduce over the edp = dp * fsdp * cp * sp / ep ranks holding the same
+                 experts; with zero=1 the experts' owners also broadcast them over edp after the step;
+                 neither under expert FSDP (its reduce-scatter in each backward replaces them)
     FSDP overlaps its collectives with compute: exposed = max(comm - compute, comm / blocks),
     compute at the profile's achieved efficiencies (``estimate.module_features``)
     DP/SP grad all-reduce and the ZeRO-1 parameter broadcast: once per step, not overlapped
@@ -92,6 +104,7 @@ from dhp.plan.memory import (
     ModuleShape,
     checkpointed_blocks,
     cp_full_blocks,
+    expert_state_split,
     non_expert_params,
     rank_params,
     recomputed_exchanges,
@@ -155,10 +168,10 @@ class Flops:
 
 def blocks_matmul_fwd(shape: ModuleShape, tokens: float) -> float:
     """Forward matmul FLOPs of the blocks on one rank: TP shards all but the routed experts, which
-    every TP rank runs whole on all of its tokens."""
-    tp, arch = shape.layout.tp, shape.arch
+    every TP rank runs whole on all of its tokens at etp=1, and on its 1/etp of them under expert TP."""
+    tp, etp, arch = shape.layout.tp, shape.layout.etp, shape.arch
     experts = arch.expert_macs()
-    return 2.0 * tokens * ((arch.block_macs() - experts) / tp + experts)
+    return 2.0 * tokens * ((arch.block_macs() - experts) / tp + experts / etp)
 
 
 def module_flops(shape: ModuleShape, tokens: float) -> Flops:
@@ -248,14 +261,17 @@ def module_comm(shape: ModuleShape, tokens: float, link: Link) -> dict[str, floa
     a2a_fwd, a2a_bwd = moe_all_to_all_s(shape, tokens, link)
     fwd += a2a_fwd
     bwd += a2a_bwd
-    fsdp = 0.0
+    etp_fwd, etp_bwd = etp_output_gather_s(shape, tokens, link, ck=ck)
+    fwd += etp_fwd
+    bwd += etp_bwd
+    fsdp = expert_fsdp_s(shape, link)
     if par.fsdp > 1:
         span = par.span("fsdp")
         dense, dense_block = non_expert_params(shape)
         layer = dense_block.per_tp_rank(par.tp)
         root = dense.per_tp_rank(par.tp) - lay.layers * layer
         gather = all_gather_s((lay.layers * layer + root) * a, par.fsdp, link.bw(span), link.lat / 1)
-        fsdp = gather * (2 if shape.backward else 1)
+        fsdp += gather * (2 if shape.backward else 1)
         if shape.backward and not shape.freeze:
             fsdp += all_gather_s(
                 (lay.layers * layer + root) * shape.precision.reduce, par.fsdp, link.bw(span), link.lat
@@ -315,21 +331,52 @@ def cp_comm_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int) -> tupl
 
 def moe_all_to_all_s(shape: ModuleShape, tokens: float, link: Link) -> tuple[float, float]:
     """(forward, backward) seconds of one rank's EP dispatch + combine all-to-alls per micro-batch,
-    over every MoE block (formulas above; 0 at ep=1)."""
+    over every MoE block (formulas above): over the ep x etp ranks of the group, each rank sending
+    the rows of its 1/etp of the unit's tokens; 0 when the group is one rank."""
     par, arch = shape.layout, shape.arch
-    ep = par.ep
-    if ep <= 1 or arch is None or not arch.moe_blocks:
+    group, etp = par.expert_group, par.etp
+    if group <= 1 or arch is None or not arch.moe_blocks:
         return 0.0, 0.0
     a, h = shape.precision.act, arch.hidden
     bw = link.bw(par.ep_span)
     fwd = bwd = 0.0
     for b in arch.blocks:
         if b.mlp.kind == "moe":
-            one = all_to_all_s(tokens * b.mlp.top_k * h * a, ep, bw, link.lat)
+            one = all_to_all_s(tokens * b.mlp.top_k * h * a / etp, group, bw, link.lat)
             fwd += 2 * one
             bwd += 2 * one
     again = recomputed_exchanges(shape.ac, shape.layer.layers) / shape.layer.layers  # selective: all
     return fwd, (bwd + again * fwd if shape.backward else 0.0)
+
+
+def etp_output_gather_s(shape: ModuleShape, tokens: float, link: Link, *, ck: int) -> tuple[float, float]:
+    """(forward, backward) seconds of expert TP's MoE-output exchange per micro-batch: each MoE block
+    all-gathers its output over the TP group (``tokens x h`` in the compute dtype out), backward
+    reduce-scatters its gradient (the same volume), and a checkpointed block's recompute gathers it
+    again (``ck`` of the blocks); 0 at etp=1."""
+    par, arch = shape.layout, shape.arch
+    if par.etp <= 1 or arch is None or not arch.moe_blocks:
+        return 0.0, 0.0
+    one = all_gather_s(tokens * arch.hidden * shape.precision.act, par.etp, link.bw(par.tp), link.lat)
+    fwd = arch.moe_blocks * one
+    bwd = fwd * (1 + ck / shape.layer.layers) if shape.backward else 0.0
+    return fwd, bwd
+
+
+def expert_fsdp_s(shape: ModuleShape, link: Link) -> float:
+    """Seconds of expert FSDP's collectives per micro-batch (formulas above), before overlap: per MoE
+    block an all-gather over edp of its local experts in forward and again in backward, and the
+    reduce-scatter of their grads in backward; 0 without expert FSDP."""
+    par, arch = shape.layout, shape.arch
+    if not par.expert_fsdp or arch is None or not arch.moe_blocks or par.edp <= 1:
+        return 0.0
+    per_block = shape.params.expert / arch.moe_blocks / par.expert_group  # one block's local experts
+    bw = link.bw(par.world_size)  # edp ranks are ep x tp apart: the group's whole span
+    gather = all_gather_s(per_block * shape.precision.act, par.edp, bw, link.lat)
+    out = gather * (2 if shape.backward else 1)
+    if shape.backward and not shape.freeze:
+        out += all_gather_s(per_block * shape.precision.reduce, par.edp, bw, link.lat)
+    return arch.moe_blocks * out
 
 
 def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
@@ -339,8 +386,9 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
     par, pr = shape.layout, shape.precision
     local, experts = rank_params(shape)
     t = 0.0
-    edp = par.edp  # the folded dp x fsdp x sp ranks over ep
-    if experts and edp > 1:  # expert grads: SUM over the ranks holding the same experts
+    edp = par.edp  # the folded dp x fsdp x cp x sp ranks over ep
+    replicated = experts and edp > 1 and not par.expert_fsdp  # expert FSDP: reduce-scattered in bwd
+    if replicated:  # expert grads: SUM over the ranks holding the same experts
         t += all_reduce_s(experts * pr.grad, edp, link.bw(world), link.lat)
     if par.sp > 1:
         t += all_reduce_s(local * pr.grad, par.sp, link.bw(par.span("sp")), link.lat)
@@ -350,7 +398,7 @@ def grad_sync_s(shape: ModuleShape, link: Link, world: int) -> float:
         t += all_reduce_s(local * pr.grad, par.dp, link.bw(world), link.lat)
     if par.optimizer_shards > 1:
         t += all_gather_s(local * pr.param, par.optimizer_shards, link.bw(world), link.lat)
-    if experts and par.expert_optimizer_shards > 1:  # ZeRO-1's expert owners broadcast over edp
+    if replicated and par.expert_optimizer_shards > 1:  # ZeRO-1's expert owners broadcast over edp
         t += all_gather_s(experts * pr.param, edp, link.bw(world), link.lat)
     return t
 
@@ -362,7 +410,7 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
     par, pr = shape.layout, shape.precision
     dense, experts = rank_params(shape)
     local = dense + experts
-    owned = dense / par.optimizer_shards + experts / par.expert_optimizer_shards
+    owned = dense / par.optimizer_shards + experts / expert_state_split(par)
     nbytes = owned * (2 * pr.param + pr.grad + 2 * pr.optimizer) + 3 * local * pr.grad
     return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 
