@@ -27,7 +27,7 @@ for_loop) against the planner's, in about a minute (``scripts/measure_optimizer_
     .venv/bin/python scripts/bench_planner.py --optimizer --out runs/optimizer_memory.json
 
 ``--blocks`` measures only the memory of plans with other block kinds (BLOCK_PLANS: a mixture of
-experts with expert parallelism, a hybrid Gated DeltaNet LLM, an encoder replica serving two LLM
+experts with expert parallelism, expert FSDP and expert TP, a hybrid Gated DeltaNet LLM, an encoder replica serving two LLM
 replicas), one run each, and the saved bytes of each MoE layer under AC off, selective and full
 (MOE_LAYERS: the family's LLM module on 2 gloo ranks at ep=2, one forward under
 ``dhp.metrics.accounting.saved_by_part``, the mean over the ranks, whose received rows average to
@@ -116,6 +116,20 @@ BLOCK_PLANS: list[tuple[str, str, list[str]]] = [
         [*NO_AC, "modules.llm.parallel.dp=1", "modules.llm.parallel.fsdp=2"],
     ),
     ("moe_dp2_ep2_ac", "tiny_qwen3_vl_moe", ["modules.llm.activation_checkpointing=full", *NO_AC[1:]]),
+    # the expert axes: the experts FSDP-sharded over the 2 edp ranks; the 2 TP ranks routing half each
+    (
+        "moe_dp2_efsdp",
+        "tiny_qwen3_vl_moe",
+        [*NO_AC, "modules.llm.parallel.ep=1", "modules.llm.parallel.expert_fsdp=true"],
+    ),
+    (
+        "moe_tp2_etp2",
+        "tiny_qwen3_5_moe",
+        [
+            *NO_AC,
+            "modules.llm.parallel={dp: 1, fsdp: 1, sp: 1, tp: 2, ep: 1, etp: 2, zero: 0, sequence_parallel: false}",
+        ],
+    ),
     # the recipe's TP=2 (Gated DeltaNet heads split, SP inside TP), and TP=1 under FSDP / DP
     ("hybrid_tp2", "tiny_qwen3_5", NO_AC),
     ("hybrid_fsdp2", "tiny_qwen3_5", [*NO_AC, *HYBRID_TP1, "modules.llm.parallel.fsdp=2"]),

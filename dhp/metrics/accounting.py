@@ -46,12 +46,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    """(data pointer, nbytes) of ``t``'s storage; None for tensors without one (meta, wrappers)."""
+    """(data pointer, nbytes) of ``t``'s storage; None for tensors without one (meta, wrappers) and
+    for one whose storage is no longer valid (freed: it holds no memory)."""
     try:
         s = _local(t).untyped_storage()
+        return s.data_ptr(), s.nbytes()
     except (RuntimeError, NotImplementedError):
         return None
-    return s.data_ptr(), s.nbytes()
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = None) -> int:
