@@ -44,9 +44,9 @@ place the fold is computed):
 - ``etp = tp`` (expert TP over the expert axis, torchtitan's and Megatron's "EP borrows TP"): ``erep``
   is 1 and an all-to-all group takes every TP rank of its ``ep`` units (``ep x tp`` ranks, each with
   ``E / (ep x tp)`` experts). Inside the experts module each TP rank keeps 1/tp of the unit's
-  (identical) tokens (:class:`_TakeMyRows`: forward a row slice, backward an all-gather of the rows'
+  (identical) tokens (``dhp.parallel.expert_tp.TakeMyRows``: forward a row slice, backward an all-gather of the rows'
   gradients, so the replicated input's gradient stays whole on every TP rank), routes only those,
-  and the outputs are all-gathered back over TP (:class:`_GatherRows`: backward takes the own rows of
+  and the outputs are all-gathered back over TP (``expert_tp.GatherRows``: backward takes the own rows of
   the replicated output's gradient). No TP rank repeats another's expert work. Expert TP inside each
   expert (column/row slices of ``I``) is not what this does: transformers fuses gate and up in one
   ``[E, 2I, H]`` tensor whose per-rank slice (gate rows and up rows) is not one block, so a DCP
@@ -123,6 +123,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dhp.errors import PlanError
 from dhp.layout import EXPERT_MESH_AXES, ParallelLayout
+from dhp.parallel.expert_tp import GatherRows, TakeMyRows, tp_rows
 
 # ---------------------------------------------------------------------------------------------- mesh
 
@@ -249,60 +250,6 @@ def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     return received
 
 
-def tp_rows(total: int, size: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of the rows TP rank ``rank`` of ``size`` keeps of ``total`` (balanced: the first
-    ``total % size`` ranks take one more)."""
-    base, extra = divmod(total, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
-def _gather_rows(x: torch.Tensor, total: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """The ``total`` rows of every TP rank's :func:`tp_rows` slice ``x``, in rank order (one padded
-    ``all_gather_into_tensor``; gloo and NCCL need equal sizes)."""
-    size = dist.get_world_size(group)
-    per = -(-total // size)
-    padded = x.new_zeros((per, *x.shape[1:]))
-    padded[: x.shape[0]] = x
-    out = x.new_empty((size * per, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
-    keep = [
-        out[r * per : r * per + (hi - lo)]
-        for r, (lo, hi) in enumerate(tp_rows(total, size, q) for q in range(size))
-    ]
-    return torch.cat(keep, dim=0)
-
-
-class _TakeMyRows(torch.autograd.Function):
-    """Forward: this TP rank's rows of a tensor every TP rank holds whole. Backward: the rows'
-    gradients all-gathered, so the (replicated) input's gradient is whole and equal on every TP rank."""
-
-    @staticmethod
-    def forward(ctx, x, group: dist.ProcessGroup):  # type: ignore[override]
-        ctx.group, ctx.total = group, x.shape[0]
-        lo, hi = tp_rows(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
-        return x[lo:hi].clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _gather_rows(grad, ctx.total, ctx.group), None
-
-
-class _GatherRows(torch.autograd.Function):
-    """Forward: every TP rank's rows gathered into the whole tensor (replicated). Backward: this rank's
-    rows of the gradient (every TP rank holds the same whole gradient of a replicated activation)."""
-
-    @staticmethod
-    def forward(ctx, x, total: int, group: dist.ProcessGroup):  # type: ignore[override]
-        ctx.bounds = tp_rows(total, dist.get_world_size(group), dist.get_rank(group))
-        return _gather_rows(x, total, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        lo, hi = ctx.bounds
-        return grad[lo:hi].contiguous(), None, None
-
-
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a transformers experts module: this rank's ``E/ep`` experts, tokens exchanged by all-to-all.
 
@@ -349,11 +296,11 @@ class ExpertParallelExperts(nn.Module):
         total, group = hidden_states.shape[0], self.tp_group
         lo, hi = tp_rows(total, dist.get_world_size(group), dist.get_rank(group))
         mine = self._routed(
-            _TakeMyRows.apply(hidden_states, group),
+            TakeMyRows.apply(hidden_states, group),
             top_k_index[lo:hi],
-            _TakeMyRows.apply(top_k_weights, group),
+            TakeMyRows.apply(top_k_weights, group),
         )
-        return _GatherRows.apply(mine, total, group)
+        return GatherRows.apply(mine, total, group)
 
     def _routed(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

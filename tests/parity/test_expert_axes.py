@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 from dhp.checkpoint import load_module_state, save_module_state
 from dhp.layout import ParallelLayout
 from dhp.parallel import full_param_dict
-from dhp.parallel.ep import ExpertParallelExperts, expert_params, tp_rows
+from dhp.parallel.ep import ExpertParallelExperts, expert_params
+from dhp.parallel.expert_tp import tp_rows
 
 pytestmark = pytest.mark.parity
 
