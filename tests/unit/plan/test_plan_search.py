@@ -115,9 +115,10 @@ def test_there_are_long_video_recipes_for_an_moe_and_a_hybrid_model() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", LONG_RECIPES)
 def test_a_long_video_recipe_fits_and_auto_offers_it_with_context_parallelism(recipe: str) -> None:
-    """A long-video recipe's own plan fits, uses cp > 1, and is among the plans ``--auto`` offers;
-    every plan offered cuts the LLM's sequence (nothing else fits a row this long). The recipe's
-    placement and AC modes are kept fixed, to keep the search short."""
+    """A long-video recipe's own plan fits, uses cp > 1, and is within 3 % of the fastest plan
+    ``--auto`` offers (its header says why it keeps its margin over a near-tie); every plan offered
+    cuts the LLM's sequence (nothing else fits a row this long). The recipe's placement and AC modes
+    are kept fixed, to keep the search short."""
     fixed = {"placement", "modules.vision.activation_checkpointing", "modules.llm.activation_checkpointing"}
     cfg = load_config(recipe, [])
     assert cfg.modules.llm.parallel.cp > 1 and cfg.modules.llm.seq_len >= 128 * 1024
@@ -125,7 +126,7 @@ def test_a_long_video_recipe_fits_and_auto_offers_it_with_context_parallelism(re
     offered, _ = auto_plan(cfg, fixed, top=10)
     assert offered and all("modules.llm.parallel.cp=1" not in ov for _, ov in offered)
     own = Search(cfg, fixed).own()
-    assert own is not None and own.label() in {c.label() for c, _ in offered}
+    assert own is not None and own.step_s <= 1.03 * offered[0][0].step_s, (own.label(), offered[0][0].label())
 
 
 def test_the_search_returns_the_recipes_plan_or_a_faster_one() -> None:
