@@ -1,5 +1,8 @@
 """``dhp plan --auto``: a deterministic search for the fastest plan that fits.
 
+The search pairs the run's one producer (an encoder) with the module that computes the loss, both
+read off the module graph (``dhp.plan.graph``); a run with several producers, or none, is refused.
+
 Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
