@@ -1,22 +1,30 @@
-"""What to change when a plan does not fit: the biggest consumer on the fullest GPU, and the knobs
-that shrink it. Pure; used by ``dhp plan`` output."""
+"""What to change when a plan does not fit: the biggest consumer of memory on the fullest GPU, and
+the knobs that shrink it (for activations, by the module's place in the graph). Pure; used by
+``dhp plan`` output."""
 
 from __future__ import annotations
 
 from dhp.plan.types import Plan
 
 _KNOBS = {
-    (
-        "vision",
-        "activations",
-    ): "raise modules.vision.parallel.sp, set modules.vision.activation_checkpointing=full, "
-    "or lower modules.vision.seq_len",
-    ("llm", "activations"): "set modules.llm.activation_checkpointing=full, or lower modules.llm.seq_len / "
-    "train.micro_batch_size",
     "optimizer": "shard it: parallel.zero=1 with dp*sp > 1, parallel.fsdp, a larger tp, or mixed_precision=bf16",
     "params": "shard them: a larger parallel.tp or parallel.fsdp",
     "grads": "shard them: a larger parallel.tp or parallel.fsdp",
 }
+
+
+def _activation_knob(plan: Plan, name: str) -> str:
+    """The knobs that shrink module ``name``'s activations: the loss module (the one whose loss
+    chunk the plan resolved) by its checkpointing and rows; a producer also by Ulysses SP."""
+    if name in plan.loss_chunk_tokens:
+        return (
+            f"set modules.{name}.activation_checkpointing=full, or lower modules.{name}.seq_len / "
+            "train.micro_batch_size"
+        )
+    return (
+        f"raise modules.{name}.parallel.sp, set modules.{name}.activation_checkpointing=full, "
+        f"or lower modules.{name}.seq_len"
+    )
 
 
 def oom_advice(plan: Plan) -> list[str]:
@@ -35,6 +43,8 @@ def oom_advice(plan: Plan) -> list[str]:
         f"({worst.peak_phase}); its largest consumers there:"
     ]
     for size, name, component in parts[:2]:
-        knob = _KNOBS.get((name, component)) or _KNOBS.get(component, "use more GPUs")
+        known = any(g.name == name for g in plan.groups)
+        act = _activation_knob(plan, name) if component == "activations" and known else None
+        knob = act or _KNOBS.get(component, "use more GPUs")
         lines.append(f"  {name} {component} {size / 2**30:.2f} GiB. Fix: {knob}")
     return lines

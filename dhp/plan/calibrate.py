@@ -37,6 +37,7 @@ from dhp.plan.estimate import (
     timing_shapes,
     vision_tokens_per_rank,
 )
+from dhp.plan.graph import ModuleGraph, run_graph
 
 # A run's whole step_s weighs as much as its module phases together (5 of them in a VLM step).
 STEP_WEIGHT = 5.0
@@ -92,7 +93,8 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
     from dhp.plan.compile import micro_batches_per_step, module_shapes
 
     shapes = module_shapes(config)
-    llm_replicas = shapes["llm"].layout.num_replicas
+    graph = run_graph(config)
+    llm_replicas = shapes[graph.consumer].layout.num_replicas
     n_mb = micro_batches_per_step(config.train, llm_replicas)
     out = []
     per: dict[str, tuple] = {}
@@ -101,7 +103,7 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
         world = shape.layout.world_size
         tokens = (
             vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas)
-            if name == "vision"
+            if name in graph.producers
             else shape.tokens
         )
         procs = busy_processes(sum(int(m.gpus) for m in config.modules.values()))
@@ -117,7 +119,7 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
             out.append((step, measured(rows, f"{name}_step_s"), f"{name}_step"))
     out.append(
         (
-            step_row(config.placement, per, n_mb, coefficients(config.cluster)),
+            step_row(config.placement, per, n_mb, coefficients(config.cluster), graph=graph),
             measured(rows, "step_s"),
             "step",
         )
@@ -133,17 +135,22 @@ def _add(*rows: tuple[float, dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def step_row(placement: str, per: dict[str, tuple], n_mb: int, prior: dict[str, float]) -> dict[str, float]:
+def step_row(
+    placement: str, per: dict[str, tuple], n_mb: int, prior: dict[str, float], *, graph: ModuleGraph
+) -> dict[str, float]:
     """The whole step's features, linearised like ``dhp.plan.schedule``: collocated sums every
     phase; disaggregated takes the bottleneck stage (by the prior coefficients) n_mb times plus
-    one micro-batch of the other stage and the longer finish. Plus n_mb dispatches."""
+    one micro-batch of the other stage and the longest finish, the producers' stage being the
+    slowest producer's (they run side by side). Plus n_mb dispatches."""
     stage = {n: _add((1.0, fwd), (1.0, bwd)) for n, (fwd, bwd, _) in per.items()}
     fin = {n: p[2] for n, p in per.items()}
-    if placement == "collocated" or len(per) == 1:
+    producers = [n for n in graph.producers if n in stage]
+    if placement == "collocated" or not producers:
         row = _add(*((float(n_mb), s) for s in stage.values()), *((1.0, f) for f in fin.values()))
     else:
-        slow = max(stage, key=lambda n: seconds(stage[n], prior))
-        fast = next(n for n in stage if n != slow)
+        pipe = [max(producers, key=lambda n: seconds(stage[n], prior)), graph.consumer]
+        slow = max(pipe, key=lambda n: seconds(stage[n], prior))
+        fast = next(n for n in pipe if n != slow)
         last = max(fin, key=lambda n: seconds(fin[n], prior))  # the finishes run at once
         row = _add((float(n_mb), stage[slow]), (1.0, stage[fast]), (1.0, fin[last]))
     row["dispatch"] = float(n_mb)

@@ -12,6 +12,7 @@ from dhp.layout import ParallelLayout, module_layout
 from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
+from dhp.plan.graph import run_graph
 from dhp.plan.memory import ModuleShape, encoder_replica_patches, module_shape
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
@@ -83,7 +84,7 @@ def module_shapes(
     """The ModuleShape of every module of ``config`` (what memory and time read) at ``layouts``
     (default: the config's, :func:`module_layouts`). An encoder's ``seq_len`` is what one of its
     replicas encodes per driver micro-batch (:func:`~dhp.plan.memory.encoder_replica_patches`), the
-    LLM's rows are the packed rows when packing is on."""
+    loss module's (:func:`~dhp.plan.graph.run_graph`) rows are the packed rows when packing is on."""
     layouts = module_layouts(config) if layouts is None else layouts
     shapes = {
         str(name): module_shape(
@@ -97,15 +98,15 @@ def module_shapes(
         )
         for name, mod in config.modules.items()
     }
-    if "llm" in shapes:  # an encoder replica encodes the images of every LLM replica it serves
+    consumer = run_graph(config).consumer
+    if consumer in shapes:  # an encoder replica encodes the images of every consumer replica it serves
         for name, shape in shapes.items():
             if shape.pixels:
                 patches = encoder_replica_patches(
-                    shape.seq_len, producer=layouts[name], consumer=layouts["llm"]
+                    shape.seq_len, producer=layouts[name], consumer=layouts[consumer]
                 )
                 shapes[name] = dataclasses.replace(shape, seq_len=patches)
-    if "llm" in shapes:
-        shapes["llm"] = packed_rows(config, shapes["llm"])
+        shapes[consumer] = packed_rows(config, shapes[consumer])
     return shapes
 
 
@@ -127,7 +128,7 @@ def memory_estimate(terms: ModuleTerms, shape: ModuleShape, moe: dict | None = N
     its :func:`~dhp.plan.experts.moe_summary`."""
     alone = gpu_timeline([terms])
     pr = shape.precision
-    mbs = terms.live_micro_batches if terms.name == "vision" else 1
+    mbs = 1 if terms.computes_loss else terms.live_micro_batches
     return MemoryEstimate(
         params=terms.params,
         grads=terms.grads,
@@ -180,7 +181,8 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
         cpus_per_rank=cluster.cpus_per_rank,
     )
     shapes = module_shapes(config, layouts)
-    n_mb = micro_batches_per_step(config.train, layouts["llm"].num_replicas)
+    graph = run_graph(config)
+    n_mb = micro_batches_per_step(config.train, layouts[graph.consumer].num_replicas)
     terms = {
         n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl)
         for n, s in shapes.items()
@@ -225,7 +227,9 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
                 worst_case_total=worst,
             )
         )
-    routes = routing(layouts["vision"], layouts["llm"]) if {"vision", "llm"} <= layouts.keys() else []
+    # Route names no producer: the plan routes its one producer's rows (none with several or none)
+    one = graph.producers[0] if len(graph.producers) == 1 else None
+    routes = routing(layouts[one], layouts[graph.consumer]) if one and graph.consumer in layouts else []
     plan = Plan(
         name=config.name,
         placement=config.placement,
@@ -237,7 +241,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
         routing=tuple(routes),
         devices=tuple(devices),
         handoff=resolve_handoff(device=cluster.device, placement=config.placement, handoff=config.handoff)[0],
-        loss_chunk_tokens={n: s.loss_chunk_tokens for n, s in shapes.items() if n == "llm"},
+        loss_chunk_tokens={n: s.loss_chunk_tokens for n, s in shapes.items() if n == graph.consumer},
         # the kernel the plan counts on its device and needs there (the runtime checks it is
         # installed at start: dhp.ops.linear_attn.require_kernel; each run's metrics say what ran)
         kernels={

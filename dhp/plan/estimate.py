@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.plan.graph import ModuleGraph, run_graph
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
 from dhp.plan.params import video_frames_per_row
@@ -118,22 +119,26 @@ def timing_shapes(
         return shapes
     out = dict(shapes)
     mb = int(config.train.micro_batch_size if micro_batch is None else micro_batch)
-    if "llm" in out:
-        llm = out["llm"]
+    graph = run_graph(config)
+    if graph.consumer in out:
+        llm = out[graph.consumer]
         if config.data.packing:  # shape: micro_batch = the row bound, seq_len = the row length
             need = mb * sum(lengths.tokens) / len(lengths.tokens)
             rows = min(llm.micro_batch, max(1, math.ceil(need / llm.seq_len)))
-            out["llm"] = dataclasses.replace(
+            out[graph.consumer] = dataclasses.replace(
                 llm, micro_batch=rows, seq_len=min(llm.seq_len, math.ceil(need / rows))
             )
         else:
             row = min(llm.seq_len, math.ceil(expected_longest(list(lengths.tokens), mb)))
-            out["llm"] = dataclasses.replace(llm, seq_len=max(1, row))
-    if "vision" in out and lengths.media > 0:
-        out["vision"] = dataclasses.replace(
-            out["vision"], image_patches=round(sum(lengths.patches) / lengths.media)
-        )
+            out[graph.consumer] = dataclasses.replace(llm, seq_len=max(1, row))
+    for name in _pixel_producers(graph, out) if lengths.media > 0 else []:
+        out[name] = dataclasses.replace(out[name], image_patches=round(sum(lengths.patches) / lengths.media))
     return out
+
+
+def _pixel_producers(graph: ModuleGraph, shapes: dict[str, ModuleShape]) -> list[str]:
+    """The producers among ``shapes`` that read patch rows (image and video encoders)."""
+    return [p for p in graph.producers if p in shapes and shapes[p].pixels]
 
 
 def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
@@ -146,17 +151,20 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
         why = config.data.lengths.note or "not measured"
         return f"micro-batches filled to seq_len (data lengths: {why})"
     toks, patches = sorted(lengths.tokens), sorted(lengths.patches)
+    graph = run_graph(config)
+    pixel = _pixel_producers(graph, shapes)
     parts = [f"median {toks[(len(toks) - 1) // 2]} tokens"]
-    if "vision" in shapes:
+    if pixel:
         parts.append(f"{patches[(len(patches) - 1) // 2]} patches per row")
-    timed = [f"LLM {shapes['llm'].micro_batch} x {shapes['llm'].seq_len} tokens"] if "llm" in shapes else []
-    if "vision" in shapes:
+    c = shapes.get(graph.consumer)
+    timed = [f"LLM {c.micro_batch} x {c.seq_len} tokens"] if c is not None else []
+    for name in pixel:
         patch = vision_patches_per_replica(
             config,
-            seq_len=shapes["vision"].seq_len,
+            seq_len=shapes[name].seq_len,
             micro_batch=config.train.micro_batch_size,
-            llm_replicas=shapes["llm"].layout.num_replicas,
-            vision_replicas=shapes["vision"].layout.num_replicas,
+            llm_replicas=shapes[graph.consumer].layout.num_replicas,
+            vision_replicas=shapes[name].layout.num_replicas,
         )
         timed.append(f"{patch:.0f} patches")
     return (
@@ -350,7 +358,8 @@ def estimate_step(
     config: DictConfig, plan: Plan, shapes: dict[str, ModuleShape], *, cluster: DictConfig
 ) -> StepEstimate:
     """The step time, throughput and per-module breakdown of ``plan`` under ``cluster``'s profile."""
-    llm_replicas = plan.group("llm").layout.num_replicas
+    graph = run_graph(config)
+    llm_replicas = plan.group(graph.consumer).layout.num_replicas
     n_mb = micro_batches_per_step(config.train, llm_replicas)
     coef = coefficients(cluster)
     per: dict[str, dict[str, float]] = {}
@@ -358,25 +367,27 @@ def estimate_step(
     shapes = timing_shapes(config, shapes)
     for name, shape in shapes.items():
         world = plan.group(name).world_size
+        producer = name in graph.producers
         tokens = (
-            vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas)
-            if name == "vision"
-            else shape.tokens
+            vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas) if producer else shape.tokens
         )
         procs = busy_processes(sum(g.world_size for g in plan.groups))
         f = module_features(shape, tokens, cluster, world, procs)
         per[name] = module_time(f, coef, n_mb=n_mb)
-        if name == "vision":
-            hand = handoff_s(config, plan, shape, tokens * shape.layout.sp, cluster)
-    step = schedule(plan.placement, per, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s)
+        if producer:  # the consumer receives every producer's rows
+            hand += handoff_s(config, plan, shape, tokens * shape.layout.sp, cluster)
+    step = schedule(
+        plan.placement, per, graph=graph, n_mb=n_mb, handoff=hand, dispatch=cluster.dispatch_overhead_s
+    )
     lengths = data_lengths(config)
     gbs = int(config.train.global_batch_size)
-    seqs = [config.modules["llm"].seq_len] * gbs
+    seqs = [config.modules[graph.consumer].seq_len] * gbs
     if lengths is not None:  # the sampled rows, cycled over the step's samples
         seqs = [int(lengths.tokens[i % lengths.rows]) for i in range(gbs)]
     text = float(sum(seqs))
     images: list[int] = []
-    if "vision" in shapes:
+    pixel = _pixel_producers(graph, shapes)
+    if pixel:
         if lengths is not None:  # the sampled rows' images and videos, at their mean size
             per_item = round(sum(lengths.patches) / lengths.media) if lengths.media else 0
             images = [per_item] * (round(lengths.media * gbs / lengths.rows) if per_item else 0)
@@ -387,7 +398,8 @@ def estimate_step(
                 video_item = syn.patches * (syn.video_frames // video_frames_per_row(config.model))
                 images += [video_item] * (syn.videos_per_sample * config.train.global_batch_size)
         else:
-            images = [shapes["vision"].seq_len] * (n_mb * shapes["vision"].layout.num_replicas)
+            for name in pixel:
+                images += [shapes[name].seq_len] * (n_mb * shapes[name].layout.num_replicas)
     vision = float(sum(images))
     model_flops = palm_model_flops(config, images, seqs)
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})

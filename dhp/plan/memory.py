@@ -108,6 +108,7 @@ from dhp.config.ac import AcMode, parse_ac_mode
 from dhp.layout import ParallelLayout
 from dhp.ops.linear_attn import TORCH_FALLBACK, planned_kernel
 from dhp.plan.blocks import block_saved_elems, delta_rule_states_bytes, router_aux_bytes
+from dhp.plan.graph import module_graph
 from dhp.plan.params import LayerShape, ModuleArch, ParamCount, architecture
 from dhp.plan.tp_blocks import relayout_elems
 from dhp.plan.trainable import trainable_fraction
@@ -178,6 +179,8 @@ class ModuleShape:
     #: linear blocks' delta rule runs as transformers' torch fallback (``dhp.ops.linear_attn``: the
     #: plan's device is not one the kernel packages run on), which saves more (``dhp/plan/blocks.py``)
     delta_rule_fallback: bool = False
+    #: a step's phases in the driver's order (``dhp.plan.graph.ModuleGraph.phases``, the model's graph)
+    phases: tuple[str, ...] = ()
 
     @property
     def pixels(self) -> bool:
@@ -616,7 +619,8 @@ def module_shape(
     ``layout``: the group's degrees (the plan's); ``device`` (the cluster's) picks the
     linear-attention kernel whose memory is counted (``dhp.ops.linear_attn.planned_kernel``: never
     what the planning host has installed)."""
-    arch = architecture(model).modules[name]
+    whole = architecture(model)
+    arch = whole.modules[name]
     par = layout
     tokens = micro_batch * module.seq_len
     chunk = int(module.loss_chunk_tokens)
@@ -644,4 +648,5 @@ def module_shape(
         arch=arch,
         trainable=trainable_fraction(name, model=model, module=module),
         delta_rule_fallback=bool(arch.count("linear")) and planned_kernel(device) == TORCH_FALLBACK,
+        phases=module_graph(whole).phases(),
     )

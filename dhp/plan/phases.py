@@ -1,23 +1,25 @@
 """Memory by phase: what each module's rank holds in each phase of a step, and the peak per GPU.
 
-One step, per micro-batch, runs these phases in order (``dhp/runtime/loop/driver.py``), then finishes:
+One step, per micro-batch, runs these phases in order (``dhp/runtime/loop/driver.py``), then finishes
+(``dhp.plan.graph.ModuleGraph.phases``: P1..Pk the producers in declaration order, C the module that
+computes the loss; each phase is named ``<module>_fwd`` / ``<module>_bwd``):
 
-    vision_fwd, handoff, llm_fwd, llm_bwd, handback, vision_bwd  (x micro-batches)
+    P1_fwd .. Pk_fwd, handoff, C_fwd, C_bwd, handback, Pk_bwd .. P1_bwd  (x micro-batches)
     grad_sync, grad_norm, optimizer
 
 In each phase a module's rank holds:
 
 - params and optimizer states: always;
 - grads and saved activations, as the driver's order makes them coexist (``m`` micro-batches per
-  step; the encoder's forward of m+1 is issued before its backward of m, collocated or
+  step; a producer's (encoder's) forward of m+1 is issued before its backward of m, collocated or
   disaggregated, so it holds up to TWO micro-batches' activations ``S``; ``G`` the grads, ``G1``
   the first gradient its backward writes, the module's largest tensor: lm_head, the merger):
 
-      phase               LLM (m=1 / m>=2)            encoder (m=1 / m=2 / m>=3)
+      phase               loss module (m=1 / m>=2)    producer (m=1 / m=2 / m>=3)
       own forward         S       / G+S              S / 2S / G+2S
       own backward        max(S+G1, G) / G+S         max(S+G1, G) / max(2S, S+G) / G+2S
       between (hand-off,  - / G                      S / max(2S, S+G) / G+2S
-        the other's work)
+        the others' work)
       after its backward  G                          G
 
   A backward writes the head's gradient first while every saved tensor is alive, then frees each
@@ -28,7 +30,7 @@ In each phase a module's rank holds:
   all-gathered MoE output, the loss chunk, the hand-off payload, the flat all-reduce buffer,
   the grad-norm squares, AdamW's temporaries.
 
-Collocated modules are two processes on one GPU: their live sets add up phase by phase on one
+Collocated modules are one process each on one GPU: their live sets add up phase by phase on one
 timeline. The GPU's peak is the max over phases (transients of different phases never add). The
 usable memory is the device minus a reserve per PROCESS (CUDA context, NCCL buffers) and an
 allocator-fragmentation fraction of the device.
@@ -39,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dhp.errors import PlanError
+from dhp.plan.graph import computes_loss
 from dhp.plan.memory import (
     FSDP_LAYERS_IN_FLIGHT,
     ModuleShape,
@@ -57,17 +60,6 @@ from dhp.plan.memory import (
     relayout_copies_bytes,
 )
 
-PHASES = (
-    "vision_fwd",
-    "handoff",
-    "llm_fwd",
-    "llm_bwd",
-    "handback",
-    "vision_bwd",
-    "grad_sync",
-    "grad_norm",
-    "optimizer",
-)
 # Reserve per process: CUDA context + NCCL/gloo communicator buffers.
 RESERVE_PER_PROCESS_BYTES = 1 << 30
 # Allocator fragmentation, a fraction of the device (caching allocator's rounding and splits).
@@ -81,7 +73,7 @@ def reserve_bytes(device_memory_bytes: int, processes: int = 1) -> int:
 
 @dataclass(frozen=True)
 class ModuleTerms:
-    """Every memory term of one rank of one module (bytes); the phase each lives in is in PHASES."""
+    """Every memory term of one rank of one module (bytes); the phase each lives in is in ``phases``."""
 
     name: str
     params: int
@@ -99,6 +91,8 @@ class ModuleTerms:
     norm: int = 0
     optim: int = 0
     optimizer_impl: str = ""  # train.optimizer.impl (sizes ``optim``)
+    computes_loss: bool = False  # the graph's consumer (``dhp.plan.graph.computes_loss``)
+    phases: tuple[str, ...] = ()  # a step's phases in order (``ModuleShape.phases``)
 
     @property
     def saved_total(self) -> int:
@@ -127,18 +121,18 @@ class ModuleTerms:
         """Max over phases of params + grads + optimizer + saved activations: the transients and
         the reserve left out, i.e. what ``dhp.metrics.accounting`` measures on a running rank."""
         keys = ("params", "optimizer", "grads", "activations")
-        return max(sum(v for k, v in self.live(p).items() if k in keys) for p in PHASES)
+        return max(sum(v for k, v in self.live(p).items() if k in keys) for p in self.phases)
 
     def grads_and_activations(self, phase: str) -> tuple[int, int]:
         """(grads, saved activations) live together in ``phase`` (the table in the module docstring):
         the candidate with the larger sum over the micro-batches the phase stands for."""
-        order = PHASES.index
+        order = self.phases.index
         g, s, m = self.grads if self.grads > 0 else 0, self.saved_total, self.micro_batches
         mine_fwd, mine_bwd = f"{self.name}_fwd", f"{self.name}_bwd"
-        if order(phase) > order(mine_bwd) or (self.name == "llm" and phase not in (mine_fwd, mine_bwd)):
+        if order(phase) > order(mine_bwd) or (self.computes_loss and phase not in (mine_fwd, mine_bwd)):
             after = order(phase) > order(mine_bwd)
             return (g if after or (self.accumulates and g) else 0), 0
-        if self.name == "vision" and m >= 2 and self.live_micro_batches == 2:
+        if not self.computes_loss and m >= 2 and self.live_micro_batches == 2:
             pair = [(0, 2 * s)] + ([] if phase == mine_fwd else [(g, s)])
             cands = [(g, 2 * s)] if m >= 3 else pair
         elif self.accumulates:  # the LLM, m >= 2 (or an encoder without backward)
@@ -266,6 +260,8 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         norm=norm,
         optim=optim,
         optimizer_impl=optimizer_impl if trains else "",
+        computes_loss=computes_loss(shape.arch),
+        phases=shape.phases,
     )
 
 
@@ -284,11 +280,12 @@ class GpuTimeline:
 
 def gpu_timeline(modules: list[ModuleTerms]) -> GpuTimeline:
     """The timeline of the modules sharing one GPU; peak = max over phases (ties: earliest phase)."""
+    phases = modules[0].phases
     by_phase: dict[str, int] = {}
     terms: dict[str, dict[str, int]] = {}
-    for phase in PHASES:
+    for phase in phases:
         live = {f"{m.name}.{k}": v for m in modules for k, v in m.live(phase).items()}
         terms[phase] = live
         by_phase[phase] = sum(live.values())
-    peak = max(PHASES, key=lambda p: (by_phase[p], -PHASES.index(p)))
+    peak = max(phases, key=lambda p: (by_phase[p], -phases.index(p)))
     return GpuTimeline(by_phase=by_phase, peak_phase=peak, peak_terms=terms[peak])

@@ -1,5 +1,6 @@
 """How module phase times combine into a step: serial when collocated, a 2-stage pipeline when
-disaggregated (formulas in ``dhp/plan/timing.py``), the micro-batches of one step, and the estimate's JSON document."""
+disaggregated (the producers side by side, then the loss module; formulas in ``dhp/plan/timing.py``),
+the micro-batches of one step, and the estimate's JSON document."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from dhp.plan.graph import ModuleGraph
+
 
 def micro_batches_per_step(train: DictConfig, replicas: int) -> int:
-    """Micro-batches each of the LLM's ``replicas`` data replicas runs per optimizer step (gradient
+    """Micro-batches each of the loss module's ``replicas`` data replicas runs per optimizer step (gradient
     accumulation) under the ``train`` config."""
     per = train.micro_batch_size * replicas
     return max(1, train.global_batch_size // per)
@@ -23,27 +26,46 @@ class Schedule:
 
 
 def schedule(
-    placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float, dispatch: float = 0.0
+    placement: str,
+    per: dict[str, dict[str, float]],
+    *,
+    graph: ModuleGraph,
+    n_mb: int,
+    handoff: float,
+    dispatch: float = 0.0,
 ) -> Schedule:
-    """Step seconds from per-micro-batch ``fwd_s``/``bwd_s`` and per-step ``grad_sync_s``/``optim_s``;
+    """Step seconds from per-micro-batch ``fwd_s``/``bwd_s`` and per-step ``grad_sync_s``/``optim_s``
+    of the modules in ``per`` (``graph``'s consumer and the producers among them); ``handoff``: the
+    seconds of one micro-batch's hand-off from every producer (the hand-back costs as much);
     ``dispatch`` is the driver's own time per micro-batch (Ray calls, routing), added serially."""
-    sched = _schedule(placement, per, n_mb=n_mb, handoff=handoff)
+    sched = _schedule(placement, per, graph=graph, n_mb=n_mb, handoff=handoff)
     return Schedule(sched.step_s + n_mb * dispatch, sched.bottleneck, sched.idle_s)
 
 
-def _schedule(placement: str, per: dict[str, dict[str, float]], *, n_mb: int, handoff: float) -> Schedule:
+def _schedule(
+    placement: str, per: dict[str, dict[str, float]], *, graph: ModuleGraph, n_mb: int, handoff: float
+) -> Schedule:
+    """Collocated: every module's phases in turn on the shared GPUs. Disaggregated (producers on
+    GPUs of their own, apart from each other and from the consumer): the producers encode a
+    micro-batch side by side while the consumer runs the previous one, so a micro-batch costs the
+    slower of the slowest producer and the consumer (plus the pipeline's fill), then the longest
+    finish; the bottleneck is the consumer, or the first slowest producer when it is slower."""
     fin = {n: p["grad_sync_s"] + p["optim_s"] for n, p in per.items()}
-    if "vision" not in per:
-        llm = per["llm"]
-        return Schedule(n_mb * (llm["fwd_s"] + llm["bwd_s"]) + fin["llm"], "llm", {"llm": 0.0})
-    v = per["vision"]["fwd_s"] + per["vision"]["bwd_s"]
-    lm = per["llm"]["fwd_s"] + per["llm"]["bwd_s"] + 2 * handoff
+    consumer = graph.consumer
+    producers = [p for p in graph.producers if p in per]
+    if not producers:
+        c = per[consumer]
+        return Schedule(n_mb * (c["fwd_s"] + c["bwd_s"]) + fin[consumer], consumer, {consumer: 0.0})
+    work = {p: per[p]["fwd_s"] + per[p]["bwd_s"] for p in producers}
+    lm = per[consumer]["fwd_s"] + per[consumer]["bwd_s"] + 2 * handoff
     if placement == "collocated":
-        step = n_mb * (v + lm) + sum(fin.values())
-        return Schedule(step, "serial (shared GPUs)", {"vision": 0.0, "llm": 0.0})
+        step = n_mb * (sum(work.values()) + lm) + sum(fin.values())
+        return Schedule(step, "serial (shared GPUs)", {n: 0.0 for n in (*producers, consumer)})
+    slowest = max(producers, key=lambda p: work[p])  # the first of the slowest
+    v = work[slowest]
     step = n_mb * max(v, lm) + min(v, lm) + max(fin.values())
-    busy = {"vision": n_mb * v + fin["vision"], "llm": n_mb * lm + fin["llm"]}
-    return Schedule(step, "llm" if lm >= v else "vision", {n: max(step - b, 0.0) for n, b in busy.items()})
+    busy = {**{p: n_mb * work[p] + fin[p] for p in producers}, consumer: n_mb * lm + fin[consumer]}
+    return Schedule(step, consumer if lm >= v else slowest, {n: max(step - b, 0.0) for n, b in busy.items()})
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """``dhp plan --auto``: a deterministic search for the fastest plan that fits.
 
+The search pairs the run's one producer (an encoder) with the module that computes the loss, both
+read off the module graph (``dhp.plan.graph``); a run with several producers, or none, is refused.
+
 Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
 - placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
@@ -65,6 +68,7 @@ from dhp.plan.estimate import (
     timing_shapes,
     vision_patches_per_replica,
 )
+from dhp.plan.graph import ModuleGraph, run_graph
 from dhp.plan.memory import encoder_replica_patches, module_shape, sp_rank_tokens
 from dhp.plan.params import architecture, video_frames_per_row
 from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
@@ -110,7 +114,7 @@ class Candidate:
             degs = m.degrees.config_values()
             out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
-        out.append(f"modules.vision.seq_len={self.vision_seq_len}")
+        out.append(f"modules.{self.vision.name}.seq_len={self.vision_seq_len}")
         return out
 
     @property
@@ -130,7 +134,8 @@ class Candidate:
             return f"{axes or 'dp1'}{seq}{experts}{' z1' if m.degrees.zero else ''} ac={m.ac}"
 
         split = "" if self.placement == "collocated" else f" {self.vision.world}:{self.llm.world}"
-        return f"{self.placement}{split} | vision {deg(self.vision)} | llm {deg(self.llm)} | mb {self.micro_batch}"
+        mods = f"{self.vision.name} {deg(self.vision)} | {self.llm.name} {deg(self.llm)}"
+        return f"{self.placement}{split} | {mods} | mb {self.micro_batch}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -187,14 +192,14 @@ def _fixed(fixed: set[str], key: str) -> bool:
     return key in fixed
 
 
-def _patches_per_sample(config: DictConfig) -> float:
-    """Patches of one sample, which candidates' ``modules.vision.seq_len`` scale with: synthetic
+def _patches_per_sample(config: DictConfig, producer: str) -> float:
+    """Patches of one sample, which candidates' ``modules.<producer>.seq_len`` scale with: synthetic
     data's images and videos, else the recipe's bound per sample (its seq_len over its micro-batch)."""
     if config.data.kind == "synthetic":
         syn = config.data.synthetic
         video = syn.videos_per_sample * (syn.video_frames // video_frames_per_row(config.model)) * syn.patches
         return float(syn.patches * syn.images_per_sample + video)
-    return config.modules["vision"].seq_len / config.train.micro_batch_size
+    return config.modules[producer].seq_len / config.train.micro_batch_size
 
 
 class Search:
@@ -203,12 +208,16 @@ class Search:
     def __init__(self, config: DictConfig, fixed: set[str]) -> None:
         self.cfg = config
         self.fixed = fixed
+        self.graph = run_graph(config)
+        if len(self.graph.producers) != 1:
+            raise PlanError(_one_producer(self.graph))
+        self.producer, self.consumer = self.graph.producers[0], self.graph.consumer
         self.cluster = config.cluster
         self.coef = coefficients(config.cluster)
         self.gpn = config.cluster.gpus_per_node
         self.n = config.cluster.nodes * self.gpn
         self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
-        self.patches_per_sample = _patches_per_sample(config)
+        self.patches_per_sample = _patches_per_sample(config, self.producer)
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self.ruled_out: dict[str, ClassReport] = {}  # by class label, after run(): none of it fits
         self._procs = 0
@@ -246,11 +255,11 @@ class Search:
         return out + ([mine] if 0 < mine <= self.n and mine not in out else [])
 
     def _own_gpus(self) -> int:
-        v, lm = int(self.cfg.modules["vision"].gpus), int(self.cfg.modules["llm"].gpus)
+        v, lm = int(self.cfg.modules[self.producer].gpus), int(self.cfg.modules[self.consumer].gpus)
         return max(v, lm) if self.cfg.placement == "collocated" else v + lm
 
     def placements(self) -> list[tuple[str, int, int]]:
-        """(placement, vision GPUs, LLM GPUs): collocated on t GPUs, or disaggregated with every split
+        """(placement, producer GPUs, consumer GPUs): collocated on t GPUs, or disaggregated with every split
         of t, for every t of ``totals``. Plans on fewer GPUs than the cluster has compete on the same
         predicted step time: they win only where more ranks are predicted slower (a CPU host whose
         cores the ranks share, or too little work per rank for the collectives it adds)."""
@@ -261,7 +270,7 @@ class Search:
             out += [("collocated", t, t)] if colloc else []
             out += [("disaggregated", v, t - v) for v in range(1, t)] if disagg else []
         mods = self.cfg.modules
-        mine = (str(self.cfg.placement), int(mods["vision"].gpus), int(mods["llm"].gpus))
+        mine = (str(self.cfg.placement), int(mods[self.producer].gpus), int(mods[self.consumer].gpus))
         return out + ([mine] if mine not in out else [])
 
     def micro_batches(self, l_reps: int, v_reps: int) -> list[int]:
@@ -275,14 +284,14 @@ class Search:
         ]
 
     def vision_seq_len(self, mb: int, sp: int) -> int:
-        """``modules.vision.seq_len`` of a candidate: the patches of one LLM replica's micro-batch of
+        """``modules.<producer>.seq_len`` of a candidate: the patches of one LLM replica's micro-batch of
         ``mb`` samples (what the loader bounds; an encoder replica serving several LLM replicas
         encodes that many times it: ``memory.encoder_replica_patches``), on whole merge units of
         every SP rank. The recipe's own when it is fixed, or when ``mb`` is the recipe's."""
         cfg = self.cfg
-        if _fixed(self.fixed, "modules.vision.seq_len") or mb == cfg.train.micro_batch_size:
-            return int(cfg.modules["vision"].seq_len)
-        unit = architecture(cfg.model).modules["vision"].merge * sp
+        if _fixed(self.fixed, f"modules.{self.producer}.seq_len") or mb == cfg.train.micro_batch_size:
+            return int(cfg.modules[self.producer].seq_len)
+        unit = architecture(cfg.model).modules[self.producer].merge * sp
         need = self.patches_per_sample * mb
         return int(math.ceil(need / unit) * unit)
 
@@ -316,7 +325,7 @@ class Search:
             image_patches=self._image(),
             device=self.cluster.device,
         )
-        if name == "llm":  # as compile.module_shapes: packed rows when packing is on
+        if name == self.consumer:  # as compile.module_shapes: packed rows when packing is on
             shape = packed_rows(self.cfg, shape)
         if shape.pixels:  # as compile.module_shapes: every patch of the LLM replicas it serves
             replicas = ParallelLayout(dp=l_reps)
@@ -328,9 +337,10 @@ class Search:
         # time on the data's measured lengths, as the winner's estimate line does; memory (terms) keeps
         # the seq_len-filled shape
         timed = timing_shapes(self.cfg, {name: shape}, micro_batch=mb)[name]
-        f = module_features(timed, tokens if name == "vision" else timed.tokens, self.cluster, world, procs)
+        producer = name == self.producer
+        f = module_features(timed, tokens if producer else timed.tokens, self.cluster, world, procs)
         time = module_time(f, self.coef, n_mb=n_mb)
-        if name == "vision":  # one hand-off (and one hand-back) per micro-batch, as the estimate
+        if producer:  # one hand-off (and one hand-back) per micro-batch, as the estimate
             span = world if self._placement == "collocated" else self._procs
             time["handoff_s"] = handoff_seconds(
                 shape, tokens * d.sp, self.cluster, handoff=self._handoff(), span=span
@@ -363,7 +373,7 @@ class Search:
         total = vision_patches_per_replica(
             self.cfg, seq_len=bound, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.num_replicas
         )
-        return sp_rank_tokens(architecture(self.cfg.model).modules["vision"], total, d.sp, self._image())
+        return sp_rank_tokens(architecture(self.cfg.model).modules[self.producer], total, d.sp, self._image())
 
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:
@@ -411,10 +421,11 @@ class Search:
         """The candidates of one placement on (vw, lw) GPUs that fit, noting in ``report`` why the
         others do not; ``bound()``: the step time an LLM alone must beat to be worth pairing."""
         budget, solo = self._budgets(placement)
-        l_opts, v_opts = self._degrees("llm", lw), self._degrees("vision", vw)
+        cons, prod = self.consumer, self.producer
+        l_opts, v_opts = self._degrees(cons, lw), self._degrees(prod, vw)
         if not l_opts or not v_opts:
             report.note = (
-                f"no valid {'LLM' if not l_opts else 'vision'} layout on {lw if not l_opts else vw} GPUs"
+                f"no valid {'LLM' if not l_opts else prod} layout on {lw if not l_opts else vw} GPUs"
             )
             return []
         out = []
@@ -424,11 +435,11 @@ class Search:
                     continue
                 for mb in self.micro_batches(ld.num_replicas, v_reps):
                     n_mb = self.cfg.train.global_batch_size // (mb * ld.num_replicas)
-                    seq_l = int(self.cfg.modules["llm"].seq_len)
+                    seq_l = int(self.cfg.modules[cons].seq_len)
                     llms = [
-                        self.module("llm", lw, ld, ac, mb, n_mb, seq_l, 0.0)
-                        for ac in self._acs("llm")
-                        if self._keep("llm", lw, ld, ac)
+                        self.module(cons, lw, ld, ac, mb, n_mb, seq_l, 0.0)
+                        for ac in self._acs(cons)
+                        if self._keep(cons, lw, ld, ac)
                     ]
                     if placement != "collocated":  # the LLM's GPUs are its own
                         for c in llms:
@@ -443,10 +454,10 @@ class Search:
                             continue
                         seq = self.vision_seq_len(mb, vd.sp)
                         tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
-                        for vac in self._acs("vision"):
-                            if not self._keep("vision", vw, vd, vac):
+                        for vac in self._acs(prod):
+                            if not self._keep(prod, vw, vd, vac):
                                 continue
-                            vc = self.module("vision", vw, vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
+                            vc = self.module(prod, vw, vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
                             for lc in llms:
                                 cand = self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, report)
                                 if cand is not None:
@@ -459,18 +470,18 @@ class Search:
         """The run config's own plan as a candidate, timed and sized as every other (None when it
         does not fit): its placement, GPU counts, degrees, AC modes, micro-batch and vision seq_len."""
         cfg = self.cfg
-        v, lm = cfg.modules["vision"], cfg.modules["llm"]
+        v, lm = cfg.modules[self.producer], cfg.modules[self.consumer]
         vd, ld = module_layout(v), module_layout(lm)
         placement, mb = str(cfg.placement), int(cfg.train.micro_batch_size)
         self._procs, self._placement = int(v.gpus) + int(lm.gpus), placement
         n_mb = cfg.train.global_batch_size // (mb * ld.num_replicas)
         seq = int(v.seq_len)
         lc = self.module(
-            "llm", int(lm.gpus), ld, str(lm.activation_checkpointing), mb, n_mb, int(lm.seq_len), 0.0
+            self.consumer, int(lm.gpus), ld, str(lm.activation_checkpointing), mb, n_mb, int(lm.seq_len), 0.0
         )
         tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
         vac = str(v.activation_checkpointing)
-        vc = self.module("vision", int(v.gpus), vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
+        vc = self.module(self.producer, int(v.gpus), vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
         budget, solo = self._budgets(placement)
         return self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, ClassReport())
 
@@ -486,9 +497,16 @@ class Search:
         report.over(peak, cap)
         if peak > cap:
             return None
-        per = {"vision": vc.time, "llm": lc.time}
+        per = {vc.name: vc.time, lc.name: lc.time}
         hand = vc.time["handoff_s"]
-        sch = schedule(placement, per, n_mb=n_mb, handoff=hand, dispatch=self.cluster.dispatch_overhead_s)
+        sch = schedule(
+            placement,
+            per,
+            graph=self.graph,
+            n_mb=n_mb,
+            handoff=hand,
+            dispatch=self.cluster.dispatch_overhead_s,
+        )
         return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
 
 
@@ -514,6 +532,15 @@ class ClassReport:
         return f"none fits memory (smallest peak {_size(self.peak)} > {_size(self.cap)} usable)"
 
 
+def _one_producer(graph: ModuleGraph) -> str:
+    """Why ``--auto`` cannot search ``graph``: it pairs one producer with the loss module."""
+    return (
+        f"dhp plan --auto searches one encoder feeding the loss module ({graph.consumer}); this run has "
+        f"{len(graph.producers)} ({', '.join(graph.producers) or 'none'}). Fix: use a VLM recipe, or plan "
+        "it as configured (dhp plan without --auto)"
+    )
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
@@ -531,7 +558,7 @@ def reason(
     if best.placement == "disaggregated":
         hide = (
             "the encoder stage hides behind the LLM stage"
-            if best.bottleneck == "llm"
+            if best.bottleneck == best.llm.name
             else "the LLM stage hides behind the encoder stage"
         )
         text = f"disaggregated {best.vision.world}:{best.llm.world} wins: {hide}"
@@ -589,8 +616,6 @@ def auto_plan(
     missing run inputs (``model.path``, the data) refuse it no more than they refused the config."""
     from dhp.validation.validate import is_missing_input, validate
 
-    if "vision" not in config.modules:
-        raise PlanError("dhp plan --auto needs a vision and an llm module. Fix: use a VLM recipe")
     search = Search(config, fixed)
     out = []
     refused: collections.Counter[str] = collections.Counter()

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from dhp.config.validate_data_keys import synthetic_sample_tokens
 from dhp.layout import ParallelLayout
 from dhp.plan.estimate import data_lengths, timing_shapes, vision_patches_per_replica
+from dhp.plan.graph import run_graph
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.schedule import micro_batches_per_step
@@ -111,7 +112,7 @@ def plan_workload(
 ) -> dict:
     """The ``workload`` document of a plan (module docstring): ``shapes`` as memory plans them
     (``compile.module_shapes``), ``layouts`` every module's."""
-    llm = next(n for n, s in shapes.items() if s.vocab)
+    llm = run_graph(config).consumer
     source, sample = _per_sample(config)
     measured = sample["llm_tokens"] is not None
     timed = timing_shapes(config, shapes)
