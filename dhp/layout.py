@@ -238,19 +238,9 @@ class ParallelLayout:
         return self.ep * self.etp
 
     @property
-    def expert_copies_over_tp(self) -> int:
-        """TP ranks of a unit that hold the same experts and run them on the same tokens (tp / etp)."""
-        return self.tp // self.etp if self.etp >= 1 else self.tp
-
-    @property
     def expert_param_shards(self) -> int:
         """Parts the experts' parameters and gradients are cut into: ep x etp, times edp under expert FSDP."""
         return self.expert_group * (self.edp if self.expert_fsdp else 1)
-
-    @property
-    def moe_tokens_split(self) -> int:
-        """Parts a unit's tokens are cut into before the experts' dispatch (etp; 1 without expert TP)."""
-        return self.etp
 
     def expert_grid(self) -> list[list[list[int]]]:
         """The ranks of the experts' mesh ``EXPERT_MESH_AXES``, ``[tp / etp][edp][ep x etp]``.

@@ -87,9 +87,9 @@ def build_optimizer(
     if group is not None:
         experts = [p for _, p in expert_params(module)]
         fold = expert_fold_mesh(module)
-        edp = fold["edp"].get_group() if fold is not None and fold["edp"].size() > 1 else None
-        if layout.expert_fsdp:  # the experts' states are already 1/edp per rank (their FSDP shards)
-            edp = None
+        # under expert FSDP the experts' states are already 1/edp per rank (their FSDP shards)
+        partition = fold is not None and fold["edp"].size() > 1 and not layout.expert_fsdp
+        edp = fold["edp"].get_group() if partition else None
         return Zero1AdamW(params, dp_group=group, unpartitioned=experts, expert_group=edp, **adamw)
     return torch.optim.AdamW(params, **adamw)
 

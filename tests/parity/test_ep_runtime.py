@@ -171,6 +171,16 @@ def _full_optim(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_state(model, opt, want_p: dict, want_o: dict, tag: str) -> None:
+    """Every full parameter and AdamW state of ``model``/``opt`` equals ``want_p``/``want_o``, bit for bit."""
+    got_p, got_o = full_param_dict(model), _full_optim(model, opt)
+    for name, w in want_p.items():
+        assert torch.equal(got_p[name], w), f"{tag}: parameter {name} differs"
+    assert set(got_o) == set(want_o), set(got_o) ^ set(want_o)
+    for name, w in want_o.items():
+        assert torch.equal(got_o[name], w), f"{tag}: optimizer state {name} differs"
+
+
 def _reshard_case(mesh, model, opt, root: str) -> None:
     """dhp.checkpoint: ep=2 (fsdp=2) -> ep=1 (fsdp=2) -> ep=2, model and AdamW states bit for bit."""
     want_p, want_o = full_param_dict(model), _full_optim(model, opt)
@@ -182,12 +192,7 @@ def _reshard_case(mesh, model, opt, root: str) -> None:
             p.grad = torch.zeros_like(p)
         ropt.step()
         load_module_state(Path(root, src), model=resumed, optimizer=ropt)
-        got_p, got_o = full_param_dict(resumed), _full_optim(resumed, ropt)
-        for name, w in want_p.items():
-            assert torch.equal(got_p[name], w), f"ep=2 -> ep={ep}: parameter {name} differs"
-        assert set(got_o) == set(want_o), set(got_o) ^ set(want_o)
-        for name, w in want_o.items():
-            assert torch.equal(got_o[name], w), f"ep=2 -> ep={ep}: optimizer state {name} differs"
+        assert_same_state(resumed, ropt, want_p, want_o, f"ep=2 -> ep={ep}")
         if dst is not None:
             save_module_state(Path(root, dst), model=resumed, optimizer=ropt, extra={})
 

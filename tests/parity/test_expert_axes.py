@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from parallel_harness import spawn
 from test_ep import SEQ
-from test_ep_runtime import _dhp_model, _full_optim, _train_case
+from test_ep_runtime import _dhp_model, _full_optim, _train_case, assert_same_state
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -91,12 +91,7 @@ def _resume(mesh, layout: ParallelLayout, root: Path, want_p: dict, want_o: dict
         p.grad = torch.zeros_like(p)
     opt.step()
     load_module_state(root, model=model, optimizer=opt)
-    got_p, got_o = full_param_dict(model), _full_optim(model, opt)
-    for name, w in want_p.items():
-        assert torch.equal(got_p[name], w), f"{tag}: parameter {name} differs"
-    assert set(got_o) == set(want_o), set(got_o) ^ set(want_o)
-    for name, w in want_o.items():
-        assert torch.equal(got_o[name], w), f"{tag}: optimizer state {name} differs"
+    assert_same_state(model, opt, want_p, want_o, tag)
     return model, opt
 
 

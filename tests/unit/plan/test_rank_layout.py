@@ -117,8 +117,8 @@ def test_the_expert_fold_with_expert_tp_and_expert_fsdp():
     # etp = tp: one all-to-all group takes every TP rank of its ep units (ep x tp consecutive ranks)
     lay = ParallelLayout(dp=2, sp=2, tp=2, ep=2, etp=2)
     assert lay.expert_grid() == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
-    assert lay.expert_group == 4 and lay.expert_copies_over_tp == 1 and lay.expert_param_shards == 4
-    assert ParallelLayout(dp=2, tp=2, ep=2).expert_copies_over_tp == 2  # etp = 1: every TP rank the same
+    assert lay.expert_group == 4 and len(lay.expert_grid()) == 1 and lay.expert_param_shards == 4
+    assert len(ParallelLayout(dp=2, tp=2, ep=2).expert_grid()) == 2  # etp = 1: every TP rank the same
     # expert FSDP: the experts also cut over their edp ranks, their states with them
     fsdp = ParallelLayout(fsdp=4, ep=2, expert_fsdp=True)
     assert fsdp.edp == 2 and fsdp.expert_param_shards == 4 and fsdp.expert_optimizer_shards == 2
