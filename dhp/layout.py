@@ -278,6 +278,13 @@ class ParallelLayout:
         return max(1, self.edp) if self.zero == 1 or self.expert_fsdp else 1
 
     @property
+    def expert_state_split(self) -> int:
+        """Parts a rank's expert PARAMETER shard is cut into once more for its AdamW states: edp under
+        ZeRO-1 without expert FSDP; 1 under expert FSDP (the parameter shard is already 1/edp) and
+        without ZeRO-1. A rank's expert states: 1/(expert_param_shards x expert_state_split)."""
+        return 1 if self.expert_fsdp else self.expert_optimizer_shards
+
+    @property
     def token_multiple(self) -> int:
         """Under context parallelism every micro-batch is right-padded to a multiple of this many tokens
         (``2 * cp`` chunks, each a multiple of tp under SP inside TP); 1 without CP."""

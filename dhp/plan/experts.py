@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from dhp.plan.blocks import delta_rule_states_bytes, dispatch_elems, dispatch_saved_elems
-from dhp.plan.memory import ModuleShape, checkpointed_blocks, expert_state_split
+from dhp.plan.memory import ModuleShape, checkpointed_blocks
 from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms
 
 #: which dispatch/combine buffers the fits/OOM verdict counts (see ``dhp/plan/memory.py``)
@@ -42,7 +42,7 @@ def expert_state_bytes(shape: ModuleShape, ep: int) -> int:
     per_rank = shape.params.expert / lay.expert_param_shards
     if shape.freeze:
         return int(per_rank * pr.param)
-    opt = pr.optimizer / expert_state_split(lay)
+    opt = pr.optimizer / lay.expert_state_split
     return int(per_rank * (pr.param + shape.trainable * (pr.grad + opt)))
 
 

@@ -30,7 +30,7 @@ Sharding of the model states (P = the module's parameters, ``params.py``: ``tp_s
     params = (P_rank + X_rank) * b_param;  grads = (P_rank + X_rank) * b_grad (0 when frozen)
     optimizer = P_rank * b_opt / (dp * sp) with zero=1 (``ZERO1_AXES``), else P_rank * b_opt;
                 + P_expert * b_opt / (ep x etp x edp) with zero=1 or expert FSDP,
-                  else P_expert * b_opt / (ep x etp)     (``expert_owned_params``)
+                  else P_expert * b_opt / (ep x etp)     (``ParallelLayout.expert_state_split``)
 
 Expert parallelism (``dhp/parallel/ep.py``): rank r of an all-to-all group of ep x etp ranks
 (``ParallelLayout.expert_group``) holds experts [r E/(ep etp), (r+1) E/(ep etp)) of every MoE
@@ -264,19 +264,6 @@ def rank_params(shape: ModuleShape) -> tuple[float, float]:
     )
 
 
-def expert_state_split(layout: ParallelLayout) -> int:
-    """Parts a rank's routed-expert parameters are cut into once more for their AdamW states: edp
-    under ZeRO-1 without expert FSDP (``expert_optimizer_shards``); 1 under expert FSDP, whose
-    parameter shard is already 1/edp, and without ZeRO-1."""
-    return 1 if layout.expert_fsdp else layout.expert_optimizer_shards
-
-
-def expert_owned_params(shape: ModuleShape) -> float:
-    """Routed-expert parameters whose AdamW states live on one rank: P_expert / (ep x etp x
-    expert_optimizer_shards), i.e. 1/(ep x etp), cut over edp under ZeRO-1 or expert FSDP."""
-    return rank_params(shape)[1] / expert_state_split(shape.layout)
-
-
 def expert_layer_gather_elems(shape: ModuleShape) -> float:
     """Elements of one MoE layer's local experts as expert FSDP all-gathers them over edp (the
     largest block's routed experts / (ep x etp), unsharded); 0 without expert FSDP."""
@@ -349,7 +336,7 @@ def model_states(shape: ModuleShape) -> tuple[int, int, int]:
         int(grads),
         int(
             dense * t * pr.optimizer / lay.optimizer_shards
-            + experts * t * pr.optimizer / expert_state_split(lay)
+            + experts * t * pr.optimizer / lay.expert_state_split
         ),
     )
 

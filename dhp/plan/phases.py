@@ -52,7 +52,6 @@ from dhp.plan.memory import (
     delta_rule_work_bytes,
     eager_block_bytes,
     expert_layer_gather_elems,
-    expert_state_split,
     largest_local_param,
     model_states,
     non_expert_params,
@@ -239,7 +238,7 @@ def module_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str)
         if par.optimizer_shards > 1:  # one owner's coalesced broadcast buffer: the
             # dense partition's over dp x sp, then the experts' over edp (one after the other;
             # none under expert FSDP, whose shards are their owners' own)
-            split = expert_state_split(par)
+            split = par.expert_state_split
             edp_owned = experts * pr.param / split if split > 1 else 0
             optim += int(max(dense * pr.param / par.optimizer_shards, edp_owned))
     return ModuleTerms(

@@ -104,7 +104,6 @@ from dhp.plan.memory import (
     ModuleShape,
     checkpointed_blocks,
     cp_full_blocks,
-    expert_state_split,
     non_expert_params,
     rank_params,
     recomputed_exchanges,
@@ -410,7 +409,7 @@ def optimizer_s(shape: ModuleShape, cluster: DictConfig) -> float:
     par, pr = shape.layout, shape.precision
     dense, experts = rank_params(shape)
     local = dense + experts
-    owned = dense / par.optimizer_shards + experts / expert_state_split(par)
+    owned = dense / par.optimizer_shards + experts / par.expert_state_split
     nbytes = owned * (2 * pr.param + pr.grad + 2 * pr.optimizer) + 3 * local * pr.grad
     return nbytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 
