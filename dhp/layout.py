@@ -1,13 +1,20 @@
 """The one parallel layout of a module group (like torchtitan's ``ParallelDims``). Pure, torch-free.
 
-A :class:`ParallelLayout` holds every degree of one module: the mesh axes dp, fsdp, cp, sp, tp
-(``MESH_AXES``, outer -> inner), the expert-parallel degree ``ep`` folded over the ranks that see
+A :class:`ParallelLayout` holds every degree of one module: the mesh axes pp, dp, fsdp, cp, sp, tp
+(``MESH_AXES``, outer -> inner), the pipeline's schedule and virtual stages per rank, the expert-parallel degree ``ep`` folded over the ranks that see
 different tokens, the ZeRO stage and sequence parallelism inside TP. It is built once from the
 validated config by :meth:`ParallelLayout.from_config` (the only reader of ``modules.<m>.parallel``),
 carried by the compiled plan per group, shipped to every worker, and meshes are cut from it.
 Every derived fact is computed here and nowhere else:
 
-- rank ``r`` has coordinates ``r = (((dp * F + fsdp) * C + cp) * S + sp) * T + tp``;
+- rank ``r`` has coordinates ``r = ((((pp * D + dp) * F + fsdp) * C + cp) * S + sp) * T + tp``;
+- pipeline parallelism (``pp``, the outermost axis): a pipeline stage's ranks are the
+  ``stage_world = world / pp`` contiguous ranks of one pp coordinate; each stage holds its own decoder
+  layers (:func:`stage_cut`), and every fact below (replicas, units, the token fold, the experts' grid)
+  is one stage's, numbered as stage 0's ranks and mirrored on the others. So the hand-off's endpoints
+  (units and their leaders) are first-stage ranks; the other stages' ranks of a unit are its
+  ``pipeline peers`` (:meth:`ParallelLayout.pipeline_peers`). With ``pp_virtual = v > 1`` each rank
+  holds ``v`` stages of the ``pp * v`` (loop order: rank-stage ``s`` holds stages ``s, s + pp, ...``);
 - a data replica = one (dp, fsdp) coordinate: its ``cp * sp * tp`` ranks are contiguous and see the
   same samples; there are ``dp * fsdp`` replicas, and a replica's leader is its first rank;
 - a unit = one (data replica, CP rank, SP rank), i.e. one TP group: its ``tp`` ranks are contiguous
@@ -26,7 +33,6 @@ Every derived fact is computed here and nowhere else:
 - ZeRO-1 shards the optimizer state over the ranks that hold identical parameters and gradients:
   the dp x cp x sp ranks (``ZERO1_AXES``) for dense parameters, the edp ranks for experts.
 
-The axis still to come (pp) joins ``MESH_AXES`` / the folds here, and only here.
 The constructor does not validate: ``dhp.config.plan_space`` reports bad degrees as config issues
 before any derived fact is asked for.
 """
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: the mesh axes of a group, outer -> inner (re-exported by dhp.config.constants)
-MESH_AXES = ("dp", "fsdp", "cp", "sp", "tp")
+MESH_AXES = ("pp", "dp", "fsdp", "cp", "sp", "tp")
 PARALLEL_AXES = MESH_AXES  # the name the config layer and the strategies use for the same tuple
 #: the mesh axes whose ranks see different tokens: the fold expert parallelism cuts
 TOKEN_AXES = ("dp", "fsdp", "cp", "sp")
@@ -51,9 +57,20 @@ ZERO1_AXES = ("dp", "cp", "sp")
 #: group: ep x etp ranks, each with its own experts)
 EXPERT_MESH_AXES = ("erep", "edp", "ep")
 #: every key of a ``modules.<m>.parallel`` config node, in the order the schema declares them
-CONFIG_KEYS = ("dp", "fsdp", "sp", "tp", "cp", "ep", "etp", "expert_fsdp", "zero", "sequence_parallel")
+CONFIG_KEYS = (
+    "dp", "fsdp", "sp", "tp", "cp", "ep", "etp", "expert_fsdp", "zero", "sequence_parallel",
+    "pp", "pp_virtual", "pp_schedule",
+)  # fmt: skip
 #: the boolean keys among them
 BOOL_KEYS = ("expert_fsdp", "sequence_parallel")
+#: the string keys among them
+STR_KEYS = ("pp_schedule",)
+#: the pipeline schedules (``parallel.pp_schedule``), each torch.distributed.pipelining's: ``gpipe``
+#: (every forward, then every backward), ``1f1b``, ``interleaved_1f1b`` (``pp_virtual`` stages per
+#: rank) and ``zero_bubble`` (interleaved, the backward split into its input and weight halves)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+#: the schedules that run several stages per rank (``pp_virtual >= 2``) and the ones that run one
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,9 @@ class ParallelLayout:
     expert_fsdp: bool = False  # the experts also sharded over their edp ranks (FSDP2)
     zero: int = 0  # 0: plain DP; 1: ZeRO-1 (optimizer states partitioned, see ZERO1_AXES)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group
+    pp: int = 1  # pipeline stages (rank groups) the module's decoder layers are cut over
+    pp_virtual: int = 1  # stages per pipeline rank (interleaved schedules: pp x pp_virtual stages)
+    pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
 
     # ---- the builder (the one reader of the config's degrees) --------------------------------
     @classmethod
@@ -86,10 +106,15 @@ class ParallelLayout:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             value = get(f.name, f.default)
-            out[f.name] = bool(value) if f.name in BOOL_KEYS else int(value)
+            if f.name in BOOL_KEYS:
+                out[f.name] = bool(value)
+            elif f.name in STR_KEYS:
+                out[f.name] = str(value)
+            else:
+                out[f.name] = int(value)
         return cls(**out)
 
-    def config_values(self) -> dict[str, int | bool]:
+    def config_values(self) -> dict[str, int | bool | str]:
         """The ``modules.<name>.parallel`` node that builds this layout (the inverse of :meth:`from_config`)."""
         return {k: getattr(self, k) for k in CONFIG_KEYS}
 
@@ -117,7 +142,7 @@ class ParallelLayout:
 
     def span(self, axis: str) -> int:
         """Consecutive ranks one ``axis`` group reaches across: its degree times the inner axes'
-        (e.g. ``span("tp") = tp``, ``span("sp") = sp * tp``, ``span("dp") = world_size``)."""
+        (e.g. ``span("tp") = tp``, ``span("sp") = sp * tp``, ``span("pp") = world_size``)."""
         out = 1
         for a in reversed(MESH_AXES):
             out *= getattr(self, a)
@@ -126,7 +151,7 @@ class ParallelLayout:
         raise ValueError(f"unknown axis {axis!r}; axes are {MESH_AXES}")
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank`` (all four axes, ordered)."""
+        """Mesh coordinates of ``rank`` (every axis, ordered)."""
         self._check_rank(rank)
         out: dict[str, int] = {}
         rest = rank
@@ -186,11 +211,12 @@ class ParallelLayout:
         return self.cp * self.sp
 
     def replica_of(self, rank: int) -> int:
-        """Data replica of ``rank`` (its (dp, fsdp) coordinate, flattened)."""
-        return rank // self.ranks_per_replica
+        """Data replica of ``rank`` (its (dp, fsdp) coordinate, flattened; every stage's ranks of a
+        replica are the same replica: they see the same samples)."""
+        return (rank % self.stage_world) // self.ranks_per_replica
 
     def replica_ranks(self, replica: int) -> list[int]:
-        """The cp * sp * tp contiguous ranks of data replica ``replica``."""
+        """The cp * sp * tp contiguous first-stage ranks of data replica ``replica``."""
         start = replica * self.ranks_per_replica
         return list(range(start, start + self.ranks_per_replica))
 
@@ -199,19 +225,54 @@ class ParallelLayout:
         return [r * self.ranks_per_replica for r in range(self.num_replicas)]
 
     def is_replica_leader(self, rank: int) -> bool:
-        return rank % self.ranks_per_replica == 0
+        """Whether ``rank`` is a replica's first rank on the first pipeline stage."""
+        return rank < self.stage_world and rank % self.ranks_per_replica == 0
 
     def unit_of(self, rank: int) -> int:
-        """The unit (TP group) of ``rank``: its TP ranks are contiguous, so ``rank // tp``."""
-        return rank // self.tp
+        """The unit (TP group) of ``rank``: its TP ranks are contiguous, so ``rank // tp`` on its
+        stage (a later stage's rank belongs to the unit of its first-stage peer)."""
+        return (rank % self.stage_world) // self.tp
 
     def unit_leader(self, unit: int) -> int:
-        """TP rank 0 of ``unit``: the one rank of it that sends or receives hand-off rows."""
+        """TP rank 0 of ``unit`` on the first stage: the one rank of it that sends or receives hand-off
+        rows."""
         return unit * self.tp
 
     def unit_ranks(self, unit: int) -> list[int]:
-        """The tp contiguous ranks of ``unit``."""
+        """The tp contiguous first-stage ranks of ``unit``."""
         return list(range(unit * self.tp, (unit + 1) * self.tp))
+
+    # ---- pipeline stages ---------------------------------------------------------------------
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage (every axis but pp)."""
+        return self.world_size // self.pp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: pp x pp_virtual."""
+        return self.pp * self.pp_virtual
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline coordinate of ``rank`` (0: the first stage's ranks)."""
+        return rank // self.stage_world
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stage indices ``rank`` holds, in loop order: ``pp_rank, pp_rank + pp, ...``."""
+        first = self.pp_rank(rank)
+        return [first + k * self.pp for k in range(self.pp_virtual)]
+
+    def pipeline_peers(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s pipeline (its coordinate on every other axis), first stage first."""
+        local = rank % self.stage_world
+        return [s * self.stage_world + local for s in range(self.pp)]
+
+    def is_first_stage(self, rank: int) -> bool:
+        return self.pp_rank(rank) == 0
+
+    def holds_last_stage(self, rank: int) -> bool:
+        """Whether ``rank`` holds the last stage (the norm, lm_head and loss)."""
+        return self.num_stages - 1 in self.stages_of(rank)
 
     # ---- the token-parallel fold and the experts' axes ----------------------------------------
     @property
@@ -247,15 +308,23 @@ class ParallelLayout:
 
         For each TP index ``t`` the token fold's ranks (row-major: sp fastest, then cp) are cut into EP
         groups of ``ep`` consecutive units. With ``etp = 1`` each TP index has its own groups; with
-        ``etp = tp`` a group takes every TP rank of its ``ep`` units (``ep x tp`` consecutive ranks)."""
+        ``etp = tp`` a group takes every TP rank of its ``ep`` units (``ep x tp`` consecutive ranks).
+        First-stage ranks: stage ``s`` holds the same grid offset by ``s x stage_world``
+        (:meth:`stage_expert_grids`)."""
         groups = []
         for t in range(self.tp):
-            fold = [r for r in range(self.world_size) if r % self.tp == t]
+            fold = [r for r in range(self.stage_world) if r % self.tp == t]
             groups.append([fold[i : i + self.ep] for i in range(0, len(fold), self.ep)])
         if self.etp == 1:
             return groups
         merged = [sorted(r for t in range(self.tp) for r in groups[t][d]) for d in range(self.edp)]
         return [merged]
+
+    def stage_expert_grids(self) -> list[list[list[list[int]]]]:
+        """:meth:`expert_grid` of every pipeline stage, ``[pp][tp / etp][edp][ep x etp]``."""
+        grid = self.expert_grid()
+        off = self.stage_world
+        return [[[[r + s * off for r in g] for g in row] for row in grid] for s in range(self.pp)]
 
     # ---- the optimizer's and the sequence's shards -------------------------------------------
     @property
@@ -308,6 +377,26 @@ class ParallelLayout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
+
+
+def stage_cut(layers: int, stages: int) -> list[tuple[int, int]]:
+    """The balanced cut of ``layers`` decoder layers over ``stages`` pipeline stages: ``[lo, hi)`` per
+    stage, every stage at least one layer. The embedding and the hand-off inputs ride on the first
+    stage and the norm, lm_head and loss on the last, so when the layers do not divide evenly the extra
+    layers go to the middle stages first, then to the first stage (the lm_head and loss cost more than
+    the embedding lookup). ValueError when ``stages > layers``."""
+    if stages < 1 or stages > layers:
+        raise ValueError(f"cannot cut {layers} layers into {stages} stages (each needs >= 1 layer)")
+    base, extra = divmod(layers, stages)
+    sizes = [base] * stages
+    order = list(range(1, stages - 1)) + ([0] if stages > 1 else []) + [stages - 1]
+    for i in order[:extra]:
+        sizes[i] += 1
+    out, lo = [], 0
+    for n in sizes:
+        out.append((lo, lo + n))
+        lo += n
+    return out
 
 
 def padded_length(seq_len: int, multiple: int) -> int:

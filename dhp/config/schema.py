@@ -137,9 +137,9 @@ class ClusterConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of one module's mesh. ``gpus`` of the module must equal dp*fsdp*cp*sp*tp.
+    """Degrees of one module's mesh. ``gpus`` of the module must equal pp*dp*fsdp*cp*sp*tp.
 
-    Mesh axis order (outer -> inner): dp, fsdp, cp, sp, tp (dhp.layout). sp and tp are mutually
+    Mesh axis order (outer -> inner): pp, dp, fsdp, cp, sp, tp (dhp.layout). sp and tp are mutually
     exclusive. zero: 0 = plain DP (replicated optimizer), 1 = ZeRO-1 (optimizer state sharded across
     the ranks that hold identical parameters: dp x cp x sp).
     """
@@ -160,6 +160,12 @@ class ParallelConfig:
     zero: int = 0
     # Megatron-style sequence parallelism inside the TP group (norms/residual sharded by sequence)
     sequence_parallel: bool = False
+    # pipeline parallelism (the LLM): pp stage groups, the outermost mesh axis, each holding its own
+    # decoder layers (dhp.layout.stage_cut); pp_virtual stages per rank for the interleaved schedules;
+    # pp_schedule one of 1f1b | gpipe | interleaved_1f1b | zero_bubble (torch.distributed.pipelining)
+    pp: int = 1
+    pp_virtual: int = 1
+    pp_schedule: str = "1f1b"
 
 
 @dataclass

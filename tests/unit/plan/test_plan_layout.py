@@ -72,9 +72,9 @@ def test_disaggregated_unequal_gpu_counts() -> None:
     assert all(r.gpu_fraction == 1.0 for g in plan.groups for r in g.ranks)
     assert llm.mesh == {"dp": 3, "tp": 2}
     assert [r.coords for r in llm.ranks[:3]] == [
-        {"dp": 0, "fsdp": 0, "cp": 0, "sp": 0, "tp": 0},
-        {"dp": 0, "fsdp": 0, "cp": 0, "sp": 0, "tp": 1},
-        {"dp": 1, "fsdp": 0, "cp": 0, "sp": 0, "tp": 0},
+        {"pp": 0, "dp": 0, "fsdp": 0, "cp": 0, "sp": 0, "tp": 0},
+        {"pp": 0, "dp": 0, "fsdp": 0, "cp": 0, "sp": 0, "tp": 1},
+        {"pp": 0, "dp": 1, "fsdp": 0, "cp": 0, "sp": 0, "tp": 0},
     ]
     assert len(plan.placement_groups[0].bundles) == 8
     assert all(b == {"GPU": 1.0, "CPU": 4.0} for b in plan.placement_groups[0].bundles)

@@ -1,4 +1,4 @@
-"""dhp.layout.ParallelLayout against the rank formula r = (((dp*F + fsdp)*C + cp)*S + sp)*T + tp and the folds
+"""dhp.layout.ParallelLayout against the rank formula r = ((((pp*D + dp)*F + fsdp)*C + cp)*S + sp)*T + tp, the folds
 derived from it (token-parallel ranks, experts' grid, ZeRO-1 shards), each living in that one module only;
 and the config's degrees read by its builder only. Pure and fast."""
 
@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import dhp
 from dhp.config.constants import PARALLEL_AXES
-from dhp.layout import ParallelLayout
+from dhp.layout import ParallelLayout, stage_cut
 from dhp.runtime.actors import dispatch
 
 MESHES = [
@@ -28,11 +28,14 @@ MESHES = [
     {"dp": 3, "sp": 4},
     {"cp": 2, "tp": 2},
     {"dp": 2, "fsdp": 2, "cp": 2, "tp": 2},
+    {"pp": 2, "tp": 2},
+    {"pp": 3, "dp": 2, "cp": 2},
 ]
 
 
 def _formula(d: dict[str, int], c: dict[str, int]) -> int:
-    return (((c["dp"] * d["fsdp"] + c["fsdp"]) * d["cp"] + c["cp"]) * d["sp"] + c["sp"]) * d["tp"] + c["tp"]
+    dp = c["pp"] * d["dp"] + c["dp"]
+    return (((dp * d["fsdp"] + c["fsdp"]) * d["cp"] + c["cp"]) * d["sp"] + c["sp"]) * d["tp"] + c["tp"]
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
@@ -40,7 +43,9 @@ def test_layout_matches_the_formula(mesh):
     lay = ParallelLayout.from_config(mesh)
     d = {a: mesh.get(a, 1) for a in PARALLEL_AXES}
     assert lay.degrees == d and list(lay.degrees) == list(PARALLEL_AXES)
-    world = d["dp"] * d["fsdp"] * d["cp"] * d["sp"] * d["tp"]
+    stage = d["dp"] * d["fsdp"] * d["cp"] * d["sp"] * d["tp"]
+    world = d["pp"] * stage
+    assert lay.stage_world == stage
     assert lay.world_size == world
     assert lay.mesh() == ({a: v for a, v in d.items() if v > 1} or {"dp": 1})
     assert ParallelLayout.from_config(lay.mesh()) == lay
@@ -50,20 +55,26 @@ def test_layout_matches_the_formula(mesh):
     assert lay.ranks_per_replica == d["cp"] * d["sp"] * d["tp"]
     assert lay.num_units == d["dp"] * d["fsdp"] * d["cp"] * d["sp"]
     seen = set()
-    for cdp, cf, cc, cs, ct in itertools.product(*(range(d[a]) for a in PARALLEL_AXES)):
-        c = {"dp": cdp, "fsdp": cf, "cp": cc, "sp": cs, "tp": ct}
+    for cpp, cdp, cf, cc, cs, ct in itertools.product(*(range(d[a]) for a in PARALLEL_AXES)):
+        c = {"pp": cpp, "dp": cdp, "fsdp": cf, "cp": cc, "sp": cs, "tp": ct}
         r = _formula(d, c)
         seen.add(r)
         assert lay.coords(r) == c
         assert lay.rank_of(c) == r
+        assert lay.pp_rank(r) == cpp and lay.is_first_stage(r) == (cpp == 0)
+        # every stage's facts are the first stage's, mirrored: units and leaders are first-stage ranks
+        first = r - cpp * stage
+        assert lay.pipeline_peers(r) == [first + s * stage for s in range(d["pp"])]
         assert lay.replica_of(r) == cdp * d["fsdp"] + cf
         assert lay.unit_of(r) == ((cdp * d["fsdp"] + cf) * d["cp"] + cc) * d["sp"] + cs
-        assert lay.unit_leader(lay.unit_of(r)) == r - ct
-        assert r in lay.replica_ranks(lay.replica_of(r)) and r in lay.unit_ranks(lay.unit_of(r))
-        assert lay.is_replica_leader(r) == (cc == 0 and cs == 0 and ct == 0)
+        assert lay.unit_leader(lay.unit_of(r)) == first - ct
+        assert first in lay.replica_ranks(lay.replica_of(r)) and first in lay.unit_ranks(lay.unit_of(r))
+        assert lay.is_replica_leader(r) == (cpp == 0 and cc == 0 and cs == 0 and ct == 0)
     assert seen == set(range(world))
     assert lay.leaders() == [
-        r for r in range(world) if lay.coords(r)["cp"] == lay.coords(r)["sp"] == lay.coords(r)["tp"] == 0
+        r
+        for r in range(world)
+        if lay.coords(r)["pp"] == lay.coords(r)["cp"] == lay.coords(r)["sp"] == lay.coords(r)["tp"] == 0
     ]
     for axis in PARALLEL_AXES:
         groups = lay.axis_groups(axis)
@@ -73,7 +84,7 @@ def test_layout_matches_the_formula(mesh):
             others = {tuple(v for a, v in lay.coords(r).items() if a != axis) for r in g}
             assert len(others) == 1
             assert g[-1] - g[0] < lay.span(axis)
-    assert lay.span("dp") == world and lay.span("tp") == d["tp"]
+    assert lay.span("pp") == world and lay.span("dp") == stage and lay.span("tp") == d["tp"]
 
 
 def test_bad_input_is_an_error():
@@ -83,7 +94,7 @@ def test_bad_input_is_an_error():
     with pytest.raises(ValueError, match="outside degree"):
         lay.rank_of({"tp": 2})
     with pytest.raises(ValueError, match="not among"):
-        ParallelLayout.from_config({"pp": 2})
+        ParallelLayout.from_config({"vp": 2})
 
 
 def test_dispatch_re_exports_the_one_layout():
@@ -210,3 +221,26 @@ def test_the_rank_layout_is_computed_in_one_place_only():
     )
     text = (root / "layout.py").read_text()
     assert all(re.search(p, text) for p in (_OTHER_SPELLINGS[0], r"\bdef\s+rank_of\b"))
+
+
+def test_pipeline_stages_and_their_cut():
+    lay = ParallelLayout(pp=2, pp_virtual=2, dp=2, ep=2, pp_schedule="interleaved_1f1b")
+    assert lay.num_stages == 4 and lay.stage_world == 2
+    assert [lay.stages_of(r) for r in range(4)] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    assert [lay.holds_last_stage(r) for r in range(4)] == [False, False, True, True]
+    # each stage's experts' grid is the first stage's, offset by the stage's ranks
+    assert lay.stage_expert_grids() == [[[[0, 1]]], [[[2, 3]]]]
+    assert ParallelLayout.from_config(lay.config_values()) == lay
+    # the cut: contiguous, every layer once, the extra layers to the middle stages, then the first
+    assert stage_cut(4, 2) == [(0, 2), (2, 4)]
+    assert stage_cut(5, 2) == [(0, 3), (3, 5)]
+    assert stage_cut(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            cut = stage_cut(layers, stages)
+            assert cut[0][0] == 0 and cut[-1][1] == layers
+            assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False))
+            sizes = [hi - lo for lo, hi in cut]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="cannot cut 3 layers into 4"):
+        stage_cut(3, 4)
