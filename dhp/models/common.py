@@ -64,6 +64,19 @@ def scatter_rows(inputs_embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Te
     return inputs_embeds.masked_scatter(mask.unsqueeze(-1).to(inputs_embeds.device), rows)
 
 
+@dataclass
+class TextCall:
+    """One micro-batch's call of the text model, split where a pipeline stage cuts it: what
+    :meth:`LLMBase.prepare` computes before the decoder layers (the input embeddings, absent on a stage
+    that receives its hidden states; positions, masks and the per-layer extras) and what
+    :meth:`LLMBase.finish` needs after them (labels and the family's own state)."""
+
+    inputs_embeds: torch.Tensor | None
+    kwargs: dict[str, Any]  # the text model's keyword arguments besides inputs_embeds
+    labels: torch.Tensor
+    state: dict[str, Any]
+
+
 class LLMBase(nn.Module):
     """What every family's LLM module shares: transformers' text model (``language_model``) and
     ``lm_head``, the encoder's rows placed at their tokens in the input embeddings (:meth:`embed`), and
@@ -83,6 +96,22 @@ class LLMBase(nn.Module):
     """
 
     batch_terms: tuple[str, ...] = ()
+
+    def forward(self, **inputs: Any) -> Any:
+        """One micro-batch: :meth:`prepare`, the text model over every decoder layer, :meth:`finish`.
+        A pipeline stage (``dhp.parallel.pipeline``) calls the three itself, each stage its part."""
+        call = self.prepare(**inputs)
+        out = self.language_model(input_ids=None, inputs_embeds=call.inputs_embeds, **call.kwargs)
+        return self.finish(out, call)
+
+    def prepare(self, *, hidden_states: torch.Tensor | None = None, **inputs: Any) -> TextCall:
+        """The text model's call for one micro-batch (the family's batch keywords and edge inputs);
+        ``hidden_states`` given (a later pipeline stage): they replace the input embeddings."""
+        raise NotImplementedError
+
+    def finish(self, out: Any, call: TextCall) -> Any:
+        """The text model's output -> the micro-batch's ``LLMOutput`` (the family's loss)."""
+        raise NotImplementedError
 
     def __init__(
         self, language_model: nn.Module, lm_head: nn.Linear, config: PretrainedConfig | None

@@ -9,6 +9,7 @@ LLM's input embeddings at the image-token positions; M-RoPE positions come from 
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 
 from dhp.models.checks import check_vision_inputs
-from dhp.models.common import LLMBase, LossFn, rope_index, sample_names, shifted_ce_sum
+from dhp.models.common import LLMBase, LossFn, TextCall, rope_index, sample_names, shifted_ce_sum
 from dhp.models.family import LLMOutput
 from dhp.models.qwen2_5_vl.video import split_visual
 
@@ -118,7 +119,7 @@ class LLMModule(LLMBase):
         """False for a text-only config."""
         return self.vl_config is not None
 
-    def forward(
+    def prepare(
         self,
         *,
         input_ids: torch.Tensor,
@@ -129,22 +130,27 @@ class LLMModule(LLMBase):
         image_embeds: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
-    ) -> LLMOutput:
-        """One micro-batch -> ``LLMOutput(loss_sum, num_tokens)``.
+        hidden_states: torch.Tensor | None = None,
+    ) -> TextCall:
+        """One micro-batch's text-model call (``forward`` = prepare, the text model, :meth:`finish`).
 
         ``image_embeds`` (the vision module's output for all images of the micro-batch, in order)
         is placed at the image-token positions. Make it a leaf with ``requires_grad`` to receive the
         gradient for the encoder's backward. Raises DataError when image tokens and embeddings
         disagree, or when ``mm_token_type_ids`` is missing (M-RoPE would silently become 1D).
+        ``hidden_states`` (a later pipeline stage): the previous stage's output replaces the input
+        embeddings (no lookup, no image rows placed); the positions and masks are the micro-batch's.
         """
         sample_ids = sample_names(input_ids, sample_ids)
-        inputs_embeds = self.embed(
-            input_ids=input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-            image_embeds=image_embeds,
-            sample_ids=sample_ids,
-        )
+        inputs_embeds = hidden_states
+        if hidden_states is None:
+            inputs_embeds = self.embed(
+                input_ids=input_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+                image_embeds=image_embeds,
+                sample_ids=sample_ids,
+            )
         # images and videos share one ordered item stream; M-RoPE takes them apart (video.py)
         image_grid_thw, video_grid_thw, second_per_grid_ts = split_visual(
             mm_token_type_ids=mm_token_type_ids, grids=image_grid_thw, second_per_grid_ts=second_per_grid_ts
@@ -158,15 +164,12 @@ class LLMModule(LLMBase):
             image_grid_thw=image_grid_thw,
             **video,
         )
-        hidden = self.language_model(
-            input_ids=None,
-            inputs_embeds=inputs_embeds,
-            attention_mask=text_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **extra,
-        ).last_hidden_state
-        return self.loss(hidden=hidden, labels=labels)
+        kwargs = dict(attention_mask=text_mask, position_ids=position_ids, use_cache=False, **extra)
+        return TextCall(inputs_embeds=inputs_embeds, kwargs=kwargs, labels=labels, state={})
+
+    def finish(self, out: Any, call: TextCall) -> LLMOutput:
+        """The summed token loss of the text model's last hidden state."""
+        return self.loss(hidden=out.last_hidden_state, labels=call.labels)
 
     def placed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Images and videos are one ordered stream of visual items: both take the encoder's rows."""

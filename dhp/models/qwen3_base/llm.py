@@ -33,13 +33,15 @@ sums, ``dhp.models.family.StepStatistics``) and hands to each micro-batch (``ste
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
 from dhp.errors import DataError
-from dhp.models.common import LLMBase, rope_index, sample_names
+from dhp.models.common import LLMBase, TextCall, rope_index, sample_names
 from dhp.models.family import LLMOutput, StepStatistics
 from dhp.models.qwen3_vision.arch import deepstack_kwarg
 from dhp.parallel.load_balancing import RouterStats, load_balancing_loss, router_share, router_stats
@@ -93,7 +95,7 @@ class LLMModule(LLMBase):
         coef = self.vl_config.text_config.router_aux_loss_coef if self.moe else 0.0
         return (ROUTER_AUX_LOSS,) if coef else ()
 
-    def forward(
+    def prepare(
         self,
         *,
         input_ids: torch.Tensor,
@@ -106,20 +108,24 @@ class LLMModule(LLMBase):
         second_per_grid_ts: torch.Tensor | None = None,
         batch_statistics: bool = False,
         step_statistics: StepStatistics | None = None,
+        hidden_states: torch.Tensor | None = None,
         **deepstack_embeds: torch.Tensor,
-    ) -> LLMOutput | torch.Tensor:
-        """One micro-batch -> ``LLMOutput(loss_sum, num_tokens, aux_losses)``.
+    ) -> TextCall:
+        """One micro-batch's text-model call (``forward`` = prepare, the text model, :meth:`finish`,
+        which returns ``LLMOutput(loss_sum, num_tokens, aux_losses)``).
 
         ``image_embeds`` and ``deepstack_embeds_k`` (the vision module's outputs) are placed at the
         image-token positions: the first in the input embeddings, feature k added after decoder layer
         k. Make them leaves with ``requires_grad`` to receive the gradients for the encoder's backward.
         MoE: ``loss_sum`` includes the weighted load-balancing term (:meth:`router_loss`; over the step
         with ``step_statistics``), ``aux_losses`` its unweighted value. ``batch_statistics=True`` (MoE):
-        no LM head and no loss; returns the micro-batch's routing sums over ``aux_loss_group``
-        (``RouterStats.values``, :meth:`route_statistics`; call it without gradient). Raises DataError when image tokens and embeddings disagree, when a
-        DeepStack level is missing or extra, when ``mm_token_type_ids`` is missing with images (M-RoPE
-        would silently become 1D), and for videos (``second_per_grid_ts``): these families declare no
-        video capability.
+        no LM head and no loss; :meth:`finish` returns the micro-batch's routing sums over
+        ``aux_loss_group`` (``RouterStats.values``, :meth:`route_statistics`; call it without gradient).
+        ``hidden_states`` (a later pipeline stage): the previous stage's output replaces the input
+        embeddings (no lookup, no image rows placed). Raises DataError when image tokens and embeddings
+        disagree, when a DeepStack level is missing or extra, when ``mm_token_type_ids`` is missing with
+        images (M-RoPE would silently become 1D), and for videos (``second_per_grid_ts``): these
+        families declare no video capability.
         """
         sample_ids = sample_names(input_ids, sample_ids)
         if second_per_grid_ts is not None:
@@ -129,13 +135,15 @@ class LLMModule(LLMBase):
                 f"dataset, or train them with a family that declares video (qwen2_5_vl)."
             )
         deepstack = self.deepstack_list(image_embeds, deepstack_embeds, sample_ids)
-        inputs_embeds = self.embed(
-            input_ids=input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-            image_embeds=image_embeds,
-            sample_ids=sample_ids,
-        )
+        inputs_embeds = hidden_states
+        if hidden_states is None:
+            inputs_embeds = self.embed(
+                input_ids=input_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+                image_embeds=image_embeds,
+                sample_ids=sample_ids,
+            )
         position_ids, text_mask, extra = self.text_inputs(
             inputs_embeds=inputs_embeds,
             input_ids=input_ids,
@@ -148,17 +156,17 @@ class LLMModule(LLMBase):
             extra.update(visual_pos_masks=visual_pos_masks, deepstack_visual_embeds=deepstack)
         if self.moe:
             extra["output_router_logits"] = True  # transformers' recorder: every router's [B*S, E] logits
-        out = self.language_model(
-            input_ids=None,
-            inputs_embeds=inputs_embeds,
-            attention_mask=text_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **extra,
-        )
-        if batch_statistics:
+        kwargs = dict(attention_mask=text_mask, position_ids=position_ids, use_cache=False, **extra)
+        state = dict(batch_statistics=batch_statistics, step=step_statistics, attention_mask=attention_mask)
+        return TextCall(inputs_embeds=inputs_embeds, kwargs=kwargs, labels=labels, state=state)
+
+    def finish(self, out: Any, call: TextCall) -> LLMOutput | torch.Tensor:
+        """The LM loss of the last hidden state, plus the MoE's load-balancing term (or, with
+        ``batch_statistics``, the routing sums; :meth:`prepare`)."""
+        attention_mask = call.state["attention_mask"]
+        if call.state["batch_statistics"]:
             return self.route_statistics(out.router_logits, attention_mask=self.cut(attention_mask != 0))
-        lm = self.loss(hidden=out.last_hidden_state, labels=labels)
+        lm = self.loss(hidden=out.last_hidden_state, labels=call.labels)
         if not self.moe:
             return lm
         # padding excluded: a packed row's sample ids (k >= 1) mark the same tokens as unpacked
@@ -166,7 +174,7 @@ class LLMModule(LLMBase):
             out.router_logits,
             attention_mask=self.cut(attention_mask != 0),
             num_tokens=lm.num_tokens,
-            step=step_statistics,
+            step=call.state["step"],
         )
         return LLMOutput(
             loss_sum=lm.loss_sum + term, num_tokens=lm.num_tokens, aux_losses={ROUTER_AUX_LOSS: aux}
