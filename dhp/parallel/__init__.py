@@ -32,6 +32,7 @@ from dhp.parallel.precision import (
     check_device_computes,
     precision_of,
 )
+from dhp.parallel.pipeline import over_pipeline
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -80,6 +81,7 @@ __all__ = [
     "local_loss_sum",
     "match_plan",
     "model_state_bytes",
+    "over_pipeline",
     "module_plan",
     "parallelize",
     "partition_params",

@@ -1,6 +1,7 @@
 """``parallelize``: apply a module's strategies in a fixed order from data, with no strategy if/elif chains.
 
-Order (torchtitan's): EP (the MoE blocks' experts swapped for expert-parallel ones on the folded mesh,
+Order (torchtitan's): PP (this rank keeps only its pipeline stages' decoder layers, :mod:`dhp.parallel.
+pipeline`, so every later strategy shards only what the stage holds) -> EP (the MoE blocks' experts swapped for expert-parallel ones on the folded mesh,
 :mod:`dhp.parallel.ep`) -> TP (with sequence parallelism inside TP when configured) -> the LLM's loss
 (chunked; the single-process one when there is no TP) -> Ulysses SP -> the bf16 compute cast of fp32
 master weights without FSDP (:mod:`dhp.parallel.precision`; before AC, so a checkpointed block casts
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -40,6 +42,7 @@ from dhp.parallel.linear_attn_cp import apply_deltanet_cp
 from dhp.parallel.llm_tp import apply_tp, local_loss_sum
 from dhp.parallel.meshutil import AXES, axes, axis, axis_size
 from dhp.parallel.module_plan import ModuleParallelPlan
+from dhp.parallel.pipeline import apply_pp
 from dhp.parallel.plan_match import matching
 from dhp.parallel.precision import apply_compute_cast, check_parameter_dtypes, precision_of
 from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, module_plan
@@ -138,6 +141,7 @@ def _ac_spec(value: str) -> AcSpec:
 
 
 STEPS: tuple[Step, ...] = (
+    Step("pp", lambda c: c.layout.pp > 1, lambda m, mesh, c: apply_pp(m, c.layout, dist.get_rank())),
     Step("ep", lambda c: c.layout.expert_group > 1 or c.layout.expert_fsdp, _ep),
     Step("moe_tokens", lambda c: bool(c.plan.moe_blocks), _token_group),
     Step(

@@ -146,6 +146,9 @@ def ep_mesh(module_mesh: DeviceMesh, layout: ParallelLayout) -> DeviceMesh:
             f"ep_mesh: the module mesh has {module_mesh.size()} ranks, its layout {layout.world_size}."
         )
     ranks = module_mesh.mesh.flatten()  # the layout's rank r is the mesh's r-th rank (row-major)
+    if layout.pp > 1:  # one grid per pipeline stage, each over its own ranks
+        grid = ranks[torch.tensor(layout.stage_expert_grids(), dtype=torch.long)]
+        return DeviceMesh(module_mesh.device_type, grid, mesh_dim_names=("pp", *EXPERT_MESH_AXES))
     grid = ranks[torch.tensor(layout.expert_grid(), dtype=torch.long)]
     return DeviceMesh(module_mesh.device_type, grid, mesh_dim_names=EXPERT_MESH_AXES)
 

@@ -26,7 +26,7 @@ from dhp.errors import PlanError
 from dhp.layout import ZERO1_AXES, ParallelLayout
 from dhp.parallel.dp import Zero1AdamW, allreduce_grads_, local
 from dhp.parallel.ep import expert_fold_mesh, expert_params, reduce_expert_grads_
-from dhp.parallel.meshutil import axes, axis, group_world
+from dhp.parallel.meshutil import axes, axis, axis_size, group_world
 from dhp.parallel.param_groups import optimizer_groups
 
 
@@ -213,9 +213,10 @@ def grad_norm_sq(module: nn.Module, mesh: DeviceMesh) -> float:
     """Squared L2 norm of the FULL module's gradient, identical on every rank (one all-reduce).
 
     Each logical element counts once: a rank adds its local ||g||^2 weighted by 1/(copies of that
-    piece in the world) (TP/FSDP shards, params replicated over dp/sp/tp), in float64.
+    piece in its pipeline stage's ranks) (TP/FSDP shards, params replicated over dp/sp/tp), in float64;
+    the stages hold different layers, so the all-reduce over the world sums them.
     """
-    world = dist.get_world_size(group_world(mesh))
+    world = dist.get_world_size(group_world(mesh)) // axis_size(mesh, "pp")
     total = torch.zeros((), dtype=torch.float64)
     for p in module.parameters():
         if p.grad is None:

@@ -56,8 +56,15 @@ class TrainerStep:
         whole_step = self._statistics_pass(data)  # the batch terms over the step (several micro-batches)
         driver_s += time.perf_counter() - td
         sent: list[dict[str, Any] | None] = [None] * micro_batches
-        consumed = []
-        for m in range(micro_batches):
+        consumed: list[Any] = []
+        if self.consumer.layout.pp > 1:  # one pipeline schedule over the step's micro-batches
+            td = time.perf_counter()
+            sent = [self._produce(data, m) for m in range(micro_batches)]  # the encoders run ahead
+            driver_s += time.perf_counter() - td
+            consumed = self._consume_pipeline(data, sent)
+            for m in range(micro_batches):
+                self._backprop(m, sent[m], consumed[m])
+        for m in range(micro_batches) if self.consumer.layout.pp == 1 else ():
             td = time.perf_counter()
             if sent[m] is None:
                 sent[m] = self._produce(data, m)
@@ -208,6 +215,36 @@ class TrainerStep:
             num_returns=1 + units if grads else 1,
         )
 
+    def _consume_pipeline(self, data: StepData, sent: list[dict[str, Any]]) -> list[Any]:
+        """Issue the consumer's pipelined forward+backward of every micro-batch of the step (one call,
+        ``ModuleWorker.consume_pipeline``); per micro-batch a view of its returns shaped as
+        :meth:`_consume`'s (stats, then the gradient payloads of the producers in ``sent[m]``)."""
+        links = [link.producer for link in self.links]
+        units = [self.groups[p].layout.num_units for p in links]
+        per_m = 1 + sum(units)
+        micro_batches = len(data.micro_batches)
+        replicas = self.consumer.layout.num_replicas
+        inboxes = [self._inboxes(sent[m]) for m in range(micro_batches)]
+        pending = self.consumer.submit(
+            ModuleWorker.consume_pipeline,
+            [[data.micro_batches[m][j] for m in range(micro_batches)] for j in range(replicas)],
+            [[inboxes[m][j] for m in range(micro_batches)] for j in range(replicas)],
+            num_label_tokens=data.num_label_tokens,
+            grads=[self._grads_wanted(sent[m]) for m in range(micro_batches)],
+            units=units,
+            num_returns=micro_batches * per_m,
+        )
+        views = []
+        for m in range(micro_batches):
+            slots = [0]  # stats, then per producer with work its units' slots, in link order
+            offset = 1
+            for producer, n in zip(links, units, strict=True):
+                if producer in sent[m]:
+                    slots += range(offset, offset + n)
+                offset += n
+            views.append(_Returns(pending, [m * per_m + k for k in slots]))
+        return views
+
     def _backprop(self, m: int, sent: dict[str, Any], consumed: Any) -> None:
         """Issue each producer's backward of ``m`` with the gradient rows each of its ranks needs."""
         if not self._grads_wanted(sent):
@@ -237,6 +274,17 @@ class TrainerStep:
         self._backprops = []
         pend = {n: g.submit(ModuleWorker.finalize_grads) for n, g in self.groups.items()}
         return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
+
+
+@dataclass
+class _Returns:
+    """One micro-batch's returns among a pipelined call's (``ref(rank, k)``: its k-th value)."""
+
+    pending: Any
+    slots: list[int]
+
+    def ref(self, rank: int, k: int) -> Any:
+        return self.pending.ref(rank, self.slots[k])
 
 
 def _aux_losses(stats: list[list[dict[str, Any]]], num_label_tokens: int) -> dict[str, float]:

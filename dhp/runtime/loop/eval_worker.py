@@ -18,10 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dhp.checkpoint import capture_rng_state, restore_rng_state
 from dhp.data.batch import VLBatch
 from dhp.metrics.memory import reset_peak_memory
+from dhp.parallel.pipeline import MicroBatch, forward_only, pipeline_group
 from dhp.runtime.actors.dispatch import Collect, Dispatch, register
 from dhp.runtime.handoff.device_io import batch_kwargs, hand_off_tag
 
@@ -71,6 +73,23 @@ class EvalMethods:
         _, edge_inputs = self._edge_inputs(
             batch, got, hand_off_tag(micro_batch, False), reads=reads, requires_grad=False, broadcast_in=group
         )
+        if self.layout.pp > 1:  # every stage in turn, the hidden states passed on
+            if self.channel.leader_only:
+                group_pp = pipeline_group(self.mesh)
+                for v in edge_inputs.values():
+                    if v is not None:
+                        dist.broadcast(v, group=group_pp, group_src=0)
+            kwargs = batch_kwargs(batch, self.device)
+            ids = kwargs["input_ids"]
+            return forward_only(
+                self.module,
+                self.mesh,
+                self.layout,
+                MicroBatch(inputs={**kwargs, **edge_inputs}, shape=(ids.shape[0], ids.shape[1])),
+                hidden=self.hf_config.get_text_config().hidden_size,
+                dtype=self.precision.compute_dtype,
+                device=self.device,
+            )
         with torch.no_grad():
             out = self.module(**batch_kwargs(batch, self.device), **edge_inputs)
         return {

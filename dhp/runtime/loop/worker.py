@@ -26,10 +26,13 @@ from dhp.runtime.loop.eval_worker import EvalMethods
 from dhp.runtime.loop.worker_build import BuildMethods
 from dhp.runtime.loop.worker_checkpoint import CheckpointMethods
 from dhp.runtime.loop.worker_handoff import HandoffMethods
+from dhp.runtime.loop.worker_pipeline import PipelineMethods
 from dhp.runtime.loop.worker_step import StepMethods
 
 
-class ModuleWorker(BuildMethods, StepMethods, HandoffMethods, CheckpointMethods, EvalMethods, DistWorker):
+class ModuleWorker(
+    BuildMethods, StepMethods, PipelineMethods, HandoffMethods, CheckpointMethods, EvalMethods, DistWorker
+):
     """Build, run and update one module's shard on this rank (see module docstring), composed by
     concern: build and load (:class:`~dhp.runtime.loop.worker_build.BuildMethods`), the step
     (:class:`~dhp.runtime.loop.worker_step.StepMethods`, the hand-off's receiving side
@@ -79,13 +82,15 @@ class ModuleWorker(BuildMethods, StepMethods, HandoffMethods, CheckpointMethods,
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """``{fqn: full fp32 CPU grad}`` (collective; verify/parity only, tiny models)."""
-        return par.full_grad_dict(self.module)
+        """``{fqn: full fp32 CPU grad}`` (collective; verify/parity only, tiny models; under pipeline
+        parallelism every stage's, merged on the first)."""
+        return par.over_pipeline(par.full_grad_dict(self.module), self.mesh)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{fqn: full fp32 CPU parameter}`` (collective; verify/parity only, tiny models)."""
-        return par.full_param_dict(self.module)
+        """``{fqn: full fp32 CPU parameter}`` (collective; verify/parity only, tiny models; under
+        pipeline parallelism every stage's, merged on the first)."""
+        return par.over_pipeline(par.full_param_dict(self.module), self.mesh)
 
 
 def _take_expert_load(load: par.ExpertLoad | None, device: torch.device) -> dict[str, Any] | None:

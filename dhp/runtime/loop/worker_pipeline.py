@@ -1,0 +1,100 @@
+"""The consumer's step under pipeline parallelism: every micro-batch of this replica's step through
+one pipeline schedule (``dhp.parallel.pipeline``), the hand-off rows in and their gradients out.
+
+A mixin of :class:`dhp.runtime.loop.worker.ModuleWorker` (the receiving side of
+:class:`~dhp.runtime.loop.worker_handoff.HandoffMethods`; its attributes ``module``, ``mesh``,
+``layout``, ``links_in``, ``channel``, ``precision``, ``_timers``, ``_events``). Every rank of a
+pipeline reads the micro-batches and their hand-off rows (a leader-only channel: the first stage's
+leader broadcasts them over its TP group, then over its pipeline); the edge-input leaves' gradients are
+summed over the pipeline (the embedding's on the first stage, DeepStack's where its layers are), and
+the first stage's endpoint leader sends them back. Memory: every micro-batch's hand-off leaves until
+the schedule ends, and the activations of the micro-batches the schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dhp.data.batch import VLBatch
+from dhp.metrics import accounting
+from dhp.parallel.pipeline import MicroBatch, broadcast_stats, pipeline_group, run_pipeline
+from dhp.runtime.actors.dispatch import Collect, Dispatch, register
+from dhp.runtime.handoff.device_io import batch_kwargs as _batch_kwargs
+
+
+class PipelineMethods:
+    """The pipelined ``consume`` of a whole step (see the module docstring)."""
+
+    @register(dispatch=Dispatch.SHARD_BY_DP, collect=Collect.DP_LEADERS)
+    def consume_pipeline(
+        self,
+        batches: list[VLBatch],
+        inboxes: list[dict[str, list[Any]]],
+        *,
+        num_label_tokens: int,
+        grads: list[bool],
+        units: list[int],
+    ) -> tuple[Any, ...]:
+        """Forward + backward of this replica's micro-batches ``batches`` (with their ``inboxes``, as
+        :meth:`consume` takes one) through the pipeline schedule. ``grads[m]``: whether micro-batch m's
+        hand-off rows need gradients; ``units``: per incoming link, its producer's units (the payload
+        slots). Returns, per micro-batch, ``stats`` then one gradient payload per unit of every link
+        (None where nothing goes back), flattened: ``M x (1 + sum(units))`` values."""
+        pp_group = pipeline_group(self.mesh)
+        micro, received, wall = [], [], time.time()
+        t0 = time.perf_counter()
+        for m, (batch, inbox) in enumerate(zip(batches, inboxes, strict=True)):
+            got, inbox_e, wait, group, reads = self._receive(inbox)
+            leaves, edge_inputs = self._edge_inputs(
+                batch, got, m, reads=reads, requires_grad=grads[m], broadcast_in=group
+            )
+            if self.channel.leader_only:  # the first stage's ranks hold the rows: their pipelines get them
+                for leaf in leaves.values():
+                    if leaf is not None:
+                        dist.broadcast(leaf.data, group=pp_group, group_src=0)
+            kwargs = _batch_kwargs(batch, self.device)
+            ids = kwargs["input_ids"]
+            micro.append(MicroBatch(inputs={**kwargs, **edge_inputs}, shape=(ids.shape[0], ids.shape[1])))
+            received.append((got, inbox_e, leaves, wait))
+        t1 = time.perf_counter()
+        self.faults.at("forward")
+        with torch.set_grad_enabled(True), accounting.saving(self._acct):
+            run_pipeline(
+                self.module,
+                self.mesh,
+                self.layout,
+                micro,
+                rank=self.rank,
+                hidden=self.hf_config.get_text_config().hidden_size,
+                dtype=self.precision.compute_dtype,
+                num_label_tokens=num_label_tokens,
+                device=self.device,
+            )
+        accounting.sample(self._acct)
+        self._timers["fwd_s"] += time.perf_counter() - t1  # forward and backward interleave in a schedule
+        self._timers["wait_s"] += t1 - t0
+        last_src = self.layout.pp - 1  # the last stage is on the last pipeline rank
+        all_stats = broadcast_stats([m.stats for m in micro], pp_group, src=last_src, device=self.device)
+        out: list[Any] = []
+        leader = self.layout.unit_leader(self.layout.unit_of(self.rank)) == self.rank
+        for m, (got, _inbox, leaves, wait) in enumerate(received):
+            out.append(all_stats[m] | {"wait_s": wait})
+            for leaf in leaves.values():
+                if leaf is not None and grads[m]:
+                    g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    dist.all_reduce(g, group=pp_group)  # each stage's part of the rows' gradient
+                    leaf.grad = g
+            for link, n in zip(self.links_in, units, strict=True):
+                per_unit: list[Any] = [None] * n
+                leaf = leaves.get(link.producer)
+                for u, value in enumerate(got.get(link.producer, [])):
+                    if grads[m] and leader and leaf is not None and value is not None:
+                        rows = link.grad_of(leaf.grad)[torch.from_numpy(value[1]).to(self.device)]
+                        per_unit[u] = self.channel.pack(rows, to=(link.producer, u), tag=m, direction="bwd")
+                out += per_unit
+        self._events.append(("consume", 0, wall, time.time()))
+        return tuple(out)
