@@ -205,8 +205,10 @@ def run_pipeline(
         # the hidden states carry gradients between stages: their meta tensors say so
         x = torch.empty((1, 0) if first else (rows, hidden), device="meta", dtype=dtype)
         x.requires_grad_(not first)
-        out = torch.empty((), device="meta", dtype=torch.float32) if last else torch.empty(
-            rows, hidden, device="meta", dtype=dtype, requires_grad=True
+        out = (
+            torch.empty((), device="meta", dtype=torch.float32)
+            if last
+            else torch.empty(rows, hidden, device="meta", dtype=dtype, requires_grad=True)
         )
         stages.append(PipelineStage(stage_module, s, num_stages, device, input_args=(x,),
                                     output_args=out, group=group))  # fmt: skip
