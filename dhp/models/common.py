@@ -97,9 +97,15 @@ class LLMBase(nn.Module):
 
     batch_terms: tuple[str, ...] = ()
 
-    def forward(self, **inputs: Any) -> Any:
+    def forward(self, *, pipeline_stage: Callable[[nn.Module], Any] | None = None, **inputs: Any) -> Any:
         """One micro-batch: :meth:`prepare`, the text model over every decoder layer, :meth:`finish`.
-        A pipeline stage (``dhp.parallel.pipeline``) calls the three itself, each stage its part."""
+
+        ``pipeline_stage`` (``dhp.parallel.pipeline``): one stage's body, called with this module in
+        place of that (it runs :meth:`prepare`, its layers and, on the last stage, :meth:`finish`), so
+        that the hooks on this module (FSDP2's root unshard and resharding) run around every stage's
+        forward as around a whole one."""
+        if pipeline_stage is not None:
+            return pipeline_stage(self)
         call = self.prepare(**inputs)
         out = self.language_model(input_ids=None, inputs_embeds=call.inputs_embeds, **call.kwargs)
         return self.finish(out, call)

@@ -394,7 +394,7 @@ def apply_ep(
             )
             setattr(sub, experts_attr, swapped)
             done.append(f"{fqn}.{experts_attr}")
-    if not done:
+    if not done and getattr(module, "pipeline_stages", None) is None:  # a pipeline stage may hold none
         raise PlanError(
             f"apply_ep: no module matches block glob {block_glob!r} with a `{experts_attr}` child."
         )

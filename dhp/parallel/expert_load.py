@@ -78,13 +78,24 @@ def summarize(counts: torch.Tensor) -> LoadSummary:
 class ExpertLoad:
     """The per-layer counters of one module and the hooks that fill them (see the module docstring)."""
 
-    def __init__(self, experts: list[nn.Module], num_experts: int, *, duplicates: int) -> None:
+    def __init__(
+        self,
+        experts: list[nn.Module],
+        num_experts: int,
+        *,
+        duplicates: int,
+        rows: list[int] | None = None,
+        table_rows: int | None = None,
+    ) -> None:
         self.num_experts = num_experts
         self.duplicates = duplicates  # ranks that route the same tokens (the tp degree)
         self.counts: torch.Tensor | None = None
-        self.layers = len(experts)
+        # pipeline stages: each rank counts its blocks' rows of one table over every layer of the model
+        # (``rows``: each block's row, ``table_rows``: the table's); the rows no stage counted are dropped
+        self.layers = len(experts) if table_rows is None else table_rows
+        self.sparse_table = table_rows is not None
         self.paused = False  # True: forwards are not counted (expert_load_paused)
-        for i, m in enumerate(experts):
+        for i, m in zip(rows if rows is not None else range(len(experts)), experts, strict=True):
             m.register_forward_pre_hook(self._hook(i))
 
     def _hook(self, layer: int):
@@ -113,26 +124,51 @@ class ExpertLoad:
         self.counts = None
         if int(counts.sum()) == 0:
             return None
+        if self.sparse_table:  # the dense layers' rows (no stage's MoE block counts them)
+            counts = counts[counts.sum(dim=1) > 0]
         return summarize(counts // self.duplicates)
 
 
 def track_expert_load(
-    module: nn.Module, block_glob: str, *, duplicates: int = 1, experts_attr: str = "experts"
+    module: nn.Module,
+    block_glob: str,
+    *,
+    duplicates: int = 1,
+    experts_attr: str = "experts",
+    num_experts: int = 0,
 ) -> ExpertLoad:
     """Hook the ``experts_attr`` child of every block matching ``block_glob`` (in module order).
 
     Call after ``parallelize`` (EP swaps the experts module). ``duplicates``: ranks of the world
-    that route the same tokens (the module's tp degree). PlanError when no block matches.
+    that route the same tokens (the module's tp degree). PlanError when no block matches, except on a
+    pipeline stage (``module.pipeline_stages``), which may hold none: its table has a row per decoder
+    layer of the whole model (the block's layer index in its FQN), summed over the stages, and
+    ``num_experts`` (the family's count) sizes it.
     """
-    blocks = [
-        getattr(sub, experts_attr)
+    found = [
+        (fqn, getattr(sub, experts_attr))
         for fqn, sub in module.named_modules()
         if fnmatch.fnmatchcase(fqn, block_glob) and hasattr(sub, experts_attr)
     ]
-    if not blocks:
+    blocks = [b for _, b in found]
+    staged = getattr(module, "pipeline_stages", None) is not None
+    if not blocks and not staged:
         raise PlanError(f"expert load: no module matches block glob {block_glob!r} with `{experts_attr}`.")
-    num_experts = int(blocks[0].gate_up_proj.shape[0])  # the global count (a DTensor's shape is global)
-    return ExpertLoad(blocks, num_experts, duplicates=duplicates)
+    if blocks:
+        num_experts = int(blocks[0].gate_up_proj.shape[0])  # the global count (a DTensor's shape is global)
+    if not staged:
+        return ExpertLoad(blocks, num_experts, duplicates=duplicates)
+    rows = [_layer_index(fqn) for fqn, _ in found]
+    table = int(module.language_model.config.num_hidden_layers)
+    return ExpertLoad(blocks, num_experts, duplicates=duplicates, rows=rows, table_rows=table)
+
+
+def _layer_index(fqn: str) -> int:
+    """The decoder-layer index in a block's FQN (its first integer part: ``...layers.12.mlp`` -> 12)."""
+    for part in fqn.split("."):
+        if part.isdigit():
+            return int(part)
+    raise PlanError(f"expert load: block {fqn!r} has no layer index in its name")
 
 
 @contextlib.contextmanager

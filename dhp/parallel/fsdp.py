@@ -113,6 +113,8 @@ def apply_expert_fsdp(module: nn.Module, mixed_precision: str) -> list[nn.Module
     (through the optimizer) states. Returns the units; PlanError when there is no EP module or edp = 1.
     """
     units = [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+    if not units and getattr(module, "pipeline_stages", None) is not None:
+        return []  # a pipeline stage without MoE blocks: nothing of its own to shard
     if not units or units[0].fold_mesh is None:
         raise PlanError("expert_fsdp: the module has no expert-parallel experts (apply EP first).")
     edp = units[0].fold_mesh["edp"]

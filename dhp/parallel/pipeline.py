@@ -21,6 +21,7 @@ activations of the micro-batches in flight (1F1B: up to ``pp - s`` on pipeline r
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -156,8 +157,11 @@ class _Stage(nn.Module):
         self.micro_batches, self.rows, self.num_label_tokens = micro_batches, rows, num_label_tokens
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-        module = self.inner[0]
-        m = self.micro_batches[int(mb)]
+        # through the module's own forward, so that its hooks (FSDP2's root unshard) run around it
+        return self.inner[0](pipeline_stage=functools.partial(self._body, x, int(mb)))
+
+    def _body(self, x: torch.Tensor, index: int, module: nn.Module) -> torch.Tensor:
+        m = self.micro_batches[index]
         b, s = m.shape
         hidden = None if self.first else x[: b * s].view(b, s, -1)
         call = module.prepare(**m.inputs, hidden_states=hidden)

@@ -34,8 +34,9 @@ from dhp.layout import ParallelLayout
 from dhp.models import get_family
 from dhp.models.testing import tiny_vl_batch
 from dhp.ops.context import padded_length, rank_index, row_parts
-from dhp.parallel import build_mesh, build_optimizer, clip_grads_, finalize_grads, parallelize
+from dhp.parallel import build_mesh, build_optimizer, clip_grads_, finalize_grads, over_pipeline, parallelize
 from dhp.parallel.llm_tp import sequence_shard_rows
+from dhp.parallel.pipeline import MicroBatch, run_pipeline
 from dhp.plan.search import Search, apply
 from dhp.validation import load_config
 from dhp.validation.validate import validate
@@ -54,7 +55,7 @@ TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
 
 
 def _features(d: ParallelLayout) -> set[str]:
-    axes = {a for a in ("dp", "fsdp", "cp", "sp", "tp", "ep", "etp") if getattr(d, a) > 1}
+    axes = {a for a in ("dp", "fsdp", "cp", "sp", "tp", "ep", "etp", "pp", "pp_virtual") if getattr(d, a) > 1}
     flags = {f for f in ("zero", "sequence_parallel", "expert_fsdp") if getattr(d, f)}
     return axes | flags
 
@@ -166,6 +167,9 @@ def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> 
     )
     coord = layout.coords(torch.distributed.get_rank())
     replica = coord["dp"] * d.fsdp + coord["fsdp"]
+    if d.pp > 1:
+        _pipeline_step(family, hf, module, mesh, d, ac, replica, refs)
+        return
     batch = _replica_batch(hf, replica)
     if name == "vision":
         shards = family.shard_inputs(name, hf, pixel_values=batch["pixel_values"],
@@ -200,6 +204,47 @@ def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> 
         assert torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p.detach()).all(), (
             f"{tag}: {k}"
         )
+
+
+def _pipeline_step(family, hf, module, mesh, d: ParallelLayout, ac: str, replica: int, refs: dict) -> None:
+    """A pipeline layout's step: replica ``r``'s pipeline trains the batches of ``pp`` reference
+    replicas (``r * pp ...``), each batch's rows as micro-batches (2 x pp of them, what every schedule
+    accepts), through the runtime's schedule (``run_pipeline``); the grads, merged over the stages, are
+    compared with the single-process module's on those ``replicas x pp`` batches."""
+    virtual = d.num_replicas * d.pp
+    total = _label_tokens(hf, virtual)
+    micro = []
+    for v in range(replica * d.pp, (replica + 1) * d.pp):
+        batch = _replica_batch(hf, v)
+        edges = _edges(family, hf, batch, v)
+        counts = module.placed(batch["input_ids"]).sum(dim=1).tolist()  # each row's hand-off rows
+        start = 0
+        for b, n in enumerate(counts):
+            row = {k: batch[k][b : b + 1] for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")}
+            grids = batch["image_grid_thw"]
+            per_image = [] if grids is None else family.tokens_per_image(hf, grids)
+            first = sum(1 for i in range(b) for _ in IMAGES[v][i])  # this row's images in the grid list
+            mine = [] if grids is None else list(range(first, first + len(IMAGES[v][b])))
+            row["image_grid_thw"] = grids[mine] if mine else None
+            row["sample_ids"] = [batch["sample_ids"][b]]
+            assert sum(per_image[i] for i in mine) == n
+            row_edges = {k: t[start : start + n] for k, t in edges.items()} if n else {
+                e.kwarg: None for e in family.handoffs_for(hf)
+            }  # fmt: skip
+            start += n
+            micro.append(MicroBatch(inputs={**row, **row_edges}, shape=tuple(row["input_ids"].shape)))
+    hidden = hf.get_text_config().hidden_size
+    run_pipeline(module, mesh, d, micro, rank=torch.distributed.get_rank(), hidden=hidden,
+                 dtype=torch.float32, num_label_tokens=total, device=torch.device("cpu"))  # fmt: skip
+    finalize_grads(module, mesh, layout=d)
+    key = ("llm", virtual)
+    if key not in refs:
+        refs[key] = _reference_grads(family, hf, "llm", virtual)
+    grads = over_pipeline(full_grads(module), mesh)
+    if d.is_first_stage(torch.distributed.get_rank()):
+        assert_grads_match(grads, refs[key], rtol=RTOL, tag=f"{family.name} llm {d.config_values()} ac={ac}")
+    clip_grads_(module, 0.5)
+    build_optimizer(module, mesh, layout=d, train=TrainConfig(lr=1e-3)).step()
 
 
 def _run_world(rank: int, world: int, family_name: str, combos: list) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dhp.data import StepData
-from dhp.errors import RuntimeFailure
+from dhp.errors import PlanError, RuntimeFailure
 from dhp.ops.context import row_parts
 from dhp.runtime.handoff.routing import route_micro_batch, unit_senders
 from dhp.runtime.loop.worker import ModuleWorker
@@ -123,6 +123,12 @@ class TrainerStep:
         consumer's ``statistics_pass``; no wait (the actors run them before the step's own calls)."""
         if len(data.micro_batches) < 2 or not self.batch_terms or self.train_cfg.router_aux_loss != "step":
             return False
+        if self.consumer.layout.pp > 1:  # validation refuses it first; never train a different loss
+            raise PlanError(
+                "a loss term defined on the step's batch (an MoE router's load-balancing loss) under "
+                "pipeline parallelism: the stages would each see only their layers' routers. Fix: set "
+                "the model's router_aux_loss_coef to 0, or parallel.pp=1 for the LLM."
+            )
         for m in range(len(data.micro_batches)):
             sent = self._produce(data, m, backward=False)
             self._backprops.append(  # awaited with the backwards, before the grads are reduced

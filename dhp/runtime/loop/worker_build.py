@@ -156,4 +156,6 @@ class BuildMethods:
 def _track_expert_load(module: nn.Module, *, tp: int) -> par.ExpertLoad | None:
     """Per-layer tokens-per-expert counters on the family's MoE blocks (None: the module has none)."""
     plan = par.module_plan(module)
-    return par.track_expert_load(module, plan.moe_blocks, duplicates=tp) if plan.moe_blocks else None
+    if not plan.moe_blocks:
+        return None
+    return par.track_expert_load(module, plan.moe_blocks, duplicates=tp, num_experts=plan.experts)
