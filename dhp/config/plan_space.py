@@ -29,7 +29,7 @@ from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PLACEMENTS
 from dhp.config.handoff import resolve_handoff
 from dhp.config.issues import Issues
 from dhp.errors import ConfigIssue
-from dhp.layout import ParallelLayout
+from dhp.layout import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,15 @@ class ModuleAxes:
     cp: bool = False
     cp_divides: Mapping[str, int] = field(default_factory=dict)
     cp_sequence_parallel: bool = True
+    #: pipeline parallelism exists for the module (its runtime cuts it by decoder layers into
+    #: ``pp x pp_virtual`` stages: ``dhp.layout.stage_cut``); ``pp_layers``: the decoder layers a cut
+    #: divides (every stage needs at least one)
+    pp: bool = False
+    pp_layers: int = 0
+    #: the module's settings that pipeline stages cannot run with, ``{config key: (value, why)}``
+    #: (tied word embeddings: the embedding and lm_head sit on different stages; a non-zero router
+    #: load-balancing coefficient: its loss is a sum over every stage's layers)
+    pp_refused: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
 
 
 def moe_experts(blocks: Iterable[Any]) -> int:
@@ -226,6 +235,110 @@ def _axes_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes, out: Issu
         )
 
 
+def _pipeline_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes | None, out: Issues) -> None:
+    """The pipeline's degrees (``pp``, ``pp_virtual``, ``pp_schedule``) against each other and, with
+    ``axes``, against what the module supports. The micro-batch count the schedule needs is a
+    run-level fact: :func:`pipeline_micro_batch_problems`."""
+    key = f"{prefix}.parallel"
+    sched, v, pp = lay.pp_schedule, lay.pp_virtual, lay.pp
+    out.check(v >= 1, f"{key}.pp_virtual", v, "must be >= 1", "use 1 (one stage per pipeline rank)")
+    if out.one_of(sched, f"{key}.pp_schedule", PP_SCHEDULES) and v >= 1:
+        multi = sched in MULTI_STAGE_SCHEDULES
+        out.check(
+            (v >= 2) == multi,
+            f"{key}.pp_virtual",
+            v,
+            f"pp_schedule={sched} runs several stages per rank, so it needs pp_virtual >= 2"
+            if multi
+            else f"pp_schedule={sched} runs one stage per rank, so it needs pp_virtual=1",
+            f"set pp_virtual=2 (or pp_schedule={'1f1b' if multi else 'interleaved_1f1b'})"
+            if multi
+            else f"set pp_virtual=1 (or pp_schedule=interleaved_1f1b for {v} stages per rank)",
+        )
+    if pp <= 1:
+        return
+    out.check(
+        lay.cp == 1,
+        f"{key}.cp",
+        lay.cp,
+        "pipeline stages do not compose with context parallelism (pp > 1)",
+        "set cp=1, or pp=1 and keep cp",
+    )
+    out.check(
+        not lay.sequence_parallel,
+        f"{key}.sequence_parallel",
+        True,
+        "pipeline stages pass whole-sequence hidden states between stages, which sequence parallelism "
+        "inside TP cuts (pp > 1)",
+        "set sequence_parallel=false when pp > 1",
+    )
+    if axes is None:
+        return
+    if not out.check(
+        axes.pp,
+        f"{key}.pp",
+        pp,
+        "this module does not support pipeline stages (pp > 1: only the LLM, cut by decoder layers)",
+        "set pp=1 and use tp/fsdp (or sp) for this module",
+    ):
+        return
+    stages = lay.num_stages
+    out.check(
+        stages <= axes.pp_layers,
+        f"{key}.pp",
+        pp,
+        f"pp x pp_virtual = {pp} x {v} = {stages} stages, but the module has {axes.pp_layers} decoder "
+        "layers (every stage needs at least one)",
+        f"choose pp x pp_virtual <= {axes.pp_layers}",
+    )
+    for path, (value, why) in axes.pp_refused.items():
+        out.check(False, path, value, f"pipeline stages ({key}.pp={pp}) cannot run with it: {why}",
+                  f"set {key}.pp=1")  # fmt: skip
+
+
+def pipeline_micro_batches(lay: ParallelLayout, micro_batches: int) -> str | None:
+    """Why ``micro_batches`` pipeline micro-batches per step cannot run ``lay``'s schedule (None: they
+    can), as torch.distributed.pipelining requires: ``1f1b`` at least one per stage (``pp``);
+    ``interleaved_1f1b`` and ``zero_bubble`` a multiple of their rounds, ``max(1, M // pp)`` (their
+    micro-batches go through the pipeline in rounds of equal size); ``gpipe`` any count."""
+    m, pp = micro_batches, lay.pp
+    if lay.pp_schedule == "1f1b" and m < pp:
+        return f"pp_schedule=1f1b needs at least pp={pp} micro-batches per step, one per stage"
+    if lay.pp_schedule in MULTI_STAGE_SCHEDULES:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            return (
+                f"pp_schedule={lay.pp_schedule} runs the micro-batches in max(1, M // pp) = {rounds} "
+                f"rounds of equal size, so M={m} must be a multiple of {rounds}"
+            )
+    return None
+
+
+def pipeline_micro_batch_problems(
+    name: str, lay: ParallelLayout, *, global_batch_size: int, micro_batch_size: int
+) -> list[ConfigIssue]:
+    """The pipeline schedule of module ``name`` against the step's micro-batches per replica,
+    ``M = global_batch_size / (micro_batch_size x dp x fsdp)`` (:func:`pipeline_micro_batches`); empty
+    at pp=1 or for an unknown schedule (reported by :func:`module_problems`)."""
+    if lay.pp <= 1 or lay.pp_schedule not in PP_SCHEDULES or micro_batch_size <= 0:
+        return []
+    m = max(1, global_batch_size // (micro_batch_size * lay.num_replicas))
+    why = pipeline_micro_batches(lay, m)
+    if why is None:
+        return []
+    unit = micro_batch_size * lay.num_replicas
+    return [
+        ConfigIssue(
+            "train.global_batch_size",
+            global_batch_size,
+            f"{why} (modules.{name}: M = global_batch_size / (micro_batch_size x dp x fsdp) = "
+            f"{global_batch_size} / {unit} = {m})",
+            f"use a global_batch_size that is a multiple of micro_batch_size x dp x fsdp x pp = "
+            f"{unit * lay.pp} (e.g. {unit * lay.pp} or {2 * unit * lay.pp}), or another pp_schedule",
+        )
+    ]
+
+
 def _ep_problems(prefix: str, lay: ParallelLayout, out: Issues) -> None:
     """EP folds over the ranks that see different tokens (dp x fsdp x sp, ``dhp.layout.TOKEN_AXES``)."""
     ep = lay.ep
@@ -301,6 +414,7 @@ def module_problems(
                   f"set {prefix}.activation_checkpointing=full (or off, selective, every_n:2)")  # fmt: skip
     if not _degree_problems(prefix, gpus, layout, out):
         return out.items  # a degree < 1: divisibility would divide by zero
+    _pipeline_problems(prefix, layout, axes, out)
     _ep_problems(prefix, layout, out)
     tp = layout.tp
     if gpus_per_node is not None and tp > 1:

@@ -9,8 +9,12 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
   FSDP stays FSDP); ``gpus`` is recomputed. When the groups would still need more than the local
   ranks, ``dp`` is dropped first (it is the axis least specific to a strategy), then ``fsdp``;
   collocated groups left with different rank counts get ``dp`` up to the largest count;
+- pipeline stages: pp > 1 becomes 2 (the tiny decoders have at least 2 layers); a schedule with
+  several stages per rank whose ``pp x pp_virtual`` stages outnumber the tiny model's layers falls
+  back to 1f1b with one stage per rank (the pipeline stays, its interleaving cannot);
 - train: 2 steps (``train.epochs`` off), no warmup, micro batch 1 (or the encoder/LLM replica ratio),
-  global batch = micro * LLM replicas, no checkpoints but the last; an evaluation the recipe asks
+  global batch = micro * LLM replicas (times pp: a pipeline schedule runs at least one micro-batch
+  per stage), no checkpoints but the last; an evaluation the recipe asks
   for (``data.eval``) runs after each of the 2 steps, on the eval batches of one step's shape;
 - data: small synthetic samples; sequence lengths sized to them.
 
@@ -40,7 +44,7 @@ SMOKE_REAL_LLM_SEQ = 512  # a real conversation of the tiny tokenizer, an image'
 SMOKE_EVAL_SAMPLES = 4  # an evaluation reads at most this many eval samples
 
 
-def _set(mod: DictConfig, **degrees: int) -> None:
+def _set(mod: DictConfig, **degrees: int | str) -> None:
     """Rewrite some of ``mod``'s degrees and recount its GPUs."""
     lay = module_layout(mod).replace(**degrees)
     write_layout(mod, lay)
@@ -50,6 +54,14 @@ def _set(mod: DictConfig, **degrees: int) -> None:
 def _shrink_degrees(mod: DictConfig) -> None:
     lay = module_layout(mod)
     _set(mod, **{axis: 2 for axis in (*MESH_AXES, "ep") if getattr(lay, axis) > 1})
+
+
+def _fit_stages(mod: DictConfig, layers: int) -> None:
+    """Every stage needs a decoder layer: too many stages per rank for the tiny model's ``layers``
+    drop to 1f1b with one stage per rank."""
+    lay = module_layout(mod)
+    if lay.pp > 1 and lay.num_stages > layers:
+        _set(mod, pp_virtual=1, pp_schedule="1f1b")
 
 
 def _fold_ep(mod: DictConfig) -> None:
@@ -111,13 +123,15 @@ def smoke_config(
     _share_gpus(out)
     for mod in out.modules.values():
         _fold_ep(mod)
+        _fit_stages(mod, int(out.model.llm.num_layers))
     if "vision" in out.modules:
         out.modules.vision.seq_len = SMOKE_VISION_SEQ
     if "llm" in out.modules:
         out.modules.llm.seq_len = SMOKE_REAL_LLM_SEQ if real else SMOKE_LLM_SEQ
     rl, rv = _replicas(out, "llm"), _replicas(out, "vision")
     # an LLM micro-batch feeds every encoder replica
-    _shrink_train(out.train, micro=max(1, rv // rl), llm_replicas=rl)
+    pp = module_layout(out.modules.llm).pp if "llm" in out.modules else 1
+    _shrink_train(out.train, micro=max(1, rv // rl), llm_replicas=rl * pp)
     if real:
         _shrink_real_data(out.data)
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dhp.config.plan_space import ModuleAxes as ModuleAxes  # declared by each family, read by the rule
 
@@ -454,12 +454,17 @@ def decoder_axes(
     head_groups: Mapping[str, int] | None = None,
     context_parallel: bool = False,
     cp_divides: Mapping[str, int] | None = None,
+    pipeline: bool = False,
+    layers: int = 0,
+    tied: bool = False,
+    aux_coef: float = 0.0,
 ) -> ModuleAxes:
     """A decoder LLM: TP over the attention heads, KV heads, other ``head_groups`` (config key ->
     count), the vocabulary and the MLP width (``mlp``; None: no TP-sharded MLP); Megatron sequence
     parallelism inside TP where ``sequence_parallel``; context parallelism where ``context_parallel``
     (the family's forward computes positions on the whole sequence, then cuts: ``dhp.parallel.cp``);
-    no Ulysses SP."""
+    pipeline stages cut over its ``layers`` decoder layers where ``pipeline``, refused with ``tied``
+    word embeddings or a non-zero router load-balancing coefficient ``aux_coef``; no Ulysses SP."""
     divides = {"model.llm.num_heads": heads, "model.llm.num_kv_heads": kv_heads, **(head_groups or {})}
     divides["model.llm.vocab_size"] = vocab
     if mlp is not None:
@@ -472,7 +477,27 @@ def decoder_axes(
         cp=context_parallel,
         cp_divides=dict(cp_divides or {}),
         cp_sequence_parallel=not cp_divides,  # linear-attention layers gather the sequence themselves
+        pp=pipeline,
+        pp_layers=layers if pipeline else 0,
+        pp_refused=_pp_refused(tied=tied, aux_coef=aux_coef),
     )
+
+
+def _pp_refused(*, tied: bool, aux_coef: float) -> dict[str, tuple[Any, str]]:
+    """The decoder settings pipeline stages cannot run with (``ModuleAxes.pp_refused``)."""
+    out: dict[str, tuple[Any, str]] = {}
+    if tied:
+        out["model.llm.tie_word_embeddings"] = (
+            True,
+            "the embedding (first stage) and the lm_head (last stage) would share one weight across stages",
+        )
+    if aux_coef:
+        out["model.llm.extra.router_aux_loss_coef"] = (
+            aux_coef,
+            "the router load-balancing loss sums every stage's router statistics, which the pipeline's "
+            "last-stage loss does not see (set the coefficient to 0 to train with pp)",
+        )
+    return out
 
 
 class FamilyArch(Protocol):

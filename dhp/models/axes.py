@@ -35,7 +35,8 @@ def runtime_plan(
     ``tp`` (the TP styles by FQN glob, a function of Megatron sequence parallelism) is kept only where
     ``axes.tp``, ``sp`` (the Ulysses attention sites) only where ``axes.sp``; ``moe_blocks`` (the FQN
     glob of the sparse blocks) gets ``axes.experts`` as the expert count every ep degree must divide.
-    ``pad_token_id`` None (a config without one) pads with id 0.
+    ``pad_token_id`` None (a config without one) pads with id 0. ``pp``/``pp_layers``: pipeline
+    stages exist, cut over that many decoder layers (the declaration's).
     """
     return ModuleParallelPlan(
         blocks=blocks,
@@ -54,4 +55,6 @@ def runtime_plan(
         cp_divides=dict(axes.cp_divides),
         cp_sequence_parallel=axes.cp_sequence_parallel,
         linear_attention=linear_attention,
+        pp=axes.pp,
+        pp_layers=axes.pp_layers,
     )

@@ -215,6 +215,8 @@ def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
         cp=plan.cp,
         cp_divides=dict(plan.cp_divides),
         cp_sequence_parallel=plan.cp_sequence_parallel,
+        pp=plan.pp,
+        pp_layers=plan.pp_layers,
     )
 
 

@@ -62,6 +62,10 @@ class ModuleParallelPlan:
     #: FQN glob of the Gated DeltaNet (linear attention) layers: under CP each gathers its sequence and
     #: cuts its heads (``dhp.parallel.linear_attn_cp``); empty: none
     linear_attention: str = ""
+    #: pipeline parallelism (stages cut by decoder layers) is supported; ``pp_layers``: the decoder
+    #: layers a cut divides
+    pp: bool = False
+    pp_layers: int = 0
 
 
 __all__ = ["AttentionSite", "ModuleParallelPlan"]

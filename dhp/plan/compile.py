@@ -8,14 +8,15 @@ from omegaconf import DictConfig
 
 from dhp.config.handoff import resolve_handoff
 from dhp.config.validate_data_keys import packed_row_tokens
-from dhp.layout import ParallelLayout, module_layout
+from dhp.layout import ParallelLayout, module_layout, stage_cut
 from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
 from dhp.plan.graph import run_graph
 from dhp.plan.memory import ModuleShape, encoder_replica_patches, module_shape
 from dhp.plan.params import video_frames_per_row
-from dhp.plan.phases import ModuleTerms, gpu_timeline, module_terms, reserve_bytes
+from dhp.plan.phases import ModuleTerms, gpu_timeline, reserve_bytes
+from dhp.plan.pipeline import ahead_of_pipeline, pipeline_terms, rank_shapes
 from dhp.plan.placement import assign_gpus, placement_groups, routing
 from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
@@ -33,7 +34,7 @@ def module_layouts(config: DictConfig) -> dict[str, ParallelLayout]:
 def _group_plan(
     name: str,
     layout: ParallelLayout,
-    memory: MemoryEstimate,
+    memory: list[MemoryEstimate],
     *,
     param_count: int,
     active_param_count: int,
@@ -41,8 +42,10 @@ def _group_plan(
     sharers: dict[int, list[str]],
     where: dict[int, tuple[int, int]],
     gpus_per_node: int,
+    stage_layers: tuple[int, ...] = (),
 ) -> GroupPlan:
-    """One group's ranks: node/GPU from ``gpus``, fraction from the sharers, bundle from ``where``."""
+    """One group's ranks: node/GPU from ``gpus``, fraction from the sharers, bundle from ``where``;
+    ``memory``: per pipeline rank (one entry without pipeline stages)."""
     ranks = []
     for rank, gpu in enumerate(gpus):
         pg, bundle = where[gpu]
@@ -56,7 +59,7 @@ def _group_plan(
                 gpu_fraction=1.0 / len(sharers[gpu]),
                 placement_group=pg,
                 bundle_index=bundle,
-                memory=memory,
+                memory=memory[layout.pp_rank(rank)],
             )
         )
     return GroupPlan(
@@ -65,6 +68,7 @@ def _group_plan(
         param_count=param_count,
         active_param_count=active_param_count,
         ranks=tuple(ranks),
+        stage_layers=stage_layers,
     )
 
 
@@ -133,7 +137,7 @@ def memory_estimate(terms: ModuleTerms, shape: ModuleShape, moe: dict | None = N
         params=terms.params,
         grads=terms.grads,
         optimizer=terms.optimizer,
-        activations=terms.saved_total * mbs,
+        activations=int(terms.saved_total * mbs * terms.in_flight),
         detail=dict(terms.saved),
         work={
             f"{terms.name}_fwd": dict(terms.fwd_work),
@@ -183,35 +187,52 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     shapes = module_shapes(config, layouts)
     graph = run_graph(config)
     n_mb = micro_batches_per_step(config.train, layouts[graph.consumer].num_replicas)
-    terms = {
-        n: module_terms(s, micro_batches=n_mb, optimizer_impl=config.train.optimizer.impl)
+    impl = config.train.optimizer.impl
+    # per pipeline rank (one entry per module without pipeline stages)
+    stages = {
+        n: [
+            ahead_of_pipeline(t, layouts[graph.consumer], micro_batches=n_mb)
+            for t in pipeline_terms(s, micro_batches=n_mb, optimizer_impl=impl)
+        ]
         for n, s in shapes.items()
     }
-    impl = config.train.optimizer.impl
-    moe = {n: moe_summary(s, terms[n], micro_batches=n_mb, optimizer_impl=impl) for n, s in shapes.items()}
+    staged = {n: rank_shapes(s) for n, s in shapes.items()}
+    terms = {n: t[0] for n, t in stages.items()}
+    moe = {
+        n: moe_summary(staged[n][0], terms[n], micro_batches=n_mb, optimizer_impl=impl) for n in shapes
+    }
     groups = []
     for name, layout in layouts.items():
         groups.append(
             _group_plan(
                 name,
                 layout,
-                memory_estimate(terms[name], shapes[name], moe[name]),
+                [
+                    memory_estimate(t, staged[name][t.stage], moe[name] if t.stage == 0 else None)
+                    for t in stages[name]
+                ],
                 param_count=shapes[name].params.total,
                 active_param_count=shapes[name].arch.active_params,
                 gpus=gpus[name],
                 sharers=sharers,
                 where=where,
                 gpus_per_node=gpn,
+                stage_layers=tuple(hi - lo for lo, hi in stage_cut(shapes[name].arch.layers, layout.num_stages))
+                if layout.pp > 1
+                else (),
             )
         )
     device_bytes = int(cluster.device_memory_gib * GIB)
     devices = []
+    def on(name: str, gpu: int) -> ModuleTerms:  # the pipeline rank of module ``name`` on ``gpu``
+        return stages[name][layouts[name].pp_rank(gpus[name].index(gpu))]
+
     for g in sorted(sharers):
-        line = gpu_timeline([terms[n] for n in sharers[g]])
+        line = gpu_timeline([on(n, g) for n in sharers[g]])
         reserve = reserve_bytes(device_bytes, processes=len(sharers[g]))
         worst = 0
         if any(moe[n] for n in sharers[g]):
-            worst = gpu_timeline([moe[n]["worst_terms"] if moe[n] else terms[n] for n in sharers[g]]).peak
+            worst = gpu_timeline([moe[n]["worst_terms"] if moe[n] else on(n, g) for n in sharers[g]]).peak
         devices.append(
             DeviceUsage(
                 global_gpu=g,

@@ -18,6 +18,7 @@ from dhp.plan.graph import ModuleGraph, run_graph
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
 from dhp.plan.overheads import phase_counts
 from dhp.plan.params import video_frames_per_row
+from dhp.plan.pipeline import bubble_fraction, p2p_seconds, rank_shapes
 from dhp.plan.schedule import StepEstimate, micro_batches_per_step, schedule
 from dhp.plan.timing import (
     ATTN_BWD_FACTOR,
@@ -354,6 +355,35 @@ def module_time(f: ModuleFeatures, coef: dict[str, float], *, n_mb: int) -> dict
     }
 
 
+def pipeline_time(
+    shape: ModuleShape,
+    tokens: float,
+    cluster: DictConfig,
+    world: int,
+    processes: float,
+    coef: dict[str, float],
+    *,
+    n_mb: int,
+) -> dict[str, float]:
+    """:func:`module_time` of a module, and with pipeline stages (``dhp.plan.pipeline``) that of its
+    slowest pipeline rank (its own layers' compute and collectives; the slowest grad sync and
+    optimizer of any rank) plus ``pp_bubble_s`` (the schedule's idle share of the slowest rank's
+    micro-batches) and ``pp_p2p_s`` (the stage boundaries' sends on the critical path)."""
+    if shape.layout.pp <= 1:
+        return module_time(module_features(shape, tokens, cluster, world, processes), coef, n_mb=n_mb)
+    ranks = [
+        module_time(module_features(r, r.tokens, cluster, world, processes), coef, n_mb=n_mb)
+        for r in rank_shapes(shape)
+    ]
+    out = dict(max(ranks, key=lambda t: t["fwd_s"] + t["bwd_s"]))
+    for key in ("grad_sync_s", "optim_s"):
+        out[key] = max(t[key] for t in ranks)
+    work = n_mb * (out["fwd_s"] + out["bwd_s"])
+    out["pp_bubble_s"] = bubble_fraction(shape.layout, micro_batches=n_mb) * work
+    out["pp_p2p_s"] = p2p_seconds(shape, link_of(cluster), micro_batches=n_mb)
+    return out
+
+
 def estimate_step(
     config: DictConfig, plan: Plan, shapes: dict[str, ModuleShape], *, cluster: DictConfig
 ) -> StepEstimate:
@@ -372,8 +402,7 @@ def estimate_step(
             vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas) if producer else shape.tokens
         )
         procs = busy_processes(sum(g.world_size for g in plan.groups))
-        f = module_features(shape, tokens, cluster, world, procs)
-        per[name] = module_time(f, coef, n_mb=n_mb)
+        per[name] = pipeline_time(shape, tokens, cluster, world, procs, coef, n_mb=n_mb)
         if producer:  # the consumer receives every producer's rows
             hand += handoff_s(config, plan, shape, tokens * shape.layout.sp, cluster)
     step = schedule(

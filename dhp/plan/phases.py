@@ -92,6 +92,10 @@ class ModuleTerms:
     optimizer_impl: str = ""  # train.optimizer.impl (sizes ``optim``)
     computes_loss: bool = False  # the graph's consumer (``dhp.plan.graph.computes_loss``)
     phases: tuple[str, ...] = ()  # a step's phases in order (``ModuleShape.phases``)
+    #: a pipeline rank of the loss module: micro-batches of its layers whose saved activations
+    #: coexist at its peak (``dhp.plan.pipeline.in_flight_micro_batches``); 1 without pipeline stages
+    in_flight: float = 1.0
+    stage: int = 0  # the pipeline rank these terms are of (0 without pipeline stages)
 
     @property
     def saved_total(self) -> int:
@@ -127,10 +131,14 @@ class ModuleTerms:
         the candidate with the larger sum over the micro-batches the phase stands for."""
         order = self.phases.index
         g, s, m = self.grads if self.grads > 0 else 0, self.saved_total, self.micro_batches
+        if self.in_flight != 1.0:  # a pipeline rank: its schedule's micro-batches in flight
+            s = int(s * self.in_flight)
         mine_fwd, mine_bwd = f"{self.name}_fwd", f"{self.name}_bwd"
         if order(phase) > order(mine_bwd) or (self.computes_loss and phase not in (mine_fwd, mine_bwd)):
             after = order(phase) > order(mine_bwd)
             return (g if after or (self.accumulates and g) else 0), 0
+        if not self.computes_loss and self.live_micro_batches > 2:  # every forward before the
+            return (g if self.accumulates else 0), self.live_micro_batches * s  # pipelined consumer's
         if not self.computes_loss and m >= 2 and self.live_micro_batches == 2:
             pair = [(0, 2 * s)] + ([] if phase == mine_fwd else [(g, s)])
             cands = [(g, 2 * s)] if m >= 3 else pair

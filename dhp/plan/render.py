@@ -60,12 +60,26 @@ def groups_table(plan: Plan) -> Table:
             gpus,
             ",".join(f"{f:g}" for f in fracs),
         )
+    pipes = [_pipeline_line(g) for g in plan.groups if g.stage_layers]
+    if pipes:
+        table.caption = "\n".join(pipes)
     if plan.kernels:  # a slow torch fallback on a GPU is named here, never silent
         table.caption = Text(  # Text, not markup: the fix names the extra "dhp[gpu]"
             "linear-attention kernel: "
             + "; ".join(f"{m} {kernel_note(plan.device, k)}" for m, k in plan.kernels.items())
         )
     return table
+
+
+def _pipeline_line(g) -> str:
+    """A group's pipeline: degrees, schedule, the cut and each pipeline rank's GPUs."""
+    lay = g.layout
+    virtual = f" x {lay.pp_virtual} stages per rank" if lay.pp_virtual > 1 else ""
+    return (
+        f"{g.name} pipeline: pp={lay.pp}{virtual}, schedule {lay.pp_schedule}, decoder layers per stage "
+        f"{'+'.join(str(n) for n in g.stage_layers)} (first: embedding + hand-off, last: norm, lm_head, "
+        f"loss); {lay.stage_world} ranks per stage"
+    )
 
 
 def _num(x: float | None, unit: str = "") -> str:
@@ -159,12 +173,12 @@ def memory_table(plan: Plan) -> Table:
     for col in cols:
         table.add_column(col, justify="left" if col in ("group", "at") else "right")
     notes = []
-    for g in plan.groups:
-        m = g.ranks[0].memory
+    for g, label, ranks in _memory_rows(plan):
+        m = ranks[0].memory
         bpp = m.bytes_per_param
         table.add_row(
-            g.name,
-            _ranges([r.rank for r in g.ranks]),
+            label,
+            _ranges([r.rank for r in ranks]),
             f"{bpp['params']}+{bpp['grads']}+{bpp['optimizer']}",
             gib(m.params),
             gib(m.grads),
@@ -174,7 +188,7 @@ def memory_table(plan: Plan) -> Table:
             m.peak_phase,
         )
         notes.append(
-            f"{g.name} saved activations / micro-batch: "
+            f"{label} saved activations / micro-batch: "
             + ", ".join(f"{k} {gib(v)}" for k, v in m.detail.items() if v)
         )
         for phase, terms in m.work.items():
@@ -182,6 +196,9 @@ def memory_table(plan: Plan) -> Table:
                 notes.append(
                     f"  {phase} transients: " + ", ".join(f"{k} {gib(v)}" for k, v in terms.items() if v)
                 )
+        if g.stage_layers and sum(m.detail.values()):
+            flight = m.activations / sum(m.detail.values())
+            notes.append(f"  {flight:.3g} micro-batches of activations in flight ({g.layout.pp_schedule})")
         if m.loss_chunk_tokens:
             notes.append(f"  loss chunk: {m.loss_chunk_tokens} tokens")
         notes += _moe_notes(m.moe) + _linear_notes(m.linear)
@@ -189,6 +206,20 @@ def memory_table(plan: Plan) -> Table:
             notes.append(f"  optimizer: AdamW {m.optimizer_impl} (train.optimizer.impl)")
     table.caption = "\n".join(notes)
     return table
+
+
+def _memory_rows(plan: Plan) -> list[tuple]:
+    """(group, row label, ranks) per memory row: a group's ranks, or each pipeline rank's with stages."""
+    out = []
+    for g in plan.groups:
+        lay = g.layout
+        if not g.stage_layers:
+            out.append((g, g.name, list(g.ranks)))
+            continue
+        for s in range(lay.pp):
+            ranks = [r for r in g.ranks if lay.pp_rank(r.rank) == s]
+            out.append((g, f"{g.name} pp{s}", ranks))
+    return out
 
 
 def _moe_notes(moe: dict) -> list[str]:
@@ -298,6 +329,14 @@ def estimate_table(plan: Plan) -> Table | None:
     keys = ("fwd_s", "bwd_s", "comm_s", "a2a_s", "grad_sync_s", "optim_s", "idle_s")
     for name, m in est["modules"].items():
         table.add_row(name, *(f"{m[k]:.3f}" for k in keys), f"{m['recompute_tflops']:.1f}")
+    pipes = [
+        f"{name} pipeline: bubble {m['pp_bubble_s']:.3f} s, stage sends {m['pp_p2p_s']:.3f} s per step "
+        "(fwd/bwd s: the slowest pipeline rank's; the encoders run before and after the pipeline)"
+        for name, m in est["modules"].items()
+        if "pp_bubble_s" in m
+    ]
+    if pipes:
+        table.caption = "\n".join(pipes)
     return table
 
 

@@ -53,6 +53,8 @@ def _schedule(
     fin = {n: p["grad_sync_s"] + p["optim_s"] for n, p in per.items()}
     consumer = graph.consumer
     producers = [p for p in graph.producers if p in per]
+    if "pp_bubble_s" in per[consumer]:
+        return _pipelined(placement, per, producers, consumer, fin, n_mb=n_mb, handoff=handoff)
     if not producers:
         c = per[consumer]
         return Schedule(n_mb * (c["fwd_s"] + c["bwd_s"]) + fin[consumer], consumer, {consumer: 0.0})
@@ -66,6 +68,33 @@ def _schedule(
     step = n_mb * max(v, lm) + min(v, lm) + max(fin.values())
     busy = {**{p: n_mb * work[p] + fin[p] for p in producers}, consumer: n_mb * lm + fin[consumer]}
     return Schedule(step, consumer if lm >= v else slowest, {n: max(step - b, 0.0) for n, b in busy.items()})
+
+
+def _pipelined(
+    placement: str,
+    per: dict[str, dict[str, float]],
+    producers: list[str],
+    consumer: str,
+    fin: dict[str, float],
+    *,
+    n_mb: int,
+    handoff: float,
+) -> Schedule:
+    """A consumer with pipeline stages runs every micro-batch of the step in ONE schedule: the
+    producers' forwards of every micro-batch run before it, their backwards after it ends (no
+    overlap with the consumer, collocated or not). The pipeline: its slowest rank's micro-batches,
+    the schedule's bubble, the stage boundaries' sends and the hand-off both ways per micro-batch."""
+    c = per[consumer]
+    lm = n_mb * (c["fwd_s"] + c["bwd_s"] + 2 * handoff) + c["pp_bubble_s"] + c["pp_p2p_s"]
+    enc = {p: n_mb * (per[p]["fwd_s"] + per[p]["bwd_s"]) for p in producers}
+    serial = sum(enc.values()) if placement == "collocated" else max(enc.values(), default=0.0)
+    finish = sum(fin.values()) if placement == "collocated" else max(fin.values())
+    step = serial + lm + finish
+    busy = {**{p: enc[p] + fin[p] for p in producers}, consumer: lm + fin[consumer]}
+    idle = {n: max(step - b, 0.0) for n, b in busy.items()} if placement != "collocated" else {
+        n: 0.0 for n in busy
+    }
+    return Schedule(step, consumer if lm >= serial else max(enc, key=enc.get), idle)
 
 
 @dataclass(frozen=True)
@@ -98,6 +127,8 @@ class StepEstimate:
                 "tflops_per_rank": p["flops_per_rank"] / 1e12,
                 "a2a_s": p["a2a_s"],  # EP dispatch + combine of the step, inside comm_s
             }
+            if "pp_bubble_s" in p:  # a pipeline: its schedule's idle time and stage sends per step
+                mods[name] |= {"pp_bubble_s": p["pp_bubble_s"], "pp_p2p_s": p["pp_p2p_s"]}
         return {
             "step_time_s": self.step_time_s,
             "vision_tokens_per_s": self.vision_tokens_per_s,

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.handoff import resolve_handoff
-from dhp.config.plan_space import declared_axes, module_problems
+from dhp.config.plan_space import declared_axes, module_problems, pipeline_micro_batches
 from dhp.errors import PlanError
 from dhp.layout import ParallelLayout, module_layout
 from dhp.models.arch import ModuleAxes
@@ -63,15 +63,15 @@ from dhp.plan.estimate import (
     busy_processes,
     coefficients,
     handoff_seconds,
-    module_features,
-    module_time,
+    pipeline_time,
     timing_shapes,
     vision_patches_per_replica,
 )
 from dhp.plan.graph import ModuleGraph, run_graph
 from dhp.plan.memory import encoder_replica_patches, module_shape, sp_rank_tokens
 from dhp.plan.params import architecture, video_frames_per_row
-from dhp.plan.phases import gpu_timeline, module_terms, reserve_bytes
+from dhp.plan.phases import gpu_timeline, reserve_bytes
+from dhp.plan.pipeline import ahead_of_pipeline, pipeline_terms
 from dhp.plan.schedule import schedule
 
 GIB = 1 << 30
@@ -86,8 +86,9 @@ class ModuleChoice:
     degrees: ParallelLayout
     ac: str
     time: dict[str, float]  # dhp.plan.estimate.module_time (+ handoff_s of the producer)
-    terms: object  # phases.ModuleTerms
+    terms: object  # phases.ModuleTerms (with pipeline stages: the fullest pipeline rank's)
     shape: object = None  # memory.ModuleShape
+    stages: tuple = ()  # phases.ModuleTerms of every pipeline rank (one without pipeline stages)
 
     @property
     def per_mb(self) -> float:
@@ -127,8 +128,10 @@ class Candidate:
         def deg(m: ModuleChoice) -> str:
             d = m.degrees
             axes = " ".join(
-                f"{k}{getattr(d, k)}" for k in ("dp", "fsdp", "cp", "sp", "tp", "ep") if getattr(d, k) > 1
+                f"{k}{getattr(d, k)}" for k in ("pp", "dp", "fsdp", "cp", "sp", "tp", "ep") if getattr(d, k) > 1
             )
+            if d.pp > 1:  # the schedule (and its stages per rank)
+                axes += f" {d.pp_schedule}" + (f" v{d.pp_virtual}" if d.pp_virtual > 1 else "")
             seq = "+sp" if m.degrees.sequence_parallel else ""
             experts = (f" etp{d.etp}" if d.etp > 1 else "") + (" efsdp" if d.expert_fsdp else "")
             return f"{axes or 'dp1'}{seq}{experts}{' z1' if m.degrees.zero else ''} ac={m.ac}"
@@ -145,13 +148,48 @@ def _divisors(n: int) -> list[int]:
 def module_degrees(
     name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
 ) -> list[ParallelLayout]:
-    """Every (dp, fsdp, cp, sp, tp, zero, sequence_parallel, ep, etp, expert_fsdp) of module ``name``
-    on ``world`` GPUs that the plan-validity rule (:func:`dhp.config.plan_space.module_problems`)
-    accepts: the runtime's space (cp > 1 only where the module declares context parallelism; ep > 1,
-    etp = tp and expert_fsdp only where it declares expert parallelism, ep dividing the token ranks
-    dp x fsdp x cp x sp, ep x etp the experts, expert_fsdp with edp > 1)."""
+    """Every (pp, pp_virtual, pp_schedule, dp, fsdp, cp, sp, tp, zero, sequence_parallel, ep, etp,
+    expert_fsdp) of module ``name`` on ``world`` GPUs that the plan-validity rule
+    (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's space (cp > 1 only where the
+    module declares context parallelism; ep > 1, etp = tp and expert_fsdp only where it declares
+    expert parallelism, ep dividing the token ranks dp x fsdp x cp x sp, ep x etp the experts,
+    expert_fsdp with edp > 1; pipeline stages only where it declares pp, :func:`_pipelines`). The
+    step's micro-batch count is checked per candidate (``pipeline_micro_batches``)."""
     out = []
-    for tp, sp, cp, fsdp in _splits(world, cp=axes.cp):
+    for pp, v, sched in _pipelines(world, axes=axes):
+        out += [
+            d.replace(pp=pp, pp_virtual=v, pp_schedule=sched)
+            for d in _stage_degrees(world, pp, axes=axes)
+        ]
+    return [
+        d
+        for d in out
+        if not module_problems(name, gpus=world, layout=d, axes=axes, gpus_per_node=gpus_per_node,
+                               activation_checkpointing="off", mixed_precision=mixed_precision)  # fmt: skip
+    ]
+
+
+#: the pipelines the search tries where the module declares pp: (pp_virtual, schedule); gpipe is left
+#: out (1f1b's bubble with more micro-batches in flight)
+PIPELINE_CHOICES = ((1, "1f1b"), (2, "interleaved_1f1b"), (2, "zero_bubble"))
+PIPELINE_DEGREES = (2, 4, 8)
+
+
+def _pipelines(world: int, *, axes: ModuleAxes) -> list[tuple[int, int, str]]:
+    """(pp, pp_virtual, schedule) of the search: no pipeline, then pp in PIPELINE_DEGREES dividing
+    ``world`` with every PIPELINE_CHOICES entry, where the module declares pp (the rule checks the
+    rest: stages <= layers, no cp / sequence parallelism, the refused settings)."""
+    out = [(1, 1, "1f1b")]
+    if axes.pp and not axes.pp_refused:
+        out += [(pp, v, s) for pp in PIPELINE_DEGREES if world % pp == 0 for v, s in PIPELINE_CHOICES]
+    return out
+
+
+def _stage_degrees(world: int, pp: int, *, axes: ModuleAxes) -> list[ParallelLayout]:
+    """The degrees of one pipeline stage's ``world / pp`` ranks (every axis but pp)."""
+    world //= pp
+    out = []
+    for tp, sp, cp, fsdp in _splits(world, cp=axes.cp and pp == 1):
         dp = world // (tp * sp * cp * fsdp)
         eps = _divisors(dp * fsdp * cp * sp) if axes.experts else [1]
         etps = sorted({1, tp}) if axes.experts else [1]
@@ -161,19 +199,9 @@ def module_degrees(
                 dp=dp, fsdp=fsdp, cp=cp, sp=sp, tp=tp, ep=ep, etp=etp, expert_fsdp=efsdp, zero=z,
                 sequence_parallel=q,
             )  # fmt: skip
-            if (z and dp * cp * sp == 1) or (q and tp == 1):
-                continue  # ZeRO-1 over one rank, or SP inside TP of one rank: a no-op
-            problems = module_problems(
-                name,
-                gpus=world,
-                layout=d,
-                axes=axes,
-                gpus_per_node=gpus_per_node,
-                activation_checkpointing="off",
-                mixed_precision=mixed_precision,
-            )
-            if not problems:
-                out.append(d)
+            if (z and dp * cp * sp == 1) or (q and (tp == 1 or pp > 1)):
+                continue  # ZeRO-1 over one rank, SP inside TP of one rank (or refused by pp): a no-op
+            out.append(d)
     return out
 
 
@@ -332,20 +360,22 @@ class Search:
             shape = dataclasses.replace(
                 shape, seq_len=encoder_replica_patches(seq, producer=d, consumer=replicas)
             )
-        terms = module_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
+        stages = pipeline_terms(shape, micro_batches=n_mb, optimizer_impl=self.cfg.train.optimizer.impl)
+        terms = max(stages, key=lambda t: gpu_timeline([t]).peak)  # the fullest pipeline rank alone
         procs = busy_processes(max(self._procs, world))
         # time on the data's measured lengths, as the winner's estimate line does; memory (terms) keeps
         # the seq_len-filled shape
         timed = timing_shapes(self.cfg, {name: shape}, micro_batch=mb)[name]
         producer = name == self.producer
-        f = module_features(timed, tokens if producer else timed.tokens, self.cluster, world, procs)
-        time = module_time(f, self.coef, n_mb=n_mb)
+        time = pipeline_time(
+            timed, tokens if producer else timed.tokens, self.cluster, world, procs, self.coef, n_mb=n_mb
+        )
         if producer:  # one hand-off (and one hand-back) per micro-batch, as the estimate
             span = world if self._placement == "collocated" else self._procs
             time["handoff_s"] = handoff_seconds(
                 shape, tokens * d.sp, self.cluster, handoff=self._handoff(), span=span
             )
-        choice = ModuleChoice(name, world, d, ac, time, terms, shape)
+        choice = ModuleChoice(name, world, d, ac, time, terms, shape, tuple(stages))
         self._cache[key] = choice
         return choice
 
@@ -435,6 +465,8 @@ class Search:
                     continue
                 for mb in self.micro_batches(ld.num_replicas, v_reps):
                     n_mb = self.cfg.train.global_batch_size // (mb * ld.num_replicas)
+                    if ld.pp > 1 and pipeline_micro_batches(ld, n_mb) is not None:
+                        continue  # the schedule cannot run this many micro-batches
                     seq_l = int(self.cfg.modules[cons].seq_len)
                     llms = [
                         self.module(cons, lw, ld, ac, mb, n_mb, seq_l, 0.0)
@@ -486,11 +518,13 @@ class Search:
         return self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, ClassReport())
 
     def _pair(self, placement, mb, seq, vc, lc, n_mb, budget, solo, report) -> Candidate | None:
-        if placement == "collocated":
-            line = gpu_timeline([vc.terms, lc.terms])
-            peak, cap = line.peak, budget
+        # a pipelined LLM: the encoder holds every micro-batch's activations (dhp.plan.pipeline)
+        v_terms = ahead_of_pipeline(vc.terms, lc.degrees, micro_batches=n_mb)
+        l_stages = lc.stages or (lc.terms,)
+        if placement == "collocated":  # every pipeline rank's GPUs also hold an encoder rank
+            peak, cap = max(gpu_timeline([v_terms, t]).peak for t in l_stages), budget
         else:
-            peak = max(gpu_timeline([vc.terms]).peak, gpu_timeline([lc.terms]).peak)
+            peak = max(gpu_timeline([v_terms]).peak, gpu_timeline([lc.terms]).peak)
             cap = solo
         report.pairs += 1
         report.fits += 1 if peak <= cap else 0

@@ -102,6 +102,8 @@ class GroupPlan:
     param_count: int  # full (unsharded) parameters of the module
     ranks: tuple[RankPlan, ...]
     active_param_count: int = 0  # parameters one token passes through (MoE: top-k experts); 0: = total
+    #: decoder layers per pipeline stage (``dhp.layout.stage_cut``); empty without pipeline stages
+    stage_layers: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -124,7 +126,14 @@ class GroupPlan:
             "param_count": self.param_count,
             "active_param_count": self.active,
             "ranks": [r.to_json() for r in self.ranks],
+            **({"pipeline": self.pipeline_json()} if self.stage_layers else {}),
         }
+
+    def pipeline_json(self) -> dict:
+        """The pipeline of a group with stages: degrees, schedule and the layers of each stage."""
+        lay = self.layout
+        return {"pp": lay.pp, "pp_virtual": lay.pp_virtual, "schedule": lay.pp_schedule,
+                "stage_layers": list(self.stage_layers)}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,14 @@ from omegaconf import DictConfig
 
 from dhp.config.constants import BAD_SAMPLE_POLICIES, DATA_KINDS
 from dhp.config.issues import Issues
-from dhp.config.plan_space import ModuleAxes, declared_axes, layout_ok, module_problems, placement_problems
+from dhp.config.plan_space import (
+    ModuleAxes,
+    declared_axes,
+    layout_ok,
+    module_problems,
+    pipeline_micro_batch_problems,
+    placement_problems,
+)
 from dhp.config.validate_data_keys import MARKERS_PER_VISUAL, synthetic_sample_tokens
 from dhp.layout import module_layout
 from dhp.models.registry import family_names, get_arch
@@ -109,6 +116,15 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
         )
         if len(reps) == 2 and max(reps.values()) % min(reps.values()) == 0:
             _validate_batch(cfg.train, reps["vision"], reps["llm"], issues)
+    for name in mods:  # a pipeline schedule's micro-batches are the step's per replica
+        issues.items.extend(
+            pipeline_micro_batch_problems(
+                name,
+                layouts[name],
+                global_batch_size=cfg.train.global_batch_size,
+                micro_batch_size=cfg.train.micro_batch_size,
+            )
+        )
     _validate_train(cfg.train, issues)
 
 

@@ -269,7 +269,12 @@ class Qwen25VLArch:
             return vision_axes(heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size)
         lm = model.llm
         return llm_axes(
-            heads=lm.num_heads, kv_heads=lm.num_kv_heads, vocab=lm.vocab_size, mlp=lm.intermediate_size
+            heads=lm.num_heads,
+            kv_heads=lm.num_kv_heads,
+            vocab=lm.vocab_size,
+            mlp=lm.intermediate_size,
+            layers=lm.num_layers,
+            tied=bool(lm.tie_word_embeddings),
         )
 
 
@@ -279,12 +284,22 @@ def vision_axes(*, heads: int, hidden: int, merge: int) -> ModuleAxes:
     return encoder_axes(heads=heads, merged_width=hidden * merge**2)
 
 
-def llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int) -> ModuleAxes:
+def llm_axes(
+    *, heads: int, kv_heads: int, vocab: int, mlp: int, layers: int, tied: bool = False
+) -> ModuleAxes:
     """The decoder's axes (TP over heads, KV heads, vocabulary and MLP width, with sequence parallelism
-    inside TP; context parallelism: the LLM computes M-RoPE on the whole sequence, then cuts), declared
-    once as :func:`vision_axes`."""
+    inside TP; context parallelism: the LLM computes M-RoPE on the whole sequence, then cuts; pipeline
+    stages over its ``layers`` decoder layers), declared once as :func:`vision_axes`."""
     return decoder_axes(
-        heads=heads, kv_heads=kv_heads, vocab=vocab, mlp=mlp, sequence_parallel=True, context_parallel=True
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        mlp=mlp,
+        sequence_parallel=True,
+        context_parallel=True,
+        pipeline=True,
+        layers=layers,
+        tied=tied,
     )
 
 

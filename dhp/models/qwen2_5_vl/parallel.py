@@ -60,6 +60,8 @@ def parallel_plan(
         kv_heads=t.num_key_value_heads,
         vocab=t.vocab_size,
         mlp=t.intermediate_size,
+        layers=t.num_hidden_layers,
+        tied=bool(tied),  # the family's tied parameters (lm_head -> embed_tokens)
     )
     return runtime_plan(
         axes,

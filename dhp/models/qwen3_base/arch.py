@@ -209,7 +209,8 @@ def decoder_axes(
 ) -> ModuleAxes:
     """The LLM's axes (``dhp.models.arch.decoder_axes``): TP over the attention heads, KV heads,
     ``heads`` (a family's other head groups), the vocabulary and (``mlp``) the SwiGLU width; context
-    parallelism where the decoder's every layer is attention (``context_parallel``)."""
+    parallelism where the decoder's every layer is attention (``context_parallel``); pipeline stages
+    over its ``n.layers`` decoder layers."""
     return arch.decoder_axes(
         heads=n.heads,
         kv_heads=n.kv_heads,
@@ -219,6 +220,10 @@ def decoder_axes(
         head_groups=heads,
         context_parallel=context_parallel,
         cp_divides=cp_divides,
+        pipeline=True,
+        layers=n.layers,
+        tied=n.tied,
+        aux_coef=n.aux_coef,
     )
 
 

@@ -39,6 +39,9 @@ def test_declared_axes_equal_the_runtime_plan(family: str, name: str) -> None:
     assert sorted(declared.sp_divides.values()) == sorted(runtime.sp_divides.values())
     # the typed architecture's Mlp(kind="moe", experts=...) and the runtime plan's MoE blocks agree
     assert declared.experts == runtime.experts
+    # pipeline stages: the LLM's decoder layers, the encoders none
+    assert (declared.pp, declared.pp_layers) == (runtime.pp, runtime.pp_layers)
+    assert declared.pp == (name == "llm") and (declared.pp_layers > 0) == declared.pp
 
 
 AXES = ModuleAxes(tp=True, sp=False, tp_sequence_parallel=False, tp_divides={"model.llm.num_kv_heads": 2})
