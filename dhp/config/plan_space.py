@@ -265,11 +265,11 @@ def _pipeline_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes | None
         "set cp=1, or pp=1 and keep cp",
     )
     out.check(
-        not lay.sequence_parallel,
+        lay.seq_split == 1,  # at tp = 1 sequence parallelism cuts nothing
         f"{key}.sequence_parallel",
         True,
         "pipeline stages pass whole-sequence hidden states between stages, which sequence parallelism "
-        "inside TP cuts (pp > 1)",
+        "inside TP cuts (pp > 1, tp > 1)",
         "set sequence_parallel=false when pp > 1",
     )
     if axes is None:

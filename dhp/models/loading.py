@@ -153,6 +153,10 @@ def load_module_weights(
     expected = {k for k in targets if k not in tied}
     for fqn in tied:  # a tied checkpoint may still store the copy: it is ignored, not unexpected
         key_of.pop(fqn, None)
+    # a pipeline stage (dhp.parallel.pipeline) holds its own layers: the others' keys are not its to read
+    others = {_strip_lora(k) for k in getattr(module, "pipeline_dropped", ())}
+    for fqn in others:
+        key_of.pop(fqn, None)
     missing, unexpected = sorted(expected - key_of.keys()), sorted(key_of.keys() - expected)
     if missing or unexpected:
         raise CheckpointError(

@@ -141,7 +141,11 @@ def _ac_spec(value: str) -> AcSpec:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("pp", lambda c: c.layout.pp > 1, lambda m, mesh, c: apply_pp(m, c.layout, dist.get_rank())),
+    Step(
+        "pp",
+        lambda c: c.layout.pp > 1,
+        lambda m, mesh, c: apply_pp(m, c.layout, dist.get_rank(), tied=bool(c.plan.tied)),
+    ),
     Step("ep", lambda c: c.layout.expert_group > 1 or c.layout.expert_fsdp, _ep),
     Step("moe_tokens", lambda c: bool(c.plan.moe_blocks), _token_group),
     Step(

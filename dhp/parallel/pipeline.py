@@ -81,12 +81,21 @@ def stage_ranges(layers: int, layout: ParallelLayout) -> list[tuple[int, int]]:
     return stage_cut(layers, layout.num_stages)
 
 
-def apply_pp(module: nn.Module, layout: ParallelLayout, rank: int) -> nn.Module:
+def apply_pp(module: nn.Module, layout: ParallelLayout, rank: int, *, tied: bool = False) -> nn.Module:
     """Keep only this rank's stages of ``module`` (in place): its decoder layers under their global
     indices; the embedding only on the first stage, the final norm and ``lm_head`` only on the last.
-    Records the rank's stages as ``module.pipeline_stages`` ``[(stage, lo, hi), ...]``. Frees the other
-    stages' parameters (a rank then holds ~1/pp of the decoder)."""
+    Records the rank's stages as ``module.pipeline_stages`` ``[(stage, lo, hi), ...]`` and the other
+    stages' state-dict keys as ``module.pipeline_dropped``. Frees the other
+    stages' parameters (a rank then holds ~1/pp of the decoder). PlanError for ``tied`` word embeddings
+    (the embedding and ``lm_head`` would live on different stages)."""
+    if tied:
+        raise PlanError(
+            "pipeline parallelism with tied word embeddings: the embedding (first stage) and lm_head (last "
+            "stage) are one tensor. Fix: set parallel.pp=1 for this module, or untie them "
+            "(model.llm.tie_word_embeddings=false, which changes the model)."
+        )
     lm = _text_model(module)
+    before = set(module.state_dict(keep_vars=True))
     ranges = stage_ranges(len(lm.layers), layout)
     mine = layout.stages_of(rank)
     kept = {i: lm.layers[i] for s in mine for i in range(*ranges[s])}
@@ -97,6 +106,8 @@ def apply_pp(module: nn.Module, layout: ParallelLayout, rank: int) -> nn.Module:
         lm.norm = None
         module.lm_head = None
     module.pipeline_stages = [(s, *ranges[s]) for s in mine]
+    # the other stages' state: a checkpoint of the unsplit module holds it, and loading skips it
+    module.pipeline_dropped = frozenset(before - set(module.state_dict(keep_vars=True)))
     return module
 
 

@@ -198,9 +198,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     }
     staged = {n: rank_shapes(s) for n, s in shapes.items()}
     terms = {n: t[0] for n, t in stages.items()}
-    moe = {
-        n: moe_summary(staged[n][0], terms[n], micro_batches=n_mb, optimizer_impl=impl) for n in shapes
-    }
+    moe = {n: moe_summary(staged[n][0], terms[n], micro_batches=n_mb, optimizer_impl=impl) for n in shapes}
     groups = []
     for name, layout in layouts.items():
         groups.append(
@@ -217,13 +215,16 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
                 sharers=sharers,
                 where=where,
                 gpus_per_node=gpn,
-                stage_layers=tuple(hi - lo for lo, hi in stage_cut(shapes[name].arch.layers, layout.num_stages))
+                stage_layers=tuple(
+                    hi - lo for lo, hi in stage_cut(shapes[name].arch.layers, layout.num_stages)
+                )
                 if layout.pp > 1
                 else (),
             )
         )
     device_bytes = int(cluster.device_memory_gib * GIB)
     devices = []
+
     def on(name: str, gpu: int) -> ModuleTerms:  # the pipeline rank of module ``name`` on ``gpu``
         return stages[name][layouts[name].pp_rank(gpus[name].index(gpu))]
 

@@ -192,6 +192,15 @@ def p2p_seconds(shape: ModuleShape, link: Link, *, micro_batches: int) -> float:
     return 2.0 * one * (max(1, micro_batches) * lay.pp_virtual + lay.pp - 1)
 
 
+def receive_buffers(layout: ParallelLayout, rank: int, *, micro_batches: int) -> int:
+    """Hidden-state buffers pipeline rank ``rank`` holds through the step: torch's stages allocate one
+    receive buffer per micro-batch for the forward input of every stage but the first, and one for the
+    output gradient of every stage but the last, when the schedule starts."""
+    stages = layout.stages_of(rank * layout.stage_world)
+    per_mb = sum((s > 0) + (s < layout.num_stages - 1) for s in stages)
+    return per_mb * max(1, micro_batches)
+
+
 def stage_label(layout: ParallelLayout, layers: int) -> str:
     """The cut as the plan prints it: layers per stage, e.g. ``20+20+20+20``."""
     return "+".join(str(hi - lo) for lo, hi in stage_cut(layers, layout.num_stages))
@@ -208,6 +217,7 @@ __all__ = [
     "rank_arch",
     "rank_layers",
     "rank_shapes",
+    "receive_buffers",
     "rounds",
     "stage_label",
 ]
@@ -226,17 +236,15 @@ def ahead_of_pipeline(terms: ModuleTerms, consumer: ParallelLayout, *, micro_bat
 def pipeline_terms(shape: ModuleShape, *, micro_batches: int, optimizer_impl: str) -> list[ModuleTerms]:
     """The memory terms of every pipeline rank of ``shape``'s module (``[module_terms(shape)]`` at
     pp = 1): each rank's own layers (:func:`rank_shapes`), its schedule's micro-batches in flight
-    (:func:`in_flight_micro_batches`), the hand-off rows on the first rank only, and the
-    point-to-point buffers of its stage boundaries (a received and a sent micro-batch's hidden states
-    per neighbour, forward and backward)."""
+    (:func:`in_flight_micro_batches`), the hand-off rows on the first rank only, and torch's receive
+    buffers of its stage boundaries (:func:`receive_buffers`: one micro-batch's hidden states each)."""
     lay = shape.layout
     if lay.pp <= 1:
         return [module_terms(shape, micro_batches=micro_batches, optimizer_impl=optimizer_impl)]
     out = []
     for r, rs in enumerate(rank_shapes(shape)):
         t = module_terms(rs, micro_batches=micro_batches, optimizer_impl=optimizer_impl)
-        neighbours = (r > 0) + (r < lay.pp - 1) if lay.pp_virtual == 1 else 2
-        p2p = neighbours * p2p_bytes(rs)
+        p2p = receive_buffers(lay, r, micro_batches=micro_batches) * p2p_bytes(rs)
         out.append(
             dataclasses.replace(
                 t,

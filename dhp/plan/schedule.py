@@ -91,9 +91,11 @@ def _pipelined(
     finish = sum(fin.values()) if placement == "collocated" else max(fin.values())
     step = serial + lm + finish
     busy = {**{p: enc[p] + fin[p] for p in producers}, consumer: lm + fin[consumer]}
-    idle = {n: max(step - b, 0.0) for n, b in busy.items()} if placement != "collocated" else {
-        n: 0.0 for n in busy
-    }
+    idle = (
+        {n: max(step - b, 0.0) for n, b in busy.items()}
+        if placement != "collocated"
+        else {n: 0.0 for n in busy}
+    )
     return Schedule(step, consumer if lm >= serial else max(enc, key=enc.get), idle)
 
 

@@ -128,7 +128,9 @@ class Candidate:
         def deg(m: ModuleChoice) -> str:
             d = m.degrees
             axes = " ".join(
-                f"{k}{getattr(d, k)}" for k in ("pp", "dp", "fsdp", "cp", "sp", "tp", "ep") if getattr(d, k) > 1
+                f"{k}{getattr(d, k)}"
+                for k in ("pp", "dp", "fsdp", "cp", "sp", "tp", "ep")
+                if getattr(d, k) > 1
             )
             if d.pp > 1:  # the schedule (and its stages per rank)
                 axes += f" {d.pp_schedule}" + (f" v{d.pp_virtual}" if d.pp_virtual > 1 else "")
@@ -158,14 +160,20 @@ def module_degrees(
     out = []
     for pp, v, sched in _pipelines(world, axes=axes):
         out += [
-            d.replace(pp=pp, pp_virtual=v, pp_schedule=sched)
-            for d in _stage_degrees(world, pp, axes=axes)
+            d.replace(pp=pp, pp_virtual=v, pp_schedule=sched) for d in _stage_degrees(world, pp, axes=axes)
         ]
     return [
         d
         for d in out
-        if not module_problems(name, gpus=world, layout=d, axes=axes, gpus_per_node=gpus_per_node,
-                               activation_checkpointing="off", mixed_precision=mixed_precision)  # fmt: skip
+        if not module_problems(
+            name,
+            gpus=world,
+            layout=d,
+            axes=axes,
+            gpus_per_node=gpus_per_node,
+            activation_checkpointing="off",
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
     ]
 
 

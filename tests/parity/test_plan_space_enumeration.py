@@ -220,7 +220,9 @@ def _pipeline_step(family, hf, module, mesh, d: ParallelLayout, ac: str, replica
         counts = module.placed(batch["input_ids"]).sum(dim=1).tolist()  # each row's hand-off rows
         start = 0
         for b, n in enumerate(counts):
-            row = {k: batch[k][b : b + 1] for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")}
+            row = {
+                k: batch[k][b : b + 1] for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+            }
             grids = batch["image_grid_thw"]
             per_image = [] if grids is None else family.tokens_per_image(hf, grids)
             first = sum(1 for i in range(b) for _ in IMAGES[v][i])  # this row's images in the grid list

@@ -169,6 +169,14 @@ class LLMModule(LLMBase):
         lm = self.loss(hidden=out.last_hidden_state, labels=call.labels)
         if not self.moe:
             return lm
+        if getattr(self, "pipeline_stages", None) is not None:  # the last stage sees its own routers only
+            if self.batch_terms:
+                raise DataError(
+                    f"the {self._family} LLM's router load-balancing loss (router_aux_loss_coef != 0) "
+                    "spans every stage's routers; under pipeline parallelism no stage sees them all. "
+                    "Fix: set model.llm.extra.router_aux_loss_coef=0, or parallel.pp=1."
+                )
+            return lm
         # padding excluded: a packed row's sample ids (k >= 1) mark the same tokens as unpacked
         term, aux = self.router_loss(
             out.router_logits,

@@ -64,6 +64,10 @@ class TrainerStep:
             consumed = self._consume_pipeline(data, sent)
             for m in range(micro_batches):
                 self._backprop(m, sent[m], consumed[m])
+            # every stage's rank, not only the first stage's leaders: a later stage's failure at once
+            world = self.consumer.layout.world_size
+            self.consumer.get([consumed[0].ref(r, 0) for r in range(world)], what="consume_pipeline",
+                              timeout_s=self._timeout)  # fmt: skip
         for m in range(micro_batches) if self.consumer.layout.pp == 1 else ():
             td = time.perf_counter()
             if sent[m] is None:

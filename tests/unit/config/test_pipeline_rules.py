@@ -17,7 +17,11 @@ from dhp.validation import load_config
 pytestmark = pytest.mark.unit
 
 #: the tiny Qwen2.5-VL's LLM (2 decoder layers) on 2 pipeline stages: valid
-PP2 = ["modules.llm.parallel.tp=1", "modules.llm.parallel.sequence_parallel=false", "modules.llm.parallel.pp=2"]
+PP2 = [
+    "modules.llm.parallel.tp=1",
+    "modules.llm.parallel.sequence_parallel=false",
+    "modules.llm.parallel.pp=2",
+]
 
 # (recipe, overrides, key path that must be named, words of the rule, words of the fix)
 BAD = [
@@ -60,13 +64,17 @@ def test_bad_pipeline_config_names_key_and_fix(
         load_config(recipe, overrides)
     matching = [i for i in info.value.issues if i.path == path]
     assert matching, f"no issue at {path}: {info.value}"
-    assert any(rule in i.rule and fix in i.fix for i in matching), f"rule/fix lack {rule!r}/{fix!r}: {matching}"
+    assert any(rule in i.rule and fix in i.fix for i in matching), (
+        f"rule/fix lack {rule!r}/{fix!r}: {matching}"
+    )
 
 
 def test_valid_pipelines_load() -> None:
     cfg = load_config("tiny_vlm", PP2)
     assert cfg.modules.llm.parallel.pp == 2
-    gpipe = load_config("tiny_vlm", [*PP2, "modules.llm.parallel.pp_schedule=gpipe", "train.global_batch_size=2"])
+    gpipe = load_config(
+        "tiny_vlm", [*PP2, "modules.llm.parallel.pp_schedule=gpipe", "train.global_batch_size=2"]
+    )
     assert gpipe.modules.llm.parallel.pp_schedule == "gpipe"  # gpipe runs any micro-batch count
     # the MoE tiny LLM with the load-balancing loss off pipelines
     moe = load_config("tiny_qwen3_vl_moe", [*PP2, "modules.llm.parallel.ep=1", "modules.llm.parallel.dp=1",

@@ -23,7 +23,12 @@ def test_bubble_per_schedule() -> None:
 
 
 def test_in_flight_and_cut() -> None:
-    assert [in_flight_stages("1f1b", pp=4, virtual=1, micro_batches=8, rank=r) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_stages("1f1b", pp=4, virtual=1, micro_batches=8, rank=r) for r in range(4)] == [
+        4,
+        3,
+        2,
+        1,
+    ]
     assert in_flight_stages("gpipe", pp=4, virtual=1, micro_batches=8, rank=3) == 8
     # loop order: rank 0 holds stages 0 and 2 of 4
     assert rank_layers(ParallelLayout(pp=2, pp_virtual=2, pp_schedule="zero_bubble"), 8) == [
