@@ -24,6 +24,7 @@ from dhp.parallel.llm_tp import (
 from dhp.parallel.meshutil import build_mesh, inner_group
 from dhp.parallel.optim import build_optimizer, clip_grads_, finalize_grads, grad_norm_sq
 from dhp.parallel.param_groups import apply_trainable, set_lr
+from dhp.parallel.pipeline import over_pipeline
 from dhp.parallel.plan_match import match_plan
 from dhp.parallel.precision import (
     PRECISIONS,
@@ -32,7 +33,6 @@ from dhp.parallel.precision import (
     check_device_computes,
     precision_of,
 )
-from dhp.parallel.pipeline import over_pipeline
 from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_bytes
 from dhp.parallel.ulysses import (
     UlyssesSpec,
@@ -81,8 +81,8 @@ __all__ = [
     "local_loss_sum",
     "match_plan",
     "model_state_bytes",
-    "over_pipeline",
     "module_plan",
+    "over_pipeline",
     "parallelize",
     "partition_params",
     "precision_of",

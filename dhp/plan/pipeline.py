@@ -207,11 +207,11 @@ def stage_label(layout: ParallelLayout, layers: int) -> str:
 
 
 __all__ = [
+    "ahead_of_pipeline",
     "bubble_fraction",
     "in_flight_micro_batches",
     "in_flight_stages",
     "p2p_bytes",
-    "ahead_of_pipeline",
     "p2p_seconds",
     "pipeline_terms",
     "rank_arch",

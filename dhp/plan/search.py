@@ -173,7 +173,7 @@ def module_degrees(
             gpus_per_node=gpus_per_node,
             activation_checkpointing="off",
             mixed_precision=mixed_precision,
-        )  # fmt: skip
+        )
     ]
 
 

@@ -239,7 +239,7 @@ def test_pipeline_stages_and_their_cut():
         for stages in range(1, layers + 1):
             cut = stage_cut(layers, stages)
             assert cut[0][0] == 0 and cut[-1][1] == layers
-            assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(cut))
             sizes = [hi - lo for lo, hi in cut]
             assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
     with pytest.raises(ValueError, match="cannot cut 3 layers into 4"):
