@@ -16,7 +16,9 @@ runtime's own schedule call, on text micro-batches.
   parallel as on GPUs): 1F1B and interleaved 1F1B (2 stages per rank) at 4 and 8 micro-batches,
   the median of 3 steps, against the planner's bubble model: each rank's compute of its stages' M
   micro-batches, measured alone (the same forward and backward, no pipeline), times ``1 +
-  bubble_fraction`` of the slowest rank (``dhp.plan.pipeline.bubble_fraction``). Target: within +-15 %.
+  bubble_fraction`` of the slowest rank (``dhp.plan.pipeline.bubble_fraction``, equal to the simulated
+  makespan of torch's own order: ``dhp.plan.pipeline_sim``), plus the plan's point-to-point term at
+  this box's measured gloo message time. Target: within +-15 %.
 - ``expert_state_bytes``: ``scripts/measure_moe.py``'s (4 gloo ranks): the largest rank's expert
   parameters and AdamW states at ep = 1 and at ep = 2 x edp = 2 under expert FSDP. Target: the latter
   <= 1.1 x (ep=1) / 4.
@@ -145,9 +147,29 @@ def _compute_alone(module, layout, micro, hf) -> float:
     return time.perf_counter() - t0
 
 
+def _message_s(rank: int) -> float:
+    """One hidden-state message between the two ranks (half a gloo send/recv round trip, median of 3
+    runs of 20): the link the planner's point-to-point term is charged at, calibrated on this box."""
+    x = torch.zeros(SIZES["batch"] * SIZES["seq"], SIZES["hidden"])
+    runs = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            if rank == 0:
+                dist.send(x, dst=1)
+                dist.recv(x, src=1)
+            else:
+                dist.recv(x, src=0)
+                dist.send(x, dst=0)
+        runs.append((time.perf_counter() - t0) / 40)
+    return statistics.median(runs)
+
+
 def _time_rank(rank: int) -> list[dict]:
     from dhp.layout import ParallelLayout
 
+    message_s = _message_s(rank)
     out = []
     for schedule, virtual, m in TIME_CASES:
         layout = ParallelLayout(pp=dist.get_world_size(), pp_virtual=virtual, pp_schedule=schedule)
@@ -164,7 +186,7 @@ def _time_rank(rank: int) -> list[dict]:
             dist.barrier()
             steps.append(time.perf_counter() - t0)
             module.zero_grad(set_to_none=True)
-        out.append({"schedule": schedule, "virtual": virtual, "microbatches": m,
+        out.append({"schedule": schedule, "virtual": virtual, "microbatches": m, "message_s": message_s,
                     "alone_s": statistics.median(alone), "step_s": statistics.median(steps)})  # fmt: skip
     return out
 
@@ -227,13 +249,17 @@ def predicted_stage_bytes(pp: int, micro_batches: int) -> list[dict[str, int]]:
     return out
 
 
-def predicted_step_s(schedule: str, virtual: int, m: int, alone: list[float]) -> float:
-    """The bubble model: the slowest rank's compute alone x (1 + bubble_fraction)."""
+def predicted_step_s(schedule: str, virtual: int, m: int, alone: list[float], message_s: float) -> float:
+    """The planner's model: the slowest rank's compute alone x (1 + bubble_fraction), plus its
+    point-to-point term (``p2p_seconds``: a message before each stage forward and backward and the
+    fill and drain, ``2 (v M + pp - 1)`` messages) at this box's measured message time."""
     from dhp.layout import ParallelLayout
     from dhp.plan.pipeline import bubble_fraction
 
-    layout = ParallelLayout(pp=len(alone), pp_virtual=virtual, pp_schedule=schedule)
-    return max(alone) * (1.0 + bubble_fraction(layout, micro_batches=m))
+    pp = len(alone)
+    layout = ParallelLayout(pp=pp, pp_virtual=virtual, pp_schedule=schedule)
+    p2p = 2.0 * message_s * (m * virtual + pp - 1)
+    return max(alone) * (1.0 + bubble_fraction(layout, micro_batches=m)) + p2p
 
 
 def _experts() -> dict[str, int]:
@@ -272,11 +298,12 @@ def main() -> int:
     for i, (schedule, virtual, m) in enumerate(TIME_CASES):
         rows = [per_rank[i] for per_rank in timed]
         got = max(r["step_s"] for r in rows)
-        want = predicted_step_s(schedule, virtual, m, [r["alone_s"] for r in rows])
+        want = predicted_step_s(schedule, virtual, m, [r["alone_s"] for r in rows], rows[0]["message_s"])
         good = abs(want / got - 1) <= TIME_BOUND
         ok &= good
         steps.append({"schedule": schedule if virtual == 1 else "interleaved", "microbatches": m,
-                      "measured": got, "predicted": want, "alone_s": [r["alone_s"] for r in rows]})  # fmt: skip
+                      "measured": got, "predicted": want, "alone_s": [r["alone_s"] for r in rows],
+                      "message_s": rows[0]["message_s"]})  # fmt: skip
         print(f"  {schedule:<17} M={m}: measured {got:.3f} s  predicted {want:.3f} s  ({want / got - 1:+.1%})  "
               f"{'ok' if good else 'OFF'}")  # fmt: skip
 

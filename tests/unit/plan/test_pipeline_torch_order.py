@@ -72,3 +72,33 @@ def test_in_flight_equals_torchs_action_table(name: str, v: int, pp: int) -> Non
             continue
         want = {r: in_flight_stages(name, pp=pp, virtual=v, micro_batches=m, rank=r) for r in range(pp)}
         assert _peaks(order) == want, (name, pp, v, m)
+
+
+_KIND = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+@pytest.mark.parametrize(("name", "v"), CASES)
+def test_the_planner_runs_each_schedule_in_torchs_order(name: str, v: int) -> None:
+    """``dhp.plan.pipeline_sim.rank_orders`` is torch's table, idle slots (and the gradient reductions
+    it lists after the last backward) aside, for the multi-stage schedules, whose runtime executes that
+    table (1F1B's and GPipe's are their ``_step_microbatches`` loops); its simulated bubble at
+    balanced stages is the planner's ``bubble_fraction``."""
+    from dhp.plan.pipeline import bubble_fraction
+    from dhp.plan.pipeline_sim import bubble_share, rank_orders
+
+    compared = 0
+    for pp in (2, 3, 4):
+        for m in range(1, 3 * pp + 2):
+            order = _torch_order(name, pp, v, m)
+            if order is None:
+                continue
+            want = [[(_KIND[a.computation_type.name], a.stage_index, a.microbatch_index) for a in order[r]
+                     if a is not None and a.computation_type.name in _KIND] for r in range(pp)]  # fmt: skip
+            if v > 1:  # the single-stage schedules' tables draw 1F1B loosely; their runtime is the order
+                assert rank_orders(name, pp=pp, virtual=v, micro_batches=m) == want, (name, pp, v, m)
+            lay = ParallelLayout(pp=pp, pp_virtual=v, pp_schedule=name)
+            sim = bubble_share(name, pp=pp, virtual=v, micro_batches=m)
+            if m % pp == 0:  # whole rounds: the formula's case
+                assert sim == pytest.approx(bubble_fraction(lay, micro_batches=m), rel=1e-9), (name, pp, v, m)
+            compared += 1
+    assert compared >= 10
