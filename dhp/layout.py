@@ -59,12 +59,13 @@ EXPERT_MESH_AXES = ("erep", "edp", "ep")
 #: every key of a ``modules.<m>.parallel`` config node, in the order the schema declares them
 CONFIG_KEYS = (
     "dp", "fsdp", "sp", "tp", "cp", "ep", "etp", "expert_fsdp", "zero", "sequence_parallel",
-    "pp", "pp_virtual", "pp_schedule",
+    "pp", "pp_virtual", "pp_schedule", "pp_cut",
 )  # fmt: skip
 #: the boolean keys among them
 BOOL_KEYS = ("expert_fsdp", "sequence_parallel")
-#: the string keys among them
+#: the string keys among them, and the list ones
 STR_KEYS = ("pp_schedule",)
+LIST_KEYS = ("pp_cut",)
 #: the pipeline schedules (``parallel.pp_schedule``), each torch.distributed.pipelining's: ``gpipe``
 #: (every forward, then every backward), ``1f1b``, ``interleaved_1f1b`` (``pp_virtual`` stages per
 #: rank) and ``zero_bubble`` (interleaved, the backward split into its input and weight halves)
@@ -90,6 +91,7 @@ class ParallelLayout:
     pp: int = 1  # pipeline stages (rank groups) the module's decoder layers are cut over
     pp_virtual: int = 1  # stages per pipeline rank (interleaved schedules: pp x pp_virtual stages)
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
+    pp_cut: tuple[int, ...] = ()  # decoder layers per stage, set by the user; () = the balanced cut
 
     # ---- the builder (the one reader of the config's degrees) --------------------------------
     @classmethod
@@ -110,13 +112,15 @@ class ParallelLayout:
                 out[f.name] = bool(value)
             elif f.name in STR_KEYS:
                 out[f.name] = str(value)
+            elif f.name in LIST_KEYS:
+                out[f.name] = tuple(int(x) for x in (value or ()))
             else:
                 out[f.name] = int(value)
         return cls(**out)
 
-    def config_values(self) -> dict[str, int | bool | str]:
+    def config_values(self) -> dict[str, int | bool | str | list[int]]:
         """The ``modules.<name>.parallel`` node that builds this layout (the inverse of :meth:`from_config`)."""
-        return {k: getattr(self, k) for k in CONFIG_KEYS}
+        return {k: list(getattr(self, k)) if k in LIST_KEYS else getattr(self, k) for k in CONFIG_KEYS}
 
     def replace(self, **degrees: Any) -> ParallelLayout:
         """This layout with some degrees changed."""
@@ -252,6 +256,22 @@ class ParallelLayout:
     def num_stages(self) -> int:
         """Pipeline stages in all: pp x pp_virtual."""
         return self.pp * self.pp_virtual
+
+    def stage_ranges(self, layers: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` decoder layers of every stage: the user's ``pp_cut`` (layers per stage), else
+        the balanced :func:`stage_cut`. ValueError when the cut does not fit (the config rule says it
+        first, ``dhp.config.plan_space``)."""
+        if not self.pp_cut:
+            return stage_cut(layers, self.num_stages)
+        if len(self.pp_cut) != self.num_stages or min(self.pp_cut) < 1 or sum(self.pp_cut) != layers:
+            raise ValueError(
+                f"pp_cut {list(self.pp_cut)} is not {self.num_stages} stages of >= 1 of {layers} layers"
+            )
+        out, lo = [], 0
+        for n in self.pp_cut:
+            out.append((lo, lo + n))
+            lo += n
+        return out
 
     def pp_rank(self, rank: int) -> int:
         """The pipeline coordinate of ``rank`` (0: the first stage's ranks)."""

@@ -29,7 +29,7 @@ from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PLACEMENTS
 from dhp.config.handoff import resolve_handoff
 from dhp.config.issues import Issues
 from dhp.errors import ConfigIssue
-from dhp.layout import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, ParallelLayout
+from dhp.layout import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, ParallelLayout, stage_cut
 
 
 @dataclass(frozen=True)
@@ -291,6 +291,17 @@ def _pipeline_problems(prefix: str, lay: ParallelLayout, axes: ModuleAxes | None
         "layers (every stage needs at least one)",
         f"choose pp x pp_virtual <= {axes.pp_layers}",
     )
+    cut = list(lay.pp_cut)
+    if cut and stages <= axes.pp_layers:
+        out.check(
+            len(cut) == stages and min(cut) >= 1 and sum(cut) == axes.pp_layers,
+            f"{key}.pp_cut",
+            cut,
+            f"the cut gives each of the pp x pp_virtual = {stages} stages its decoder layers: {stages} "
+            f"counts >= 1 that sum to the module's {axes.pp_layers} layers",
+            f"e.g. pp_cut={[hi - lo for lo, hi in stage_cut(axes.pp_layers, stages)]} (the balanced cut, "
+            "also what [] gives)",
+        )
     for path, (value, why) in axes.pp_refused.items():
         out.check(False, path, value, f"pipeline stages ({key}.pp={pp}) cannot run with it: {why}",
                   f"set {key}.pp=1")  # fmt: skip
@@ -337,6 +348,21 @@ def pipeline_micro_batch_problems(
             f"{unit * lay.pp} (e.g. {unit * lay.pp} or {2 * unit * lay.pp}), or another pp_schedule",
         )
     ]
+
+
+def split_backward_refuses(lay: ParallelLayout, activation_checkpointing: Any) -> bool:
+    """Whether the zero-bubble schedule's split backward (input, then weight gradients: two passes)
+    meets what it cannot run: op-level (selective) activation checkpointing, which allows one backward
+    per region, or parameters under FSDP2 (torch's weight pass looks up their gradient accumulators,
+    which FSDP2's sharded parameters replace: a KeyError) or the expert axes (not proven with it)."""
+    if lay.pp <= 1 or lay.pp_schedule != "zero_bubble":
+        return False
+    if lay.fsdp > 1 or lay.ep > 1 or lay.expert_fsdp:
+        return True
+    try:
+        return parse_ac_mode(activation_checkpointing).kind == "selective"
+    except ValueError:
+        return False  # an unknown mode is reported by module_problems itself
 
 
 def _ep_problems(prefix: str, lay: ParallelLayout, out: Issues) -> None:
@@ -415,6 +441,17 @@ def module_problems(
     if not _degree_problems(prefix, gpus, layout, out):
         return out.items  # a degree < 1: divisibility would divide by zero
     _pipeline_problems(prefix, layout, axes, out)
+    if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
+        out.check(
+            not split_backward_refuses(layout, activation_checkpointing),
+            f"{prefix}.parallel.pp_schedule",
+            "zero_bubble",
+            "the zero-bubble schedule runs each backward in two passes (input, then weight gradients), "
+            "which op-level (selective) checkpointing (one backward per region), FSDP2's sharded "
+            "parameters and the expert axes (ep, expert_fsdp) do not support here",
+            "use pp_schedule=interleaved_1f1b, or with zero_bubble full/every_n:K/off checkpointing, "
+            "fsdp=1 and ep=1 (dp, ZeRO-1 and tp compose with it)",
+        )
     _ep_problems(prefix, layout, out)
     tp = layout.tp
     if gpus_per_node is not None and tp > 1:

@@ -166,6 +166,8 @@ class ParallelConfig:
     pp: int = 1
     pp_virtual: int = 1
     pp_schedule: str = "1f1b"
+    # decoder layers per stage (pp x pp_virtual counts summing to the layers); [] = the balanced cut
+    pp_cut: list[int] = field(default_factory=list)
 
 
 @dataclass

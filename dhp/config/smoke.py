@@ -58,8 +58,10 @@ def _shrink_degrees(mod: DictConfig) -> None:
 
 def _fit_stages(mod: DictConfig, layers: int) -> None:
     """Every stage needs a decoder layer: too many stages per rank for the tiny model's ``layers``
-    drop to 1f1b with one stage per rank."""
+    drop to 1f1b with one stage per rank; a user's cut of the full model becomes the balanced one."""
     lay = module_layout(mod)
+    if lay.pp_cut:
+        mod.parallel["pp_cut"] = []
     if lay.pp > 1 and lay.num_stages > layers:
         _set(mod, pp_virtual=1, pp_schedule="1f1b")
 

@@ -40,10 +40,10 @@ from torch.distributed.pipelining import (
 )
 
 from dhp.errors import PlanError
-from dhp.layout import ParallelLayout, stage_cut
+from dhp.layout import ParallelLayout
 
 __all__ = [
-    "MicroBatch", "StageLayers", "apply_pp", "broadcast_stats", "forward_only", "over_pipeline",
+    "MicroBatch", "StageLayers", "apply_pp", "broadcast_stats", "forward_only", "later_stages_take_rows", "over_pipeline",
     "pipeline_group", "run_pipeline", "stage_ranges",
 ]  # fmt: skip
 
@@ -78,7 +78,7 @@ def _text_model(module: nn.Module) -> nn.Module:
 
 def stage_ranges(layers: int, layout: ParallelLayout) -> list[tuple[int, int]]:
     """``[lo, hi)`` decoder layers of every stage (``dhp.layout.stage_cut`` over pp x pp_virtual)."""
-    return stage_cut(layers, layout.num_stages)
+    return layout.stage_ranges(layers)
 
 
 def apply_pp(module: nn.Module, layout: ParallelLayout, rank: int, *, tied: bool = False) -> nn.Module:
@@ -109,6 +109,17 @@ def apply_pp(module: nn.Module, layout: ParallelLayout, rank: int, *, tied: bool
     # the other stages' state: a checkpoint of the unsplit module holds it, and loading skips it
     module.pipeline_dropped = frozenset(before - set(module.state_dict(keep_vars=True)))
     return module
+
+
+def later_stages_take_rows(module: nn.Module, layout: ParallelLayout) -> bool:
+    """Whether a stage off the first pipeline rank reads hand-off rows: one whose layers take DeepStack
+    features (``module.num_deepstack`` levels, added after layers 0..K-1); the same on every rank."""
+    levels = int(getattr(module, "num_deepstack", 0) or 0)
+    if levels == 0:
+        return False
+    layers = int(module.language_model.config.num_hidden_layers)
+    cut = stage_ranges(layers, layout)
+    return any(lo < levels for s, (lo, _) in enumerate(cut) if s % layout.pp != 0)
 
 
 def pipeline_group(mesh: DeviceMesh) -> dist.ProcessGroup:

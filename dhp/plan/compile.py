@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from dhp.config.handoff import resolve_handoff
 from dhp.config.validate_data_keys import packed_row_tokens
-from dhp.layout import ParallelLayout, module_layout, stage_cut
+from dhp.layout import ParallelLayout, module_layout
 from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
 from dhp.plan.experts import linear_summary, moe_summary
@@ -215,9 +215,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
                 sharers=sharers,
                 where=where,
                 gpus_per_node=gpn,
-                stage_layers=tuple(
-                    hi - lo for lo, hi in stage_cut(shapes[name].arch.layers, layout.num_stages)
-                )
+                stage_layers=tuple(hi - lo for lo, hi in layout.stage_ranges(shapes[name].arch.layers))
                 if layout.pp > 1
                 else (),
             )

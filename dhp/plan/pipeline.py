@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dhp.layout import MULTI_STAGE_SCHEDULES, ParallelLayout, stage_cut
+from dhp.layout import MULTI_STAGE_SCHEDULES, ParallelLayout
 from dhp.models.arch import ModuleArch, ParamCount
 from dhp.plan.memory import ModuleShape
 from dhp.plan.phases import ModuleTerms, module_terms
@@ -90,7 +90,7 @@ def bubble_fraction(layout: ParallelLayout, *, micro_batches: int) -> float:
 
 def rank_layers(layout: ParallelLayout, layers: int) -> list[list[int]]:
     """The decoder layer indices each pipeline rank holds (its ``pp_virtual`` stages' cuts)."""
-    cut = stage_cut(layers, layout.num_stages)
+    cut = layout.stage_ranges(layers)
     out: list[list[int]] = []
     for r in range(layout.pp):
         idx: list[int] = []
@@ -203,7 +203,7 @@ def receive_buffers(layout: ParallelLayout, rank: int, *, micro_batches: int) ->
 
 def stage_label(layout: ParallelLayout, layers: int) -> str:
     """The cut as the plan prints it: layers per stage, e.g. ``20+20+20+20``."""
-    return "+".join(str(hi - lo) for lo, hi in stage_cut(layers, layout.num_stages))
+    return "+".join(str(hi - lo) for lo, hi in layout.stage_ranges(layers))
 
 
 __all__ = [

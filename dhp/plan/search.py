@@ -53,7 +53,12 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from dhp.config.handoff import resolve_handoff
-from dhp.config.plan_space import declared_axes, module_problems, pipeline_micro_batches
+from dhp.config.plan_space import (
+    declared_axes,
+    module_problems,
+    pipeline_micro_batches,
+    split_backward_refuses,
+)
 from dhp.errors import PlanError
 from dhp.layout import ParallelLayout, module_layout
 from dhp.models.arch import ModuleAxes
@@ -479,7 +484,7 @@ class Search:
                     llms = [
                         self.module(cons, lw, ld, ac, mb, n_mb, seq_l, 0.0)
                         for ac in self._acs(cons)
-                        if self._keep(cons, lw, ld, ac)
+                        if self._keep(cons, lw, ld, ac) and not split_backward_refuses(ld, ac)
                     ]
                     if placement != "collocated":  # the LLM's GPUs are its own
                         for c in llms:

@@ -70,8 +70,18 @@ def _eval_loss(model: torch.nn.Module, batches) -> tuple[float, int]:
     return total / tokens, tokens
 
 
-def test_eval_loss_is_the_held_out_no_grad_loss_and_the_best_is_kept(ray_local, tmp_path):
-    cfg = load_config("tiny_vlm", ["name=ev", f"train.output_dir={tmp_path / 'runs'}", *OVERRIDES])
+#: the LLM as 2 pipeline stages: the eval's forward runs stage by stage (``pipeline.forward_only``), and
+#: the checkpoint of the stages exports to one transformers model
+PIPELINE = [
+    "modules.llm.parallel.tp=1",
+    "modules.llm.parallel.pp=2",
+    "modules.llm.parallel.sequence_parallel=false",
+]
+
+
+@pytest.mark.parametrize("plan", [[], PIPELINE], ids=["recipe", "pp2"])
+def test_eval_loss_is_the_held_out_no_grad_loss_and_the_best_is_kept(ray_local, tmp_path, plan):
+    cfg = load_config("tiny_vlm", ["name=ev", f"train.output_dir={tmp_path / 'runs'}", *OVERRIDES, *plan])
     result = train(cfg)
     assert sorted(result.evals) == [1, 2, 3] and all(math.isfinite(v) for v in result.evals.values())
     ckpts = result.run_dir / "checkpoints"

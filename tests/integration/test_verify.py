@@ -129,21 +129,23 @@ def test_moe_expert_tp_and_expert_fsdp_through_the_runtime(ray_local) -> None:
 
 
 def test_pipeline_interleaved_disaggregated(ray_local) -> None:
-    # the LLM in 4 stages over 2 pipeline ranks (interleaved 1F1B, 2 stages each: layers 0 and 2 on
-    # rank 0, 1 and 3 on rank 1), the step's 4 micro-batches in one schedule, the encoder's rows sent
-    # to the first stage only and their gradients back from it
+    # Qwen3.5 in 4 stages over 2 pipeline ranks (interleaved 1F1B, 2 stages each: layers 0 and 2 on
+    # rank 0, 1 and 3 on rank 1, so Gated DeltaNet layers on both and the full-attention layer on the
+    # last), the step's 4 micro-batches in one schedule, the encoder's rows sent to the first stage
+    # only and their gradients back from it
     _passed(
-        "tiny_vlm", 3, "placement=disaggregated", "modules.vision.gpus=1", "modules.vision.parallel.sp=1",
-        "model.llm.num_layers=4", "modules.llm.gpus=2", "train.micro_batch_size=1", "train.global_batch_size=4",
+        "tiny_qwen3_5", 3, "placement=disaggregated", "modules.vision.gpus=1", "modules.vision.parallel.sp=1",
+        "modules.llm.gpus=2", "train.micro_batch_size=1", "train.global_batch_size=4",
         "modules.llm.parallel={dp: 1, fsdp: 1, sp: 1, tp: 1, zero: 0, sequence_parallel: false, pp: 2, "
         "pp_virtual: 2, pp_schedule: interleaved_1f1b}",
     )  # fmt: skip
 
 
 def test_pipeline_composes_with_tp_and_with_ep(ray_local) -> None:
-    # collocated on 4: pp=2 x tp=2 (1F1B; each stage's layers TP-sharded), and Qwen3-VL-MoE at
+    # collocated on 4: pp=2 x tp=2 (1F1B; each stage's layers TP-sharded), Qwen3-VL-MoE at
     # pp=2 x dp=2 x ep=2 (the sparse layers on the first stage, the dense layer alone on the second;
-    # under pp the router's batch term is refused, so its coefficient is 0 on both sides)
+    # under pp the router's batch term is refused, so its coefficient is 0 on both sides), and Qwen3.5
+    # zero bubble x tp=2
     four = ["modules.vision.gpus=4", "modules.vision.parallel.dp=2", "modules.vision.parallel.sp=2",
             "modules.llm.gpus=4", "train.global_batch_size=8"]  # fmt: skip
     _passed("tiny_vlm", 3, *four, "train.micro_batch_size=2", "modules.llm.parallel.tp=2",
@@ -151,6 +153,10 @@ def test_pipeline_composes_with_tp_and_with_ep(ray_local) -> None:
     _passed("tiny_qwen3_vl_moe", 3, *four, "train.micro_batch_size=1", "model.llm.extra.router_aux_loss_coef=0",
             "modules.llm.parallel.pp=2", "modules.llm.parallel.dp=2", "modules.llm.parallel.ep=2",
             "modules.llm.parallel.tp=1")  # fmt: skip
+    # zero bubble (each backward split into its input and weight passes) with TP and full AC
+    _passed("tiny_qwen3_5", 2, *four, "train.micro_batch_size=2", "modules.llm.parallel.tp=2",
+            "modules.llm.parallel.pp=2", "modules.llm.parallel.pp_virtual=2", "modules.llm.parallel.pp_schedule=zero_bubble",
+            "modules.llm.parallel.sequence_parallel=false", "modules.llm.activation_checkpointing=full")  # fmt: skip
 
 
 # ---- collocated on 2 bundles (vision rank i and LLM rank i share bundle i) --------------------

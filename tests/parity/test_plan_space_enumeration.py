@@ -29,6 +29,7 @@ import pytest
 import torch
 from parallel_harness import assert_grads_match, full_grads, spawn
 
+from dhp.config.plan_space import split_backward_refuses
 from dhp.config.schema import TrainConfig
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
@@ -71,8 +72,9 @@ def _space(recipe: str, modules: tuple[str, ...] = ()) -> dict[int, list[tuple[s
         acs, seen, i = search._acs(name), set(), 0
         for w in worlds:
             for d in search._degrees(name, w):
-                new = {ac: len({(f, ac) for f in _features(d)} - seen) for ac in acs}
-                ac = max(acs, key=lambda a: (new[a], a == acs[i % len(acs)]))
+                ok = [a for a in acs if not split_backward_refuses(d, a)]  # the search pairs these only
+                new = {ac: len({(f, ac) for f in _features(d)} - seen) for ac in ok}
+                ac = max(ok, key=lambda a: (new[a], a == acs[i % len(acs)]))
                 seen |= {(f, ac) for f in _features(d)}
                 out[w].append((name, d, ac))
                 i += 1

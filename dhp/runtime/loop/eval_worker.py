@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dhp.checkpoint import capture_rng_state, restore_rng_state
 from dhp.data.batch import VLBatch
 from dhp.metrics.memory import reset_peak_memory
-from dhp.parallel.pipeline import MicroBatch, forward_only, pipeline_group
+from dhp.parallel.pipeline import MicroBatch, forward_only, later_stages_take_rows, pipeline_group
 from dhp.runtime.actors.dispatch import Collect, Dispatch, register
 from dhp.runtime.handoff.device_io import batch_kwargs, hand_off_tag
 
@@ -69,16 +69,20 @@ class EvalMethods:
     ) -> dict[str, Any]:
         """The consumer's forward with its loss on one eval micro-batch: ``{loss_sum, num_tokens,
         aux_losses}`` of this rank's endpoint (``loss_sum`` with the router term, as in training)."""
-        got, _, _, group, reads = self._receive(inbox)
-        _, edge_inputs = self._edge_inputs(
+        staged = self.layout.pp > 1
+        if staged and not self.layout.is_first_stage(self.rank):  # the first stage's ranks take the rows
+            got, group, reads = {p: [None] * len(r[0]) for p, r in inbox.items()}, None, False
+        else:
+            got, _, _, group, reads = self._receive(inbox)
+        leaves, edge_inputs = self._edge_inputs(
             batch, got, hand_off_tag(micro_batch, False), reads=reads, requires_grad=False, broadcast_in=group
         )
-        if self.layout.pp > 1:  # every stage in turn, the hidden states passed on
-            if self.channel.leader_only:
+        if staged:  # every stage in turn, the hidden states passed on
+            if later_stages_take_rows(self.module, self.layout):
                 group_pp = pipeline_group(self.mesh)
-                for v in edge_inputs.values():
-                    if v is not None:
-                        dist.broadcast(v, group=group_pp, group_src=0)
+                for leaf in leaves.values():  # edge_inputs are views of these
+                    if leaf is not None:
+                        dist.broadcast(leaf, group=group_pp, group_src=0)
             kwargs = batch_kwargs(batch, self.device)
             ids = kwargs["input_ids"]
             return forward_only(

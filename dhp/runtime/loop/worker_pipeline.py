@@ -4,10 +4,10 @@ one pipeline schedule (``dhp.parallel.pipeline``), the hand-off rows in and thei
 A mixin of :class:`dhp.runtime.loop.worker.ModuleWorker` (the receiving side of
 :class:`~dhp.runtime.loop.worker_handoff.HandoffMethods`; its attributes ``module``, ``mesh``,
 ``layout``, ``links_in``, ``channel``, ``precision``, ``_timers``, ``_events``). Every rank of a
-pipeline reads the micro-batches and their hand-off rows (a leader-only channel: the first stage's
-leader broadcasts them over its TP group, then over its pipeline); the edge-input leaves' gradients are
-summed over the pipeline (the embedding's on the first stage, DeepStack's where its layers are), and
-the first stage's endpoint leader sends them back. Memory: every micro-batch's hand-off leaves until
+pipeline reads the micro-batches; the hand-off rows go to the first stage's ranks only (its endpoints,
+as without stages), and down the pipeline by a broadcast only where a later stage adds DeepStack
+features; then the rows' gradients are summed over the pipeline (the embedding's on the first stage,
+DeepStack's where its layers are), and the first stage's endpoint leader sends them back. Memory: every micro-batch's hand-off leaves until
 the schedule ends, and the activations of the micro-batches the schedule keeps in flight.
 """
 
@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from dhp.data.batch import VLBatch
 from dhp.metrics import accounting
-from dhp.parallel.pipeline import MicroBatch, broadcast_stats, pipeline_group, run_pipeline
+from dhp.parallel.pipeline import (
+    MicroBatch,
+    broadcast_stats,
+    later_stages_take_rows,
+    pipeline_group,
+    run_pipeline,
+)
 from dhp.runtime.actors.dispatch import Collect, Dispatch, register
 from dhp.runtime.handoff.device_io import batch_kwargs as _batch_kwargs
 
@@ -45,14 +51,25 @@ class PipelineMethods:
         slots). Returns, per micro-batch, ``stats`` then one gradient payload per unit of every link
         (None where nothing goes back), flattened: ``M x (1 + sum(units))`` values."""
         pp_group = pipeline_group(self.mesh)
+        first = self.layout.is_first_stage(self.rank)
+        later = later_stages_take_rows(self.module, self.layout)
         micro, received, wall = [], [], time.time()
         t0 = time.perf_counter()
         for m, (batch, inbox) in enumerate(zip(batches, inboxes, strict=True)):
-            got, inbox_e, wait, group, reads = self._receive(inbox)
+            if first:  # the hand-off's endpoints: the first stage's ranks read the channel
+                got, inbox_e, wait, group, reads = self._receive(inbox)
+            else:
+                got, inbox_e, wait, group, reads = (
+                    {p: [None] * len(r[0]) for p, r in inbox.items()},
+                    {},
+                    0.0,
+                    None,
+                    False,
+                )
             leaves, edge_inputs = self._edge_inputs(
                 batch, got, m, reads=reads, requires_grad=grads[m], broadcast_in=group
             )
-            if self.channel.leader_only:  # the first stage's ranks hold the rows: their pipelines get them
+            if later:  # a later stage adds DeepStack features: the first stage's rows, down its pipeline
                 for leaf in leaves.values():
                     if leaf is not None:
                         dist.broadcast(leaf.data, group=pp_group, group_src=0)
@@ -83,7 +100,7 @@ class PipelineMethods:
         leader = self.layout.unit_leader(self.layout.unit_of(self.rank)) == self.rank
         for m, (got, _inbox, leaves, wait) in enumerate(received):
             out.append(all_stats[m] | {"wait_s": wait})
-            for leaf in leaves.values():
+            for leaf in leaves.values() if later else ():
                 if leaf is not None and grads[m]:
                     g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                     dist.all_reduce(g, group=pp_group)  # each stage's part of the rows' gradient

@@ -53,6 +53,19 @@ BAD = [
      "load-balancing loss", "pp=1"),
     ("tiny_vlm", [*PP2, "train.global_batch_size=2"], "train.global_batch_size",
      "pp_schedule=1f1b needs at least pp=2 micro-batches", "multiple of"),
+    # the user's cut: one count per stage, each >= 1, summing to the layers
+    ("tiny_qwen3_5", [*PP2, "modules.llm.parallel.pp_cut=[1,2]"], "modules.llm.parallel.pp_cut",
+     "sum to the module's 4 layers", "pp_cut=[2, 2]"),
+    ("tiny_qwen3_5", [*PP2, "modules.llm.parallel.pp_cut=[4]"], "modules.llm.parallel.pp_cut",
+     "2 stages", "pp_cut=[2, 2]"),
+    # zero bubble's split backward: not with selective checkpointing, FSDP2 or the expert axes
+    ("tiny_qwen3_5", [*PP2, "modules.llm.parallel.pp_virtual=2", "modules.llm.parallel.pp_schedule=zero_bubble",
+                      "modules.llm.activation_checkpointing=selective"],
+     "modules.llm.parallel.pp_schedule", "selective", "interleaved_1f1b"),
+    ("tiny_qwen3_5", [*PP2, "modules.llm.parallel.pp_virtual=2", "modules.llm.parallel.pp_schedule=zero_bubble",
+                      "modules.llm.parallel.fsdp=2", "modules.llm.gpus=4", "modules.vision.gpus=4",
+                      "modules.vision.parallel.dp=2"],
+     "modules.llm.parallel.pp_schedule", "FSDP2", "fsdp=1"),
 ]  # fmt: skip
 
 
@@ -98,3 +111,15 @@ def test_valid_pipelines_load() -> None:
 def test_micro_batch_rule_is_torchs(schedule: str, v: int, pp: int, m: int, ok: bool) -> None:
     lay = ParallelLayout(pp=pp, pp_virtual=v, pp_schedule=schedule)
     assert (pipeline_micro_batches(lay, m) is None) == ok
+
+
+def test_a_users_cut_is_the_stages_cut() -> None:
+    from dhp.plan.compile import compile_plan
+
+    cfg = load_config("tiny_qwen3_5", [*PP2, "modules.llm.parallel.pp_cut=[3,1]"])
+    lay = ParallelLayout.from_config(cfg.modules.llm.parallel)
+    assert lay.pp_cut == (3, 1) and lay.stage_ranges(4) == [(0, 3), (3, 4)]
+    assert ParallelLayout(pp=2).stage_ranges(4) == [(0, 2), (2, 4)]  # none given: the balanced cut
+    assert ParallelLayout.from_config(lay.config_values()) == lay
+    plan = compile_plan(cfg)
+    assert plan.group("llm").stage_layers == (3, 1), plan.group("llm")
