@@ -44,7 +44,7 @@ SMOKE_REAL_LLM_SEQ = 512  # a real conversation of the tiny tokenizer, an image'
 SMOKE_EVAL_SAMPLES = 4  # an evaluation reads at most this many eval samples
 
 
-def _set(mod: DictConfig, **degrees: int | str) -> None:
+def _set(mod: DictConfig, **degrees: int | str | tuple[int, ...]) -> None:
     """Rewrite some of ``mod``'s degrees and recount its GPUs."""
     lay = module_layout(mod).replace(**degrees)
     write_layout(mod, lay)
@@ -61,7 +61,7 @@ def _fit_stages(mod: DictConfig, layers: int) -> None:
     drop to 1f1b with one stage per rank; a user's cut of the full model becomes the balanced one."""
     lay = module_layout(mod)
     if lay.pp_cut:
-        mod.parallel["pp_cut"] = []
+        _set(mod, pp_cut=())
     if lay.pp > 1 and lay.num_stages > layers:
         _set(mod, pp_virtual=1, pp_schedule="1f1b")
 

@@ -491,12 +491,7 @@ def _pp_refused(*, tied: bool, aux_coef: float) -> dict[str, tuple[Any, str]]:
             True,
             "the embedding (first stage) and the lm_head (last stage) would share one weight across stages",
         )
-    if aux_coef:
-        out["model.llm.extra.router_aux_loss_coef"] = (
-            aux_coef,
-            "the router load-balancing loss sums every stage's router statistics, which the pipeline's "
-            "last-stage loss does not see (set the coefficient to 0 to train with pp)",
-        )
+    del aux_coef  # the router term runs under pp: each stage's share from the step's sums
     return out
 
 

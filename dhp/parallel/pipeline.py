@@ -44,7 +44,7 @@ from dhp.layout import ParallelLayout
 
 __all__ = [
     "MicroBatch", "StageLayers", "apply_pp", "broadcast_stats", "forward_only", "later_stages_take_rows", "over_pipeline",
-    "pipeline_group", "run_pipeline", "stage_ranges",
+    "pipeline_group", "route_statistics_pass", "run_pipeline", "stage_ranges",
 ]  # fmt: skip
 
 _SCHEDULES: dict[str, type] = {
@@ -160,6 +160,28 @@ class MicroBatch:
     stats: dict[str, Any] = field(default_factory=dict)  # filled on the last stage
 
 
+class _WithLoss(torch.autograd.Function):
+    """``hidden`` unchanged forward; backward also seeds ``loss``'s gradient with 1, so a loss term computed
+    on a stage that is not the last (its share of the router term) is backpropagated with the stage's
+    output (Megatron's auxiliary-loss scaler)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def _stage_share(module: nn.Module, out: Any, call: Any) -> torch.Tensor | None:
+    """A non-last stage's own loss term, when its family has one (``stage_router_share``)."""
+    fn = getattr(module, "stage_router_share", None)
+    return None if fn is None else fn(out, call)
+
+
 class _Stage(nn.Module):
     """One pipeline stage as torch's ``PipelineStage`` calls it: ``forward(x, mb)`` -> the padded hidden
     states, or on the last stage the micro-batch's ``loss_sum / T``."""
@@ -195,12 +217,20 @@ class _Stage(nn.Module):
                 kwargs.pop("visual_pos_masks", None)
         with _stage_view(module, self.lo, self.hi, last=self.last):
             out = module.language_model(input_ids=None, inputs_embeds=call.inputs_embeds, **kwargs)
-        if self.last:
+        if call.state.get("batch_statistics"):  # the step-statistics pass: this stage's routing sums
+            m.stats = {"route": module.stage_route_statistics(out, call)}
+            if self.last:
+                return torch.zeros((), device=x.device)
+        elif self.last:
             res = module.finish(out, call)
             m.stats = {"loss_sum": res.loss_sum.detach(), "num_tokens": int(res.num_tokens),
                        "aux_losses": {k: v.detach() for k, v in res.aux_losses.items()}}  # fmt: skip
             return res.loss_sum / self.num_label_tokens
         h = out.last_hidden_state.reshape(b * s, -1)
+        share = None if call.state.get("batch_statistics") else _stage_share(module, out, call)
+        if share is not None:  # this stage's router term: its gradient rides on the hidden states' backward
+            m.stats = {"loss_sum": share.detach()}
+            h = _WithLoss.apply(h, share / self.num_label_tokens)
         return torch.nn.functional.pad(h, (0, 0, 0, self.rows - b * s))
 
 
@@ -313,19 +343,57 @@ def _broadcast_stats(
 def broadcast_stats(
     stats: list[dict[str, Any]], group: dist.ProcessGroup, *, src: int, device: torch.device
 ) -> list[dict[str, Any]]:
-    """The last stage's statistics of every micro-batch, on every rank of the pipeline (two broadcasts:
-    the auxiliary losses' names, then one float64 row per micro-batch)."""
+    """Every micro-batch's statistics on every rank of the pipeline: the last stage's label tokens and
+    auxiliary losses, the loss summed over the stages (a non-last stage may add its router share); a
+    broadcast of the auxiliary losses' names, then an all-reduce of one float64 row per micro-batch."""
     box = [sorted(stats[0].get("aux_losses", {})) if stats and stats[0] else None]
     dist.broadcast_object_list(box, group=group, group_src=src)
     names: list[str] = box[0] or []
     table = torch.zeros(len(stats), 2 + len(names), dtype=torch.float64, device=device)
     for m, st in enumerate(stats):
-        if st:
-            table[m, 0], table[m, 1] = float(st["loss_sum"]), float(st["num_tokens"])
+        if "loss_sum" in st:  # every stage's loss part (a non-last stage's: its router share)
+            table[m, 0] = float(st["loss_sum"])
+        if "num_tokens" in st:  # the last stage's
+            table[m, 1] = float(st["num_tokens"])
             for i, k in enumerate(names):
                 table[m, 2 + i] = float(st["aux_losses"][k])
-    dist.broadcast(table, group=group, group_src=src)
+    dist.all_reduce(table, group=group)
     return [
         {"loss_sum": row[0], "num_tokens": int(row[1]), "aux_losses": dict(zip(names, row[2:], strict=True))}
         for row in table.tolist()
     ]
+
+
+def route_statistics_pass(
+    module: nn.Module, mesh: DeviceMesh, layout: ParallelLayout, micro_batches: list[MicroBatch], *,
+    hidden: int, dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """The step-statistics pass through the pipeline: every micro-batch forward without gradient,
+    stage by stage (``inputs`` carry ``batch_statistics=True``), each stage adding its own layers'
+    routing sums; returns the step's sums over every stage and micro-batch (the same on every rank:
+    an all-reduce over the pipeline). Memory: one stage's forward transients at a time."""
+    group = pipeline_group(mesh)
+    mine = {st: (lo, hi) for st, lo, hi in module.pipeline_stages}
+    total: torch.Tensor | None = None
+    with torch.no_grad():
+        for m in micro_batches:
+            b, s = m.shape
+            rows = b * s
+            x = torch.empty(1, 0, device=device, dtype=dtype)
+            for st in range(layout.num_stages):
+                if st not in mine:
+                    continue
+                first, last = st == 0, st == layout.num_stages - 1
+                if not first:
+                    x = torch.empty(rows, hidden, device=device, dtype=dtype)
+                    dist.recv(x, group=group, group_src=(st - 1) % layout.pp)
+                stage = _Stage(module, *mine[st], first=first, last=last, micro_batches=[m], rows=rows,
+                               num_label_tokens=1)  # fmt: skip
+                x = stage(x, torch.tensor(0))
+                route = m.stats["route"].double()
+                total = route if total is None else total + route
+                if not last:
+                    dist.send(x.contiguous(), group=group, group_dst=(st + 1) % layout.pp)
+    assert total is not None
+    dist.all_reduce(total, group=group)
+    return total

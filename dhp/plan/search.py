@@ -118,7 +118,7 @@ class Candidate:
         for m in (self.vision, self.llm):
             out.append(f"modules.{m.name}.gpus={m.world}")
             degs = m.degrees.config_values()
-            out += [f"modules.{m.name}.parallel.{k}={str(v).lower()}" for k, v in degs.items()]
+            out += [f"modules.{m.name}.parallel.{k}={_override_value(v)}" for k, v in degs.items() if v != []]
             out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
         out.append(f"modules.{self.vision.name}.seq_len={self.vision_seq_len}")
         return out
@@ -623,13 +623,23 @@ def reason(
     return text
 
 
+def _override_value(value: object) -> str:
+    """A degree as a command-line override writes it (``true``, ``4``, ``[20,20]``)."""
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value).lower()
+
+
 def apply(config: DictConfig, overrides: list[str]) -> DictConfig:
-    """A read-only copy of ``config`` with ``key=value`` overrides applied (ints as ints)."""
+    """A read-only copy of ``config`` with ``key=value`` overrides applied (ints as ints, ``[a,b]`` as a
+    list of ints)."""
     out = copy.deepcopy(config)
     OmegaConf.set_readonly(out, False)
     for item in overrides:
         key, _, value = item.partition("=")
-        typed = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+        typed: object = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+        if value.startswith("[") and value.endswith("]"):
+            typed = [int(v) for v in value[1:-1].split(",") if v.strip()]
         OmegaConf.update(out, key, typed)
     OmegaConf.set_readonly(out, True)
     return out

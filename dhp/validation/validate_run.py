@@ -125,6 +125,16 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 micro_batch_size=cfg.train.micro_batch_size,
             )
         )
+        coef = (cfg.model.llm.extra or {}).get("router_aux_loss_coef", 0) if name == "llm" else 0
+        issues.check(  # each stage takes its router share from the step's sums: the step pass
+            layouts[name].pp <= 1 or not coef or cfg.train.router_aux_loss == "step",
+            "train.router_aux_loss",
+            cfg.train.router_aux_loss,
+            f"modules.{name} has pipeline stages and a router load-balancing loss (coefficient {coef}): "
+            "each stage's routers take their share from the step's routing sums, which the "
+            "step-statistics pass gives; per micro-batch no stage sees every layer's routers",
+            "set train.router_aux_loss=step (transformers' loss on the step's batch)",
+        )
     _validate_train(cfg.train, issues)
 
 

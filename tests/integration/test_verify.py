@@ -143,14 +143,15 @@ def test_pipeline_interleaved_disaggregated(ray_local) -> None:
 
 def test_pipeline_composes_with_tp_and_with_ep(ray_local) -> None:
     # collocated on 4: pp=2 x tp=2 (1F1B; each stage's layers TP-sharded), Qwen3-VL-MoE at
-    # pp=2 x dp=2 x ep=2 (the sparse layers on the first stage, the dense layer alone on the second;
-    # under pp the router's batch term is refused, so its coefficient is 0 on both sides), and Qwen3.5
+    # pp=2 x dp=2 x ep=2 with the router's load-balancing loss (the sparse layers on the first stage,
+    # whose share of the term rides on its output's backward; the dense layer alone on the second;
+    # the step's routing sums from one pipelined statistics pass), and Qwen3.5
     # zero bubble x tp=2
     four = ["modules.vision.gpus=4", "modules.vision.parallel.dp=2", "modules.vision.parallel.sp=2",
             "modules.llm.gpus=4", "train.global_batch_size=8"]  # fmt: skip
     _passed("tiny_vlm", 3, *four, "train.micro_batch_size=2", "modules.llm.parallel.tp=2",
             "modules.llm.parallel.pp=2", "modules.llm.parallel.sequence_parallel=false")  # fmt: skip
-    _passed("tiny_qwen3_vl_moe", 3, *four, "train.micro_batch_size=1", "model.llm.extra.router_aux_loss_coef=0",
+    _passed("tiny_qwen3_vl_moe", 3, *four, "train.micro_batch_size=1",
             "modules.llm.parallel.pp=2", "modules.llm.parallel.dp=2", "modules.llm.parallel.ep=2",
             "modules.llm.parallel.tp=1")  # fmt: skip
     # zero bubble (each backward split into its input and weight passes) with TP and full AC

@@ -169,14 +169,20 @@ class LLMModule(LLMBase):
         lm = self.loss(hidden=out.last_hidden_state, labels=call.labels)
         if not self.moe:
             return lm
-        if getattr(self, "pipeline_stages", None) is not None:  # the last stage sees its own routers only
+        staged = getattr(self, "pipeline_stages", None) is not None  # the last stage: its own routers
+        if staged and (not self.batch_terms or call.state["step"] is None):
             if self.batch_terms:
                 raise DataError(
                     f"the {self._family} LLM's router load-balancing loss (router_aux_loss_coef != 0) "
-                    "spans every stage's routers; under pipeline parallelism no stage sees them all. "
-                    "Fix: set model.llm.extra.router_aux_loss_coef=0, or parallel.pp=1."
+                    "spans every stage's routers: under pipeline parallelism each stage takes its share "
+                    "from the step's routing sums, which only the step-statistics pass gives. Fix: set "
+                    "train.router_aux_loss=step, or model.llm.extra.router_aux_loss_coef=0."
                 )
             return lm
+        if staged and not out.router_logits:  # a last stage of dense layers adds no share
+            return LLMOutput(loss_sum=lm.loss_sum, num_tokens=lm.num_tokens, aux_losses={
+                ROUTER_AUX_LOSS: RouterStats.of_values(call.state["step"].values, device=lm.loss_sum.device).loss(
+                    self.vl_config.text_config.num_experts)})  # fmt: skip
         # padding excluded: a packed row's sample ids (k >= 1) mark the same tokens as unpacked
         term, aux = self.router_loss(
             out.router_logits,
@@ -236,6 +242,31 @@ class LLMModule(LLMBase):
         if self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
             dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.aux_loss_group)
         return t.router_aux_loss_coef * share * tokens, total
+
+    def stage_router_share(self, out: Any, call: TextCall) -> torch.Tensor | None:
+        """A pipeline stage's weighted share of the router term over its own layers' routers, from the
+        step's routing sums (``call.state["step"]``, every stage's layers summed), in ``loss_sum`` units;
+        None for a dense model, without the term, or a stage without routers."""
+        step = call.state["step"]
+        if not self.moe or not self.batch_terms or step is None or not out.router_logits:
+            return None
+        term, _ = self.router_loss(
+            out.router_logits,
+            attention_mask=self.cut(call.state["attention_mask"] != 0),
+            num_tokens=0,
+            step=step,
+        )
+        return term
+
+    def stage_route_statistics(self, out: Any, call: TextCall) -> torch.Tensor:
+        """A pipeline stage's routing sums of one micro-batch over its own layers' routers (zeros for a
+        stage without routers; the stages' sums add up to the whole model's)."""
+        if not out.router_logits:
+            mask = call.state["attention_mask"]
+            return torch.zeros(2 * self.vl_config.text_config.num_experts + 1, device=mask.device)
+        return self.route_statistics(
+            out.router_logits, attention_mask=self.cut(call.state["attention_mask"] != 0)
+        )
 
     def route_statistics(
         self, router_logits: tuple[torch.Tensor, ...], *, attention_mask: torch.Tensor

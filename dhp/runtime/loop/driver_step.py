@@ -21,6 +21,7 @@ from dhp.data import StepData
 from dhp.errors import PlanError, RuntimeFailure
 from dhp.ops.context import row_parts
 from dhp.runtime.handoff.routing import route_micro_batch, unit_senders
+from dhp.runtime.loop.driver_pipeline import PipelineStep
 from dhp.runtime.loop.worker import ModuleWorker
 
 
@@ -44,39 +45,21 @@ class StepResult:
     aux_losses: dict[str, float] = field(default_factory=dict)
 
 
-class TrainerStep:
+class TrainerStep(PipelineStep):
     """One optimizer step across the actor groups (see the module docstring)."""
 
     def step(self, data: StepData, *, lr: float, collect_grads: bool = False) -> StepResult:
         """Run one optimizer step on ``data``; a non-finite loss or grad norm stops before the update."""
         t0 = time.perf_counter()
         driver_s = 0.0
-        micro_batches = len(data.micro_batches)
         td = time.perf_counter()
         whole_step = self._statistics_pass(data)  # the batch terms over the step (several micro-batches)
         driver_s += time.perf_counter() - td
-        sent: list[dict[str, Any] | None] = [None] * micro_batches
-        consumed: list[Any] = []
         if self.consumer.layout.pp > 1:  # one pipeline schedule over the step's micro-batches
-            td = time.perf_counter()
-            sent = [self._produce(data, m) for m in range(micro_batches)]  # the encoders run ahead
-            driver_s += time.perf_counter() - td
-            consumed = self._consume_pipeline(data, sent)
-            for m in range(micro_batches):
-                self._backprop(m, sent[m], consumed[m])
-            # every stage's rank, not only the first stage's leaders: a later stage's failure at once
-            world = self.consumer.layout.world_size
-            self.consumer.get([consumed[0].ref(r, 0) for r in range(world)], what="consume_pipeline",
-                              timeout_s=self._timeout)  # fmt: skip
-        for m in range(micro_batches) if self.consumer.layout.pp == 1 else ():
-            td = time.perf_counter()
-            if sent[m] is None:
-                sent[m] = self._produce(data, m)
-            if m + 1 < micro_batches:
-                sent[m + 1] = self._produce(data, m + 1)  # overlaps the consumer's work on m
-            driver_s += time.perf_counter() - td
-            consumed.append(self._consume(data, m, sent[m], step_statistics=whole_step))
-            self._backprop(m, sent[m], consumed[-1])
+            consumed, produce_s = self._pipelined(data, whole_step)
+        else:
+            consumed, produce_s = self._interleaved(data, whole_step)
+        driver_s += produce_s
         leaders = self._consumer_leaders()  # one per endpoint: each holds its own tokens' loss
         stats = [
             self.consumer.get([p.ref(r, 0) for r in leaders], what="consume", timeout_s=self._timeout)
@@ -118,21 +101,46 @@ class TrainerStep:
             aux_losses=_aux_losses(stats, data.num_label_tokens),
         )
 
+    def _interleaved(self, data: StepData, whole_step: bool) -> tuple[list[Any], float]:
+        """Per micro-batch: the producers' forward (the next one's overlapping the consumer's work),
+        the consumer's forward and backward, the producers' backward; (the consumer's pendings, the
+        driver's seconds issuing the producers)."""
+        micro_batches = len(data.micro_batches)
+        sent: list[dict[str, Any] | None] = [None] * micro_batches
+        consumed: list[Any] = []
+        driver_s = 0.0
+        for m in range(micro_batches):
+            td = time.perf_counter()
+            if sent[m] is None:
+                sent[m] = self._produce(data, m)
+            if m + 1 < micro_batches:
+                sent[m + 1] = self._produce(data, m + 1)  # overlaps the consumer's work on m
+            driver_s += time.perf_counter() - td
+            consumed.append(self._consume(data, m, sent[m], step_statistics=whole_step))
+            self._backprop(m, sent[m], consumed[-1])
+        return consumed, driver_s
+
     def _statistics_pass(self, data: StepData) -> bool:
         """Issue the step-statistics pass (module docstring) when the step needs it; whether it did.
 
         Needed when the consumer has loss terms defined on a batch, ``train.router_aux_loss`` is ``step``
         and a replica's batch is cut into several micro-batches (one micro-batch: its forward already
-        sees the step's tokens). Per micro-batch: each producer's forward without gradient, then the
+        sees the step's tokens), or the consumer has pipeline stages (each stage sees only its own
+        layers' routers: one ``statistics_pipeline`` call runs the pass of the whole step). Per micro-batch: each producer's forward without gradient, then the
         consumer's ``statistics_pass``; no wait (the actors run them before the step's own calls)."""
-        if len(data.micro_batches) < 2 or not self.batch_terms or self.train_cfg.router_aux_loss != "step":
+        staged = self.consumer.layout.pp > 1
+        if not self.batch_terms or self.train_cfg.router_aux_loss != "step":
+            if staged and self.batch_terms:  # validation refuses it first; never train a different loss
+                raise PlanError(
+                    "an MoE router's load-balancing loss per micro-batch under pipeline parallelism: each "
+                    "stage takes its share from the step's routing sums. Fix: train.router_aux_loss=step."
+                )
             return False
-        if self.consumer.layout.pp > 1:  # validation refuses it first; never train a different loss
-            raise PlanError(
-                "a loss term defined on the step's batch (an MoE router's load-balancing loss) under "
-                "pipeline parallelism: the stages would each see only their layers' routers. Fix: set "
-                "the model's router_aux_loss_coef to 0, or parallel.pp=1 for the LLM."
-            )
+        if staged:  # one pass for the step: the pipeline's stages each add their layers' sums
+            self._statistics_pipeline(data)
+            return True
+        if len(data.micro_batches) < 2:
+            return False
         for m in range(len(data.micro_batches)):
             sent = self._produce(data, m, backward=False)
             self._backprops.append(  # awaited with the backwards, before the grads are reduced
@@ -225,36 +233,6 @@ class TrainerStep:
             num_returns=1 + units if grads else 1,
         )
 
-    def _consume_pipeline(self, data: StepData, sent: list[dict[str, Any]]) -> list[Any]:
-        """Issue the consumer's pipelined forward+backward of every micro-batch of the step (one call,
-        ``ModuleWorker.consume_pipeline``); per micro-batch a view of its returns shaped as
-        :meth:`_consume`'s (stats, then the gradient payloads of the producers in ``sent[m]``)."""
-        links = [link.producer for link in self.links]
-        units = [self.groups[p].layout.num_units for p in links]
-        per_m = 1 + sum(units)
-        micro_batches = len(data.micro_batches)
-        replicas = self.consumer.layout.num_replicas
-        inboxes = [self._inboxes(sent[m]) for m in range(micro_batches)]
-        pending = self.consumer.submit(
-            ModuleWorker.consume_pipeline,
-            [[data.micro_batches[m][j] for m in range(micro_batches)] for j in range(replicas)],
-            [[inboxes[m][j] for m in range(micro_batches)] for j in range(replicas)],
-            num_label_tokens=data.num_label_tokens,
-            grads=[self._grads_wanted(sent[m]) for m in range(micro_batches)],
-            units=units,
-            num_returns=micro_batches * per_m,
-        )
-        views = []
-        for m in range(micro_batches):
-            slots = [0]  # stats, then per producer with work its units' slots, in link order
-            offset = 1
-            for producer, n in zip(links, units, strict=True):
-                if producer in sent[m]:
-                    slots += range(offset, offset + n)
-                offset += n
-            views.append(_Returns(pending, [m * per_m + k for k in slots]))
-        return views
-
     def _backprop(self, m: int, sent: dict[str, Any], consumed: Any) -> None:
         """Issue each producer's backward of ``m`` with the gradient rows each of its ranks needs."""
         if not self._grads_wanted(sent):
@@ -284,17 +262,6 @@ class TrainerStep:
         self._backprops = []
         pend = {n: g.submit(ModuleWorker.finalize_grads) for n, g in self.groups.items()}
         return sum(g.collect(pend[n], timeout_s=self._timeout) for n, g in self.groups.items())
-
-
-@dataclass
-class _Returns:
-    """One micro-batch's returns among a pipelined call's (``ref(rank, k)``: its k-th value)."""
-
-    pending: Any
-    slots: list[int]
-
-    def ref(self, rank: int, k: int) -> Any:
-        return self.pending.ref(rank, self.slots[k])
 
 
 def _aux_losses(stats: list[list[dict[str, Any]]], num_label_tokens: int) -> dict[str, float]:

@@ -49,8 +49,9 @@ BAD = [
      "modules.llm.parallel.sequence_parallel", "pipeline stages", "sequence_parallel=false"),
     ("tiny_vlm", [*PP2, "model.llm.tie_word_embeddings=true"], "model.llm.tie_word_embeddings",
      "share one weight across stages", "pp=1"),
-    ("tiny_qwen3_vl_moe", [*PP2, "modules.llm.parallel.ep=1", "modules.llm.parallel.dp=1"], "model.llm.extra.router_aux_loss_coef",
-     "load-balancing loss", "pp=1"),
+    ("tiny_qwen3_vl_moe", [*PP2, "modules.llm.parallel.ep=1", "modules.llm.parallel.dp=1",
+                           "train.router_aux_loss=micro_batch"], "train.router_aux_loss",
+     "load-balancing loss", "router_aux_loss=step"),
     ("tiny_vlm", [*PP2, "train.global_batch_size=2"], "train.global_batch_size",
      "pp_schedule=1f1b needs at least pp=2 micro-batches", "multiple of"),
     # the user's cut: one count per stage, each >= 1, summing to the layers
@@ -89,10 +90,9 @@ def test_valid_pipelines_load() -> None:
         "tiny_vlm", [*PP2, "modules.llm.parallel.pp_schedule=gpipe", "train.global_batch_size=2"]
     )
     assert gpipe.modules.llm.parallel.pp_schedule == "gpipe"  # gpipe runs any micro-batch count
-    # the MoE tiny LLM with the load-balancing loss off pipelines
-    moe = load_config("tiny_qwen3_vl_moe", [*PP2, "modules.llm.parallel.ep=1", "modules.llm.parallel.dp=1",
-                                            "model.llm.extra.router_aux_loss_coef=0.0"])  # fmt: skip
-    assert moe.modules.llm.parallel.pp == 2
+    # the MoE tiny LLM pipelines with its load-balancing loss (train.router_aux_loss=step)
+    moe = load_config("tiny_qwen3_vl_moe", [*PP2, "modules.llm.parallel.ep=1", "modules.llm.parallel.dp=1"])
+    assert moe.modules.llm.parallel.pp == 2  # the router's term over the step: each stage's share
 
 
 @pytest.mark.parametrize(
