@@ -457,14 +457,13 @@ def decoder_axes(
     pipeline: bool = False,
     layers: int = 0,
     tied: bool = False,
-    aux_coef: float = 0.0,
 ) -> ModuleAxes:
     """A decoder LLM: TP over the attention heads, KV heads, other ``head_groups`` (config key ->
     count), the vocabulary and the MLP width (``mlp``; None: no TP-sharded MLP); Megatron sequence
     parallelism inside TP where ``sequence_parallel``; context parallelism where ``context_parallel``
     (the family's forward computes positions on the whole sequence, then cuts: ``dhp.parallel.cp``);
     pipeline stages cut over its ``layers`` decoder layers where ``pipeline``, refused with ``tied``
-    word embeddings or a non-zero router load-balancing coefficient ``aux_coef``; no Ulysses SP."""
+    word embeddings; no Ulysses SP."""
     divides = {"model.llm.num_heads": heads, "model.llm.num_kv_heads": kv_heads, **(head_groups or {})}
     divides["model.llm.vocab_size"] = vocab
     if mlp is not None:
@@ -479,11 +478,11 @@ def decoder_axes(
         cp_sequence_parallel=not cp_divides,  # linear-attention layers gather the sequence themselves
         pp=pipeline,
         pp_layers=layers if pipeline else 0,
-        pp_refused=_pp_refused(tied=tied, aux_coef=aux_coef),
+        pp_refused=_pp_refused(tied=tied),
     )
 
 
-def _pp_refused(*, tied: bool, aux_coef: float) -> dict[str, tuple[Any, str]]:
+def _pp_refused(*, tied: bool) -> dict[str, tuple[Any, str]]:
     """The decoder settings pipeline stages cannot run with (``ModuleAxes.pp_refused``)."""
     out: dict[str, tuple[Any, str]] = {}
     if tied:
@@ -491,7 +490,6 @@ def _pp_refused(*, tied: bool, aux_coef: float) -> dict[str, tuple[Any, str]]:
             True,
             "the embedding (first stage) and the lm_head (last stage) would share one weight across stages",
         )
-    del aux_coef  # the router term runs under pp: each stage's share from the step's sums
     return out
 
 

@@ -223,7 +223,6 @@ def decoder_axes(
         pipeline=True,
         layers=n.layers,
         tied=n.tied,
-        aux_coef=n.aux_coef,
     )
 
 
