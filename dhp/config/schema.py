@@ -38,6 +38,27 @@ class VisionArch:
 
 
 @dataclass
+class AudioArch:
+    """Architecture numbers of an audio encoder (mel frames -> LLM-width audio embeddings).
+
+    ``depth`` 0: the model has no audio encoder (every vision-language family). The defaults are
+    Qwen2.5-Omni's Whisper-style encoder; the model family says which fields it reads and validates
+    them (``dhp.models.arch.FamilyArch.validate``). ``n_window``: half the mel frames of one attention
+    chunk (attention never crosses a chunk); family-only numbers go into ``extra``.
+    """
+
+    depth: int = 0
+    hidden_size: int = 1280
+    num_heads: int = 20
+    intermediate_size: int = 5120
+    num_mel_bins: int = 128
+    n_window: int = 100
+    max_source_positions: int = 1500
+    # numbers only this model family has (any keys); the family validates them (dhp.models.arch)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class LLMArch:
     """Architecture numbers of the language model (embeddings, decoder layers, norm, lm_head).
 
@@ -70,6 +91,10 @@ class SpecialTokens:
     bos_token_id: int = 151643
     eos_token_id: int = 151645
     pad_token_id: int = 151643
+    # audio placeholders (Qwen2.5-Omni's ids; only a family with an audio encoder reads them)
+    audio_token_id: int = 151646
+    audio_start_token_id: int = 151647
+    audio_end_token_id: int = 151648
 
 
 @dataclass
@@ -92,6 +117,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # parameter/compute dtype of the model: float32 | bfloat16
     attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager
     vision: VisionArch = field(default_factory=VisionArch)
+    audio: AudioArch = field(default_factory=AudioArch)
     llm: LLMArch = field(default_factory=LLMArch)
     tokens: SpecialTokens = field(default_factory=SpecialTokens)
 

@@ -1,6 +1,6 @@
 """The batch conventions that the data layer writes and a family's modules read.
 
-``mm_token_type_ids`` values (``TEXT``, ``IMAGE``, ``VIDEO``) and the packed-row mask: in a row's
+``mm_token_type_ids`` values (``TEXT``, ``IMAGE``, ``VIDEO``, ``AUDIO``) and the packed-row mask: in a row's
 ``attention_mask`` 0 is padding and ``k >= 1`` the k-th sample packed into that row (docs/DATA.md,
 "Packing"). ``dhp.data`` builds batches in this form (``dhp.data.batch``, ``dhp.data.packing``
 re-export these names); a family reads them here, so ``dhp.models`` imports nothing from ``dhp.data``.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
+TEXT, IMAGE, VIDEO, AUDIO = 0, 1, 2, 3  # mm_token_type_ids values
 
 
 def is_packed(attention_mask: torch.Tensor) -> bool:
@@ -30,4 +30,4 @@ def segments(mask_row: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
-__all__ = ["IMAGE", "TEXT", "VIDEO", "is_packed", "segments"]
+__all__ = ["AUDIO", "IMAGE", "TEXT", "VIDEO", "is_packed", "segments"]
