@@ -40,14 +40,18 @@ def _interleaved(cfg: Qwen2_5OmniThinkerConfig, grid: tuple[int, int, int], seco
     return ids
 
 
-def omni_batch(cfg: Qwen2_5OmniThinkerConfig, records: list[list[tuple]], *, seed: int) -> dict[str, object]:
-    """One right-padded micro-batch of ``records`` with every field both sides need (see module doc)."""
-    gen = torch.Generator().manual_seed(seed)
+def omni_batch(
+    cfg: Qwen2_5OmniThinkerConfig, records: list[list[tuple]], *, seeds: list[int]
+) -> dict[str, object]:
+    """One right-padded micro-batch of ``records`` with every field both sides need (see module doc).
+    Record i draws its token ids, pixels and mel frames from ``seeds[i]`` alone, so a record is the same
+    in any batch."""
     v = cfg.vision_config
     merge, row_width = v.spatial_merge_size, v.in_channels * v.temporal_patch_size * v.patch_size**2
     mels = cfg.audio_config.num_mel_bins
     rows, visual, audios, flags = [], [], [], []
-    for parts in records:
+    for parts, seed in zip(records, seeds, strict=True):
+        gen = torch.Generator().manual_seed(seed)
         ids: list[int] = []
         flags.append(any(p[0] == "video+audio" for p in parts))
         for part in parts:
@@ -60,16 +64,22 @@ def omni_batch(cfg: Qwen2_5OmniThinkerConfig, records: list[list[tuple]], *, see
                 ids += [cfg.audio_start_token_id, *[cfg.audio_token_id] * n, cfg.audio_end_token_id]
             elif kind == "image":
                 grid = (1, *part[1])
-                visual.append(("image", grid, None))
+                visual.append(
+                    ("image", grid, None, torch.randn(int(np.prod(grid)), row_width, generator=gen))
+                )
                 n = grid[1] * grid[2] // merge**2
                 ids += [cfg.vision_start_token_id, *[cfg.image_token_id] * n, cfg.vision_end_token_id]
             elif kind == "video":
-                visual.append(("video", part[1], part[2]))
+                visual.append(
+                    ("video", part[1], part[2], torch.randn(int(np.prod(part[1])), row_width, generator=gen))
+                )
                 n = int(np.prod(part[1])) // merge**2
                 ids += [cfg.vision_start_token_id, *[cfg.video_token_id] * n, cfg.vision_end_token_id]
             else:  # video+audio
                 _, grid, seconds, frames = part
-                visual.append(("video", grid, seconds))
+                visual.append(
+                    ("video", grid, seconds, torch.randn(int(np.prod(grid)), row_width, generator=gen))
+                )
                 audios.append(torch.randn(frames, mels, generator=gen))
                 body = _interleaved(cfg, grid, seconds, audio_token_counts(torch.tensor([frames]))[0])
                 ids += [cfg.vision_start_token_id, cfg.audio_start_token_id, *body]
@@ -97,10 +107,10 @@ def omni_batch(cfg: Qwen2_5OmniThinkerConfig, records: list[list[tuple]], *, see
     labels[(types_ != TEXT) | (attention_mask == 0) | torch.isin(input_ids, torch.tensor(specials))] = (
         IGNORE_INDEX
     )
-    pixels = [torch.randn(int(np.prod(g)), row_width, generator=gen) for _, g, _ in visual]
-    grids = torch.tensor([list(g) for _, g, _ in visual], dtype=torch.long).reshape(-1, 3)
-    is_video = torch.tensor([k == "video" for k, _, _ in visual], dtype=torch.bool)
-    seconds = torch.tensor([s for k, _, s in visual if k == "video"], dtype=torch.float32)
+    pixels = [p for *_, p in visual]
+    grids = torch.tensor([list(g) for _, g, _, _ in visual], dtype=torch.long).reshape(-1, 3)
+    is_video = torch.tensor([k == "video" for k, *_ in visual], dtype=torch.bool)
+    seconds = torch.tensor([s for k, _, s, _ in visual if k == "video"], dtype=torch.float32)
     lens = torch.tensor([a.shape[0] for a in audios], dtype=torch.long)
     return {
         "input_ids": input_ids,

@@ -67,8 +67,8 @@ class AudioModule(nn.Module):
         -> ``{"audio_embeds": (sum of audio_token_counts, out_width)}`` in audio order.
 
         An :class:`AudioShard` passes its runs of whole chunks as audios of their own; a shard without
-        frames returns ``(0, out_width)``, still connected to the parameters (every block runs on zero
-        rows, so FSDP's per-block gathers meet every rank).
+        frames returns ``(0, out_width)``, still connected to the parameters (every block runs, on one
+        blank row, so FSDP's per-block gathers meet every rank).
         """
         tower = self.audio_tower
         check_audio_inputs(input_features, audio_lens, num_mel_bins=tower.num_mel_bins)
@@ -80,14 +80,13 @@ class AudioModule(nn.Module):
         return {"audio_embeds": out}
 
     def _no_rows(self, features: torch.Tensor) -> torch.Tensor:
-        """Zero frames: zero rows through every block, ``ln_post`` and ``proj``: ``(0, out_width)``."""
-        tower = self.audio_tower
-        hidden = features.new_zeros(0, tower.conv2.out_channels)
-        hidden = hidden + 0 * (tower.conv1.weight.sum() + tower.conv2.weight.sum())  # keep them in the graph
-        cu_seqlens = torch.zeros(1, dtype=torch.int32, device=features.device)
-        for layer in tower.layers:
-            hidden = layer(hidden, cu_seqlens=cu_seqlens, max_seqlen=0)[0]
-        return tower.proj(tower.ln_post(hidden))
+        """Zero frames: the encoder on one blank 4-frame audio (one row), none of its rows kept:
+        ``(0, out_width)``, still connected to every parameter (zero gradients)."""
+        blank = features.new_zeros(self.audio_tower.num_mel_bins, 4)
+        lens = torch.tensor([4], device=features.device)
+        return self.audio_tower(
+            blank, feature_lens=lens, aftercnn_lens=(lens - 1) // 2 + 1
+        ).last_hidden_state[:0]
 
 
 @dataclass(frozen=True)
