@@ -9,7 +9,7 @@
 - ``vision``: the Qwen2.5-VL-style encoder (``dhp/models/qwen2_5_vision``) with three q/k/v Linears:
   TP, no Ulysses SP (its hooks need one fused qkv Linear).
 - ``llm``: the Qwen2.5 decoder (``dhp/models/qwen2_5_base``) with TMRoPE (``model.llm.extra``:
-  ``mrope_section``, ``position_id_per_seconds``, ``seconds_per_chunk``).
+  ``mrope_section``, ``position_id_per_seconds``, ``seconds_per_chunk``): TP and pipeline stages.
 
 Counts follow transformers' ``Qwen2_5OmniAudioEncoder`` exactly (a unit test compares with the meta
 model).
@@ -115,8 +115,10 @@ def audio_axes() -> ModuleAxes:
 
 
 def omni_llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int, layers: int, tied: bool) -> ModuleAxes:
-    """The thinker's decoder axes: TP only (Megatron SP inside TP, context parallelism and pipeline
-    stages have no parity test for this family's audio placement, so they are not declared)."""
+    """The thinker's decoder axes: TP and pipeline stages over its decoder layers (a later stage takes
+    the previous stage's hidden states; positions are the micro-batch's, as in Qwen2.5-VL). Megatron SP
+    inside TP and context parallelism have no parity test with this family's audio placement: not
+    declared (the LLM refuses a context shard)."""
     return llm_axes(
         heads=heads,
         kv_heads=kv_heads,
@@ -126,7 +128,7 @@ def omni_llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int, layers: in
         tied=tied,
         sequence_parallel=False,
         context_parallel=False,
-        pipeline=False,
+        pipeline=True,
     )
 
 

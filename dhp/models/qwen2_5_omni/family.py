@@ -1,10 +1,15 @@
 """Qwen2.5-Omni's thinker as a :class:`~dhp.models.family.ModelFamily`: ``audio`` and ``vision`` -> ``llm``.
 
 Checkpoint layouts: transformers 5's thinker (``model.audio_tower.*``, ``model.visual.*``,
-``model.language_model.*``, ``lm_head.*``; what an HF export writes), and the released Qwen2.5-Omni
-checkpoints (``thinker.audio_tower.*``, ``thinker.visual.*``, ``thinker.model.*``, ``thinker.lm_head.*``,
+``model.language_model.*``, ``lm_head.*``; what an HF export writes), the original thinker layout
+(``audio_tower.*``, ``visual.*``, ``model.*``, ``lm_head.*``: what transformers' ``save_pretrained``
+writes), and the released Qwen2.5-Omni checkpoints (``thinker.audio_tower.*``, ``thinker.visual.*``, ``thinker.model.*``, ``thinker.lm_head.*``,
 or with transformers 5's ``thinker.model.<tower>.*``). The released directories also hold the speech
-output (``talker.*``, ``token2wav.*``): no module owns those keys (:attr:`Qwen25OmniFamily.unowned_prefixes`).
+output (``talker.*``, ``token2wav.*``): those keys belong to modules this graph never builds
+(``talker``, ``token2wav``, as Qwen3.5's ``mtp.*``), so loading reads none of them and reports none as
+unexpected. An HF export (``dhp.checkpoint.export``) writes the thinker: its config
+(``model_type: qwen2_5_omni_thinker``) and the reference thinker's keys, nothing of the talker or
+token2wav (a full Omni directory with speech output is not rebuilt).
 """
 
 from __future__ import annotations
@@ -50,12 +55,16 @@ class Qwen25OmniFamily(FamilyBase):
     name = "qwen2_5_omni"
     module_names = ("audio", "vision", "llm")
     model_types = ("qwen2_5_omni_thinker", "qwen2_5_omni")
-    #: first match wins: transformers 5's thinker, a released full model, transformers 5's full model
+    #: first match wins: transformers 5's thinker, the original thinker layout (what ``save_pretrained``
+    #: writes by default), a released full model, transformers 5's full model
     checkpoint_keys = (
         ("model.audio_tower.", "audio", "audio_tower."),
         ("model.visual.", "vision", "visual."),
         ("model.language_model.", "llm", "language_model."),
         ("lm_head.", "llm", "lm_head."),
+        ("audio_tower.", "audio", "audio_tower."),
+        ("visual.", "vision", "visual."),
+        ("model.", "llm", "language_model."),
         ("thinker.model.audio_tower.", "audio", "audio_tower."),
         ("thinker.model.visual.", "vision", "visual."),
         ("thinker.model.language_model.", "llm", "language_model."),
@@ -63,9 +72,10 @@ class Qwen25OmniFamily(FamilyBase):
         ("thinker.visual.", "vision", "visual."),
         ("thinker.model.", "llm", "language_model."),
         ("thinker.lm_head.", "llm", "lm_head."),
+        # the speech output of a released full model: modules outside this graph (never built or read)
+        ("talker.", "talker", "talker."),
+        ("token2wav.", "token2wav", "token2wav."),
     )
-    #: checkpoint key prefixes of the released full model that no module owns (speech output)
-    unowned_prefixes = ("talker.", "token2wav.")
 
     def handoffs_for(self, hf_config: Qwen2_5OmniThinkerConfig) -> tuple[HandOff, ...]:
         """Two edges into the LLM: the audio rows at ``<|AUDIO|>``, the merger's rows at the image and

@@ -58,7 +58,8 @@ def vision_block_params(vision: DictConfig) -> ParamCount:
 def vision_largest_param(vision: DictConfig, *, out_hidden: int) -> int:
     """Elements of the encoder's largest single parameter tensor (before TP/FSDP sharding)."""
     h, merge_h = vision.hidden_size, vision.hidden_size * vision.spatial_merge_size**2
-    return max(merge_h * merge_h, merge_h * out_hidden, 3 * h * h, h * vision.intermediate_size)
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * h
+    return max(merge_h * merge_h, merge_h * out_hidden, 3 * h * h, h * vision.intermediate_size, patch)
 
 
 def validate_vision_arch(v: DictConfig, issues: Issues, *, family: str, example: str) -> None:
