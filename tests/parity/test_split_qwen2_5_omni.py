@@ -132,30 +132,35 @@ def test_mixed_use_audio_in_video_matches_one_reference_call_per_flag(setup):
     assert_matches(family, modules, ref, loss, grads, ref_loss, ref_grads)
 
 
-def test_use_audio_in_video_is_read_per_sample(setup):
-    """The flag is observed: the interleaved sample's positions differ without it (TMRoPE aligns the
-    video's and the audio's time axes only with it), and the other samples' do not change."""
-    _, hf_config, _, modules = setup
-    batch = omni_batch(hf_config, [VIDEO_WITH_AUDIO, AUDIO_ONLY], seeds=[3, 1])
-    llm = modules["llm"]
+def _prepare(llm, batch, **overrides):
+    fields = dict(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+        mm_token_type_ids=batch["mm_token_type_ids"],
+        image_grid_thw=batch["image_grid_thw"],
+        image_embeds=torch.zeros(int(batch["image_grid_thw"].prod(-1).sum()) // 4, 128),
+        audio_embeds=torch.zeros(int((batch["mm_token_type_ids"] == 3).sum()), 128),
+        audio_lens=batch["audio_lens"],
+        second_per_grid_ts=batch["second_per_grid_ts"],
+    )
     with torch.no_grad():
-        calls = [
-            llm.prepare(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                labels=batch["labels"],
-                mm_token_type_ids=batch["mm_token_type_ids"],
-                image_grid_thw=batch["image_grid_thw"],
-                image_embeds=torch.zeros(int(batch["image_grid_thw"].prod(-1).sum()) // 4, 128),
-                audio_embeds=torch.zeros(int((batch["mm_token_type_ids"] == 3).sum()), 128),
-                audio_lens=batch["audio_lens"],
-                use_audio_in_video=torch.tensor(flags),
-                second_per_grid_ts=batch["second_per_grid_ts"],
-            ).kwargs["position_ids"]
-            for flags in ([True, False], [False, False])
-        ]
-    assert not torch.equal(calls[0][:, 0], calls[1][:, 0])
-    assert torch.equal(calls[0][:, 1], calls[1][:, 1])
+        return llm.prepare(**(fields | overrides)).kwargs["position_ids"]
+
+
+def test_use_audio_in_video_is_read_from_each_samples_tokens(setup):
+    """A video interleaved with its audio is positioned as such whether or not the flag is passed; the
+    flag set on a sample without such a video is a DataError, as is a sample mixing both kinds."""
+    _, hf_config, _, modules = setup
+    batch = omni_batch(hf_config, [VIDEO_WITH_AUDIO, VIDEO_ONLY, AUDIO_ONLY], seeds=[3, 5, 1])
+    llm = modules["llm"]
+    inferred = _prepare(llm, batch)
+    assert torch.equal(inferred, _prepare(llm, batch, use_audio_in_video=torch.tensor([True, False, False])))
+    with pytest.raises(DataError, match="no video of theirs has its audio track"):
+        _prepare(llm, batch, use_audio_in_video=torch.tensor([True, True, False]))
+    mixed = omni_batch(hf_config, [VIDEO_WITH_AUDIO + VIDEO_ONLY], seeds=[3])
+    with pytest.raises(DataError, match="TMRoPE positions every video of a sample the same way"):
+        _prepare(llm, mixed)
 
 
 def test_audio_tokens_and_rows_must_agree(setup):
