@@ -18,12 +18,14 @@ class AttentionSite:
     """Where attention sits in a module, for Ulysses SP applied from outside (``dhp.parallel.ulysses``).
 
     ``modules``: FQN glob of attention modules that attend over the whole sequence; ``qkv``: their child
-    Linear whose output is ``(L, 3*H*d)`` laid out (3, H, d); ``out``: the child Linear that takes
-    ``(L, H*d)``; ``heads``: the head-count attribute (set to H/sp while sharded by heads).
+    Linear whose output is ``(L, 3*H*d)`` laid out (3, H, d), or (``projections``) their three child
+    Linears q, k, v, each with output ``(L, H*d)``; ``out``: the child Linear that takes ``(L, H*d)``;
+    ``heads``: the head-count attribute (set to H/sp while sharded by heads).
     """
 
     modules: str
     qkv: str = "qkv"
+    projections: tuple[str, ...] = ()  # separate q, k, v Linears (then ``qkv`` is not read)
     out: str = "proj"
     heads: str = "num_heads"
 

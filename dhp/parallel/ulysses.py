@@ -2,7 +2,7 @@
 
 The family says where its attention is (``ModuleParallelPlan.sp``: :class:`~dhp.parallel.module_plan.AttentionSite`
 = attention modules that attend over the whole sequence, their fused ``qkv`` Linear with output laid out
-(3, H, d), their ``out`` Linear, their head-count attribute). :func:`apply_ulysses_sp` installs, on each
+(3, H, d) or their separate q, k, v Linears, their ``out`` Linear, their head-count attribute). :func:`apply_ulysses_sp` installs, on each
 such module over an SP group of N ranks (parameters stay replicated, FQNs unchanged):
 
 - a forward pre-hook on the attention: takes the per-rank row counts (``ulysses_split_sizes`` kwarg, from
@@ -203,26 +203,30 @@ def _attention_pre_hook(state: _SiteState, cache: _RotaryCache):
 
 
 def _qkv_pre_hook(state: _SiteState):
+    """The projection computes on this rank's rows (kept until the ``out`` pre-hook: with separate q, k,
+    v Linears each of them reads them)."""
+
     def hook(module: nn.Module, args: tuple) -> tuple:
-        local, state.local = state.local, None
-        return (local, *args[1:])
+        return (state.local, *args[1:])
 
     return hook
 
 
-def _qkv_hook(state: _SiteState):
+def _qkv_hook(state: _SiteState, *, chunks: int):
+    """``chunks`` 3: a fused qkv output laid out (3, H, d); 1: one of separate q, k, v."""
+
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        rows, head_dim = out.shape[0], out.shape[1] // (3 * state.heads)  # explicit: L_r may be 0
-        qkv = out.reshape(rows, 3, state.heads, head_dim).transpose(1, 2)  # (L_r, H, 3, d)
-        qkv = seq_to_head(qkv, state.split, state.group)  # (L_total, H/N, 3, d)
-        return qkv.transpose(1, 2).reshape(qkv.shape[0], -1)  # (L_total, 3 * H/N * d), laid out (3, H/N, d)
+        rows, head_dim = out.shape[0], out.shape[1] // (chunks * state.heads)  # explicit: L_r may be 0
+        qkv = out.reshape(rows, chunks, state.heads, head_dim).transpose(1, 2)  # (L_r, H, chunks, d)
+        qkv = seq_to_head(qkv, state.split, state.group)  # (L_total, H/N, chunks, d)
+        return qkv.transpose(1, 2).reshape(qkv.shape[0], -1)  # (L_total, chunks * H/N * d)
 
     return hook
 
 
 def _out_pre_hook(state: _SiteState):
     def hook(module: nn.Module, args: tuple) -> tuple:
-        x = args[0]
+        x, state.local = args[0], None
         world = dist.get_world_size(state.group)
         head_dim = x.numel() // max(1, sum(state.split) * (state.heads // world))
         heads = x.reshape(sum(state.split), state.heads // world, head_dim)  # (L_total, H/N, d)
@@ -265,10 +269,12 @@ def apply_ulysses_sp(module: nn.Module, mesh: DeviceMesh, spec: UlyssesSpec | No
         state = _SiteState(group, heads, site)
         setattr(attn, site.heads, heads // sp)
         attn.register_forward_pre_hook(_attention_pre_hook(state, cache), with_kwargs=True)
-        qkv, out = attn.get_submodule(site.qkv), attn.get_submodule(site.out)
-        qkv.register_forward_pre_hook(_qkv_pre_hook(state))
-        qkv.register_forward_hook(_qkv_hook(state))
-        out.register_forward_pre_hook(_out_pre_hook(state))
+        names = site.projections or (site.qkv,)
+        for name in names:  # a fused qkv, or separate q, k, v: one all-to-all each
+            proj = attn.get_submodule(name)
+            proj.register_forward_pre_hook(_qkv_pre_hook(state))
+            proj.register_forward_hook(_qkv_hook(state, chunks=3 if len(names) == 1 else 1))
+        attn.get_submodule(site.out).register_forward_pre_hook(_out_pre_hook(state))
     return module
 
 

@@ -7,9 +7,10 @@
   frames make one output row (``merge = 4``). No TP; its SP axis cuts whole chunks and exchanges
   nothing (``audio.shard_audio``).
 - ``vision``: the Qwen2.5-VL-style encoder (``dhp/models/qwen2_5_vision``) with three q/k/v Linears:
-  TP, no Ulysses SP (its hooks need one fused qkv Linear).
+  TP and Ulysses SP (one all-to-all per projection in each full-attention block).
 - ``llm``: the Qwen2.5 decoder (``dhp/models/qwen2_5_base``) with TMRoPE (``model.llm.extra``:
-  ``mrope_section``, ``position_id_per_seconds``, ``seconds_per_chunk``): TP and pipeline stages.
+  ``mrope_section``, ``position_id_per_seconds``, ``seconds_per_chunk``): TP (with Megatron SP inside
+  it) and pipeline stages.
 
 Counts follow transformers' ``Qwen2_5OmniAudioEncoder`` exactly (a unit test compares with the meta
 model).
@@ -115,10 +116,11 @@ def audio_axes() -> ModuleAxes:
 
 
 def omni_llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int, layers: int, tied: bool) -> ModuleAxes:
-    """The thinker's decoder axes: TP and pipeline stages over its decoder layers (a later stage takes
-    the previous stage's hidden states; positions are the micro-batch's, as in Qwen2.5-VL). Megatron SP
-    inside TP and context parallelism have no parity test with this family's audio placement: not
-    declared (the LLM refuses a context shard)."""
+    """The thinker's decoder axes: TP with Megatron SP inside it (the embeddings, audio and image rows
+    placed, are cut by the decoder's input style, as in Qwen2.5-VL) and pipeline stages over its decoder
+    layers (a later stage takes the previous stage's hidden states; positions are the micro-batch's).
+    Context parallelism is not declared (the LLM refuses a context shard: its audio rows would need
+    the per-rank placement Qwen2.5-VL's image rows have)."""
     return llm_axes(
         heads=heads,
         kv_heads=kv_heads,
@@ -126,7 +128,7 @@ def omni_llm_axes(*, heads: int, kv_heads: int, vocab: int, mlp: int, layers: in
         mlp=mlp,
         layers=layers,
         tied=tied,
-        sequence_parallel=False,
+        sequence_parallel=True,
         context_parallel=False,
         pipeline=True,
     )
@@ -198,14 +200,12 @@ class Qwen25OmniArch:
         )
 
     def module_axes(self, name: str, model: DictConfig) -> ModuleAxes:
-        """Audio: SP over chunks, no TP. Vision: TP (heads, merger width), no SP. LLM: TP."""
+        """Audio: SP over chunks, no TP. Vision: TP (heads, merger width) and Ulysses SP. LLM: TP."""
         if name == "audio":
             return audio_axes()
         if name == "vision":
             v = model.vision
-            return vision_axes(
-                heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size, ulysses=False
-            )
+            return vision_axes(heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size)
         lm = model.llm
         return omni_llm_axes(
             heads=lm.num_heads,

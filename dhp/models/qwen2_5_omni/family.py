@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig, Qwen2_5OmniConfig, Qwen2_5OmniThinkerConfig
 
 from dhp.config.schema import ModelConfig
-from dhp.errors import CheckpointError, ConfigError, ConfigIssue
+from dhp.errors import CheckpointError
 from dhp.models.axes import runtime_plan
 from dhp.models.checks import image_token_counts
 from dhp.models.common import decoder_config, lm_head
@@ -100,24 +100,13 @@ class Qwen25OmniFamily(FamilyBase):
     ) -> list[ProducerShard]:
         """The SP cut of producer ``name``'s items: ``rows``/``meta`` (audio: mel frames and frames per
         audio; vision: patches and grids; the vision keywords ``pixel_values``/``image_grid_thw`` too).
-        Audio: whole chunks per rank, no collective (``audio.shard_audio``). Vision: ``sp_size`` 1 only
-        (its q/k/v are three Linears, which ``dhp.parallel.ulysses`` does not hook)."""
+        Audio: whole chunks per rank, no collective (``audio.shard_audio``). Vision: the window-aligned
+        Ulysses cut (``dhp.models.qwen2_5_vision.sp``)."""
         rows = pixel_values if rows is None else rows
         meta = image_grid_thw if meta is None else meta
         if name == "audio":
             return shard_audio(rows, meta, sp_size=sp_size, n_window=hf_config.audio_config.n_window)
-        if sp_size != 1:
-            raise ConfigError(
-                [
-                    ConfigIssue(
-                        "modules.vision.parallel.sp",
-                        sp_size,
-                        "qwen2_5_omni's vision encoder has no Ulysses SP (separate q/k/v projections)",
-                        "set modules.vision.parallel.sp to 1; use dp/fsdp/tp for the vision module",
-                    )
-                ]
-            )
-        return shard_vision_batch(rows, meta, sp_size=1, arch=hf_config.vision_config)
+        return shard_vision_batch(rows, meta, sp_size=sp_size, arch=hf_config.vision_config)
 
     def tokens_per_item(
         self, name: str, hf_config: Qwen2_5OmniThinkerConfig, meta: torch.Tensor
@@ -152,7 +141,8 @@ class Qwen25OmniFamily(FamilyBase):
     # --- parallel plans -------------------------------------------------------------------------
     def parallel_plan(self, name: str, hf_config: Qwen2_5OmniThinkerConfig) -> ModuleParallelPlan:
         """Audio: FSDP blocks, no TP, SP over chunks without attention sites (no collective). Vision:
-        TP by FQN (q/k/v column-parallel), no SP. LLM: the decoder TP plan and the loss."""
+        TP by FQN (q/k/v column-parallel), Ulysses SP on the full-attention blocks' q, k, v. LLM: the
+        decoder TP plan (with SP inside TP) and the loss."""
         if name == "audio":
             return runtime_plan(audio_axes(), blocks=("audio_tower.layers.*",))
         if name == "vision":

@@ -9,8 +9,6 @@ modeling code exactly (a unit test instantiates the real model on the meta devic
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from omegaconf import DictConfig
 
 from dhp.config.issues import Issues
@@ -145,9 +143,8 @@ def vision_arch(model: DictConfig, *, fused_qkv: bool = True) -> ModuleArch:
     )
 
 
-def vision_axes(*, heads: int, hidden: int, merge: int, ulysses: bool = True) -> ModuleAxes:
-    """The encoder's axes, declared once: read by validation and the search (from the schema's numbers)
-    and by the runtime plan (``tp.py``, from the transformers config's). ``ulysses`` False: no SP axis
-    (Ulysses' hooks need a fused qkv Linear, ``dhp.parallel.ulysses``)."""
-    axes = encoder_axes(heads=heads, merged_width=hidden * merge**2)
-    return axes if ulysses else replace(axes, sp=False, sp_divides={})
+def vision_axes(*, heads: int, hidden: int, merge: int) -> ModuleAxes:
+    """The encoder's axes (TP over heads and the merger width, Ulysses SP over heads), declared once:
+    read by validation and the search (from the schema's numbers) and by the runtime plan (``tp.py``,
+    from the transformers config's)."""
+    return encoder_axes(heads=heads, merged_width=hidden * merge**2)

@@ -5,7 +5,8 @@ TP: the attention projections column-parallel by heads (a fused ``qkv`` needs
 the MLP's ``down_proj`` row-parallel (the MLP width 3420 is uneven at TP=8: :class:`UnevenRowwiseParallel`),
 the merger column- then row-parallel, so its output is whole on every TP rank. The patch embedding and
 the norms stay replicated. Ulysses SP only on the full-attention blocks: window blocks attend inside
-windows an SP cut never splits (``sp.py``), so they run locally.
+windows an SP cut never splits (``sp.py``), so they run locally; a fused ``qkv`` takes one all-to-all
+per full-attention block, three q/k/v Linears one each.
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ def vision_tp_plan(*, fused_qkv: bool = True) -> dict[str, ParallelStyle]:
 
 
 def vision_parallel_plan(vision_config: PretrainedConfig, *, fused_qkv: bool = True) -> ModuleParallelPlan:
-    """TP by FQN; Ulysses SP on the full-attention blocks where the qkv Linear is fused (the only
-    layout ``dhp.parallel.ulysses`` hooks); what each degree must divide is the declared axes'."""
+    """TP by FQN; Ulysses SP on the full-attention blocks (``fused_qkv``: one ``qkv`` Linear, else
+    ``q``/``k``/``v``); what each degree must divide is the declared axes'."""
     v = vision_config
-    axes = vision_axes(heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size, ulysses=fused_qkv)
+    axes = vision_axes(heads=v.num_heads, hidden=v.hidden_size, merge=v.spatial_merge_size)
+    projections = () if fused_qkv else ("q", "k", "v")
     return runtime_plan(
         axes,
         blocks=("visual.blocks.*",),
         tp=lambda sequence_parallel: vision_tp_plan(fused_qkv=fused_qkv),
         tp_heads=("visual.blocks.*.attn",),
-        sp=tuple(AttentionSite(f"visual.blocks.{i}.attn") for i in v.fullatt_block_indexes),
+        sp=tuple(
+            AttentionSite(f"visual.blocks.{i}.attn", projections=projections) for i in v.fullatt_block_indexes
+        ),
     )

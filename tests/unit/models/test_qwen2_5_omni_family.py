@@ -12,7 +12,6 @@ import torch
 from omegaconf import OmegaConf
 
 from dhp.config.issues import Issues
-from dhp.errors import ConfigError
 from dhp.models import get_arch, get_family
 
 pytestmark = pytest.mark.unit
@@ -166,9 +165,6 @@ def test_qwen2_5_omni_handoffs_items_and_blank_inputs(family):
         rows, meta = family.blank_input(name, cfg)
         (shard,) = family.shard_inputs(name, cfg, rows=rows, meta=meta, sp_size=1)
         assert sum(family.tokens_per_item(name, cfg, meta)) == shard.num_tokens >= 1
-    vision_rows, grids = family.blank_input("vision", cfg)
-    with pytest.raises(ConfigError, match="no Ulysses SP"):
-        family.shard_inputs("vision", cfg, pixel_values=vision_rows, image_grid_thw=grids, sp_size=2)
     strings = family.token_strings()
     assert strings["audio_token_id"] == "<|AUDIO|>" and strings["audio_start_token_id"] == "<|audio_bos|>"
     assert strings["audio_end_token_id"] == "<|audio_eos|>" and strings["image_token_id"] == "<|IMAGE|>"
@@ -185,12 +181,15 @@ def test_qwen2_5_omni_tp_plans_cover_every_linear_once(family):
                 assert sum(bool(p.match(fqn)) for p in patterns) == 1, fqn
     audio_plan = family.parallel_plan("audio", cfg)
     assert audio_plan.tp is None and audio_plan.sp == () and audio_plan.blocks == ("audio_tower.layers.*",)
-    assert family.parallel_plan("vision", cfg).sp == ()  # three q/k/v Linears: no Ulysses hooks
+    sites = family.parallel_plan("vision", cfg).sp  # the full-attention blocks, three projections each
+    assert [(s.modules, s.projections) for s in sites] == [
+        (f"visual.blocks.{i}.attn", ("q", "k", "v")) for i in (1, 3)
+    ]
     axes = {
         n: get_arch("qwen2_5_omni").module_axes(n, _yaml("tiny_qwen2_5_omni")) for n in family.module_names
     }
-    assert axes["audio"].sp and not axes["audio"].tp and not axes["vision"].sp and axes["vision"].tp
-    assert axes["llm"].tp and axes["llm"].pp and not (axes["llm"].cp or axes["llm"].tp_sequence_parallel)
+    assert axes["audio"].sp and not axes["audio"].tp and axes["vision"].sp and axes["vision"].tp
+    assert axes["llm"].tp and axes["llm"].pp and axes["llm"].tp_sequence_parallel and not axes["llm"].cp
 
 
 def test_qwen2_5_omni_meta_build_restores_the_audio_position_table(family):
