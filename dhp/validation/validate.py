@@ -16,7 +16,6 @@ from dhp.config.constants import (
     DTYPES,
     MIXED_PRECISIONS,
     MODULE_NAMES,
-    REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
 from dhp.config.validate_data_keys import validate_data_keys
@@ -74,6 +73,18 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
         get_arch(model.family).validate(model, issues)
 
 
+def _module_names(cfg: DictConfig, roots: set[str]) -> tuple[str, ...]:
+    """The modules of the run's model family (``FamilyArch.module_names``); the vision-language pair
+    when the family is missing or unknown (that is its own issue)."""
+    if (
+        "model" not in roots
+        and not OmegaConf.is_missing(cfg.model, "family")
+        and cfg.model.family in family_names()
+    ):
+        return tuple(get_arch(cfg.model.family).module_names)
+    return MODULE_NAMES
+
+
 def _model_types(model: DictConfig) -> tuple[str, ...]:
     """The ``config.json`` model type a family with flavours reads for these numbers (Qwen3.5's MoE
     numbers: ``qwen3_5_moe``); empty for a family without flavours (its name is its model type)."""
@@ -119,20 +130,21 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_metrics(cfg.metrics, issues)
     validate_loop(cfg, issues)
     names = list(cfg.modules.keys())
+    known = _module_names(cfg, roots)
     for name in names:
         issues.check(
-            name in MODULE_NAMES,
+            name in known,
             f"modules.{name}",
             name,
-            f"unknown module; known: {', '.join(MODULE_NAMES)}",
+            f"unknown module; known: {', '.join(known)}",
             "rename the module entry",
         )
-    for name in REQUIRED_MODULES:
+    for name in known:
         issues.check(
             name in names,
             f"modules.{name}",
             None,
-            "missing: a vision-language model needs both modules",
+            f"missing: the model has the modules {', '.join(known)}, each its own group",
             f"add modules.{name} (gpus, parallel) to the recipe, or +modules.{name}.gpus=N",
         )
     if roots & {"model", "cluster"}:
