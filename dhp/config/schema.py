@@ -363,6 +363,9 @@ class DataConfig:
     video_folder_fps: float = 2.0
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 112 * 112
+    # audio (records with "audios", for a model with an audio encoder): one audio longer than this many
+    # seconds is a bad sample (never cut); decoded to mono at the feature extractor's rate
+    max_audio_seconds: float = 300.0
     lengths: DataLengths = field(default_factory=DataLengths)  # measured by the CLI (above)
     eval: EvalDataConfig = field(default_factory=EvalDataConfig)
     # how conversations become text: ``checkpoint`` (model.path's own template, from

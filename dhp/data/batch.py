@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.ops.cross_entropy import IGNORE_INDEX  # the one definition (re-exported here)
-from dhp.ops.packed import IMAGE, TEXT, VIDEO  # noqa: F401 (mm_token_type_ids values, re-exported here)
+from dhp.ops.packed import AUDIO, IMAGE, TEXT, VIDEO  # noqa: F401 (mm_token_type_ids values, re-exported here)
 
 
 @dataclass
