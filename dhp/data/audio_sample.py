@@ -132,3 +132,19 @@ def _expand_audio(
     out_lab.append(labels[prev:])
     out_typ.append(types[prev:])
     return torch.cat(out_ids), torch.cat(out_lab), torch.cat(out_typ)
+
+
+def reference_audio_kwargs(batch: Any) -> dict[str, torch.Tensor]:
+    """A batch's audios as transformers' omni models take them: ``input_features`` ``(N, n_mels,
+    longest)`` zero-padded and ``feature_attention_mask`` ``(N, longest)`` (empty without audio), for
+    single-process references."""
+    if batch.audio_lens is None:
+        return {}
+    lens = batch.audio_lens.view(-1).tolist()
+    longest = max(lens)
+    feats = torch.zeros(len(lens), batch.audio_features.shape[1], longest, dtype=batch.audio_features.dtype)
+    mask = torch.zeros(len(lens), longest, dtype=torch.long)
+    for i, part in enumerate(batch.audio_features.split(lens)):
+        feats[i, :, : part.shape[0]] = part.T
+        mask[i, : part.shape[0]] = 1
+    return {"input_features": feats, "feature_attention_mask": mask}

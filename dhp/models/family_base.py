@@ -219,6 +219,12 @@ class FamilyBase:
         """Reference (or checkpoint) state dict -> ``{module: {module_fqn: tensor}}``."""
         return self.keys.split(ref_state_dict, self.module_names)
 
+    def reference_kwargs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The whole batch's inputs (token tensors, ``mm_token_type_ids``, images and videos apart, audio
+        features padded with their mask) as :meth:`reference_class`'s forward names them; as given by
+        default (transformers' vision-language models)."""
+        return inputs
+
     def reference_model(self, hf_config: PretrainedConfig) -> nn.Module:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""
         return reference_model(self.reference_class(hf_config), hf_config)

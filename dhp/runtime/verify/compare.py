@@ -37,6 +37,7 @@ from rich.table import Table
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.data import build_run_loader
+from dhp.data.audio_sample import reference_audio_kwargs
 from dhp.data.batch import VLBatch, concat_batches
 from dhp.data.packing import unpacked
 from dhp.data.remote import as_tensor
@@ -221,15 +222,15 @@ class ReferenceModel:
                 "(a loader or packing bug)."
             )
         router = {} if self.router_coef is None else {"output_router_logits": True}
-        out = self.model(
+        inputs = dict(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             labels=batch.labels,
             mm_token_type_ids=batch.mm_token_type_ids,
             **reference_visual_kwargs(batch),  # images and videos apart
-            use_cache=False,
-            **router,
+            **reference_audio_kwargs(batch),
         )
+        out = self.model(**self.family.reference_kwargs(inputs), use_cache=False, **router)
         out.loss.backward()
         grads: dict[str, dict[str, torch.Tensor]] = {}
         params = [p for p in self.model.parameters() if p.grad is not None]
