@@ -292,6 +292,10 @@ class SyntheticData:
     videos_per_sample: int = 0
     video_frames: int = 4
     video_fps: float = 2.0
+    # synthetic audio (a model with an audio encoder): audios_per_sample audios of audio_frames mel
+    # frames each (random normals), each with its encoder's token count between its two markers
+    audios_per_sample: int = 0
+    audio_frames: int = 400
 
 
 @dataclass

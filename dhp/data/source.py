@@ -112,6 +112,7 @@ def build_source(
             vocab_size=vocab,
             limits=limits,
             seed=seed,
+            audio=synthetic_audio(data, model),
         )
         return src, [len(src)], [1.0]
     if data.kind != "llava":
@@ -201,3 +202,18 @@ def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, 
         ),
         "",
     )
+
+
+def synthetic_audio(data: DataConfig, model: ModelConfig) -> tuple[int, int] | None:
+    """``(mel bins, tokens per synthetic audio)`` of the model's audio encoder (the producer of the
+    ``audio_tokens`` layout, its family's ``tokens_per_item``); None without one or without
+    ``data.synthetic.audios_per_sample``."""
+    if data.synthetic.audios_per_sample <= 0:
+        return None
+    family = get_family(model.family)
+    hf = family.hf_config(model)
+    producers = [e.producer for e in family.handoffs_for(hf) if e.layout == "audio_tokens"]
+    if not producers:
+        return None
+    tokens = ItemTokens(model.family, producers[0], hf)([data.synthetic.audio_frames])[0]
+    return int(model.audio.num_mel_bins), int(tokens)
