@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,16 @@ def write_sine(
     """A sine clip written by soundfile (format from the suffix unless ``format=`` is given)."""
     x = np.repeat(sine(freq, seconds, rate)[:, None], channels, axis=1)
     sf.write(str(path), x, rate, **kw)
+    return path
+
+
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """An uncompressed tar shard holding ``members`` (name -> bytes), in order."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     return path
 
 

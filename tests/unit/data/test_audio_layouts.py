@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
-from audio_build import write_mp4, write_sine
+from audio_build import write_mp4, write_sine, write_tar
 from rich.console import Console
 
 from dhp.config.schema import DataConfig, DatasetEntry
@@ -219,6 +219,14 @@ def test_parquet_audio_column_paths_and_embedded_bytes(tmp_path):
     assert one.audios == (tmp_path / "a.wav",)
     assert two.reason == bad.CORRUPT_AUDIO and "stored inside the table" in two.detail
     assert two.location == f"{tmp_path / 'train.parquet'}[1]"
+
+
+def test_an_audio_member_of_a_webdataset_shard_is_refused_by_name(tmp_path):
+    clip = write_sine(tmp_path / "clip.wav").read_bytes()
+    rec = {"messages": _turns("<audio>What is said?"), "audios": ["wav"]}
+    write_tar(tmp_path / "audio-0000.tar", {"000000.json": json.dumps(rec).encode(), "000000.wav": clip})
+    (err,) = _records(DatasetEntry(name="wds", path=str(tmp_path / "audio-0000.tar")))
+    assert err.reason == bad.CORRUPT_AUDIO and "stored inside the shard" in err.detail
 
 
 def test_data_check_counts_audio_from_headers_and_names_bad_clips(tmp_path):
