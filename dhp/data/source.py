@@ -191,7 +191,7 @@ def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, 
     producers = [e.producer for e in family.handoffs_for(hf) if e.layout == "audio_tokens"]
     if not producers:
         return None, (
-            f"model family {model.family} has no audio encoder, so a record with audio cannot be trained"
+            f"model family {model.family} has no audio module (an audio encoder), so a record with audio cannot be trained"
         )
     return (
         AudioSpec(
