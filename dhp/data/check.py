@@ -24,6 +24,7 @@ from rich.table import Table
 from dhp.config.schema import DataConfig, ModelConfig
 from dhp.data import bad
 from dhp.data.audio import RecordAudio, record_audio
+from dhp.data.batch import AUDIO
 from dhp.data.processing import template_source
 from dhp.data.show import describe_sample
 from dhp.data.source import LlavaSource, build_source
@@ -159,7 +160,7 @@ def check_data(
     )
     log = bad.BadSampleLog(keep=5)
     patches, text_tokens, tokens, images, videos = [], [], [], {}, {}
-    image_tok = video_tok = 0
+    image_tok = video_tok = audio_tok = 0
     audios: dict[str, int] = {}
     clips: list[RecordAudio] = []
     shown: list[str] = []
@@ -176,7 +177,11 @@ def check_data(
                 continue
             patches.append(sample.num_patches)
             tokens.append(sample.num_tokens)
-            text_tokens.append(sample.num_tokens - sample.num_image_tokens - sample.num_video_tokens)
+            n_audio = int((sample.mm_token_type_ids == AUDIO).sum())
+            audio_tok += n_audio
+            text_tokens.append(
+                sample.num_tokens - sample.num_image_tokens - sample.num_video_tokens - n_audio
+            )
             image_tok += sample.num_image_tokens
             video_tok += sample.num_video_tokens
             n_img, n_vid = str(sample.num_images - sample.num_videos), str(sample.num_videos)
@@ -194,6 +199,9 @@ def check_data(
                     )
                 )
     elapsed = time.perf_counter() - start
+    audio = audio_fields(audios, clips, audio_tokens=audio_tokens)
+    if getattr(getattr(source, "processor", None), "audio", None) is not None:
+        audio["audio_tokens"] = audio_tok  # the model's own count: every audio was processed
     return DataReport(
         num_records=len(source),
         num_good=len(patches),
@@ -214,7 +222,7 @@ def check_data(
             ds.name: sorted(ds.ignored.keys) for ds in getattr(source, "datasets", []) if ds.ignored.keys
         },
         shown=shown,
-        **audio_fields(audios, clips, audio_tokens=audio_tokens),
+        **audio,
     )
 
 
