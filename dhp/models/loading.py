@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dhp.errors import CheckpointError
-from dhp.models.common import init_rotary_buffers, tie_parameters
+from dhp.models.common import tie_parameters
 from dhp.models.family import ModelFamily
 
 SINGLE_FILE = "model.safetensors"
@@ -170,7 +170,7 @@ def load_module_weights(
         targets, key_of, index, Path(model_dir), dtype=dtype, shard_fn=shard_fn, family=family
     )
     tie_parameters(module, tied)
-    init_rotary_buffers(family.name, module_name, module)
+    family.init_buffers(module_name, module)  # the rotary tables, and any other buffer the family recomputes
     return LoadReport(
         keys_read=tuple(sorted(key_of.values())), files_opened=tuple(sorted(files)), bytes_read=nbytes
     )

@@ -23,9 +23,9 @@ from dhp.models.common import decoder_config, lm_head, vl_config
 from dhp.models.dtypes import DTYPES, torch_dtype  # noqa: F401  (re-exported)
 from dhp.models.family import HandOff, ModuleParallelPlan
 from dhp.models.family_base import VL_CHECKPOINT_KEYS, FamilyBase
+from dhp.models.qwen2_5_vision.sp import VisionShard, shard_vision_batch
 from dhp.models.qwen2_5_vl.export_processor import make_processor_loadable
 from dhp.models.qwen2_5_vl.parallel import parallel_plan
-from dhp.models.qwen2_5_vl.sp_shard import VisionShard, shard_vision_batch
 
 
 def _text_only_config(raw: dict) -> Qwen2_5_VLTextConfig:
@@ -72,7 +72,7 @@ class Qwen25VLFamily(FamilyBase):
         image_grid_thw: torch.Tensor,
         sp_size: int,
     ) -> list[VisionShard]:
-        """Window-aligned SP cut of one micro-batch's patches (``sp_shard.shard_vision_batch``)."""
+        """Window-aligned SP cut of one micro-batch's patches (``dhp.models.qwen2_5_vision.sp``)."""
         return shard_vision_batch(pixel_values, image_grid_thw, sp_size=sp_size, arch=hf_config.vision_config)
 
     # --- parallel plans -------------------------------------------------------------------------
