@@ -163,6 +163,8 @@ class Qwen25OmniArch:
     """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-Omni's thinker (``model.audio``, ``model.vision``,
     ``model.llm``)."""
 
+    module_names: tuple[str, ...] = ("audio", "vision", "llm")  # producers first
+
     def validate(self, model: DictConfig, issues: Issues) -> None:
         if issues.check(
             model.audio.depth > 0,

@@ -181,7 +181,7 @@ class TrainerStep(PipelineStep):
             routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
                 rows=[r for r, _ in items],
                 meta=[g for _, g in items],
-                serving=self.serving,
+                serving=self.serving[link.producer],
                 producer_replicas=layout.num_replicas,
                 sp_size=sp,
                 shard_fn=lambda pv, g, n, name=link.producer: self.family.shard_items(

@@ -299,15 +299,20 @@ def compare_grads(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Max |plan - ref| per module over every parameter, and the worst parameter's FQN.
 
-    A parameter present on one side only, or of another shape, counts as an infinite difference
-    (so a missing gradient can never pass).
+    A parameter of another shape counts as an infinite difference. A gradient present on one side
+    only is compared with zero, which is what the absent side's ``None`` means (a parameter its
+    forward never reads, such as transformers' unused audio marker embedding): so a missing gradient
+    passes only where the other side's is zero too.
     """
     diffs, worst = {}, {}
     for module in sorted(set(plan) | set(ref)):
         p, r = plan.get(module, {}), ref.get(module, {})  # result dicts, not config
         best, name = 0.0, ""
         for fqn in sorted(set(p) | set(r)):
-            if fqn not in p or fqn not in r or p[fqn].shape != r[fqn].shape:
+            if (fqn in p) != (fqn in r):
+                one = p[fqn] if fqn in p else r[fqn]
+                d = float(one.float().abs().max()) if one.numel() else 0.0
+            elif p[fqn].shape != r[fqn].shape:
                 d = math.inf
             else:
                 d = float((p[fqn].float() - r[fqn].float()).abs().max()) if r[fqn].numel() else 0.0
