@@ -87,11 +87,15 @@ def _module_names(cfg: DictConfig, roots: set[str]) -> tuple[str, ...]:
 
 def _model_types(model: DictConfig) -> tuple[str, ...]:
     """The ``config.json`` model type a family with flavours reads for these numbers (Qwen3.5's MoE
-    numbers: ``qwen3_5_moe``); empty for a family without flavours (its name is its model type)."""
+    numbers: ``qwen3_5_moe``), or the ones a family declares (``model_types`` of its arch: a thinker's
+    own config and the whole omni model's); empty otherwise (the family's name is its model type)."""
     if model.family not in family_names():
         return ()
-    flavour = getattr(get_arch(model.family), "flavour", None)  # optional: only families with flavours
-    return (flavour(model).name,) if flavour is not None else ()
+    arch = get_arch(model.family)
+    flavour = getattr(arch, "flavour", None)  # optional: only families with flavours
+    if flavour is not None:
+        return (flavour(model).name,)
+    return tuple(getattr(arch, "model_types", ()))  # optional: families read under other names
 
 
 def _validate_cluster(cluster: DictConfig, issues: Issues) -> None:

@@ -160,7 +160,7 @@ def test_omni_disaggregated_audio1_vision_sp2_llm_tp2(ray_local) -> None:
         "tiny_qwen2_5_omni",
         1,
         "placement=disaggregated",
-        "cluster.gpus_per_node=5",
+        "cluster.gpus_per_node=6",
         "modules.audio.gpus=1",
         "modules.audio.parallel.sp=1",
     )
@@ -187,7 +187,7 @@ def test_omni_swift_audios_verify_disaggregated(ray_local, omni_data) -> None:
         1,
         f"data.path={omni_data['swift']}",
         "placement=disaggregated",
-        "cluster.gpus_per_node=5",
+        "cluster.gpus_per_node=6",
         "modules.audio.gpus=1",
         "modules.audio.parallel.sp=1",
         "train.global_batch_size=4",
