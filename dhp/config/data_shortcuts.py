@@ -115,12 +115,16 @@ def bare_data_config(overrides: list[str]):
 def tiny_checkpoint_dir(model: DictConfig) -> Path:
     """Where the tiny checkpoint of ``model``'s numbers lives: ``$DHP_CACHE_DIR/tiny_checkpoints/
     <family>-<digest>``; the digest covers every number the writer reads (family, dtype, vision,
-    llm, tokens), the seed and the format, so an overridden architecture gets its own directory."""
+    llm, tokens, and the audio encoder's when the model has one), the seed and the format, so an
+    overridden architecture gets its own directory."""
+    keys = ("family", "dtype", "vision", "llm", "tokens")
+    if "audio" in model and model.audio.depth > 0:
+        keys += ("audio",)
     numbers = {
         key: OmegaConf.to_container(model[key], resolve=True)
         if OmegaConf.is_config(model[key])
         else model[key]
-        for key in ("family", "dtype", "vision", "llm", "tokens")
+        for key in keys
     }
     numbers.update(seed=TINY_CHECKPOINT_SEED, format=TINY_CHECKPOINT_FORMAT)
     digest = hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:16]

@@ -292,6 +292,10 @@ class SyntheticData:
     videos_per_sample: int = 0
     video_frames: int = 4
     video_fps: float = 2.0
+    # synthetic audio (a model with an audio encoder): audios_per_sample audios of audio_frames mel
+    # frames each (random normals), each with its encoder's token count between its two markers
+    audios_per_sample: int = 0
+    audio_frames: int = 400
 
 
 @dataclass
@@ -363,6 +367,9 @@ class DataConfig:
     video_folder_fps: float = 2.0
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 112 * 112
+    # audio (records with "audios", for a model with an audio encoder): one audio longer than this many
+    # seconds is a bad sample (never cut); decoded to mono at the feature extractor's rate
+    max_audio_seconds: float = 300.0
     lengths: DataLengths = field(default_factory=DataLengths)  # measured by the CLI (above)
     eval: EvalDataConfig = field(default_factory=EvalDataConfig)
     # how conversations become text: ``checkpoint`` (model.path's own template, from

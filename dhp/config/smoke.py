@@ -38,6 +38,7 @@ SMOKE_STEPS = 2
 SMOKE_PATCHES = 64  # one 112x112 image: 8x8 patches of 14 px, 16 LLM tokens after the 2x2 merge
 SMOKE_TEXT_TOKENS = 32
 SMOKE_VISION_SEQ = 256
+SMOKE_AUDIO_FRAMES = 64  # one synthetic audio: 0.64 s of 10 ms mel frames, 16 tokens after a 4x cut
 SMOKE_LLM_SEQ = 128
 SMOKE_MAX_PIXELS = 112 * 112  # real photos: at most 64 patches of 14 px (49 of 16 px) per image
 SMOKE_REAL_LLM_SEQ = 512  # a real conversation of the tiny tokenizer, an image's tokens included
@@ -126,11 +127,13 @@ def smoke_config(
     for mod in out.modules.values():
         _fold_ep(mod)
         _fit_stages(mod, int(out.model.llm.num_layers))
-    if "vision" in out.modules:
-        out.modules.vision.seq_len = SMOKE_VISION_SEQ
+    producers = [str(n) for n in out.modules if n != "llm"]  # every encoder (vision, audio, ...)
+    for name in producers:  # patches, or mel frames, of one micro-batch
+        out.modules[name].seq_len = SMOKE_VISION_SEQ
     if "llm" in out.modules:
         out.modules.llm.seq_len = SMOKE_REAL_LLM_SEQ if real else SMOKE_LLM_SEQ
-    rl, rv = _replicas(out, "llm"), _replicas(out, "vision")
+    rl = _replicas(out, "llm")
+    rv = math.lcm(*(_replicas(out, n) for n in producers), 1)
     # an LLM micro-batch feeds every encoder replica
     pp = module_layout(out.modules.llm).pp if "llm" in out.modules else 1
     _shrink_train(out.train, micro=max(1, rv // rl), llm_replicas=rl * pp)
@@ -181,5 +184,6 @@ def _synthetic_data(data: DictConfig) -> None:
     data.synthetic.patches = SMOKE_PATCHES
     data.synthetic.images_per_sample = 1
     data.synthetic.text_tokens = SMOKE_TEXT_TOKENS
+    data.synthetic.audio_frames = SMOKE_AUDIO_FRAMES  # used only by a model with an audio encoder
     data.num_workers = 0
     data.engine = "local"  # one CPU box: no data actors to start

@@ -52,15 +52,24 @@ def packed_row_tokens(*, packing: bool, max_tokens: int, llm_seq_len: int) -> tu
 
 
 def synthetic_sample_tokens(
-    synthetic: Any, *, spatial_merge_size: int, temporal_patch_size: int, text_tokens: int
+    synthetic: Any,
+    *,
+    spatial_merge_size: int,
+    temporal_patch_size: int,
+    text_tokens: int,
+    audio_tokens: int = 0,
 ) -> int:
     """LLM tokens of one synthetic sample with ``text_tokens`` of text: every image's merged patches
-    and every video's merged patches per temporal patch, each with its two markers, plus the text."""
+    and every video's merged patches per temporal patch, each with its two markers, every audio's
+    ``audio_tokens`` (its encoder's output for ``audio_frames``; 0: the model has no audio encoder,
+    no audio is made) with its two markers, plus the text."""
     merged = synthetic.patches // spatial_merge_size**2
     video = synthetic.video_frames // temporal_patch_size * merged
+    audios = synthetic.audios_per_sample if audio_tokens else 0
     return (
         synthetic.images_per_sample * (merged + MARKERS_PER_VISUAL)
         + synthetic.videos_per_sample * (video + MARKERS_PER_VISUAL)
+        + audios * (audio_tokens + MARKERS_PER_VISUAL)
         + text_tokens
     )
 

@@ -35,6 +35,10 @@ INVALID_UTF8 = "invalid_utf8"  # a JSONL line (or a shard's JSON) that is not UT
 CORRUPT_VIDEO = "corrupt_video"  # a video file that cannot be decoded (or frames of mixed sizes)
 EMPTY_VIDEO = "empty_video"  # a video with zero frames (an empty frames folder)
 UNSUPPORTED_MODALITY = "unsupported_modality"  # audio (no audio module); video (a family without video)
+CORRUPT_AUDIO = "corrupt_audio"  # an audio file (or a video's audio track) that cannot be decoded
+EMPTY_AUDIO = "empty_audio"  # an audio with zero samples
+AUDIO_TOO_LONG = "audio_too_long"  # longer than the configured seconds (read from the header first)
+NO_AUDIO_TRACK = "no_audio_track"  # use_audio_in_video on a video file without an audio stream
 REASONS = (
     MISSING_FILE,
     CORRUPT_IMAGE,
@@ -51,6 +55,10 @@ REASONS = (
     CORRUPT_VIDEO,
     EMPTY_VIDEO,
     UNSUPPORTED_MODALITY,
+    CORRUPT_AUDIO,
+    EMPTY_AUDIO,
+    AUDIO_TOO_LONG,
+    NO_AUDIO_TRACK,
 )
 
 

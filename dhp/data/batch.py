@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhp.ops.cross_entropy import IGNORE_INDEX  # the one definition (re-exported here)
-from dhp.ops.packed import IMAGE, TEXT, VIDEO  # noqa: F401 (mm_token_type_ids values, re-exported here)
+from dhp.ops.packed import AUDIO, IMAGE, TEXT, VIDEO  # noqa: F401 (mm_token_type_ids values, re-exported here)
 
 
 @dataclass
@@ -34,6 +34,10 @@ class Sample:
     # (N_videos,) float: seconds per temporal patch of each video (temporal_patch_size / sampled fps);
     # videos are visual items like images (rows in pixel_values, grids with t > 1 in image_grid_thw)
     second_per_grid_ts: torch.Tensor | None = None
+    # ``(N_frames, n_mels)`` float32: the mel frames of every audio in order, each unpadded; and
+    # ``(N_audios, 1)`` long: each audio's frame count (the ``audio_tokens`` layout's meta rows)
+    audio_features: torch.Tensor | None = None
+    audio_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +70,16 @@ class Sample:
         return int((self.mm_token_type_ids == VIDEO).sum())
 
     @property
+    def num_audios(self) -> int:
+        """Number of audios of the sample (a video's own audio track included)."""
+        return 0 if self.audio_lens is None else int(self.audio_lens.shape[0])
+
+    @property
+    def num_audio_frames(self) -> int:
+        """Mel frames of all audios of the sample (the audio encoder's input rows)."""
+        return 0 if self.audio_lens is None else int(self.audio_lens.sum())
+
+    @property
     def num_label_tokens(self) -> int:
         """Label tokens after the causal shift (HF convention: the loss drops ``labels[0]``)."""
         return int((self.labels[1:] != IGNORE_INDEX).sum())
@@ -88,6 +102,8 @@ class VLBatch:
     image_grid_thw: torch.Tensor | None
     sample_ids: list[str] = field(default_factory=list)
     second_per_grid_ts: torch.Tensor | None = None  # (N_videos,) float, videos in item order
+    audio_features: torch.Tensor | None = None  # (N_frames, n_mels) float32, audios in order
+    audio_lens: torch.Tensor | None = None  # (N_audios, 1) long, mel frames per audio
 
     @property
     def num_label_tokens(self) -> int:
@@ -122,6 +138,8 @@ def collate(samples: list[Sample], *, pad_token_id: int) -> VLBatch:
     pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
     grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
     seconds = [s.second_per_grid_ts for s in samples if s.second_per_grid_ts is not None]
+    audio = [s.audio_features for s in samples if s.audio_features is not None]
+    audio_lens = [s.audio_lens for s in samples if s.audio_lens is not None]
     return VLBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -131,6 +149,8 @@ def collate(samples: list[Sample], *, pad_token_id: int) -> VLBatch:
         image_grid_thw=torch.cat(grids, dim=0) if grids else None,
         sample_ids=[s.sample_id for s in samples],
         second_per_grid_ts=torch.cat(seconds) if seconds else None,
+        audio_features=torch.cat(audio, dim=0) if audio else None,
+        audio_lens=torch.cat(audio_lens, dim=0) if audio_lens else None,
     )
 
 
@@ -163,4 +183,6 @@ def concat_batches(batches: list[VLBatch], *, pad_token_id: int) -> VLBatch:
         image_grid_thw=items("image_grid_thw"),
         sample_ids=[i for b in batches for i in b.sample_ids],
         second_per_grid_ts=items("second_per_grid_ts"),
+        audio_features=items("audio_features"),
+        audio_lens=items("audio_lens"),
     )

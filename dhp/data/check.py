@@ -2,13 +2,18 @@
 
 Each record of each dataset is processed exactly as the loader would (images decoded and
 processed, conversation rendered and tokenized, limits checked), on ``data.num_workers`` threads
-(at least one); only per-sample counts are kept, so memory stays at a few samples. Bad samples are collected whatever ``on_bad_sample`` says; the report says whether
-the run would fail under the configured policy.
+(at least one); only per-sample counts are kept, so memory stays at a few samples. Audio is
+counted from each clip's header (files, video audio tracks, seconds); its LLM tokens only when the
+caller passes the model family's ``audio_tokens(seconds) -> int``. Bad samples are collected
+whatever ``on_bad_sample`` says; the report says whether the run would fail under the configured
+policy.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -18,9 +23,11 @@ from rich.table import Table
 
 from dhp.config.schema import DataConfig, ModelConfig
 from dhp.data import bad
+from dhp.data.audio import RecordAudio, record_audio
+from dhp.data.batch import AUDIO
 from dhp.data.processing import template_source
 from dhp.data.show import describe_sample
-from dhp.data.source import build_source
+from dhp.data.source import LlavaSource, build_source
 
 PATCH_BINS = (0, 256, 1024, 4096, 16384, 65536)  # histogram edges of encoder patches per sample
 PERCENTILES = (0, 50, 90, 99, 100)
@@ -48,6 +55,11 @@ class DataReport:
     text_tokens: int = 0  # every other LLM position
     ignored_keys: dict[str, list[str]] = field(default_factory=dict)  # dataset -> record keys no reader uses
     shown: list[str] = field(default_factory=list)  # --show N: decoded samples (dhp.data.show)
+    audios_per_sample: dict[str, int] = field(default_factory=dict)  # <audio> files per good sample
+    audio_files: int = 0  # audio files of the good samples
+    video_audio_tracks: int = 0  # videos whose own audio track is used (use_audio_in_video)
+    audio_seconds: float = 0.0  # seconds of both, from the files' headers
+    audio_tokens: int | None = None  # LLM positions of that audio (None: no family count given)
 
     @property
     def num_bad(self) -> int:
@@ -102,6 +114,32 @@ def load_or_bad(source, index: int):
         return err
 
 
+def _load_with_audio(source, index: int):
+    """``(sample, RecordAudio)``, or the BadSampleError of either. The record is read a second time
+    for its audio headers (a source of real datasets only; synthetic samples hold no audio)."""
+    sample = load_or_bad(source, index)
+    if isinstance(sample, bad.BadSampleError) or not isinstance(source, LlavaSource):
+        return sample, RecordAudio()
+    d = bisect.bisect_right(source.offsets, index) - 1
+    try:
+        return sample, record_audio(source.datasets[d].record(index - source.offsets[d]))
+    except bad.BadSampleError as err:
+        return err, RecordAudio()
+
+
+def audio_fields(
+    per_sample: dict[str, int], clips: list[RecordAudio], *, audio_tokens: Callable[[float], int] | None
+) -> dict:
+    """The audio fields of a :class:`DataReport` from the good samples' :class:`RecordAudio`."""
+    return {
+        "audios_per_sample": dict(sorted(per_sample.items(), key=lambda kv: int(kv[0]))),
+        "audio_files": sum(len(c.files) for c in clips),
+        "video_audio_tracks": sum(len(c.tracks) for c in clips),
+        "audio_seconds": sum(c.seconds for c in clips),
+        "audio_tokens": None if audio_tokens is None else sum(c.tokens(audio_tokens) for c in clips),
+    }
+
+
 def check_data(
     *,
     data: DataConfig,
@@ -111,22 +149,26 @@ def check_data(
     seed: int = 0,
     on_progress=None,
     show: int = 0,
+    audio_tokens: Callable[[float], int] | None = None,
 ) -> DataReport:
     """Process every record of the configured data once and return a :class:`DataReport`.
     ``on_progress(done, total)`` is called after each chunk of samples (the CLI's progress bar);
-    ``show``: decode the first ``show`` good samples (roles, media, loss tokens) into ``shown``."""
+    ``show``: decode the first ``show`` good samples (roles, media, loss tokens) into ``shown``;
+    ``audio_tokens(seconds)``: the model family's LLM tokens of one clip (None: not counted)."""
     source, _, _ = build_source(
         data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
     )
     log = bad.BadSampleLog(keep=5)
     patches, text_tokens, tokens, images, videos = [], [], [], {}, {}
-    image_tok = video_tok = 0
+    image_tok = video_tok = audio_tok = 0
+    audios: dict[str, int] = {}
+    clips: list[RecordAudio] = []
     shown: list[str] = []
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, data.num_workers)) as pool:
         chunks = (range(a, min(a + CHUNK, len(source))) for a in range(0, len(source), CHUNK))
-        for n, sample in enumerate(
-            s for chunk in chunks for s in pool.map(lambda i: load_or_bad(source, i), chunk)
+        for n, (sample, clip) in enumerate(
+            s for chunk in chunks for s in pool.map(lambda i: _load_with_audio(source, i), chunk)
         ):
             if on_progress is not None and ((n + 1) % CHUNK == 0 or n + 1 == len(source)):
                 on_progress(n + 1, len(source))
@@ -135,12 +177,18 @@ def check_data(
                 continue
             patches.append(sample.num_patches)
             tokens.append(sample.num_tokens)
-            text_tokens.append(sample.num_tokens - sample.num_image_tokens - sample.num_video_tokens)
+            n_audio = int((sample.mm_token_type_ids == AUDIO).sum())
+            audio_tok += n_audio
+            text_tokens.append(
+                sample.num_tokens - sample.num_image_tokens - sample.num_video_tokens - n_audio
+            )
             image_tok += sample.num_image_tokens
             video_tok += sample.num_video_tokens
             n_img, n_vid = str(sample.num_images - sample.num_videos), str(sample.num_videos)
             images[n_img] = images.get(n_img, 0) + 1
             videos[n_vid] = videos.get(n_vid, 0) + 1
+            audios[str(len(clip.files))] = audios.get(str(len(clip.files)), 0) + 1
+            clips.append(clip)
             if len(shown) < show and hasattr(source, "processor"):
                 shown.append(
                     describe_sample(
@@ -151,6 +199,9 @@ def check_data(
                     )
                 )
     elapsed = time.perf_counter() - start
+    audio = audio_fields(audios, clips, audio_tokens=audio_tokens)
+    if getattr(getattr(source, "processor", None), "audio", None) is not None:
+        audio["audio_tokens"] = audio_tok  # the model's own count: every audio was processed
     return DataReport(
         num_records=len(source),
         num_good=len(patches),
@@ -171,6 +222,7 @@ def check_data(
             ds.name: sorted(ds.ignored.keys) for ds in getattr(source, "datasets", []) if ds.ignored.keys
         },
         shown=shown,
+        **audio,
     )
 
 
@@ -195,6 +247,8 @@ def render_report(report: DataReport, *, console: Console) -> None:
     console.print(f"images per sample: {imgs}")
     vids = ", ".join(f"{k} video(s): {v}" for k, v in report.videos_per_sample.items())
     console.print(f"videos per sample: {vids}")
+    if report.audio_files or report.video_audio_tracks:
+        _render_audio(report, console=console)
     for name, keys in report.ignored_keys.items():
         console.print(f"dataset {escape(name)}: ignored record keys {escape(str(keys))} (not read)")
     for text in report.shown:
@@ -210,6 +264,17 @@ def render_report(report: DataReport, *, console: Console) -> None:
             "[bold red]FAILED[/]: a run with data.on_bad_sample=raise would stop at the first bad sample. "
             "Fix the samples above, or set data.on_bad_sample=skip to skip and count them."
         )
+
+
+def _render_audio(report: DataReport, *, console: Console) -> None:
+    """Audio per sample and in all (seconds from the headers; tokens when the family's count was given)."""
+    auds = ", ".join(f"{k} audio(s): {v}" for k, v in report.audios_per_sample.items())
+    console.print(f"audio files per sample: {auds}")
+    tokens = "" if report.audio_tokens is None else f", {report.audio_tokens} LLM tokens"
+    console.print(
+        f"audio in all: {report.audio_files} file(s) and {report.video_audio_tracks} video audio "
+        f"track(s), {report.audio_seconds:.1f} s{tokens}"
+    )
 
 
 def _render_tokens(report: DataReport, *, console: Console) -> None:

@@ -7,6 +7,8 @@ Media paths are relative to the entry's ``media_dir`` (relative to the folder), 
 LLaMA-Factory falls back to the path as written (the working directory) when a media file is not
 under ``media_dir``; dhp does not (a run must read the same file on every node): such a record is
 ``missing_file``. The dhp entry's own ``columns``/``tags`` win over the file's, key by key.
+An entry's ``use_audio_in_video: true`` (a dhp key; LLaMA-Factory and ms-swift set it per run) is the
+dataset's default for records without their own ``use_audio_in_video`` (:func:`use_audio_in_video`).
 Hub entries (``hf_hub_url``, ``ms_hub_url``, ``script_url``) are refused: download the data and point
 ``file_name`` (or ``path``) at it. Other entry keys (``ranking``, ``split``, ``num_samples``, ...) are
 ignored and listed once in the log.
@@ -17,14 +19,16 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import fields, replace
+from pathlib import Path
 
 from dhp.config.schema import DatasetEntry
 from dhp.data.bad import json_error
 from dhp.data.llava import resolve_path
+from dhp.data.records import USE_AUDIO_IN_VIDEO
 from dhp.errors import ConfigError, ConfigIssue
 
 log = logging.getLogger("dhp.data")
-READ = ("file_name", "formatting", "columns", "tags", "media_dir")
+READ = ("file_name", "formatting", "columns", "tags", "media_dir", USE_AUDIO_IN_VIDEO)
 HUB = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
@@ -48,6 +52,44 @@ def resolve_info(entry) -> DatasetEntry:
     plain = plain_entry(entry)
     if not plain.info:
         return plain
+    path, spec = _spec(plain)
+    ignored = sorted(set(spec) - set(READ) - set(HUB))
+    if ignored:
+        log.warning("dataset %r: ignoring %s entry key(s) %s", plain.name, path.name, ignored)
+    folder = path.parent
+    file_path = plain.path or str(folder / str(spec["file_name"]))
+    return replace(
+        plain,
+        path=file_path,
+        formatting=plain.formatting or str(spec.get("formatting", "")),
+        columns={**dict(spec.get("columns") or {}), **plain.columns},
+        tags={**dict(spec.get("tags") or {}), **plain.tags},
+        media_dir=plain.media_dir
+        or ("" if plain.image_root else str(folder / str(spec.get("media_dir") or ""))),
+    )
+
+
+def use_audio_in_video(entry) -> bool:
+    """The ``use_audio_in_video`` of ``entry``'s ``dataset_info.json`` entry (False without ``info``
+    or the key); ConfigError when it is not a JSON boolean."""
+    plain = plain_entry(entry)
+    if not plain.info:
+        return False
+    path, spec = _spec(plain)
+    value = spec.get(USE_AUDIO_IN_VIDEO, False)
+    if not isinstance(value, bool):
+        raise _issue(
+            plain,
+            "info",
+            str(path),
+            f"entry {plain.name!r} has {USE_AUDIO_IN_VIDEO} = {value!r}, not a boolean",
+            f"write {USE_AUDIO_IN_VIDEO}: true or false",
+        )
+    return value
+
+
+def _spec(plain: DatasetEntry) -> tuple[Path, dict]:
+    """The ``info`` file's path and the entry ``plain.name`` in it (ConfigError when missing or hub-only)."""
     path = resolve_path(plain.info, key=f"data.datasets[{plain.name}].info")
     if not path.is_file():
         raise _issue(plain, "info", plain.info, "file does not exist", "point info at a dataset_info.json")
@@ -74,17 +116,4 @@ def resolve_info(entry) -> DatasetEntry:
             f"entry {plain.name!r} is on a hub ({hub[0]}), with no local file_name",
             "download the data once and set file_name (or the dhp entry's path) to the local file",
         )
-    ignored = sorted(set(spec) - set(READ) - set(HUB))
-    if ignored:
-        log.warning("dataset %r: ignoring %s entry key(s) %s", plain.name, path.name, ignored)
-    folder = path.parent
-    file_path = plain.path or str(folder / str(spec["file_name"]))
-    return replace(
-        plain,
-        path=file_path,
-        formatting=plain.formatting or str(spec.get("formatting", "")),
-        columns={**dict(spec.get("columns") or {}), **plain.columns},
-        tags={**dict(spec.get("tags") or {}), **plain.tags},
-        media_dir=plain.media_dir
-        or ("" if plain.image_root else str(folder / str(spec.get("media_dir") or ""))),
-    )
+    return path, spec

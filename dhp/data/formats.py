@@ -13,7 +13,7 @@ from typing import Protocol
 
 from dhp.config.constants import DATASET_FORMATS
 from dhp.config.schema import DatasetEntry
-from dhp.data.dataset_info import resolve_info
+from dhp.data.dataset_info import resolve_info, use_audio_in_video
 from dhp.data.llava import LlavaDataset, Record, resolve_path
 from dhp.data.wds import WebDataset
 from dhp.errors import ConfigError, ConfigIssue
@@ -57,8 +57,11 @@ def open_dataset(
     entry: DatasetEntry, *, allow_outside_root: bool, restrict_to: tuple[Path, ...] = ()
 ) -> Dataset:
     """The reader of ``entry`` (DataError when its files are missing or unreadable). An entry with
-    ``info`` is first read from that ``dataset_info.json`` (:mod:`dhp.data.dataset_info`)."""
+    ``info`` is first read from that ``dataset_info.json`` (:mod:`dhp.data.dataset_info`), including
+    its dataset-level ``use_audio_in_video``, carried onto each record by the JSON and parquet readers
+    (WebDataset members cannot be videos, so there it has nothing to apply to)."""
 
+    audio_in_video = use_audio_in_video(entry)
     entry = resolve_info(entry)
     if entry.format not in FORMATS:
         raise ConfigError(
@@ -75,7 +78,17 @@ def open_dataset(
     if fmt == "parquet":  # pyarrow loads only for parquet/arrow datasets
         from dhp.data.tabular import TabularDataset
 
-        return TabularDataset(entry, allow_outside_root=allow_outside_root, restrict_to=restrict_to)
+        return TabularDataset(
+            entry,
+            allow_outside_root=allow_outside_root,
+            restrict_to=restrict_to,
+            use_audio_in_video=audio_in_video,
+        )
     if fmt == "webdataset":
         return WebDataset(entry, allow_outside_root=allow_outside_root)
-    return LlavaDataset(entry, allow_outside_root=allow_outside_root, restrict_to=restrict_to)
+    return LlavaDataset(
+        entry,
+        allow_outside_root=allow_outside_root,
+        restrict_to=restrict_to,
+        use_audio_in_video=audio_in_video,
+    )

@@ -77,21 +77,23 @@ def image_path(
     return full
 
 
-def _check_file(path: Path, *, loc: str) -> None:
-    """Missing, symlink loop, or not a regular file: each its own reason."""
+def check_file(path: Path, *, loc: str, kind: str = "image") -> None:
+    """Missing, symlink loop, or not a regular file: each its own reason (``kind`` names the media)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _bad(
-                loc, bad.SYMLINK_LOOP, f"image {path} is a symlink loop", "point the link at a real file"
+                loc, bad.SYMLINK_LOOP, f"{kind} {path} is a symlink loop", "point the link at a real file"
             ) from e
         raise _bad(
-            loc, bad.MISSING_FILE, f"image {path} does not exist", "restore the file or fix the path"
+            loc, bad.MISSING_FILE, f"{kind} {path} does not exist", "restore the file or fix the path"
         ) from e
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise _bad(loc, bad.NOT_A_FILE, f"image {path} is {kind}", "point the record at an image file")
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise _bad(
+            loc, bad.NOT_A_FILE, f"{kind} {path} is {what}", f"point the record at the {kind} file itself"
+        )
 
 
 def open_image(ref: ImageRef, *, loc: str) -> Image.Image:
@@ -102,7 +104,7 @@ def open_image(ref: ImageRef, *, loc: str) -> Image.Image:
     if isinstance(ref, ImageBlob):
         label, source = f"embedded image {ref.name!r}", io.BytesIO(ref.data)
     else:
-        _check_file(ref, loc=loc)
+        check_file(ref, loc=loc)
         label, source = f"image {ref}", ref
     try:
         with _OPEN_LOCK, warnings.catch_warnings():

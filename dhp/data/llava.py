@@ -2,20 +2,22 @@
 
 A record is any layout :mod:`dhp.data.records` reads: LLaVA (``image``/``video`` + ``conversations``
 of ``from``/``value``), ShareGPT, LLaMA-Factory (``messages``/``conversations`` + ``images``/
-``videos``; v1 typed parts) or ms-swift (``messages`` + ``images``/``videos``). Media paths are
-resolved by :func:`path_images` (the dataset's media root; absolute paths as given). Paths may start
+``videos``/``audios``; v1 typed parts) or ms-swift (``messages`` + ``images``/``videos``/``audios``).
+Media paths (images, videos and audio alike) are resolved by :func:`path_images` (the dataset's media
+root; absolute paths as given). Paths may start
 with ``pkg://<package>/`` to point inside an installed package, e.g.
 ``pkg://dhp.data_assets/demo/captions.json`` for the shipped demo set.
 
 Only an index is held in memory: JSONL lines are byte offsets, read and decoded when a record is
 read, so a malformed line (bad JSON, not an object, not UTF-8) is one bad sample, not a failed
-dataset; blank lines are no records. Images are opened by the processor.
+dataset; blank lines are no records. Images and audio are opened by the processor.
 """
 
 from __future__ import annotations
 
 import json
 from array import array
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -58,7 +60,8 @@ def entry_image_root(entry: DatasetEntry, path: Path) -> Path:
 
 
 def path_images(root: Path, *, allow_outside: bool, restrict_to: tuple[Path, ...] = ()) -> ImagesFn:
-    """The image-field reader of path-based records: a path or a non-empty list of paths under ``root``."""
+    """The media-field reader of path-based records (images, videos, audios): a path or a non-empty
+    list of paths under ``root``."""
 
     def read(value: object, loc: str) -> tuple[ImageRef, ...]:
         if value is None:
@@ -81,10 +84,16 @@ def path_images(root: Path, *, allow_outside: bool, restrict_to: tuple[Path, ...
 
 class LlavaDataset:
     """The records of one JSON/JSONL :class:`DatasetEntry` (LLaVA or messages records), validated
-    one at a time by :meth:`record`. Holds the parsed list (JSON) or line offsets (JSONL)."""
+    one at a time by :meth:`record`. Holds the parsed list (JSON) or line offsets (JSONL).
+    ``use_audio_in_video``: the dataset's default for records without the key."""
 
     def __init__(
-        self, entry: DatasetEntry, *, allow_outside_root: bool = False, restrict_to: tuple[Path, ...] = ()
+        self,
+        entry: DatasetEntry,
+        *,
+        allow_outside_root: bool = False,
+        restrict_to: tuple[Path, ...] = (),
+        use_audio_in_video: bool = False,
     ) -> None:
         self.name = entry.name
         self.path = resolve_path(entry.path, key=f"data.datasets[{entry.name}].path")
@@ -103,7 +112,7 @@ class LlavaDataset:
         self._raw: list[object] = []
         self._offsets, self._ends, self._lines = array("q"), array("q"), array("q")
         self._read()
-        self.layout = entry_layout(entry)
+        self.layout = replace(entry_layout(entry), use_audio_in_video=use_audio_in_video)
         self.ignored = IgnoredKeys(entry.name)
 
     def _read(self) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from dhp.config.schema import DataConfig, SpecialTokens
 from dhp.data import bad
+from dhp.data.audio_sample import with_audio
 from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, Sample
 from dhp.data.images import open_image
 from dhp.data.llava import Record
@@ -148,6 +149,8 @@ class SampleProcessor:
 
     video = None  # dhp.data.video.VideoSpec for records with videos (set by dhp.data.source)
     video_refusal = ""  # why records with videos are refused (the model family declares no video)
+    audio = None  # dhp.data.audio_sample.AudioSpec for records with audios (set by dhp.data.source)
+    audio_refusal = ""  # why records with audios are refused (the model has no audio encoder)
 
     def __init__(
         self,
@@ -179,7 +182,12 @@ class SampleProcessor:
         self._text_lock = threading.Lock()
 
     def process(self, record: Record) -> Sample:
-        """Load images, render and tokenize the conversation, expand image tokens, check the limits."""
+        """Load images, render and tokenize the conversation, expand image tokens, check the limits;
+        then the audios (``dhp.data.audio_sample``: their frames, their tokens expanded)."""
+        return with_audio(self, record, self._visual(record))
+
+    def _visual(self, record: Record) -> Sample:
+        """The sample of ``record``'s text, images and videos (audio placeholders left as one token)."""
         loc = record.location
         if record.videos:  # frames -> temporal patches, image and video items in token order
             from dhp.data.video_sample import process_with_videos
@@ -300,14 +308,17 @@ class SampleProcessor:
 _TURN_MARK = "\x00dhp-turn-content\x00"  # never in real text; marks where a turn's content starts
 
 
+_TAGS = ("<image>", "<video>", "<audio>")
+
+
 def _message(role: str, text: str) -> dict:
-    """A chat-template message; ``<image>`` / ``<video>`` placeholders become ``{"type": "image"}`` /
-    ``{"type": "video"}`` content parts."""
-    if "<image>" not in text and "<video>" not in text:
+    """A chat-template message; ``<image>`` / ``<video>`` / ``<audio>`` placeholders become
+    ``{"type": "image"}`` / ``{"type": "video"}`` / ``{"type": "audio"}`` content parts."""
+    if not any(tag in text for tag in _TAGS):
         return {"role": role, "content": text}
     parts: list[dict] = []
-    for chunk in re.split(r"(<image>|<video>)", text):
-        if chunk in ("<image>", "<video>"):
+    for chunk in re.split(r"(<image>|<video>|<audio>)", text):
+        if chunk in _TAGS:
             parts.append({"type": chunk[1:-1]})
         elif chunk:
             parts.append({"type": "text", "text": chunk})

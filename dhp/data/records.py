@@ -24,8 +24,14 @@ What a record holds, and the rules (each chosen to match the peer that writes th
 - structure: an optional system turn, then user/assistant alternating and ending with an assistant
   turn, or one assistant turn alone (a pre-training record). Media may sit in user and assistant turns
   (a pre-training caption holds its image); their tokens never carry loss.
-- audio (``audios``/``audio``, ``<audio>``, audio parts): refused per record (``unsupported_modality``)
-  until a family has an audio module; the rest of the file loads. Tool turns likewise.
+- audio: each ``<audio>`` tag (or ``{"type": "audio"}`` part) takes the next path of the record's
+  ``audios``/``audio`` (LLaMA-Factory, ms-swift); an ``{"type": "audio"|"audio_url", <key>: path}`` part
+  is its own clip. The counts must match (LLaMA-Factory's rule; no untagged audio is placed), else
+  ``placeholder_mismatch``. Audio must be files named by path (resolved as images are); audio stored
+  inside a table or shard, or inline base64 (``input_audio``), is refused by name.
+- ``use_audio_in_video``: a per-record boolean (else the dataset's default, ``Layout``) asking that each
+  of the record's videos contribute its own audio track (Qwen2.5-Omni's ``use_audio_in_video``).
+- tool turns and a ``tools`` list refuse the record (``bad_conversation``).
 - other keys (ids, scores, metadata) are ignored: the record lists them (``Record.ignored``) and the
   dataset logs each new one once.
 """
@@ -53,13 +59,18 @@ class Record:
     images: tuple[ImageRef, ...]
     turns: tuple[tuple[str, str], ...]
     videos: tuple[Path, ...] = ()  # a folder of frames or a video file per <video> placeholder
+    audios: tuple[Path, ...] = ()  # an audio file per <audio> placeholder, in text order
+    use_audio_in_video: bool = False  # each video's own audio track is used too
     ignored: tuple[str, ...] = ()  # the record's top-level keys no reader uses (ids, scores, ...)
 
 
 log = logging.getLogger("dhp.data")
 
 IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
-IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = IMAGE_TAG, VIDEO_TAG
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER = IMAGE_TAG, VIDEO_TAG, AUDIO_TAG
+TAGS = (IMAGE_TAG, VIDEO_TAG, AUDIO_TAG)
+MEDIA_KINDS = ("image", "video", "audio")
+USE_AUDIO_IN_VIDEO = "use_audio_in_video"  # the record key (and dataset_info.json entry key)
 ROLE_NAMES = {
     "human": "user",
     "user": "user",
@@ -95,6 +106,8 @@ class Layout:
     content_tag: tuple[str, ...] = ("content", "value")
     roles: Mapping[str, str] = field(default_factory=lambda: dict(ROLE_NAMES))
     tool_roles: tuple[str, ...] = TOOL_ROLES
+    # the dataset's use_audio_in_video for records without the key (dataset_info.json's entry key)
+    use_audio_in_video: bool = False
 
     @property
     def turn_keys(self) -> tuple[str, ...]:
@@ -106,7 +119,7 @@ class Layout:
         """Top-level keys this layout reads (everything else is ignored and listed)."""
         media = (*self.images, *self.videos, *self.audios, *self.tools)
         turns = (*self.messages, "conversation", *self.prompt, *self.query, *self.response, *self.history)
-        return {"id", *self.system, *media, *turns}
+        return {"id", USE_AUDIO_IN_VIDEO, *self.system, *media, *turns}
 
 
 def layout_from(columns: Mapping[str, str], tags: Mapping[str, str]) -> Layout:
@@ -149,26 +162,15 @@ def _first(raw: Mapping, keys: tuple[str, ...]) -> tuple[str | None, object]:
     return None, None
 
 
-def _audio(loc: str, where: str) -> bad.BadSampleError:
-    return _bad(
-        loc,
-        bad.UNSUPPORTED_MODALITY,
-        f"{where} holds audio, and no model family here has an audio module",
-        "drop the audio from this record, or keep such records in another dataset",
-    )
-
-
-# A segment of a turn: ("text", str) | ("image" | "video", item or None = the next listed one)
+# A segment of a turn: ("text", str) | ("image" | "video" | "audio", item or None = the next listed one)
 Segment = tuple[str, object]
 
 
-def _split_tags(text: str, *, loc: str, where: str) -> list[Segment]:
-    if AUDIO_TAG in text:
-        raise _audio(loc, where)
+def _split_tags(text: str) -> list[Segment]:
     out: list[Segment] = []
     rest = text
     while rest:
-        hits = [(rest.find(t), t) for t in (IMAGE_TAG, VIDEO_TAG) if t in rest]
+        hits = [(rest.find(t), t) for t in TAGS if t in rest]
         if not hits:
             out.append(("text", rest))
             break
@@ -186,7 +188,7 @@ def _part(part: object, *, loc: str, where: str) -> Segment:
     if kind == "text":
         text = part.get("text", part.get("value"))
         if isinstance(text, str):
-            for tag in (IMAGE_TAG, VIDEO_TAG):
+            for tag in TAGS:
                 if tag in text:
                     raise _bad(
                         loc,
@@ -194,11 +196,16 @@ def _part(part: object, *, loc: str, where: str) -> Segment:
                         f"{where} is a text part containing {tag}",
                         f'use a {{"type": "{tag[1:-1]}"}} part for each {tag[1:-1]}',
                     )
-            if AUDIO_TAG in text:
-                raise _audio(loc, where)
             return ("text", text)
+    if kind == "input_audio":
+        raise _bad(
+            loc,
+            bad.MALFORMED_RECORD,
+            f"{where} is an input_audio part (audio inline in the record, not a file)",
+            'write the audio to a file and give {"type": "audio", "audio": PATH} or list it in audios',
+        )
     base = kind.removesuffix("_url") if isinstance(kind, str) else None
-    if base in ("image", "video"):
+    if base in MEDIA_KINDS:
         value = None
         for key in (kind, base, *_PART_VALUE):
             if part.get(key) is not None:
@@ -207,12 +214,10 @@ def _part(part: object, *, loc: str, where: str) -> Segment:
         if isinstance(value, dict):  # OpenAI style {"image_url": {"url": ...}}
             value = value.get("url")
         return (base, value)
-    if base in ("audio", "input_audio"):
-        raise _audio(loc, where)
     raise _bad(
         loc,
         bad.BAD_CONVERSATION,
-        f"{where} = {str(part)[:80]!r} is not a text, image or video part",
+        f"{where} = {str(part)[:80]!r} is not a text, image, video or audio part",
         'use {"type": "text", "text"|"value": ...}, {"type": "image"} or {"type": "image_url", "value": ...}',
     )
 
@@ -253,7 +258,7 @@ def _turn(turn: object, *, i: int, loc: str, layout: Layout) -> tuple[str, list[
             "dhp puts loss on every assistant turn and on no other: drop the turn or its loss_weight",
         )
     if isinstance(content, str):
-        segs = _split_tags(content, loc=loc, where=where)
+        segs = _split_tags(content)
     elif isinstance(content, list) and content:
         segs = [_part(p, loc=loc, where=f"{where} part {k}") for k, p in enumerate(content)]
     else:
@@ -277,9 +282,6 @@ def normalize(raw: object, *, location: str, layout: Layout, media: MediaFn):
             loc, bad.MALFORMED_RECORD, f"record is {type(raw).__name__}, not an object", "use a JSON object"
         )
     turns_raw = _raw_turns(raw, layout=layout, loc=loc)
-    _, audios = _first(raw, layout.audios)
-    if audios:
-        raise _audio(loc, "the record's audio list")
     _, tools = _first(raw, layout.tools)
     if tools:
         raise _bad(loc, bad.BAD_CONVERSATION, "the record lists tools", "drop tool-use records")
@@ -290,19 +292,15 @@ def normalize(raw: object, *, location: str, layout: Layout, media: MediaFn):
             raise _bad(loc, bad.BAD_CONVERSATION, "a system key and a system turn", "keep one of them")
         turns.insert(0, ("system", [("text", system)]))
     _check_roles(turns, loc=loc)
-    _, image_value = _first(raw, layout.images)
-    _, video_value = _first(raw, layout.videos)
-    listed = {
-        "image": _listed(image_value, media, loc),
-        "video": _listed(video_value, media, loc),
-    }
-    for kind in ("image", "video"):
+    keys = {"image": layout.images, "video": layout.videos, "audio": layout.audios}
+    listed = {kind: _listed(_first(raw, keys[kind])[1], media, loc) for kind in MEDIA_KINDS}
+    for kind in ("image", "video"):  # untagged audio is not placed: its tags must match (above)
         _place_untagged(turns, kind=kind, n=len(listed[kind]))
     refs = _resolve(turns, listed=listed, media=media, loc=loc)
     texts = tuple(
         (role, "".join(s if kind == "text" else f"<{kind}>" for kind, s in segs)) for role, segs in turns
     )
-    videos = tuple(refs["video"])
+    videos, audios = tuple(refs["video"]), tuple(refs["audio"])
     if any(not isinstance(v, Path) for v in videos):
         raise _bad(
             loc,
@@ -310,8 +308,37 @@ def normalize(raw: object, *, location: str, layout: Layout, media: MediaFn):
             "a video stored inside the shard or table",
             "keep videos as files (or frame folders) next to the dataset and name them by path",
         )
-    ignored = tuple(sorted(set(raw) - layout.read_keys))
-    return Record(location=loc, images=tuple(refs["image"]), turns=texts, videos=videos, ignored=ignored)
+    if any(not isinstance(a, Path) for a in audios):
+        raise _bad(
+            loc,
+            bad.CORRUPT_AUDIO,
+            "an audio stored inside the shard or table",
+            "keep audio as files next to the dataset and name them by path",
+        )
+    return Record(
+        location=loc,
+        images=tuple(refs["image"]),
+        turns=texts,
+        videos=videos,
+        audios=audios,
+        use_audio_in_video=_audio_in_video(raw, layout=layout, loc=loc),
+        ignored=tuple(sorted(set(raw) - layout.read_keys)),
+    )
+
+
+def _audio_in_video(raw: Mapping, *, layout: Layout, loc: str) -> bool:
+    """The record's ``use_audio_in_video`` (a JSON boolean), else the dataset's default."""
+    value = raw.get(USE_AUDIO_IN_VIDEO)
+    if value is None:
+        return layout.use_audio_in_video
+    if not isinstance(value, bool):
+        raise _bad(
+            loc,
+            bad.MALFORMED_RECORD,
+            f"{USE_AUDIO_IN_VIDEO} = {str(value)[:40]!r} is not a boolean",
+            f"write {USE_AUDIO_IN_VIDEO}: true or false (a JSON boolean, not a string)",
+        )
+    return value
 
 
 def _raw_turns(raw: Mapping, *, layout: Layout, loc: str) -> list:
@@ -402,8 +429,8 @@ def _place_untagged(turns: list[tuple[str, list[Segment]]], *, kind: str, n: int
 
 def _resolve(turns, *, listed: dict[str, tuple], media: MediaFn, loc: str) -> dict[str, list]:
     """Each media segment's reference, in turn order: the next listed item, or its own (inline) one."""
-    out: dict[str, list] = {"image": [], "video": []}
-    used = {"image": 0, "video": 0}
+    out: dict[str, list] = {kind: [] for kind in listed}
+    used = dict.fromkeys(listed, 0)
     for _, segs in turns:
         for kind, value in segs:
             if kind == "text":
@@ -415,7 +442,7 @@ def _resolve(turns, *, listed: dict[str, tuple], media: MediaFn, loc: str) -> di
                 used[kind] += 1
             else:
                 out[kind].append(media(value, loc)[0])
-    for kind in ("image", "video"):
+    for kind in listed:
         if used[kind] != len(listed[kind]):
             raise _mismatch(loc, kind, listed, used=used[kind])
     return out
@@ -428,13 +455,13 @@ def _mismatch(loc: str, kind: str, listed: dict, used: int | None = None) -> bad
         if used is not None
         else f"more {tag} tags/parts than the {n} listed {kind}(s)"
     )
-    return _bad(
-        loc,
-        bad.PLACEHOLDER_MISMATCH,
-        detail,
-        f"write at most one {tag} (or {kind} part) per listed {kind}, in order (untagged ones go at "
-        "the start of the first turn)",
+    fix = (
+        f"write exactly one {tag} (or {kind} part) per listed {kind}, in order"
+        if kind == "audio"
+        else f"write at most one {tag} (or {kind} part) per listed {kind}, in order (untagged ones go at "
+        "the start of the first turn)"
     )
+    return _bad(loc, bad.PLACEHOLDER_MISMATCH, detail, fix)
 
 
 def entry_layout(entry) -> Layout:

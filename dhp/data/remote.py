@@ -89,8 +89,9 @@ class RemoteRows:
 
 
 def resolve_pixels(shard: Any) -> Any:
-    """``shard`` (a VisionShard or None) with :class:`RemoteRows` pixels replaced by the real rows."""
-    if shard is None or not isinstance(shard.pixel_values, RemoteRows):
+    """``shard`` (a producer's input shard, or None) with :class:`RemoteRows` pixels replaced by the
+    real rows; a shard without pixels (an audio shard) as it is."""
+    if shard is None or not isinstance(getattr(shard, "pixel_values", None), RemoteRows):
         return shard
     return dataclasses.replace(shard, pixel_values=shard.pixel_values.resolve())
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from dhp.config.schema import DataConfig, ModelConfig
+from dhp.data.audio_sample import AudioSpec
 from dhp.data.batch import Sample
 from dhp.data.formats import Dataset, open_dataset
 from dhp.data.llava import resolve_path
@@ -26,7 +29,7 @@ from dhp.data.processing import Limits, SampleProcessor, load_image_processor, l
 from dhp.data.synthetic import SyntheticSource
 from dhp.data.video import video_spec
 from dhp.errors import ConfigError, ConfigIssue
-from dhp.models.registry import get_arch
+from dhp.models.registry import get_arch, get_family
 
 
 class SampleSource(Protocol):
@@ -109,6 +112,7 @@ def build_source(
             vocab_size=vocab,
             limits=limits,
             seed=seed,
+            audio=synthetic_audio(data, model),
         )
         return src, [len(src)], [1.0]
     if data.kind != "llava":
@@ -159,5 +163,57 @@ def build_source(
             f"model family {model.family} does not declare video (no video path proven against "
             "transformers), so a record with a video cannot be trained"
         )
+    processor.audio, processor.audio_refusal = audio_spec(data, model)
     src = LlavaSource(datasets=datasets, weights=[e.weight for e in data.datasets], processor=processor)
     return src, [len(d) for d in datasets], [e.weight for e in data.datasets]
+
+
+@dataclass(frozen=True)
+class ItemTokens:
+    """Picklable ``frames per audio -> hand-off rows per audio`` of a family's audio producer (shipped
+    with the processor to data workers): the family's own ``tokens_per_item``."""
+
+    family: str
+    producer: str
+    hf_config: Any
+
+    def __call__(self, lens: list[int]) -> list[int]:
+        meta = torch.tensor(lens, dtype=torch.long).view(-1, 1)
+        return list(get_family(self.family).tokens_per_item(self.producer, self.hf_config, meta))
+
+
+def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, str]:
+    """``(spec, refusal)``: how records' audios become the encoder's input when the model has a producer
+    of the ``audio_tokens`` layout (its family's feature extractor from ``model.path``), else why a
+    record with audio is refused."""
+    family = get_family(model.family)
+    hf = family.hf_config(model)
+    producers = [e.producer for e in family.handoffs_for(hf) if e.layout == "audio_tokens"]
+    if not producers:
+        return None, (
+            f"model family {model.family} has no audio module (an audio encoder), so a record with audio cannot be trained"
+        )
+    return (
+        AudioSpec(
+            extractor=family.load_audio_processor(model.path),
+            tokens=ItemTokens(model.family, producers[0], hf),
+            max_seconds=float(data.max_audio_seconds),
+            max_frames=sys.maxsize,
+        ),
+        "",
+    )
+
+
+def synthetic_audio(data: DataConfig, model: ModelConfig) -> tuple[int, int] | None:
+    """``(mel bins, tokens per synthetic audio)`` of the model's audio encoder (the producer of the
+    ``audio_tokens`` layout, its family's ``tokens_per_item``); None without one or without
+    ``data.synthetic.audios_per_sample``."""
+    if data.synthetic.audios_per_sample <= 0:
+        return None
+    family = get_family(model.family)
+    hf = family.hf_config(model)
+    producers = [e.producer for e in family.handoffs_for(hf) if e.layout == "audio_tokens"]
+    if not producers:
+        return None
+    tokens = ItemTokens(model.family, producers[0], hf)([data.synthetic.audio_frames])[0]
+    return int(model.audio.num_mel_bins), int(tokens)

@@ -18,7 +18,7 @@ import torch
 from dhp.config.schema import SpecialTokens, SyntheticData, VisionArch
 from dhp.config.validate_data_keys import synthetic_sample_tokens
 from dhp.data import bad
-from dhp.data.batch import IGNORE_INDEX, IMAGE, TEXT, VIDEO, Sample
+from dhp.data.batch import AUDIO, IGNORE_INDEX, IMAGE, TEXT, VIDEO, Sample
 from dhp.data.processing import Limits
 from dhp.errors import ConfigError, ConfigIssue
 
@@ -59,8 +59,12 @@ class SyntheticSource:
         vocab_size: int,
         limits: Limits,
         seed: int,
+        audio: tuple[int, int] | None = None,
     ) -> None:
+        """``audio``: ``(mel bins, tokens of one audio of audio_frames frames)`` of the model's audio
+        encoder; None: the model has none, and no sample holds audio."""
         self.cfg = synthetic
+        self.audio = audio if synthetic.audios_per_sample > 0 else None
         self.vision = vision
         self.tokens = tokens
         self.limits = limits
@@ -141,6 +145,7 @@ class SyntheticSource:
             spatial_merge_size=self.vision.spatial_merge_size,
             temporal_patch_size=self.vision.temporal_patch_size,
             text_tokens=n_text,
+            audio_tokens=self.audio[1] if self.audio else 0,
         )
         if total > self.limits.llm_seq_len:
             raise bad.BadSampleError(
@@ -156,11 +161,21 @@ class SyntheticSource:
         video_block = (
             [t.vision_start_token_id] + [t.video_token_id] * self.video_tokens + [t.vision_end_token_id]
         )
-        visual = torch.tensor(image_block * n_img + video_block * n_vid, dtype=torch.long)
+        n_aud = self.cfg.audios_per_sample if self.audio else 0
+        audio_block = (
+            [t.audio_start_token_id]
+            + [t.audio_token_id] * (self.audio[1] if self.audio else 0)
+            + [t.audio_end_token_id]
+        )
+        visual = torch.tensor(
+            audio_block * n_aud + image_block * n_img + video_block * n_vid, dtype=torch.long
+        )
         ids = torch.cat([visual, text])
         types = torch.full_like(ids, TEXT)
         types[: len(visual)][visual == t.image_token_id] = IMAGE
         types[: len(visual)][visual == t.video_token_id] = VIDEO
+        if n_aud:
+            types[: len(visual)][visual == t.audio_token_id] = AUDIO
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[len(visual) :] = text
         pixel_values = grid = seconds = None
@@ -174,6 +189,11 @@ class SyntheticSource:
             grid = torch.tensor([self.grid] * n_img + [(t_grid, gh, gw)] * n_vid, dtype=torch.long)
             if n_vid:
                 seconds = torch.full((n_vid,), v.temporal_patch_size / self.cfg.video_fps)
+        audio = lens = None
+        if n_aud:
+            frames = self.cfg.audio_frames
+            audio = torch.randn(n_aud * frames, self.audio[0], generator=gen, dtype=torch.float32)
+            lens = torch.full((n_aud, 1), frames, dtype=torch.long)
         return Sample(
             sample_id=loc,
             input_ids=ids,
@@ -183,4 +203,6 @@ class SyntheticSource:
             image_grid_thw=grid,
             text_chars=n_text,
             second_per_grid_ts=seconds,
+            audio_features=audio,
+            audio_lens=lens,
         )

@@ -5,8 +5,11 @@ a glob. The text column is ``text_column`` (default: ``messages`` if present, el
 ``conversations``) and is read as a record's turns (:mod:`dhp.data.records`); the image column is
 ``image_column`` (default: ``images``, else ``image``, else none). An image cell is an HF
 ``Image`` struct ``{"bytes", "path"}`` (bytes win; a path alone is read under the image root), a
-path string, raw bytes, or a list of those. A record's location is ``<file>[<row>]`` (0-based row
-of that file).
+path string, raw bytes, or a list of those. The audio column is the first of the layout's audio
+names present (``audios``, else ``audio``; or ``columns.audios``): a path string, an HF ``Audio``
+struct ``{"bytes", "path"}`` holding only a path, or a list of those, read under the image root as
+image paths are; audio bytes inside the table are refused by name (audio must be files). A record's
+location is ``<file>[<row>]`` (0-based row of that file).
 
 Memory: only the file list and row counts at open; a parquet row group is read when one of its
 rows is asked for, and the last two are kept per process. Arrow files are memory-mapped.
@@ -18,6 +21,7 @@ import bisect
 import glob
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 from dhp.config.schema import DatasetEntry
@@ -44,7 +48,12 @@ class TabularDataset:
     """The rows of one parquet/arrow :class:`DatasetEntry` as records."""
 
     def __init__(
-        self, entry: DatasetEntry, *, allow_outside_root: bool = False, restrict_to: tuple[Path, ...] = ()
+        self,
+        entry: DatasetEntry,
+        *,
+        allow_outside_root: bool = False,
+        restrict_to: tuple[Path, ...] = (),
+        use_audio_in_video: bool = False,
     ) -> None:
         import pyarrow.parquet as pq
 
@@ -85,9 +94,12 @@ class TabularDataset:
                     f"dataset {entry.name!r}: {self.files[0]} has no column {col!r} (columns: "
                     f"{sorted(names)}). Fix: set data.datasets[].text_column / image_column"
                 )
-        self.layout = entry_layout(entry)
+        self.layout = replace(entry_layout(entry), use_audio_in_video=use_audio_in_video)
+        self.audio_column = next((c for c in self.layout.audios if c in names), "")
         self.ignored = IgnoredKeys(entry.name)
-        self._columns = [c for c in (self.text_column, self.image_column) if c and c in names]
+        self._columns = [
+            c for c in (self.text_column, self.image_column, self.audio_column) if c and c in names
+        ]
         self._offsets = [0]
         for n in counts:
             self._offsets.append(self._offsets[-1] + n)
@@ -144,6 +156,8 @@ class TabularDataset:
         raw = {self.layout.messages[0]: row[self.text_column]}
         if self.image_column and row[self.image_column] is not None:
             raw[self.layout.images[0]] = row[self.image_column]
+        if self.audio_column and row[self.audio_column] is not None:
+            raw[self.layout.audios[0]] = self._audio_paths(row[self.audio_column], loc=loc)
         return validate_record(raw, location=loc, images=self._images, layout=self.layout)
 
     def _images(self, value: object, loc: str) -> tuple[ImageRef, ...]:
@@ -151,6 +165,31 @@ class TabularDataset:
             return ()
         cells = value if isinstance(value, list) else [value]
         return tuple(self._image(c, loc=loc, k=k) for k, c in enumerate(cells))
+
+    def _audio_paths(self, value: object, *, loc: str) -> list[object]:
+        """An audio cell (or list of cells) as the path strings the record reader resolves; an HF
+        ``Audio`` struct gives its ``path``, and one holding bytes is refused (audio must be files)."""
+        cells = value if isinstance(value, list) else [value]
+        out = []
+        for k, cell in enumerate(cells):
+            if isinstance(cell, dict):
+                if cell.get("bytes"):
+                    raise bad.BadSampleError(
+                        location=loc,
+                        reason=bad.CORRUPT_AUDIO,
+                        detail=f"audio {k} of column {self.audio_column!r} is stored inside the table",
+                        fix="keep audio as files next to the dataset and give their paths in the column",
+                    )
+                cell = cell.get("path")
+            if not (isinstance(cell, str) and cell):
+                raise bad.BadSampleError(
+                    location=loc,
+                    reason=bad.MALFORMED_RECORD,
+                    detail=f"audio {k} of column {self.audio_column!r} is {str(cell)[:60]!r}",
+                    fix="give each audio as a path, or an Audio struct {path} (bytes: null)",
+                )
+            out.append(cell)
+        return out
 
     def _image(self, cell: object, *, loc: str, k: int) -> ImageRef:
         if isinstance(cell, dict):

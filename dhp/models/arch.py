@@ -496,7 +496,12 @@ def _pp_refused(*, tied: bool) -> dict[str, tuple[Any, str]]:
 class FamilyArch(Protocol):
     """Architecture numbers -> validation, the typed architecture and the parallel axes of one family
     (pure). Everything the planner counts (parameters, one block's, the largest tensor, activation
-    sizes) is read from :meth:`architecture`'s :class:`ModuleArch`, never asked twice."""
+    sizes) is read from :meth:`architecture`'s :class:`ModuleArch`, never asked twice.
+
+    ``module_names``: the family's modules, producers first (the keys ``modules.<name>`` of a run
+    may use; validation reads it without building the architecture)."""
+
+    module_names: tuple[str, ...]
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         """Add an issue for every architecture number this family cannot build (incl. ``extra`` keys)."""

@@ -45,6 +45,7 @@ def runtime_plan(
         tp_heads=tp_heads,
         tp_sequence_parallel=axes.tp_sequence_parallel,
         sp=sp if axes.sp else (),
+        sp_local=axes.sp and not sp,  # SP with no attention site: the input cut alone
         sp_divides=dict(axes.sp_divides),
         loss=loss,
         tied=dict(tied or {}),

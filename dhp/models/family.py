@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dhp.ops.packed import AUDIO, IMAGE, VIDEO
 from dhp.parallel.module_plan import AttentionSite, ModuleParallelPlan  # re-exported for the families
 
 if TYPE_CHECKING:
@@ -51,9 +52,37 @@ if TYPE_CHECKING:
     from dhp.config.schema import ModelConfig
 
 
-#: hand-off layouts the runtime can route. ``image_tokens``: one row per merged image token, rows in the
-#: micro-batch's image-token order (image after image); the consumer places row i at the i-th image token.
-LAYOUTS = ("image_tokens",)
+@dataclass(frozen=True)
+class RowLayout:
+    """A hand-off layout: the order of its rows, and what of a micro-batch its producer reads.
+
+    The producer's input is a stream of items (an image or video; an audio): ``rows_field`` is the
+    batch field holding every item's input rows concatenated on dim 0, ``meta_field`` the one holding
+    one meta row per item whose product is that item's input-row count (an image's ``(t, h, w)``
+    patch grid; an audio's ``(frames,)``). ``token_types``: the ``mm_token_type_ids`` values of the
+    consumer positions that take the rows, in order (layout row i goes to the i-th such position).
+    """
+
+    rows_field: str
+    meta_field: str
+    token_types: tuple[int, ...]
+
+    def items(self, batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(input rows, meta rows)`` of a micro-batch (both None: no item of this layout)."""
+        return getattr(batch, self.rows_field), getattr(batch, self.meta_field)
+
+    def positions(self, mm_token_type_ids: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the consumer positions this layout's rows land on."""
+        return torch.isin(mm_token_type_ids, torch.tensor(self.token_types, device=mm_token_type_ids.device))
+
+
+#: hand-off layouts the runtime can route. ``image_tokens``: one row per merged image (or video) token,
+#: rows in the micro-batch's visual-token order (item after item); ``audio_tokens``: one row per audio
+#: token, audio after audio. The consumer places row i at the i-th position of the layout's token types.
+LAYOUTS: Mapping[str, RowLayout] = {
+    "image_tokens": RowLayout("pixel_values", "image_grid_thw", (IMAGE, VIDEO)),
+    "audio_tokens": RowLayout("audio_features", "audio_lens", (AUDIO,)),
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +90,7 @@ class HandOff:
     """One edge of the module graph: ``producer`` emits a ``(rows, width)`` tensor that ``consumer``
     takes as keyword argument ``kwarg``.
 
-    ``layout`` (one of :data:`LAYOUTS`) says how rows are ordered; the runtime moves the rows, the
+    ``layout`` (a key of :data:`LAYOUTS`) says how rows are ordered and what the producer reads; the runtime moves the rows, the
     consumer places them. ``grad``: the consumer returns the gradient w.r.t. this tensor and the
     producer backpropagates it. Edges of one (producer, consumer, layout) travel as one payload.
     """
@@ -221,4 +250,5 @@ __all__ = [
     "LLMOutput",
     "ModelFamily",
     "ModuleParallelPlan",
+    "RowLayout",
 ]

@@ -97,6 +97,21 @@ class FamilyBase:
         """One merge unit of zero patches: ``(m*m, C*T*P*P)`` and grid ``[[1, m, m]]``."""
         return blank_image(hf_config.vision_config)
 
+    # --- any producer's items (the runtime's generic calls; the defaults are the image encoder's) ---
+    def tokens_per_item(self, name: str, hf_config: PretrainedConfig, meta: torch.Tensor) -> list[int]:
+        """Hand-off rows per item of producer ``name`` from its meta rows (an image's ``(t, h, w)`` grid)."""
+        return self.tokens_per_image(hf_config, meta)
+
+    def shard_items(
+        self, name: str, hf_config: PretrainedConfig, *, rows: torch.Tensor, meta: torch.Tensor, sp_size: int
+    ) -> list[Any]:
+        """Producer ``name``'s SP cut of one replica's items (input rows, meta rows) over ``sp_size`` ranks."""
+        return self.shard_inputs(name, hf_config, pixel_values=rows, image_grid_thw=meta, sp_size=sp_size)
+
+    def blank_input(self, name: str, hf_config: PretrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The smallest valid ``(input rows, meta rows)`` of producer ``name`` (FSDP replicas without items)."""
+        return self.blank_image(hf_config)
+
     # --- data glue -------------------------------------------------------------------------------
     def token_strings(self) -> dict[str, str]:
         """The tokenizer's text of the special tokens the graph relies on (Qwen's, ``dhp.models.tokens``)."""
@@ -203,6 +218,12 @@ class FamilyBase:
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Reference (or checkpoint) state dict -> ``{module: {module_fqn: tensor}}``."""
         return self.keys.split(ref_state_dict, self.module_names)
+
+    def reference_kwargs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The whole batch's inputs (token tensors, ``mm_token_type_ids``, images and videos apart, audio
+        features padded with their mask) as :meth:`reference_class`'s forward names them; as given by
+        default (transformers' vision-language models)."""
+        return inputs
 
     def reference_model(self, hf_config: PretrainedConfig) -> nn.Module:
         """The untouched transformers model, randomly initialised on CPU in the config's dtype."""

@@ -211,7 +211,7 @@ def module_axes(plan: ModuleParallelPlan) -> ModuleAxes:
     """The axes a family's runtime plan supports, in the terms of the plan-validity rule."""
     return ModuleAxes(
         tp=plan.tp is not None,
-        sp=bool(plan.sp),
+        sp=bool(plan.sp) or plan.sp_local,
         tp_sequence_parallel=plan.tp_sequence_parallel,
         tp_divides=dict(plan.tp_divides),
         sp_divides=dict(plan.sp_divides),

@@ -37,8 +37,10 @@ class ModuleParallelPlan:
     ``blocks``: FQN globs of the repeated blocks (FSDP units). ``tp(sequence_parallel)``: ``{FQN glob:
     DTensor style}``, None: no TP. ``tp_divides``: ``{what: size}`` every tp degree must divide.
     ``tp_heads``: FQN globs of attention modules whose ``num_heads`` becomes H/tp. ``tp_sequence_parallel``:
-    Megatron SP inside TP is supported. ``sp``: attention sites for Ulysses SP (empty: no SP).
-    ``sp_divides``: sizes every sp degree must divide. ``loss``: the module has ``loss_fn`` (swapped for
+    Megatron SP inside TP is supported. ``sp``: attention sites for Ulysses SP (empty: no Ulysses).
+    ``sp_local``: SP by the input cut alone (the family's ``shard_inputs`` gives each SP rank whole
+    attention windows, so every attention stays on its rank: nothing is exchanged; the SP ranks'
+    gradients are summed like any SP module's). ``sp_divides``: sizes every sp degree must divide. ``loss``: the module has ``loss_fn`` (swapped for
     the chunked / vocab-parallel loss). ``tied``: ``{fqn: source_fqn}`` re-shared after TP.
     ``pad_token_id``: pads token inputs to a multiple of tp under sequence parallelism.
     ``moe_blocks``: FQN glob of the sparse-MoE blocks (each with an ``experts`` child in transformers'
@@ -52,6 +54,7 @@ class ModuleParallelPlan:
     tp_heads: tuple[str, ...] = ()
     tp_sequence_parallel: bool = False
     sp: tuple[AttentionSite, ...] = ()
+    sp_local: bool = False
     sp_divides: Mapping[str, int] = field(default_factory=dict)
     loss: bool = False
     tied: Mapping[str, str] = field(default_factory=dict)

@@ -256,6 +256,8 @@ def apply_ulysses_sp(module: nn.Module, mesh: DeviceMesh, spec: UlyssesSpec | No
     ]  # fmt: skip
     if issues:
         raise ConfigError(issues)
+    if not plan.sp and plan.sp_local:
+        return module  # the family's input cut keeps every attention on its rank: nothing to install
     if not plan.sp:
         raise PlanError(
             f"{type(module).__name__} declares no attention site for sequence parallelism. "

@@ -16,7 +16,6 @@ from dhp.config.constants import (
     DTYPES,
     MIXED_PRECISIONS,
     MODULE_NAMES,
-    REQUIRED_MODULES,
 )
 from dhp.config.issues import Issues
 from dhp.config.validate_data_keys import validate_data_keys
@@ -74,13 +73,29 @@ def _validate_model(model: DictConfig, device: str, issues: Issues) -> None:
         get_arch(model.family).validate(model, issues)
 
 
+def _module_names(cfg: DictConfig, roots: set[str]) -> tuple[str, ...]:
+    """The modules of the run's model family (``FamilyArch.module_names``); the vision-language pair
+    when the family is missing or unknown (that is its own issue)."""
+    if (
+        "model" not in roots
+        and not OmegaConf.is_missing(cfg.model, "family")
+        and cfg.model.family in family_names()
+    ):
+        return tuple(get_arch(cfg.model.family).module_names)
+    return MODULE_NAMES
+
+
 def _model_types(model: DictConfig) -> tuple[str, ...]:
     """The ``config.json`` model type a family with flavours reads for these numbers (Qwen3.5's MoE
-    numbers: ``qwen3_5_moe``); empty for a family without flavours (its name is its model type)."""
+    numbers: ``qwen3_5_moe``), or the ones a family declares (``model_types`` of its arch: a thinker's
+    own config and the whole omni model's); empty otherwise (the family's name is its model type)."""
     if model.family not in family_names():
         return ()
-    flavour = getattr(get_arch(model.family), "flavour", None)  # optional: only families with flavours
-    return (flavour(model).name,) if flavour is not None else ()
+    arch = get_arch(model.family)
+    flavour = getattr(arch, "flavour", None)  # optional: only families with flavours
+    if flavour is not None:
+        return (flavour(model).name,)
+    return tuple(getattr(arch, "model_types", ()))  # optional: families read under other names
 
 
 def _validate_cluster(cluster: DictConfig, issues: Issues) -> None:
@@ -119,20 +134,21 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_metrics(cfg.metrics, issues)
     validate_loop(cfg, issues)
     names = list(cfg.modules.keys())
+    known = _module_names(cfg, roots)
     for name in names:
         issues.check(
-            name in MODULE_NAMES,
+            name in known,
             f"modules.{name}",
             name,
-            f"unknown module; known: {', '.join(MODULE_NAMES)}",
+            f"unknown module; known: {', '.join(known)}",
             "rename the module entry",
         )
-    for name in REQUIRED_MODULES:
+    for name in known:
         issues.check(
             name in names,
             f"modules.{name}",
             None,
-            "missing: a vision-language model needs both modules",
+            f"missing: the model has the modules {', '.join(known)}, each its own group",
             f"add modules.{name} (gpus, parallel) to the recipe, or +modules.{name}.gpus=N",
         )
     if roots & {"model", "cluster"}:

@@ -6,6 +6,8 @@ appends to the shared :class:`~dhp.config.issues.Issues` and never raises.
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig
 
 from dhp.config.constants import BAD_SAMPLE_POLICIES, DATA_KINDS
@@ -114,8 +116,11 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 total_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
             )
         )
-        if len(reps) == 2 and max(reps.values()) % min(reps.values()) == 0:
-            _validate_batch(cfg.train, reps["vision"], reps["llm"], issues)
+        consumer = _consumer(cfg)
+        if consumer in reps:
+            pairs = [(reps[p], reps[consumer]) for p in reps if p != consumer]
+            if all(max(pair) % min(pair) == 0 for pair in pairs):
+                _validate_batch(cfg.train, [rv for rv, _ in pairs], reps[consumer], issues)
     for name in mods:  # a pipeline schedule's micro-batches are the step's per replica
         issues.items.extend(
             pipeline_micro_batch_problems(
@@ -138,7 +143,16 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
     _validate_train(cfg.train, issues)
 
 
-def _validate_batch(train: DictConfig, rv: int, rl: int, issues: Issues) -> None:
+def _consumer(cfg: DictConfig) -> str | None:
+    """The run's loss module: its family's last declared module (producers come first)."""
+    if cfg.model.family not in family_names():
+        return None
+    return get_arch(cfg.model.family).module_names[-1]
+
+
+def _validate_batch(train: DictConfig, producers: list[int], rl: int, issues: Issues) -> None:
+    """The step's batch against the loss module's ``rl`` replicas, and each of its micro-batches
+    against every producer's replicas (``producers``) that split it."""
     if train.micro_batch_size <= 0 or train.global_batch_size <= 0:
         return
     unit = train.micro_batch_size * rl
@@ -149,13 +163,14 @@ def _validate_batch(train: DictConfig, rv: int, rl: int, issues: Issues) -> None
         f"must be a multiple of micro_batch_size*llm replicas = {train.micro_batch_size}*{rl} = {unit}",
         f"use a multiple of {unit}",
     )
-    if rv > rl and rl > 0:
+    split = math.lcm(*(rv // rl for rv in producers if rv > rl and rl > 0), 1)
+    if split > 1:
         issues.check(
-            train.micro_batch_size % (rv // rl) == 0,
+            train.micro_batch_size % split == 0,
             "train.micro_batch_size",
             train.micro_batch_size,
-            f"each LLM replica's micro-batch is split over {rv // rl} encoder replicas",
-            f"use a multiple of {rv // rl}",
+            f"each LLM replica's micro-batch is split over {split} encoder replicas",
+            f"use a multiple of {split}",
         )
 
 

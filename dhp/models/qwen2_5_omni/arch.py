@@ -166,6 +166,8 @@ class Qwen25OmniArch:
     ``model.llm``)."""
 
     module_names: tuple[str, ...] = ("audio", "vision", "llm")  # producers first
+    #: ``config.json`` model types of a checkpoint: the thinker's own, or the whole Omni model's
+    model_types: tuple[str, ...] = ("qwen2_5_omni_thinker", "qwen2_5_omni")
 
     def validate(self, model: DictConfig, issues: Issues) -> None:
         if issues.check(

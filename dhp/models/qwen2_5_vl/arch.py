@@ -85,6 +85,8 @@ def llm_arch(model: DictConfig) -> ModuleArch:
 class Qwen25VLArch:
     """:class:`dhp.models.arch.FamilyArch` of Qwen2.5-VL (``vision.extra``: its window geometry)."""
 
+    module_names: tuple[str, ...] = ("vision", "llm")  # producers first
+
     def validate(self, model: DictConfig, issues: Issues) -> None:
         validate_vision_arch(model.vision, issues, family="qwen2_5_vl", example="qwen_vl_7b")
         have = sorted(model.llm.extra) if "extra" in model.llm else []

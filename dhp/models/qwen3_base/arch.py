@@ -236,6 +236,8 @@ class Qwen3Arch:
     :meth:`llm_arch`, :meth:`llm_axes` (and, for its own numbers, :meth:`check_raw` /
     :meth:`check_numbers`)."""
 
+    module_names: tuple[str, ...] = ("vision", "llm")  # producers first
+
     dense: Flavour
     moe: Flavour
     display: str

@@ -51,7 +51,15 @@ def batch_kwargs(batch: VLBatch, device: torch.device) -> dict[str, Any]:
         "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.to(device),
         "sample_ids": batch.sample_ids,
         **video_kwargs(batch, device),
+        **audio_kwargs(batch, device),
     }
+
+
+def audio_kwargs(batch: VLBatch, device: torch.device) -> dict:
+    """``audio_lens`` (mel frames per audio, the LLM's audio-time positions) when the micro-batch
+    holds audios (else nothing: a model without an audio encoder never sees the keyword)."""
+    lens = batch.audio_lens
+    return {} if lens is None else {"audio_lens": lens.to(device)}
 
 
 def video_kwargs(batch: VLBatch, device: torch.device) -> dict:

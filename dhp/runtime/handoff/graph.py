@@ -76,7 +76,7 @@ def links_of(handoffs: tuple[HandOff, ...]) -> tuple[Link, ...]:
         if e.layout not in LAYOUTS:
             raise PlanError(
                 f"hand-off {e.producer} -> {e.consumer} ({e.kwarg}) has layout {e.layout!r}; the runtime "
-                f"routes {LAYOUTS}. Fix: declare the edge with a known layout in the family."
+                f"routes {tuple(LAYOUTS)}. Fix: declare the edge with a known layout in the family."
             )
         order.setdefault((e.producer, e.consumer, e.layout), []).append(e)
     return tuple(Link(p, c, lay, tuple(es)) for (p, c, lay), es in order.items())

@@ -1,12 +1,13 @@
-"""The cross-group hand-off of layout ``image_tokens``: which rows go from which producer rank to which
-consumer rank.
+"""The cross-group hand-off of any row layout (``dhp.models.family.LAYOUTS``: image tokens, audio
+tokens): which rows go from which producer rank to which consumer rank.
 
 Routing (pure, driver side), from the plan's routing only (``Plan.routing``: which producer data
 replicas serve each consumer replica). For micro-batch ``m`` every consumer data replica ``j`` has a
-batch with images. A producer replica that serves several consumer replicas takes all their images
-(in replica order); consumer replicas served by several producer replicas have their images cut into
-contiguous blocks balanced by patch count, one per serving replica. Inside a producer replica the
-family's SP cut (``family.shard_inputs``) gives each SP rank the layout rows it outputs
+batch with items (images and videos, or audios: the producer's layout says which). A producer replica
+that serves several consumer replicas takes all their items (in replica order); consumer replicas
+served by several producer replicas have their items cut into contiguous blocks balanced by input
+rows (patches, mel frames), one per serving replica. Inside a producer replica the family's SP cut
+(``family.shard_items``) gives each SP rank the layout rows it outputs
 (``token_index``). :func:`route_micro_batch` turns that into per-unit send lists: for each destination
 endpoint, which local output rows go there and at which row of that endpoint's layout they land.
 
@@ -30,7 +31,7 @@ import torch
 from dhp.errors import RuntimeFailure
 from dhp.layout import ParallelLayout
 
-#: the family's SP cut of one producer replica's images: ``(pixel_values, image_grid_thw, sp_size) -> shards``
+#: the family's SP cut of one producer replica's items: ``(input rows, meta rows, sp_size) -> shards``
 ShardFn = Callable[[torch.Tensor, torch.Tensor, int], list[Any]]
 
 
@@ -86,9 +87,9 @@ def unit_senders(routing: MicroBatchRouting, endpoint: int, layout: ParallelLayo
 
 
 def assign_images(patches: list[int], *, parts: int) -> list[int]:
-    """Cut the ordered image list into ``parts`` contiguous blocks balanced by patch count.
+    """Cut the ordered item list into ``parts`` contiguous blocks balanced by input rows (``patches``).
 
-    Returns ``parts + 1`` boundaries into the image list. Greedy on cumulative patches: block k ends
+    Returns ``parts + 1`` boundaries into the item list. Greedy on cumulative patches: block k ends
     at the image boundary closest to ``(k+1)/parts`` of the total (some blocks may be empty when
     there are fewer images than parts).
     """
@@ -107,36 +108,39 @@ def assign_images(patches: list[int], *, parts: int) -> list[int]:
 
 def route_micro_batch(
     *,
-    pixel_values: list[torch.Tensor | None],
-    image_grid_thw: list[torch.Tensor | None],
+    rows: list[torch.Tensor | None],
+    meta: list[torch.Tensor | None],
     serving: Sequence[Sequence[int]],
     producer_replicas: int,
     sp_size: int,
     shard_fn: ShardFn,
-    tokens_per_image: Callable[[torch.Tensor], list[int]],
+    tokens_per_item: Callable[[torch.Tensor], list[int]],
     blank: tuple[torch.Tensor, torch.Tensor] | None = None,
     consumer_split: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     consumer_parts: int = 1,
 ) -> MicroBatchRouting:
     """Route one micro-batch (one entry per consumer replica) onto ``producer_replicas x sp_size`` units.
 
+    ``rows[j]`` / ``meta[j]``: replica ``j``'s items' input rows and meta rows (the layout's batch
+    fields, ``RowLayout.items``; item i has ``prod(meta[j][i])`` input rows); ``tokens_per_item``: the
+    hand-off rows of each item from the meta rows.
+
     ``serving[j]``: the producer replicas that serve consumer replica ``j`` (``Plan.routing``).
     ``consumer_split[j]`` (context parallelism): per row of replica ``j``'s layout, the part (CP rank) that
     takes it and its row in that part's layout, of ``consumer_parts`` parts; then consumer endpoint
     ``j * consumer_parts + part`` gets it. None: one endpoint per replica.
-    ``blank`` (``family.blank_image``): a producer replica that gets no image (fewer images than
+    ``blank`` (``family.blank_input``): a producer replica that gets no item (fewer items than
     replicas, e.g. text-only samples) runs it and its output goes nowhere, its gradient is zero.
     Needed when the producer is FSDP-sharded across replicas: every replica must then take part in
     each forward's all-gathers and each backward's reduce-scatters, or its peers hang. None: such a
     replica's units get no work.
 
-    Memory: builds each producer replica's pixel rows once (a concatenation of its images' rows);
+    Memory: builds each producer replica's input rows once (a concatenation of its items' rows);
     the SP cut copies only each rank's rows.
     """
     blocks, consumer_rows = _replica_blocks(
-        pixel_values, image_grid_thw, serving=serving, producer_replicas=producer_replicas,
-        tokens_per_image=tokens_per_image,
-    )  # fmt: skip
+        rows, meta, serving=serving, producer_replicas=producer_replicas, tokens_per_item=tokens_per_item
+    )
     units: list[ProducerWork] = []
     if consumer_split is not None:
         consumer_rows = _split_rows(consumer_split, consumer_rows, consumer_parts)
@@ -163,23 +167,23 @@ def route_micro_batch(
 
 
 def _replica_blocks(
-    pixel_values: list[torch.Tensor | None],
-    image_grid_thw: list[torch.Tensor | None],
+    rows: list[torch.Tensor | None],
+    meta: list[torch.Tensor | None],
     *,
     serving: Sequence[Sequence[int]],
     producer_replicas: int,
-    tokens_per_image: Callable[[torch.Tensor], list[int]],
+    tokens_per_item: Callable[[torch.Tensor], list[int]],
 ) -> tuple[list[list[tuple[int, torch.Tensor, torch.Tensor, int, int]]], list[int]]:
-    """Each producer replica's images ``(consumer replica, grid row, pixels, dst offset, rows)``, the
-    images of consumer replica ``j`` cut over the replicas serving it (:func:`assign_images`), and
-    each consumer replica's hand-off row count. The pixels are views of ``pixel_values``."""
+    """Each producer replica's items ``(consumer replica, meta row, input rows, dst offset, rows)``, the
+    items of consumer replica ``j`` cut over the replicas serving it (:func:`assign_images`), and
+    each consumer replica's hand-off row count. The input rows are views of ``rows``."""
     blocks: list[list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = [
         [] for _ in range(producer_replicas)
     ]
     consumer_rows = []
-    for j, (pv, grid) in enumerate(zip(pixel_values, image_grid_thw, strict=True)):
-        images, offset, row = [], 0, 0  # (replica j, grid row, pixels, dst offset, rows)
-        counts = tokens_per_image(grid) if grid is not None else []
+    for j, (pv, grid) in enumerate(zip(rows, meta, strict=True)):
+        images, offset, row = [], 0, 0  # (replica j, meta row, input rows, dst offset, rows)
+        counts = tokens_per_item(grid) if grid is not None else []
         for g, n_rows in zip(grid if grid is not None else [], counts, strict=True):
             n = int(g.prod())
             images.append((j, g, pv[row : row + n], offset, n_rows))
@@ -209,7 +213,7 @@ def _split_rows(split, rows_per_replica, parts: int) -> list[int]:
 def _route_replica(
     block, *, sp_size: int, shard_fn: ShardFn, split, parts: int, n_end: int
 ) -> list[ProducerWork]:
-    """SP-shard one producer replica's images and map each unit's output rows to consumer endpoints."""
+    """SP-shard one producer replica's items and map each unit's output rows to consumer endpoints."""
     if not block:
         return [ProducerWork(shard=None, routes=(), num_tokens=0, num_endpoints=n_end)] * sp_size
     shards = shard_fn(

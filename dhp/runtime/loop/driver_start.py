@@ -14,6 +14,7 @@ from dhp.config.schema import RunConfig
 from dhp.errors import RuntimeFailure
 from dhp.models import get_family
 from dhp.plan import Plan
+from dhp.plan.placement import routing
 from dhp.runtime.actors.actor_group import ActorGroup, init_groups
 from dhp.runtime.actors.spec import WorkerSpec, without_degrees
 from dhp.runtime.handoff.bridge import BridgeLayout
@@ -38,8 +39,16 @@ class TrainerStart:
             for link in links_of(self.family.handoffs_for(self.hf_config))
             if link.producer in specs and link.consumer == self.consumer_name
         )
-        # producer replica(s) serving each consumer replica: the plan's routing, nothing else
-        self.serving = [r.vision_replicas for r in sorted(plan.routing, key=lambda r: r.llm_replica)]
+        # per producer, the replica(s) serving each consumer replica: the plan's N:M routing rule
+        # (``dhp.plan.placement.routing``) on that producer's layout and the consumer's
+        consumer = specs[self.consumer_name].layout
+        self.serving = {
+            link.producer: [
+                r.vision_replicas
+                for r in sorted(routing(specs[link.producer].layout, consumer), key=lambda r: r.llm_replica)
+            ]
+            for link in self.links
+        }
         return names
 
     def _start_groups(

@@ -19,6 +19,7 @@ import torch
 
 from dhp.data import StepData
 from dhp.errors import PlanError, RuntimeFailure
+from dhp.models.family import LAYOUTS
 from dhp.ops.context import row_parts
 from dhp.runtime.handoff.routing import route_micro_batch, unit_senders
 from dhp.runtime.loop.driver_pipeline import PipelineStep
@@ -154,34 +155,43 @@ class TrainerStep(PipelineStep):
         """Route micro-batch ``m`` and issue every producer's forward on its ranks (no wait); without
         gradient and kept activations for the statistics pass (``backward=False``).
 
-        Returns ``{producer: (routing, pending)}`` for the producers with work (none without images)."""
+        Returns ``{producer: (routing, pending)}`` for the producers with work: a producer whose
+        layout has no item in the micro-batch (no image, or no audio, in any replica) runs nothing."""
         batches = data.micro_batches[m]
-        if all(b.image_grid_thw is None for b in batches):
-            return {}
         out = {}
         consumer = self.consumer.layout
-        split = None  # context parallelism: each CP rank of a consumer replica takes its own tokens' rows
-        if consumer.cp > 1:
-            split = [
-                row_parts(b.mm_token_type_ids != 0, cp=consumer.cp, multiple=consumer.token_multiple)
-                for b in batches
-            ]
         for link in self.links:
+            rows_layout = LAYOUTS[link.layout]
+            items = [rows_layout.items(b) for b in batches]
+            if all(meta is None for _, meta in items):
+                continue
+            split = None  # context parallelism: each CP rank of a consumer replica takes its own tokens' rows
+            if consumer.cp > 1:
+                split = [
+                    row_parts(
+                        rows_layout.positions(b.mm_token_type_ids),
+                        cp=consumer.cp,
+                        multiple=consumer.token_multiple,
+                    )
+                    for b in batches
+                ]
             group = self.groups[link.producer]
             layout, world = group.layout, group.layout.world_size
             sp = layout.sp
             routing = route_micro_batch(  # one unit per (data replica, SP rank); TP ranks of a unit share it
-                pixel_values=[b.pixel_values for b in batches],
-                image_grid_thw=[b.image_grid_thw for b in batches],
-                serving=self.serving,
+                rows=[r for r, _ in items],
+                meta=[g for _, g in items],
+                serving=self.serving[link.producer],
                 producer_replicas=layout.num_replicas,
                 sp_size=sp,
-                shard_fn=lambda pv, g, n, name=link.producer: self.family.shard_inputs(
-                    name, self.hf_config, pixel_values=pv, image_grid_thw=g, sp_size=n
+                shard_fn=lambda pv, g, n, name=link.producer: self.family.shard_items(
+                    name, self.hf_config, rows=pv, meta=g, sp_size=n
                 ),
-                tokens_per_image=lambda g: self.family.tokens_per_image(self.hf_config, g),
-                # FSDP collectives span replicas: a replica without images runs a blank one
-                blank=self.family.blank_image(self.hf_config) if layout.fsdp > 1 else None,
+                tokens_per_item=lambda g, name=link.producer: self.family.tokens_per_item(
+                    name, self.hf_config, g
+                ),
+                # FSDP collectives span replicas: a replica without items runs a blank one
+                blank=self.family.blank_input(link.producer, self.hf_config) if layout.fsdp > 1 else None,
                 consumer_split=split,
                 consumer_parts=consumer.cp,
             )

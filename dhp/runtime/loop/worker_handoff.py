@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from dhp import parallel as par
 from dhp.data.batch import VLBatch
 from dhp.errors import RuntimeFailure
+from dhp.models.family import LAYOUTS
 from dhp.ops.context import padded_length, rank_index, row_parts
 from dhp.runtime.handoff.graph import Link
 
@@ -78,14 +79,15 @@ class HandoffMethods:
         dst rows. ``arrivals`` None: this rank receives the whole tensor by a broadcast from rank 0 of
         ``broadcast_in`` (a leader-only channel: only the replica leader talks to it).
         """
-        if batch.image_grid_thw is None:
+        rows_layout = LAYOUTS[link.layout]
+        if rows_layout.items(batch)[1] is None:  # no item of this layout in the micro-batch
             return None
-        n = self._endpoint_rows(batch)
+        n = self._endpoint_rows(batch, link)
         # the leaf is in this module's compute dtype: its gradient rows go back in it too
         rows_all = torch.zeros(n, link.width, dtype=self.precision.compute_dtype, device=self.device)
         if arrivals is not None:
             filled = 0
-            own = self._own_rows(batch) if not self.channel.leader_only else None
+            own = self._own_rows(batch, link) if not self.channel.leader_only else None
             for value in arrivals:
                 if value is None:
                     continue
@@ -107,32 +109,34 @@ class HandoffMethods:
             dist.broadcast(rows_all, group=broadcast_in, group_src=0)
         return rows_all.requires_grad_(requires_grad)
 
-    def _endpoint_rows(self, batch: VLBatch) -> int:
-        """Hand-off rows this rank's endpoint takes of ``batch``: every image-token row, or under context
-        parallelism those of this CP rank's tokens (``dhp.ops.context.row_parts``)."""
-        lay = self.layout
+    def _endpoint_rows(self, batch: VLBatch, link: Link) -> int:
+        """Hand-off rows of ``link`` this rank's endpoint takes of ``batch``: every row of its layout, or
+        under context parallelism those of this CP rank's tokens (``dhp.ops.context.row_parts``)."""
+        lay, rows_layout = self.layout, LAYOUTS[link.layout]
         if lay.cp == 1:
-            return sum(self.family.tokens_per_image(self.hf_config, batch.image_grid_thw))
-        part, _ = row_parts(batch.mm_token_type_ids != 0, cp=lay.cp, multiple=lay.token_multiple)
+            meta = rows_layout.items(batch)[1]
+            return sum(self.family.tokens_per_item(link.producer, self.hf_config, meta))
+        positions = rows_layout.positions(batch.mm_token_type_ids)
+        part, _ = row_parts(positions, cp=lay.cp, multiple=lay.token_multiple)
         return int((part == lay.coords(self.rank)["cp"]).sum())
 
-    def _own_rows(self, batch: VLBatch) -> torch.Tensor | None:
-        """Sequence parallelism inside TP: a bool mask over the endpoint's image-embedding rows, True
+    def _own_rows(self, batch: VLBatch, link: Link) -> torch.Tensor | None:
+        """Sequence parallelism inside TP: a bool mask over the endpoint's rows of ``link``, True
         for the rows whose tokens fall into this TP rank's sequence shard (the only rows the LLM reads
         here; the rest are cut away before layer 0). None without SP: every row is needed. Under context
         parallelism the shard is of this CP rank's tokens."""
         lay = self.layout
         if lay.seq_split == 1:
             return None
-        ids = batch.input_ids
+        types = batch.mm_token_type_ids  # the layout's positions are those of its token types
         if lay.cp > 1:  # the CP rank's tokens of the padded micro-batch, in their local order
-            seq = padded_length(ids.shape[1], lay.token_multiple)
-            ids = F.pad(ids, (0, seq - ids.shape[1]), value=-1)[
+            seq = padded_length(types.shape[1], lay.token_multiple)
+            types = F.pad(types, (0, seq - types.shape[1]), value=-1)[
                 :, rank_index(seq, lay.cp, lay.coords(self.rank)["cp"])
             ]
         return par.sequence_shard_rows(
-            ids,
-            (self.model_cfg.tokens.image_token_id, self.model_cfg.tokens.video_token_id),
+            types,
+            LAYOUTS[link.layout].token_types,
             tp=lay.tp,
             rank=self.mesh["tp"].get_local_rank(),
         )

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from dhp.config.schema import ModelConfig, ModuleConfig, RunConfig, TrainConfig
 from dhp.data import build_run_loader
+from dhp.data.audio_sample import reference_audio_kwargs
 from dhp.data.batch import VLBatch, concat_batches
 from dhp.data.packing import unpacked
 from dhp.data.remote import as_tensor
@@ -221,15 +222,15 @@ class ReferenceModel:
                 "(a loader or packing bug)."
             )
         router = {} if self.router_coef is None else {"output_router_logits": True}
-        out = self.model(
+        inputs = dict(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             labels=batch.labels,
             mm_token_type_ids=batch.mm_token_type_ids,
             **reference_visual_kwargs(batch),  # images and videos apart
-            use_cache=False,
-            **router,
+            **reference_audio_kwargs(batch),
         )
+        out = self.model(**self.family.reference_kwargs(inputs), use_cache=False, **router)
         out.loss.backward()
         grads: dict[str, dict[str, torch.Tensor]] = {}
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -298,15 +299,20 @@ def compare_grads(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Max |plan - ref| per module over every parameter, and the worst parameter's FQN.
 
-    A parameter present on one side only, or of another shape, counts as an infinite difference
-    (so a missing gradient can never pass).
+    A parameter of another shape counts as an infinite difference. A gradient present on one side
+    only is compared with zero, which is what the absent side's ``None`` means (a parameter its
+    forward never reads, such as transformers' unused audio marker embedding): so a missing gradient
+    passes only where the other side's is zero too.
     """
     diffs, worst = {}, {}
     for module in sorted(set(plan) | set(ref)):
         p, r = plan.get(module, {}), ref.get(module, {})  # result dicts, not config
         best, name = 0.0, ""
         for fqn in sorted(set(p) | set(r)):
-            if fqn not in p or fqn not in r or p[fqn].shape != r[fqn].shape:
+            if (fqn in p) != (fqn in r):
+                one = p[fqn] if fqn in p else r[fqn]
+                d = float(one.float().abs().max()) if one.numel() else 0.0
+            elif p[fqn].shape != r[fqn].shape:
                 d = math.inf
             else:
                 d = float((p[fqn].float() - r[fqn].float()).abs().max()) if r[fqn].numel() else 0.0

@@ -140,7 +140,7 @@ MALFORMED = [
     ),
     ("qwen_vl_32b", ["data.min_pixels=1000000"], "data.min_pixels", "max_pixels"),
     ("qwen_vl_32b", ["modules.vision.seq_len=16386"], "modules.vision.seq_len", "spatial_merge_size^2"),
-    ("qwen_vl_32b", ["~modules.llm"], "modules.llm", "both modules"),
+    ("qwen_vl_32b", ["~modules.llm"], "modules.llm", "the model has the modules vision, llm"),
     ("qwen_vl_32b", ["+modules.audio.gpus=8"], "modules.audio", ""),  # Hydra cannot add a typed dict entry
 ]
 

@@ -30,15 +30,15 @@ def _serving(vision_replicas: int, llm_replicas: int) -> list[tuple[int, ...]]:
 def route(*, pixel_values, image_grid_thw, vision_replicas, sp_size, pad_empty=False):
     """``route_micro_batch`` with the tiny family's SP cut and the plan's routing."""
     return route_micro_batch(
-        pixel_values=pixel_values,
-        image_grid_thw=image_grid_thw,
+        rows=pixel_values,
+        meta=image_grid_thw,
         serving=_serving(vision_replicas, len(pixel_values)),
         producer_replicas=vision_replicas,
         sp_size=sp_size,
         shard_fn=lambda pv, g, n: FAMILY.shard_inputs(
             "vision", HF, pixel_values=pv, image_grid_thw=g, sp_size=n
         ),
-        tokens_per_image=lambda g: FAMILY.tokens_per_image(HF, g),
+        tokens_per_item=lambda g: FAMILY.tokens_per_image(HF, g),
         blank=FAMILY.blank_image(HF) if pad_empty else None,
     )
 

@@ -1,0 +1,150 @@
+"""A sample's audios -> mel frames, and their placeholder tokens expanded to the encoder's output count.
+
+An audio is decoded to mono at the feature extractor's rate (:mod:`dhp.data.audio`), turned into log-mel
+frames by the model family's own feature extractor (transformers' ``WhisperFeatureExtractor`` for the
+Qwen omni families), and its one ``<|AUDIO|>`` token in the rendered text becomes as many tokens as the
+audio encoder outputs for those frames (``AudioSpec.tokens``), typed ``AUDIO``. The frames of every
+audio of a sample are concatenated unpadded, in token order (``Sample.audio_features``), with one frame
+count per audio (``Sample.audio_lens``): the ``audio_tokens`` hand-off layout's input and meta rows.
+
+Never truncates: an audio over ``data.max_audio_seconds`` or a sample over ``modules.<encoder>.seq_len``
+mel frames is a named bad sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dhp.data import bad
+from dhp.data.batch import AUDIO, IGNORE_INDEX, Sample
+
+
+@dataclass(frozen=True)
+class AudioSpec:
+    """How a family turns audio into its encoder's input: the feature extractor (``sampling_rate``,
+    ``hop_length``, ``feature_size`` mel bins, callable on a waveform), the encoder's output tokens of
+    each audio's frame count, and the limits."""
+
+    extractor: Any
+    tokens: Callable[[list[int]], list[int]]
+    max_seconds: float
+    max_frames: int  # mel frames of one sample at most (the encoder's seq_len); sys.maxsize: none
+
+
+def mel_frames(spec: AudioSpec, wave: np.ndarray) -> torch.Tensor:
+    """``(frames, n_mels)`` float32 log-mel frames of one mono waveform at the extractor's rate.
+
+    The extractor is called on the waveform zero-padded by two hops and the frames of the waveform kept,
+    ``ceil(samples / hop)``: the same values transformers' processor gives inside its 30-s padding (its
+    attention mask keeps as many frames), for any length (no 30-s cut).
+    """
+    fe = spec.extractor
+    hop = int(fe.hop_length)
+    frames = math.ceil(len(wave) / hop)
+    out = fe(
+        wave,
+        sampling_rate=int(fe.sampling_rate),
+        return_tensors="np",
+        padding="max_length",
+        max_length=(frames + 2) * hop,
+        truncation=False,
+    )
+    feats = np.asarray(out["input_features"])[0, :, :frames]  # (n_mels, frames)
+    return torch.from_numpy(np.ascontiguousarray(feats.T)).to(torch.float32)
+
+
+def with_audio(proc: Any, record: Any, sample: Sample) -> Sample:
+    """``sample`` (text, images and videos done) with ``record``'s audios: their frames, their counts,
+    and each ``<|AUDIO|>`` token expanded to the encoder's output tokens. A bad audio, a placeholder
+    count that differs from the audio count, or a limit passed is a named bad sample."""
+    audios = tuple(getattr(record, "audios", ()))
+    if not audios:
+        return sample
+    loc = record.location
+    if proc.audio_refusal or proc.audio is None:
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.UNSUPPORTED_MODALITY,
+            detail=proc.audio_refusal or "the processor was built without audio settings",
+            fix="drop the audio records from the dataset, or train them with a family that has an audio encoder",
+        )
+    # reason: soundfile loads libsndfile; only a run with audio records pays for it
+    from dhp.data.audio import load_audio
+
+    spec: AudioSpec = proc.audio
+    rate = int(spec.extractor.sampling_rate)
+    waves = [load_audio(p, sampling_rate=rate, loc=loc, max_seconds=spec.max_seconds) for p in audios]
+    feats = [mel_frames(spec, w) for w in waves]
+    lens = [int(f.shape[0]) for f in feats]
+    if sum(lens) > spec.max_frames:
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.AUDIO_TOO_LONG,
+            detail=f"{sum(lens)} mel frames {lens} > the audio encoder's seq_len={spec.max_frames}",
+            fix="raise the audio module's seq_len, or use shorter audio",
+        )
+    counts = spec.tokens(lens)
+    ids, labels, types = _expand_audio(sample, proc.tokens.audio_token_id, counts, loc=loc)
+    if proc.limits.broken(tokens=ids.numel()):
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.TEXT_TOO_LONG,
+            detail=f"{ids.numel()} tokens ({sum(counts)} audio) > modules.llm.seq_len={proc.limits.llm_seq_len}",
+            fix="raise modules.llm.seq_len, or use shorter audio",
+        )
+    return dataclasses.replace(
+        sample,
+        input_ids=ids,
+        labels=labels,
+        mm_token_type_ids=types,
+        audio_features=torch.cat(feats, dim=0),
+        audio_lens=torch.tensor(lens, dtype=torch.long).view(-1, 1),
+    )
+
+
+def _expand_audio(
+    sample: Sample, pad: int, counts: list[int], *, loc: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Repeat the k-th audio pad token ``counts[k]`` times (no label, type ``AUDIO``)."""
+    ids, labels, types = sample.input_ids, sample.labels, sample.mm_token_type_ids
+    where = (ids == pad).nonzero().flatten().tolist()
+    if len(where) != len(counts):
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.PLACEHOLDER_MISMATCH,
+            detail=f"rendered text has {len(where)} audio pad tokens for {len(counts)} audio(s)",
+            fix="give one <audio> tag per audio file, and no literal audio special tokens in the text",
+        )
+    out_ids, out_lab, out_typ, prev = [], [], [], 0
+    for pos, n in zip(where, counts, strict=True):
+        out_ids += [ids[prev:pos], torch.full((n,), pad, dtype=torch.long)]
+        out_lab += [labels[prev:pos], torch.full((n,), IGNORE_INDEX, dtype=torch.long)]
+        out_typ += [types[prev:pos], torch.full((n,), AUDIO, dtype=torch.long)]
+        prev = pos + 1
+    out_ids.append(ids[prev:])
+    out_lab.append(labels[prev:])
+    out_typ.append(types[prev:])
+    return torch.cat(out_ids), torch.cat(out_lab), torch.cat(out_typ)
+
+
+def reference_audio_kwargs(batch: Any) -> dict[str, torch.Tensor]:
+    """A batch's audios as transformers' omni models take them: ``input_features`` ``(N, n_mels,
+    longest)`` zero-padded and ``feature_attention_mask`` ``(N, longest)`` (empty without audio), for
+    single-process references."""
+    if batch.audio_lens is None:
+        return {}
+    lens = batch.audio_lens.view(-1).tolist()
+    longest = max(lens)
+    feats = torch.zeros(len(lens), batch.audio_features.shape[1], longest, dtype=batch.audio_features.dtype)
+    mask = torch.zeros(len(lens), longest, dtype=torch.long)
+    for i, part in enumerate(batch.audio_features.split(lens)):
+        feats[i, :, : part.shape[0]] = part.T
+        mask[i, : part.shape[0]] = 1
+    return {"input_features": feats, "feature_attention_mask": mask}
