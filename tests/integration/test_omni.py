@@ -150,7 +150,7 @@ def omni_data(tmp_path_factory) -> dict[str, Path]:
 # ---- synthetic audio + image samples ---------------------------------------------------------
 def test_omni_collocated_audio_sp2_vision_sp2_llm_tp2(ray_local) -> None:
     # three groups on the same 2 ranks: each audio is cut on its attention chunks over the audio
-    # group's 2 SP ranks, the image over the vision group's 2, the LLM is TP=2
+    # group's 2 SP ranks, the images over the vision group's 2 SP ranks, LLM TP=2
     _passed("tiny_qwen2_5_omni", 2)
 
 

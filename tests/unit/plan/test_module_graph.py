@@ -27,14 +27,23 @@ FAMILY_RECIPES = {
     "qwen3_vl_moe": "tiny_qwen3_vl_moe",
     "qwen3_5": "tiny_qwen3_5",
     "qwen3_5_moe": "tiny_qwen3_5_moe",
+    "qwen2_5_omni": "tiny_qwen2_5_omni",
 }
+#: the producers of a family's graph, when they are not the one vision encoder
+PRODUCERS = {"qwen2_5_omni": ("audio", "vision")}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_RECIPES))
 def test_every_family_has_one_loss_module_fed_by_its_encoder(family: str) -> None:
     model = load_config(FAMILY_RECIPES[family], []).model
     graph = module_graph(get_arch(family).architecture(model))
-    assert graph == ModuleGraph(consumer="llm", producers=("vision",))
+    producers = PRODUCERS.get(family, ("vision",))
+    assert graph == ModuleGraph(consumer="llm", producers=producers)
+    if family in PRODUCERS:  # several encoders: each one's forward, backwards in reverse order
+        assert graph.phases()[: len(producers)] == tuple(f"{p}_fwd" for p in producers)
+        bwd = graph.phases().index("handback") + 1
+        assert graph.phases()[bwd : bwd + len(producers)] == tuple(f"{p}_bwd" for p in reversed(producers))
+        return
     # the phase order the memory timeline has always had for an encoder + LLM
     assert graph.phases() == (
         "vision_fwd",
