@@ -19,7 +19,7 @@ FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")
 # has several micro-batches), or over each micro-batch's tokens (no pass; the objective then depends on
 # train.micro_batch_size and on dp vs gradient accumulation)
 ROUTER_AUX_LOSS_MODES = ("step", "micro_batch")
-PLACEMENTS = ("collocated", "disaggregated")
+PLACEMENTS = ("collocated", "disaggregated")  # the named forms; or a partition a+b/c (dhp.config.placement)
 HANDOFFS = ("auto", "object_store", "cuda_ipc", "p2p")
 MODULE_NAMES = ("vision", "llm")
 REQUIRED_MODULES = ("vision", "llm")
