@@ -19,7 +19,7 @@ FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")
 # has several micro-batches), or over each micro-batch's tokens (no pass; the objective then depends on
 # train.micro_batch_size and on dp vs gradient accumulation)
 ROUTER_AUX_LOSS_MODES = ("step", "micro_batch")
-PLACEMENTS = ("collocated", "disaggregated")
+PLACEMENTS = ("collocated", "disaggregated")  # the named forms; or a partition a+b/c (dhp.config.placement)
 HANDOFFS = ("auto", "object_store", "cuda_ipc", "p2p")
 #: the modules of a vision-language family, for messages before the model's family is known (each
 #: family declares its own: ``FamilyArch.module_names``)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dhp.config.ac import parse_ac_mode
-from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS, PLACEMENTS
-from dhp.config.handoff import resolve_handoff
+from dhp.config.constants import HANDOFFS, MIXED_PRECISIONS
+from dhp.config.handoff import run_handoff
 from dhp.config.issues import Issues
+from dhp.config.placement import parse_placement
 from dhp.errors import ConfigIssue
 from dhp.layout import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, ParallelLayout, stage_cut
 
@@ -475,24 +476,29 @@ def placement_problems(
     handoff: str,
     device: str,
     total_gpus: int,
+    consumer: str | None = None,
 ) -> list[ConfigIssue]:
-    """Every reason the modules cannot run together (empty: they can): the placement and its GPU
-    sets, the cluster's GPU count, N:M routing (one module's replicas divide the other's) and the
-    hand-off for this device and placement. ``gpus``/``replicas``: per module, of modules whose own
-    plan is valid."""
+    """Every reason the modules cannot run together (empty: they can): the placement and its
+    GPU-sharing sets (``dhp.config.placement``: equal GPU counts inside a set, the sets' sum within the
+    cluster), N:M routing (one module's replicas divide the other's) and the hand-off of every edge
+    into ``consumer`` (the loss module; None: the modules' placement as a whole) for this device.
+    ``gpus``/``replicas``: per module, of modules whose own plan is valid."""
     out = Issues()
-    if out.one_of(placement, "placement", PLACEMENTS):
-        if placement == "collocated":
+    sets, problem = parse_placement(placement, list(gpus))
+    rule, _, fix = str(problem).partition(". Fix: ")
+    if out.check(problem is None, "placement", placement, rule, fix):
+        for group in sets:
+            counts = {m: gpus[m] for m in group}
+            shared = "every module" if len(sets) == 1 else f"the modules of the sharing set {'+'.join(group)}"
             out.check(
-                len(set(gpus.values())) <= 1,
+                len(set(counts.values())) <= 1,
                 "placement",
                 placement,
-                f"collocated groups must share one GPU set, but the GPU counts differ: {dict(gpus)}",
-                "give every module the same gpus, or use placement=disaggregated",
+                f"{shared} must share one GPU set, but the GPU counts differ: {counts}",
+                "give the modules of a set the same gpus, or put them in different sets "
+                "(placement=disaggregated, or a partition such as a+b/c)",
             )
-            need = max(gpus.values(), default=0)
-        else:
-            need = sum(gpus.values())
+        need = sum(max(gpus[m] for m in group) for group in sets)
         out.check(
             need <= total_gpus,
             "cluster",
@@ -501,7 +507,7 @@ def placement_problems(
             "use a larger cluster profile or fewer GPUs per module",
         )
         if out.one_of(handoff, "handoff", HANDOFFS):
-            _, problem = resolve_handoff(device=device, placement=placement, handoff=handoff)
+            _, problem = run_handoff(device=device, sets=sets, consumer=consumer, handoff=handoff)
             out.check(
                 problem is None,
                 "handoff",

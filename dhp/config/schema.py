@@ -512,9 +512,13 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
-    placement: str = "collocated"  # collocated | disaggregated
+    # which modules share GPUs (dhp.config.placement): collocated (all on the same GPUs) | disaggregated
+    # (each on GPUs of its own) | a partition into GPU-sharing sets, e.g. audio+vision/llm (audio and
+    # vision share their GPUs, llm has its own; sets take disjoint GPUs in the order written)
+    placement: str = "collocated"
     # how image embeddings and their grads cross groups: auto | object_store | cuda_ipc | p2p
-    # (auto: cpu -> object_store, cuda collocated -> cuda_ipc, cuda disaggregated -> p2p over NCCL)
+    # (auto: cpu -> object_store; cuda, per edge: a producer sharing the loss module's GPUs -> cuda_ipc,
+    # on GPUs apart -> p2p over NCCL; the run's edges must agree)
     handoff: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

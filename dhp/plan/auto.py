@@ -73,6 +73,6 @@ def render_auto(ranked: list, why: str, plan: Plan, console: Console) -> None:
     if est is not None:
         console.print(
             f"  estimate ({est['profile']}; {est['provenance']}): {est['step_time_s']:.3f} s/step, "
-            f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s"
+            f"{est['vision_tokens_per_s']:.0f} encoder tok/s, {est['text_tokens_per_s']:.0f} text tok/s"
         )
     console.print("  overrides: " + " ".join(ranked[0][1]))

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.placement import sets_among
 from dhp.errors import ConfigError, ConfigIssue
 from dhp.plan.estimate import (
     FEATURES,
@@ -33,9 +34,9 @@ from dhp.plan.estimate import (
     busy_processes,
     coefficients,
     module_features,
+    producer_tokens_per_rank,
     seconds,
     timing_shapes,
-    vision_tokens_per_rank,
 )
 from dhp.plan.graph import ModuleGraph, run_graph
 
@@ -94,15 +95,15 @@ def run_observations(config: DictConfig, rows: list[dict]) -> list[tuple[dict[st
 
     shapes = module_shapes(config)
     graph = run_graph(config)
-    llm_replicas = shapes[graph.consumer].layout.num_replicas
-    n_mb = micro_batches_per_step(config.train, llm_replicas)
+    replicas = shapes[graph.consumer].layout.num_replicas
+    n_mb = micro_batches_per_step(config.train, replicas)
     out = []
     per: dict[str, tuple] = {}
     # the shapes the estimate times (the run's measured data lengths, when its config has them)
     for name, shape in timing_shapes(config, shapes).items():
         world = shape.layout.world_size
         tokens = (
-            vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas)
+            producer_tokens_per_rank(config, shape, consumer_replicas=replicas)
             if name in graph.producers
             else shape.tokens
         )
@@ -138,21 +139,27 @@ def _add(*rows: tuple[float, dict[str, float]]) -> dict[str, float]:
 def step_row(
     placement: str, per: dict[str, tuple], n_mb: int, prior: dict[str, float], *, graph: ModuleGraph
 ) -> dict[str, float]:
-    """The whole step's features, linearised like ``dhp.plan.schedule``: collocated sums every
-    phase; disaggregated takes the bottleneck stage (by the prior coefficients) n_mb times plus
-    one micro-batch of the other stage and the longest finish, the producers' stage being the
-    slowest producer's (they run side by side). Plus n_mb dispatches."""
+    """The whole step's features, linearised like ``dhp.plan.schedule``: one GPU-sharing set
+    (collocated) sums every phase; several take the bottleneck stage (by the prior coefficients) n_mb
+    times plus one micro-batch of the other stage and the longest finish, a set's stage and finish
+    being its modules' in turn and the producers' stage the slowest producers-only set's (the sets
+    run side by side; the consumer's set is the other stage). Plus n_mb dispatches."""
     stage = {n: _add((1.0, fwd), (1.0, bwd)) for n, (fwd, bwd, _) in per.items()}
     fin = {n: p[2] for n, p in per.items()}
     producers = [n for n in graph.producers if n in stage]
-    if placement == "collocated" or not producers:
+    sets = sets_among(placement, [*producers, graph.consumer])
+    if len(sets) == 1 or not producers:
         row = _add(*((float(n_mb), s) for s in stage.values()), *((1.0, f) for f in fin.values()))
     else:
-        pipe = [max(producers, key=lambda n: seconds(stage[n], prior)), graph.consumer]
-        slow = max(pipe, key=lambda n: seconds(stage[n], prior))
-        fast = next(n for n in pipe if n != slow)
-        last = max(fin, key=lambda n: seconds(fin[n], prior))  # the finishes run at once
-        row = _add((float(n_mb), stage[slow]), (1.0, stage[fast]), (1.0, fin[last]))
+        load = {g: _add(*((1.0, stage[n]) for n in g)) for g in sets}
+        done = {g: _add(*((1.0, fin[n]) for n in g)) for g in sets}
+        home = next(g for g in sets if graph.consumer in g)
+        apart = [g for g in sets if g is not home]
+        pipe = [max(apart, key=lambda g: seconds(load[g], prior)), home]
+        slow = max(pipe, key=lambda g: seconds(load[g], prior))
+        fast = next(g for g in pipe if g is not slow)
+        last = max(sets, key=lambda g: seconds(done[g], prior))  # the finishes run at once
+        row = _add((float(n_mb), load[slow]), (1.0, load[fast]), (1.0, done[last]))
     row["dispatch"] = float(n_mb)
     return row
 

@@ -6,8 +6,10 @@ import dataclasses
 
 from omegaconf import DictConfig
 
-from dhp.config.handoff import resolve_handoff
+from dhp.config.handoff import run_handoff
+from dhp.config.placement import sharing_sets
 from dhp.config.validate_data_keys import packed_row_tokens
+from dhp.errors import PlanError
 from dhp.layout import ParallelLayout, module_layout
 from dhp.ops.linear_attn import planned_kernel
 from dhp.plan.estimate import estimate_step
@@ -17,7 +19,7 @@ from dhp.plan.memory import ModuleShape, encoder_replica_patches, module_shape
 from dhp.plan.params import video_frames_per_row
 from dhp.plan.phases import ModuleTerms, gpu_timeline, reserve_bytes
 from dhp.plan.pipeline import ahead_of_pipeline, pipeline_terms, rank_shapes
-from dhp.plan.placement import assign_gpus, placement_groups, routing
+from dhp.plan.placement import assign_gpus, gpu_sharers, placement_groups, routing
 from dhp.plan.schedule import micro_batches_per_step  # re-exported (calibrate, scripts)
 from dhp.plan.types import DeviceUsage, GroupPlan, MemoryEstimate, Plan, RankPlan
 from dhp.plan.workload import plan_workload
@@ -114,17 +116,30 @@ def module_shapes(
     return shapes
 
 
-def packed_rows(config: DictConfig, llm: ModuleShape) -> ModuleShape:
-    """The LLM's shape in packed rows when ``data.packing`` is on (else ``llm``): rows of
+def packed_rows(config: DictConfig, consumer: ModuleShape) -> ModuleShape:
+    """The loss module's shape in packed rows when ``data.packing`` is on (else ``consumer``): rows of
     ``data.max_tokens`` (0: seq_len); first-fit never needs more rows than 2 * tokens / row + 1 (any
     two rows together overflow one), nor more than samples."""
     row, _ = packed_row_tokens(
-        packing=config.data.packing, max_tokens=config.data.max_tokens, llm_seq_len=int(llm.seq_len)
+        packing=config.data.packing, max_tokens=config.data.max_tokens, llm_seq_len=int(consumer.seq_len)
     )  # validated already: the row holds the longest sample
     if not row:
-        return llm
-    rows = min(llm.micro_batch, (2 * llm.micro_batch * llm.seq_len) // row + 1)
-    return dataclasses.replace(llm, micro_batch=rows, seq_len=row)
+        return consumer
+    rows = min(consumer.micro_batch, (2 * consumer.micro_batch * consumer.seq_len) // row + 1)
+    return dataclasses.replace(consumer, micro_batch=rows, seq_len=row)
+
+
+def plan_handoff(config: DictConfig, *, cluster: DictConfig) -> str:
+    """The hand-off transport of the run (``handoff=auto`` resolved per edge, ``dhp.config.handoff``):
+    PlanError when its edges need different ones (validation reports it first)."""
+    graph = run_graph(config)
+    sets = sharing_sets(config.placement, [str(n) for n in config.modules])
+    transport, problem = run_handoff(
+        device=cluster.device, sets=sets, consumer=graph.consumer, handoff=config.handoff
+    )
+    if problem is not None:
+        raise PlanError(f"handoff={config.handoff}: {problem}")
+    return transport
 
 
 def memory_estimate(terms: ModuleTerms, shape: ModuleShape, moe: dict | None = None) -> MemoryEstimate:
@@ -174,10 +189,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
     gpn = cluster.gpus_per_node
     layouts = module_layouts(config)
     gpus = assign_gpus(layouts, placement=config.placement, nodes=cluster.nodes, gpus_per_node=gpn)
-    sharers: dict[int, list[str]] = {}
-    for name in layouts:
-        for gpu in gpus[name]:
-            sharers.setdefault(gpu, []).append(name)
+    sharers = gpu_sharers(gpus)  # the modules whose timelines add up on each GPU
     pgs, where = placement_groups(
         {g: len(n) for g, n in sharers.items()},
         device=cluster.device,
@@ -260,7 +272,7 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
         placement_groups=tuple(pgs),
         routing=tuple(routes),
         devices=tuple(devices),
-        handoff=resolve_handoff(device=cluster.device, placement=config.placement, handoff=config.handoff)[0],
+        handoff=plan_handoff(config, cluster=cluster),
         loss_chunk_tokens={n: s.loss_chunk_tokens for n, s in shapes.items() if n == graph.consumer},
         # the kernel the plan counts on its device and needs there (the runtime checks it is
         # installed at start: dhp.ops.linear_attn.require_kernel; each run's metrics say what ran)

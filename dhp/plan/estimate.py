@@ -122,16 +122,16 @@ def timing_shapes(
     mb = int(config.train.micro_batch_size if micro_batch is None else micro_batch)
     graph = run_graph(config)
     if graph.consumer in out:
-        llm = out[graph.consumer]
+        loss = out[graph.consumer]
         if config.data.packing:  # shape: micro_batch = the row bound, seq_len = the row length
             need = mb * sum(lengths.tokens) / len(lengths.tokens)
-            rows = min(llm.micro_batch, max(1, math.ceil(need / llm.seq_len)))
+            rows = min(loss.micro_batch, max(1, math.ceil(need / loss.seq_len)))
             out[graph.consumer] = dataclasses.replace(
-                llm, micro_batch=rows, seq_len=min(llm.seq_len, math.ceil(need / rows))
+                loss, micro_batch=rows, seq_len=min(loss.seq_len, math.ceil(need / rows))
             )
         else:
-            row = min(llm.seq_len, math.ceil(expected_longest(list(lengths.tokens), mb)))
-            out[graph.consumer] = dataclasses.replace(llm, seq_len=max(1, row))
+            row = min(loss.seq_len, math.ceil(expected_longest(list(lengths.tokens), mb)))
+            out[graph.consumer] = dataclasses.replace(loss, seq_len=max(1, row))
     for name in _pixel_producers(graph, out) if lengths.media > 0 else []:
         out[name] = dataclasses.replace(out[name], image_patches=round(sum(lengths.patches) / lengths.media))
     return out
@@ -160,12 +160,12 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
     c = shapes.get(graph.consumer)
     timed = [f"LLM {c.micro_batch} x {c.seq_len} tokens"] if c is not None else []
     for name in pixel:
-        patch = vision_patches_per_replica(
+        patch = producer_patches_per_replica(
             config,
             seq_len=shapes[name].seq_len,
             micro_batch=config.train.micro_batch_size,
-            llm_replicas=shapes[graph.consumer].layout.num_replicas,
-            vision_replicas=shapes[name].layout.num_replicas,
+            consumer_replicas=shapes[graph.consumer].layout.num_replicas,
+            producer_replicas=shapes[name].layout.num_replicas,
         )
         timed.append(f"{patch:.0f} patches")
     return (
@@ -174,27 +174,31 @@ def lengths_note(config: DictConfig, shapes: dict[str, ModuleShape]) -> str:
     )
 
 
-def vision_tokens_per_rank(config: DictConfig, shape: ModuleShape, *, llm_replicas: int) -> float:
-    """Patches one vision rank (of ``shape``'s layout) encodes per driver micro-batch, the LLM having
-    ``llm_replicas`` data replicas: the real share when the data is synthetic (known patches per
-    sample) or its lengths were measured (``data_lengths``), else the replica's capacity (``shape``'s
-    ``seq_len``: ``dhp.plan.memory.encoder_replica_patches``)."""
-    total = vision_patches_per_replica(
+def producer_tokens_per_rank(config: DictConfig, shape: ModuleShape, *, consumer_replicas: int) -> float:
+    """Tokens one rank of a producer (of ``shape``'s layout) encodes per driver micro-batch, the
+    consumer having ``consumer_replicas`` data replicas. A pixel producer (an image/video encoder):
+    its patches, the real share when the data is synthetic (known patches per sample) or its lengths
+    were measured (``data_lengths``), else the replica's capacity (``shape``'s ``seq_len``:
+    ``dhp.plan.memory.encoder_replica_patches``), for its fullest SP rank. Any other producer: its
+    bound, ``micro_batch x seq_len`` (``ModuleShape.tokens``: its ``seq_len`` counts one sample's)."""
+    if not shape.pixels:
+        return shape.tokens
+    total = producer_patches_per_replica(
         config,
         seq_len=shape.seq_len,
         micro_batch=config.train.micro_batch_size,
-        llm_replicas=llm_replicas,
-        vision_replicas=shape.layout.num_replicas,
+        consumer_replicas=consumer_replicas,
+        producer_replicas=shape.layout.num_replicas,
     )
     return sp_rank_tokens(shape.arch, total, shape.layout.sp, shape.image_patches)
 
 
-def vision_patches_per_replica(
-    config: DictConfig, *, seq_len: int, micro_batch: int, llm_replicas: int, vision_replicas: int
+def producer_patches_per_replica(
+    config: DictConfig, *, seq_len: int, micro_batch: int, consumer_replicas: int, producer_replicas: int
 ) -> float:
-    """Patches one encoder replica encodes per driver micro-batch: its share of the LLM replicas'
-    samples when the data is synthetic (images and videos of known size) or measured (the sampled
-    rows' mean patches), else its capacity ``seq_len`` (the replica's:
+    """Patches one pixel producer's replica encodes per driver micro-batch: its share of the consumer
+    replicas' samples when the data is synthetic (images and videos of known size) or measured (the
+    sampled rows' mean patches), else its capacity ``seq_len`` (the replica's:
     ``dhp.plan.memory.encoder_replica_patches``, which also caps the share). The estimate and the
     ``--auto`` search both time the encoder with this."""
     if config.data.kind != "synthetic":
@@ -202,11 +206,25 @@ def vision_patches_per_replica(
         if lengths is None:
             return float(seq_len)
         per_row = sum(lengths.patches) / len(lengths.patches)
-        return min(float(seq_len), llm_replicas * micro_batch * per_row / vision_replicas)
+        return min(float(seq_len), consumer_replicas * micro_batch * per_row / producer_replicas)
     syn, temporal = config.data.synthetic, video_frames_per_row(config.model)
     video = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
     per_sample = syn.patches * syn.images_per_sample + video
-    return min(float(seq_len), llm_replicas * micro_batch * per_sample / vision_replicas)
+    return min(float(seq_len), consumer_replicas * micro_batch * per_sample / producer_replicas)
+
+
+def vision_patches_per_replica(
+    config: DictConfig, *, seq_len: int, micro_batch: int, llm_replicas: int, vision_replicas: int
+) -> float:
+    """:func:`producer_patches_per_replica` under its former keywords (kept for its callers outside
+    the planner, which name the two modules of a VLM)."""
+    return producer_patches_per_replica(
+        config,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        consumer_replicas=llm_replicas,
+        producer_replicas=vision_replicas,
+    )
 
 
 def oversubscription(cluster: DictConfig, processes: float) -> float:
@@ -389,8 +407,8 @@ def estimate_step(
 ) -> StepEstimate:
     """The step time, throughput and per-module breakdown of ``plan`` under ``cluster``'s profile."""
     graph = run_graph(config)
-    llm_replicas = plan.group(graph.consumer).layout.num_replicas
-    n_mb = micro_batches_per_step(config.train, llm_replicas)
+    replicas = plan.group(graph.consumer).layout.num_replicas
+    n_mb = micro_batches_per_step(config.train, replicas)
     coef = coefficients(cluster)
     per: dict[str, dict[str, float]] = {}
     hand = 0.0
@@ -399,7 +417,7 @@ def estimate_step(
         world = plan.group(name).world_size
         producer = name in graph.producers
         tokens = (
-            vision_tokens_per_rank(config, shape, llm_replicas=llm_replicas) if producer else shape.tokens
+            producer_tokens_per_rank(config, shape, consumer_replicas=replicas) if producer else shape.tokens
         )
         procs = busy_processes(sum(g.world_size for g in plan.groups))
         per[name] = pipeline_time(shape, tokens, cluster, world, procs, coef, n_mb=n_mb)
@@ -429,12 +447,12 @@ def estimate_step(
         else:
             for name in pixel:
                 images += [shapes[name].seq_len] * (n_mb * shapes[name].layout.num_replicas)
-    vision = float(sum(images))
+    patches = float(sum(images))
     model_flops = palm_model_flops(config, images, seqs)
     devices = len({r.global_gpu for g in plan.groups for r in g.ranks})
     return StepEstimate(
         step_time_s=step.step_s,
-        vision_tokens_per_s=vision / step.step_s,
+        vision_tokens_per_s=patches / step.step_s,
         text_tokens_per_s=text / step.step_s,
         mfu=model_flops / step.step_s / (cluster.peak_bf16_tflops * 1e12 * devices),
         micro_batches=n_mb,

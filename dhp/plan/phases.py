@@ -30,8 +30,8 @@ In each phase a module's rank holds:
   all-gathered MoE output, the loss chunk, the hand-off payload, the flat all-reduce buffer,
   the grad-norm squares, AdamW's temporaries.
 
-Collocated modules are one process each on one GPU: their live sets add up phase by phase on one
-timeline. The GPU's peak is the max over phases (transients of different phases never add). The
+The modules of one GPU-sharing set (``dhp.config.placement``; collocated: all of them) are one
+process each on one GPU: their live sets add up phase by phase on one timeline. The GPU's peak is the max over phases (transients of different phases never add). The
 usable memory is the device minus a reserve per PROCESS (CUDA context, NCCL buffers) and an
 allocator-fragmentation fraction of the device.
 """

@@ -2,12 +2,15 @@
 
 Ranks follow :class:`dhp.layout.ParallelLayout` (mesh axes dp, fsdp, sp, tp, outer -> inner), so a
 data replica's ranks are contiguous and a TP group is a run of T consecutive ranks. GPUs are handed out in TP-sized chunks, and a chunk
-always comes from one node:
+always comes from one node. The placement's GPU-sharing sets (``dhp.config.placement``) decide who
+shares:
 
-- collocated: every group gets the same GPUs (the first N of the cluster, node-major) and rank r
-  of every group sits on the same GPU, each with ``gpu_fraction = 1 / groups``;
-- disaggregated: groups take disjoint GPUs in declaration order (vision, then llm), each chunk
-  from the first node with enough free GPUs, ``gpu_fraction = 1``.
+- the modules of one set get the same GPUs (the set's widest-TP module's chunks, from the first
+  node with enough free GPUs) and rank r of each sits on the same GPU, each with ``gpu_fraction =
+  1 / sharers``: ``collocated`` is one set of every module;
+- the sets take disjoint GPUs, one set after the other in the order written: ``disaggregated`` is a
+  set per module in declaration order (``gpu_fraction = 1``); ``a+b/c`` gives a and b the first
+  GPUs together and c the next ones.
 
 Ray: one placement group per node used, strategy STRICT_PACK, one bundle per GPU. A bundle is
 ``{"GPU": 1, "CPU": cpus_per_rank * sharers}`` on CUDA clusters and
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dhp.config.placement import sharing_sets
 from dhp.errors import PlanError
 from dhp.layout import ParallelLayout
 from dhp.plan.types import PlacementGroupSpec, Route
@@ -42,30 +46,41 @@ def assign_gpus(
     groups: Mapping[str, ParallelLayout], *, placement: str, nodes: int, gpus_per_node: int
 ) -> dict[str, list[int]]:
     """Global GPU id of every rank of every group, ``groups`` in declaration order (see the module
-    docstring for the rules)."""
+    docstring for the rules); PlanError when the placement is not valid for the groups, a sharing
+    set's groups differ in size, or a TP group finds no node with room."""
     free = [list(range(gpus_per_node)) for _ in range(nodes)]
     out: dict[str, list[int]] = {}
-    if placement == "collocated":
-        widest_name = max(groups, key=lambda n: groups[n].tp)
+    sets = sharing_sets(placement, list(groups))
+    for members in sets:
+        widest_name = max(members, key=lambda n: groups[n].tp)
         widest = groups[widest_name]
         shared: list[int] = []
         for _ in range(widest.world_size // widest.tp):
             shared += _take_chunk(free, widest.tp, group=widest_name, gpus_per_node=gpus_per_node)
-        for name, g in groups.items():
+        for name in members:
+            g = groups[name]
             if g.world_size != widest.world_size:
+                what = (
+                    "collocated groups"
+                    if len(sets) == 1
+                    else f"the groups of sharing set {'+'.join(members)}"
+                )
                 raise PlanError(
-                    f"collocated groups differ in size: '{name}' has {g.world_size} ranks, "
-                    f"'{widest_name}' has {widest.world_size}. Fix: equal gpus per module"
+                    f"{what} differ in size: '{name}' has {g.world_size} ranks, "
+                    f"'{widest_name}' has {widest.world_size}. Fix: equal gpus per module of a set"
                 )
             out[name] = list(shared)
             _check_tp_in_node(name, g, shared, gpus_per_node)
-        return out
-    for name, g in groups.items():
-        gpus: list[int] = []
-        for _ in range(g.world_size // g.tp):
-            gpus += _take_chunk(free, g.tp, group=name, gpus_per_node=gpus_per_node)
-        out[name] = gpus
-    return out
+    return {name: out[name] for name in groups}
+
+
+def gpu_sharers(gpus: Mapping[str, list[int]]) -> dict[int, list[str]]:
+    """The groups on each GPU, in declaration order (``gpu_fraction = 1 / len``; a bundle's CPUs)."""
+    sharers: dict[int, list[str]] = {}
+    for name, ids in gpus.items():
+        for gpu in ids:
+            sharers.setdefault(gpu, []).append(name)
+    return sharers
 
 
 def _check_tp_in_node(name: str, group: ParallelLayout, gpus: list[int], gpus_per_node: int) -> None:
@@ -101,24 +116,25 @@ def placement_groups(
     return specs, where
 
 
-def routing(vision: ParallelLayout, llm: ParallelLayout) -> list[Route]:
-    """N:M routing: which encoder ranks produce the image embeddings of each LLM replica.
+def routing(producer: ParallelLayout, consumer: ParallelLayout) -> list[Route]:
+    """N:M routing: which producer (encoder) ranks produce the rows of each consumer (loss module) replica.
 
-    Replica ``j`` of the LLM (ranks ``j*R_l .. (j+1)*R_l - 1``) takes its samples' embeddings from
-    encoder replica ``j // (L/V)`` when the encoder has fewer replicas (V <= L; one encoder replica
-    serves L/V LLM replicas in turn), or from encoder replicas ``j*(V/L) .. (j+1)*(V/L) - 1`` when
-    it has more (each encodes a share of the micro-batch). Inside an encoder replica the SP ranks
-    each hold a slice of the tokens; every TP rank of the LLM replica needs all of them.
+    Replica ``j`` of the consumer (ranks ``j*R_c .. (j+1)*R_c - 1``) takes its samples' rows from
+    producer replica ``j // (C/P)`` when the producer has fewer replicas (P <= C; one producer replica
+    serves C/P consumer replicas in turn), or from producer replicas ``j*(P/C) .. (j+1)*(P/C) - 1``
+    when it has more (each encodes a share of the micro-batch). Inside a producer replica the SP
+    ranks each hold a slice of the tokens; every TP rank of the consumer replica needs all of them.
+    (``Route``'s field names are the runtime's: its consumer replica and ranks, its producer's.)
     """
-    v_reps, l_reps = vision.num_replicas, llm.num_replicas
+    p_reps, c_reps = producer.num_replicas, consumer.num_replicas
     routes = []
-    for j in range(l_reps):
-        if v_reps <= l_reps:
-            v_ids = (j // (l_reps // v_reps),)
+    for j in range(c_reps):
+        if p_reps <= c_reps:
+            p_ids = (j // (c_reps // p_reps),)
         else:
-            k = v_reps // l_reps
-            v_ids = tuple(range(j * k, (j + 1) * k))
-        v_ranks = tuple(r for i in v_ids for r in vision.replica_ranks(i))
-        l_ranks = tuple(llm.replica_ranks(j))
-        routes.append(Route(llm_replica=j, llm_ranks=l_ranks, vision_replicas=v_ids, vision_ranks=v_ranks))
+            k = p_reps // c_reps
+            p_ids = tuple(range(j * k, (j + 1) * k))
+        p_ranks = tuple(r for i in p_ids for r in producer.replica_ranks(i))
+        c_ranks = tuple(consumer.replica_ranks(j))
+        routes.append(Route(j, c_ranks, p_ids, p_ranks))
     return routes

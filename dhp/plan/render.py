@@ -132,7 +132,7 @@ def placement_table(plan: Plan) -> Table:
         )
     if plan.routing:
         table.caption = "routing (LLM replica <- encoder ranks): " + "; ".join(
-            f"llm replica {r.llm_replica} (ranks {_ranges(list(r.llm_ranks))}) <- vision ranks "
+            f"replica {r.llm_replica} (ranks {_ranges(list(r.llm_ranks))}) <- encoder ranks "
             f"{_ranges(list(r.vision_ranks))}"
             for r in plan.routing
         )
@@ -309,7 +309,7 @@ def estimate_table(plan: Plan) -> Table | None:
         title=(
             f"step-time estimate (profile: {est['profile']}; {est['provenance']}): "
             f"{est['step_time_s']:.3f} s/step, "
-            f"{est['vision_tokens_per_s']:.0f} vision tok/s, {est['text_tokens_per_s']:.0f} text tok/s, "
+            f"{est['vision_tokens_per_s']:.0f} encoder tok/s, {est['text_tokens_per_s']:.0f} text tok/s, "
             f"MFU {percent(est['mfu'])}, {est['micro_batches']} micro-batches, bottleneck {est['bottleneck']}"
         )
     )

@@ -1,6 +1,9 @@
-"""How module phase times combine into a step: serial when collocated, a 2-stage pipeline when
-disaggregated (the producers side by side, then the loss module; formulas in ``dhp/plan/timing.py``),
-the micro-batches of one step, and the estimate's JSON document."""
+"""How module phase times combine into a step, by the placement's GPU-sharing sets
+(``dhp.config.placement``): the modules of one set run one after the other on its GPUs; sets run at
+the same time, the producers' sets encoding a micro-batch while the loss module's set runs the
+previous one (a 2-stage pipeline; formulas in ``dhp/plan/timing.py``). Collocated is one set (all
+serial), disaggregated a set per module. Also the micro-batches of one step, and the estimate's JSON
+document."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from dhp.config.placement import Sets, sets_among
 from dhp.plan.graph import ModuleGraph
 
 
@@ -45,33 +49,48 @@ def schedule(
 def _schedule(
     placement: str, per: dict[str, dict[str, float]], *, graph: ModuleGraph, n_mb: int, handoff: float
 ) -> Schedule:
-    """Collocated: every module's phases in turn on the shared GPUs. Disaggregated (producers on
-    GPUs of their own, apart from each other and from the consumer): the producers encode a
-    micro-batch side by side while the consumer runs the previous one, so a micro-batch costs the
-    slower of the slowest producer and the consumer (plus the pipeline's fill), then the longest
-    finish; the bottleneck is the consumer, or the first slowest producer when it is slower."""
+    """Per sharing set, its modules' work one after the other; the consumer's set (the consumer's
+    forward and backward, both hand-offs, and the producers that share its GPUs) runs micro-batch m
+    while each producers-only set encodes micro-batch m+1, so a micro-batch costs the slower of the
+    slowest such set and the consumer's set (plus the pipeline's fill), then the longest set's finish
+    (its modules' grad syncs and optimizers in turn). One set (collocated): everything in turn,
+    bottleneck ``serial (shared GPUs)``; else the consumer, or the first slowest producer of the
+    slowest producers' set when that set is slower. A module idles what its set does not work."""
     fin = {n: p["grad_sync_s"] + p["optim_s"] for n, p in per.items()}
     consumer = graph.consumer
     producers = [p for p in graph.producers if p in per]
+    sets = sets_among(placement, [*producers, consumer])
     if "pp_bubble_s" in per[consumer]:
-        return _pipelined(placement, per, producers, consumer, fin, n_mb=n_mb, handoff=handoff)
+        return _pipelined(sets, per, producers, consumer, fin, n_mb=n_mb, handoff=handoff)
     if not producers:
         c = per[consumer]
         return Schedule(n_mb * (c["fwd_s"] + c["bwd_s"]) + fin[consumer], consumer, {consumer: 0.0})
     work = {p: per[p]["fwd_s"] + per[p]["bwd_s"] for p in producers}
-    lm = per[consumer]["fwd_s"] + per[consumer]["bwd_s"] + 2 * handoff
-    if placement == "collocated":
-        step = n_mb * (sum(work.values()) + lm) + sum(fin.values())
+    work[consumer] = per[consumer]["fwd_s"] + per[consumer]["bwd_s"] + 2 * handoff
+    home = next(g for g in sets if consumer in g)
+    shared = [p for p in producers if p in home]  # on the consumer's GPUs: before it, in turn
+    lm = sum(work[p] for p in shared) + work[consumer] if shared else work[consumer]
+    if len(sets) == 1:
+        step = n_mb * lm + sum(fin.values())
         return Schedule(step, "serial (shared GPUs)", {n: 0.0 for n in (*producers, consumer)})
-    slowest = max(producers, key=lambda p: work[p])  # the first of the slowest
-    v = work[slowest]
-    step = n_mb * max(v, lm) + min(v, lm) + max(fin.values())
-    busy = {**{p: n_mb * work[p] + fin[p] for p in producers}, consumer: n_mb * lm + fin[consumer]}
-    return Schedule(step, consumer if lm >= v else slowest, {n: max(step - b, 0.0) for n, b in busy.items()})
+    apart = [g for g in sets if consumer not in g]
+    load = {g: sum(work[p] for p in g) for g in apart}
+    slow_set = max(apart, key=lambda g: load[g])  # the first of the slowest
+    slowest = max(slow_set, key=lambda p: work[p])
+    v = load[slow_set]
+    step = n_mb * max(v, lm) + min(v, lm) + max(_set_sum(fin, g) for g in sets)
+    busy = {g: n_mb * (lm if g is home else load[g]) + _set_sum(fin, g) for g in sets}
+    idle = {n: max(step - busy[g], 0.0) for g in sets for n in g}
+    return Schedule(step, consumer if lm >= v else slowest, {n: idle[n] for n in (*producers, consumer)})
+
+
+def _set_sum(values: dict[str, float], group: tuple[str, ...]) -> float:
+    """The sum over one sharing set's modules (their phases run in turn on its GPUs)."""
+    return sum(values[n] for n in group) if len(group) > 1 else values[group[0]]
 
 
 def _pipelined(
-    placement: str,
+    sets: Sets,
     per: dict[str, dict[str, float]],
     producers: list[str],
     consumer: str,
@@ -82,20 +101,22 @@ def _pipelined(
 ) -> Schedule:
     """A consumer with pipeline stages runs every micro-batch of the step in ONE schedule: the
     producers' forwards of every micro-batch run before it, their backwards after it ends (no
-    overlap with the consumer, collocated or not). The pipeline: its slowest rank's micro-batches,
-    the schedule's bubble, the stage boundaries' sends and the hand-off both ways per micro-batch."""
+    overlap with the consumer, whatever the sets): the producers of one set in turn, the sets side by
+    side. The pipeline: its slowest rank's micro-batches, the schedule's bubble, the stage
+    boundaries' sends and the hand-off both ways per micro-batch."""
     c = per[consumer]
     lm = n_mb * (c["fwd_s"] + c["bwd_s"] + 2 * handoff) + c["pp_bubble_s"] + c["pp_p2p_s"]
     enc = {p: n_mb * (per[p]["fwd_s"] + per[p]["bwd_s"]) for p in producers}
-    serial = sum(enc.values()) if placement == "collocated" else max(enc.values(), default=0.0)
-    finish = sum(fin.values()) if placement == "collocated" else max(fin.values())
+    groups = [tuple(p for p in g if p in enc) for g in sets]
+    serial = max((sum(enc[p] for p in g) for g in groups if g), default=0.0)
+    finish = max(_set_sum(fin, g) for g in sets)
     step = serial + lm + finish
     busy = {**{p: enc[p] + fin[p] for p in producers}, consumer: lm + fin[consumer]}
-    idle = (
-        {n: max(step - b, 0.0) for n, b in busy.items()}
-        if placement != "collocated"
-        else {n: 0.0 for n in busy}
-    )
+    if len(sets) == 1:
+        idle = {n: 0.0 for n in busy}
+    else:
+        on_set = {n: sum(busy[m] for m in g) for g in sets for n in g}
+        idle = {n: max(step - on_set[n], 0.0) for n in busy}
     return Schedule(step, consumer if lm >= serial else max(enc, key=enc.get), idle)
 
 

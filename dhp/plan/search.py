@@ -1,13 +1,17 @@
 """``dhp plan --auto``: a deterministic search for the fastest plan that fits.
 
-The search pairs the run's one producer (an encoder) with the module that computes the loss, both
-read off the module graph (``dhp.plan.graph``); a run with several producers, or none, is refused.
+The search combines the run's producers (encoders, any number) with the module that computes the
+loss, all read off the module graph (``dhp.plan.graph``).
 
 Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
 
-- placement: collocated on all N GPUs, or disaggregated with every split v + l = N; the same on
-  N/2, N/4, ... GPUs, which win only where more ranks are predicted slower, and on the run
-  config's own GPU count and split (``Search.placements``);
+- placement: the modules' GPU-sharing sets (``dhp.config.placement``): collocated (one set),
+  disaggregated (a set per module) and, for up to ``ALL_PARTITIONS_UP_TO`` modules, every other
+  partition (for more, only the producers together apart from the consumer), minus those whose
+  hand-off edges would need different transports; each on all N GPUs with every split of them over
+  the sets (two modules: collocated on N, disaggregated v + l = N), the same on N/2, N/4, ... GPUs,
+  which win only where more ranks are predicted slower, and the run config's own placement and GPU
+  counts (``Search.classes``);
 - per module and world size: every (dp, fsdp, sp, tp, ZeRO-1, SP inside TP, ep, etp, expert FSDP)
   that :func:`dhp.config.plan_space.module_problems` accepts, the same rule validation and
   ``parallelize`` apply (the axes the family declares for the module, sp and tp exclusive, tp inside
@@ -16,7 +20,7 @@ Space, for the run's cluster (N = nodes x gpus_per_node GPUs):
   count, expert FSDP only with edp > 1);
 - activation checkpointing off | selective | full per module;
 - sequence parallelism inside TP (on or off, where tp > 1 and the module has it);
-- micro-batch: every size that divides the global batch over the LLM replicas. The encoder's
+- micro-batch: every size that divides the global batch over the LLM replicas. Each pixel producer's
   ``seq_len`` (the patches of one LLM replica's micro-batch, what the loader bounds) scales with
   it from the patches per sample (the recipe's own at the recipe's micro-batch); an encoder
   replica serving several LLM replicas is sized and timed for all their patches, as
@@ -33,9 +37,11 @@ What the user fixed on the command line (``modules.vision.parallel.sp=4``, ``pla
 generated. Precision is never searched (it changes the numerics); the recipe's stays.
 
 Each module's terms and time are computed once per (world, degrees, AC, micro-batch, replicas of
-the other module); a pair is the combination. Pairs are visited fastest-bound first and the visit
-stops once a module's best time alone already exceeds the 10th best step (bound pruning, not
-sampling). Plans that do not fit are dropped; the best ones are then validated as full run configs
+the consumer); a candidate is the combination, each sharing set's modules added up on its GPUs.
+Combinations are visited fastest-bound first and the visit skips a consumer whose time alone
+already exceeds the 10th best step (bound pruning, not sampling). With several producers each one
+keeps only its ``PRODUCER_CHOICES`` fastest choices that fit alone where it shares GPUs, its fastest
+one where it has GPUs of its own, before they are combined (their product stays small); with one producer every choice is combined, as before. Plans that do not fit are dropped; the best ones are then validated as full run configs
 (``dhp.validation.validate``), and rejected ones dropped, until ``top`` remain. Ranking: predicted
 tokens/s (the step's work is fixed by the global batch, so this is the shortest step time); ties
 break on the candidate's text form, so the result is deterministic.
@@ -43,190 +49,46 @@ break on the candidate's text form, so the result is deterministic.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import copy
 import dataclasses
+import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from dhp.config.handoff import resolve_handoff
+from dhp.config.handoff import run_handoff
+from dhp.config.placement import partitions, placement_name, set_of, sets_among
 from dhp.config.plan_space import (
     declared_axes,
-    module_problems,
     pipeline_micro_batches,
     split_backward_refuses,
 )
 from dhp.errors import PlanError
 from dhp.layout import ParallelLayout, module_layout
-from dhp.models.arch import ModuleAxes
 from dhp.models.registry import get_arch
+from dhp.plan.candidate import SEQ_SUFFIX, Candidate, ModuleChoice
 from dhp.plan.compile import image_patches, packed_rows
 from dhp.plan.estimate import (
     busy_processes,
     coefficients,
     handoff_seconds,
     pipeline_time,
+    producer_patches_per_replica,
     timing_shapes,
-    vision_patches_per_replica,
 )
-from dhp.plan.graph import ModuleGraph, run_graph
+from dhp.plan.graph import run_graph
 from dhp.plan.memory import encoder_replica_patches, module_shape, sp_rank_tokens
 from dhp.plan.params import architecture, video_frames_per_row
 from dhp.plan.phases import gpu_timeline, reserve_bytes
 from dhp.plan.pipeline import ahead_of_pipeline, pipeline_terms
 from dhp.plan.schedule import schedule
+from dhp.plan.search_space import divisors, module_degrees
 
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ModuleChoice:
-    """One module's candidate: its layout, AC, and the estimate alone."""
-
-    name: str
-    world: int
-    degrees: ParallelLayout
-    ac: str
-    time: dict[str, float]  # dhp.plan.estimate.module_time (+ handoff_s of the producer)
-    terms: object  # phases.ModuleTerms (with pipeline stages: the fullest pipeline rank's)
-    shape: object = None  # memory.ModuleShape
-    stages: tuple = ()  # phases.ModuleTerms of every pipeline rank (one without pipeline stages)
-
-    @property
-    def per_mb(self) -> float:
-        return self.time["fwd_s"] + self.time["bwd_s"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    placement: str
-    micro_batch: int
-    vision_seq_len: int
-    vision: ModuleChoice
-    llm: ModuleChoice
-    step_s: float
-    peak: int
-    budget: int
-    bottleneck: str
-    idle: dict[str, float] = field(default_factory=dict)
-
-    def overrides(self) -> list[str]:
-        out = [f"placement={self.placement}", f"train.micro_batch_size={self.micro_batch}"]
-        for m in (self.vision, self.llm):
-            out.append(f"modules.{m.name}.gpus={m.world}")
-            degs = m.degrees.config_values()
-            out += [f"modules.{m.name}.parallel.{k}={_override_value(v)}" for k, v in degs.items() if v != []]
-            out.append(f"modules.{m.name}.activation_checkpointing={m.ac}")
-        out.append(f"modules.{self.vision.name}.seq_len={self.vision_seq_len}")
-        return out
-
-    @property
-    def gpus(self) -> int:
-        """GPUs the plan uses (collocated modules share theirs)."""
-        w = (self.vision.world, self.llm.world)
-        return max(w) if self.placement == "collocated" else sum(w)
-
-    def label(self) -> str:
-        def deg(m: ModuleChoice) -> str:
-            d = m.degrees
-            axes = " ".join(
-                f"{k}{getattr(d, k)}"
-                for k in ("pp", "dp", "fsdp", "cp", "sp", "tp", "ep")
-                if getattr(d, k) > 1
-            )
-            if d.pp > 1:  # the schedule (and its stages per rank)
-                axes += f" {d.pp_schedule}" + (f" v{d.pp_virtual}" if d.pp_virtual > 1 else "")
-            seq = "+sp" if m.degrees.sequence_parallel else ""
-            experts = (f" etp{d.etp}" if d.etp > 1 else "") + (" efsdp" if d.expert_fsdp else "")
-            return f"{axes or 'dp1'}{seq}{experts}{' z1' if m.degrees.zero else ''} ac={m.ac}"
-
-        split = "" if self.placement == "collocated" else f" {self.vision.world}:{self.llm.world}"
-        mods = f"{self.vision.name} {deg(self.vision)} | {self.llm.name} {deg(self.llm)}"
-        return f"{self.placement}{split} | {mods} | mb {self.micro_batch}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def module_degrees(
-    name: str, world: int, *, axes: ModuleAxes, gpus_per_node: int, mixed_precision: str
-) -> list[ParallelLayout]:
-    """Every (pp, pp_virtual, pp_schedule, dp, fsdp, cp, sp, tp, zero, sequence_parallel, ep, etp,
-    expert_fsdp) of module ``name`` on ``world`` GPUs that the plan-validity rule
-    (:func:`dhp.config.plan_space.module_problems`) accepts: the runtime's space (cp > 1 only where the
-    module declares context parallelism; ep > 1, etp = tp and expert_fsdp only where it declares
-    expert parallelism, ep dividing the token ranks dp x fsdp x cp x sp, ep x etp the experts,
-    expert_fsdp with edp > 1; pipeline stages only where it declares pp, :func:`_pipelines`). The
-    step's micro-batch count is checked per candidate (``pipeline_micro_batches``)."""
-    out = []
-    for pp, v, sched in _pipelines(world, axes=axes):
-        out += [
-            d.replace(pp=pp, pp_virtual=v, pp_schedule=sched) for d in _stage_degrees(world, pp, axes=axes)
-        ]
-    return [
-        d
-        for d in out
-        if not module_problems(
-            name,
-            gpus=world,
-            layout=d,
-            axes=axes,
-            gpus_per_node=gpus_per_node,
-            activation_checkpointing="off",
-            mixed_precision=mixed_precision,
-        )
-    ]
-
-
-#: the pipelines the search tries where the module declares pp: (pp_virtual, schedule); gpipe is left
-#: out (1f1b's bubble with more micro-batches in flight)
-PIPELINE_CHOICES = ((1, "1f1b"), (2, "interleaved_1f1b"), (2, "zero_bubble"))
-PIPELINE_DEGREES = (2, 4, 8)
-
-
-def _pipelines(world: int, *, axes: ModuleAxes) -> list[tuple[int, int, str]]:
-    """(pp, pp_virtual, schedule) of the search: no pipeline, then pp in PIPELINE_DEGREES dividing
-    ``world`` with every PIPELINE_CHOICES entry, where the module declares pp (the rule checks the
-    rest: stages <= layers, no cp / sequence parallelism, the refused settings)."""
-    out = [(1, 1, "1f1b")]
-    if axes.pp and not axes.pp_refused:
-        out += [(pp, v, s) for pp in PIPELINE_DEGREES if world % pp == 0 for v, s in PIPELINE_CHOICES]
-    return out
-
-
-def _stage_degrees(world: int, pp: int, *, axes: ModuleAxes) -> list[ParallelLayout]:
-    """The degrees of one pipeline stage's ``world / pp`` ranks (every axis but pp)."""
-    world //= pp
-    out = []
-    for tp, sp, cp, fsdp in _splits(world, cp=axes.cp and pp == 1):
-        dp = world // (tp * sp * cp * fsdp)
-        eps = _divisors(dp * fsdp * cp * sp) if axes.experts else [1]
-        etps = sorted({1, tp}) if axes.experts else [1]
-        efsdps = (False, True) if axes.experts else (False,)
-        for z, q, ep, etp, efsdp in itertools.product((0, 1), (False, True), eps, etps, efsdps):
-            d = ParallelLayout(
-                dp=dp, fsdp=fsdp, cp=cp, sp=sp, tp=tp, ep=ep, etp=etp, expert_fsdp=efsdp, zero=z,
-                sequence_parallel=q,
-            )  # fmt: skip
-            if (z and dp * cp * sp == 1) or (q and (tp == 1 or pp > 1)):
-                continue  # ZeRO-1 over one rank, SP inside TP of one rank (or refused by pp): a no-op
-            out.append(d)
-    return out
-
-
-def _splits(world: int, *, cp: bool) -> list[tuple[int, int, int, int]]:
-    """(tp, sp, cp, fsdp) whose product divides ``world`` (dp takes the rest); cp = 1 unless the
-    module declares context parallelism."""
-    out = []
-    for tp in _divisors(world):
-        for sp in _divisors(world // tp):
-            for c in _divisors(world // (tp * sp)) if cp else [1]:
-                out += [(tp, sp, c, f) for f in _divisors(world // (tp * sp * c))]
-    return out
 
 
 def _fixed(fixed: set[str], key: str) -> bool:
@@ -243,6 +105,28 @@ def _patches_per_sample(config: DictConfig, producer: str) -> float:
     return config.modules[producer].seq_len / config.train.micro_batch_size
 
 
+#: the best choices per producer the search combines when several producers feed the consumer
+#: (ranked by their time per step alone) where it shares GPUs with other modules (memory decides
+#: there); a producer alone on its GPUs keeps its fastest: the product stays small (prune, not multiply)
+PRODUCER_CHOICES = 3
+#: the modules up to which every partition into GPU-sharing sets is searched; beyond, only
+#: collocated, disaggregated and the producers together apart from the consumer
+ALL_PARTITIONS_UP_TO = 3
+
+
+@dataclass(frozen=True)
+class PlacementClass:
+    """One class of candidates: GPU-sharing sets and the GPUs of each module (equal inside a set)."""
+
+    placement: str
+    sets: tuple[tuple[str, ...], ...]
+    worlds: dict[str, int]
+
+    def key(self) -> tuple:
+        """(placement, GPUs of each module in ``modules`` order): ``Search.placements``' entries."""
+        return (self.placement, *self.worlds.values())
+
+
 class Search:
     """The search over one validated run config (see the module docstring)."""
 
@@ -250,20 +134,26 @@ class Search:
         self.cfg = config
         self.fixed = fixed
         self.graph = run_graph(config)
-        if len(self.graph.producers) != 1:
-            raise PlanError(_one_producer(self.graph))
-        self.producer, self.consumer = self.graph.producers[0], self.graph.consumer
+        self.producers, self.consumer = self.graph.producers, self.graph.consumer
+        self.modules = self.graph.modules
         self.cluster = config.cluster
         self.coef = coefficients(config.cluster)
         self.gpn = config.cluster.gpus_per_node
         self.n = config.cluster.nodes * self.gpn
         self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
-        self.patches_per_sample = _patches_per_sample(config, self.producer)
+        self.patches_per_sample = {p: _patches_per_sample(config, p) for p in self.producers}
         self._cache: dict[tuple, ModuleChoice | None] = {}
         self.ruled_out: dict[str, ClassReport] = {}  # by class label, after run(): none of it fits
-        self._procs = 0
-        self._placement = "collocated"
+        self._procs = 0  # rank processes of the class being searched (every module's ranks)
+        self._span = 0  # GPUs of the class being searched
+        self._transport = ""  # the hand-off transport of the class being searched
         self.best_full: Candidate | None = None  # the fastest candidate seen on all N GPUs
+
+    def __getattr__(self, name: str) -> object:
+        """``<producer>_seq_len(mb, sp)``: :meth:`seq_len` of that producer."""
+        if name.endswith(SEQ_SUFFIX) and name[: -len(SEQ_SUFFIX)] in self.__dict__.get("producers", ()):
+            return functools.partial(self.seq_len, name[: -len(SEQ_SUFFIX)])
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     # ---- what the user fixed ------------------------------------------------------------------
     def _keep(self, name: str, world: int, d: ParallelLayout, ac: str) -> bool:
@@ -292,48 +182,87 @@ class Search:
         while t % 2 == 0 and t > 1:
             t //= 2
             out.append(t)
-        mine = self._own_gpus()
-        return out + ([mine] if 0 < mine <= self.n and mine not in out else [])
+        mine = self._own().key()
+        gpus = sum(max(mine[1 + self.modules.index(m)] for m in g) for g in self._own().sets)
+        return out + ([gpus] if 0 < gpus <= self.n and gpus not in out else [])
 
-    def _own_gpus(self) -> int:
-        v, lm = int(self.cfg.modules[self.producer].gpus), int(self.cfg.modules[self.consumer].gpus)
-        return max(v, lm) if self.cfg.placement == "collocated" else v + lm
+    def _own(self) -> PlacementClass:
+        sets = sets_among(self.cfg.placement, self.modules)
+        worlds = {m: int(self.cfg.modules[m].gpus) for m in self.modules}
+        return PlacementClass(str(self.cfg.placement), sets, worlds)
 
-    def placements(self) -> list[tuple[str, int, int]]:
-        """(placement, producer GPUs, consumer GPUs): collocated on t GPUs, or disaggregated with every split
-        of t, for every t of ``totals``. Plans on fewer GPUs than the cluster has compete on the same
+    def _partitions(self) -> list[tuple[tuple[str, ...], ...]]:
+        """The GPU-sharing sets searched: the run config's when ``placement`` is fixed; else every
+        partition of a few modules (collocated first, disaggregated last), or for more modules
+        collocated, the producers together apart from the consumer, and disaggregated. Sets whose
+        hand-off edges need different transports (``dhp.config.handoff.run_handoff``) are left out."""
+        if _fixed(self.fixed, "placement"):
+            return [self._own().sets]
+        mods = self.modules
+        if len(mods) <= ALL_PARTITIONS_UP_TO:
+            found = partitions(mods)
+        else:
+            found = [(mods,), (self.producers, (self.consumer,)), tuple((m,) for m in mods)]
+        return [s for s in found if self._transport_of(s)[1] is None]
+
+    def _transport_of(self, sets: tuple[tuple[str, ...], ...]) -> tuple[str, str | None]:
+        return run_handoff(
+            device=self.cluster.device, sets=sets, consumer=self.consumer, handoff=self.cfg.handoff
+        )
+
+    def classes(self) -> list[PlacementClass]:
+        """Every class searched: each partition of ``_partitions`` on t GPUs for every t of
+        ``totals``, its sets' GPU counts every composition of t (one set: t), then the run config's
+        own when it is none of these. Plans on fewer GPUs than the cluster has compete on the same
         predicted step time: they win only where more ranks are predicted slower (a CPU host whose
         cores the ranks share, or too little work per rank for the collectives it adds)."""
-        colloc = not _fixed(self.fixed, "placement") or self.cfg.placement == "collocated"
-        disagg = not _fixed(self.fixed, "placement") or self.cfg.placement == "disaggregated"
-        out = []
+        out: list[PlacementClass] = []
+        parts = self._partitions()
         for t in self.totals():
-            out += [("collocated", t, t)] if colloc else []
-            out += [("disaggregated", v, t - v) for v in range(1, t)] if disagg else []
-        mods = self.cfg.modules
-        mine = (str(self.cfg.placement), int(mods[self.producer].gpus), int(mods[self.consumer].gpus))
-        return out + ([mine] if mine not in out else [])
+            for sets in parts:
+                name = placement_name(sets, self.modules)
+                for split in _compositions(t, len(sets)):
+                    per_set = dict(zip(sets, split, strict=True))
+                    worlds = {m: next(w for g, w in per_set.items() if m in g) for m in self.modules}
+                    out.append(PlacementClass(name, sets, worlds))
+        mine = self._own()
+        return out + ([mine] if mine.key() not in {c.key() for c in out} else [])
 
-    def micro_batches(self, l_reps: int, v_reps: int) -> list[int]:
+    def placements(self) -> list[tuple]:
+        """(placement, GPUs of each module: producers, then the consumer) of every class searched
+        (:meth:`classes`); with one producer (placement, producer GPUs, consumer GPUs)."""
+        return [c.key() for c in self.classes()]
+
+    def micro_batches(self, l_reps: int, *p_reps: int) -> list[int]:
+        """Micro-batch sizes that divide the global batch over the consumer's ``l_reps`` replicas and,
+        where a producer has more replicas (``p_reps``), split over them."""
         gb = self.cfg.train.global_batch_size
         if _fixed(self.fixed, "train.micro_batch_size"):
             mbs = [self.cfg.train.micro_batch_size]
         else:
-            mbs = _divisors(gb)
+            mbs = divisors(gb)
         return [
-            mb for mb in mbs if gb % (mb * l_reps) == 0 and (v_reps <= l_reps or mb % (v_reps // l_reps) == 0)
+            mb
+            for mb in mbs
+            if gb % (mb * l_reps) == 0 and all(v <= l_reps or mb % (v // l_reps) == 0 for v in p_reps)
         ]
 
-    def vision_seq_len(self, mb: int, sp: int) -> int:
-        """``modules.<producer>.seq_len`` of a candidate: the patches of one LLM replica's micro-batch of
-        ``mb`` samples (what the loader bounds; an encoder replica serving several LLM replicas
-        encodes that many times it: ``memory.encoder_replica_patches``), on whole merge units of
-        every SP rank. The recipe's own when it is fixed, or when ``mb`` is the recipe's."""
+    def seq_len(self, producer: str, mb: int, sp: int) -> int:
+        """``modules.<producer>.seq_len`` of a candidate. A pixel producer: the patches of one
+        consumer replica's micro-batch of ``mb`` samples (what the loader bounds; a replica serving
+        several consumer replicas encodes that many times it: ``memory.encoder_replica_patches``), on
+        whole merge units of every SP rank. The recipe's own when it is fixed, when ``mb`` is the
+        recipe's, or for a producer whose seq_len counts one sample's tokens (no pixel rows: its
+        tokens scale with the micro-batch by themselves)."""
         cfg = self.cfg
-        if _fixed(self.fixed, f"modules.{self.producer}.seq_len") or mb == cfg.train.micro_batch_size:
-            return int(cfg.modules[self.producer].seq_len)
-        unit = architecture(cfg.model).modules[self.producer].merge * sp
-        need = self.patches_per_sample * mb
+        arch = architecture(cfg.model).modules[producer]
+        own = int(cfg.modules[producer].seq_len)
+        if _fixed(self.fixed, f"modules.{producer}.seq_len") or mb == cfg.train.micro_batch_size:
+            return own
+        if not arch.input_row:
+            return own
+        unit = arch.merge * sp
+        need = self.patches_per_sample[producer] * mb
         return int(math.ceil(need / unit) * unit)
 
     # ---- one module ---------------------------------------------------------------------------
@@ -349,9 +278,9 @@ class Search:
         tokens: float,
         l_reps: int = 1,
     ) -> ModuleChoice | None:
-        """One module's candidate; ``l_reps``: the LLM's data replicas (an encoder replica serves
-        ``l_reps / d.num_replicas`` of them per micro-batch)."""
-        key = (name, world, d, ac, mb, n_mb, seq, tokens, l_reps, self._procs, self._placement)
+        """One module's candidate; ``l_reps``: the consumer's data replicas (a producer replica
+        serves ``l_reps / d.num_replicas`` of them per micro-batch)."""
+        key = (name, world, d, ac, mb, n_mb, seq, tokens, l_reps, self._procs, self._span, self._transport)
         if key in self._cache:
             return self._cache[key]
         mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
@@ -368,7 +297,7 @@ class Search:
         )
         if name == self.consumer:  # as compile.module_shapes: packed rows when packing is on
             shape = packed_rows(self.cfg, shape)
-        if shape.pixels:  # as compile.module_shapes: every patch of the LLM replicas it serves
+        if shape.pixels:  # as compile.module_shapes: every patch of the consumer replicas it serves
             replicas = ParallelLayout(dp=l_reps)
             shape = dataclasses.replace(
                 shape, seq_len=encoder_replica_patches(seq, producer=d, consumer=replicas)
@@ -379,25 +308,17 @@ class Search:
         # time on the data's measured lengths, as the winner's estimate line does; memory (terms) keeps
         # the seq_len-filled shape
         timed = timing_shapes(self.cfg, {name: shape}, micro_batch=mb)[name]
-        producer = name == self.producer
-        time = pipeline_time(
-            timed, tokens if producer else timed.tokens, self.cluster, world, procs, self.coef, n_mb=n_mb
-        )
+        producer = name in self.producers
+        tok = tokens if producer and shape.pixels else timed.tokens
+        time = pipeline_time(timed, tok, self.cluster, world, procs, self.coef, n_mb=n_mb)
         if producer:  # one hand-off (and one hand-back) per micro-batch, as the estimate
-            span = world if self._placement == "collocated" else self._procs
+            rows = tok * d.sp if shape.pixels else tok
             time["handoff_s"] = handoff_seconds(
-                shape, tokens * d.sp, self.cluster, handoff=self._handoff(), span=span
+                shape, rows, self.cluster, handoff=self._transport, span=self._span
             )
         choice = ModuleChoice(name, world, d, ac, time, terms, shape, tuple(stages))
         self._cache[key] = choice
         return choice
-
-    def _handoff(self) -> str:
-        """The hand-off the runtime resolves for this device and the placement being searched."""
-        resolved, _ = resolve_handoff(
-            device=self.cluster.device, placement=self._placement, handoff=self.cfg.handoff
-        )
-        return resolved
 
     def _degrees(self, name: str, world: int) -> list[ParallelLayout]:
         return module_degrees(
@@ -411,12 +332,27 @@ class Search:
     def _image(self) -> int:
         return image_patches(self.cfg)  # the estimate's span of one image or video
 
-    def _vision_tokens(self, mb: int, l_reps: int, d: ParallelLayout, seq: int) -> float:
+    def _producer_tokens(self, name: str, mb: int, l_reps: int, d: ParallelLayout, seq: int) -> float:
+        """Patches one rank of a pixel producer encodes per micro-batch (0 for any other producer:
+        :meth:`module` times its own tokens)."""
+        arch = architecture(self.cfg.model).modules[name]
+        if not arch.input_row:
+            return 0.0
         bound = encoder_replica_patches(seq, producer=d, consumer=ParallelLayout(dp=l_reps))
-        total = vision_patches_per_replica(
-            self.cfg, seq_len=bound, micro_batch=mb, llm_replicas=l_reps, vision_replicas=d.num_replicas
+        total = producer_patches_per_replica(
+            self.cfg,
+            seq_len=bound,
+            micro_batch=mb,
+            consumer_replicas=l_reps,
+            producer_replicas=d.num_replicas,
         )
-        return sp_rank_tokens(architecture(self.cfg.model).modules[self.producer], total, d.sp, self._image())
+        return sp_rank_tokens(arch, total, d.sp, self._image())
+
+    def _enter(self, cls: PlacementClass) -> None:
+        """Make ``cls`` the class being searched (its processes, GPUs and hand-off transport)."""
+        self._procs = sum(cls.worlds.values())
+        self._span = sum(max(cls.worlds[m] for m in g) for g in cls.sets)
+        self._transport = self._transport_of(cls.sets)[0]
 
     # ---- the search ---------------------------------------------------------------------------
     def run(self, keep: int = 200) -> list[Candidate]:
@@ -435,8 +371,7 @@ class Search:
             labels.add(cand.label())
             if cand.gpus == self.n and (self.best_full is None or cand.step_s < self.best_full.step_s):
                 self.best_full = cand
-            best.append(cand)
-            best.sort(key=lambda c: (c.step_s, c.label()))
+            bisect.insort(best, cand, key=lambda c: (c.step_s, c.label()))
             del best[keep:]
             if len(best) >= 10:
                 worst = best[9].step_s
@@ -444,40 +379,41 @@ class Search:
         mine = self.own()
         if mine is not None:
             add(mine)
-        for placement, vw, lw in self.placements():
-            self._procs, self._placement = vw + lw, placement
-            report = self.ruled_out.setdefault(_class_label(placement, vw, lw), ClassReport())
-            for cand in self._class(placement, vw, lw, report, bound=lambda: worst):
+        for cls in self.classes():
+            self._enter(cls)
+            report = self.ruled_out.setdefault(_class_label(cls), ClassReport())
+            for cand in self._class(cls, report, bound=lambda: worst):
                 add(cand)
         self.ruled_out = {k: r for k, r in self.ruled_out.items() if not r.fits}
         if mine is not None and mine.label() not in {c.label() for c in best}:
             best.append(mine)  # slower than all ``keep`` others, and still a candidate
         return best
 
-    def _budgets(self, placement: str) -> tuple[int, int]:
-        """(usable bytes of a GPU the placement shares, of a GPU one module has alone)."""
-        procs = 2 if placement == "collocated" else 1
-        budget = self.budget_bytes - reserve_bytes(self.budget_bytes, processes=procs)
-        return budget, self.budget_bytes - reserve_bytes(self.budget_bytes, processes=1)
+    def _usable(self, sharers: int) -> int:
+        """Usable bytes of a GPU that ``sharers`` modules' processes share."""
+        return self.budget_bytes - reserve_bytes(self.budget_bytes, processes=sharers)
 
-    def _class(self, placement: str, vw: int, lw: int, report: ClassReport, bound) -> list[Candidate]:
-        """The candidates of one placement on (vw, lw) GPUs that fit, noting in ``report`` why the
-        others do not; ``bound()``: the step time an LLM alone must beat to be worth pairing."""
-        budget, solo = self._budgets(placement)
-        cons, prod = self.consumer, self.producer
-        l_opts, v_opts = self._degrees(cons, lw), self._degrees(prod, vw)
-        if not l_opts or not v_opts:
-            report.note = (
-                f"no valid {'LLM' if not l_opts else prod} layout on {lw if not l_opts else vw} GPUs"
-            )
+    def _class(self, cls: PlacementClass, report: ClassReport, bound) -> list[Candidate]:
+        """The candidates of one class that fit, noting in ``report`` why the others do not;
+        ``bound()``: the step time a consumer alone must beat to be worth combining."""
+        cons, prods, worlds = self.consumer, self.producers, cls.worlds
+        lw = worlds[cons]
+        l_opts = self._degrees(cons, lw)
+        p_opts = {p: self._degrees(p, worlds[p]) for p in prods}
+        empty = next((p for p in prods if not p_opts[p]), None)
+        if not l_opts or empty is not None:
+            report.note = f"no valid {'LLM' if not l_opts else empty} layout on {lw if not l_opts else worlds[empty]} GPUs"
             return []
+        alone = len(set_of(cls.sets, cons)) == 1
+        solo = self._usable(1)
         out = []
         for ld in l_opts:
-            for v_reps in sorted({d.num_replicas for d in v_opts}):
-                if max(v_reps, ld.num_replicas) % min(v_reps, ld.num_replicas):
+            l_reps = ld.num_replicas
+            for reps in itertools.product(*(sorted({d.num_replicas for d in p_opts[p]}) for p in prods)):
+                if any(max(r, l_reps) % min(r, l_reps) for r in reps):
                     continue
-                for mb in self.micro_batches(ld.num_replicas, v_reps):
-                    n_mb = self.cfg.train.global_batch_size // (mb * ld.num_replicas)
+                for mb in self.micro_batches(l_reps, *reps):
+                    n_mb = self.cfg.train.global_batch_size // (mb * l_reps)
                     if ld.pp > 1 and pipeline_micro_batches(ld, n_mb) is not None:
                         continue  # the schedule cannot run this many micro-batches
                     seq_l = int(self.cfg.modules[cons].seq_len)
@@ -486,75 +422,126 @@ class Search:
                         for ac in self._acs(cons)
                         if self._keep(cons, lw, ld, ac) and not split_backward_refuses(ld, ac)
                     ]
-                    if placement != "collocated":  # the LLM's GPUs are its own
+                    if alone:  # the consumer's GPUs are its own
                         for c in llms:
                             report.over(gpu_timeline([c.terms]).peak, solo)
                         llms = [c for c in llms if gpu_timeline([c.terms]).peak <= solo]
                     if not llms:
                         continue
                     if n_mb * min(c.per_mb for c in llms) > bound():
-                        continue  # bound: the LLM alone is slower than the 10th best step
-                    for vd in v_opts:
-                        if vd.num_replicas != v_reps:
-                            continue
-                        seq = self.vision_seq_len(mb, vd.sp)
-                        tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
-                        for vac in self._acs(prod):
-                            if not self._keep(prod, vw, vd, vac):
-                                continue
-                            vc = self.module(prod, vw, vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
-                            for lc in llms:
-                                cand = self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, report)
-                                if cand is not None:
-                                    out.append(cand)
+                        continue  # bound: the consumer alone is slower than the 10th best step
+                    options = [
+                        self._producer_options(cls, p, p_opts[p], r, mb, n_mb, l_reps)
+                        for p, r in zip(prods, reps, strict=True)
+                    ]
+                    for combo in itertools.product(*options):
+                        for lc in llms:
+                            cand = self._combine(cls, mb, combo, lc, n_mb, report)
+                            if cand is not None:
+                                out.append(cand)
         if not report.pairs and not report.note and not report.peak:
             report.note = "no micro-batch size divides the global batch over both modules' replicas"
         return out
 
+    def _producer_options(
+        self,
+        cls: PlacementClass,
+        name: str,
+        opts: list[ParallelLayout],
+        reps: int,
+        mb: int,
+        n_mb: int,
+        l_reps: int,
+    ) -> list[tuple[int, ModuleChoice]]:
+        """(seq_len, choice) of producer ``name`` with ``reps`` replicas; with several producers the
+        ``PRODUCER_CHOICES`` fastest alone (per step: micro-batches and finish) among those that fit
+        their GPUs alone (the sharing set's memory is checked when combined)."""
+        world, out = cls.worlds[name], []
+        for vd in opts:
+            if vd.num_replicas != reps:
+                continue
+            seq = self.seq_len(name, mb, vd.sp)
+            tokens = self._producer_tokens(name, mb, l_reps, vd, seq)
+            for vac in self._acs(name):
+                if self._keep(name, world, vd, vac):
+                    out.append((seq, self.module(name, world, vd, vac, mb, n_mb, seq, tokens, l_reps)))
+        if len(self.producers) <= 1:
+            return out
+        sharers = len(set_of(cls.sets, name))
+        fit = [o for o in out if gpu_timeline([o[1].terms]).peak <= self._usable(sharers)]
+        fit.sort(key=lambda o: n_mb * o[1].per_mb + o[1].time["grad_sync_s"] + o[1].time["optim_s"])
+        return fit[: PRODUCER_CHOICES if sharers > 1 else 1]
+
     def own(self) -> Candidate | None:
         """The run config's own plan as a candidate, timed and sized as every other (None when it
-        does not fit): its placement, GPU counts, degrees, AC modes, micro-batch and vision seq_len."""
-        cfg = self.cfg
-        v, lm = cfg.modules[self.producer], cfg.modules[self.consumer]
-        vd, ld = module_layout(v), module_layout(lm)
-        placement, mb = str(cfg.placement), int(cfg.train.micro_batch_size)
-        self._procs, self._placement = int(v.gpus) + int(lm.gpus), placement
+        does not fit): its placement, GPU counts, degrees, AC modes, micro-batch and seq_lens."""
+        cfg, cls = self.cfg, self._own()
+        self._enter(cls)
+        mb = int(cfg.train.micro_batch_size)
+        lm = cfg.modules[self.consumer]
+        ld = module_layout(lm)
         n_mb = cfg.train.global_batch_size // (mb * ld.num_replicas)
-        seq = int(v.seq_len)
         lc = self.module(
             self.consumer, int(lm.gpus), ld, str(lm.activation_checkpointing), mb, n_mb, int(lm.seq_len), 0.0
         )
-        tokens = self._vision_tokens(mb, ld.num_replicas, vd, seq)
-        vac = str(v.activation_checkpointing)
-        vc = self.module(self.producer, int(v.gpus), vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)
-        budget, solo = self._budgets(placement)
-        return self._pair(placement, mb, seq, vc, lc, n_mb, budget, solo, ClassReport())
+        combo = []
+        for p in self.producers:
+            v = cfg.modules[p]
+            vd, seq = module_layout(v), int(v.seq_len)
+            tokens = self._producer_tokens(p, mb, ld.num_replicas, vd, seq)
+            vac = str(v.activation_checkpointing)
+            combo.append((seq, self.module(p, int(v.gpus), vd, vac, mb, n_mb, seq, tokens, ld.num_replicas)))
+        return self._combine(cls, mb, tuple(combo), lc, n_mb, ClassReport())
 
-    def _pair(self, placement, mb, seq, vc, lc, n_mb, budget, solo, report) -> Candidate | None:
-        # a pipelined LLM: the encoder holds every micro-batch's activations (dhp.plan.pipeline)
-        v_terms = ahead_of_pipeline(vc.terms, lc.degrees, micro_batches=n_mb)
+    def _combine(self, cls: PlacementClass, mb, combo, lc, n_mb, report) -> Candidate | None:
+        """The candidate of the producers' ``combo`` ((seq_len, choice) each) with consumer ``lc``:
+        per sharing set, its modules' timelines added on one GPU (every pipeline rank of the consumer,
+        where it shares), against the usable memory of that many processes; None when a set does
+        not fit."""
+        # a pipelined consumer: the producers hold every micro-batch's activations (dhp.plan.pipeline)
+        prods = [c for _, c in combo]
+        terms = {c.name: ahead_of_pipeline(c.terms, lc.degrees, micro_batches=n_mb) for c in prods}
         l_stages = lc.stages or (lc.terms,)
-        if placement == "collocated":  # every pipeline rank's GPUs also hold an encoder rank
-            peak, cap = max(gpu_timeline([v_terms, t]).peak for t in l_stages), budget
-        else:
-            peak = max(gpu_timeline([v_terms]).peak, gpu_timeline([lc.terms]).peak)
-            cap = solo
+        per_set = []  # (peak, usable) of each sharing set
+        for group in cls.sets:
+            mine = [terms[n] for n in group if n != lc.name]
+            if lc.name not in group:
+                peak = gpu_timeline(mine).peak
+            elif mine:  # every pipeline rank's GPUs also hold the producers' ranks
+                peak = max(gpu_timeline([*mine, t]).peak for t in l_stages)
+            else:
+                peak = gpu_timeline([lc.terms]).peak
+            per_set.append((peak, self._usable(len(group))))
+        peak = max(p for p, _ in per_set)
+        worst = max(per_set, key=lambda pc: (pc[0] - pc[1], pc[0]))
+        cap = next(c for p, c in per_set if p == peak)
+        fits = all(p <= c for p, c in per_set)
         report.pairs += 1
-        report.fits += 1 if peak <= cap else 0
-        report.over(peak, cap)
-        if peak > cap:
+        report.fits += 1 if fits else 0
+        report.over(*worst)
+        if not fits:
             return None
-        per = {vc.name: vc.time, lc.name: lc.time}
-        hand = vc.time["handoff_s"]
+        per = {c.name: c.time for c in prods} | {lc.name: lc.time}
+        hand = sum(c.time["handoff_s"] for c in prods)
         sch = schedule(
-            placement,
+            cls.placement,
             per,
             graph=self.graph,
             n_mb=n_mb,
             handoff=hand,
             dispatch=self.cluster.dispatch_overhead_s,
         )
-        return Candidate(placement, mb, seq, vc, lc, sch.step_s, peak, cap, sch.bottleneck, sch.idle_s)
+        seqs = tuple((c.name, seq) for seq, c in combo)
+        return Candidate(
+            cls.placement, mb, seqs, (*prods, lc), sch.step_s, peak, cap, sch.bottleneck, sch.idle_s, cls.sets
+        )
+
+
+def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to write ``total`` as ``parts`` positive counts, the first count smallest first."""
+    if parts == 1:
+        return [(total,)] if total >= 1 else []
+    return [(first, *rest) for first in range(1, total) for rest in _compositions(total - first, parts - 1)]
 
 
 @dataclass
@@ -579,22 +566,15 @@ class ClassReport:
         return f"none fits memory (smallest peak {_size(self.peak)} > {_size(self.cap)} usable)"
 
 
-def _one_producer(graph: ModuleGraph) -> str:
-    """Why ``--auto`` cannot search ``graph``: it pairs one producer with the loss module."""
-    return (
-        f"dhp plan --auto searches one encoder feeding the loss module ({graph.consumer}); this run has "
-        f"{len(graph.producers)} ({', '.join(graph.producers) or 'none'}). Fix: use a VLM recipe, or plan "
-        "it as configured (dhp plan without --auto)"
-    )
-
-
 def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _class_label(placement: str, vw: int, lw: int) -> str:
-    gpus = f"{vw} GPU{'s' if vw > 1 else ''}"
-    return f"collocated on {gpus}" if placement == "collocated" else f"disaggregated {vw}:{lw}"
+def _class_label(cls: PlacementClass) -> str:
+    worlds = [max(cls.worlds[m] for m in g) for g in cls.sets]
+    if len(worlds) == 1:
+        return f"{cls.placement} on {worlds[0]} GPU{'s' if worlds[0] > 1 else ''}"
+    return f"{cls.placement} {':'.join(str(w) for w in worlds)}"
 
 
 def reason(
@@ -602,15 +582,18 @@ def reason(
 ) -> str:
     """One sentence on why the winner wins (and, when it leaves GPUs idle, what all of them would
     have predicted)."""
-    if best.placement == "disaggregated":
+    worlds = best._set_worlds()
+    if len(worlds) > 1:
+        consumer = best.consumer.name
         hide = (
             "the encoder stage hides behind the LLM stage"
-            if best.bottleneck == best.llm.name
+            if best.bottleneck == consumer
             else "the LLM stage hides behind the encoder stage"
         )
-        text = f"disaggregated {best.vision.world}:{best.llm.world} wins: {hide}"
+        text = f"{best.placement} {':'.join(str(w) for w in worlds)} wins: {hide}"
     else:
-        text = "collocated wins: both modules use every GPU, one after the other, with no pipeline bubble"
+        every = "both modules use" if len(best.choices) == 2 else "every module uses"
+        text = f"{best.placement} wins: {every} every GPU, one after the other, with no pipeline bubble"
     if runner_up is not None:
         text += f"; {100 * (runner_up.step_s / best.step_s - 1):.1f}% faster than '{runner_up.label()}'"
     if cluster_gpus and best.gpus < cluster_gpus:
@@ -621,13 +604,6 @@ def reason(
             else "every plan on all of them is predicted slower than these"
         )
     return text
-
-
-def _override_value(value: object) -> str:
-    """A degree as a command-line override writes it (``true``, ``4``, ``[20,20]``)."""
-    if isinstance(value, list):
-        return "[" + ",".join(str(v) for v in value) + "]"
-    return str(value).lower()
 
 
 def apply(config: DictConfig, overrides: list[str]) -> DictConfig:

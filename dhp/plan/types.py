@@ -213,7 +213,7 @@ class Plan:
     """The compiled plan of a run: groups, Ray placement, routing and the memory verdict."""
 
     name: str
-    placement: str  # collocated | disaggregated
+    placement: str  # collocated | disaggregated | a partition a+b/c (dhp.config.placement)
     device: str  # cuda | cpu
     device_memory_bytes: int
     reserve_bytes: int  # held back from device memory (CUDA context, NCCL, fragmentation)

@@ -20,14 +20,16 @@ Per-sample sizes of real data whose rows were not measured are ``None``.
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig
 
 from dhp.config.validate_data_keys import synthetic_sample_tokens
 from dhp.layout import ParallelLayout
-from dhp.plan.estimate import data_lengths, timing_shapes, vision_patches_per_replica
+from dhp.plan.estimate import data_lengths, producer_patches_per_replica, timing_shapes
 from dhp.plan.graph import run_graph
 from dhp.plan.memory import ModuleShape, sp_rank_tokens
-from dhp.plan.params import video_frames_per_row
+from dhp.plan.params import architecture, video_frames_per_row
 from dhp.plan.schedule import micro_batches_per_step
 
 
@@ -35,15 +37,15 @@ def _per_sample(config: DictConfig) -> tuple[str, dict]:
     """(where the sizes come from, the per-sample counts)."""
     data = config.data
     if data.kind == "synthetic":
-        syn, v = data.synthetic, config.model.vision
-        temporal = video_frames_per_row(config.model)
+        syn, temporal = data.synthetic, video_frames_per_row(config.model)
+        merge = _pixel_merge(config)
         longest = max(syn.text_tokens, syn.text_tokens_max)
         mean_text = (syn.text_tokens + longest) / 2
 
         def tokens(text: float) -> float:
             return (
                 synthetic_sample_tokens(
-                    syn, spatial_merge_size=v.spatial_merge_size, temporal_patch_size=temporal, text_tokens=0
+                    syn, spatial_merge_size=merge, temporal_patch_size=temporal, text_tokens=0
                 )
                 + text
             )
@@ -82,16 +84,23 @@ def _per_sample(config: DictConfig) -> tuple[str, dict]:
     }
 
 
-def _module(config: DictConfig, shape: ModuleShape, *, llm_layout: ParallelLayout) -> dict:
+def _pixel_merge(config: DictConfig) -> int:
+    """Patches per side of one merged row of the model's pixel-input module (its declared ``merge``
+    is side x side), 1 without one."""
+    pixel = [m for m in architecture(config.model).modules.values() if m.input_row]
+    return math.isqrt(pixel[0].merge) if pixel else 1
+
+
+def _module(config: DictConfig, shape: ModuleShape, *, consumer: ParallelLayout) -> dict:
     """One module's bound and the micro-batch the step time is computed on (``shape``: timed)."""
     out: dict = {"seq_len": int(config.modules[shape.name].seq_len), "replicas": shape.layout.num_replicas}
     if shape.pixels:
-        patches = vision_patches_per_replica(
+        patches = producer_patches_per_replica(
             config,
             seq_len=shape.seq_len,
             micro_batch=config.train.micro_batch_size,
-            llm_replicas=llm_layout.num_replicas,
-            vision_replicas=shape.layout.num_replicas,
+            consumer_replicas=consumer.num_replicas,
+            producer_replicas=shape.layout.num_replicas,
         )
         out.update(
             sp=shape.layout.sp,
@@ -112,15 +121,15 @@ def plan_workload(
 ) -> dict:
     """The ``workload`` document of a plan (module docstring): ``shapes`` as memory plans them
     (``compile.module_shapes``), ``layouts`` every module's."""
-    llm = run_graph(config).consumer
+    loss = run_graph(config).consumer
     source, sample = _per_sample(config)
     measured = sample["llm_tokens"] is not None
     timed = timing_shapes(config, shapes)
     train = config.train
-    n_mb = micro_batches_per_step(train, layouts[llm].num_replicas)
+    n_mb = micro_batches_per_step(train, layouts[loss].num_replicas)
     gbs = int(train.global_batch_size)
-    modules = {name: _module(config, shape, llm_layout=layouts[llm]) for name, shape in timed.items()}
-    lm = timed[llm]
+    modules = {name: _module(config, shape, consumer=layouts[loss]) for name, shape in timed.items()}
+    lm = timed[loss]
     return {
         "source": source,
         "batch": {
@@ -133,6 +142,6 @@ def plan_workload(
         "tokens_per_step": {
             "text": gbs * sample["llm_tokens"] if measured else None,
             "vision": gbs * sample["vision_patches"] if measured else None,
-            "llm_padded": n_mb * layouts[llm].num_replicas * lm.micro_batch * lm.seq_len,
+            "llm_padded": n_mb * layouts[loss].num_replicas * lm.micro_batch * lm.seq_len,
         },
     }
