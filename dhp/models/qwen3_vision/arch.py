@@ -48,15 +48,20 @@ def deepstack_kwarg(level: int) -> str:
     return f"{DEEPSTACK_PREFIX}{level}"
 
 
-def vision_tp_sharded(*, deepstack: bool) -> tuple[str, ...]:
-    """The encoder's TP-sharded module globs (``Capabilities.tp_sharded["vision"]``)."""
+#: the attribute of transformers' encoder that holds the DeepStack mergers (Qwen3-Omni's: ``merger_list``)
+DEEPSTACK_MERGERS = "deepstack_merger_list"
+
+
+def vision_tp_sharded(*, deepstack: bool, mergers: str = DEEPSTACK_MERGERS) -> tuple[str, ...]:
+    """The encoder's TP-sharded module globs (``Capabilities.tp_sharded["vision"]``); ``mergers``: the
+    encoder's attribute that holds the DeepStack mergers."""
     globs = (
         "visual.blocks.*.attn.qkv",
         "visual.blocks.*.attn.proj",
         "visual.blocks.*.mlp.*",
         "visual.merger.linear_fc*",
     )
-    return (*globs, "visual.deepstack_merger_list.*.linear_fc*") if deepstack else globs
+    return (*globs, f"visual.{mergers}.*.linear_fc*") if deepstack else globs
 
 
 @dataclass(frozen=True)

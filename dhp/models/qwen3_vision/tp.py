@@ -14,12 +14,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from dhp.models.arch import ModuleAxes
 from dhp.models.axes import runtime_plan
 from dhp.models.family import AttentionSite, ModuleParallelPlan
+from dhp.models.qwen3_vision.arch import DEEPSTACK_MERGERS
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
 
-def vision_tp_plan(*, deepstack: bool) -> dict[str, ParallelStyle]:
+def vision_tp_plan(*, deepstack: bool, mergers: str = DEEPSTACK_MERGERS) -> dict[str, ParallelStyle]:
     """Every ``nn.Linear`` of the encoder matches exactly one glob (tested per family); ``deepstack``:
-    whether the encoder has DeepStack mergers (``visual.deepstack_merger_list``)."""
+    whether the encoder has DeepStack mergers (``visual.<mergers>``: ``deepstack_merger_list`` in
+    Qwen3-VL, ``merger_list`` in Qwen3-Omni)."""
     plan: dict[str, ParallelStyle] = {
         "visual.blocks.*.attn.qkv": FusedColwiseParallel(num_chunks=3),
         "visual.blocks.*.attn.proj": RowwiseParallel(),
@@ -29,19 +31,21 @@ def vision_tp_plan(*, deepstack: bool) -> dict[str, ParallelStyle]:
         "visual.merger.linear_fc2": RowwiseParallel(),
     }
     if deepstack:
-        plan["visual.deepstack_merger_list.*.linear_fc1"] = ColwiseParallel()
-        plan["visual.deepstack_merger_list.*.linear_fc2"] = RowwiseParallel()
+        plan[f"visual.{mergers}.*.linear_fc1"] = ColwiseParallel()
+        plan[f"visual.{mergers}.*.linear_fc2"] = RowwiseParallel()
     return plan
 
 
-def vision_parallel_plan(axes: ModuleAxes, *, deepstack: bool) -> ModuleParallelPlan:
+def vision_parallel_plan(
+    axes: ModuleAxes, *, deepstack: bool, mergers: str = DEEPSTACK_MERGERS
+) -> ModuleParallelPlan:
     """The encoder's plan: TP by FQN (incl. the DeepStack mergers when ``deepstack``), Ulysses SP on
     every block's attention (heads all-to-all; the rows are cut by ``sp.shard_images``); what each
     degree must divide is the declared ``axes`` (``arch.vision_axes``)."""
     return runtime_plan(
         axes,
         blocks=("visual.blocks.*",),
-        tp=lambda sequence_parallel: vision_tp_plan(deepstack=deepstack),
+        tp=lambda sequence_parallel: vision_tp_plan(deepstack=deepstack, mergers=mergers),
         tp_heads=("visual.blocks.*.attn",),
         sp=(AttentionSite("visual.blocks.*.attn"),),
     )
