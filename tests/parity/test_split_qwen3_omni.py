@@ -82,18 +82,26 @@ def omni_batch(cfg, records: list[list[tuple]], *, seeds: list[int]) -> dict[str
                 ids += [cfg.audio_start_token_id, *[cfg.audio_token_id] * n, cfg.audio_end_token_id]
             elif kind == "image":
                 grid = (1, *spec[0])
-                visual.append(("image", grid, None, torch.randn(int(np.prod(grid)), row_width, generator=gen)))
+                visual.append(
+                    ("image", grid, None, torch.randn(int(np.prod(grid)), row_width, generator=gen))
+                )
                 n = grid[1] * grid[2] // merge**2
                 ids += [cfg.vision_start_token_id, *[cfg.image_token_id] * n, cfg.vision_end_token_id]
             else:  # a video, alone or with its audio track
                 grid, seconds = spec[0], spec[1]
-                visual.append(("video", grid, seconds, torch.randn(int(np.prod(grid)), row_width, generator=gen)))
+                visual.append(
+                    ("video", grid, seconds, torch.randn(int(np.prod(grid)), row_width, generator=gen))
+                )
                 if kind == "video":
                     body = [cfg.video_token_id] * (int(np.prod(grid)) // merge**2)
                 else:
                     audios.append(torch.randn(spec[2], mels, generator=gen))
                     n = audio_token_counts(torch.tensor([spec[2]]), n_window=n_window)[0]
-                    body = [cfg.audio_start_token_id, *_interleaved(cfg, grid, seconds, n), cfg.audio_end_token_id]
+                    body = [
+                        cfg.audio_start_token_id,
+                        *_interleaved(cfg, grid, seconds, n),
+                        cfg.audio_end_token_id,
+                    ]
                 ids += [cfg.vision_start_token_id, *body, cfg.vision_end_token_id]
             ids += torch.randint(*TEXT_IDS, (2,), generator=gen).tolist()
         rows.append(ids)
@@ -117,10 +125,14 @@ def omni_batch(cfg, records: list[list[tuple]], *, seeds: list[int]) -> dict[str
     seconds = torch.tensor([s for k, _, s, _ in visual if k == "video"], dtype=torch.float32)
     hf: dict[str, object] = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     if (~is_video).any():
-        hf["pixel_values"] = torch.cat([p for p, vid in zip(pixels, is_video.tolist()) if not vid])
+        hf["pixel_values"] = torch.cat(
+            [p for p, vid in zip(pixels, is_video.tolist(), strict=True) if not vid]
+        )
         hf["image_grid_thw"] = grids[~is_video]
     if is_video.any():
-        hf["pixel_values_videos"] = torch.cat([p for p, vid in zip(pixels, is_video.tolist()) if vid])
+        hf["pixel_values_videos"] = torch.cat(
+            [p for p, vid in zip(pixels, is_video.tolist(), strict=True) if vid]
+        )
         hf["video_grid_thw"], hf["video_second_per_grid"] = grids[is_video], seconds
     if audios:
         longest = max(a.shape[0] for a in audios)
@@ -186,7 +198,9 @@ def split_step(modules, batch):
     loss.backward()
     names = list(outs)
     torch.autograd.backward([outs[k] for k in names], [leaves[k].grad for k in names])
-    grads = {n: {k: p.grad for k, p in m.named_parameters() if p.grad is not None} for n, m in modules.items()}
+    grads = {
+        n: {k: p.grad for k, p in m.named_parameters() if p.grad is not None} for n, m in modules.items()
+    }
     return loss.detach(), out, grads
 
 
@@ -224,7 +238,9 @@ def assert_matches(family, ref, modules, hf_config, batch, *, use_audio_in_video
 def test_split_matches_reference(setup):
     """Audio-only, image + audio, video with its audio track, text-only: one batch, one HF call."""
     family, hf_config, ref, modules = setup
-    batch = omni_batch(hf_config, [AUDIO_ONLY, IMAGE_AND_AUDIO, VIDEO_WITH_AUDIO, TEXT_ONLY], seeds=[1, 2, 3, 4])
+    batch = omni_batch(
+        hf_config, [AUDIO_ONLY, IMAGE_AND_AUDIO, VIDEO_WITH_AUDIO, TEXT_ONLY], seeds=[1, 2, 3, 4]
+    )
     assert batch["use_audio_in_video"].tolist() == [False, False, True, False]
     assert (batch["attention_mask"] == 0).any()  # padding: the aux loss must mask it as HF does
     assert_matches(family, ref, modules, hf_config, batch, use_audio_in_video=True)
@@ -389,3 +405,32 @@ def test_audio_sp_rank_without_windows_returns_no_rows(setup):
     grads = [p.grad for p in modules["audio"].parameters() if p.grad is not None]
     assert grads and all(not g.any() for g in grads)  # ... with zero gradients
     modules["audio"].zero_grad(set_to_none=True)
+
+
+def test_tiny_checkpoint_loads_into_the_modules(tmp_path):
+    """The tiny directory (``dhp.models.qwen3_omni.tiny``) reads back: its config, every module's
+    tensors equal to transformers' own ``from_pretrained``, the audio tokens and the audio processor."""
+    from dhp.models import make_tiny_checkpoint
+    from dhp.models.loading import build_and_load
+
+    family = get_family("qwen3_omni")
+    cfg = family.tiny_model_config()
+    make_tiny_checkpoint(tmp_path, model_cfg=cfg, sharded=True)
+    hf_config = family.hf_config_from_dir(tmp_path)
+    assert (hf_config.vision_start_token_id, hf_config.audio_end_token_id) == (9, 435)
+    ref = dict(
+        family.reference_class(hf_config).from_pretrained(tmp_path, dtype=torch.float32).named_parameters()
+    )
+    for name in family.module_names:
+        module, _ = build_and_load(
+            family, name, tmp_path, hf_config=hf_config, dtype=torch.float32, device="cpu"
+        )
+        for fqn, p in module.named_parameters():
+            assert torch.equal(p, ref[family.hf_key(name, fqn)]), (name, fqn)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "audio"}]}], tokenize=False)
+    assert "<|audio_start|><|audio_pad|><|audio_end|>" in text
+    assert tok.convert_tokens_to_ids("<|audio_pad|>") == cfg.tokens.audio_token_id
+    assert family.load_audio_processor(str(tmp_path)).feature_size == cfg.audio.num_mel_bins

@@ -88,7 +88,9 @@ def audio_params(a: Any, *, out_hidden: int) -> ParamCount:
     biases. The sinusoidal position table is a buffer."""
     h, d = a.hidden_size, a.extra["downsample_hidden_size"]
     convs = (9 * d + d) + 2 * (9 * d * d + d)
-    root = convs + d * conv_out_width(a.num_mel_bins) * h + 2 * h + (h * h + h) + (h * out_hidden + out_hidden)
+    root = (
+        convs + d * conv_out_width(a.num_mel_bins) * h + 2 * h + (h * h + h) + (h * out_hidden + out_hidden)
+    )
     return ParamCount(tp_sharded=0, replicated=a.depth * audio_block_params(a).replicated + root)
 
 
@@ -110,7 +112,9 @@ def audio_arch(model: Any) -> ModuleArch:
     per_row = d * freq[2] * h + h * h + h * out
     return ModuleArch(
         hidden=h,
-        blocks=uniform_blocks(a.depth, attn, Mlp(kind="dense", intermediate=a.intermediate_size, gated=False)),
+        blocks=uniform_blocks(
+            a.depth, attn, Mlp(kind="dense", intermediate=a.intermediate_size, gated=False)
+        ),
         params=audio_params(a, out_hidden=out),
         block_params=audio_block_params(a),
         largest_param=max(9 * d * d, d * freq[2] * h, h * a.intermediate_size, h * out, h * h),

@@ -154,7 +154,9 @@ class AudioModule(nn.Module):
             return {"audio_embeds": self._encode(blank, lens.new_tensor([blank.shape[0]]), None)[:0]}
         return {"audio_embeds": self._encode(features, lens, chunk_frames)}
 
-    def _encode(self, features: torch.Tensor, lens: torch.Tensor, chunk_frames: torch.Tensor | None) -> torch.Tensor:
+    def _encode(
+        self, features: torch.Tensor, lens: torch.Tensor, chunk_frames: torch.Tensor | None
+    ) -> torch.Tensor:
         """transformers' encoder forward with its chunking precomputed at the padded length ``pad``
         (what its own helpers compute when ``pad`` is the call's longest chunk)."""
         tower = self.audio_tower

@@ -129,14 +129,18 @@ class Qwen3OmniFamily(Qwen3Family):
             )
         return shard_images(rows, meta, sp_size=sp_size, config=hf_config.vision_config)
 
-    def tokens_per_item(self, name: str, hf_config: Qwen3OmniMoeThinkerConfig, meta: torch.Tensor) -> list[int]:
+    def tokens_per_item(
+        self, name: str, hf_config: Qwen3OmniMoeThinkerConfig, meta: torch.Tensor
+    ) -> list[int]:
         """Hand-off rows per item: an audio's rows of its frames (13 per 100); an image's or video's
         ``t*h*w / merge**2``."""
         if name == "audio":
             return audio_token_counts(meta, n_window=hf_config.audio_config.n_window)
         return image_token_counts(meta, hf_config.vision_config.spatial_merge_size)
 
-    def blank_input(self, name: str, hf_config: Qwen3OmniMoeThinkerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def blank_input(
+        self, name: str, hf_config: Qwen3OmniMoeThinkerConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest valid input of producer ``name``: one zero mel frame (one audio row) with meta
         ``[[1]]``, or one merge unit of zero patches with grid ``[[1, m, m]]``."""
         if name == "audio":
@@ -215,7 +219,9 @@ class Qwen3OmniFamily(Qwen3Family):
             cfg = Qwen3OmniMoeConfig.from_pretrained(str(path)).thinker_config
         else:
             cfg = Qwen3OmniMoeThinkerConfig.from_pretrained(str(path))
-        missing = [k for k in ("vision_start_token_id", "audio_end_token_id") if getattr(cfg, k, None) is None]
+        missing = [
+            k for k in ("vision_start_token_id", "audio_end_token_id") if getattr(cfg, k, None) is None
+        ]
         if missing:
             raise CheckpointError(
                 f"{path}/config.json: the thinker config has no {missing}, which TMRoPE and the audio "

@@ -185,7 +185,9 @@ class LLMModule(Qwen3LLMModule):
         if image_embeds is not None:
             inputs_embeds = scatter_rows(inputs_embeds, self.placed(input_ids), image_embeds)
         if audio_embeds is not None:
-            inputs_embeds = scatter_rows(inputs_embeds, input_ids == self.vl_config.audio_token_id, audio_embeds)
+            inputs_embeds = scatter_rows(
+                inputs_embeds, input_ids == self.vl_config.audio_token_id, audio_embeds
+            )
         return inputs_embeds
 
 
