@@ -434,3 +434,30 @@ def test_tiny_checkpoint_loads_into_the_modules(tmp_path):
     assert "<|audio_start|><|audio_pad|><|audio_end|>" in text
     assert tok.convert_tokens_to_ids("<|audio_pad|>") == cfg.tokens.audio_token_id
     assert family.load_audio_processor(str(tmp_path)).feature_size == cfg.audio.num_mel_bins
+
+
+def test_parallel_plans_cover_the_modules(setup):
+    """Every nn.Linear of the vision encoder (transformers' ``merger_list`` DeepStack mergers included)
+    and of the LLM matches exactly one TP glob, the routers and 3-D experts none (EP splits them); the
+    audio encoder has no TP and FSDP blocks that match its layers; Ulysses SP sits on every vision block."""
+    from dhp.parallel.plan_match import glob_match, matching
+
+    family, hf_config, _, modules = setup
+    for name in ("vision", "llm"):
+        globs = [g for g in family.parallel_plan(name, hf_config).tp(False) if not g.endswith("embed_tokens")]
+        for fqn, sub in modules[name].named_modules():
+            hits = [g for g in globs if glob_match(fqn, g)]
+            if isinstance(sub, torch.nn.Linear):
+                assert len(hits) == 1, (fqn, hits)
+            if fqn.endswith((".mlp.gate", ".mlp.experts")):
+                assert hits == [], (fqn, hits)
+        assert all(matching(modules[name], [g]) for g in globs), name
+    assert {"visual.merger_list.*.mlp.0", "visual.merger.mlp.2"} <= set(
+        family.parallel_plan("vision", hf_config).tp(False)
+    )
+    audio = family.parallel_plan("audio", hf_config)
+    assert audio.tp is None and audio.sp == ()
+    assert len(matching(modules["audio"], audio.blocks)) == hf_config.audio_config.encoder_layers
+    assert family.parallel_plan("vision", hf_config).sp[0].modules == "visual.blocks.*.attn"
+    llm = family.parallel_plan("llm", hf_config)
+    assert (llm.moe_blocks, llm.experts) == ("language_model.layers.*.mlp", 8)

@@ -7,7 +7,8 @@
   MLP, LayerNorm and a two-Linear projection to the LLM width. 100 mel frames make 13 output rows. No
   TP; its SP axis cuts whole attention windows and exchanges nothing (``audio.shard_audio``).
 - ``vision``: the Qwen3-VL-style encoder with DeepStack (``dhp/models/qwen3_vision``; transformers keeps
-  its DeepStack mergers in ``visual.merger_list``): TP and Ulysses SP.
+  its DeepStack mergers in ``visual.merger_list``,
+  each merger's Linears in ``mlp.0`` / ``mlp.2``): TP and Ulysses SP.
 - ``llm``: the Qwen3 MoE decoder (``dhp/models/qwen3_base/decoder.py``) with TMRoPE
   (``model.llm.extra.position_id_per_seconds``) and the router's load-balancing loss; the thinker has
   no dense flavour.
@@ -36,10 +37,10 @@ from dhp.models.arch import (
 from dhp.models.qwen3_base import arch as base
 from dhp.models.qwen3_base.arch import Flavour
 from dhp.models.qwen3_base.decoder import DecoderNumbers, Qwen3DecoderArch
-from dhp.models.qwen3_vision.arch import vision_tp_sharded
+from dhp.models.qwen3_vision.arch import MergerNames, vision_tp_sharded
 
-#: transformers' attribute holding the encoder's DeepStack mergers
-MERGERS = "merger_list"
+#: where transformers' Qwen3-Omni encoder keeps its mergers' Linears (``mlp`` = Linear, GELU, Linear)
+MERGERS = MergerNames(deepstack="merger_list", fc1="mlp.0", fc2="mlp.2")
 AUDIO_EMBEDS = "audio_embeds"
 EXAMPLE = "qwen3_omni_30b_a3b"
 #: ``model.audio`` sizes that must be positive, and its ``extra`` keys

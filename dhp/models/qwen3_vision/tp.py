@@ -14,30 +14,30 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from dhp.models.arch import ModuleAxes
 from dhp.models.axes import runtime_plan
 from dhp.models.family import AttentionSite, ModuleParallelPlan
-from dhp.models.qwen3_vision.arch import DEEPSTACK_MERGERS
+from dhp.models.qwen3_vision.arch import QWEN3_VL_MERGERS, MergerNames
 from dhp.parallel.vision_tp import FusedColwiseParallel, UnevenRowwiseParallel
 
 
-def vision_tp_plan(*, deepstack: bool, mergers: str = DEEPSTACK_MERGERS) -> dict[str, ParallelStyle]:
+def vision_tp_plan(*, deepstack: bool, mergers: MergerNames = QWEN3_VL_MERGERS) -> dict[str, ParallelStyle]:
     """Every ``nn.Linear`` of the encoder matches exactly one glob (tested per family); ``deepstack``:
-    whether the encoder has DeepStack mergers (``visual.<mergers>``: ``deepstack_merger_list`` in
-    Qwen3-VL, ``merger_list`` in Qwen3-Omni)."""
+    whether the encoder has DeepStack mergers; ``mergers``: where its mergers' Linears are
+    (``arch.MergerNames``: Qwen3-VL's by default)."""
     plan: dict[str, ParallelStyle] = {
         "visual.blocks.*.attn.qkv": FusedColwiseParallel(num_chunks=3),
         "visual.blocks.*.attn.proj": RowwiseParallel(),
         "visual.blocks.*.mlp.linear_fc1": ColwiseParallel(),
         "visual.blocks.*.mlp.linear_fc2": UnevenRowwiseParallel(),
-        "visual.merger.linear_fc1": ColwiseParallel(),
-        "visual.merger.linear_fc2": RowwiseParallel(),
+        f"visual.merger.{mergers.fc1}": ColwiseParallel(),
+        f"visual.merger.{mergers.fc2}": RowwiseParallel(),
     }
     if deepstack:
-        plan[f"visual.{mergers}.*.linear_fc1"] = ColwiseParallel()
-        plan[f"visual.{mergers}.*.linear_fc2"] = RowwiseParallel()
+        plan[f"visual.{mergers.deepstack}.*.{mergers.fc1}"] = ColwiseParallel()
+        plan[f"visual.{mergers.deepstack}.*.{mergers.fc2}"] = RowwiseParallel()
     return plan
 
 
 def vision_parallel_plan(
-    axes: ModuleAxes, *, deepstack: bool, mergers: str = DEEPSTACK_MERGERS
+    axes: ModuleAxes, *, deepstack: bool, mergers: MergerNames = QWEN3_VL_MERGERS
 ) -> ModuleParallelPlan:
     """The encoder's plan: TP by FQN (incl. the DeepStack mergers when ``deepstack``), Ulysses SP on
     every block's attention (heads all-to-all; the rows are cut by ``sp.shard_images``); what each
