@@ -40,6 +40,7 @@ pytestmark = pytest.mark.parity
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4  # relative, fp32; see the module docstring
 SP_ROWS_TOL, SP_GRAD_RTOL = 1e-6, 1e-5
 ZERO_GRAD_ATOL = 1e-9  # gradients that are zero by construction (the audio attention's key bias)
+VISION_RTOL = 1e-5  # the encoder over 2 gloo ranks (TP, Ulysses SP): only summation order changes
 TEXT_IDS = (20, 400)  # random text ids: above the specials, below the tiny audio tokens (433..435)
 
 AUDIO_ONLY = [("text", 5), ("audio", 370)]  # 3 full chunks + a 70-frame tail: 2 attention windows
@@ -461,3 +462,66 @@ def test_parallel_plans_cover_the_modules(setup):
     assert family.parallel_plan("vision", hf_config).sp[0].modules == "visual.blocks.*.attn"
     llm = family.parallel_plan("llm", hf_config)
     assert (llm.moe_blocks, llm.experts) == ("language_model.layers.*.mlp", 8)
+
+
+def _vision_tp_and_sp(rank: int, world: int) -> None:
+    """One gloo rank of :func:`test_vision_tp2_and_sp2_match_one_process`."""
+    import fnmatch
+    import types
+
+    import torch.distributed as dist
+    from parallel_harness import assert_grads_match, assert_rel_close, full_grads
+    from test_qwen3_vl_vision_parallel import _ulysses_attention
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    family = get_family("qwen3_omni")
+    cfg = family.tiny_hf_config()
+    batch = omni_batch(cfg, [IMAGE_AND_AUDIO, VIDEO_ONLY], seeds=[2, 5])  # an image and a 2-frame video
+    pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+
+    def build():
+        torch.manual_seed(0)
+        return family.build_module("vision", cfg, device="cpu", dtype=torch.float32)
+
+    ref = build()
+    ref_out = ref(pixels, grid)
+    gen = torch.Generator().manual_seed(7)
+    cotangents = {k: torch.randn(v.shape, generator=gen) for k, v in ref_out.items()}
+    torch.autograd.backward([ref_out[k] for k in cotangents], list(cotangents.values()))
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    tp = build()  # TP=2 by the family's plan: transformers' merger_list and mlp.0 / mlp.2 included
+    plan = tp.parallel_plan
+    parallelize_module(tp, init_device_mesh("cpu", (world,)), dict(plan.tp(False)))
+    for fqn, sub in tp.named_modules():
+        if any(fnmatch.fnmatchcase(fqn, g) for g in plan.tp_heads):
+            sub.num_heads //= world
+    tp_out = tp(pixels, grid)
+    for name in ref_out:
+        assert_rel_close(tp_out[name], ref_out[name], rtol=VISION_RTOL, name=f"tp rank {rank} {name}")
+    torch.autograd.backward([tp_out[k] for k in cotangents], list(cotangents.values()))
+    assert_grads_match(full_grads(tp), want, rtol=VISION_RTOL, tag=f"tp rank {rank}")
+    sp = build()  # Ulysses SP=2 on the family's shards
+    for fqn, sub in sp.named_modules():
+        if any(fnmatch.fnmatchcase(fqn, site.modules) for site in plan.sp):
+            sub.forward = types.MethodType(_ulysses_attention, sub)
+    shard = family.shard_inputs("vision", cfg, rows=pixels, meta=grid, sp_size=world)[rank]
+    sp_out = sp(**shard.forward_kwargs())
+    rows = shard.token_index
+    for name in ref_out:
+        assert_rel_close(sp_out[name], ref_out[name][rows], rtol=VISION_RTOL, name=f"sp rank {rank} {name}")
+    torch.autograd.backward([sp_out[k] for k in cotangents], [cotangents[k][rows] for k in cotangents])
+    got = {}
+    for n, p in sp.named_parameters():
+        got[n] = p.grad.clone()
+        dist.all_reduce(got[n])  # each SP rank holds its rows' partial sum
+    assert_grads_match(got, want, rtol=VISION_RTOL, tag=f"sp rank {rank}")
+
+
+def test_vision_tp2_and_sp2_match_one_process():
+    """transformers' Qwen3-Omni encoder over 2 gloo ranks: TP by the family's plan, Ulysses SP on the
+    family's shards (an image and a video); every edge's rows and every summed gradient as one process
+    (fp32, <= 1e-5 relative in norm, as the Qwen3-VL encoder's test)."""
+    from parallel_harness import spawn
+
+    spawn(_vision_tp_and_sp, 2)
