@@ -254,34 +254,81 @@ def test_split_matches_reference_with_images_and_a_plain_video(setup):
     assert_matches(family, ref, modules, hf_config, batch, use_audio_in_video=False)
 
 
-def test_use_audio_in_video_is_read_per_sample(setup):
-    """The flag is observed: the interleaved sample's positions differ without it, the others' do not."""
+def _positions(llm, batch, **flags):
+    """The LLM's TMRoPE positions of ``batch`` (zero rows for every edge)."""
+    width, n_visual = llm.vl_config.text_config.hidden_size, int(batch["image_grid_thw"].prod(-1).sum()) // 4
+    n_audio = int((batch["mm_token_type_ids"] == AUDIO).sum())
+    keys = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "image_grid_thw", "audio_lens")
+    with torch.no_grad():
+        return llm.prepare(
+            **{k: batch[k] for k in keys},
+            image_embeds=torch.zeros(n_visual, width),
+            deepstack_embeds_0=torch.zeros(n_visual, width),
+            deepstack_embeds_1=torch.zeros(n_visual, width),
+            audio_embeds=torch.zeros(n_audio, width),
+            second_per_grid_ts=batch["second_per_grid_ts"],
+            **flags,
+        ).kwargs["position_ids"]
+
+
+def test_use_audio_in_video_is_read_from_each_samples_tokens(setup):
+    """The flag is the tokens' (<|vision_start|><|audio_start|>), observed: the interleaved sample's
+    positions are transformers' with the flag on and differ from its positions with it off; the other
+    sample's do not change; a flag the tokens contradict is refused."""
+    from dhp.models.qwen3_omni.modules import _visual_kinds, tmrope_positions
+
     _, hf_config, _, modules = setup
     batch = omni_batch(hf_config, [VIDEO_WITH_AUDIO, AUDIO_ONLY], seeds=[3, 1])
-    width = hf_config.text_config.hidden_size
+    read = _positions(modules["llm"], batch)
+    assert torch.equal(
+        read, _positions(modules["llm"], batch, use_audio_in_video=torch.tensor([True, False]))
+    )
+    off = tmrope_positions(
+        config=hf_config,
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        kinds=_visual_kinds(batch["input_ids"], batch["mm_token_type_ids"]),
+        grids=batch["image_grid_thw"],
+        audio_lens=batch["audio_lens"],
+        use_audio_in_video=[False, False],
+        second_per_grid_ts=batch["second_per_grid_ts"],
+        sample_ids=["a", "b"],
+    )
+    assert not torch.equal(read[:, 0], off[:, 0]) and torch.equal(read[:, 1], off[:, 1])
+    with pytest.raises(DataError, match="no video of theirs has its audio track"):
+        _positions(modules["llm"], batch, use_audio_in_video=torch.tensor([True, True]))
+    mixed = omni_batch(hf_config, [[*VIDEO_WITH_AUDIO, *VIDEO_ONLY]], seeds=[3])
+    with pytest.raises(DataError, match="a video with its audio track interleaved and a video without"):
+        _positions(modules["llm"], mixed)
+
+
+def test_reference_kwargs_call_the_thinker_as_the_runtime_does(setup):
+    """``family.reference_kwargs`` of the verify path's inputs (dhp's batch, images and videos apart,
+    audio padded) is the HF call above: the same loss; the thinker's flag read from the tokens."""
+    import types
+
+    from dhp.data.audio_sample import reference_audio_kwargs
+    from dhp.data.video import reference_visual_kwargs
+
+    family, hf_config, ref, _ = setup
+    batch = omni_batch(hf_config, [VIDEO_ONLY, IMAGE_AND_AUDIO], seeds=[5, 6])
+    view = types.SimpleNamespace(**{k: v for k, v in batch.items() if k != "hf"})
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")}
+    kwargs = family.reference_kwargs(
+        {**inputs, **reference_visual_kwargs(view), **reference_audio_kwargs(view)}
+    )
+    assert kwargs["use_audio_in_video"] is False and "mm_token_type_ids" not in kwargs
     with torch.no_grad():
-        n_visual = int(batch["image_grid_thw"].prod(-1).sum()) // 4
-        calls = [
-            modules["llm"]
-            .prepare(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                labels=batch["labels"],
-                mm_token_type_ids=batch["mm_token_type_ids"],
-                image_grid_thw=batch["image_grid_thw"],
-                image_embeds=torch.zeros(n_visual, width),
-                deepstack_embeds_0=torch.zeros(n_visual, width),
-                deepstack_embeds_1=torch.zeros(n_visual, width),
-                audio_embeds=torch.zeros(int((batch["mm_token_type_ids"] == AUDIO).sum()), width),
-                audio_lens=batch["audio_lens"],
-                use_audio_in_video=torch.tensor(flags),
-                second_per_grid_ts=batch["second_per_grid_ts"],
-            )
-            .kwargs["position_ids"]
-            for flags in ([True, False], [False, False])
-        ]
-    assert not torch.equal(calls[0][:, 0], calls[1][:, 0])
-    assert torch.equal(calls[0][:, 1], calls[1][:, 1])
+        got = ref(**kwargs, output_router_logits=True).loss
+        want = ref(**batch["hf"], use_audio_in_video=False, output_router_logits=True).loss
+    assert torch.equal(got, want)
+    interleaved = omni_batch(hf_config, [VIDEO_WITH_AUDIO, TEXT_ONLY], seeds=[3, 4])
+    assert family.reference_kwargs({"mm_token_type_ids": interleaved["mm_token_type_ids"]})[
+        "use_audio_in_video"
+    ]
+    both = omni_batch(hf_config, [VIDEO_WITH_AUDIO, VIDEO_ONLY], seeds=[3, 5])
+    with pytest.raises(DataError, match="one use_audio_in_video per call"):
+        family.reference_kwargs({"mm_token_type_ids": both["mm_token_type_ids"]})
 
 
 def test_audio_tokens_and_rows_must_agree(setup):

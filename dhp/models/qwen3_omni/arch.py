@@ -197,6 +197,9 @@ def _validate_audio(model: Any, issues: Issues) -> None:
 class Qwen3OmniArch(Qwen3DecoderArch):
     """:class:`dhp.models.arch.FamilyArch` of Qwen3-Omni's thinker: always the MoE flavour."""
 
+    module_names: tuple[str, ...] = ("audio", "vision", "llm")  # producers first
+    #: ``config.json`` model types of a checkpoint: the thinker's own, or the whole Omni model's
+    model_types: tuple[str, ...] = ("qwen3_omni_moe_thinker", "qwen3_omni_moe")
     moe = Flavour("qwen3_omni_moe_thinker", example=EXAMPLE)
     dense = moe  # the thinker has no dense flavour: :meth:`flavour` always answers ``moe``
     display = "Qwen3-Omni"

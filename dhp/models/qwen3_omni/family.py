@@ -29,7 +29,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
 )
 
 from dhp.config.issues import Issues
-from dhp.errors import CheckpointError, ConfigError
+from dhp.errors import CheckpointError, ConfigError, DataError
 from dhp.models.axes import runtime_plan
 from dhp.models.checks import image_token_counts
 from dhp.models.common import blank_image, lm_head
@@ -37,10 +37,16 @@ from dhp.models.dtypes import torch_dtype
 from dhp.models.family import HandOff, ProducerShard
 from dhp.models.qwen3_base.base_family import Qwen3Family, _plain, transposed_experts
 from dhp.models.qwen3_omni.arch import ARCH, AUDIO_EMBEDS, MERGERS, audio_axes
-from dhp.models.qwen3_omni.audio import audio_token_counts, check_audio_geometry, shard_audio
+from dhp.models.qwen3_omni.audio import (
+    audio_token_counts,
+    check_audio_geometry,
+    interleaved_videos,
+    shard_audio,
+)
 from dhp.models.qwen3_vision.config import vision_config_kwargs
 from dhp.models.qwen3_vision.sp import shard_images
 from dhp.models.qwen3_vision.tp import vision_parallel_plan
+from dhp.ops.packed import VIDEO
 from dhp.parallel.module_plan import ModuleParallelPlan
 
 #: ``SpecialTokens`` field -> the token's text in Qwen3-Omni's tokenizer
@@ -129,6 +135,18 @@ class Qwen3OmniFamily(Qwen3Family):
             )
         return shard_images(rows, meta, sp_size=sp_size, config=hf_config.vision_config)
 
+    def shard_items(
+        self,
+        name: str,
+        hf_config: Qwen3OmniMoeThinkerConfig,
+        *,
+        rows: torch.Tensor,
+        meta: torch.Tensor,
+        sp_size: int,
+    ) -> list[ProducerShard]:
+        """Producer ``name``'s SP cut of one replica's items (:meth:`shard_inputs`)."""
+        return self.shard_inputs(name, hf_config, rows=rows, meta=meta, sp_size=sp_size)
+
     def tokens_per_item(
         self, name: str, hf_config: Qwen3OmniMoeThinkerConfig, meta: torch.Tensor
     ) -> list[int]:
@@ -158,6 +176,29 @@ class Qwen3OmniFamily(Qwen3Family):
         from transformers import WhisperFeatureExtractor
 
         return WhisperFeatureExtractor.from_pretrained(model_path)
+
+    def reference_kwargs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The whole batch's inputs as ``Qwen3OmniMoeThinkerForConditionalGeneration.forward`` names them:
+        ``video_second_per_grid`` for ``second_per_grid_ts``, no ``mm_token_type_ids`` (the thinker finds
+        its placeholders by id), and its one ``use_audio_in_video`` per call, read from the tokens (a
+        video token next to an audio token: a video interleaved with its audio track). DataError when
+        the batch mixes videos with and without their audio (transformers takes one flag per call)."""
+        out = {k: v for k, v in inputs.items() if v is not None and k != "mm_token_type_ids"}
+        if "second_per_grid_ts" in out:
+            out["video_second_per_grid"] = out.pop("second_per_grid_ts")
+        types_ = inputs.get("mm_token_type_ids")
+        if types_ is None:
+            return out
+        interleaved = interleaved_videos(types_)
+        has_video = (types_ == VIDEO).any(dim=1)
+        if bool((has_video & ~interleaved).any()) and bool(interleaved.any()):
+            raise DataError(
+                "the reference thinker takes one use_audio_in_video per call, but this batch holds videos with "
+                "and without their audio track interleaved. Fix: compare batches of one kind, or train "
+                "without the single-process reference."
+            )
+        out["use_audio_in_video"] = bool(interleaved.any())
+        return out
 
     # --- parallel plans -------------------------------------------------------------------------
     def parallel_plan(self, name: str, hf_config: PretrainedConfig) -> ModuleParallelPlan:

@@ -94,8 +94,9 @@ class LLMModule(Qwen3LLMModule):
         ``mm_token_type_ids`` (0 text, 1 image, 2 video, 3 audio) is required with any image, video or
         audio. ``image_grid_thw``/``image_embeds``/``deepstack_embeds_k``: every visual item (images and
         videos) in token order; ``audio_embeds``/``audio_lens`` (mel frames per audio): every audio in
-        token order, a video's own audio track included; ``use_audio_in_video`` (B,) bool: the sample's
-        videos are interleaved with their audio tracks (None: no sample is); ``second_per_grid_ts``: one
+        token order, a video's own audio track included; ``use_audio_in_video`` (B,) bool, optional:
+        whether the sample's videos are interleaved with their audio tracks, which the tokens say
+        themselves (read from them; a given flag is checked against them); ``second_per_grid_ts``: one
         per video. Make the embeddings leaves with ``requires_grad`` to receive their gradients.
         DataError when tokens and rows disagree, for a packed micro-batch and under context parallelism
         (neither is declared). ``hidden_states`` (a later pipeline stage) replaces the embeddings.
@@ -107,7 +108,7 @@ class LLMModule(Qwen3LLMModule):
                 "(TMRoPE and the audio placement are proven only on unpacked rows). Fix: set "
                 "modules.llm.parallel.cp to 1 and data.packing to false."
             )
-        flags = _flags(use_audio_in_video, input_ids.shape[0])
+        flags = _flags(use_audio_in_video, input_ids, self.vl_config, sample_ids)
         deepstack = self.deepstack_list(image_embeds, deepstack_embeds, sample_ids)
         inputs_embeds = hidden_states
         if hidden_states is None:
@@ -245,15 +246,43 @@ def check_audio_alignment(
         )
 
 
-def _flags(use_audio_in_video: torch.Tensor | None, batch: int) -> list[bool]:
-    """One ``use_audio_in_video`` per sample."""
-    if use_audio_in_video is None:
-        return [False] * batch
-    flags = [bool(f) for f in torch.as_tensor(use_audio_in_video).reshape(-1).tolist()]
-    if len(flags) != batch:
-        raise DataError(
-            f"use_audio_in_video has {len(flags)} entries for {batch} samples. Fix: pass one flag per sample."
-        )
+def _flags(
+    use_audio_in_video: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    config: Qwen3OmniMoeThinkerConfig,
+    sample_ids: list[str],
+) -> list[bool]:
+    """One ``use_audio_in_video`` per sample, read from its tokens: the processor writes a video with
+    its audio track as ``<|vision_start|><|audio_start|>...``, a video alone as
+    ``<|vision_start|><|video_pad|>``. DataError when a sample holds both kinds (transformers' TMRoPE
+    positions a sample's videos one way), or when a given ``use_audio_in_video`` (B,) is set for a
+    sample whose tokens hold no interleaved video."""
+    starts = input_ids[:, :-1] == config.vision_start_token_id
+    after, rows = input_ids[:, 1:][starts], starts.nonzero()[:, 0]
+    flags = []
+    for b, sample in enumerate(sample_ids):
+        follow = after[rows == b]
+        with_audio = bool((follow == config.audio_start_token_id).any())
+        if with_audio and bool((follow == config.video_token_id).any()):
+            raise DataError(
+                f"sample {sample}: a video with its audio track interleaved and a video without one. "
+                "TMRoPE positions every video of a sample the same way. Fix: use the audio track of every "
+                "video of this sample (use_audio_in_video) or of none."
+            )
+        flags.append(with_audio)
+    if use_audio_in_video is not None:
+        given = [bool(f) for f in torch.as_tensor(use_audio_in_video).reshape(-1).tolist()]
+        if len(given) != len(flags):
+            raise DataError(
+                f"use_audio_in_video has {len(given)} entries for {len(flags)} samples. Fix: one per sample."
+            )
+        wrong = [s for s, g, f in zip(sample_ids, given, flags, strict=True) if g and not f]
+        if wrong:
+            raise DataError(
+                f"samples {wrong}: use_audio_in_video is set but no video of theirs has its audio track "
+                "interleaved (<|vision_start|><|audio_start|>). Fix: build the tokens with the video's audio "
+                "(dhp.data does when the record sets use_audio_in_video)."
+            )
     return flags
 
 
