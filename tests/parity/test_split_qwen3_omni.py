@@ -16,8 +16,9 @@ within 1e-6, summed gradients within 1e-5 relative (the sums run in another orde
 
 Records are lists of parts: ``("text", n)``, ``("audio", frames)``, ``("image", (h, w))`` (patches),
 ``("video", (t, h, w), seconds_per_grid)``, ``("video+audio", (t, h, w), seconds_per_grid, frames)``:
-the video interleaved with its own audio track as ``Qwen3OmniMoeProcessor`` writes it (audio-start, then
-each temporal grid's video tokens at its start time among the audio tokens, audio-end).
+the video interleaved with its own audio track by ``family.video_with_audio_ids``, which a test below
+holds to ``Qwen3OmniMoeProcessor``'s own layout (audio-start, then each temporal grid's video tokens at
+its start time among the audio tokens, audio-end).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4  # relative, fp32; see the module docstring
 SP_ROWS_TOL, SP_GRAD_RTOL = 1e-6, 1e-5
 ZERO_GRAD_ATOL = 1e-9  # gradients that are zero by construction (the audio attention's key bias)
 VISION_RTOL = 1e-5  # the encoder over 2 gloo ranks (TP, Ulysses SP): only summation order changes
+FAMILY = get_family("qwen3_omni")
 TEXT_IDS = (20, 400)  # random text ids: above the specials, below the tiny audio tokens (433..435)
 
 AUDIO_ONLY = [("text", 5), ("audio", 370)]  # 3 full chunks + a 70-frame tail: 2 attention windows
@@ -49,20 +51,6 @@ IMAGE_AND_AUDIO = [("text", 3), ("image", (8, 6)), ("text", 2), ("audio", 150)]
 VIDEO_WITH_AUDIO = [("text", 4), ("video+audio", (4, 4, 4), 1.0, 260)]
 VIDEO_ONLY = [("text", 3), ("video", (2, 4, 6), 0.5)]
 TEXT_ONLY = [("text", 12)]
-
-
-def _interleaved(cfg, grid: tuple[int, int, int], seconds: float, n_audio: int) -> list[int]:
-    """``replace_video_with_audio_token``'s token order of a video with its audio (between the bos/eos)."""
-    t, h, w = grid
-    merge = cfg.vision_config.spatial_merge_size
-    video = np.repeat(np.arange(t), (h // merge) * (w // merge)) * seconds * cfg.position_id_per_seconds
-    ids, v, a = [], 0, 0
-    while v < len(video) and a < n_audio:
-        if video[v] <= a:
-            ids, v = [*ids, cfg.video_token_id], v + 1
-        else:
-            ids, a = [*ids, cfg.audio_token_id], a + 1
-    return ids + [cfg.video_token_id] * (len(video) - v) + [cfg.audio_token_id] * (n_audio - a)
 
 
 def omni_batch(cfg, records: list[list[tuple]], *, seeds: list[int]) -> dict[str, object]:
@@ -98,11 +86,7 @@ def omni_batch(cfg, records: list[list[tuple]], *, seeds: list[int]) -> dict[str
                 else:
                     audios.append(torch.randn(spec[2], mels, generator=gen))
                     n = audio_token_counts(torch.tensor([spec[2]]), n_window=n_window)[0]
-                    body = [
-                        cfg.audio_start_token_id,
-                        *_interleaved(cfg, grid, seconds, n),
-                        cfg.audio_end_token_id,
-                    ]
+                    body = FAMILY.video_with_audio_ids(cfg, grid=grid, seconds=seconds, audio_tokens=n)
                 ids += [cfg.vision_start_token_id, *body, cfg.vision_end_token_id]
             ids += torch.randint(*TEXT_IDS, (2,), generator=gen).tolist()
         rows.append(ids)
@@ -300,6 +284,33 @@ def test_use_audio_in_video_is_read_from_each_samples_tokens(setup):
     mixed = omni_batch(hf_config, [[*VIDEO_WITH_AUDIO, *VIDEO_ONLY]], seeds=[3])
     with pytest.raises(DataError, match="a video with its audio track interleaved and a video without"):
         _positions(modules["llm"], mixed)
+
+
+def test_video_with_audio_ids_are_the_processors_layout(setup):
+    """The family's interleaving of a video with its audio is ``Qwen3OmniMoeProcessor``'s own
+    (``replace_video_with_audio_token``, called on a stand-in that names each token by one letter)."""
+    import types
+
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    family, cfg, _, _ = setup
+    letters = {cfg.audio_start_token_id: "<", cfg.audio_end_token_id: ">", cfg.video_token_id: "V"}
+    letters[cfg.audio_token_id] = "A"
+    stand_in = types.SimpleNamespace(
+        audio_bos_token="<", audio_eos_token=">", video_token="V", audio_token="A",
+        video_processor=types.SimpleNamespace(merge_size=cfg.vision_config.spatial_merge_size),
+    )  # fmt: skip
+    for grid, seconds, n in [((4, 4, 4), 1.0, 34), ((2, 4, 6), 0.5, 3), ((3, 2, 2), 2.0, 100)]:
+        want = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+            stand_in,
+            {"video_grid_thw": [grid], "video_second_per_grid": [seconds]},
+            0,
+            {"num_audio_tokens": [n]},
+            0,
+            position_id_per_seconds=cfg.position_id_per_seconds,
+        )
+        got = family.video_with_audio_ids(cfg, grid=grid, seconds=seconds, audio_tokens=n)
+        assert "".join(letters[i] for i in got) == want, grid
 
 
 def test_reference_kwargs_call_the_thinker_as_the_runtime_does(setup):

@@ -170,6 +170,34 @@ class Qwen3OmniFamily(Qwen3Family):
         """The special tokens' text in Qwen3-Omni's tokenizer (``<|image_pad|>``, ``<|audio_pad|>``, ...)."""
         return dict(OMNI_TOKEN_STRINGS)
 
+    def video_with_audio_ids(
+        self,
+        hf_config: Qwen3OmniMoeThinkerConfig,
+        *,
+        grid: tuple[int, int, int],
+        seconds: float,
+        audio_tokens: int,
+    ) -> list[int]:
+        """The token ids a video interleaved with its audio track takes between its vision-start and
+        vision-end tokens, as ``Qwen3OmniMoeProcessor`` writes them: audio-start, then each temporal
+        grid's video tokens placed at its start time (``t * seconds * position_id_per_seconds``) among
+        the audio tokens (one position each; a tie puts the video first), audio-end. ``grid``: the
+        video's ``(t, h, w)`` patches; ``seconds``: seconds per temporal grid."""
+        t, h, w = grid
+        merge = hf_config.vision_config.spatial_merge_size
+        per_grid = (h // merge) * (w // merge)
+        times = [k * seconds * hf_config.position_id_per_seconds for k in range(t) for _ in range(per_grid)]
+        ids, v, a = [], 0, 0
+        while v < len(times) and a < audio_tokens:
+            if times[v] <= a:
+                ids.append(hf_config.video_token_id)
+                v += 1
+            else:
+                ids.append(hf_config.audio_token_id)
+                a += 1
+        ids += [hf_config.video_token_id] * (len(times) - v) + [hf_config.audio_token_id] * (audio_tokens - a)
+        return [hf_config.audio_start_token_id, *ids, hf_config.audio_end_token_id]
+
     def load_audio_processor(self, model_path: str) -> Any:
         """transformers' ``WhisperFeatureExtractor`` of ``model_path``'s ``preprocessor_config.json``
         (16 kHz mono -> ``feature_size`` mel bins, hop 160: 100 frames per second)."""
