@@ -48,15 +48,32 @@ def deepstack_kwarg(level: int) -> str:
     return f"{DEEPSTACK_PREFIX}{level}"
 
 
-def vision_tp_sharded(*, deepstack: bool) -> tuple[str, ...]:
-    """The encoder's TP-sharded module globs (``Capabilities.tp_sharded["vision"]``)."""
+@dataclass(frozen=True)
+class MergerNames:
+    """Where transformers' encoder keeps its mergers' Linears: ``deepstack`` the attribute holding the
+    DeepStack mergers, ``fc1`` / ``fc2`` each merger's two Linears (Qwen3-VL and Qwen3.5:
+    ``deepstack_merger_list``, ``linear_fc1``, ``linear_fc2``; Qwen3-Omni: ``merger_list``, ``mlp.0``,
+    ``mlp.2``)."""
+
+    deepstack: str = "deepstack_merger_list"
+    fc1: str = "linear_fc1"
+    fc2: str = "linear_fc2"
+
+
+QWEN3_VL_MERGERS = MergerNames()
+
+
+def vision_tp_sharded(*, deepstack: bool, mergers: MergerNames = QWEN3_VL_MERGERS) -> tuple[str, ...]:
+    """The encoder's TP-sharded module globs (``Capabilities.tp_sharded["vision"]``); ``mergers``: where
+    the encoder keeps its mergers' Linears."""
+    merger = ("linear_fc*",) if mergers == QWEN3_VL_MERGERS else (mergers.fc1, mergers.fc2)
     globs = (
         "visual.blocks.*.attn.qkv",
         "visual.blocks.*.attn.proj",
         "visual.blocks.*.mlp.*",
-        "visual.merger.linear_fc*",
+        *(f"visual.merger.{fc}" for fc in merger),
     )
-    return (*globs, "visual.deepstack_merger_list.*.linear_fc*") if deepstack else globs
+    return (*globs, *(f"visual.{mergers.deepstack}.*.{fc}" for fc in merger)) if deepstack else globs
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def test_family_satisfies_protocol_and_graph(family, hf_config):
 
 
 def test_unknown_family_is_a_config_error():
-    known = r"known: qwen2_5_omni, qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe"  # the flavour aliases among them
+    known = r"known: qwen2_5_omni, qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_omni, qwen3_vl, qwen3_vl_moe"  # the flavour aliases among them
     with pytest.raises(ConfigError, match=rf"model.family = 'llama_vl'.*{known}"):
         get_family("llama_vl")
     with pytest.raises(ConfigError, match=rf"model.family = 'qwen3_vl_mo'.*{known}"):
