@@ -201,7 +201,7 @@ def reference_visual_kwargs(batch) -> dict:
     """A batch's visual items split into the separate image and video inputs of transformers'
     vision-language models (``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw``/
     ``second_per_grid_ts``), for single-process references. Items are told apart by their token runs."""
-    from dhp.data.batch import IMAGE, VIDEO
+    from dhp.data.batch import AUDIO, IMAGE, VIDEO
     from dhp.data.remote import as_tensor
 
     pixels, grids = as_tensor(batch.pixel_values), batch.image_grid_thw
@@ -209,10 +209,12 @@ def reference_visual_kwargs(batch) -> dict:
         return {"pixel_values": pixels, "image_grid_thw": grids}
     import itertools
 
+    # a video interleaved with its own audio track (its chunks' video tokens, then their audio tokens)
+    # is one video: audio positions are left out before the runs are told apart
     kinds = [
         k
         for row in batch.mm_token_type_ids.tolist()
-        for k, _ in itertools.groupby(row)
+        for k, _ in itertools.groupby(t for t in row if t != AUDIO)
         if k in (IMAGE, VIDEO)
     ]
     is_video = torch.tensor([k == VIDEO for k in kinds])

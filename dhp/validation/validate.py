@@ -93,9 +93,8 @@ def _model_types(model: DictConfig) -> tuple[str, ...]:
         return ()
     arch = get_arch(model.family)
     flavour = getattr(arch, "flavour", None)  # optional: only families with flavours
-    if flavour is not None:
-        return (flavour(model).name,)
-    return tuple(getattr(arch, "model_types", ()))  # optional: families read under other names
+    named = tuple(getattr(arch, "model_types", ()))  # optional: families read under other names
+    return ((flavour(model).name,) if flavour is not None else ()) + named
 
 
 def _validate_cluster(cluster: DictConfig, issues: Issues) -> None:

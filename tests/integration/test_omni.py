@@ -1,5 +1,6 @@
 """Three module groups (audio encoder, vision encoder, LLM) through the real runtime: ``dhp verify`` of
-the tiny Qwen2.5-Omni thinker against the unsplit transformers thinker, collocated and disaggregated,
+the tiny Qwen2.5-Omni and Qwen3-Omni-MoE thinkers against the unsplit transformers thinkers, collocated,
+disaggregated and with two groups sharing GPUs apart from the third,
 with the audio encoder sequence-parallel, on synthetic audio and on real audio files (WAV, FLAC and
 MP3 written here, resampled from 44.1 and 22.05 kHz) in the layouts LLaMA-Factory and ms-swift write.
 
@@ -164,6 +165,17 @@ def test_omni_disaggregated_audio1_vision_sp2_llm_tp2(ray_local) -> None:
         "modules.audio.gpus=1",
         "modules.audio.parallel.sp=1",
     )
+
+
+def test_qwen3_omni_collocated_audio_sp2_vision_sp2_llm_ep2(ray_local) -> None:
+    # Qwen3-Omni-MoE: audio cut on whole attention windows over 2 SP ranks, DeepStack edges from the
+    # vision group, the MoE LLM at dp=2 x ep=2 with the router's load-balancing loss over the step
+    _passed("tiny_qwen3_omni", 1)
+
+
+def test_qwen3_omni_audio_and_vision_share_gpus_apart_from_the_llm(ray_local) -> None:
+    # a mixed placement: audio and vision share 2 ranks, the LLM has 2 of its own
+    _passed("tiny_qwen3_omni", 1, "placement=audio+vision/llm")
 
 
 # ---- real audio files in the layouts peers write --------------------------------------------

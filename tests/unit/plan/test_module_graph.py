@@ -28,9 +28,10 @@ FAMILY_RECIPES = {
     "qwen3_5": "tiny_qwen3_5",
     "qwen3_5_moe": "tiny_qwen3_5_moe",
     "qwen2_5_omni": "tiny_qwen2_5_omni",
+    "qwen3_omni": "tiny_qwen3_omni",
 }
 #: the producers of a family's graph, when they are not the one vision encoder
-PRODUCERS = {"qwen2_5_omni": ("audio", "vision")}
+PRODUCERS = {"qwen2_5_omni": ("audio", "vision"), "qwen3_omni": ("audio", "vision")}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_RECIPES))
