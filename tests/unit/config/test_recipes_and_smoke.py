@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -25,13 +27,21 @@ def test_required_recipes_exist_with_descriptions() -> None:
     assert all(desc for _, desc in list_recipes())
 
 
+@functools.cache
 def _full(recipe: str):
     """A recipe as shipped, validated: no weights (tiny_vlm_demo's are written by `make demo`); an SFT
     recipe, which takes the user's model.path and data.path, as `dhp plan --worst-case` checks it
-    (every other problem raised)."""
+    (every other problem raised). Loaded once per recipe and shared by the tests below: the config is
+    read-only (``test_recipe_loads_frozen`` asserts it), so no test can change what another reads."""
     if recipe.startswith("sft_"):
         return checked_config(recipe, ["model.path=null"], say=lambda _line: None, worst_case=True)
     return load_config(recipe, ["model.path=null"])
+
+
+@functools.cache
+def _smoke(recipe: str):
+    """``load_config(recipe, [], smoke=True)`` (which validates), once per recipe, read-only as above."""
+    return load_config(recipe, [], smoke=True)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -73,7 +83,7 @@ def _axes(cfg) -> dict[str, set[str]]:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_smoke_keeps_strategies_and_fits_four_ranks(recipe: str) -> None:
     full = _full(recipe)
-    smoke = load_config(recipe, [], smoke=True)  # validates
+    smoke = _smoke(recipe)  # validates
     assert smoke.cluster.name == "local_cpu" and smoke.cluster.device == "cpu"
     tiny = smoke.model.name
     assert (
@@ -125,13 +135,13 @@ def test_smoke_shrinks_a_flavour_to_its_own_tiny_model() -> None:
     """A recipe shrinks to the tiny model of its family that declares the same ``extra`` keys: the
     Qwen3.5-MoE recipe to tiny_qwen3_5_moe (none of its 256 experts of 512 left behind by the merge),
     the dense Qwen3.5 recipe to tiny_qwen3_5, a family with one tiny entry to that one."""
-    moe = load_config("qwen3_5_35b_a3b", [], smoke=True).model
+    moe = _smoke("qwen3_5_35b_a3b").model
     tiny_moe = OmegaConf.load(CONF_DIR / "model" / "tiny_qwen3_5_moe.yaml")
     assert moe.name == "tiny_qwen3_5_moe" and moe.llm.extra == tiny_moe.llm.extra
     assert moe.llm.intermediate_size == tiny_moe.llm.intermediate_size
-    dense = load_config("qwen3_5_27b", [], smoke=True).model
+    dense = _smoke("qwen3_5_27b").model
     assert dense.name == "tiny_qwen3_5" and "num_experts" not in dense.llm.extra
-    assert load_config("qwen3_vl_30b_a3b", [], smoke=True).model.name == "tiny_qwen3_vl_moe"
+    assert _smoke("qwen3_vl_30b_a3b").model.name == "tiny_qwen3_vl_moe"
 
 
 def test_the_sft_presets_make_any_recipe_the_sft_recipes_fine_tune() -> None:
