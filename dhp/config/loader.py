@@ -92,7 +92,7 @@ def compose_config(conf: str, overrides: list[str]) -> DictConfig:
         raise ConfigError(mistyped)
     searchpath = [f"file://{search_dir}"] + ([f"file://{data_dir}"] if data_dir else [])
     store = ConfigStore.instance()
-    store.store(name=_SCHEMA_NAME, node=RunConfig)
+    _store_schema(store)
     store.store(
         name=_PRIMARY_NAME,
         node={
@@ -162,6 +162,13 @@ class _writable:
 
     def __exit__(self, *exc: object) -> None:
         OmegaConf.set_struct(self.cfg, True)
+
+
+def _store_schema(store: ConfigStore) -> None:
+    """Register the schema once per process: turning the dataclasses into a config node is the
+    costliest part of a compose, and the node never changes."""
+    if _SCHEMA_NAME + ".yaml" not in store.repo:
+        store.store(name=_SCHEMA_NAME, node=RunConfig)
 
 
 def _extra_keys(model: DictConfig) -> tuple[list[str], list[str]]:

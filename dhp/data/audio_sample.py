@@ -64,10 +64,18 @@ def with_audio(proc: Any, record: Any, sample: Sample) -> Sample:
     """``sample`` (text, images and videos done) with ``record``'s audios: their frames, their counts,
     and each ``<|AUDIO|>`` token expanded to the encoder's output tokens. A bad audio, a placeholder
     count that differs from the audio count, or a limit passed is a named bad sample."""
+    loc = record.location
+    if getattr(record, "use_audio_in_video", False) and getattr(record, "videos", ()):
+        raise bad.BadSampleError(
+            location=loc,
+            reason=bad.UNSUPPORTED_MODALITY,
+            detail="use_audio_in_video: a video's own audio track interleaved with its frames is not "
+            "built by the data layer yet (the model side reads it; the token layout is not made here)",
+            fix="set use_audio_in_video to false, or give the track as its own file in `audios`",
+        )
     audios = tuple(getattr(record, "audios", ()))
     if not audios:
         return sample
-    loc = record.location
     if proc.audio_refusal or proc.audio is None:
         raise bad.BadSampleError(
             location=loc,

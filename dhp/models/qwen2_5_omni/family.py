@@ -134,6 +134,7 @@ class Qwen25OmniFamily(FamilyBase):
     def load_audio_processor(self, model_path: str) -> Any:
         """transformers' ``WhisperFeatureExtractor`` of ``model_path``'s ``preprocessor_config.json``
         (16 kHz mono -> ``feature_size`` mel bins, hop 160: 100 frames per second)."""
+        # reason: transformers' audio code loads only in a process that reads audio records
         from transformers import WhisperFeatureExtractor
 
         return WhisperFeatureExtractor.from_pretrained(model_path)

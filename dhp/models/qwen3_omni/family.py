@@ -201,6 +201,7 @@ class Qwen3OmniFamily(Qwen3Family):
     def load_audio_processor(self, model_path: str) -> Any:
         """transformers' ``WhisperFeatureExtractor`` of ``model_path``'s ``preprocessor_config.json``
         (16 kHz mono -> ``feature_size`` mel bins, hop 160: 100 frames per second)."""
+        # reason: transformers' audio code loads only in a process that reads audio records
         from transformers import WhisperFeatureExtractor
 
         return WhisperFeatureExtractor.from_pretrained(model_path)
@@ -344,6 +345,7 @@ class Qwen3OmniFamily(Qwen3Family):
 
     def reference_class(self, hf_config: PretrainedConfig) -> type[nn.Module]:
         """``Qwen3OmniMoeThinkerForConditionalGeneration``."""
+        # reason: transformers' model code costs ~2.3 CPU-s to import; only what builds a module loads it
         from dhp.models.qwen3_omni.modules import CLASSES
 
         return CLASSES.reference

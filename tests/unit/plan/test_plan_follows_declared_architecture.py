@@ -34,6 +34,8 @@ WINDOW, MERGE = 16, 9  # 16-patch windows; 3x3 patches per hand-off row
 class AllWindowedArch:
     """The tiny Qwen2.5-VL numbers, but every encoder block windowed and a 3x3 merge."""
 
+    module_names = ("vision", "llm")
+
     capabilities = QWEN25.capabilities
 
     def validate(self, model: DictConfig, issues) -> None:
@@ -121,6 +123,8 @@ class HybridMoeArch:
     """The tiny LLM's sizes, declared as the next families will: every other layer linear attention
     (a recurrent state instead of scores) and a mixture of 8 experts of width 64, 2 active per token
     (their parameters counted as ``ParamCount.expert`` instead of the dense MLP's)."""
+
+    module_names = ("vision", "llm")
 
     capabilities = QWEN25.capabilities
     STATE = 16 * 32  # d_k x d_v per head (head_dim 16: d_v = 32)

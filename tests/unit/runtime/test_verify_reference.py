@@ -92,8 +92,13 @@ def test_compare_grads_missing_or_misshaped_is_infinite() -> None:
     b = {"llm": {"w": torch.full((2,), 0.5), "v": torch.ones(3)}}
     diffs, worst = compare_grads(a, b)
     assert diffs == {"llm": 0.5} and worst == {"llm": "w"}
+    # a gradient one side never made is compared with zero: a nonzero one on the other side fails
     diffs, worst = compare_grads(a, {"llm": {"w": torch.zeros(2)}})
-    assert diffs["llm"] == math.inf and worst["llm"] == "v"
+    assert diffs["llm"] == 1.0 and worst["llm"] == "v"
+    diffs, worst = compare_grads(
+        {"llm": {"w": torch.zeros(2), "u": torch.zeros(4)}}, {"llm": {"w": torch.zeros(2)}}
+    )
+    assert diffs["llm"] == 0.0
     diffs, _ = compare_grads(a, {"llm": {"w": torch.zeros(3), "v": torch.ones(3)}, "vision": {}})
     assert diffs["llm"] == math.inf and "vision" in diffs
 
