@@ -32,6 +32,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
+from dhp.config.placement import parse_placement
 from dhp.layout import MESH_AXES, module_layout, write_layout
 
 SMOKE_STEPS = 2
@@ -74,11 +75,19 @@ def _fold_ep(mod: DictConfig) -> None:
     _set(mod, ep=math.gcd(lay.ep, lay.token_ranks))
 
 
+def _sets(cfg: DictConfig) -> tuple[tuple[str, ...], ...]:
+    """The placement's GPU-sharing sets (``dhp.config.placement``); one set per module when invalid
+    (validation names that)."""
+    names = [str(n) for n in cfg.modules]
+    sets, problem = parse_placement(str(cfg.placement), names)
+    return tuple((n,) for n in names) if problem is not None else tuple(sets)
+
+
 def _needed(cfg: DictConfig) -> int:
-    counts = [m.gpus for m in cfg.modules.values()]
-    if not counts:
+    """GPUs of the run: per sharing set its widest module, summed over the sets."""
+    if not cfg.modules:
         return 0
-    return sum(counts) if cfg.placement == "disaggregated" else max(counts)
+    return sum(max(cfg.modules[n].gpus for n in group) for group in _sets(cfg))
 
 
 def _fit(cfg: DictConfig, ranks: int) -> None:
@@ -93,12 +102,12 @@ def _fit(cfg: DictConfig, ranks: int) -> None:
 def _share_gpus(cfg: DictConfig) -> None:
     """Collocated groups share one GPU set: a group that shrank to fewer ranks than another (sp8 -> 2
     beside fsdp4 x tp2 -> 4) gets data parallelism up to the others' count, keeping its strategy."""
-    if cfg.placement != "collocated" or not cfg.modules:
-        return
-    most = max(m.gpus for m in cfg.modules.values())
-    for mod in cfg.modules.values():
-        if mod.gpus < most and most % mod.gpus == 0:
-            _set(mod, dp=module_layout(mod).dp * (most // mod.gpus))
+    for group in _sets(cfg) if cfg.modules else ():
+        mods = [cfg.modules[n] for n in group]
+        most = max(m.gpus for m in mods)
+        for mod in mods:
+            if mod.gpus < most and most % mod.gpus == 0:
+                _set(mod, dp=module_layout(mod).dp * (most // mod.gpus))
 
 
 def _replicas(cfg: DictConfig, name: str) -> int:
