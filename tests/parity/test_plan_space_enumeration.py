@@ -39,6 +39,7 @@ from dhp.config.plan_space import split_backward_refuses
 from dhp.config.schema import TrainConfig
 from dhp.layout import ParallelLayout
 from dhp.models import get_family
+from dhp.models.family import LAYOUTS
 from dhp.models.testing import tiny_vl_batch
 from dhp.ops.context import padded_length, rank_index, row_parts
 from dhp.parallel import build_mesh, build_optimizer, clip_grads_, finalize_grads, over_pipeline, parallelize
@@ -57,6 +58,16 @@ RECIPES = {"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl", "qwen3_5": "ti
 #: which the per-replica reference would not sum to; its parity is held in tests/parity/test_ep*.py),
 #: so both sides train on the cross-entropy alone, routed as the runtime routes
 MOE = {"qwen3_vl_moe": ("tiny_qwen3_vl_moe", ("llm",))}
+#: the third module: each omni family's audio encoder (DP, ZeRO-1, FSDP and its SP input cut on whole
+#: attention windows); its vision encoder and LLM are the shared Qwen2.5-VL / Qwen3-VL vision and the
+#: Qwen2.5 / Qwen3 MoE decoders, enumerated above
+AUDIO = {"qwen2_5_omni": "tiny_qwen2_5_omni", "qwen3_omni": "tiny_qwen3_omni"}
+#: mel frames of each replica's audios: several SP windows each (Qwen2.5-Omni cuts on 2 * n_window = 8
+#: frames, Qwen3-Omni on n_window_infer = 200), partial last windows, and an SP rank left without any
+AUDIOS = {
+    "qwen2_5_omni": ([37, 12], [29], [8, 19, 6], [45]),
+    "qwen3_omni": ([450, 130], [820], [260, 100, 40], [610]),
+}
 IMAGES = ([[(4, 8)], [(4, 4), (2, 4)]], [[(4, 4)], [(2, 4)]], [[(2, 8)], [(4, 4)]], [[(4, 4)], []])
 TEXT = ([5, 3], [4, 6], [3, 7], [6, 2])
 
@@ -72,7 +83,7 @@ def _space(recipe: str, modules: tuple[str, ...] = ()) -> dict[int, list[tuple[s
     cluster, each with one of the AC modes it searches, chosen so that every AC mode meets every
     feature (each axis > 1, ZeRO-1, SP inside TP) of the module at least once."""
     search = Search(load_config(recipe, []), set())
-    worlds = sorted({w for _, v, lw in search.placements() for w in (v, lw)})
+    worlds = sorted({w for key in search.placements() for w in key[1:]})
     out: dict[int, list[tuple[str, ParallelLayout, str]]] = {w: [] for w in worlds}
     for name in modules or tuple(search.cfg.modules):
         acs, seen, i = search._acs(name), set(), 0
@@ -93,7 +104,27 @@ def _replica_batch(hf, replica: int) -> dict:
     return tiny_vl_batch(hf, images=IMAGES[replica], text_lens=TEXT[replica], seed=replica)
 
 
-def _vision_loss(out: dict, token_index: torch.Tensor, replica: int) -> torch.Tensor:
+def _consumer(family) -> str:
+    """The module with the loss: the family's last (its producers come first)."""
+    return family.module_names[-1]
+
+
+def _producer_inputs(family, hf, name: str, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A replica's ``(input rows, meta rows)`` of producer ``name``, in the fields its hand-off layout
+    reads: the patches and grids of the replica's images, or mel frames of its audios (``AUDIOS``;
+    random rows of the family's mel width, one ``(frames,)`` meta row each)."""
+    (link,) = {e.layout for e in family.handoffs_for(hf) if e.producer == name}
+    layout = LAYOUTS[link]
+    if layout.rows_field == "audio_features":
+        frames = AUDIOS[family.name][replica]
+        g = torch.Generator().manual_seed(3000 + replica)
+        rows = torch.randn(sum(frames), hf.audio_config.num_mel_bins, generator=g)
+        return rows, torch.tensor([[f] for f in frames])
+    batch = _replica_batch(hf, replica)
+    return batch[layout.rows_field], batch[layout.meta_field]
+
+
+def _producer_loss(out: dict, token_index: torch.Tensor, replica: int) -> torch.Tensor:
     """A fixed random linear functional of every edge's rows (so every row's gradient matters)."""
     total = torch.zeros(())
     for k in sorted(out):
@@ -151,16 +182,17 @@ def _reference_grads(family, hf, name: str, replicas: int) -> dict[str, torch.Te
     torch.manual_seed(0)
     ref = family.build_module(name, hf, device="cpu", dtype=torch.float32)
     ref.train()
-    total = _label_tokens(hf, replicas)
+    total = _label_tokens(hf, replicas) if name == _consumer(family) else 0
     for r in range(replicas):
-        batch = _replica_batch(hf, r)
-        if name == "vision":
-            (shard,) = family.shard_inputs(name, hf, pixel_values=batch["pixel_values"],
-                                          image_grid_thw=batch["image_grid_thw"], sp_size=1)  # fmt: skip
-            _vision_loss(ref(**shard.forward_kwargs()), shard.token_index, r).backward()
+        batch = _replica_batch(hf, r) if name == _consumer(family) else None
+        if name != _consumer(family):
+            rows, meta = _producer_inputs(family, hf, name, r)
+            (shard,) = family.shard_items(name, hf, rows=rows, meta=meta, sp_size=1)
+            _producer_loss(ref(**shard.forward_kwargs()), shard.token_index, r).backward()
         else:
             _llm_loss(ref, family, hf, batch, r, total).backward()
-    return {k: p.grad.detach().clone() for k, p in ref.named_parameters()}
+    # a parameter the forward never reads (Qwen2.5-Omni's audio_bos_eos_token) has no gradient on either side
+    return {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
 
 
 def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> None:
@@ -178,13 +210,12 @@ def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> 
     if d.pp > 1:
         _pipeline_step(family, hf, module, mesh, d, ac, replica, refs)
         return
-    batch = _replica_batch(hf, replica)
-    if name == "vision":
-        shards = family.shard_inputs(name, hf, pixel_values=batch["pixel_values"],
-                                     image_grid_thw=batch["image_grid_thw"], sp_size=d.sp)  # fmt: skip
-        shard = shards[coord["sp"]]
-        loss = _vision_loss(module(**shard.forward_kwargs()), shard.token_index, replica)
+    if name != _consumer(family):
+        rows, meta = _producer_inputs(family, hf, name, replica)
+        shard = family.shard_items(name, hf, rows=rows, meta=meta, sp_size=d.sp)[coord["sp"]]
+        loss = _producer_loss(module(**shard.forward_kwargs()), shard.token_index, replica)
     else:
+        batch = _replica_batch(hf, replica)
         own, rows = None, None
         ids = batch["input_ids"]
         if d.cp > 1:  # the CP rank's tokens of the padded micro-batch, local order (as the worker)
@@ -204,7 +235,11 @@ def _one_step(family, hf, name: str, d: ParallelLayout, ac: str, refs: dict) -> 
     if key not in refs:
         refs[key] = _reference_grads(family, hf, name, layout.num_replicas)
     tag = f"{family.name} {name} {d.config_values()} ac={ac}"
-    assert_grads_match(full_grads(module), refs[key], rtol=RTOL, tag=tag)
+    got = full_grads(module)
+    for k in set(got) - set(refs[key]):  # a parameter no forward reads: data parallelism zero-fills it
+        assert not got[k].any(), f"{tag}: {k} has a gradient the single-process module does not"
+        del got[k]
+    assert_grads_match(got, refs[key], rtol=RTOL, tag=tag)
     clip_grads_(module, 0.5)
     optimizer = build_optimizer(module, mesh, layout=layout, train=TrainConfig(lr=1e-3))
     optimizer.step()
@@ -358,6 +393,23 @@ def test_every_emitted_moe_llm_plan_trains_one_exact_step(family: str) -> None:
     for feature in ("ep", "etp", "expert_fsdp"):  # the expert axes are searched
         assert any(feature in _features(d) for d in layouts), (feature, layouts)
     for world, combos in sorted(_part(space, "distinct").items()):  # every expert mesh, as above
+        if combos:
+            spawn(_run_world, world, family, combos)
+
+
+@pytest.mark.parametrize(
+    "family", [f if f == "qwen2_5_omni" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(AUDIO)]
+)
+def test_every_emitted_audio_plan_trains_one_exact_step(family: str) -> None:
+    """The third module's space: every audio-encoder layout the search emits on 1..4 ranks (DP, ZeRO-1,
+    FSDP, SP over its frames and their products, each AC mode meeting each) trains one exact step, the
+    encoder's input cut by the family over SP as the runtime cuts it, against the single-process encoder
+    on every replica's audios."""
+    space = _space(AUDIO[family], ("audio",))
+    layouts = [d for c in space.values() for _, d, _ in c]
+    for feature in ("dp", "fsdp", "sp", "zero"):
+        assert any(feature in _features(d) for d in layouts), (feature, layouts)
+    for world, combos in sorted(space.items()):
         if combos:
             spawn(_run_world, world, family, combos)
 
