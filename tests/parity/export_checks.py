@@ -51,9 +51,15 @@ def stored(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same bytes (a NaN equals itself here, unlike ``torch.equal``)."""
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return a.shape == b.shape and torch.equal(*flat)
+
+
 def assert_rebuilt(src: Path, out: Path, *, carried: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """``out`` has exactly ``src``'s keys, more than one shard, ``src``'s config.json, and every
-    tensor under a ``carried`` prefix bit-equal to the source's (same dtype, shape, values). Returns
+    tensor under a ``carried`` prefix byte-equal to the source's (same dtype, shape, values). Returns
     ``out``'s tensors."""
     want, got = stored(src), stored(out)
     assert set(got) == set(want), (sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5])
@@ -61,6 +67,6 @@ def assert_rebuilt(src: Path, out: Path, *, carried: tuple[str, ...]) -> dict[st
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     kept = [k for k in want if k.startswith(carried)]
     assert kept and all(k.startswith(("thinker.", *carried)) for k in want)
-    differ = [k for k in kept if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    differ = [k for k in kept if got[k].dtype != want[k].dtype or not bit_equal(got[k], want[k])]
     assert not differ, differ[:5]
     return got

@@ -74,7 +74,9 @@ def test_export_from_a_full_model_rebuilds_it_with_talker_and_token2wav_untouche
     thinker = loaded.thinker.state_dict()
     assert set(thinker) == set(want)
     assert not [k for k in want if not torch.equal(thinker[k], want[k])]
-    assert torch.equal(got["thinker.model.embed_tokens.weight"], want["model.language_model.embed_tokens.weight"])
+    assert torch.equal(
+        got["thinker.model.embed_tokens.weight"], want["model.language_model.embed_tokens.weight"]
+    )
     # every talker and token2wav weight transformers loaded is the source model's (none left at init)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
