@@ -57,17 +57,15 @@ def _header(file: Path) -> dict[str, dict]:
 
 
 def source_tensors(path: Path) -> dict[str, SourceTensor]:
-    """Every tensor of the HF directory ``path`` (``model.safetensors`` or the shards its index lists)."""
+    """Every tensor of the HF directory ``path`` (``model.safetensors`` or the shards its index lists);
+    empty when it holds neither."""
     index = path / INDEX_FILE
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (path / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
-    else:
-        raise CheckpointError(
-            f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found. Fix: point model.path at the HF "
-            "model directory the run was trained from."
-        )
+    else:  # no weights (a config-only directory): nothing to carry
+        return {}
     out = {}
     for name in files:
         for key, info in _header(path / name).items():
@@ -78,8 +76,9 @@ def source_tensors(path: Path) -> dict[str, SourceTensor]:
 
 def full_source(family: ModelFamily, path: Path) -> FullSource | None:
     """``path``'s tensors split into the family's modules and the carried ones; None when every tensor
-    belongs to the family's graph (a thinker-only directory: the export writes the family's own keys).
-    CheckpointError names any key that belongs to no module."""
+    belongs to the family's graph or to no module (a thinker-only directory: the export writes the
+    family's own keys, as before). In a full directory, CheckpointError names any key that belongs to
+    no module (the rebuilt directory would lack it)."""
     graph = set(family.module_names)
     names, carried, unowned = {}, [], []
     for key, tensor in source_tensors(path).items():
@@ -90,13 +89,14 @@ def full_source(family: ModelFamily, path: Path) -> FullSource | None:
             names[owner] = tensor
         else:
             carried.append(tensor)
+    if not carried:
+        return None
     if unowned:
         raise CheckpointError(
             f"{path}: {len(unowned)} tensor(s) belong to no {family.name} module, e.g. {sorted(unowned)[:5]}; "
-            "an export would drop them. Fix: point model.path at the directory the run was trained from."
+            "a rebuilt full model would drop them. Fix: point model.path at the directory the run was "
+            "trained from."
         )
-    if not carried:
-        return None
     return FullSource(names=names, carried=tuple(sorted(carried, key=lambda t: (str(t.file), t.key))))
 
 

@@ -14,6 +14,7 @@ unexpected (every loaded weight is the trained thinker's or the source model's),
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from pathlib import Path
 
@@ -21,9 +22,12 @@ import pytest
 import torch
 from export_checks import assert_rebuilt, checkpoint_of
 from omni_batch import omni_batch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniThinkerForConditionalGeneration
 
 from dhp.checkpoint.export import export_hf
+from dhp.errors import CheckpointError
 from dhp.models import get_family
 from dhp.models.qwen2_5_omni.tiny import tiny_full_config, write_tiny_full_checkpoint
 
@@ -64,6 +68,11 @@ def test_export_from_a_full_model_rebuilds_it_with_talker_and_token2wav_untouche
     out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, max_shard_bytes=256 * 1024)
 
     got = assert_rebuilt(src, out, carried=("talker.", "token2wav."))
+    # streamed: no output shard holds more than max_shard_bytes of tensors, unless one tensor alone
+    for shard in out.glob("model-*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]  # noqa: SIM118 (safe_open is no dict)
+        assert sum(sizes) <= 256 * 1024 or len(sizes) == 1, shard.name
     assert (out / "spk_dict.pt").is_file() and (out / "tokenizer_config.json").is_file()
     # the thinker is the trained one, under the source's (released) names
     with warnings.catch_warnings():
@@ -87,3 +96,25 @@ def test_export_from_a_full_model_rebuilds_it_with_talker_and_token2wav_untouche
     batch = omni_batch(hf_config, RECORDS, seeds=[1, 2])["hf"]
     with torch.no_grad():
         assert torch.equal(loaded.thinker(**batch).logits, ref(**batch).logits)
+
+
+def test_a_cast_export_casts_the_thinker_only_and_a_stray_source_key_is_refused(tmp_path: Path) -> None:
+    """``dtype=bfloat16``: the thinker tensors are cast, the talker's and token2wav's keep their fp32
+    bytes. A source tensor that belongs to no module (the rebuilt model would lack it) is an error."""
+    family = get_family("qwen2_5_omni")
+    src = write_tiny_full_checkpoint(tmp_path / "src", seed=7)
+    model_cfg = dataclasses.replace(family.tiny_model_config(), path=str(src))
+    hf_config = family.hf_config_from_dir(src)
+    torch.manual_seed(0)
+    ckpt = checkpoint_of(family, hf_config, family.reference_model(hf_config), tmp_path / "ckpts")
+    out = export_hf(ckpt, out_dir=tmp_path / "bf16", model=model_cfg, dtype=torch.bfloat16)
+    got = assert_rebuilt(src, out, carried=("talker.", "token2wav."))
+    assert {t.dtype for k, t in got.items() if k.startswith("thinker.")} == {torch.bfloat16}
+    assert {t.dtype for k, t in got.items() if not k.startswith("thinker.")} == {torch.float32}
+
+    save_file({"speaker_table.weight": torch.zeros(2)}, str(src / "extra.safetensors"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["speaker_table.weight"] = "extra.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"speaker_table\.weight"):
+        export_hf(ckpt, out_dir=tmp_path / "stray", model=model_cfg)
