@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from export_checks import assert_rebuilt, checkpoint_of
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeThinkerForConditionalGeneration
 
 from dhp.checkpoint.export import export_hf
@@ -130,3 +132,34 @@ def test_export_from_a_full_model_rebuilds_it_with_talker_and_code2wav_untouched
     batch = hf_batch(hf_config)
     with torch.no_grad():
         assert torch.equal(loaded.thinker(**batch).logits, ref(**batch).logits)
+
+
+def test_a_source_with_transposed_experts_gets_the_trained_experts_back_in_its_order(tmp_path: Path) -> None:
+    """A full source storing the thinker's fused experts as transformers 4.57 did (``gate_up_proj``
+    [E, H, 2I], ``down_proj`` [E, I, H]; dhp's loader transposes them, ``stored_dims``): the export
+    writes the trained experts in that stored order. (transformers 5.25's
+    ``Qwen3OmniMoeForConditionalGeneration`` loads neither that source nor its export: mismatched
+    sizes; the export keeps the layout it was given.)"""
+    family = get_family("qwen3_omni")
+    src = write_tiny_full_checkpoint(tmp_path / "src", seed=7)
+    experts = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    for shard in src.glob("model-*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        flip = {k for k in tensors if k.startswith("thinker.") and k.endswith(experts)}
+        if flip:
+            tensors.update({k: tensors[k].transpose(1, 2).contiguous() for k in flip})
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    model_cfg = dataclasses.replace(family.tiny_model_config(), path=str(src))
+    hf_config = family.hf_config_from_dir(src)
+    torch.manual_seed(0)
+    ref = family.reference_model(hf_config).float()
+    ckpt = checkpoint_of(family, hf_config, ref, tmp_path / "ckpts")
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, max_shard_bytes=256 * 1024)
+    got = assert_rebuilt(src, out, carried=("talker.", "code2wav."))
+    want = ref.state_dict()
+    key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert want[key].shape[1] != want[key].shape[2]  # not square: the order is visible
+    for name, t in got.items():
+        if name.startswith("thinker.") and name.endswith(experts):
+            assert torch.equal(t, want[name.removeprefix("thinker.")].transpose(1, 2)), name
