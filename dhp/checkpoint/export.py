@@ -233,7 +233,15 @@ def export_hf(
         # optional family method: only families whose checkpoints store a tensor re-laid-out
         stored_dims = getattr(family, "stored_dims", None)
         todo, relayout, rename = _source_names(todo, full, tied_to=tied_to, stored_dims=stored_dims)
-        adapters = {rename[k]: v for k, v in adapters.items()}
+        if adapters and lora_mode == "adapter":
+            # peft names an adapter by the in-memory module path of the model it is loaded onto,
+            # which for a full model is neither the thinker's HF key nor the source's stored key
+            raise CheckpointError(
+                f"{ckpt_dir} holds LoRA adapters and model.path {model.path} is a full model (with "
+                f"{full.carried[0].key.split('.')[0]}.*): peft adapter files for it are not written. "
+                "Fix: export with --lora merge (the adapters merged into the thinker's weights)."
+            )
+        adapters = {rename[k]: v for k, v in adapters.items()}  # merged under the source's names
     out_dir.mkdir(parents=True, exist_ok=True)
     plans: list[tuple[str, list]] = [("trained", b) for b in _trained_batches(todo, dtype, max_shard_bytes)]
     if full is not None:

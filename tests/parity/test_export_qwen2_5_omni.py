@@ -21,15 +21,25 @@ from pathlib import Path
 import pytest
 import torch
 from export_checks import assert_rebuilt, checkpoint_of
+from omegaconf import OmegaConf
 from omni_batch import omni_batch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniThinkerForConditionalGeneration
 
+from dhp.checkpoint import (
+    CheckpointMeta,
+    ModuleRecord,
+    begin_checkpoint,
+    commit_checkpoint,
+    save_module_state,
+)
 from dhp.checkpoint.export import export_hf
+from dhp.config.schema import LoraConfig
 from dhp.errors import CheckpointError
 from dhp.models import get_family
 from dhp.models.qwen2_5_omni.tiny import tiny_full_config, write_tiny_full_checkpoint
+from dhp.parallel.lora import apply_lora
 
 pytestmark = [pytest.mark.parity, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 RECORDS = [[("text", 3), ("image", (4, 4)), ("audio", 41)], [("text", 6), ("audio", 17)]]
@@ -118,3 +128,44 @@ def test_a_cast_export_casts_the_thinker_only_and_a_stray_source_key_is_refused(
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"speaker_table\.weight"):
         export_hf(ckpt, out_dir=tmp_path / "stray", model=model_cfg)
+
+
+def test_lora_adapters_merge_into_the_rebuilt_thinker_and_adapter_files_are_refused(tmp_path: Path) -> None:
+    """A LoRA run from a full source: ``merge`` writes each adapted weight as W + (alpha / r) B A under
+    the source's name (computed here by hand from the trained module, fp32: within 1e-6 absolute, one
+    matmul); ``adapter`` (peft files named for another model's module paths) is a CheckpointError."""
+    family = get_family("qwen2_5_omni")
+    src = write_tiny_full_checkpoint(tmp_path / "src", seed=7)
+    model_cfg = dataclasses.replace(family.tiny_model_config(), path=str(src))
+    hf_config = family.hf_config_from_dir(src)
+    lora = OmegaConf.structured(
+        LoraConfig(rank=2, alpha=4.0, targets=["language_model.layers.*.self_attn.q_proj"])
+    )
+    torch.manual_seed(0)
+    modules = {
+        name: family.build_module(name, hf_config, device="cpu", dtype=torch.float32)
+        for name in family.module_names
+    }
+    modules["llm"] = apply_lora(modules["llm"], module_name="llm", lora=lora)
+    with torch.no_grad():
+        for n, p in modules["llm"].named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.05)  # as after training (B starts at zero)
+    tmp = begin_checkpoint(tmp_path / "ckpts", step=1)
+    for name, module in modules.items():
+        save_module_state(tmp / name, model=module, optimizer=None)
+    meta = CheckpointMeta(
+        step=1, data_state={}, driver_rng={}, plan={"groups": []}, config_hash="c", model_hash="m",
+        modules={n: ModuleRecord(1, False, False) for n in modules},
+    )  # fmt: skip
+    ckpt = commit_checkpoint(tmp, meta=meta, keep_last=1)
+    configs = {"audio": LoraConfig(rank=0), "vision": LoraConfig(rank=0), "llm": lora}
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, lora=configs, lora_mode="merge")
+    got = assert_rebuilt(src, out, carried=("talker.", "token2wav."))
+    params = dict(modules["llm"].named_parameters())
+    layer = "language_model.layers.1.self_attn.q_proj"
+    a, b = params[f"{layer}.lora_A.default.weight"], params[f"{layer}.lora_B.default.weight"]
+    want = params[f"{layer}.base_layer.weight"] + (4.0 / 2) * (b @ a)
+    assert (got["thinker.model.layers.1.self_attn.q_proj.weight"] - want).abs().max() <= 1e-6
+    with pytest.raises(CheckpointError, match="--lora merge"):
+        export_hf(ckpt, out_dir=tmp_path / "adapter", model=model_cfg, lora=configs, lora_mode="adapter")
