@@ -41,8 +41,13 @@ def checkpoint_of(family, hf_config, ref: nn.Module, root: Path, *, step: int = 
 
 
 def stored(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the HF directory ``path`` as its sharded safetensors store it."""
-    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    """Every tensor of the HF directory ``path`` as its safetensors store it (the shards its index
+    lists, or one ``model.safetensors``)."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    weight_map = json.loads(index.read_text())["weight_map"]
     out = {}
     for file in sorted(set(weight_map.values())):
         with safe_open(str(path / file), framework="pt") as f:

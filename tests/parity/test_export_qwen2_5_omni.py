@@ -133,9 +133,11 @@ def test_a_cast_export_casts_the_thinker_only_and_a_stray_source_key_is_refused(
 def test_lora_adapters_merge_into_the_rebuilt_thinker_and_adapter_files_are_refused(tmp_path: Path) -> None:
     """A LoRA run from a full source: ``merge`` writes each adapted weight as W + (alpha / r) B A under
     the source's name (computed here by hand from the trained module, fp32: within 1e-6 absolute, one
-    matmul); ``adapter`` (peft files named for another model's module paths) is a CheckpointError."""
+    matmul); ``adapter`` (peft files named for another model's module paths) is a CheckpointError.
+    The source here is one ``model.safetensors`` (no index)."""
     family = get_family("qwen2_5_omni")
-    src = write_tiny_full_checkpoint(tmp_path / "src", seed=7)
+    src = write_tiny_full_checkpoint(tmp_path / "src", seed=7, max_shard_size="50GB")
+    assert (src / "model.safetensors").is_file() and not (src / "model.safetensors.index.json").exists()
     model_cfg = dataclasses.replace(family.tiny_model_config(), path=str(src))
     hf_config = family.hf_config_from_dir(src)
     lora = OmegaConf.structured(
