@@ -5,6 +5,13 @@ at most ``max_shard_bytes`` and written as ``model-XXXXX-of-YYYYY.safetensors`` 
 memory is about one shard, not the whole model. Keys follow the family's reference transformers
 model (``family.reference_model``'s state-dict keys, e.g. ``model.language_model.*``, ``lm_head.*``),
 loadable with that transformers class's ``from_pretrained``.
+
+When ``model.path`` is a full model directory whose tensors include modules outside the family's graph
+(an omni model's speech output: ``talker.*``, ``token2wav.*`` / ``code2wav.*``), the export rebuilds that
+full directory instead (``dhp.checkpoint.carried``): the trained tensors under the source's own names
+(e.g. ``thinker.model.layers.*``) and in its stored dimension order, every other tensor copied from the
+source shard by shard with its bytes unchanged, and the source's ``config.json``; the same class that
+loaded the source (``Qwen2_5OmniForConditionalGeneration``) loads the export.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dhp.checkpoint.carried import FullSource, batches, full_source, read_carried
 from dhp.checkpoint.layout import resolve_checkpoint
 from dhp.checkpoint.lora_export import (
     ADAPTER_DIR,
@@ -56,6 +64,7 @@ _SIDE_FILES = (
     "processor_config.json",
     "video_preprocessor_config.json",
     "generation_config.json",
+    "spk_dict.pt",  # Qwen2.5-Omni's speaker table: its full model's from_pretrained reads it
 )
 
 
@@ -115,11 +124,67 @@ def _read(ckpt_dir: Path, batch, dtype: torch.dtype | None) -> dict[str, torch.T
         }
         with single_process_quiet():
             dcp.load(sd, checkpoint_id=str(ckpt_dir / module), no_dist=True)
+        seen = set()
         for key, m, fqn, _ in batch:
             if m == module:
                 t = sd[f"{MODEL_KEY}.{fqn}"]
+                t = t.clone() if fqn in seen else t  # a tied tensor the source stores twice
+                seen.add(fqn)
                 out[key] = t if dtype is None else t.to(dtype)
     return out
+
+
+def _source_names(
+    todo, full: FullSource, *, tied_to: dict[tuple[str, str], str], stored_dims
+) -> tuple[list, dict[str, tuple[int, ...]], dict[str, str]]:
+    """``todo`` under the full source's keys: (the renamed items, ``{key: dims}`` of tensors the source
+    stores in another dimension order (``t.permute(dims)`` is the stored layout), ``{HF key: source
+    key}``). A tied tensor the source stores apart is written from its tie target. CheckpointError
+    when a trained tensor has no place in the source, or a source tensor of the graph is not trained."""
+    names = dict(full.names)
+    out, relayout, rename, problems = [], {}, {}, []
+    by_fqn = {(m, base_fqn(f)): (m, f, meta) for _, m, f, meta in todo}
+    for key, module, fqn, meta in todo:
+        src = names.pop((module, base_fqn(fqn)), None)
+        if src is None:
+            problems.append(f"{module}: {fqn} (HF {key}) has no tensor in the source")
+            continue
+        rename[key] = src.key
+        out.append((src.key, module, fqn, meta))
+        if src.shape != tuple(meta.size):
+            dims = None if stored_dims is None else stored_dims(fqn, src.shape, tuple(meta.size))
+            if dims is None:
+                problems.append(f"{src.key}: source shape {list(src.shape)}, trained {list(meta.size)}")
+            else:  # the inverse of the loader's permute
+                relayout[src.key] = tuple(sorted(range(len(dims)), key=dims.__getitem__))
+    for (module, fqn), src in sorted(names.items()):
+        target = by_fqn.get((module, tied_to.get((module, fqn), "")))
+        if target is not None:
+            out.append((src.key, *target))
+            names.pop((module, fqn))
+    problems += [f"source {s.key} ({m}: {f}) is not in the checkpoint" for (m, f), s in sorted(names.items())]
+    if problems:
+        raise CheckpointError(
+            f"cannot rebuild the full model of {full.carried[0].file.parent}: {len(problems)} tensor(s) "
+            f"differ from its layout, e.g. {problems[:5]}. Fix: export with the model.path the run was "
+            "trained from (a source with one tensor per expert is not re-laid-out)."
+        )
+    return out, relayout, rename
+
+
+def _trained_batches(todo, dtype: torch.dtype | None, max_bytes: int) -> list[list]:
+    """``todo`` cut in order into output shards of at most ``max_bytes`` (after the ``dtype`` cast);
+    always one shard at least."""
+    shards, cur, size = [], [], 0
+    for item in todo:
+        nbytes = item[3].size.numel() * (dtype or item[3].properties.dtype).itemsize
+        if cur and size + nbytes > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += nbytes
+    shards.append(cur)
+    return shards
 
 
 def export_hf(
@@ -137,7 +202,9 @@ def export_hf(
     """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer/processor side files).
 
     ``model`` is the run's ModelConfig (architecture; ``path`` for the config and side files).
-    ``dtype`` casts every tensor (None keeps the checkpoint's dtype, e.g. fp32 master weights).
+    ``dtype`` casts every trained tensor (None keeps the checkpoint's dtype, e.g. fp32 master weights).
+    A full source (``dhp.checkpoint.carried``): its other modules' tensors are copied as stored (never
+    cast), after the trained shards, and its ``config.json`` is copied unchanged.
     ``on_progress(done, total)`` is called after each written shard (the CLI's progress bar).
     ``lora`` (module -> its ``lora`` config) is needed when the checkpoint holds LoRA adapters;
     ``lora_mode``: ``merge`` them into the weights or write peft's ``adapter`` files beside the base
@@ -159,29 +226,41 @@ def export_hf(
     key_map = _hf_key_map(family, hf_config)
     todo = _plan_tensors(ckpt_dir, modules, key_map, tied)
     adapters = _adapters(ckpt_dir, modules, key_map, lora=lora, mode=lora_mode)
+    full = None if model.path is None else full_source(family, Path(model.path))
+    relayout: dict[str, tuple[int, ...]] = {}
+    if full is not None:
+        tied_to = {(m, f): t for m in modules for f, t in family.tied_parameters(m, hf_config).items()}
+        # optional family method: only families whose checkpoints store a tensor re-laid-out
+        stored_dims = getattr(family, "stored_dims", None)
+        todo, relayout, rename = _source_names(todo, full, tied_to=tied_to, stored_dims=stored_dims)
+        if adapters and lora_mode == "adapter":
+            # peft names an adapter by the in-memory module path of the model it is loaded onto,
+            # which for a full model is neither the thinker's HF key nor the source's stored key
+            raise CheckpointError(
+                f"{ckpt_dir} holds LoRA adapters and model.path {model.path} is a full model (with "
+                f"{full.carried[0].key.split('.')[0]}.*): peft adapter files for it are not written. "
+                "Fix: export with --lora merge (the adapters merged into the thinker's weights)."
+            )
+        adapters = {rename[k]: v for k, v in adapters.items()}  # merged under the source's names
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards, cur, size = [], [], 0
-    for item in todo:
-        nbytes = item[3].size.numel() * (dtype or item[3].properties.dtype).itemsize
-        if cur and size + nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(item)
-        size += nbytes
-    shards.append(cur)
+    plans: list[tuple[str, list]] = [("trained", b) for b in _trained_batches(todo, dtype, max_shard_bytes)]
+    if full is not None:
+        plans += [("carried", b) for b in batches(full.carried, max_shard_bytes)]
     weight_map, total = {}, 0
-    for i, batch in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = _read(ckpt_dir, batch, dtype)
-        if lora_mode == "merge":
+    for i, (kind, batch) in enumerate(plans):
+        name = f"model-{i + 1:05d}-of-{len(plans):05d}.safetensors"
+        tensors = _read(ckpt_dir, batch, dtype) if kind == "trained" else read_carried(batch)
+        if kind == "trained" and lora_mode == "merge":
             for key in tensors.keys() & adapters.keys():
                 a, b, rank, alpha = adapters[key]
                 tensors[key] = merged(tensors[key], a, b, alpha / rank)
+        for key in tensors.keys() & relayout.keys():
+            tensors[key] = tensors[key].permute(relayout[key]).contiguous()
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
         if on_progress is not None:
-            on_progress(i + 1, len(shards))
+            on_progress(i + 1, len(plans))
     index = {
         "metadata": {"total_size": total, "dhp_step": meta.step},
         "weight_map": dict(sorted(weight_map.items())),
@@ -193,9 +272,12 @@ def export_hf(
         write_adapter(
             out_dir / ADAPTER_DIR, by_layer, base_path=adapter_base or str(out_dir.resolve()), dtype=dtype
         )
-    if dtype is not None:
-        hf_config.dtype = dtype
-    hf_config.save_pretrained(str(out_dir))
+    if full is not None:  # the full model's config (thinker, talker, ...), as the source has it
+        shutil.copy2(Path(model.path) / "config.json", out_dir / "config.json")
+    else:
+        if dtype is not None:
+            hf_config.dtype = dtype
+        hf_config.save_pretrained(str(out_dir))
     if model.path is not None:
         for f in _SIDE_FILES:
             if (Path(model.path) / f).is_file():

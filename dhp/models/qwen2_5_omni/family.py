@@ -7,9 +7,10 @@ writes), and the released Qwen2.5-Omni checkpoints (``thinker.audio_tower.*``, `
 or with transformers 5's ``thinker.model.<tower>.*``). The released directories also hold the speech
 output (``talker.*``, ``token2wav.*``): those keys belong to modules this graph never builds
 (``talker``, ``token2wav``, as Qwen3.5's ``mtp.*``), so loading reads none of them and reports none as
-unexpected. An HF export (``dhp.checkpoint.export``) writes the thinker: its config
-(``model_type: qwen2_5_omni_thinker``) and the reference thinker's keys, nothing of the talker or
-token2wav (a full Omni directory with speech output is not rebuilt).
+unexpected. An HF export (``dhp.checkpoint.export``) of a run from a thinker directory (or none)
+writes the thinker: its config (``model_type: qwen2_5_omni_thinker``) and the reference thinker's
+keys; from a full directory it rebuilds that directory: the trained thinker under the source's
+``thinker.*`` names, the talker and token2wav tensors copied unchanged (``dhp.checkpoint.carried``).
 """
 
 from __future__ import annotations

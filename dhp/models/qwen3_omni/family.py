@@ -11,7 +11,8 @@ Checkpoint layouts: transformers 5's thinker (``model.audio_tower.*``, ``model.v
 ``model.language_model.*``, ``lm_head.*``: what ``save_pretrained`` and an HF export write) and the
 full model's (``thinker.model.<tower>.*``, or the released ``thinker.audio_tower.*``,
 ``thinker.visual.*``, ``thinker.model.*``, ``thinker.lm_head.*``); the speech output (``talker.*``,
-``code2wav.*``) belongs to modules this graph never builds, so loading reads none of it.
+``code2wav.*``) belongs to modules this graph never builds, so loading reads none of it and an HF
+export from a full directory copies it unchanged beside the trained thinker (``dhp.checkpoint.carried``).
 """
 
 from __future__ import annotations

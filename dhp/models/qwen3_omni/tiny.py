@@ -11,6 +11,11 @@ directory holds beside them for training records with audio:
 
 No ``processor_config.json``: the stock ``Qwen3OmniMoeProcessor`` needs torchvision to be built; dhp reads
 the tokenizer, the image processor and the feature extractor on their own.
+
+:func:`write_tiny_full_checkpoint` writes the same files around a full
+``Qwen3OmniMoeForConditionalGeneration`` (``qwen3_omni_moe``: the tiny thinker, a tiny MoE talker with
+its code predictor, and a tiny code2wav; random weights), sharded, the experts fused as transformers 5
+holds them (``thinker.model.language_model.*``, ``talker.*``, ``code2wav.*``).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from transformers import Qwen2Tokenizer, WhisperFeatureExtractor
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 
 from dhp.config.schema import ModelConfig
+from dhp.models import get_family
 from dhp.models.qwen3_base.tiny import QWEN3_CHAT_TEMPLATE, QWEN3_MEAN, QWEN3_STD, VIDEO_DEFAULTS
 from dhp.models.qwen3_omni.family import OMNI_TOKEN_STRINGS
 from dhp.models.tiny import SPECIAL_TOKENS, write_tiny_base
@@ -90,4 +98,106 @@ def write_tiny_checkpoint(
         "video_processor_type": "Qwen3VLVideoProcessor",
     }
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+#: the tiny speech output: a 2-layer MoE talker (4 experts, top 2) with a 1-layer code predictor over 4
+#: code groups, and a 1-layer code2wav with two upsampling stages
+TINY_TALKER_TEXT = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+TINY_CODE_PREDICTOR = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_code_groups=4,
+)
+TINY_CODE2WAV = dict(
+    codebook_size=64,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_quantizers=4,
+    upsample_rates=[2, 2],
+    upsampling_ratios=[2],
+    decoder_dim=32,
+    sliding_window=8,
+)
+
+
+def tiny_full_config(model_cfg: ModelConfig) -> Qwen3OmniMoeConfig:
+    """The full model's config: ``model_cfg``'s thinker, the tiny talker (the thinker's token ids and
+    width; codec ids at the top of its 64-entry vocabulary) and the tiny code2wav."""
+    thinker = get_family("qwen3_omni").hf_config(model_cfg)
+    tok = model_cfg.tokens
+    talker = dict(
+        text_config=TINY_TALKER_TEXT,
+        code_predictor_config=TINY_CODE_PREDICTOR,
+        num_code_groups=TINY_CODE_PREDICTOR["num_code_groups"],
+        thinker_hidden_size=thinker.text_config.hidden_size,
+        accept_hidden_layer=1,
+        spatial_merge_size=thinker.vision_config.spatial_merge_size,
+        codec_eos_token_id=60,
+        codec_nothink_id=59,
+        codec_think_bos_id=58,
+        codec_think_eos_id=57,
+        codec_pad_id=56,
+        codec_bos_id=55,
+        audio_token_id=tok.audio_token_id,
+        image_token_id=tok.image_token_id,
+        video_token_id=tok.video_token_id,
+        vision_start_token_id=tok.vision_start_token_id,
+        audio_start_token_id=tok.audio_start_token_id,
+    )
+    return Qwen3OmniMoeConfig(
+        thinker_config=thinker.to_dict(),
+        talker_config=talker,
+        code2wav_config=TINY_CODE2WAV,
+        enable_audio_output=True,
+        architectures=["Qwen3OmniMoeForConditionalGeneration"],
+    )
+
+
+def write_tiny_full_checkpoint(
+    out: Path, *, seed: int = 0, model_cfg: ModelConfig | None = None, max_shard_size: str = "300KB"
+) -> Path:
+    """Write a tiny full Qwen3-Omni directory to ``out``: the thinker directory's tokenizer and
+    processor files, the full model's ``config.json`` and its random weights (transformers' init under
+    ``seed``; the caller's RNG untouched) saved by ``save_pretrained`` in ``max_shard_size`` shards
+    plus the index, the experts fused (``save_original_format=False``, as dhp's loader reads them)."""
+    # reason: transformers' model code costs seconds to import; only a test writing a full model needs it
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model_cfg = model_cfg if model_cfg is not None else get_family("qwen3_omni").tiny_model_config()
+    write_tiny_checkpoint(out, family="qwen3_omni", sharded=False, seed=seed, model_cfg=model_cfg)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3OmniMoeForConditionalGeneration(tiny_full_config(model_cfg))
+        # transformers 5.25's init leaves the talker's fused experts as allocated (torch.empty):
+        # drawn here as its other linear weights are, so the directory is the same on every run
+        std = model.config.talker_config.initializer_range
+        with torch.no_grad():
+            for name, param in model.talker.named_parameters():
+                if ".mlp.experts." in name:
+                    param.normal_(0.0, std)
+    model.save_pretrained(out, max_shard_size=max_shard_size, save_original_format=False)
     return out
