@@ -66,6 +66,7 @@ def test_export_of_the_three_modules_loads_in_transformers_with_equal_logits(tmp
         assert torch.equal(loaded(**batch).logits, ref(**batch).logits)
 
 
+@pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
 def test_export_from_a_full_model_rebuilds_it_with_talker_and_token2wav_untouched(tmp_path: Path) -> None:
     family = get_family("qwen2_5_omni")
     src = write_tiny_full_checkpoint(tmp_path / "src", seed=7)
@@ -108,6 +109,7 @@ def test_export_from_a_full_model_rebuilds_it_with_talker_and_token2wav_untouche
         assert torch.equal(loaded.thinker(**batch).logits, ref(**batch).logits)
 
 
+@pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
 def test_a_cast_export_casts_the_thinker_only_and_a_stray_source_key_is_refused(tmp_path: Path) -> None:
     """``dtype=bfloat16``: the thinker tensors are cast, the talker's and token2wav's keep their fp32
     bytes. A source tensor that belongs to no module (the rebuilt model would lack it) is an error."""
@@ -130,6 +132,7 @@ def test_a_cast_export_casts_the_thinker_only_and_a_stray_source_key_is_refused(
         export_hf(ckpt, out_dir=tmp_path / "stray", model=model_cfg)
 
 
+@pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
 def test_lora_adapters_merge_into_the_rebuilt_thinker_and_adapter_files_are_refused(tmp_path: Path) -> None:
     """A LoRA run from a full source: ``merge`` writes each adapted weight as W + (alpha / r) B A under
     the source's name (computed here by hand from the trained module, fp32: within 1e-6 absolute, one

@@ -104,6 +104,7 @@ def test_thinker_export_loads_in_transformers_with_equal_tensors_and_logits(tmp_
         assert torch.equal(loaded(**batch).logits, ref(**batch).logits)
 
 
+@pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
 def test_export_from_a_full_model_rebuilds_it_with_talker_and_code2wav_untouched(tmp_path: Path) -> None:
     family = get_family("qwen3_omni")
     src = write_tiny_full_checkpoint(tmp_path / "src", seed=7)
@@ -134,6 +135,7 @@ def test_export_from_a_full_model_rebuilds_it_with_talker_and_code2wav_untouched
         assert torch.equal(loaded.thinker(**batch).logits, ref(**batch).logits)
 
 
+@pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
 def test_a_source_with_transposed_experts_gets_the_trained_experts_back_in_its_order(tmp_path: Path) -> None:
     """A full source storing the thinker's fused experts as transformers 4.57 did (``gate_up_proj``
     [E, H, 2I], ``down_proj`` [E, I, H]; dhp's loader transposes them, ``stored_dims``): the export
