@@ -267,3 +267,19 @@ def test_omni_llamafactory_video_with_its_audio_verify(ray_local, video_audio_da
         "modules.llm.seq_len=512",
         "data.max_pixels=12544",
     )
+
+
+def test_qwen3_omni_llamafactory_video_with_its_audio_verify(ray_local, video_audio_data) -> None:
+    # Qwen3-Omni-MoE: each video's tokens placed among its track's audio tokens by start time; the
+    # MoE LLM at dp=2 x ep=2 (one sample per micro-batch). With the reference's flag forced off, this
+    # step fails (grad-norm rel diff 4e-2).
+    _passed(
+        "tiny_qwen3_omni",
+        1,
+        f"data.path={video_audio_data}",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=1",
+        "modules.audio.seq_len=1024",
+        "modules.llm.seq_len=512",
+        "data.max_pixels=12544",
+    )
