@@ -7,6 +7,13 @@ audio encoder outputs for those frames (``AudioSpec.tokens``), typed ``AUDIO``. 
 audio of a sample are concatenated unpadded, in token order (``Sample.audio_features``), with one frame
 count per audio (``Sample.audio_lens``): the ``audio_tokens`` hand-off layout's input and meta rows.
 
+A record with ``use_audio_in_video`` also brings each video's own audio track: decoded from the video
+file (:func:`dhp.data.audio.video_audio`; a video without one is ``no_audio_track``), turned into frames
+by the same extractor, and laid out with the video's tokens as the family's HF processor writes them
+(the family's ``video_with_audio_ids``: ``<|vision_bos|><|audio_bos|>``, the video and audio tokens
+interleaved by time, ``<|audio_eos|><|vision_eos|>``). Every audio's frames, files and tracks alike,
+are in the order of its tokens: the order the LLM scatters ``audio_embeds`` into the audio positions.
+
 Never truncates: an audio over ``data.max_audio_seconds`` or a sample over ``modules.<encoder>.seq_len``
 mel frames is a named bad sample.
 """

@@ -24,13 +24,14 @@ import numpy as np
 import pytest
 import torch
 from audio_build import write_mp4, write_photo_mp4, write_sine
+from rich.console import Console
 from transformers import AutoTokenizer, BatchFeature, WhisperFeatureExtractor
 
 from dhp.config.schema import DataConfig, DatasetEntry, ModelConfig
 from dhp.data import bad
 from dhp.data.audio import load_audio, video_audio
 from dhp.data.batch import AUDIO, TEXT, VIDEO
-from dhp.data.check import check_data
+from dhp.data.check import check_data, render_report
 from dhp.data.source import build_source
 from dhp.data.video import process_video, read_frames
 
@@ -285,6 +286,11 @@ def test_a_video_without_sound_is_no_audio_track_and_check_counts_the_tracks(omn
         (track.mm_token_type_ids == AUDIO).sum() + (note.mm_token_type_ids == AUDIO).sum()
     )
     assert report.audio_seconds == pytest.approx(3.0 + 0.7, abs=0.1)  # AAC adds its priming frames
+    console = Console(record=True, width=200)
+    render_report(report, console=console)
+    text = console.export_text()
+    shown = f"audio in all: 1 file(s) and 1 video audio track(s), {report.audio_seconds:.1f} s"
+    assert f"{shown}, {report.audio_tokens} LLM tokens" in text, text
 
 
 def test_a_family_without_audio_refuses_a_videos_track_by_name(tiny_model, media):
