@@ -228,6 +228,13 @@ VIDEO_ROWS = [
         "videos": ["talk.mp4", "short.mp4"],
         "use_audio_in_video": True,
     },
+    # a video with its sound before an audio file: the track's frames come first
+    {
+        "messages": _turns("<video>Compare with <audio>."),
+        "audios": ["note.wav"],
+        "videos": ["short.mp4"],
+        "use_audio_in_video": True,
+    },
 ]
 
 
