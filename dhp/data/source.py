@@ -182,6 +182,22 @@ class ItemTokens:
         return list(get_family(self.family).tokens_per_item(self.producer, self.hf_config, meta))
 
 
+@dataclass(frozen=True)
+class VideoAudioIds:
+    """Picklable ``(grid, seconds, audio_tokens) -> ids`` of a video interleaved with its own audio track
+    (shipped with the processor to data workers): the family's own ``video_with_audio_ids`` on the
+    checkpoint's config (``position_id_per_seconds``, ``seconds_per_chunk``, token ids); None when the
+    family does not lay one out."""
+
+    family: str
+    hf_config: Any
+
+    def __call__(self, *, grid: tuple[int, int, int], seconds: float, audio_tokens: int) -> list[int] | None:
+        return get_family(self.family).video_with_audio_ids(
+            self.hf_config, grid=grid, seconds=seconds, audio_tokens=audio_tokens
+        )
+
+
 def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, str]:
     """``(spec, refusal)``: how records' audios become the encoder's input when the model has a producer
     of the ``audio_tokens`` layout (its family's feature extractor from ``model.path``), else why a
@@ -199,6 +215,10 @@ def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, 
             tokens=ItemTokens(model.family, producers[0], hf),
             max_seconds=float(data.max_audio_seconds),
             max_frames=sys.maxsize,
+            video_with_audio=VideoAudioIds(
+                model.family,
+                family.hf_config_from_dir(model.path, attn_implementation=model.attn_implementation),
+            ),
         ),
         "",
     )

@@ -117,6 +117,16 @@ class FamilyBase:
         """The tokenizer's text of the special tokens the graph relies on (Qwen's, ``dhp.models.tokens``)."""
         return dict(TOKEN_STRINGS)
 
+    def video_with_audio_ids(
+        self, hf_config: PretrainedConfig, *, grid: tuple[int, int, int], seconds: float, audio_tokens: int
+    ) -> list[int] | None:
+        """The token ids a video interleaved with its own audio track takes between its vision-start and
+        vision-end tokens, as the family's HF processor writes them with ``use_audio_in_video``
+        (``grid``: the video's ``(t, h, w)`` patches; ``seconds``: seconds per temporal grid;
+        ``audio_tokens``: the track's LLM tokens). None by default: the family does not lay out a video
+        with its audio, and a record asking for it is refused by name."""
+        return None
+
     def load_image_processor(self, model_path: str, *, min_pixels: int, max_pixels: int) -> Any:
         """transformers' Qwen2-VL PIL image processor from ``preprocessor_config.json`` (no torchvision;
         Qwen2.5-VL, Qwen3-VL and Qwen3.5 ship this class, with patch 14 or 16)."""

@@ -2,7 +2,9 @@
 the tiny Qwen2.5-Omni and Qwen3-Omni-MoE thinkers against the unsplit transformers thinkers, collocated,
 disaggregated and with two groups sharing GPUs apart from the third,
 with the audio encoder sequence-parallel, on synthetic audio and on real audio files (WAV, FLAC and
-MP3 written here, resampled from 44.1 and 22.05 kHz) in the layouts LLaMA-Factory and ms-swift write.
+MP3 written here, resampled from 44.1 and 22.05 kHz) in the layouts LLaMA-Factory and ms-swift write,
+and on real videos whose own audio track is used (``use_audio_in_video``: MP4s of photographs with a
+44.1 kHz stereo AAC track, interleaved with the frames as Qwen2.5-Omni's processor lays them out).
 
 Tolerances are verify's own: loss and grad norm within 1e-5 relative, every gradient and every
 parameter after the update within 1e-4 absolute (fp32).
@@ -205,6 +207,79 @@ def test_omni_swift_audios_verify_disaggregated(ray_local, omni_data) -> None:
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
         "modules.audio.seq_len=512",
+        "modules.llm.seq_len=512",
+        "data.max_pixels=12544",
+    )
+
+
+@pytest.fixture(scope="module")
+def video_audio_data(tmp_path_factory) -> Path:
+    """A LLaMA-Factory ShareGPT file (``videos`` + ``audios`` columns) whose records set
+    ``use_audio_in_video``: a video with its own sound, and an audio file before another such video.
+    The videos are MP4s of demo photographs with a stereo 44.1 kHz AAC chirp (PyAV)."""
+    pytest.importorskip("av", reason="PyAV (dhp[video]) decodes the videos and their audio tracks")
+    from audio_build import write_photo_mp4
+
+    root = tmp_path_factory.mktemp("video_audio")
+    photos = sorted((DEMO / "images").glob("*.jpg"))
+    write_photo_mp4(root / "a.mp4", photos[:3], seconds=3.0)
+    write_photo_mp4(root / "b.mp4", photos[3:5], seconds=2.0)
+    sf.write(str(root / "note.wav"), _speechy(0.5, 22050, 7), 22050)
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": "<video>What do you see and hear?"},
+                {"from": "gpt", "value": "Three photographs over a rising tone."},
+            ],
+            "videos": ["a.mp4"],
+            "use_audio_in_video": True,
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "<audio>Is this hum in the clip? <video>"},
+                {"from": "gpt", "value": "No, the clip has a rising tone."},
+            ],
+            "audios": ["note.wav"],
+            "videos": ["b.mp4"],
+            "use_audio_in_video": True,
+        },
+    ]
+    (root / "av.json").write_text(json.dumps(rows))
+    return root / "av.json"
+
+
+def test_omni_llamafactory_video_with_its_audio_verify(ray_local, video_audio_data) -> None:
+    # each video's own audio track interleaved with its frames per 2-s chunk; the reference thinker
+    # gets use_audio_in_video read from the tokens; audio SP=2 cuts the tracks like any audio. With the
+    # reference's flag forced off, this step fails (grad-norm rel diff 3e-4): the layout is observed.
+    from dhp.config.schema import DatasetEntry
+    from dhp.data.formats import open_dataset
+
+    records = open_dataset(DatasetEntry(name="av", path=str(video_audio_data)), allow_outside_root=False)
+    assert [records.record(i).use_audio_in_video for i in range(len(records))] == [True, True]
+    _passed(
+        "tiny_qwen2_5_omni",
+        1,
+        f"data.path={video_audio_data}",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "modules.audio.seq_len=1024",
+        "modules.llm.seq_len=512",
+        "data.max_pixels=12544",
+    )
+
+
+def test_qwen3_omni_llamafactory_video_with_its_audio_verify(ray_local, video_audio_data) -> None:
+    # Qwen3-Omni-MoE: each video's tokens placed among its track's audio tokens by start time; the
+    # MoE LLM at dp=2 x ep=2 (one sample per micro-batch). With the reference's flag forced off, this
+    # step fails (grad-norm rel diff 4e-2).
+    _passed(
+        "tiny_qwen3_omni",
+        1,
+        f"data.path={video_audio_data}",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=1",
+        "modules.audio.seq_len=1024",
         "modules.llm.seq_len=512",
         "data.max_pixels=12544",
     )

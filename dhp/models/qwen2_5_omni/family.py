@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, Qwen2_5OmniConfig, Qwen2_5OmniThinkerConfig
 
 from dhp.config.schema import ModelConfig
-from dhp.errors import CheckpointError
+from dhp.errors import CheckpointError, DataError
 from dhp.models.axes import runtime_plan
 from dhp.models.checks import image_token_counts
 from dhp.models.common import decoder_config, lm_head
@@ -33,8 +33,10 @@ from dhp.models.family import HandOff, ModuleParallelPlan, ProducerShard
 from dhp.models.family_base import FamilyBase
 from dhp.models.qwen2_5_omni.arch import audio_axes, omni_llm_axes
 from dhp.models.qwen2_5_omni.audio import audio_token_counts, shard_audio
+from dhp.models.qwen2_5_omni.interleave import interleaved_ids, interleaved_videos
 from dhp.models.qwen2_5_vision.sp import shard_vision_batch
 from dhp.models.qwen2_5_vision.tp import vision_parallel_plan
+from dhp.ops.packed import VIDEO
 from dhp.parallel.llm_tp import decoder_tp_plan
 
 #: ``SpecialTokens`` field -> the token's text in Qwen2.5-Omni's tokenizer
@@ -131,6 +133,58 @@ class Qwen25OmniFamily(FamilyBase):
     def token_strings(self) -> dict[str, str]:
         """The special tokens' text in Qwen2.5-Omni's tokenizer (``<|IMAGE|>``, ``<|AUDIO|>``, ...)."""
         return dict(OMNI_TOKEN_STRINGS)
+
+    def video_with_audio_ids(
+        self,
+        hf_config: Qwen2_5OmniThinkerConfig,
+        *,
+        grid: tuple[int, int, int],
+        seconds: float,
+        audio_tokens: int,
+    ) -> list[int]:
+        """The token ids a video interleaved with its audio track takes between its vision-start and
+        vision-end tokens, as ``Qwen2_5OmniProcessor`` writes them: audio-start, then per chunk of
+        ``seconds_per_chunk`` (``position_id_per_seconds * seconds_per_chunk`` positions) the chunk's
+        video tokens (each temporal grid at ``t * seconds * position_id_per_seconds``) and then its audio
+        tokens (one position each), audio-end. ``grid``: the video's ``(t, h, w)`` patches; ``seconds``:
+        seconds per temporal grid."""
+        return interleaved_ids(
+            grid=grid,
+            merge=hf_config.vision_config.spatial_merge_size,
+            seconds=seconds,
+            audio_tokens=audio_tokens,
+            position_id_per_seconds=hf_config.position_id_per_seconds,
+            seconds_per_chunk=hf_config.seconds_per_chunk,
+            ids=(
+                hf_config.video_token_id,
+                hf_config.audio_token_id,
+                hf_config.audio_start_token_id,
+                hf_config.audio_end_token_id,
+            ),
+        )
+
+    def reference_kwargs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The whole batch's inputs as ``Qwen2_5OmniThinkerForConditionalGeneration.forward`` names them:
+        ``video_second_per_grid`` for ``second_per_grid_ts``, no ``mm_token_type_ids`` (the thinker finds
+        its placeholders by id), and its one ``use_audio_in_video`` per call, read from the tokens (a
+        video token next to an audio token). DataError when the batch mixes videos with and without
+        their audio (transformers takes one flag per call)."""
+        out = {k: v for k, v in inputs.items() if v is not None and k != "mm_token_type_ids"}
+        if "second_per_grid_ts" in out:
+            out["video_second_per_grid"] = out.pop("second_per_grid_ts")
+        types_ = inputs.get("mm_token_type_ids")
+        if types_ is None:
+            return out
+        interleaved = interleaved_videos(types_)
+        has_video = (types_ == VIDEO).any(dim=1)
+        if bool((has_video & ~interleaved).any()) and bool(interleaved.any()):
+            raise DataError(
+                "the reference thinker takes one use_audio_in_video per call, but this batch holds videos with "
+                "and without their audio track interleaved. Fix: compare batches of one kind, or train "
+                "without the single-process reference."
+            )
+        out["use_audio_in_video"] = bool(interleaved.any())
+        return out
 
     def load_audio_processor(self, model_path: str) -> Any:
         """transformers' ``WhisperFeatureExtractor`` of ``model_path``'s ``preprocessor_config.json``

@@ -78,3 +78,54 @@ def write_mp4(
         for packet in video.encode(None):
             container.mux(packet)
     return path
+
+
+def chirp(
+    seconds: float, rate: int, *, f0: float = 300.0, f1: float = 3000.0, amp: float = 0.4
+) -> np.ndarray:
+    """A linear chirp from ``f0`` to ``f1`` Hz over ``seconds`` as float32, ``round(seconds * rate)`` samples."""
+    t = np.arange(round(seconds * rate)) / rate
+    phase = 2 * np.pi * (f0 * t + (f1 - f0) * t**2 / (2 * seconds))
+    return (amp * np.sin(phase)).astype(np.float32)
+
+
+def write_photo_mp4(
+    path: Path,
+    photos: list[Path],
+    *,
+    seconds: float = 3.0,
+    fps: int = 10,
+    size: tuple[int, int] = (64, 48),
+    rate: int = 44100,
+) -> Path:
+    """An MP4 of real photographs (each shown for an equal share of ``seconds``, resized to ``size`` =
+    (width, height), mpeg4 at ``fps``) with a stereo chirp audio track (AAC at ``rate``: 300 Hz -> 3 kHz
+    on the left, a 440 Hz sine on the right), encoded by PyAV."""
+    import av  # optional (dhp[video]); the callers skip without it
+    from PIL import Image
+
+    width, height = size
+    pictures = [np.asarray(Image.open(p).convert("RGB").resize(size)) for p in photos]
+    n_frames = round(seconds * fps)
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg4", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = container.add_stream("aac", rate=rate)
+        audio.layout = "stereo"
+        for i in range(n_frames):
+            frame = av.VideoFrame.from_ndarray(pictures[i * len(pictures) // n_frames], format="rgb24")
+            for packet in video.encode(frame):
+                container.mux(packet)
+        left, right = chirp(seconds, rate), sine(440.0, seconds, rate, amp=0.3)
+        step = audio.codec_context.frame_size or 1024
+        for start in range(0, len(left), step):
+            chunk = np.ascontiguousarray(np.stack([left[start : start + step], right[start : start + step]]))
+            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+            frame.sample_rate, frame.pts = rate, start
+            for packet in audio.encode(frame):
+                container.mux(packet)
+        for packet in audio.encode(None):
+            container.mux(packet)
+        for packet in video.encode(None):
+            container.mux(packet)
+    return path
