@@ -143,6 +143,8 @@ class Search:
         self.budget_bytes = int(config.cluster.device_memory_gib * GIB)
         self.patches_per_sample = {p: _patches_per_sample(config, p) for p in self.producers}
         self._cache: dict[tuple, ModuleChoice | None] = {}
+        self._confs: dict[tuple, DictConfig] = {}  # _module_conf's
+        self._given: dict[str, dict] = {}  # each module's own degrees (_keep)
         self.ruled_out: dict[str, ClassReport] = {}  # by class label, after run(): none of it fits
         self._procs = 0  # rank processes of the class being searched (every module's ranks)
         self._span = 0  # GPUs of the class being searched
@@ -160,7 +162,9 @@ class Search:
         mod = self.cfg.modules[name]
         if _fixed(self.fixed, f"modules.{name}.gpus") and world != mod.gpus:
             return False
-        given = module_layout(mod).config_values()
+        if name not in self._given:
+            self._given[name] = module_layout(mod).config_values()
+        given = self._given[name]
         for k, v in d.config_values().items():
             if _fixed(self.fixed, f"modules.{name}.parallel.{k}") and v != given[k]:
                 return False
@@ -283,9 +287,7 @@ class Search:
         key = (name, world, d, ac, mb, n_mb, seq, tokens, l_reps, self._procs, self._span, self._transport)
         if key in self._cache:
             return self._cache[key]
-        mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
-        mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
-        conf = OmegaConf.create(mod)
+        conf = self._module_conf(name, world, ac, seq)
         shape = module_shape(
             name,
             model=self.cfg.model,
@@ -319,6 +321,18 @@ class Search:
         choice = ModuleChoice(name, world, d, ac, time, terms, shape, tuple(stages))
         self._cache[key] = choice
         return choice
+
+    def _module_conf(self, name: str, world: int, ac: str, seq: int) -> DictConfig:
+        """``modules.<name>`` with a candidate's GPUs, AC mode and seq_len: read-only, made once per
+        (module, GPUs, AC, seq_len), as the candidates of one class share them."""
+        key = (name, world, ac, seq)
+        if key not in self._confs:
+            mod = copy.deepcopy(OmegaConf.to_container(self.cfg.modules[name]))
+            mod.update(gpus=world, activation_checkpointing=ac, seq_len=seq)
+            conf = OmegaConf.create(mod)
+            OmegaConf.set_readonly(conf, True)
+            self._confs[key] = conf
+        return self._confs[key]
 
     def _degrees(self, name: str, world: int) -> list[ParallelLayout]:
         return module_degrees(
