@@ -24,6 +24,9 @@ Not a module's name (data-format vocabulary and the schema's sections):
   attribute of something called ``model`` (or ``model_cfg``) or written ``model.<section>`` in a
   string.
 
+The ``generic-code`` import contract (pyproject.toml, ``lint-imports``) keeps the same files from
+importing a family's folder, through which they could reach its module names.
+
 ``ALLOWED_IDENTIFIERS`` and ``ALLOWED_WORDS`` list, per file and with the reason, what is still named:
 interfaces shared with code outside the file, and lines of files edited elsewhere ("pending").
 """
@@ -31,11 +34,13 @@ interfaces shared with code outside the file, and lines of files edited elsewher
 from __future__ import annotations
 
 import ast
+import pkgutil
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytestmark = pytest.mark.unit
 
@@ -321,3 +326,17 @@ def test_generic_code_names_no_module(path: Path) -> None:
     assert not stray, (
         f"dhp/{path.relative_to(DHP).as_posix()} names modules: {stray}; say producer / consumer"
     )
+
+
+def test_the_import_contract_keeps_every_generic_file_off_the_families_folders() -> None:
+    """The ``generic-code`` contract (``lint-imports``) covers every package of dhp but dhp.models and
+    every generic file of dhp/models, and forbids every folder of dhp/models: a generic file that
+    imported a family's code would name its modules through it."""
+    data = tomllib.loads((DHP.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = {c["id"]: c for c in data["tool"]["importlinter"]["contracts"]}["generic-code"]
+    top = {f"dhp.{m.name}" for m in pkgutil.iter_modules([str(DHP)]) if m.name not in ("__main__", "models")}
+    models = list(pkgutil.iter_modules([str(DHP / "models")]))
+    generic = {f"dhp.models.{m.name}" for m in models if not m.ispkg}
+    folders = {f"dhp.models.{m.name}" for m in models if m.ispkg}
+    assert set(contract["source_modules"]) == top | generic
+    assert set(contract["forbidden_modules"]) == folders
