@@ -13,8 +13,8 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
   several stages per rank whose ``pp x pp_virtual`` stages outnumber the tiny model's layers falls
   back to 1f1b with one stage per rank (the pipeline stays, its interleaving cannot);
 - train: 2 steps (``train.epochs`` off), no warmup, micro batch 1 (or the encoder/LLM replica ratio),
-  global batch = micro * the consumer's replicas (times pp: a pipeline schedule runs at least one micro-batch
-  per stage), no checkpoints but the last; an evaluation the recipe asks
+  global batch = micro * the consumer's replicas (times pp: a pipeline schedule runs at least one
+  micro-batch per stage), no checkpoints but the last; an evaluation the recipe asks
   for (``data.eval``) runs after each of the 2 steps, on the eval batches of one step's shape;
 - data: small synthetic samples; sequence lengths sized to them.
 

@@ -106,6 +106,7 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
     layouts = {str(n): module_layout(m) for n, m in cfg.modules.items()}
     mods = {str(n): m for n, m in cfg.modules.items() if layout_ok(m.gpus, layouts[str(n)])}
     reps = {n: layouts[n].num_replicas for n in mods}
+    consumer = known_consumer(cfg.model.family)  # the loss module (None: an unknown family)
     if len(mods) == len(cfg.modules):
         issues.items.extend(
             placement_problems(
@@ -117,12 +118,10 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 total_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
             )
         )
-        consumer = known_consumer(cfg.model.family)
         if consumer in reps:
             pairs = [(reps[p], reps[consumer]) for p in reps if p != consumer]
             if all(max(pair) % min(pair) == 0 for pair in pairs):
                 _validate_batch(cfg.train, [rv for rv, _ in pairs], reps[consumer], consumer, issues)
-    consumer = known_consumer(cfg.model.family)
     for name in mods:  # a pipeline schedule's micro-batches are the step's per replica
         issues.items.extend(
             pipeline_micro_batch_problems(
