@@ -10,8 +10,8 @@ families and the model code they share; ``dhp/models/*.py`` is generic and check
   ``_``-separated part (``cand.vision``, ``llm_replicas``), unless it is one of ``VOCABULARY`` (names
   transformers or the data contract own, such as ``vision_config``);
 - a module picked by name: an item ``x["vision"]`` or a test ``"llm" in x`` with a module's name as the
-  whole string, and ``audio`` picked from something per module (``cfg.modules.audio``,
-  ``mods["audio"]``, ``"audio" in layouts``);
+  whole string (or a ``.get`` of it), and ``audio`` picked from something per module
+  (``cfg.modules.audio``, ``mods["audio"]``, ``"audio" in layouts``);
 - a module's name as a word of a string literal (``"modules.llm.gpus"``, ``" vision tok/s"``; a ``_``-joined
   key such as ``"vision_tokens_per_s"`` is one word, the name of a quantity, not of a module).
 
@@ -238,6 +238,10 @@ def _picks(node: ast.AST) -> list[str]:
         key, box = node.slice, node.value
     elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn):
         key, box = node.left, node.comparators[0]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        if not node.args:
+            return []
+        key, box = node.args[0], node.func.value
     else:
         return []
     name = _name_const(key)
@@ -279,11 +283,11 @@ def test_the_check_finds_a_module_picked_by_name_in_the_data_layer() -> None:
         "def f(cfg, mods):\n"
         '    a = cfg.modules["llm"].seq_len\n'
         '    b = mods.audio.seq_len if "audio" in mods else 0\n'
-        '    c = cfg.modules["audio"]\n'
+        '    c = cfg.modules["audio"], cfg.modules.get("audio")\n'
         "    return a, b, c\n"
     )
     idents, words = module_names(code, media_audio=True)
-    assert sorted(idents) == ["audio", "audio", "audio", "llm"]
+    assert sorted(idents) == ["audio", "audio", "audio", "audio", "llm"]
     assert words == ["llm"]
 
 
