@@ -6,7 +6,8 @@ instead of naming a module; pure (no torch), so validation and the data layer ca
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from dhp.models.registry import family_names, get_arch
 
@@ -38,7 +39,7 @@ def image_module(family: str) -> str:
     return arch.module_names[-2] if len(arch.module_names) > 1 else ""
 
 
-def seq_limits(family: str, modules) -> tuple[int, int]:
+def seq_limits(family: str, modules: Mapping[str, Any]) -> tuple[int, int]:
     """(patches of one micro-batch of one consumer replica: the image encoder's ``seq_len``, 0 when
     the run has none; tokens of one sample: the consumer's ``seq_len``). ``modules``: the run's
     ``modules`` (name -> ModuleConfig)."""

@@ -47,9 +47,7 @@ def _check(module, ref, family, hf_config, group, rank: int, world: int, tag: st
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     assert_rel_close(total, (want_out * weights).sum(), rtol=RTOL, name=f"{tag}: loss")
-    assert_rel_close(
-        gather_sp_output(local.detach(), shard, group), want_out, rtol=RTOL, name=f"{tag}: out"
-    )
+    assert_rel_close(gather_sp_output(local.detach(), shard, group), want_out, rtol=RTOL, name=f"{tag}: out")
     assert_grads_match({k: p.grad for k, p in module.named_parameters()}, want, rtol=RTOL, tag=tag)
 
 
