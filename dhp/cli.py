@@ -493,16 +493,18 @@ def data_check(
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = load_config(conf, overrides, smoke=smoke)
     from dhp.metrics.bars import progress_bar
+    from dhp.models.graph import seq_limits
     from dhp.models.tiny_cache import ensure_tiny_checkpoint
 
     ensure_tiny_checkpoint(cfg.model, say=lambda line: err_console.print(escape(line)))  # stdout: --json
+    patches, tokens = seq_limits(cfg.model.family, cfg.modules)
 
     with progress_bar(err_console, "data check") as bar:  # stderr: --json output stays clean
         report = check_data(
             data=cfg.data,
             model=cfg.model,
-            vision_seq_len=cfg.modules["vision"].seq_len if "vision" in cfg.modules else 0,
-            llm_seq_len=cfg.modules["llm"].seq_len,
+            vision_seq_len=patches,
+            llm_seq_len=tokens,
             seed=cfg.train.seed,
             on_progress=bar,
             show=show,

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> dict:
                         "compute_s": compute,
                         "driver_s": res.driver_s,
                         "handoff_ray_s": max(0.0, res.step_s - compute - res.driver_s),
-                        "llm_wait_s": res.llm_wait_s,
+                        "llm_wait_s": res.consumer_wait_s,
                         "single_s": single,
                         "loss": res.loss,
                         "ref_loss": ref_loss,

@@ -12,6 +12,7 @@ naming the key path, never a Hydra traceback. Nothing here starts a process or t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
@@ -192,19 +193,30 @@ def _tiny_model_file(model: DictConfig):
     return own if own.is_file() else CONF_DIR / "model" / "tiny.yaml"
 
 
-def compose_run(conf: str, overrides: list[str] | None = None, *, smoke: bool = False) -> DictConfig:
+def compose_run(
+    conf: str,
+    overrides: list[str] | None = None,
+    *,
+    smoke: bool = False,
+    consumer_of: Callable[[str], str | None] | None = None,
+) -> DictConfig:
     """Compose a run config and (``smoke=True``) shrink it to a smoke run, not yet validated: what
     :func:`dhp.validation.load_config` validates and freezes. ``smoke`` applies
     :func:`dhp.config.smoke.smoke_config` (tiny model, local CPU cluster, degrees scaled to 2; a
     ``model.path=`` override is kept, with the real data). Real data
     on a tiny model without ``model.path`` names the tiny checkpoint
-    (:func:`dhp.config.data_shortcuts.use_tiny_checkpoint`; the run writes it)."""
+    (:func:`dhp.config.data_shortcuts.use_tiny_checkpoint`; the run writes it). ``consumer_of``: a
+    family's name -> its loss module (``dhp.models.graph.known_consumer``), which ``smoke`` needs:
+    the module graph is the families' and this layer sits below them."""
     cfg = compose_config(conf, list(overrides or []))
     if smoke:
+        if consumer_of is None:
+            raise ValueError("compose_run(smoke=True) needs consumer_of, the family's loss module")
         cfg = smoke_config(
             cfg,
             tiny_model=OmegaConf.load(_tiny_model_file(cfg.model)),
             local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
+            consumer=consumer_of(str(cfg.model.family)),
             # a model.path given here is a tiny checkpoint of the family: the smoke run reads it
             keep_model_path=any(o.partition("=")[0] == "model.path" for o in overrides or []),
         )

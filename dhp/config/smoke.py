@@ -13,8 +13,8 @@ fits the 4 gloo ranks of ``conf/cluster/local_cpu.yaml``:
   several stages per rank whose ``pp x pp_virtual`` stages outnumber the tiny model's layers falls
   back to 1f1b with one stage per rank (the pipeline stays, its interleaving cannot);
 - train: 2 steps (``train.epochs`` off), no warmup, micro batch 1 (or the encoder/LLM replica ratio),
-  global batch = micro * LLM replicas (times pp: a pipeline schedule runs at least one micro-batch
-  per stage), no checkpoints but the last; an evaluation the recipe asks
+  global batch = micro * the consumer's replicas (times pp: a pipeline schedule runs at least one
+  micro-batch per stage), no checkpoints but the last; an evaluation the recipe asks
   for (``data.eval``) runs after each of the 2 steps, on the eval batches of one step's shape;
 - data: small synthetic samples; sequence lengths sized to them.
 
@@ -110,16 +110,24 @@ def _share_gpus(cfg: DictConfig) -> None:
                 _set(mod, dp=module_layout(mod).dp * (most // mod.gpus))
 
 
-def _replicas(cfg: DictConfig, name: str) -> int:
+def _replicas(cfg: DictConfig, name: str | None) -> int:
     if name not in cfg.modules:
         return 1
     return module_layout(cfg.modules[name]).num_replicas
 
 
 def smoke_config(
-    cfg: DictConfig, *, tiny_model: DictConfig, local_cluster: DictConfig, keep_model_path: bool = False
+    cfg: DictConfig,
+    *,
+    tiny_model: DictConfig,
+    local_cluster: DictConfig,
+    consumer: str | None,
+    keep_model_path: bool = False,
 ) -> DictConfig:
-    """Return a shrunken copy of ``cfg`` (the input is not modified); see the module docstring."""
+    """Return a shrunken copy of ``cfg`` (the input is not modified); see the module docstring.
+
+    ``consumer``: the module with the loss (the family's last declared module; None for a family
+    validation does not know), whose rows the micro-batches are; every other module is a producer."""
     out = cfg.copy()
     family, path = out.model.family, out.model.path
     real = keep_model_path and path is not None and out.data.kind == "llava"
@@ -136,16 +144,16 @@ def smoke_config(
     for mod in out.modules.values():
         _fold_ep(mod)
         _fit_stages(mod, int(out.model.llm.num_layers))
-    producers = [str(n) for n in out.modules if n != "llm"]  # every encoder (vision, audio, ...)
+    producers = [str(n) for n in out.modules if n != consumer]  # every encoder (vision, audio, ...)
     for name in producers:  # patches, or mel frames, of one micro-batch
         out.modules[name].seq_len = SMOKE_VISION_SEQ
-    if "llm" in out.modules:
-        out.modules.llm.seq_len = SMOKE_REAL_LLM_SEQ if real else SMOKE_LLM_SEQ
-    rl = _replicas(out, "llm")
+    if consumer in out.modules:
+        out.modules[consumer].seq_len = SMOKE_REAL_LLM_SEQ if real else SMOKE_LLM_SEQ
+    rl = _replicas(out, consumer)
     rv = math.lcm(*(_replicas(out, n) for n in producers), 1)
-    # an LLM micro-batch feeds every encoder replica
-    pp = module_layout(out.modules.llm).pp if "llm" in out.modules else 1
-    _shrink_train(out.train, micro=max(1, rv // rl), llm_replicas=rl * pp)
+    # a consumer micro-batch feeds every encoder replica
+    pp = module_layout(out.modules[consumer]).pp if consumer in out.modules else 1
+    _shrink_train(out.train, micro=max(1, rv // rl), consumer_replicas=rl * pp)
     if real:
         _shrink_real_data(out.data)
     else:
@@ -154,13 +162,13 @@ def smoke_config(
     return out
 
 
-def _shrink_train(train: DictConfig, *, micro: int, llm_replicas: int) -> None:
+def _shrink_train(train: DictConfig, *, micro: int, consumer_replicas: int) -> None:
     train.steps = SMOKE_STEPS
     train.epochs = 0
     train.warmup_steps = 0
     train.warmup_ratio = 0.0
     train.micro_batch_size = micro
-    train.global_batch_size = micro * llm_replicas
+    train.global_batch_size = micro * consumer_replicas
     train.checkpoint_every = 0
     train.resume = None
 

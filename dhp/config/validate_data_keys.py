@@ -18,15 +18,20 @@ from dhp.config.constants import DATA_ENGINES, DATASET_FORMATS
 from dhp.config.issues import Issues
 from dhp.errors import ConfigIssue
 
+#: the consumer's ``seq_len`` key in messages when the caller does not name the module
+CONSUMER_SEQ_KEY = "modules.<consumer>.seq_len"
 #: every image and every video sits between <|vision_start|> and <|vision_end|> in the LLM's tokens
 MARKERS_PER_VISUAL = 2
 
 
-def packed_row_tokens(*, packing: bool, max_tokens: int, llm_seq_len: int) -> tuple[int, list[ConfigIssue]]:
+def packed_row_tokens(
+    *, packing: bool, max_tokens: int, llm_seq_len: int, seq_key: str = CONSUMER_SEQ_KEY
+) -> tuple[int, list[ConfigIssue]]:
     """The packed row length (0: packing off) and why the setting is invalid, if it is.
 
-    ``data.max_tokens`` 0 means ``modules.llm.seq_len``; a row shorter than the longest sample
-    (``modules.llm.seq_len``) could not hold it; ``max_tokens`` without packing is a mistake.
+    ``llm_seq_len``: the consumer's (the loss module's) ``seq_len``, whose config key ``seq_key`` the
+    messages name. ``data.max_tokens`` 0 means that ``seq_len``; a row shorter than the longest
+    sample (that ``seq_len``) could not hold it; ``max_tokens`` without packing is a mistake.
     """
     if not packing:
         problems = []
@@ -44,8 +49,8 @@ def packed_row_tokens(*, packing: bool, max_tokens: int, llm_seq_len: int) -> tu
             ConfigIssue(
                 "data.max_tokens",
                 row,
-                f"must be >= modules.llm.seq_len={llm_seq_len} (the longest sample must fit a row)",
-                f"set data.max_tokens >= {llm_seq_len}, or lower modules.llm.seq_len",
+                f"must be >= {seq_key}={llm_seq_len} (the longest sample must fit a row)",
+                f"set data.max_tokens >= {llm_seq_len}, or lower {seq_key}",
             )
         ]
     return row, []
@@ -125,13 +130,19 @@ def _synthetic(syn: DictConfig, temporal: int, issues: Issues) -> None:
         issues.check(syn.video_fps > 0, "data.synthetic.video_fps", syn.video_fps, "must be > 0", "e.g. 2.0")
 
 
-def validate_data_keys(cfg: DictConfig, issues: Issues) -> None:
-    """Every ``data.*`` key the loader reads, checked before anything starts (all problems at once)."""
+def validate_data_keys(cfg: DictConfig, issues: Issues, *, consumer: str | None) -> None:
+    """Every ``data.*`` key the loader reads, checked before anything starts (all problems at once).
+
+    ``consumer``: the run's loss module (its family's last declared module; None: an unknown family,
+    reported elsewhere), whose ``seq_len`` a packed row must hold."""
     data = cfg.data
     issues.items.extend(data_engine_problems(data))
-    if "llm" in cfg.modules:
+    if consumer in cfg.modules:
         _, problems = packed_row_tokens(
-            packing=data.packing, max_tokens=data.max_tokens, llm_seq_len=cfg.modules.llm.seq_len
+            packing=data.packing,
+            max_tokens=data.max_tokens,
+            llm_seq_len=cfg.modules[consumer].seq_len,
+            seq_key=f"modules.{consumer}.seq_len",
         )
         issues.items.extend(problems)
     for i, ds in enumerate(data.datasets):

@@ -167,10 +167,10 @@ def validate_model_dir(
     if "tie_word_embeddings" in raw:
         _compare(model.llm, "model.llm", raw, {"tie_word_embeddings": "tie_word_embeddings"}, issues)
     _compare_extra(model.llm, "model.llm", text, issues)
-    vision = raw.get("vision_config")
-    if isinstance(vision, dict):
-        _compare(model.vision, "model.vision", vision, _VISION_KEYS, issues)
-        _compare_extra(model.vision, "model.vision", vision, issues)
+    encoder = raw.get("vision_config")
+    if isinstance(encoder, dict):
+        _compare(model.vision, "model.vision", encoder, _VISION_KEYS, issues)
+        _compare_extra(model.vision, "model.vision", encoder, issues)
 
 
 def _compare_extra(node: DictConfig, prefix: str, raw: dict, issues: Issues) -> None:

@@ -31,6 +31,7 @@ from dhp.data.loader import LoaderSpec, StepData, StepLoader, build_loader, open
 from dhp.data.packing import packed_max_tokens
 from dhp.data.source import SampleSource, build_source
 from dhp.layout import ParallelLayout
+from dhp.models.graph import consumer_name, seq_limits
 
 FILL = "#fill"  # suffix of the sample id of a top-up copy (no label token)
 EVAL_SAMPLES = "eval_samples"  # StepData.metrics of an eval batch: its samples, top-up copies not counted
@@ -146,23 +147,21 @@ def build_run_data(
 ) -> tuple[StepLoader, EvalBatches | None]:
     """The run's step loader and its eval batches (None without ``data.eval``), both opened here:
     a missing file, an unknown format or a tokenizer that disagrees fails before the run starts."""
-    mods = config.modules
-    vision = mods["vision"].seq_len if "vision" in mods else 0
-    llm = mods["llm"].seq_len
-    dp = layouts["llm"].num_replicas
+    patches, tokens = seq_limits(config.model.family, config.modules)
+    dp = layouts[consumer_name(config.model.family)].num_replicas
     opened, held = open_training_data(
-        data=config.data, model=config.model, train=config.train, vision_seq_len=vision, llm_seq_len=llm
+        data=config.data, model=config.model, train=config.train, vision_seq_len=patches, llm_seq_len=tokens
     )
     loader = build_loader(
         data=config.data,
         model=config.model,
         train=config.train,
         dp_size=dp,
-        vision_seq_len=vision,
-        llm_seq_len=llm,
+        vision_seq_len=patches,
+        llm_seq_len=tokens,
         opened=opened,
     )
-    source = eval_source(config, held=held, vision_seq_len=vision, llm_seq_len=llm)
+    source = eval_source(config, held=held, vision_seq_len=patches, llm_seq_len=tokens)
     if source is None:
         return loader, None
     ev, train = config.data.eval, config.train
@@ -171,6 +170,8 @@ def build_run_data(
         global_batch_size=ev.batch_size or train.global_batch_size,
         shuffle=False,
         prefetch=False,
-        max_tokens=packed_max_tokens(config.data, llm_seq_len=llm),
+        max_tokens=packed_max_tokens(
+            config.data, llm_seq_len=tokens, seq_key=f"modules.{consumer_name(config.model.family)}.seq_len"
+        ),
     )
     return loader, EvalBatches(source=source, spec=spec, max_samples=ev.max_samples)

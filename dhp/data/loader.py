@@ -31,6 +31,7 @@ from dhp.data.packing import pack, packed_max_tokens
 from dhp.data.source import SampleSource, build_source, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
 from dhp.layout import ParallelLayout
+from dhp.models.graph import consumer_name, image_module, seq_limits
 
 log = logging.getLogger("dhp.data")
 WAIT_WARN_FRACTION = 0.10  # a step waiting longer than this share of its time on data is reported
@@ -67,7 +68,7 @@ class LoaderSpec:
     dp_size: int
     global_batch_size: int
     micro_batch_size: int
-    vision_seq_len: int  # max patches per micro-batch of one replica (modules.vision.seq_len)
+    vision_seq_len: int  # max patches per micro-batch of one replica (the image encoder's seq_len)
     pad_token_id: int
     on_bad_sample: str
     shuffle: bool
@@ -75,6 +76,8 @@ class LoaderSpec:
     num_workers: int = 0
     prefetch: bool = False
     max_tokens: int = 0  # > 0: pack each micro-batch into rows of <= max_tokens (dhp.data.packing)
+    #: the config key of ``vision_seq_len``, for messages (``modules.<the image encoder>.seq_len``)
+    patches_key: str = "modules.<image encoder>.seq_len"
 
     @property
     def num_micro_batches(self) -> int:
@@ -292,8 +295,8 @@ class StepLoader:
                 if patches > spec.vision_seq_len:
                     raise DataError(
                         f"micro-batch {m} of replica {r} at step {self.step} holds {patches} patches > "
-                        f"modules.vision.seq_len={spec.vision_seq_len} ({[s.sample_id for s in members]}). "
-                        "Fix: lower train.micro_batch_size or data.max_pixels, or raise modules.vision.seq_len"
+                        f"{spec.patches_key}={spec.vision_seq_len} ({[s.sample_id for s in members]}). "
+                        f"Fix: lower train.micro_batch_size or data.max_pixels, or raise {spec.patches_key}"
                     )
                 row.append(
                     pack(members, max_tokens=spec.max_tokens, pad_token_id=spec.pad_token_id)
@@ -385,12 +388,13 @@ def build_loader(
 ) -> StepLoader:
     """The step loader for ``data`` (DataConfig), ``model`` (ModelConfig) and ``train`` (TrainConfig).
 
-    ``dp_size`` = LLM data replicas (``dp*fsdp`` of ``modules.llm``); ``vision_seq_len`` and
-    ``llm_seq_len`` = ``modules.vision.seq_len`` / ``modules.llm.seq_len``. ``opened``: the source,
+    ``dp_size`` = the consumer's data replicas (its ``dp*fsdp``); ``vision_seq_len`` and
+    ``llm_seq_len`` = the image encoder's / the consumer's ``seq_len``. ``opened``: the source,
     sizes and weights when the caller opened them (:func:`open_training_data`).
     """
     check_engine(data)
-    max_tokens = packed_max_tokens(data, llm_seq_len=llm_seq_len)
+    seq_key = f"modules.{consumer_name(model.family)}.seq_len"
+    max_tokens = packed_max_tokens(data, llm_seq_len=llm_seq_len, seq_key=seq_key)
     if opened is None:
         opened, _ = open_training_data(
             data=data, model=model, train=train, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len
@@ -408,6 +412,7 @@ def build_loader(
         num_workers=data.num_workers,
         prefetch=data.prefetch,
         max_tokens=max_tokens,
+        patches_key=f"modules.{image_module(model.family)}.seq_len",
     )
     if data.engine == "ray":
         from dhp.data.ray_engine import RayStepLoader
@@ -439,14 +444,14 @@ def open_training_data(
 
 def build_run_loader(config: RunConfig, layouts: Mapping[str, ParallelLayout]) -> StepLoader:
     """:func:`build_loader` for a whole run: one batch per data replica of the LLM's layout (the
-    plan's ``layouts``, ``dp*fsdp``), ``seq_len`` of each module (vision 0 when the run has no encoder)."""
-    mods = config.modules
-    llm = mods["llm"]
+    plan's ``layouts``, ``dp*fsdp``), ``seq_len`` of each module (the image encoder's 0 when the run has
+    none; :func:`dhp.models.graph.seq_limits`)."""
+    patches, tokens = seq_limits(config.model.family, config.modules)
     return build_loader(
         data=config.data,
         model=config.model,
         train=config.train,
-        dp_size=layouts["llm"].num_replicas,
-        vision_seq_len=mods["vision"].seq_len if "vision" in mods else 0,
-        llm_seq_len=llm.seq_len,
+        dp_size=layouts[consumer_name(config.model.family)].num_replicas,
+        vision_seq_len=patches,
+        llm_seq_len=tokens,
     )

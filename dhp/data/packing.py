@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dhp.config.validate_data_keys import packed_row_tokens
+from dhp.config.validate_data_keys import CONSUMER_SEQ_KEY, packed_row_tokens
 from dhp.data.batch import IGNORE_INDEX, VIDEO, Sample, VLBatch
 from dhp.errors import ConfigError, DataError
 from dhp.ops.packed import is_packed, segments  # the one definition (re-exported here)
@@ -31,8 +31,8 @@ def pack_rows(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
     first (ties: stream order), each into the first row with room.
 
     Pure; every index appears once, each row lists its indices ascending. A sample longer than
-    ``max_tokens`` is a DataError (the loader's limits keep samples within ``modules.llm.seq_len``,
-    and packing requires ``data.max_tokens >= modules.llm.seq_len``).
+    ``max_tokens`` is a DataError (the loader's limits keep samples within the consumer's
+    ``seq_len``, and packing requires ``data.max_tokens`` >= it).
     """
     rows: list[list[int]] = []
     room: list[int] = []
@@ -41,7 +41,7 @@ def pack_rows(lengths: list[int], *, max_tokens: int) -> list[list[int]]:
         if n > max_tokens:
             raise DataError(
                 f"sample {i} of the micro-batch has {n} tokens > data.max_tokens={max_tokens}. "
-                "Fix: raise data.max_tokens to at least modules.llm.seq_len"
+                f"Fix: raise data.max_tokens to at least {CONSUMER_SEQ_KEY}"
             )
         for r, free in enumerate(room):
             if n <= free:
@@ -143,12 +143,13 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(kept, dim=0) if kept else None
 
 
-def packed_max_tokens(data, *, llm_seq_len: int) -> int:
+def packed_max_tokens(data, *, llm_seq_len: int, seq_key: str = CONSUMER_SEQ_KEY) -> int:
     """The packed row length of ``data`` (DataConfig): 0 when packing is off, else ``data.max_tokens``
-    (0 there: ``modules.llm.seq_len``). ConfigError when a sample could not fit a row (the config
-    validation's rule, :func:`dhp.config.validate_data_keys.packed_row_tokens`)."""
+    (0 there: ``llm_seq_len``, the consumer's ``seq_len``, key ``seq_key``). ConfigError when a sample
+    could not fit a row (the config validation's rule,
+    :func:`dhp.config.validate_data_keys.packed_row_tokens`)."""
     row, problems = packed_row_tokens(
-        packing=data.packing, max_tokens=data.max_tokens, llm_seq_len=llm_seq_len
+        packing=data.packing, max_tokens=data.max_tokens, llm_seq_len=llm_seq_len, seq_key=seq_key
     )
     if problems:
         raise ConfigError(problems)

@@ -34,6 +34,7 @@ from dhp.data.llava import resolve_path
 from dhp.data.processing import Limits, load_tokenizer
 from dhp.data.wds import expand_shards
 from dhp.errors import ConfigError, ConfigIssue, DataError, DhpError
+from dhp.models.graph import consumer_name, image_module, seq_limits
 
 LISTED_BAD_ROWS = 8  # bad sampled rows named one by one; the rest are counted (`dhp data check` lists all)
 
@@ -156,11 +157,7 @@ def check_run_data(cfg: DictConfig, *, read_rows: bool = True, rows: int = SAMPL
     except DhpError as e:
         out.issues += _error_issues(e)
         return out
-    mods = cfg.modules
-    limits = Limits(
-        vision_seq_len=int(mods.vision.seq_len) if "vision" in mods else 0,
-        llm_seq_len=int(mods.llm.seq_len),
-    )
+    limits = Limits(*seq_limits(cfg.model.family, cfg.modules))
     found = bad_row_issues(sampled) + limit_issues(sampled, cfg=cfg, limits=limits)
     out.lengths = lengths_of(sampled, of_rows=total, limits=limits)
     if data.on_bad_sample == "raise":
@@ -222,16 +219,18 @@ def limit_issues(sampled: list[SampledRow], *, cfg: DictConfig, limits: Limits) 
     }
     issues = []
     if over[bad.VISION_TOO_LONG]:
-        issues.append(_vision_issue(over[bad.VISION_TOO_LONG], n=len(sampled), cfg=cfg, limits=limits))
+        issues.append(_patches_issue(over[bad.VISION_TOO_LONG], n=len(sampled), cfg=cfg, limits=limits))
     if over[bad.TEXT_TOO_LONG]:
-        issues.append(_llm_issue(over[bad.TEXT_TOO_LONG], n=len(sampled), cfg=cfg, limits=limits))
+        issues.append(_tokens_issue(over[bad.TEXT_TOO_LONG], n=len(sampled), cfg=cfg, limits=limits))
     return issues
 
 
-def _vision_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Limits) -> ConfigIssue:
+def _patches_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Limits) -> ConfigIssue:
+    """Sampled rows over the image encoder's ``seq_len``, with the knobs that bring them under it."""
     row = max(rows, key=lambda r: r.patches)
     seq, micro = limits.vision_seq_len, int(cfg.train.micro_batch_size)
-    knobs = [f"raise modules.vision.seq_len to at least {row.patches}"]
+    key = f"modules.{image_module(cfg.model.family)}.seq_len"
+    knobs = [f"raise {key} to at least {row.patches}"]
     if micro > 1:
         knobs[0] += f" ({row.patches * micro} for a micro-batch of {micro} such rows)"
     image_patches = sum(p for kind, p, _ in row.items if kind == "image")
@@ -250,7 +249,7 @@ def _vision_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Li
             )
         knobs.append(f"lower data.video_max_pixels (now {cfg.data.video_max_pixels})")
     return ConfigIssue(
-        "modules.vision.seq_len",
+        key,
         seq,
         f"{len(rows)} of the {n} sampled rows have more encoder patches than it; the longest, "
         f"{row.location}, has {row.patches} ({_items(row)})",
@@ -258,17 +257,19 @@ def _vision_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Li
     )
 
 
-def _llm_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Limits) -> ConfigIssue:
+def _tokens_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Limits) -> ConfigIssue:
+    """Sampled rows over the consumer's ``seq_len``, with the knobs that bring them under it."""
     row = max(rows, key=lambda r: r.tokens)
     text = row.tokens - row.image_tokens - row.video_tokens
-    knobs = [f"raise modules.llm.seq_len to at least {row.tokens}"]
+    key = f"modules.{consumer_name(cfg.model.family)}.seq_len"
+    knobs = [f"raise {key} to at least {row.tokens}"]
     if row.image_tokens:
         knobs.append("lower data.max_pixels")
     if row.video_tokens:
         knobs.append("lower data.video_max_frames")
     knobs.append("shorten the conversation")
     return ConfigIssue(
-        "modules.llm.seq_len",
+        key,
         limits.llm_seq_len,
         f"{len(rows)} of the {n} sampled rows have more LLM tokens than it; the longest, {row.location}, "
         f"has {row.tokens} ({row.image_tokens} image, {row.video_tokens} video, {text} text)",

@@ -85,7 +85,7 @@ def build_record(
         "tokens_per_s_vision": sum(patches) / dt,
         "tokens_per_s_text": sum(seqs) / dt,
         "step_s": result.step_s,
-        "wait_s": result.llm_wait_s,
+        "wait_s": result.consumer_wait_s,
         "handoff_s": max((s["wait_s"] for ranks in result.stats.values() for s in ranks), default=0.0),
         "peak_mem_bytes": {
             f"{m}/{r}": s["peak_mem_bytes"] for m, ranks in result.stats.items() for r, s in enumerate(ranks)

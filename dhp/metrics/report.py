@@ -45,6 +45,8 @@ def _has(rows: list[dict[str, Any]], key: str) -> bool:
 
 
 def _modules(rows: list[dict[str, Any]]) -> list[str]:
+    """The modules with every per-part timing, in the records' order: producers first, the consumer
+    (the module with the loss) last, as the driver's groups."""
     mods = [k.removesuffix("_fwd_s") for k in rows[0] if k.endswith("_fwd_s")]
     return [m for m in mods if all(_has(rows, f"{m}_{p}_s") for p in PARTS)]
 
@@ -187,7 +189,7 @@ def _time_split(plt, rows: list[dict[str, Any]], x: list[int], mods: list[str], 
         xs = [i - 0.4 + width * (j + 0.5) for i in x]
         bottom = [0.0] * len(rows)
         parts = [(p, [r[f"{m}_{p}_s"] for r in rows]) for p in PARTS]
-        if m == "llm":
+        if m == mods[-1]:  # the consumer: records list the modules producers first
             parts.append(("wait", [r["wait_s"] for r in rows]))
         for part, vals in parts:
             ax.bar(

@@ -23,7 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from dhp.errors import CheckpointError
 from dhp.models.checks import check_image_alignment, check_text_only
 from dhp.models.family import LLMOutput
-from dhp.models.packing import packed_llm_inputs
+from dhp.models.packing import packed_decoder_inputs
 from dhp.ops.cross_entropy import IGNORE_INDEX
 from dhp.ops.cross_entropy import shifted_ce_sum as _chunked_shifted_ce_sum
 from dhp.ops.packed import is_packed
@@ -159,11 +159,11 @@ class LLMBase(nn.Module):
         **video: torch.Tensor | None,
     ) -> tuple[torch.Tensor, Any, dict[str, Any]]:
         """``(position_ids, attention_mask, extra kwargs)`` for the text model on one micro-batch: a packed
-        one's per-sample positions and masks (``dhp.models.packing.packed_llm_inputs``), else the
+        one's per-sample positions and masks (``dhp.models.packing.packed_decoder_inputs``), else the
         family's :meth:`positions` on the whole sequence, cut to this rank's tokens, and
         :meth:`text_mask`. Needs the family's ``positions`` (M-RoPE from transformers)."""
         if is_packed(attention_mask):  # several samples per row
-            return packed_llm_inputs(
+            return packed_decoder_inputs(
                 self,
                 inputs_embeds=inputs_embeds,
                 input_ids=input_ids,

@@ -197,7 +197,7 @@ class FamilyBase:
     def tied_parameters(self, name: str, hf_config: PretrainedConfig) -> dict[str, str]:
         """``{"lm_head.weight": "language_model.embed_tokens.weight"}`` when embeddings are tied."""
         # a transformers config attribute (absent on a bare text config means "not tied")
-        if name == "llm" and getattr(hf_config, "tie_word_embeddings", False):
+        if name == self.module_names[-1] and getattr(hf_config, "tie_word_embeddings", False):  # lm_head's
             return dict(TIED_LM_HEAD)
         return {}
 

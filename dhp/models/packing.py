@@ -132,7 +132,7 @@ def packed_text_mask(
     return {"full_attention": full, LINEAR_ATTENTION: attention_mask}
 
 
-def packed_llm_inputs(
+def packed_decoder_inputs(
     module: Any,
     *,
     inputs_embeds: torch.Tensor,
@@ -148,10 +148,10 @@ def packed_llm_inputs(
     text model runs a flash kernel (none under context parallelism, whose attention is its own)."""
     if mm_token_type_ids is None:  # text-only config: no image can be present (checked in embed)
         mm_token_type_ids = torch.zeros_like(input_ids)
-    vision = None if module.vl_config is None else module.vl_config.vision_config
+    encoder = None if module.vl_config is None else module.vl_config.vision_config
     position_ids = packed_positions(
         positions=module.positions,
-        merge=1 if vision is None else vision.spatial_merge_size**2,
+        merge=1 if encoder is None else encoder.spatial_merge_size**2,
         input_ids=input_ids,
         attention_mask=attention_mask,
         mm_token_type_ids=mm_token_type_ids,
@@ -183,7 +183,7 @@ class _Cursor:
             self.at += 1
         if got != tokens:
             raise DataError(
-                f"a packed sample holds {tokens} vision tokens but the grids in order give {got}. "
+                f"a packed sample holds {tokens} image/video tokens but the grids in order give {got}. "
                 "Fix: pack grids in the samples' row-major order (dhp.data.packing.pack does)"
             )
         return slice(begin, self.at)
@@ -204,7 +204,7 @@ __all__ = [
     "LINEAR_ATTENTION",
     "PositionsFn",
     "is_hybrid",
-    "packed_llm_inputs",
+    "packed_decoder_inputs",
     "packed_positions",
     "packed_text_mask",
     "varlen_kwargs",

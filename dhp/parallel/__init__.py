@@ -37,7 +37,7 @@ from dhp.parallel.state import full_grad_dict, full_param_dict, model_state_byte
 from dhp.parallel.ulysses import (
     UlyssesSpec,
     apply_ulysses_sp,
-    gather_vision_output,
+    gather_sp_output,
     module_plan,
     reduce_sp_grads,
 )
@@ -75,7 +75,7 @@ __all__ = [
     "finalize_grads",
     "full_grad_dict",
     "full_param_dict",
-    "gather_vision_output",
+    "gather_sp_output",
     "grad_norm_sq",
     "inner_group",
     "local_loss_sum",

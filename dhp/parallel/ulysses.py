@@ -20,7 +20,7 @@ local (L_r, H) q/k/v, plus the gathered rotary tables (L_total x head_dim, twice
 
 Each rank's output rows are its own tokens (the shard's ``token_index``). Parameter gradients are
 partial sums over the rank's tokens: :func:`reduce_sp_grads` SUMs them over the SP group (losses are
-pre-normalised by the global token count, see docs/INTERFACES.md). :func:`gather_vision_output`
+pre-normalised by the global token count, see docs/INTERFACES.md). :func:`gather_sp_output`
 all-gathers the rows in original order with a slicing backward, for parity and when wanted.
 """
 
@@ -113,7 +113,7 @@ def _sp_group(mesh: DeviceMesh, mesh_dim: str) -> dist.ProcessGroup:
     raise ConfigError(
         [
             ConfigIssue(
-                "modules.vision.parallel.sp",
+                "modules.<encoder>.parallel.sp",
                 names,
                 f"mesh has no '{mesh_dim}' axis",
                 "build the mesh with an sp axis",
@@ -332,7 +332,7 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.token_index.to(grad.device)], None, None, None
 
 
-def gather_vision_output(local: torch.Tensor, shard: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_sp_output(local: torch.Tensor, shard: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(rows of this rank) -> (num_tokens, D) in original token order on every SP rank (collective).
 
     Autograd: the output is replicated, so the backward of each rank keeps only its own rows' gradient

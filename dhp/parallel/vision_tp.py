@@ -134,7 +134,7 @@ class FusedColwiseParallel(ColwiseParallel):
         world = device_mesh.size()
         if module.out_features % (self.num_chunks * world):
             raise ConfigError(
-                [ConfigIssue("modules.vision.parallel.tp", world, f"must divide {module.out_features // self.num_chunks}",
+                [ConfigIssue("modules.<encoder>.parallel.tp", world, f"must divide {module.out_features // self.num_chunks}",
                              "pick a tp that divides the encoder hidden size")]
             )  # fmt: skip
         distribute_module(module, device_mesh, self._partition_linear_fn)

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from dhp.config.loader import compose_run
 from dhp.config.schema import RunConfig
+from dhp.models.graph import known_consumer
 from dhp.validation.validate import raise_if_invalid
 
 
@@ -22,7 +23,7 @@ def load_config(conf: str, overrides: list[str] | None = None, *, smoke: bool = 
     (unknown keys raise) and read-only. Raises ConfigError listing every problem found; nothing has been
     started at that point.
     """
-    cfg = compose_run(conf, overrides, smoke=smoke)
+    cfg = compose_run(conf, overrides, smoke=smoke, consumer_of=known_consumer)
     raise_if_invalid(cfg)
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)

@@ -27,6 +27,7 @@ from dhp.config.validate_model_dir import validate_model_dir, validate_tokens
 from dhp.config.validate_optimizer import validate_optimizer
 from dhp.config.validate_precision import validate_precision
 from dhp.errors import ConfigError, ConfigIssue
+from dhp.models.graph import known_consumer
 from dhp.models.registry import family_names, get_arch
 from dhp.validation.validate_capabilities import validate_capabilities
 from dhp.validation.validate_finetune import validate_finetune
@@ -158,7 +159,7 @@ def validate(cfg: DictConfig) -> list[ConfigIssue]:
     validate_data(cfg, issues)
     validate_data_layouts(cfg.data, issues)
     validate_capabilities(cfg, issues)
-    validate_data_keys(cfg, issues)
+    validate_data_keys(cfg, issues, consumer=known_consumer(cfg.model.family))
     validate_trainable(cfg, issues)  # freeze_patterns / param_groups / lora globs against real FQNs
     validate_finetune(cfg, issues)  # run length, LR schedule, evaluation, chat template
     return issues.items

@@ -20,6 +20,7 @@ from dhp.config.constants import LR_SCHEDULES, RESUME_HORIZONS, TRAIN_ON
 from dhp.config.issues import Issues
 from dhp.layout import module_layout
 from dhp.models.chat_templates import is_template_file, template_names
+from dhp.models.graph import known_consumer
 
 
 def validate_finetune(cfg: DictConfig, issues: Issues) -> None:
@@ -121,13 +122,14 @@ def _evaluation(cfg: DictConfig, issues: Issues) -> None:
                 "needs evaluation data: data.eval is neither a file nor a split",
                 "set data.eval.path=FILE or data.eval.split=0.05",
             )
-    if on and ev.batch_size > 0 and "llm" in cfg.modules:
-        unit = module_layout(cfg.modules.llm).num_replicas * train.micro_batch_size
+    consumer = known_consumer(cfg.model.family)
+    if on and ev.batch_size > 0 and consumer in cfg.modules:
+        unit = module_layout(cfg.modules[consumer]).num_replicas * train.micro_batch_size
         issues.check(
             unit > 0 and ev.batch_size % unit == 0,
             "data.eval.batch_size",
             ev.batch_size,
-            f"must be a multiple of micro_batch_size*llm replicas = {unit} (each eval batch runs as a step's)",
+            f"must be a multiple of micro_batch_size*{consumer} replicas = {unit} (each eval batch runs as a step's)",
             f"use a multiple of {unit}, or 0 (train.global_batch_size)",
         )
 

@@ -22,6 +22,7 @@ from dhp.config.plan_space import (
 )
 from dhp.config.validate_data_keys import MARKERS_PER_VISUAL, synthetic_sample_tokens
 from dhp.layout import module_layout
+from dhp.models.graph import known_consumer, known_image_module
 from dhp.models.registry import family_names, get_arch
 
 
@@ -63,7 +64,7 @@ def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues
     issues.items.extend(problems)
     if not layout_ok(mod.gpus, par):
         return  # a degree < 1: the length checks below would divide by zero
-    if name == "vision":
+    if name == known_image_module(cfg.model.family):  # patches: merged spatial_merge_size^2 at a time
         v = cfg.model.vision
         unit = v.spatial_merge_size**2
         if mod.seq_len > 0:
@@ -75,7 +76,7 @@ def _validate_module(name: str, mod: DictConfig, cfg: DictConfig, issues: Issues
                 f"each of the sp={par.sp} ranks at least {unit}",
                 f"use a multiple of {unit} that is >= {unit * par.sp}",
             )
-    if name == "llm":
+    if name == known_consumer(cfg.model.family):
         lm = cfg.model.llm
         issues.check(
             mod.seq_len <= lm.max_position_embeddings,
@@ -105,6 +106,7 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
     layouts = {str(n): module_layout(m) for n, m in cfg.modules.items()}
     mods = {str(n): m for n, m in cfg.modules.items() if layout_ok(m.gpus, layouts[str(n)])}
     reps = {n: layouts[n].num_replicas for n in mods}
+    consumer = known_consumer(cfg.model.family)  # the loss module (None: an unknown family)
     if len(mods) == len(cfg.modules):
         issues.items.extend(
             placement_problems(
@@ -116,11 +118,10 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 total_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
             )
         )
-        consumer = _consumer(cfg)
         if consumer in reps:
             pairs = [(reps[p], reps[consumer]) for p in reps if p != consumer]
             if all(max(pair) % min(pair) == 0 for pair in pairs):
-                _validate_batch(cfg.train, [rv for rv, _ in pairs], reps[consumer], issues)
+                _validate_batch(cfg.train, [rv for rv, _ in pairs], reps[consumer], consumer, issues)
     for name in mods:  # a pipeline schedule's micro-batches are the step's per replica
         issues.items.extend(
             pipeline_micro_batch_problems(
@@ -130,7 +131,7 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 micro_batch_size=cfg.train.micro_batch_size,
             )
         )
-        coef = (cfg.model.llm.extra or {}).get("router_aux_loss_coef", 0) if name == "llm" else 0
+        coef = (cfg.model.llm.extra or {}).get("router_aux_loss_coef", 0) if name == consumer else 0
         issues.check(  # each stage takes its router share from the step's sums: the step pass
             layouts[name].pp <= 1 or not coef or cfg.train.router_aux_loss == "step",
             "train.router_aux_loss",
@@ -143,16 +144,9 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
     _validate_train(cfg.train, issues)
 
 
-def _consumer(cfg: DictConfig) -> str | None:
-    """The run's loss module: its family's last declared module (producers come first)."""
-    if cfg.model.family not in family_names():
-        return None
-    return get_arch(cfg.model.family).module_names[-1]
-
-
-def _validate_batch(train: DictConfig, producers: list[int], rl: int, issues: Issues) -> None:
-    """The step's batch against the loss module's ``rl`` replicas, and each of its micro-batches
-    against every producer's replicas (``producers``) that split it."""
+def _validate_batch(train: DictConfig, producers: list[int], rl: int, consumer: str, issues: Issues) -> None:
+    """The step's batch against the loss module's (``consumer``) ``rl`` replicas, and each of its
+    micro-batches against every producer's replicas (``producers``) that split it."""
     if train.micro_batch_size <= 0 or train.global_batch_size <= 0:
         return
     unit = train.micro_batch_size * rl
@@ -160,7 +154,7 @@ def _validate_batch(train: DictConfig, producers: list[int], rl: int, issues: Is
         train.global_batch_size % unit == 0,
         "train.global_batch_size",
         train.global_batch_size,
-        f"must be a multiple of micro_batch_size*llm replicas = {train.micro_batch_size}*{rl} = {unit}",
+        f"must be a multiple of micro_batch_size*{consumer} replicas = {train.micro_batch_size}*{rl} = {unit}",
         f"use a multiple of {unit}",
     )
     split = math.lcm(*(rv // rl for rv in producers if rv > rl and rl > 0), 1)
@@ -231,14 +225,14 @@ def validate_data(cfg: DictConfig, issues: Issues) -> None:
 
 def _validate_image_fits(cfg: DictConfig, issues: Issues) -> None:
     """One image at data.max_pixels must fit the encoder's micro-batch, or every large image fails."""
-    v = cfg.model.vision
-    if "vision" not in cfg.modules or v.patch_size <= 0 or cfg.data.max_pixels <= 0:
+    v, image = cfg.model.vision, known_image_module(cfg.model.family)
+    if image not in cfg.modules or v.patch_size <= 0 or cfg.data.max_pixels <= 0:
         return
     patches = cfg.data.max_pixels // (v.patch_size**2)
-    seq = cfg.modules.vision.seq_len
+    seq = cfg.modules[image].seq_len
     issues.check(
         patches <= seq,
-        "modules.vision.seq_len",
+        f"modules.{image}.seq_len",
         seq,
         f"one image at data.max_pixels={cfg.data.max_pixels} has about {patches} patches",
         f"raise it to at least {patches} (times images per micro-batch), or lower data.max_pixels",
@@ -260,16 +254,17 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
     micro = cfg.train.micro_batch_size
     temporal = max(int(v.temporal_patch_size), 1)
     video_patches = syn.videos_per_sample * (syn.video_frames // temporal) * syn.patches
-    if "vision" in mods and micro > 0:
+    image, consumer = known_image_module(cfg.model.family), known_consumer(cfg.model.family)
+    if image in mods and micro > 0:
         need = (syn.patches * syn.images_per_sample + video_patches) * micro
         issues.check(
-            need <= mods.vision.seq_len,
-            "modules.vision.seq_len",
-            mods.vision.seq_len,
+            need <= mods[image].seq_len,
+            f"modules.{image}.seq_len",
+            mods[image].seq_len,
             f"a micro-batch of synthetic samples has {need} patches",
             f"set it >= {need}",
         )
-    if "llm" in mods:
+    if consumer in mods:
         need = synthetic_sample_tokens(
             syn,
             spatial_merge_size=v.spatial_merge_size,
@@ -277,9 +272,9 @@ def _validate_synthetic_lengths(cfg: DictConfig, issues: Issues) -> None:
             text_tokens=max(syn.text_tokens, syn.text_tokens_max),
         )
         issues.check(
-            need <= mods.llm.seq_len,
-            "modules.llm.seq_len",
-            mods.llm.seq_len,
+            need <= mods[consumer].seq_len,
+            f"modules.{consumer}.seq_len",
+            mods[consumer].seq_len,
             f"the longest synthetic sample has {need} tokens (image and video tokens, "
             f"{MARKERS_PER_VISUAL} markers each, and text)",
             f"set it >= {need}",

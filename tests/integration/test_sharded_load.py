@@ -47,7 +47,7 @@ def _first_step(tiny_dir, *overrides):
     try:
         data = next(loader)
         res = trainer.step(data, lr=cfg.train.lr, collect_grads=True)
-        loads = trainer.llm.call(ModuleWorker.load_stats)
+        loads = trainer.consumer.call(ModuleWorker.load_stats)
     finally:
         trainer.close()
     ref_loss, _, ref_grads = ref.step(data, lr=cfg.train.lr)

@@ -4,7 +4,7 @@ Each rank builds the same seeded tiny encoder (dhp.models, unmodified transforme
 untouched deep copy as the reference, applies SP, and for every case checks: the gathered output, the
 loss, and EVERY parameter's full gradient after ``reduce_sp_grads``. Two loss placements are checked:
 (a) each rank's loss on its own rows (the training path: hand-off of local rows, no gather), and
-(b) a replicated loss on the gathered output (``gather_vision_output``'s slicing backward).
+(b) a replicated loss on the gathered output (``gather_sp_output``'s slicing backward).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter
 from dhp.parallel.dp import Zero1AdamW
 from dhp.parallel.optim import grad_norm_sq
-from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
+from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_sp_output, reduce_sp_grads
 
 
 def vision_shard_forward(module, shard):
@@ -91,14 +91,14 @@ def _check_case(module, ref, group, rank: int, world: int, case: str, *, gathere
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     assert_rel_close(total, ref_loss, rtol=RTOL, name=f"{tag}: loss")
-    out = gather_vision_output(local.detach(), shard, group)
+    out = gather_sp_output(local.detach(), shard, group)
     assert_rel_close(out, ref_out, rtol=RTOL, name=f"{tag}: out")
     assert_grads_match(_grads(module), want, rtol=RTOL, tag=f"{tag} local-loss")
     if not gathered:
         return
     # (b) replicated loss on the gathered output
     module.zero_grad(set_to_none=True)
-    full = gather_vision_output(vision_shard_forward(module, shard), shard, group)
+    full = gather_sp_output(vision_shard_forward(module, shard), shard, group)
     (full * weights).sum().backward()
     reduce_sp_grads(module, group)
     assert_grads_match(_grads(module), want, rtol=RTOL, tag=f"{tag} gathered-loss")
@@ -243,7 +243,7 @@ def _bf16_case(rank: int, world: int) -> None:
     dist.all_reduce(loss)
     tag = f"bf16 sp={world} rank={rank}"
     assert_rel_close(loss, ref_loss, rtol=BF16_GRAD_RTOL, name=f"{tag}: loss")
-    out = gather_vision_output(local.detach().float(), shard, mesh.get_group("sp"))
+    out = gather_sp_output(local.detach().float(), shard, mesh.get_group("sp"))
     assert_rel_close(out, ref_out, rtol=BF16_OUT_RTOL, name=f"{tag}: out")
     assert_grads_match(
         {k: g.float() for k, g in _grads(module).items()}, _grads(ref), rtol=BF16_GRAD_RTOL, tag=tag

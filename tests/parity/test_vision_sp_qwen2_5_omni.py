@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dhp.models import get_family
 from dhp.parallel.ac import AcSpec, apply_ac
 from dhp.parallel.comm import CommCounter
-from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_vision_output, reduce_sp_grads
+from dhp.parallel.ulysses import UlyssesSpec, apply_ulysses_sp, gather_sp_output, reduce_sp_grads
 
 pytestmark = pytest.mark.parity
 RTOL = 1e-5
@@ -47,9 +47,7 @@ def _check(module, ref, family, hf_config, group, rank: int, world: int, tag: st
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     assert_rel_close(total, (want_out * weights).sum(), rtol=RTOL, name=f"{tag}: loss")
-    assert_rel_close(
-        gather_vision_output(local.detach(), shard, group), want_out, rtol=RTOL, name=f"{tag}: out"
-    )
+    assert_rel_close(gather_sp_output(local.detach(), shard, group), want_out, rtol=RTOL, name=f"{tag}: out")
     assert_grads_match({k: p.grad for k, p in module.named_parameters()}, want, rtol=RTOL, tag=tag)
 
 

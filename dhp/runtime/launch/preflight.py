@@ -53,9 +53,10 @@ def checked_config(
     ``skip`` policy will skip). Raises one ConfigError with every problem found. ``worst_case``: see
     the module docstring."""
     # reason: the families' code, after the CLI's fast start
+    from dhp.models.graph import known_consumer
     from dhp.validation.validate import is_missing_input, validate
 
-    cfg = compose_run(conf, overrides, smoke=smoke)
+    cfg = compose_run(conf, overrides, smoke=smoke, consumer_of=known_consumer)
     issues = list(validate(cfg))
     issues += _tracker_issues(cfg, issues)
     lengths = None

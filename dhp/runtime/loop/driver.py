@@ -110,10 +110,6 @@ class Trainer(TrainerStart, TrainerStep):
         """The group of the module with the loss (the LLM)."""
         return self.groups[self.consumer_name]
 
-    @property
-    def llm(self) -> ActorGroup:
-        return self.consumer
-
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, batches: Iterable[StepData], *, stop: Callable[[], bool]) -> EvalResult | None:
         """A forward-only pass over ``batches`` on every group (``dhp.runtime.loop.eval_worker``): per eval

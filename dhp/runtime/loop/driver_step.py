@@ -39,7 +39,7 @@ class StepResult:
     num_label_tokens: int
     step_s: float
     driver_s: float  # driver-side routing and bookkeeping
-    llm_wait_s: float  # LLM ranks waiting for embeddings (max over replica leaders, summed over m)
+    consumer_wait_s: float  # LLM ranks waiting for embeddings (max over replica leaders, summed over m)
     stats: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per module, per rank
     grads: dict[str, dict[str, torch.Tensor]] | None = None
     # unweighted auxiliary losses of the loss module (an MoE router's), label-token-weighted over the step
@@ -96,7 +96,7 @@ class TrainerStep(PipelineStep):
             num_label_tokens=data.num_label_tokens,
             step_s=time.perf_counter() - t0,
             driver_s=driver_s,
-            llm_wait_s=wait_s,
+            consumer_wait_s=wait_s,
             stats=step_stats,
             grads=grads,
             aux_losses=_aux_losses(stats, data.num_label_tokens),

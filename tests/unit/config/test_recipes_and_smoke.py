@@ -12,6 +12,7 @@ from dhp.config.constants import PARALLEL_AXES
 from dhp.config.loader import CONF_DIR, compose_config
 from dhp.config.smoke import smoke_config
 from dhp.layout import module_layout
+from dhp.models.graph import known_consumer
 from dhp.plan import compile_plan
 from dhp.runtime.launch.preflight import checked_config
 from dhp.validation import load_config
@@ -108,6 +109,7 @@ def test_smoke_is_pure() -> None:
         cfg,
         tiny_model=OmegaConf.load(CONF_DIR / "model" / "tiny.yaml"),
         local_cluster=OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml"),
+        consumer=known_consumer(cfg.model.family),
     )
     assert OmegaConf.to_yaml(cfg) == before
 
