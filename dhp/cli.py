@@ -503,8 +503,8 @@ def data_check(
         report = check_data(
             data=cfg.data,
             model=cfg.model,
-            vision_seq_len=patches,
-            llm_seq_len=tokens,
+            patch_seq_len=patches,
+            token_seq_len=tokens,
             seed=cfg.train.seed,
             on_progress=bar,
             show=show,

@@ -61,7 +61,7 @@ def time_llava(model, side: int, repeats: int, tmp: Path) -> dict:
         datasets=[DatasetEntry(name="bench", path=str(path), image_root=str(path.parent / "images"))],
         max_pixels=side * side,
     )
-    src, _, _ = build_source(data=data, model=model, vision_seq_len=1 << 20, llm_seq_len=1 << 20, seed=0)
+    src, _, _ = build_source(data=data, model=model, patch_seq_len=1 << 20, token_seq_len=1 << 20, seed=0)
     src.load(0)  # warm-up: first-call imports and caches
     totals, cpu, decode, process, text, patches = [], [], [], [], [], set()
     proc = src.processor
@@ -105,7 +105,7 @@ def time_synthetic(model, side: int, repeats: int) -> dict:
     data = DataConfig(
         kind="synthetic", synthetic=SyntheticData(num_samples=8, patches=patches, text_tokens=128)
     )
-    src, _, _ = build_source(data=data, model=model, vision_seq_len=1 << 20, llm_seq_len=1 << 20, seed=0)
+    src, _, _ = build_source(data=data, model=model, patch_seq_len=1 << 20, token_seq_len=1 << 20, seed=0)
     src.load(0)
     times = []
     for _ in range(repeats):
@@ -133,7 +133,7 @@ def time_engine(model, side: int, engine: str, workers: int, steps: int, tmp: Pa
     )
     train = TrainConfig(global_batch_size=8, micro_batch_size=1, seed=0)
     loader = build_loader(
-        data=data, model=model, train=train, dp_size=2, vision_seq_len=1 << 20, llm_seq_len=1 << 20
+        data=data, model=model, train=train, dp_size=2, patch_seq_len=1 << 20, token_seq_len=1 << 20
     )
     try:
         next(loader)  # warm-up: actors, imports, caches

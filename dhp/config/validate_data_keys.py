@@ -25,11 +25,11 @@ MARKERS_PER_VISUAL = 2
 
 
 def packed_row_tokens(
-    *, packing: bool, max_tokens: int, llm_seq_len: int, seq_key: str = CONSUMER_SEQ_KEY
+    *, packing: bool, max_tokens: int, token_seq_len: int, seq_key: str = CONSUMER_SEQ_KEY
 ) -> tuple[int, list[ConfigIssue]]:
     """The packed row length (0: packing off) and why the setting is invalid, if it is.
 
-    ``llm_seq_len``: the consumer's (the loss module's) ``seq_len``, whose config key ``seq_key`` the
+    ``token_seq_len``: the consumer's (the loss module's) ``seq_len``, whose config key ``seq_key`` the
     messages name. ``data.max_tokens`` 0 means that ``seq_len``; a row shorter than the longest
     sample (that ``seq_len``) could not hold it; ``max_tokens`` without packing is a mistake.
     """
@@ -43,14 +43,14 @@ def packed_row_tokens(
                 )
             )
         return 0, problems
-    row = max_tokens or llm_seq_len
-    if row < llm_seq_len:
+    row = max_tokens or token_seq_len
+    if row < token_seq_len:
         return row, [
             ConfigIssue(
                 "data.max_tokens",
                 row,
-                f"must be >= {seq_key}={llm_seq_len} (the longest sample must fit a row)",
-                f"set data.max_tokens >= {llm_seq_len}, or lower {seq_key}",
+                f"must be >= {seq_key}={token_seq_len} (the longest sample must fit a row)",
+                f"set data.max_tokens >= {token_seq_len}, or lower {seq_key}",
             )
         ]
     return row, []
@@ -141,7 +141,7 @@ def validate_data_keys(cfg: DictConfig, issues: Issues, *, consumer: str | None)
         _, problems = packed_row_tokens(
             packing=data.packing,
             max_tokens=data.max_tokens,
-            llm_seq_len=cfg.modules[consumer].seq_len,
+            token_seq_len=cfg.modules[consumer].seq_len,
             seq_key=f"modules.{consumer}.seq_len",
         )
         issues.items.extend(problems)

@@ -114,8 +114,8 @@ def with_audio(proc: Any, record: Any, sample: Sample) -> Sample:
         raise bad.BadSampleError(
             location=loc,
             reason=bad.TEXT_TOO_LONG,
-            detail=f"{ids.numel()} tokens ({sum(counts)} audio) > modules.llm.seq_len={proc.limits.llm_seq_len}",
-            fix="raise modules.llm.seq_len, or use shorter audio",
+            detail=f"{ids.numel()} tokens ({sum(counts)} audio) > {proc.limits.token_key}={proc.limits.token_seq_len}",
+            fix=f"raise {proc.limits.token_key}, or use shorter audio",
         )
     return dataclasses.replace(
         sample,

@@ -144,8 +144,8 @@ def check_data(
     *,
     data: DataConfig,
     model: ModelConfig,
-    vision_seq_len: int,
-    llm_seq_len: int,
+    patch_seq_len: int,
+    token_seq_len: int,
     seed: int = 0,
     on_progress=None,
     show: int = 0,
@@ -156,7 +156,7 @@ def check_data(
     ``show``: decode the first ``show`` good samples (roles, media, loss tokens) into ``shown``;
     ``audio_tokens(seconds)``: the model family's LLM tokens of one clip (None: not counted)."""
     source, _, _ = build_source(
-        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=seed
+        data=data, model=model, patch_seq_len=patch_seq_len, token_seq_len=token_seq_len, seed=seed
     )
     log = bad.BadSampleLog(keep=5)
     patches, text_tokens, tokens, images, videos = [], [], [], {}, {}

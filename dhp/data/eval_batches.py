@@ -114,7 +114,7 @@ class EvalBatches:
         return dict(self.loader.bad_log.counts)
 
 
-def eval_source(config: RunConfig, *, held: SampleSource | None, vision_seq_len: int, llm_seq_len: int):
+def eval_source(config: RunConfig, *, held: SampleSource | None, patch_seq_len: int, token_seq_len: int):
     """The eval samples: ``held`` (the split's records) or ``data.eval.path``'s; None without eval."""
     ev = config.data.eval
     if ev.split > 0:
@@ -124,8 +124,8 @@ def eval_source(config: RunConfig, *, held: SampleSource | None, vision_seq_len:
     source, _, _ = build_source(
         data=_eval_data(config.data),
         model=config.model,
-        vision_seq_len=vision_seq_len,
-        llm_seq_len=llm_seq_len,
+        patch_seq_len=patch_seq_len,
+        token_seq_len=token_seq_len,
         seed=config.train.seed,
     )
     return source
@@ -150,18 +150,18 @@ def build_run_data(
     patches, tokens = seq_limits(config.model.family, config.modules)
     dp = layouts[consumer_name(config.model.family)].num_replicas
     opened, held = open_training_data(
-        data=config.data, model=config.model, train=config.train, vision_seq_len=patches, llm_seq_len=tokens
+        data=config.data, model=config.model, train=config.train, patch_seq_len=patches, token_seq_len=tokens
     )
     loader = build_loader(
         data=config.data,
         model=config.model,
         train=config.train,
         dp_size=dp,
-        vision_seq_len=patches,
-        llm_seq_len=tokens,
+        patch_seq_len=patches,
+        token_seq_len=tokens,
         opened=opened,
     )
-    source = eval_source(config, held=held, vision_seq_len=patches, llm_seq_len=tokens)
+    source = eval_source(config, held=held, patch_seq_len=patches, token_seq_len=tokens)
     if source is None:
         return loader, None
     ev, train = config.data.eval, config.train
@@ -171,7 +171,7 @@ def build_run_data(
         shuffle=False,
         prefetch=False,
         max_tokens=packed_max_tokens(
-            config.data, llm_seq_len=tokens, seq_key=f"modules.{consumer_name(config.model.family)}.seq_len"
+            config.data, token_seq_len=tokens, seq_key=f"modules.{consumer_name(config.model.family)}.seq_len"
         ),
     )
     return loader, EvalBatches(source=source, spec=spec, max_samples=ev.max_samples)

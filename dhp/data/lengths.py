@@ -121,8 +121,8 @@ def measure_rows(
     source, sizes, weights = build_source(
         data=data,
         model=model,
-        vision_seq_len=UNBOUNDED.vision_seq_len,
-        llm_seq_len=UNBOUNDED.llm_seq_len,
+        patch_seq_len=UNBOUNDED.patch_seq_len,
+        token_seq_len=UNBOUNDED.token_seq_len,
         seed=seed,
     )
     picks, total = sample_indices(sizes, weights, seed=seed, rows=rows)
@@ -241,14 +241,14 @@ def cached_lengths(
     *,
     data: DataConfig,
     model: ModelConfig,
-    vision_seq_len: int,
-    llm_seq_len: int,
+    patch_seq_len: int,
+    token_seq_len: int,
     seed: int = 0,
     rows: int = SAMPLE_ROWS,
 ) -> DataLengths:
     """``data.lengths`` of the cached rows under these limits (:func:`cached_rows`, :func:`lengths_of`)."""
     sampled, total = cached_rows(data=data, model=model, seed=seed, rows=rows)
-    return lengths_of(sampled, of_rows=total, limits=Limits(vision_seq_len, llm_seq_len))
+    return lengths_of(sampled, of_rows=total, limits=Limits.of(model.family, patch_seq_len, token_seq_len))
 
 
 def with_lengths(config: DictConfig, lengths: DataLengths) -> DictConfig:

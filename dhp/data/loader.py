@@ -68,7 +68,7 @@ class LoaderSpec:
     dp_size: int
     global_batch_size: int
     micro_batch_size: int
-    vision_seq_len: int  # max patches per micro-batch of one replica (the image encoder's seq_len)
+    patch_seq_len: int  # max patches per micro-batch of one replica (the image encoder's seq_len)
     pad_token_id: int
     on_bad_sample: str
     shuffle: bool
@@ -76,7 +76,7 @@ class LoaderSpec:
     num_workers: int = 0
     prefetch: bool = False
     max_tokens: int = 0  # > 0: pack each micro-batch into rows of <= max_tokens (dhp.data.packing)
-    #: the config key of ``vision_seq_len``, for messages (``modules.<the image encoder>.seq_len``)
+    #: the config key of ``patch_seq_len``, for messages (``modules.<the image encoder>.seq_len``)
     patches_key: str = "modules.<image encoder>.seq_len"
 
     @property
@@ -292,10 +292,10 @@ class StepLoader:
             for r in range(spec.dp_size):
                 members = [samples[i] for i in slots[m * spec.dp_size + r]]
                 patches = sum(s.num_patches for s in members)
-                if patches > spec.vision_seq_len:
+                if patches > spec.patch_seq_len:
                     raise DataError(
                         f"micro-batch {m} of replica {r} at step {self.step} holds {patches} patches > "
-                        f"{spec.patches_key}={spec.vision_seq_len} ({[s.sample_id for s in members]}). "
+                        f"{spec.patches_key}={spec.patch_seq_len} ({[s.sample_id for s in members]}). "
                         f"Fix: lower train.micro_batch_size or data.max_pixels, or raise {spec.patches_key}"
                     )
                 row.append(
@@ -382,29 +382,29 @@ def build_loader(
     model: ModelConfig,
     train: TrainConfig,
     dp_size: int,
-    vision_seq_len: int,
-    llm_seq_len: int,
+    patch_seq_len: int,
+    token_seq_len: int,
     opened: tuple[SampleSource, list[int], list[float]] | None = None,
 ) -> StepLoader:
     """The step loader for ``data`` (DataConfig), ``model`` (ModelConfig) and ``train`` (TrainConfig).
 
-    ``dp_size`` = the consumer's data replicas (its ``dp*fsdp``); ``vision_seq_len`` and
-    ``llm_seq_len`` = the image encoder's / the consumer's ``seq_len``. ``opened``: the source,
+    ``dp_size`` = the consumer's data replicas (its ``dp*fsdp``); ``patch_seq_len`` and
+    ``token_seq_len`` = the image encoder's / the consumer's ``seq_len``. ``opened``: the source,
     sizes and weights when the caller opened them (:func:`open_training_data`).
     """
     check_engine(data)
     seq_key = f"modules.{consumer_name(model.family)}.seq_len"
-    max_tokens = packed_max_tokens(data, llm_seq_len=llm_seq_len, seq_key=seq_key)
+    max_tokens = packed_max_tokens(data, token_seq_len=token_seq_len, seq_key=seq_key)
     if opened is None:
         opened, _ = open_training_data(
-            data=data, model=model, train=train, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len
+            data=data, model=model, train=train, patch_seq_len=patch_seq_len, token_seq_len=token_seq_len
         )
     source, sizes, weights = opened
     spec = LoaderSpec(
         dp_size=dp_size,
         global_batch_size=train.global_batch_size,
         micro_batch_size=train.micro_batch_size,
-        vision_seq_len=vision_seq_len,
+        patch_seq_len=patch_seq_len,
         pad_token_id=model.tokens.pad_token_id,
         on_bad_sample=data.on_bad_sample,
         shuffle=data.shuffle,
@@ -429,12 +429,12 @@ def build_loader(
 
 
 def open_training_data(
-    *, data: DataConfig, model: ModelConfig, train: TrainConfig, vision_seq_len: int, llm_seq_len: int
+    *, data: DataConfig, model: ModelConfig, train: TrainConfig, patch_seq_len: int, token_seq_len: int
 ) -> tuple[tuple[SampleSource, list[int], list[float]], SampleSource | None]:
     """``((source, sizes, weights), held out)``: the training data, less the records
     ``data.eval.split`` holds out for evaluation (``dhp.data.holdout``; None without a split)."""
     source, sizes, weights = build_source(
-        data=data, model=model, vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len, seed=train.seed
+        data=data, model=model, patch_seq_len=patch_seq_len, token_seq_len=token_seq_len, seed=train.seed
     )
     if data.eval.split <= 0:
         return (source, sizes, weights), None
@@ -452,6 +452,6 @@ def build_run_loader(config: RunConfig, layouts: Mapping[str, ParallelLayout]) -
         model=config.model,
         train=config.train,
         dp_size=layouts[consumer_name(config.model.family)].num_replicas,
-        vision_seq_len=patches,
-        llm_seq_len=tokens,
+        patch_seq_len=patches,
+        token_seq_len=tokens,
     )

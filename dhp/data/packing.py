@@ -143,13 +143,13 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(kept, dim=0) if kept else None
 
 
-def packed_max_tokens(data, *, llm_seq_len: int, seq_key: str = CONSUMER_SEQ_KEY) -> int:
+def packed_max_tokens(data, *, token_seq_len: int, seq_key: str = CONSUMER_SEQ_KEY) -> int:
     """The packed row length of ``data`` (DataConfig): 0 when packing is off, else ``data.max_tokens``
-    (0 there: ``llm_seq_len``, the consumer's ``seq_len``, key ``seq_key``). ConfigError when a sample
+    (0 there: ``token_seq_len``, the consumer's ``seq_len``, key ``seq_key``). ConfigError when a sample
     could not fit a row (the config validation's rule,
     :func:`dhp.config.validate_data_keys.packed_row_tokens`)."""
     row, problems = packed_row_tokens(
-        packing=data.packing, max_tokens=data.max_tokens, llm_seq_len=llm_seq_len, seq_key=seq_key
+        packing=data.packing, max_tokens=data.max_tokens, token_seq_len=token_seq_len, seq_key=seq_key
     )
     if problems:
         raise ConfigError(problems)

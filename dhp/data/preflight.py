@@ -10,7 +10,7 @@ share (:func:`check_run_data`, called by ``dhp.runtime.launch.preflight``), ever
   and fix;
 - the sampled rows keep the per-sample limits (:meth:`~dhp.data.processing.Limits.broken`, the
   loader's rule): for each limit broken, the longest row breaking it and what would make it fit
-  (``modules.vision.seq_len`` against its patches, ``modules.llm.seq_len`` against its tokens, with
+  (the image encoder's ``seq_len`` against its patches, the consumer's against its tokens, with
   the ``data.max_pixels`` / ``data.video_max_frames`` / ``data.video_max_pixels`` that would bring it
   under).
 
@@ -157,7 +157,7 @@ def check_run_data(cfg: DictConfig, *, read_rows: bool = True, rows: int = SAMPL
     except DhpError as e:
         out.issues += _error_issues(e)
         return out
-    limits = Limits(*seq_limits(cfg.model.family, cfg.modules))
+    limits = Limits.of(cfg.model.family, *seq_limits(cfg.model.family, cfg.modules))
     found = bad_row_issues(sampled) + limit_issues(sampled, cfg=cfg, limits=limits)
     out.lengths = lengths_of(sampled, of_rows=total, limits=limits)
     if data.on_bad_sample == "raise":
@@ -228,7 +228,7 @@ def limit_issues(sampled: list[SampledRow], *, cfg: DictConfig, limits: Limits) 
 def _patches_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Limits) -> ConfigIssue:
     """Sampled rows over the image encoder's ``seq_len``, with the knobs that bring them under it."""
     row = max(rows, key=lambda r: r.patches)
-    seq, micro = limits.vision_seq_len, int(cfg.train.micro_batch_size)
+    seq, micro = limits.patch_seq_len, int(cfg.train.micro_batch_size)
     key = f"modules.{image_module(cfg.model.family)}.seq_len"
     knobs = [f"raise {key} to at least {row.patches}"]
     if micro > 1:
@@ -270,7 +270,7 @@ def _tokens_issue(rows: list[SampledRow], *, n: int, cfg: DictConfig, limits: Li
     knobs.append("shorten the conversation")
     return ConfigIssue(
         key,
-        limits.llm_seq_len,
+        limits.token_seq_len,
         f"{len(rows)} of the {n} sampled rows have more LLM tokens than it; the longest, {row.location}, "
         f"has {row.tokens} ({row.image_tokens} image, {row.video_tokens} video, {text} text)",
         ", or ".join(knobs),

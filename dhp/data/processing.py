@@ -26,15 +26,30 @@ from dhp.data.images import open_image
 from dhp.data.llava import Record
 from dhp.errors import ConfigError, ConfigIssue, DataError
 from dhp.models.chat_templates import OWN, named_template, template_names
+from dhp.models.graph import consumer_name, image_module
 from dhp.models.registry import get_family
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-sample limits: encoder patches (``modules.vision.seq_len``), LLM tokens (``modules.llm.seq_len``)."""
+    """Per-sample limits: the image encoder's patches and the consumer's tokens (each module's
+    ``seq_len``). ``patch_key``/``token_key``: those config keys, which bad-sample messages name
+    (:meth:`of` fills them from the family's graph)."""
 
-    vision_seq_len: int
-    llm_seq_len: int
+    patch_seq_len: int
+    token_seq_len: int
+    patch_key: str = "modules.<image encoder>.seq_len"
+    token_key: str = "modules.<consumer>.seq_len"
+
+    @classmethod
+    def of(cls, family: str, patch_seq_len: int, token_seq_len: int) -> Limits:
+        """The limits with the config keys of ``family``'s image encoder and consumer."""
+        return cls(
+            patch_seq_len,
+            token_seq_len,
+            patch_key=f"modules.{image_module(family)}.seq_len",
+            token_key=f"modules.{consumer_name(family)}.seq_len",
+        )
 
     def broken(self, *, patches: int = 0, tokens: int = 0) -> list[str]:
         """The bad-sample reasons of a sample of ``patches`` encoder patches and ``tokens`` LLM tokens
@@ -42,15 +57,15 @@ class Limits:
         return [
             reason
             for reason, over in (
-                (bad.VISION_TOO_LONG, patches > self.vision_seq_len),
-                (bad.TEXT_TOO_LONG, tokens > self.llm_seq_len),
+                (bad.VISION_TOO_LONG, patches > self.patch_seq_len),
+                (bad.TEXT_TOO_LONG, tokens > self.token_seq_len),
             )
             if over
         ]
 
 
 #: no per-sample limit: the start-up checks measure every sampled row, then compare with the run's
-UNBOUNDED = Limits(vision_seq_len=sys.maxsize, llm_seq_len=sys.maxsize)
+UNBOUNDED = Limits(patch_seq_len=sys.maxsize, token_seq_len=sys.maxsize)
 
 
 def load_tokenizer(model_path: str, *, tokens: SpecialTokens, family: str, chat_template: str = OWN):
@@ -199,8 +214,8 @@ class SampleProcessor:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.VISION_TOO_LONG,
-                detail=f"{sum(patches)} patches {patches} > modules.vision.seq_len={self.limits.vision_seq_len}",
-                fix="raise modules.vision.seq_len, lower data.max_pixels, or drop images",
+                detail=f"{sum(patches)} patches {patches} > {self.limits.patch_key}={self.limits.patch_seq_len}",
+                fix=f"raise {self.limits.patch_key}, lower data.max_pixels, or drop images",
             )
         with self._text_lock:
             ids, labels, text_chars = self._tokenize(record)
@@ -210,8 +225,8 @@ class SampleProcessor:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.TEXT_TOO_LONG,
-                detail=f"{ids.numel()} tokens ({sum(counts)} image) > modules.llm.seq_len={self.limits.llm_seq_len}",
-                fix="raise modules.llm.seq_len, lower data.max_pixels, or shorten the conversation",
+                detail=f"{ids.numel()} tokens ({sum(counts)} image) > {self.limits.token_key}={self.limits.token_seq_len}",
+                fix=f"raise {self.limits.token_key}, lower data.max_pixels, or shorten the conversation",
             )
         pixel_values = grid = None
         if images:
@@ -288,7 +303,7 @@ class SampleProcessor:
                 location=loc,
                 reason=bad.PLACEHOLDER_MISMATCH,
                 detail=f"rendered text has {len(where)} image pad tokens for {len(counts)} image(s)",
-                fix="remove literal vision special tokens from the text",
+                fix="remove literal image and video special tokens from the text",
             )
         pieces_ids, pieces_lab, pieces_typ, prev = [], [], [], 0
         for pos, n in zip(where, counts, strict=True):

@@ -92,14 +92,15 @@ def epoch_order(*, sizes: list[int], weights: list[float], seed: int, epoch: int
 
 
 def build_source(
-    *, data: DataConfig, model: ModelConfig, vision_seq_len: int, llm_seq_len: int, seed: int
+    *, data: DataConfig, model: ModelConfig, patch_seq_len: int, token_seq_len: int, seed: int
 ) -> tuple[SampleSource, list[int], list[float]]:
     """The source of ``data`` plus the per-dataset sizes and weights for :func:`epoch_order`.
 
-    ``vision_seq_len``/``llm_seq_len`` are ``modules.vision.seq_len``/``modules.llm.seq_len``:
-    per-sample limits (samples over them are bad, never truncated).
+    ``patch_seq_len``/``token_seq_len`` are the image encoder's and the consumer's ``seq_len``
+    (:func:`dhp.models.graph.seq_limits`): per-sample limits (samples over them are bad, never
+    truncated).
     """
-    limits = Limits(vision_seq_len=vision_seq_len, llm_seq_len=llm_seq_len)
+    limits = Limits.of(model.family, patch_seq_len, token_seq_len)
     if data.kind == "synthetic":
         # Text ids come from the tokenizer's vocabulary when there is one, else from the model's.
         vocab = model.llm.vocab_size

@@ -131,12 +131,12 @@ class SyntheticSource:
         loc = self.location(index)
         n_img, patches = self.cfg.images_per_sample, self.cfg.patches
         merged = patches // self.vision.spatial_merge_size**2
-        if n_img * patches + self.video_patches > self.limits.vision_seq_len:
+        if n_img * patches + self.video_patches > self.limits.patch_seq_len:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.VISION_TOO_LONG,
-                detail=f"{n_img}x{patches} patches > modules.vision.seq_len={self.limits.vision_seq_len}",
-                fix="lower data.synthetic.patches/images_per_sample or raise modules.vision.seq_len",
+                detail=f"{n_img}x{patches} patches > {self.limits.patch_key}={self.limits.patch_seq_len}",
+                fix=f"lower data.synthetic.patches/images_per_sample or raise {self.limits.patch_key}",
             )
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         n_text = self.text_length(gen)
@@ -147,12 +147,12 @@ class SyntheticSource:
             text_tokens=n_text,
             audio_tokens=self.audio[1] if self.audio else 0,
         )
-        if total > self.limits.llm_seq_len:
+        if total > self.limits.token_seq_len:
             raise bad.BadSampleError(
                 location=loc,
                 reason=bad.TEXT_TOO_LONG,
-                detail=f"{total} tokens > modules.llm.seq_len={self.limits.llm_seq_len}",
-                fix="lower data.synthetic.text_tokens/patches or raise modules.llm.seq_len",
+                detail=f"{total} tokens > {self.limits.token_key}={self.limits.token_seq_len}",
+                fix=f"lower data.synthetic.text_tokens/patches or raise {self.limits.token_key}",
             )
         t = self.tokens
         image_block = [t.vision_start_token_id] + [t.image_token_id] * merged + [t.vision_end_token_id]

@@ -46,9 +46,9 @@ def process_with_videos(proc, record) -> Sample:
         raise bad.BadSampleError(
             location=loc,
             reason=bad.VISION_TOO_LONG,
-            detail=f"{total} patches (images {img_patches}, videos {vid_patches}) > modules.vision.seq_len="
-            f"{proc.limits.vision_seq_len}",
-            fix="raise modules.vision.seq_len, lower data.video_max_frames / data.video_max_pixels",
+            detail=f"{total} patches (images {img_patches}, videos {vid_patches}) > {proc.limits.patch_key}="
+            f"{proc.limits.patch_seq_len}",
+            fix=f"raise {proc.limits.patch_key}, lower data.video_max_frames / data.video_max_pixels",
         )
     with proc._text_lock:
         ids, labels, text_chars = proc._tokenize(record)
@@ -62,8 +62,8 @@ def process_with_videos(proc, record) -> Sample:
         raise bad.BadSampleError(
             location=loc,
             reason=bad.TEXT_TOO_LONG,
-            detail=f"{ids.numel()} tokens > modules.llm.seq_len={proc.limits.llm_seq_len}",
-            fix="raise modules.llm.seq_len, lower data.video_max_frames, or shorten the conversation",
+            detail=f"{ids.numel()} tokens > {proc.limits.token_key}={proc.limits.token_seq_len}",
+            fix=f"raise {proc.limits.token_key}, lower data.video_max_frames, or shorten the conversation",
         )
     image_rows: list[torch.Tensor] = []
     image_grids: list[list[int]] = []
@@ -104,7 +104,7 @@ def _expand(ids, labels, counts: dict[int, tuple[list[int], int]], *, loc: str):
                 location=loc,
                 reason=bad.PLACEHOLDER_MISMATCH,
                 detail=f"rendered text has {found} pad token(s) {pad} for {len(per_item)} item(s)",
-                fix="remove literal vision special tokens from the text; one <image>/<video> per item",
+                fix="remove literal image and video special tokens from the text; one <image>/<video> per item",
             )
     seen = dict.fromkeys(counts, 0)
     out_ids, out_lab, out_typ, order, prev = [], [], [], [], 0

@@ -121,7 +121,7 @@ def packed_rows(config: DictConfig, consumer: ModuleShape) -> ModuleShape:
     ``data.max_tokens`` (0: seq_len); first-fit never needs more rows than 2 * tokens / row + 1 (any
     two rows together overflow one), nor more than samples."""
     row, _ = packed_row_tokens(
-        packing=config.data.packing, max_tokens=config.data.max_tokens, llm_seq_len=int(consumer.seq_len)
+        packing=config.data.packing, max_tokens=config.data.max_tokens, token_seq_len=int(consumer.seq_len)
     )  # validated already: the row holds the longest sample
     if not row:
         return consumer

@@ -38,7 +38,7 @@ def _loader(tiny_model, engine: str, **data_kw):
     )
     train = TrainConfig(global_batch_size=4, micro_batch_size=1, seed=3)
     return build_loader(
-        data=data, model=tiny_model, train=train, dp_size=2, vision_seq_len=4096, llm_seq_len=2048
+        data=data, model=tiny_model, train=train, dp_size=2, patch_seq_len=4096, token_seq_len=2048
     )
 
 
@@ -147,7 +147,7 @@ def test_ray_skip_policy_counts_bad_runs_within_one_epoch_pass(ray_local, tiny_m
     )
     train = TrainConfig(global_batch_size=2, micro_batch_size=1, seed=0)
     loader = build_loader(
-        data=data, model=tiny_model, train=train, dp_size=1, vision_seq_len=4096, llm_seq_len=2048
+        data=data, model=tiny_model, train=train, dp_size=1, patch_seq_len=4096, token_seq_len=2048
     )
     try:
         steps = [next(loader) for _ in range(6)]

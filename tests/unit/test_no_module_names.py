@@ -28,7 +28,7 @@ The ``generic-code`` import contract (pyproject.toml, ``lint-imports``) keeps th
 importing a family's folder, through which they could reach its module names.
 
 ``ALLOWED_IDENTIFIERS`` and ``ALLOWED_WORDS`` list, per file and with the reason, what is still named:
-interfaces shared with code outside the file, and lines of files edited elsewhere ("pending").
+interfaces shared with code outside the file, schema sections and fixed metric names.
 """
 
 from __future__ import annotations
@@ -58,16 +58,6 @@ VOCABULARY = {
     "tokens_per_s_vision": "a fixed metric name (metrics.jsonl): image patches per second",
 }
 
-#: the data layer's limit keywords: ``Limits``' fields and the keywords of ``build_source``,
-#: ``check_data``, ``build_loader`` and ``packed_max_tokens``, shared with files edited elsewhere
-#: (source.py, check.py, audio_sample.py, video_sample.py) and with the data tests; one rename at merge
-_LIMITS = "pending: the data layer's limit keywords (Limits' fields, build_source/check_data keywords)"
-#: bad-sample messages that name ``modules.<module>.seq_len``: the keys come with ``Limits``, built in
-#: source.py (edited elsewhere)
-_LIMIT_KEYS = (
-    "pending: bad-sample messages name the seq_len keys; Limits gains them where source.py builds it"
-)
-
 #: (path under dhp/, identifier) -> why it may name a module
 ALLOWED_IDENTIFIERS: dict[tuple[str, str], str] = {
     **{
@@ -82,28 +72,7 @@ ALLOWED_IDENTIFIERS: dict[tuple[str, str], str] = {
         ("plan/estimate.py", f): "vision_patches_per_replica, kept under its former keywords for its callers"
         for f in ("vision_patches_per_replica", "llm_replicas", "vision_replicas")
     },
-    ("plan/compile.py", "llm_seq_len"): "dhp.config.validate_data_keys.packed_row_tokens' keyword",
-    ("config/validate_data_keys.py", "llm_seq_len"): "packed_row_tokens' keyword (plan/compile.py, data)",
-    **{
-        (f"data/{f}.py", k): _LIMITS
-        for f in (
-            "audio_sample",
-            "check",
-            "eval_batches",
-            "lengths",
-            "loader",
-            "packing",
-            "preflight",
-            "processing",
-            "source",
-            "synthetic",
-            "video_sample",
-        )
-        for k in ("vision_seq_len", "llm_seq_len")
-    },
-    ("cli.py", "vision_seq_len"): _LIMITS + ": check_data's",
-    ("cli.py", "llm_seq_len"): _LIMITS + ": check_data's",
-    ("data/source.py", "vision"): "pending: the keyword of video_spec / SyntheticSource for model.vision",
+    ("data/source.py", "vision"): "the keyword of video_spec / SyntheticSource for model.vision",
     ("data/synthetic.py", "vision"): "SyntheticSource's keyword for model.vision, passed by source.py",
     ("data/video.py", "vision"): "video_spec's keyword for model.vision, passed by source.py",
     **{
@@ -144,10 +113,6 @@ ALLOWED_WORDS: dict[tuple[str, str], tuple[int, str]] = {
     },
     ("config/hydra_errors.py", "vision"): (3, "compose errors, before any family is known: examples"),
     ("config/hydra_errors.py", "llm"): (1, "compose errors, before any family is known: an example"),
-    **{("data/processing.py", w): (n, _LIMIT_KEYS) for w, n in (("vision", 3), ("llm", 2))},
-    **{("data/synthetic.py", w): (2, _LIMIT_KEYS) for w in ("vision", "llm")},
-    **{("data/video_sample.py", w): (n, _LIMIT_KEYS) for w, n in (("vision", 3), ("llm", 2))},
-    ("data/audio_sample.py", "llm"): (2, _LIMIT_KEYS),
     ("metrics/report.py", "vision"): (2, "labels of the fixed metric tokens_per_s_vision"),
     ("runtime/loop/progress.py", "vision"): (1, "the label of the fixed metric tokens_per_s_vision"),
     ("models/checks.py", "vision"): (1, "'a vision-language checkpoint': a kind of model"),

@@ -61,8 +61,8 @@ def test_synthetic_video_and_longest_text_count_against_seq_len() -> None:
 
 
 def test_packed_row_rule() -> None:
-    assert packed_row_tokens(packing=False, max_tokens=0, llm_seq_len=64) == (0, [])
-    assert packed_row_tokens(packing=True, max_tokens=0, llm_seq_len=64) == (64, [])
-    assert packed_row_tokens(packing=True, max_tokens=256, llm_seq_len=64) == (256, [])
-    _, problems = packed_row_tokens(packing=True, max_tokens=16, llm_seq_len=64)
+    assert packed_row_tokens(packing=False, max_tokens=0, token_seq_len=64) == (0, [])
+    assert packed_row_tokens(packing=True, max_tokens=0, token_seq_len=64) == (64, [])
+    assert packed_row_tokens(packing=True, max_tokens=256, token_seq_len=64) == (256, [])
+    _, problems = packed_row_tokens(packing=True, max_tokens=16, token_seq_len=64)
     assert problems and problems[0].path == "data.max_tokens"

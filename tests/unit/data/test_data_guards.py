@@ -68,7 +68,7 @@ def test_each_hostile_line_is_one_named_bad_sample(tiny_model, hostile):
     path, images, cases = hostile
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no raw DecompressionBombWarning may escape
-        report = check_data(data=_data(path, images), model=tiny_model, vision_seq_len=4096, llm_seq_len=2048)
+        report = check_data(data=_data(path, images), model=tiny_model, patch_seq_len=4096, token_seq_len=2048)
     assert report.num_records == 10 and report.num_good == 4
     want: dict[str, int] = {}
     for reason in cases.values():
@@ -86,8 +86,8 @@ def test_allow_outside_root_admits_paths_elsewhere(tiny_model, hostile):
     report = check_data(
         data=_data(path, images, allow_outside_root=True),
         model=tiny_model,
-        vision_seq_len=4096,
-        llm_seq_len=2048,
+        patch_seq_len=4096,
+        token_seq_len=2048,
     )
     assert bad.PATH_OUTSIDE_ROOT not in report.bad_counts and report.num_good == 5
 
@@ -100,7 +100,7 @@ def test_restrict_media_to_refuses_every_other_root(tiny_model, hostile, tmp_pat
     lines.append(json.dumps(_rec("escape.jpg")).encode())
     path.write_bytes(b"\n".join(lines) + b"\n")
     data = _data(path, images, restrict_media_to=[str(images)], allow_outside_root=True)
-    report = check_data(data=data, model=tiny_model, vision_seq_len=4096, llm_seq_len=2048)
+    report = check_data(data=data, model=tiny_model, patch_seq_len=4096, token_seq_len=2048)
     refused = {e.split(": ", 1)[0] for e in report.bad_examples[bad.PATH_OUTSIDE_ROOT]}
     assert refused == {f"{path}:3", f"{path}:4", f"{path}:11"}  # ../, absolute, symlink out
     assert all("restrict_media_to" in e for e in report.bad_examples[bad.PATH_OUTSIDE_ROOT])
@@ -109,7 +109,7 @@ def test_restrict_media_to_refuses_every_other_root(tiny_model, hostile, tmp_pat
 def test_skip_trains_on_the_rest_and_raise_names_the_line(tiny_model, hostile):
     path, images, _ = hostile
     train = TrainConfig(global_batch_size=3, micro_batch_size=1)
-    kw = {"model": tiny_model, "train": train, "dp_size": 1, "vision_seq_len": 4096, "llm_seq_len": 2048}
+    kw = {"model": tiny_model, "train": train, "dp_size": 1, "patch_seq_len": 4096, "token_seq_len": 2048}
     loader = build_loader(data=_data(path, images, on_bad_sample="skip", shuffle=False, prefetch=False), **kw)
     step = next(loader)
     assert [b.sample_ids[0] for mb in step.micro_batches for b in mb] == [f"{path}:{k}" for k in (1, 2, 4)]

@@ -36,7 +36,7 @@ def _spec(**kw) -> LoaderSpec:
         "dp_size": 2,
         "global_batch_size": 4,
         "micro_batch_size": 1,
-        "vision_seq_len": BIG,
+        "patch_seq_len": BIG,
         "pad_token_id": 0,
         "on_bad_sample": "raise",
         "shuffle": False,
@@ -47,14 +47,14 @@ def _spec(**kw) -> LoaderSpec:
 
 def test_split_keeps_eval_records_out_of_every_training_epoch(tiny_model):
     data = demo_data(eval=EvalDataConfig(split=0.25))
-    source, sizes, _ = build_source(data=data, model=tiny_model, vision_seq_len=BIG, llm_seq_len=BIG, seed=0)
+    source, sizes, _ = build_source(data=data, model=tiny_model, patch_seq_len=BIG, token_seq_len=BIG, seed=0)
     kept, held = split_source(source, sizes, split=0.25, seed=0)
     train_locs = {kept.location(i) for i in range(len(kept))}
     eval_locs = {held.location(i) for i in range(len(held))}
     assert not train_locs & eval_locs and len(train_locs) + len(eval_locs) == len(source)
     loader = build_loader(
         data=replace(data, shuffle=True), model=tiny_model, train=_trainer(), dp_size=1,
-        vision_seq_len=BIG, llm_seq_len=BIG,
+        patch_seq_len=BIG, token_seq_len=BIG,
     )  # fmt: skip
     seen = {
         sid
@@ -74,7 +74,7 @@ def _trainer():
 
 def test_eval_batches_read_each_sample_once_and_top_up_the_last_without_labels(tiny_model):
     source, _, _ = build_source(
-        data=demo_data(), model=tiny_model, vision_seq_len=BIG, llm_seq_len=BIG, seed=0
+        data=demo_data(), model=tiny_model, patch_seq_len=BIG, token_seq_len=BIG, seed=0
     )
     evals = EvalBatches(source=source, spec=_spec(), max_samples=6)  # 6 samples: 4 + 2 real + 2 copies
     for _ in range(2):  # every pass is the same
@@ -90,7 +90,7 @@ def test_eval_batches_read_each_sample_once_and_top_up_the_last_without_labels(t
 
 def test_named_chat_template_overrides_the_checkpoint_own(tiny_model):
     def first(data):
-        src = build_source(data=data, model=tiny_model, vision_seq_len=BIG, llm_seq_len=BIG, seed=0)[0]
+        src = build_source(data=data, model=tiny_model, patch_seq_len=BIG, token_seq_len=BIG, seed=0)[0]
         return src, src.load(0)
 
     src, own = first(demo_data())
@@ -112,12 +112,12 @@ def test_a_checkpoint_without_a_template_names_the_fix(tiny_model, tmp_path):
     (bare / "chat_template.jinja").unlink()
     no_template = replace(tiny_model, path=str(bare))
     with pytest.raises(DataError, match=r"no chat template .* data\.chat_template=chatml"):
-        build_source(data=demo_data(), model=no_template, vision_seq_len=BIG, llm_seq_len=BIG, seed=0)
+        build_source(data=demo_data(), model=no_template, patch_seq_len=BIG, token_seq_len=BIG, seed=0)
     src = build_source(
         data=demo_data(chat_template="qwen2_vl"),
         model=no_template,
-        vision_seq_len=BIG,
-        llm_seq_len=BIG,
+        patch_seq_len=BIG,
+        token_seq_len=BIG,
         seed=0,
     )[0]
     assert src.load(0).num_tokens > 0 and Path(bare / "tokenizer_config.json").is_file()
@@ -126,7 +126,7 @@ def test_a_checkpoint_without_a_template_names_the_fix(tiny_model, tmp_path):
 def test_train_on_all_labels_every_text_token_never_an_image(tiny_model):
     def sample(train_on):
         src = build_source(
-            data=demo_data(train_on=train_on), model=tiny_model, vision_seq_len=BIG, llm_seq_len=BIG, seed=0
+            data=demo_data(train_on=train_on), model=tiny_model, patch_seq_len=BIG, token_seq_len=BIG, seed=0
         )[0]
         return src.load(0)
 
@@ -140,13 +140,13 @@ def test_train_on_all_labels_every_text_token_never_an_image(tiny_model):
 def test_show_states_the_template_and_the_loss_mask(tiny_model):
     report = check_data(
         data=demo_data(chat_template="chatml", train_on="all"), model=tiny_model,
-        vision_seq_len=BIG, llm_seq_len=BIG, show=1,
+        patch_seq_len=BIG, token_seq_len=BIG, show=1,
     )  # fmt: skip
     head = report.shown[0].splitlines()[0]
     assert (
         "every text token, data.train_on=all" in head and "chat template: data.chat_template=chatml" in head
     )
-    own = check_data(data=demo_data(), model=tiny_model, vision_seq_len=BIG, llm_seq_len=BIG, show=1)
+    own = check_data(data=demo_data(), model=tiny_model, patch_seq_len=BIG, token_seq_len=BIG, show=1)
     head = own.shown[0].splitlines()[0]
     assert (
         "assistant turns only" in head and "chat template: the checkpoint's own (chat_template.jinja)" in head

@@ -28,7 +28,7 @@ def _data(entry: DatasetEntry, **kw) -> DataConfig:
 
 
 def _check(tiny_model, entry):
-    return check_data(data=_data(entry), model=tiny_model, vision_seq_len=4096, llm_seq_len=2048)
+    return check_data(data=_data(entry), model=tiny_model, patch_seq_len=4096, token_seq_len=2048)
 
 
 @pytest.mark.parametrize("fmt", sorted(BUILDERS))
@@ -50,14 +50,14 @@ def test_every_format_gives_the_same_samples(tiny_model, tmp_path):
     """Token ids, labels, types and pixels of each format equal the LLaVA demo's (same record order)."""
     ref_entry = DatasetEntry(name="demo", path=str(DEMO / "captions.json"), image_root=str(DEMO / "images"))
     ref, _, _ = build_source(
-        data=_data(ref_entry), model=tiny_model, vision_seq_len=4096, llm_seq_len=2048, seed=0
+        data=_data(ref_entry), model=tiny_model, patch_seq_len=4096, token_seq_len=2048, seed=0
     )
     for fmt, build in BUILDERS.items():
         root = tmp_path / fmt
         root.mkdir()
         entry, _ = build(root, bad=False)
         src, _, _ = build_source(
-            data=_data(entry), model=tiny_model, vision_seq_len=4096, llm_seq_len=2048, seed=0
+            data=_data(entry), model=tiny_model, patch_seq_len=4096, token_seq_len=2048, seed=0
         )
         for i in (0, 7, 17):  # single-image captions; 17 is the last of captions.json
             a, b = ref.load(i), src.load(i)

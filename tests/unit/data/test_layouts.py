@@ -29,7 +29,7 @@ VIDEO = {"video_fps": 4.0, "video_folder_fps": 4.0, "video_max_frames": 8}
 
 def _check(model, *entries: DatasetEntry, **kw):
     data = replace(DataConfig(kind="llava", datasets=list(entries), **VIDEO), **kw)
-    return check_data(data=data, model=model, vision_seq_len=8192, llm_seq_len=4096)
+    return check_data(data=data, model=model, patch_seq_len=8192, token_seq_len=4096)
 
 
 def _records(entry: DatasetEntry):
@@ -159,7 +159,7 @@ def test_check_counts_videos_apart_from_images_and_text(tiny_model):
 
 def test_show_decodes_roles_media_and_loss(tiny_model):
     data = DataConfig(kind="llava", datasets=[shipped_entries()["swift"]], shuffle=False, **VIDEO)
-    report = check_data(data=data, model=tiny_model, vision_seq_len=8192, llm_seq_len=4096, show=4)
+    report = check_data(data=data, model=tiny_model, patch_seq_len=8192, token_seq_len=4096, show=4)
     first, _, video, pretrain = report.shown
     assert "<|im_start|>user\n<|vision_start|><image 1: " in first and "<image 2: " in first
     body = first.split("\n", 1)[1]

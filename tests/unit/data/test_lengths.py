@@ -73,8 +73,8 @@ def test_the_estimate_times_the_measured_lengths(tiny_model, tmp_path, monkeypat
     report = check_data(
         data=jsonl_data(path, tmp_path, max_pixels=cfg.data.max_pixels),
         model=tiny_model,
-        vision_seq_len=cfg.modules.vision.seq_len,
-        llm_seq_len=cfg.modules.llm.seq_len,
+        patch_seq_len=cfg.modules.vision.seq_len,
+        token_seq_len=cfg.modules.llm.seq_len,
     )
     pct = report.tokens_percentiles
     assert list(lengths.tokens) == [pct["p0"], pct["p50"], pct["p100"]]
@@ -114,7 +114,7 @@ def test_lengths_are_cached_by_path_and_mtime(tiny_model, tmp_path, monkeypatch)
     monkeypatch.setenv("DHP_CACHE_DIR", str(tmp_path / "cache"))
     path = _write_rows(tmp_path)
     data = jsonl_data(path, tmp_path, max_pixels=12544)
-    args = dict(data=data, model=tiny_model, vision_seq_len=256, llm_seq_len=256)
+    args = dict(data=data, model=tiny_model, patch_seq_len=256, token_seq_len=256)
     first = cached_lengths(**args)
     for name in ("cat.jpg", "espresso.jpg", "rocket.jpg"):  # the rows can no longer be processed
         (tmp_path / name).unlink()

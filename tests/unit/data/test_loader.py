@@ -25,7 +25,7 @@ N_DEMO = 25  # 18 records in captions.json + 7 in mixed.jsonl
 def _loader(model, data, *, dp=2, gbs=6, mbs=1, seed=0, vision=1 << 20):
     train = TrainConfig(global_batch_size=gbs, micro_batch_size=mbs, seed=seed)
     return build_loader(
-        data=data, model=model, train=train, dp_size=dp, vision_seq_len=vision, llm_seq_len=1 << 20
+        data=data, model=model, train=train, dp_size=dp, patch_seq_len=vision, token_seq_len=1 << 20
     )
 
 

@@ -50,9 +50,9 @@ def test_pack_layout_labels_images_and_unpack_roundtrip() -> None:
 
 
 def test_packing_config_checks() -> None:
-    assert packed_max_tokens(DataConfig(), llm_seq_len=128) == 0
-    assert packed_max_tokens(DataConfig(packing=True), llm_seq_len=128) == 128
+    assert packed_max_tokens(DataConfig(), token_seq_len=128) == 0
+    assert packed_max_tokens(DataConfig(packing=True), token_seq_len=128) == 128
     with pytest.raises(ConfigError, match=r"data\.max_tokens"):
-        packed_max_tokens(DataConfig(packing=True, max_tokens=64), llm_seq_len=128)
+        packed_max_tokens(DataConfig(packing=True, max_tokens=64), token_seq_len=128)
     with pytest.raises(ConfigError, match=r"data\.packing"):
-        packed_max_tokens(DataConfig(max_tokens=256), llm_seq_len=128)
+        packed_max_tokens(DataConfig(max_tokens=256), token_seq_len=128)

@@ -30,7 +30,7 @@ class _ImageTextProcessor(Qwen2_5_VLProcessor):
 
 
 def _source(model, data, *, vision=BIG, llm=BIG):
-    return build_source(data=data, model=model, vision_seq_len=vision, llm_seq_len=llm, seed=0)[0]
+    return build_source(data=data, model=model, patch_seq_len=vision, token_seq_len=llm, seed=0)[0]
 
 
 def _find(src, sample_id_suffix: str) -> int:

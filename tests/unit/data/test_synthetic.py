@@ -17,7 +17,7 @@ from dhp.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 TOKENS = SpecialTokens()  # Qwen2.5-VL's real ids (151643..151656)
-BIG = Limits(vision_seq_len=1 << 20, llm_seq_len=1 << 20)
+BIG = Limits(patch_seq_len=1 << 20, token_seq_len=1 << 20)
 SIDES = {448: 1024, 896: 4096, 1344: 9216, 1792: 16384, 2240: 25600, 3584: 65536}
 
 
@@ -84,6 +84,6 @@ def test_text_only_synthetic():
 
 def test_limits_raise():
     with pytest.raises(bad.BadSampleError, match="vision_too_long"):
-        _source(1024, images=2, limits=Limits(vision_seq_len=2047, llm_seq_len=1 << 20)).load(0)
+        _source(1024, images=2, limits=Limits(patch_seq_len=2047, token_seq_len=1 << 20)).load(0)
     with pytest.raises(bad.BadSampleError, match=r"text_too_long.*322 tokens"):
-        _source(1024, text=64, limits=Limits(vision_seq_len=4096, llm_seq_len=321)).load(0)
+        _source(1024, text=64, limits=Limits(patch_seq_len=4096, token_seq_len=321)).load(0)

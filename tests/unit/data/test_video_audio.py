@@ -104,7 +104,7 @@ def _source(model: ModelConfig, root: Path, rows: list[dict]):
     path = root / f"d{abs(hash(json.dumps(rows))) % 10**8}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = DataConfig(kind="llava", datasets=[DatasetEntry(name="t", path=str(path))])
-    return build_source(data=data, model=model, vision_seq_len=BIG, llm_seq_len=BIG, seed=0)[0]
+    return build_source(data=data, model=model, patch_seq_len=BIG, token_seq_len=BIG, seed=0)[0]
 
 
 class _Frames:
@@ -285,7 +285,7 @@ def test_a_video_without_sound_is_no_audio_track_and_check_counts_the_tracks(omn
     path = media / "check.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = DataConfig(kind="llava", datasets=[DatasetEntry(name="t", path=str(path))], on_bad_sample="skip")
-    report = check_data(data=data, model=omni25, vision_seq_len=BIG, llm_seq_len=BIG)
+    report = check_data(data=data, model=omni25, patch_seq_len=BIG, token_seq_len=BIG)
     assert report.bad_counts == {bad.NO_AUDIO_TRACK: 1}
     assert report.video_audio_tracks == 1 and report.audio_files == 1
     track, note = src.load(1), src.load(2)

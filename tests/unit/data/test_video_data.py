@@ -51,8 +51,8 @@ def test_shipped_clips_process_with_ordered_items(tiny_model) -> None:
     src, _, _ = build_source(
         data=_video_data(DEMO / "videos.jsonl", DEMO / "images"),
         model=tiny_model,
-        vision_seq_len=4096,
-        llm_seq_len=2048,
+        patch_seq_len=4096,
+        token_seq_len=2048,
         seed=0,
     )
     samples = [src.load(i) for i in range(len(src))]
@@ -84,7 +84,7 @@ def test_data_check_names_bad_videos(tiny_model, tmp_path) -> None:
     ]
     (tmp_path / "v.jsonl").write_text("\n".join(lines) + "\n")
     data = _video_data(tmp_path / "v.jsonl", root, on_bad_sample="skip")
-    report = check_data(data=data, model=tiny_model, vision_seq_len=4096, llm_seq_len=2048)
+    report = check_data(data=data, model=tiny_model, patch_seq_len=4096, token_seq_len=2048)
     assert report.num_good == 1 and report.num_bad == 4
     assert report.bad_counts == {"empty_video": 1, "corrupt_video": 1, "placeholder_mismatch": 2}
     assert "v.jsonl:2" in report.bad_examples["empty_video"][0]
