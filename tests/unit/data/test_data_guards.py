@@ -68,7 +68,9 @@ def test_each_hostile_line_is_one_named_bad_sample(tiny_model, hostile):
     path, images, cases = hostile
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no raw DecompressionBombWarning may escape
-        report = check_data(data=_data(path, images), model=tiny_model, patch_seq_len=4096, token_seq_len=2048)
+        report = check_data(
+            data=_data(path, images), model=tiny_model, patch_seq_len=4096, token_seq_len=2048
+        )
     assert report.num_records == 10 and report.num_good == 4
     want: dict[str, int] = {}
     for reason in cases.values():

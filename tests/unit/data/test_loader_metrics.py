@@ -19,7 +19,9 @@ def _loader(tiny_model, **kw):
     data = replace(DataConfig(kind="synthetic", synthetic=SyntheticData(num_samples=8, patches=64)), **kw)
     train = TrainConfig(global_batch_size=2, micro_batch_size=1)
     model = replace(tiny_model, path=None)
-    return build_loader(data=data, model=model, train=train, dp_size=1, patch_seq_len=4096, token_seq_len=4096)
+    return build_loader(
+        data=data, model=model, train=train, dp_size=1, patch_seq_len=4096, token_seq_len=4096
+    )
 
 
 def test_a_data_bound_loop_is_reported_once_with_the_fix(tiny_model, caplog):
