@@ -151,12 +151,6 @@ def omni_data(tmp_path_factory) -> dict[str, Path]:
 
 
 # ---- synthetic audio + image samples ---------------------------------------------------------
-def test_omni_collocated_audio_sp2_vision_sp2_llm_tp2(ray_local) -> None:
-    # three groups on the same 2 ranks: each audio is cut on its attention chunks over the audio
-    # group's 2 SP ranks, the images over the vision group's 2 SP ranks, LLM TP=2
-    _passed("tiny_qwen2_5_omni", 2)
-
-
 def test_omni_disaggregated_audio1_vision_sp2_llm_tp2(ray_local) -> None:
     # three disjoint groups on 5 ranks: audio on 1, vision SP=2 on 2, LLM TP=2 on 2
     _passed(
@@ -169,12 +163,6 @@ def test_omni_disaggregated_audio1_vision_sp2_llm_tp2(ray_local) -> None:
     )
 
 
-def test_qwen3_omni_collocated_audio_sp2_vision_sp2_llm_ep2(ray_local) -> None:
-    # Qwen3-Omni-MoE: audio cut on whole attention windows over 2 SP ranks, DeepStack edges from the
-    # vision group, the MoE LLM at dp=2 x ep=2 with the router's load-balancing loss over the step
-    _passed("tiny_qwen3_omni", 1)
-
-
 def test_qwen3_omni_audio_and_vision_share_gpus_apart_from_the_llm(ray_local) -> None:
     # a mixed placement: audio and vision share 2 ranks, the LLM has 2 of its own
     _passed("tiny_qwen3_omni", 1, "placement=audio+vision/llm")
@@ -182,10 +170,13 @@ def test_qwen3_omni_audio_and_vision_share_gpus_apart_from_the_llm(ray_local) ->
 
 # ---- real audio files in the layouts peers write --------------------------------------------
 def test_omni_llamafactory_audios_verify(ray_local, omni_data) -> None:
-    # the LLaMA-Factory file mixes audio-only, image + audio and text-only records in one step
+    # the recipe's collocated plan (three groups on the same 2 ranks: each audio cut on its attention
+    # chunks over the audio group's 2 SP ranks, the images over the vision group's 2 SP ranks, LLM
+    # TP=2 with SP inside TP), two steps of the LLaMA-Factory file, which mixes audio-only,
+    # image + audio and text-only records in each step
     _passed(
         "tiny_qwen2_5_omni",
-        1,
+        2,
         f"data.path={omni_data['lf']}",
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
@@ -270,8 +261,10 @@ def test_omni_llamafactory_video_with_its_audio_verify(ray_local, video_audio_da
 
 
 def test_qwen3_omni_llamafactory_video_with_its_audio_verify(ray_local, video_audio_data) -> None:
-    # Qwen3-Omni-MoE: each video's tokens placed among its track's audio tokens by start time; the
-    # MoE LLM at dp=2 x ep=2 (one sample per micro-batch). With the reference's flag forced off, this
+    # Qwen3-Omni-MoE, the recipe's collocated plan: audio cut on whole attention windows over 2 SP
+    # ranks, DeepStack edges from the vision group, the MoE LLM at dp=2 x ep=2 (one sample per
+    # micro-batch) with the router's load-balancing loss over the step; each video's tokens placed
+    # among its track's audio tokens by start time. With the reference's flag forced off, this
     # step fails (grad-norm rel diff 4e-2).
     _passed(
         "tiny_qwen3_omni",
