@@ -493,7 +493,7 @@ def data_check(
     conf, overrides, smoke = parse_hydra_args(command_words(ctx, words))
     cfg = load_config(conf, overrides, smoke=smoke)
     from dhp.metrics.bars import progress_bar
-    from dhp.models.graph import seq_limits
+    from dhp.models.graph import module_seq_lens, seq_limits
     from dhp.models.tiny_cache import ensure_tiny_checkpoint
 
     ensure_tiny_checkpoint(cfg.model, say=lambda line: err_console.print(escape(line)))  # stdout: --json
@@ -508,6 +508,7 @@ def data_check(
             seed=cfg.train.seed,
             on_progress=bar,
             show=show,
+            seq_lens=module_seq_lens(cfg.modules),
         )
     if as_json:
         print(json.dumps(report.to_json(), indent=1))

@@ -43,6 +43,7 @@ class AudioSpec:
     tokens: Callable[[list[int]], list[int]]
     max_seconds: float
     max_frames: int  # mel frames of one sample at most (the encoder's seq_len); sys.maxsize: none
+    max_frames_key: str = "the audio encoder's seq_len"  # the config key of max_frames, for messages
     #: ``(grid=, seconds=, audio_tokens=) -> ids`` of a video interleaved with its own audio track (the
     #: family's ``video_with_audio_ids``; None from it: not laid out); None: records asking are refused
     video_with_audio: Callable[..., list[int] | None] | None = None
@@ -95,8 +96,9 @@ def with_audio(proc: Any, record: Any, sample: Sample) -> Sample:
         raise bad.BadSampleError(
             location=loc,
             reason=bad.AUDIO_TOO_LONG,
-            detail=f"{sum(lens)} mel frames {lens} > the audio encoder's seq_len={spec.max_frames}",
-            fix="raise the audio module's seq_len, or use shorter audio",
+            detail=f"{sum(lens)} mel frames {lens} > {spec.max_frames_key}={spec.max_frames} (the frames "
+            "of one sample the plan sizes the audio encoder for)",
+            fix=f"raise {spec.max_frames_key}, or use shorter audio",
         )
     counts = spec.tokens(lens)
     pad = proc.tokens.audio_token_id

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -150,13 +150,20 @@ def check_data(
     on_progress=None,
     show: int = 0,
     audio_tokens: Callable[[float], int] | None = None,
+    seq_lens: Mapping[str, int] | None = None,
 ) -> DataReport:
     """Process every record of the configured data once and return a :class:`DataReport`.
     ``on_progress(done, total)`` is called after each chunk of samples (the CLI's progress bar);
     ``show``: decode the first ``show`` good samples (roles, media, loss tokens) into ``shown``;
-    ``audio_tokens(seconds)``: the model family's LLM tokens of one clip (None: not counted)."""
+    ``audio_tokens(seconds)``: the model family's LLM tokens of one clip (None: not counted);
+    ``seq_lens``: every module's ``seq_len``, as training bounds samples by them (``build_source``)."""
     source, _, _ = build_source(
-        data=data, model=model, patch_seq_len=patch_seq_len, token_seq_len=token_seq_len, seed=seed
+        data=data,
+        model=model,
+        patch_seq_len=patch_seq_len,
+        token_seq_len=token_seq_len,
+        seed=seed,
+        seq_lens=seq_lens,
     )
     log = bad.BadSampleLog(keep=5)
     patches, text_tokens, tokens, images, videos = [], [], [], {}, {}

@@ -31,7 +31,7 @@ from dhp.data.loader import LoaderSpec, StepData, StepLoader, build_loader, open
 from dhp.data.packing import packed_max_tokens
 from dhp.data.source import SampleSource, build_source
 from dhp.layout import ParallelLayout
-from dhp.models.graph import consumer_name, seq_limits
+from dhp.models.graph import consumer_name, module_seq_lens, seq_limits
 
 FILL = "#fill"  # suffix of the sample id of a top-up copy (no label token)
 EVAL_SAMPLES = "eval_samples"  # StepData.metrics of an eval batch: its samples, top-up copies not counted
@@ -127,6 +127,7 @@ def eval_source(config: RunConfig, *, held: SampleSource | None, patch_seq_len: 
         patch_seq_len=patch_seq_len,
         token_seq_len=token_seq_len,
         seed=config.train.seed,
+        seq_lens=module_seq_lens(config.modules),
     )
     return source
 
@@ -149,8 +150,14 @@ def build_run_data(
     a missing file, an unknown format or a tokenizer that disagrees fails before the run starts."""
     patches, tokens = seq_limits(config.model.family, config.modules)
     dp = layouts[consumer_name(config.model.family)].num_replicas
+    seq_lens = module_seq_lens(config.modules)
     opened, held = open_training_data(
-        data=config.data, model=config.model, train=config.train, patch_seq_len=patches, token_seq_len=tokens
+        data=config.data,
+        model=config.model,
+        train=config.train,
+        patch_seq_len=patches,
+        token_seq_len=tokens,
+        seq_lens=seq_lens,
     )
     loader = build_loader(
         data=config.data,
@@ -160,6 +167,7 @@ def build_run_data(
         patch_seq_len=patches,
         token_seq_len=tokens,
         opened=opened,
+        seq_lens=seq_lens,
     )
     source = eval_source(config, held=held, patch_seq_len=patches, token_seq_len=tokens)
     if source is None:

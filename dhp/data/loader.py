@@ -31,7 +31,7 @@ from dhp.data.packing import pack, packed_max_tokens
 from dhp.data.source import SampleSource, build_source, epoch_order
 from dhp.errors import ConfigError, ConfigIssue, DataError
 from dhp.layout import ParallelLayout
-from dhp.models.graph import consumer_name, image_module, seq_limits
+from dhp.models.graph import consumer_name, image_module, module_seq_lens, seq_limits
 
 log = logging.getLogger("dhp.data")
 WAIT_WARN_FRACTION = 0.10  # a step waiting longer than this share of its time on data is reported
@@ -385,19 +385,27 @@ def build_loader(
     patch_seq_len: int,
     token_seq_len: int,
     opened: tuple[SampleSource, list[int], list[float]] | None = None,
+    seq_lens: Mapping[str, int] | None = None,
 ) -> StepLoader:
     """The step loader for ``data`` (DataConfig), ``model`` (ModelConfig) and ``train`` (TrainConfig).
 
     ``dp_size`` = the consumer's data replicas (its ``dp*fsdp``); ``patch_seq_len`` and
     ``token_seq_len`` = the image encoder's / the consumer's ``seq_len``. ``opened``: the source,
-    sizes and weights when the caller opened them (:func:`open_training_data`).
+    sizes and weights when the caller opened them (:func:`open_training_data`); ``seq_lens``: every
+    module's ``seq_len`` (:func:`dhp.models.graph.module_seq_lens`: the audio encoder's bounds one
+    sample's mel frames).
     """
     check_engine(data)
     seq_key = f"modules.{consumer_name(model.family)}.seq_len"
     max_tokens = packed_max_tokens(data, token_seq_len=token_seq_len, seq_key=seq_key)
     if opened is None:
         opened, _ = open_training_data(
-            data=data, model=model, train=train, patch_seq_len=patch_seq_len, token_seq_len=token_seq_len
+            data=data,
+            model=model,
+            train=train,
+            patch_seq_len=patch_seq_len,
+            token_seq_len=token_seq_len,
+            seq_lens=seq_lens,
         )
     source, sizes, weights = opened
     spec = LoaderSpec(
@@ -429,12 +437,23 @@ def build_loader(
 
 
 def open_training_data(
-    *, data: DataConfig, model: ModelConfig, train: TrainConfig, patch_seq_len: int, token_seq_len: int
+    *,
+    data: DataConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    patch_seq_len: int,
+    token_seq_len: int,
+    seq_lens: Mapping[str, int] | None = None,
 ) -> tuple[tuple[SampleSource, list[int], list[float]], SampleSource | None]:
     """``((source, sizes, weights), held out)``: the training data, less the records
     ``data.eval.split`` holds out for evaluation (``dhp.data.holdout``; None without a split)."""
     source, sizes, weights = build_source(
-        data=data, model=model, patch_seq_len=patch_seq_len, token_seq_len=token_seq_len, seed=train.seed
+        data=data,
+        model=model,
+        patch_seq_len=patch_seq_len,
+        token_seq_len=token_seq_len,
+        seed=train.seed,
+        seq_lens=seq_lens,
     )
     if data.eval.split <= 0:
         return (source, sizes, weights), None
@@ -454,4 +473,5 @@ def build_run_loader(config: RunConfig, layouts: Mapping[str, ParallelLayout]) -
         dp_size=layouts[consumer_name(config.model.family)].num_replicas,
         patch_seq_len=patches,
         token_seq_len=tokens,
+        seq_lens=module_seq_lens(config.modules),
     )

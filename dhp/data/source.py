@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,13 +93,21 @@ def epoch_order(*, sizes: list[int], weights: list[float], seed: int, epoch: int
 
 
 def build_source(
-    *, data: DataConfig, model: ModelConfig, patch_seq_len: int, token_seq_len: int, seed: int
+    *,
+    data: DataConfig,
+    model: ModelConfig,
+    patch_seq_len: int,
+    token_seq_len: int,
+    seed: int,
+    seq_lens: Mapping[str, int] | None = None,
 ) -> tuple[SampleSource, list[int], list[float]]:
     """The source of ``data`` plus the per-dataset sizes and weights for :func:`epoch_order`.
 
     ``patch_seq_len``/``token_seq_len`` are the image encoder's and the consumer's ``seq_len``
     (:func:`dhp.models.graph.seq_limits`): per-sample limits (samples over them are bad, never
-    truncated).
+    truncated). ``seq_lens``: every module's ``seq_len`` (:func:`dhp.models.graph.module_seq_lens`);
+    the audio encoder's bounds one sample's mel frames (a sample over it is the bad sample
+    ``audio_too_long``; None: unbounded, as for tools that only read records).
     """
     limits = Limits.of(model.family, patch_seq_len, token_seq_len)
     if data.kind == "synthetic":
@@ -164,7 +173,7 @@ def build_source(
             f"model family {model.family} does not declare video (no video path proven against "
             "transformers), so a record with a video cannot be trained"
         )
-    processor.audio, processor.audio_refusal = audio_spec(data, model)
+    processor.audio, processor.audio_refusal = audio_spec(data, model, seq_lens)
     src = LlavaSource(datasets=datasets, weights=[e.weight for e in data.datasets], processor=processor)
     return src, [len(d) for d in datasets], [e.weight for e in data.datasets]
 
@@ -199,10 +208,13 @@ class VideoAudioIds:
         )
 
 
-def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, str]:
+def audio_spec(
+    data: DataConfig, model: ModelConfig, seq_lens: Mapping[str, int] | None = None
+) -> tuple[AudioSpec | None, str]:
     """``(spec, refusal)``: how records' audios become the encoder's input when the model has a producer
-    of the ``audio_tokens`` layout (its family's feature extractor from ``model.path``), else why a
-    record with audio is refused."""
+    of the ``audio_tokens`` layout (its family's feature extractor from ``model.path``; one sample's
+    mel frames bounded by that producer's ``seq_len`` in ``seq_lens``, when given), else why a record
+    with audio is refused."""
     family = get_family(model.family)
     hf = family.hf_config(model)
     producers = [e.producer for e in family.handoffs_for(hf) if e.layout == "audio_tokens"]
@@ -215,7 +227,8 @@ def audio_spec(data: DataConfig, model: ModelConfig) -> tuple[AudioSpec | None, 
             extractor=family.load_audio_processor(model.path),
             tokens=ItemTokens(model.family, producers[0], hf),
             max_seconds=float(data.max_audio_seconds),
-            max_frames=sys.maxsize,
+            max_frames=(seq_lens or {}).get(producers[0], sys.maxsize),
+            max_frames_key=f"modules.{producers[0]}.seq_len",
             video_with_audio=VideoAudioIds(
                 model.family,
                 family.hf_config_from_dir(model.path, attn_implementation=model.attn_implementation),

@@ -39,6 +39,12 @@ def image_module(family: str) -> str:
     return arch.module_names[-2] if len(arch.module_names) > 1 else ""
 
 
+def module_seq_lens(modules: Mapping[str, Any]) -> dict[str, int]:
+    """Each module's ``seq_len`` (``modules``: the run's, name -> ModuleConfig): what the data layer
+    bounds a producer's per-sample rows by when the producer reads no pixel rows (audio frames)."""
+    return {str(n): int(m.seq_len) for n, m in modules.items()}
+
+
 def seq_limits(family: str, modules: Mapping[str, Any]) -> tuple[int, int]:
     """(patches of one micro-batch of one consumer replica: the image encoder's ``seq_len``, 0 when
     the run has none; tokens of one sample: the consumer's ``seq_len``). ``modules``: the run's

@@ -358,3 +358,31 @@ def test_qwen2_5_omni_interleaving_is_the_processors_rule(omni25, grid, seconds,
     )
     got = family.video_with_audio_ids(cfg, grid=grid, seconds=seconds, audio_tokens=n)
     assert "".join(letters[i] for i in got) == want
+
+
+def test_a_sample_over_the_audio_encoders_seq_len_is_audio_too_long_by_its_key(omni25, media):
+    """The audio encoder's ``seq_len`` (what the plan sizes it for: one sample's mel frames) bounds
+    every sample's frames, files and video tracks together: over it, the bad sample ``audio_too_long``
+    names ``modules.audio.seq_len``; at it, the sample loads; without the run's seq_lens, no bound."""
+    rows = [{"messages": _turns("<audio><audio>Two clips?"), "audios": ["note.wav", "note.wav"]}]
+    path = media / "two_clips.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(kind="llava", datasets=[DatasetEntry(name="t", path=str(path))])
+    frames = int(build_source(data=data, model=omni25, patch_seq_len=BIG, token_seq_len=BIG, seed=0)[0]
+                 .load(0).audio_lens.sum())  # fmt: skip
+    assert frames > 100  # two 0.7-s clips at 100 frames a second
+    for limit, fits in ((frames, True), (frames - 1, False)):
+        seq = {"audio": limit, "vision": BIG, "llm": BIG}
+        src = build_source(
+            data=data, model=omni25, patch_seq_len=BIG, token_seq_len=BIG, seed=0, seq_lens=seq
+        )[0]
+        if fits:
+            assert int(src.load(0).audio_lens.sum()) == frames
+            continue
+        with pytest.raises(bad.BadSampleError) as err:
+            src.load(0)
+        assert err.value.reason == bad.AUDIO_TOO_LONG
+        assert (
+            f"> modules.audio.seq_len={limit}" in err.value.detail
+            and "modules.audio.seq_len" in err.value.fix
+        )
