@@ -125,7 +125,9 @@ def test_transformers_reads_the_per_expert_layout_as_written(qwen3_5_dirs, omni_
         assert want and want.keys() == got.keys()
         for key, w in want.items():
             assert torch.equal(got[key], w), (family_name, key)
-        llm, _ = build_and_load(family, "llm", per_expert, hf_config=hf_config, dtype=torch.float32, device="cpu")
+        llm, _ = build_and_load(
+            family, "llm", per_expert, hf_config=hf_config, dtype=torch.float32, device="cpu"
+        )
         for fqn, p in llm.named_parameters():
             if ".mlp.experts." in fqn:
                 assert torch.equal(p, want[family.hf_key("llm", fqn)]), (family_name, fqn)
@@ -155,7 +157,10 @@ def test_a_missing_expert_is_named(qwen3_5_dirs, tmp_path):
     last = hf_config.text_config.num_experts - 1
     layer = "model.language_model.layers.1."
     cases = {
-        "expert5": ({f"{layer}mlp.experts.5.{p}_proj.weight" for p in ("gate", "up", "down")}, r"of experts \[5\]"),
+        "expert5": (
+            {f"{layer}mlp.experts.5.{p}_proj.weight" for p in ("gate", "up", "down")},
+            r"of experts \[5\]",
+        ),
         "up5": ({f"{layer}mlp.experts.5.up_proj.weight"}, r"experts\.<j>\.up_proj\.weight of experts \[5\]"),
         "last": (
             {f"{layer}mlp.experts.{last}.{p}_proj.weight" for p in ("gate", "up", "down")},
