@@ -116,7 +116,9 @@ def fold_experts(
     patterns = [
         (
             fold,
-            re.compile(rf"^(.*?){re.escape(fold.experts)}\.(\d+)\.({'|'.join(map(re.escape, fold.parts))})$"),
+            re.compile(
+                rf"^((?:.*\.)?){re.escape(fold.experts)}\.(\d+)\.({'|'.join(map(re.escape, fold.parts))})$"
+            ),
         )
         for fold in folds
     ]
@@ -156,9 +158,10 @@ def fold_experts(
 
 class StackedExperts:
     """The fused tensor of a :class:`FoldedKey` as a lazy slice (safetensors' ``get_shape()`` and
-    ``[slices]``): ``[experts, rows, cols]`` reads, for each expert the slice covers, only the rows of
-    each part that fall in it (a part lies on ``dim`` after the ones before it) and stacks them. An EP
-    rank's slice of experts reads those experts' tensors only; the result is the slice alone."""
+    ``[slices]``, one unit-step slice per dim): ``[experts, rows, cols]`` reads, for each expert the
+    slice covers, only the part of each per-expert tensor that falls in it (a part lies on ``dim`` after
+    the ones before it) straight into the result. An EP rank's slice of experts reads those experts'
+    tensors only; the result (this rank's slice) is the only buffer, plus one part being copied."""
 
     def __init__(self, folded: FoldedKey, lazy: Callable[[str], Any], where: str) -> None:
         self.folded, self.dim = folded, folded.fold.dim
@@ -187,21 +190,20 @@ class StackedExperts:
             not isinstance(k, slice) or k.step not in (None, 1) for k in key
         ):
             raise TypeError(f"StackedExperts takes one unit-step slice per dim, got {key}")
-        lo, hi, _ = key[1 + self.dim].indices(self.shape[1 + self.dim])
-        experts = []
-        for expert in self.parts[key[0]]:
-            pieces, start = [], 0
+        ranges = [range(n)[k] for n, k in zip(self.shape, key, strict=True)]
+        rows = ranges[1 + self.dim]
+        dtype = self.parts[0][0][tuple(slice(0, 0) for _ in self.shape[1:])].dtype
+        out = torch.empty([len(r) for r in ranges], dtype=dtype)
+        sel = [slice(r.start, r.stop) for r in ranges[1:]]
+        for i, expert in enumerate(self.parts[key[0]]):
+            start = 0
             for part, size in zip(expert, self.sizes, strict=True):
-                a, b = max(lo, start), min(hi, start + size)
-                if a < b or (not pieces and part is expert[-1]):  # an empty slice still has a dtype
-                    sel = list(key[1:])
-                    sel[self.dim] = slice(a - start, max(a, b) - start) if a < b else slice(0, 0)
-                    pieces.append(part[tuple(sel)])
+                a, b = max(rows.start, start), min(rows.stop, start + size)
+                if a < b:
+                    sel[self.dim] = slice(a - start, b - start)
+                    out[i].narrow(self.dim, a - rows.start, b - a).copy_(part[tuple(sel)])
                 start += size
-            experts.append(torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0])
-        if not experts:
-            raise CheckpointError(f"{self.folded.layer}: an empty slice of experts {key[0]} was asked for")
-        return torch.stack(experts)
+        return out
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, str]:

@@ -187,3 +187,48 @@ def test_fused_and_per_expert_keys_of_one_layer_are_refused(qwen3_5_dirs, tmp_pa
     hf_config = family.hf_config_from_dir(fused)
     with pytest.raises(CheckpointError, match=r"stored both fused and per expert"):
         build_and_load(family, "llm", out, hf_config=hf_config, dtype=torch.float32, device="cpu")
+
+
+def test_stacked_experts_reads_any_slice_of_the_fused_tensor(tmp_path):
+    """The lazy fused view equals ``stack(cat(gate_j, up_j))`` on every slice a shard can ask for: an EP
+    rank's experts, rows across the gate/up boundary (a cut of the fused rows), columns, empty slices."""
+    from safetensors import safe_open
+
+    from dhp.models.loading import FoldedKey, StackedExperts
+    from dhp.models.qwen3_base.base_family import MOE_EXPERT_FOLDS
+
+    experts, inter, hidden = 4, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        f"m.mlp.experts.{j}.{p}.weight": torch.randn(inter, hidden, generator=gen)
+        for j in range(experts)
+        for p in ("gate_proj", "up_proj")
+    }
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    fused = torch.stack(
+        [
+            torch.cat([tensors[f"m.mlp.experts.{j}.{p}.weight"] for p in ("gate_proj", "up_proj")])
+            for j in range(experts)
+        ]
+    )
+    fold = FoldedKey(
+        layer="m.",
+        fold=MOE_EXPERT_FOLDS[0],
+        keys=tuple(
+            (f"m.mlp.experts.{j}.gate_proj.weight", f"m.mlp.experts.{j}.up_proj.weight")
+            for j in range(experts)
+        ),
+    )
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        view = StackedExperts(fold, f.get_slice, "w.safetensors")
+        assert view.get_shape() == list(fused.shape) == [experts, 2 * inter, hidden]
+        for key in (
+            slice(None),
+            (slice(2, 4),),
+            (slice(1, 3), slice(2, 5), slice(1, 4)),
+            (slice(None), slice(3, 6)),
+            (slice(0, 1), slice(0, 2)),
+            (slice(2, 2),),
+            (slice(None), slice(4, 4)),
+        ):
+            assert torch.equal(view[key], fused[key]), key
