@@ -232,3 +232,35 @@ def test_stacked_experts_reads_any_slice_of_the_fused_tensor(tmp_path):
             (slice(None), slice(4, 4)),
         ):
             assert torch.equal(view[key], fused[key]), key
+
+
+def _all_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def test_the_per_expert_copy_is_what_transformers_saves_as_the_original_format(
+    qwen3_5_dirs, omni_dirs, tmp_path
+):
+    """transformers' ``save_pretrained(save_original_format=True)`` of the same tiny model (same seed)
+    un-fuses the experts by its own conversion mapping: its keys and tensors are exactly the per-expert
+    copy's (Qwen3.5-MoE: the release's names; the Qwen3-Omni thinker: the thinker class's own names)."""
+    from dhp.models.tiny import write_tiny_base
+
+    family = get_family("qwen3_omni")
+    omni = write_per_expert_copy(
+        omni_dirs[0], tmp_path / "omni_own", folds=family.expert_folds, rename=_thinker_own_name
+    )
+    cases = (("qwen3_5", model_entry(get_family("qwen3_5").arch.moe.tiny), qwen3_5_dirs[1]),
+             ("qwen3_omni", family.tiny_model_config(), omni))  # fmt: skip
+    for family_name, cfg, per_expert in cases:
+        original = tmp_path / f"{family_name}_original"
+        write_tiny_base(
+            original, family=family_name, sharded=True, seed=0, model_cfg=cfg, original_format=True
+        )
+        want, got = _all_tensors(original), _all_tensors(per_expert)
+        assert any(PER_EXPERT.search(k) for k in want) and want.keys() == got.keys(), family_name
+        for key, w in want.items():
+            assert torch.equal(got[key], w), (family_name, key)
