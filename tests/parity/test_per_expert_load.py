@@ -4,7 +4,8 @@ On 2 gloo ranks, the LLM of tiny Qwen3.5-MoE and of tiny Qwen3-Omni (the release
 is built on meta, parallelized, and loaded from the per-expert directory and, apart, from the fused one
 it was written from (``dhp.models.tiny.write_per_expert_copy``), for
 (a) fsdp=2 x ep=2: each rank owns half of every layer's experts (EP), the dense parameters FSDP-sharded;
-(b) dp=2 with expert FSDP (ep=1, edp=2): the experts FSDP-sharded over the 2 ranks.
+(b) dp=2 with expert FSDP (ep=1, edp=2): the experts FSDP-sharded over the 2 ranks;
+(c) tp=2 with expert TP (etp=2): the experts cut over the 2 TP ranks, attention TP-sharded.
 Both loads gather (``full_param_dict``) to parameters equal (``torch.equal``: a load only moves bytes) to a
 single-process load of the fused directory; the per-expert load reads exactly the bytes the fused one
 reads (each rank only its experts' slices: half the experts' bytes), and names every per-expert key
@@ -31,7 +32,11 @@ from dhp.parallel.ep import expert_params
 pytestmark = pytest.mark.parity
 
 PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-LAYOUTS = ((ParallelLayout(fsdp=2, ep=2), "fsdp"), (ParallelLayout(dp=2, expert_fsdp=True), "dp"))
+LAYOUTS = (
+    (ParallelLayout(fsdp=2, ep=2), ((2,), ("fsdp",))),
+    (ParallelLayout(dp=2, expert_fsdp=True), ((2,), ("dp",))),
+    (ParallelLayout(tp=2, etp=2), ((1, 2), ("dp", "tp"))),
+)
 
 
 def _thinker_release_name(key: str) -> str:
@@ -60,9 +65,9 @@ def _ranks(rank: int, world: int, dirs: dict[str, tuple[str, str]]) -> None:
         want = dict(single.named_parameters())
         expert_bytes = sum(w.numel() * 4 for n, w in want.items() if ".mlp.experts." in n)
         per_expert_keys = {k for k in checkpoint_index(per_expert) if PER_EXPERT.search(k)}
-        for layout, axis in LAYOUTS:
+        for layout, (shape, axes) in LAYOUTS:
             tag = f"{family_name} {layout}"
-            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes)
             from_fused, fused_report = _load(family, fused, hf_config, mesh, layout)
             module, report = _load(family, per_expert, hf_config, mesh, layout)
             sharded = [p for n, p in module.named_parameters() if ".mlp.experts." in n]
