@@ -199,9 +199,10 @@ def write_per_expert_copy(
 ) -> Path:
     """Copy the directory ``src`` to ``out`` with every fused expert tensor of ``folds`` stored one tensor
     per expert, as a release stores them (``<layer>.<fused>`` [E, ...] -> ``<layer>.<experts>.{j}.<part>``,
-    the parts cut on ``fold.dim`` in order), each in the shard that held the fused tensor, and every key
-    renamed by ``rename`` (e.g. to a full release's ``thinker.`` names). The other files are copied and
-    the index is rewritten; one shard's tensors are in memory at a time. For loader tests."""
+    the parts cut in equal sizes on ``fold.dim``, in order), each in the shard that held the fused
+    tensor, and every key renamed by ``rename`` (e.g. to a full release's ``thinker.`` names). The other
+    files are copied and the index is rewritten; one shard's tensors are in memory at a time. For
+    loader tests."""
     out.mkdir(parents=True, exist_ok=True)
     rename = rename or (lambda key: key)
     shards = sorted(src.glob("*.safetensors"))
