@@ -264,3 +264,27 @@ def test_the_per_expert_copy_is_what_transformers_saves_as_the_original_format(
         assert any(PER_EXPERT.search(k) for k in want) and want.keys() == got.keys(), family_name
         for key, w in want.items():
             assert torch.equal(got[key], w), (family_name, key)
+
+
+def test_a_full_omni_directory_per_expert_loads_the_thinker(omni_dirs, tmp_path):
+    """A full Qwen3-Omni directory (thinker, talker, code2wav) with every MoE layer per expert, the
+    talker's too: the thinker's modules load equal to the thinker directory's; no talker key is read."""
+    from dhp.models.qwen3_omni.tiny import write_tiny_full_checkpoint
+
+    family = get_family("qwen3_omni")
+    fused = write_tiny_full_checkpoint(tmp_path / "full", model_cfg=family.tiny_model_config())
+    per_expert = write_per_expert_copy(fused, tmp_path / "full_per_expert", folds=family.expert_folds)
+    index = checkpoint_index(per_expert)
+    assert any(k.startswith("talker.") and PER_EXPERT.search(k) for k in index)
+    thinker_config = family.hf_config_from_dir(omni_dirs[0])
+    for name in family.module_names:
+        want, _ = build_and_load(
+            family, name, fused, hf_config=thinker_config, dtype=torch.float32, device="cpu"
+        )
+        got, report = build_and_load(
+            family, name, per_expert, hf_config=thinker_config, dtype=torch.float32, device="cpu"
+        )
+        assert not any(k.startswith("talker.") for k in report.keys_read)
+        assert set(report.keys_read) == {k for k in index if family.checkpoint_owner(k)[0] == name}
+        for fqn, p in want.named_parameters():
+            assert torch.equal(dict(got.named_parameters())[fqn], p), (name, fqn)
