@@ -313,6 +313,24 @@ class KeyMap:
         return out
 
 
+@dataclass(frozen=True)
+class ExpertFold:
+    """A fused expert tensor that a checkpoint may store as one tensor per expert instead.
+
+    ``<layer>.<fused>`` [E, ...] is, for experts ``j = 0 .. E-1`` stacked on a new dim 0, the tensors
+    ``<layer>.<experts>.{j}.<part>`` of ``parts`` concatenated in that order on ``dim`` (a dim of the
+    per-expert tensor). ``<layer>`` is any key prefix (the module's own or a release's). E.g. the SwiGLU
+    experts as transformers 5 fuses them on load: ``mlp.experts.gate_up_proj`` [E, 2I, H] from
+    ``mlp.experts.{j}.gate_proj.weight`` and ``...up_proj.weight`` [I, H], gate first, on dim 0.
+    The loader (``dhp.models.loading``) reads a rank's experts of it and never the others.
+    """
+
+    fused: str
+    experts: str
+    parts: tuple[str, ...]
+    dim: int = 0
+
+
 #: the LLM module's tied pair (``lm_head`` shares ``embed_tokens``' weight when embeddings are tied)
 TIED_LM_HEAD = {"lm_head.weight": "language_model.embed_tokens.weight"}
 

@@ -16,9 +16,12 @@ import importlib
 import importlib.util
 import itertools
 import json
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import Qwen2Tokenizer
@@ -26,6 +29,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from dhp.config.schema import ModelConfig
+from dhp.models.common import ExpertFold
 from dhp.models.registry import get_family
 
 # Qwen's special tokens, in this order: ids 0..13 in the tiny tokenizer.
@@ -150,7 +154,8 @@ def write_tiny_base(
     """Weights, config.json, the tiny tokenizer and ``preprocessor_config.json`` of ``family``'s tiny
     model (or ``model_cfg``); returns them for the family to add its own files. ``original_format``
     False: the weights as transformers holds them (its ``save_original_format``), not re-laid-out as
-    a release stores them (Qwen3.5-MoE's one tensor per expert, which dhp's loader does not read)."""
+    a release stores them (Qwen3.5-MoE's one tensor per expert: :func:`write_per_expert_copy` writes
+    that layout of a fused directory, under the release's key names)."""
     fam = get_family(family)
     model_cfg = model_cfg if model_cfg is not None else fam.tiny_model_config()
     out.mkdir(parents=True, exist_ok=True)
@@ -187,3 +192,40 @@ def _check_token_ids(tokenizer: Qwen2Tokenizer, model_cfg: ModelConfig) -> None:
     got = {t: tokenizer.convert_tokens_to_ids(t) for t in expected}
     if got != expected:
         raise ValueError(f"tiny tokenizer ids {got} disagree with model.tokens {expected}")
+
+
+def write_per_expert_copy(
+    src: Path, out: Path, *, folds: Sequence[ExpertFold], rename: Callable[[str], str] | None = None
+) -> Path:
+    """Copy the directory ``src`` to ``out`` with every fused expert tensor of ``folds`` stored one tensor
+    per expert, as a release stores them (``<layer>.<fused>`` [E, ...] -> ``<layer>.<experts>.{j}.<part>``,
+    the parts cut in equal sizes on ``fold.dim``, in order), each in the shard that held the fused
+    tensor, and every key renamed by ``rename`` (e.g. to a full release's ``thinker.`` names). The other
+    files are copied and the index is rewritten; one shard's tensors are in memory at a time. For
+    loader tests."""
+    out.mkdir(parents=True, exist_ok=True)
+    rename = rename or (lambda key: key)
+    shards = sorted(src.glob("*.safetensors"))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    weight_map, total = {}, 0
+    for shard in shards:
+        tensors: dict[str, torch.Tensor] = {}
+        for key, t in load_file(str(shard)).items():
+            fold = next((fd for fd in folds if key.endswith("." + fd.fused) or key == fd.fused), None)
+            if fold is None:
+                tensors[rename(key)] = t
+                continue
+            layer = key[: len(key) - len(fold.fused)]
+            sizes = [t.shape[1 + fold.dim] // len(fold.parts)] * len(fold.parts)
+            for j in range(t.shape[0]):
+                for part, piece in zip(fold.parts, t[j].split(sizes, dim=fold.dim), strict=True):
+                    tensors[rename(f"{layer}{fold.experts}.{j}.{part}")] = piece.contiguous()
+        save_file(tensors, str(out / shard.name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, shard.name)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

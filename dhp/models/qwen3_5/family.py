@@ -8,8 +8,9 @@ each flavour's transformers config (``Qwen3_5Config`` / ``Qwen3_5MoeConfig``), t
 (router, routed experts, gated shared expert).
 
 The released MoE checkpoints store one tensor per expert (``...mlp.experts.{j}.gate_proj.weight`` ...),
-which transformers 5 fuses on load (its conversion mapping for ``qwen3_5_moe_text``); dhp's loader reads
-the fused layout only, the per-expert one not yet. The release also stores a multi-token-prediction head
+which transformers 5 fuses on load; dhp's loader reads both that layout and the fused one: the Qwen3
+base declares the fold (``qwen3_base.base_family.MOE_EXPERT_FOLDS``) and an EP rank reads only its own
+experts' tensors (``dhp.models.loading``). The release also stores a multi-token-prediction head
 (``mtp.*``), which transformers' ``Qwen3_5ForConditionalGeneration`` ignores on load; it is not part of
 the module graph either.
 """

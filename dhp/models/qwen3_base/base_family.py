@@ -19,7 +19,9 @@ all layout ``image_tokens``, width = the LLM hidden size, with a gradient back t
 Checkpoint layout (transformers 5.x, as released): ``model.visual.*``, ``model.language_model.*``,
 ``lm_head.*``; an MoE layer's experts are ``...layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] and
 ``...experts.down_proj`` [E, H, I] (whole tensors: an EP rank reads its rows), its router
-``...mlp.gate.weight`` [E, H].
+``...mlp.gate.weight`` [E, H]. The releases that store one tensor per expert
+(``...mlp.experts.{j}.gate_proj.weight`` / ``up_proj`` [I, H], ``down_proj`` [H, I]: Qwen3.5-MoE,
+Qwen3-Omni) are folded into those on load (:data:`MOE_EXPERT_FOLDS`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from transformers import PretrainedConfig
 from dhp.config.issues import Issues
 from dhp.errors import ConfigError
 from dhp.models.axes import runtime_plan
-from dhp.models.common import lm_head, vl_config
+from dhp.models.common import ExpertFold, lm_head, vl_config
 from dhp.models.dtypes import torch_dtype
 from dhp.models.entries import model_entry
 from dhp.models.family import HandOff
@@ -60,6 +62,15 @@ IMAGE_TOKENS = "image_tokens"
 #: ``experts``; dense layers have none) that expert parallelism swaps
 LLM_BLOCKS = ("language_model.layers.*",)
 MOE_BLOCKS = "language_model.layers.*.mlp"
+#: the per-expert tensors of a release -> the fused ones the modules hold, as transformers 5 fuses them
+#: on load (its ``qwen2_moe`` conversion mapping, which ``qwen3_omni_moe`` and ``qwen3_5_moe`` use):
+#: gate then up on the rows (``gate, up = (x @ gate_up_proj[j].T).chunk(2, -1)``), down alone
+MOE_EXPERT_FOLDS = (
+    ExpertFold(
+        fused="mlp.experts.gate_up_proj", experts="mlp.experts", parts=("gate_proj.weight", "up_proj.weight")
+    ),
+    ExpertFold(fused="mlp.experts.down_proj", experts="mlp.experts", parts=("down_proj.weight",)),
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,8 @@ class Qwen3Family(FamilyBase):
     linear_attention: str = ""
     #: flavour name (= ``model_type``) -> (transformers config class, the class ``config.json`` names)
     configs: Mapping[str, tuple[type[PretrainedConfig], str]]
+    #: per-expert checkpoint tensors the loader folds into the fused experts (``dhp.models.loading``)
+    expert_folds: tuple[ExpertFold, ...] = MOE_EXPERT_FOLDS
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__(name)

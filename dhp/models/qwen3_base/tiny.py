@@ -88,7 +88,7 @@ def write_tiny_checkpoint(
 ) -> Path:
     """Write the tiny directory of Qwen3-style ``family`` to ``out`` (``dhp.models.tiny.make_tiny_checkpoint``)."""
     # the fused experts as transformers 5 holds (and loads) them: Qwen3.5-MoE's release stores one
-    # tensor per expert, which dhp's loader does not read yet (dhp/models/qwen3_5/family.py)
+    # tensor per expert, which dhp's loader folds too (dhp.models.tiny.write_per_expert_copy writes it)
     model_cfg, tokenizer, image_processor = write_tiny_base(
         out, family=family, sharded=sharded, seed=seed, model_cfg=model_cfg, original_format=False
     )
