@@ -16,6 +16,8 @@ tolerance 0.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import warnings
 from pathlib import Path
 
@@ -30,11 +32,13 @@ from dhp.checkpoint.export import export_hf
 from dhp.models import get_family
 from dhp.models.qwen3_omni.audio import audio_token_counts
 from dhp.models.qwen3_omni.tiny import write_tiny_full_checkpoint
+from dhp.models.tiny import write_per_expert_copy
 
 pytestmark = [pytest.mark.parity, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 TEXT_IDS = (20, 400)  # random text ids: above the specials, below the tiny audio tokens (433..435)
 # per record: text tokens, an image's (h, w) patches or None, an audio's mel frames or None
 RECORDS = [(3, (8, 6), 150), (5, None, 260)]
+PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def hf_batch(cfg) -> dict[str, torch.Tensor]:
@@ -165,3 +169,57 @@ def test_a_source_with_transposed_experts_gets_the_trained_experts_back_in_its_o
     for name, t in got.items():
         if name.startswith("thinker.") and name.endswith(experts):
             assert torch.equal(t, want[name.removeprefix("thinker.")].transpose(1, 2)), name
+
+
+@pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
+def test_a_source_stored_per_expert_gets_the_trained_experts_back_per_expert(tmp_path: Path) -> None:
+    """A full source storing every MoE layer one tensor per expert, the thinker's and the talker's (the
+    released layout: ``...mlp.experts.{j}.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj``
+    [H, I]): the export has exactly the source's keys, the talker's experts as stored, and each trained
+    fused expert tensor cut back into the source's per-expert keys (gate rows first, then up). The full
+    class loads it (transformers 5 fuses the experts on load) with the trained thinker's logits."""
+    family = get_family("qwen3_omni")
+    fused = write_tiny_full_checkpoint(tmp_path / "fused", seed=7)
+    src = write_per_expert_copy(fused, tmp_path / "src", folds=family.expert_folds)
+    model_cfg = dataclasses.replace(family.tiny_model_config(), path=str(src))
+    hf_config = family.hf_config_from_dir(src)
+    torch.manual_seed(0)  # the "trained" thinker: not the source's (seed 7)
+    ref = family.reference_model(hf_config).float()
+    ckpt = checkpoint_of(family, hf_config, ref, tmp_path / "ckpts")
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, max_shard_bytes=256 * 1024)
+
+    got = assert_rebuilt(src, out, carried=("talker.", "code2wav."))
+    assert any(k.startswith("talker.") and PER_EXPERT.search(k) for k in got)  # carried as stored
+    assert not [k for k in got if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    want = ref.state_dict()
+    t = hf_config.text_config
+    inter = t.moe_intermediate_size
+    assert inter != t.hidden_size  # not square: a transposed part could not pass
+    moe = [
+        i
+        for i in range(t.num_hidden_layers)
+        if f"model.language_model.layers.{i}.mlp.experts.down_proj" in want
+    ]
+    assert moe
+    for layer in moe:
+        fused_key = f"model.language_model.layers.{layer}.mlp.experts"
+        gate_up, down = want[f"{fused_key}.gate_up_proj"], want[f"{fused_key}.down_proj"]
+        for j in range(t.num_experts):
+            stored_key = f"thinker.{fused_key}.{j}"
+            gate, up = got[f"{stored_key}.gate_proj.weight"], got[f"{stored_key}.up_proj.weight"]
+            assert torch.equal(gate, gate_up[j, :inter]) and torch.equal(up, gate_up[j, inter:]), stored_key
+            assert not torch.equal(gate, up)  # gate and up swapped would fail the line above
+            assert torch.equal(got[f"{stored_key}.down_proj.weight"], down[j]), stored_key
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(got)
+    for shard in out.glob("model-*.safetensors"):  # output shards within max_shard_bytes (none holds a
+        assert shard.stat().st_size <= 256 * 1024 + 64 * 1024, shard  # tensor larger than it; header slack)
+
+    loaded, info = _quiet_load(Qwen3OmniMoeForConditionalGeneration, out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    thinker = loaded.thinker.state_dict()
+    assert set(thinker) == set(want)
+    assert not [k for k in want if not torch.equal(thinker[k], want[k])]
+    batch = hf_batch(hf_config)
+    with torch.no_grad():
+        assert torch.equal(loaded.thinker(**batch).logits, ref(**batch).logits)
