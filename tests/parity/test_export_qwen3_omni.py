@@ -9,8 +9,10 @@ Full source (``model.path`` a sharded ``Qwen3OmniMoeForConditionalGeneration`` d
 ``talker.*``, ``code2wav.*``): the export has the source's keys and config; its talker and code2wav
 tensors are the source's bytes; its thinker tensors are the trained ones (a thinker other than the
 source's), and ``Qwen3OmniMoeForConditionalGeneration.from_pretrained`` loads it with no key missing,
-unexpected or mismatched, its thinker's logits bit-equal to the trained thinker's. All fp32 on CPU:
-tolerance 0.
+unexpected or mismatched, its thinker's logits bit-equal to the trained thinker's. A full source in the
+release's layout (every MoE layer one tensor per expert, the talker's too) gets the trained experts back
+per expert under its keys; a thinker-only source stored per expert gets the fused thinker export. All
+fp32 on CPU: tolerance 0.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_checks import assert_rebuilt, checkpoint_of
+from export_checks import assert_rebuilt, checkpoint_of, stored
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeThinkerForConditionalGeneration
@@ -34,7 +36,7 @@ from dhp.errors import CheckpointError
 from dhp.models import get_family
 from dhp.models.qwen3_omni.audio import audio_token_counts
 from dhp.models.qwen3_omni.tiny import write_tiny_full_checkpoint
-from dhp.models.tiny import write_per_expert_copy
+from dhp.models.tiny import make_tiny_checkpoint, write_per_expert_copy
 
 pytestmark = [pytest.mark.parity, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 TEXT_IDS = (20, 400)  # random text ids: above the specials, below the tiny audio tokens (433..435)
@@ -108,6 +110,29 @@ def test_thinker_export_loads_in_transformers_with_equal_tensors_and_logits(tmp_
     batch = hf_batch(hf_config)
     with torch.no_grad():
         assert torch.equal(loaded(**batch).logits, ref(**batch).logits)
+
+
+def test_a_thinker_source_stored_per_expert_gets_the_fused_thinker_export(tmp_path: Path) -> None:
+    """``model.path`` a thinker-only directory whose experts are stored one tensor per expert: no other
+    module to carry, so the export writes the thinker as transformers holds it (the fused experts, the
+    family's own keys, as without ``model.path``), which ``Qwen3OmniMoeThinkerForConditionalGeneration``
+    loads with every tensor bit-equal to the trained ones."""
+    family = get_family("qwen3_omni")
+    fused = make_tiny_checkpoint(tmp_path / "fused", model_cfg=family.tiny_model_config(), sharded=True)
+    src = write_per_expert_copy(fused, tmp_path / "src", folds=family.expert_folds)
+    assert any(PER_EXPERT.search(k) for k in stored(src))
+    model_cfg = dataclasses.replace(family.tiny_model_config(), path=str(src))
+    hf_config = family.hf_config_from_dir(src)
+    torch.manual_seed(0)
+    ref = family.reference_model(hf_config).float()
+    ckpt = checkpoint_of(family, hf_config, ref, tmp_path / "ckpts")
+    out = export_hf(ckpt, out_dir=tmp_path / "hf", model=model_cfg, max_shard_bytes=512 * 1024)
+    want = ref.state_dict()
+    assert set(stored(out)) == set(want)  # the fused keys, none per expert
+    loaded, info = _quiet_load(Qwen3OmniMoeThinkerForConditionalGeneration, out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    got = loaded.state_dict()
+    assert not [k for k in want if not torch.equal(got[k], want[k])]
 
 
 @pytest.mark.slow  # the full-model writers: ~5 s each on 2 cores; the thinker export stays fast
