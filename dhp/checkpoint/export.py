@@ -167,7 +167,7 @@ def _source_names(
         raise CheckpointError(
             f"cannot rebuild the full model of {full.carried[0].file.parent}: {len(problems)} tensor(s) "
             f"differ from its layout, e.g. {problems[:5]}. Fix: export with the model.path the run was "
-            "trained from (a source with one tensor per expert is not re-laid-out)."
+            "trained from."
         )
     return out, relayout, rename
 
@@ -204,7 +204,8 @@ def export_hf(
     ``model`` is the run's ModelConfig (architecture; ``path`` for the config and side files).
     ``dtype`` casts every trained tensor (None keeps the checkpoint's dtype, e.g. fp32 master weights).
     A full source (``dhp.checkpoint.carried``): its other modules' tensors are copied as stored (never
-    cast), after the trained shards, and its ``config.json`` is copied unchanged.
+    cast), after the trained shards, and its ``config.json`` is copied unchanged; trained experts it
+    stores per expert are written per expert (cast like every trained tensor).
     ``on_progress(done, total)`` is called after each written shard (the CLI's progress bar).
     ``lora`` (module -> its ``lora`` config) is needed when the checkpoint holds LoRA adapters;
     ``lora_mode``: ``merge`` them into the weights or write peft's ``adapter`` files beside the base
@@ -256,6 +257,9 @@ def export_hf(
                 tensors[key] = merged(tensors[key], a, b, alpha / rank)
         for key in tensors.keys() & relayout.keys():
             tensors[key] = tensors[key].permute(relayout[key]).contiguous()
+        if full is not None:  # one fused tensor at a time: its parts replace it before the next is cut
+            for key in sorted(tensors.keys() & full.per_expert.keys()):
+                tensors.update(full.per_expert[key].split(tensors.pop(key)))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})

@@ -330,6 +330,20 @@ class ExpertFold:
     parts: tuple[str, ...]
     dim: int = 0
 
+    def unfold(self, fused: torch.Tensor, sizes: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
+        """The inverse of the fold: expert ``j``'s parts of ``fused`` [E, ...] (in ``parts`` order), cut
+        on ``dim`` into ``sizes``. Each part is a contiguous copy (a file may hold it apart), so the
+        copies cost as much memory as ``fused`` again while it is alive."""
+        if len(sizes) != len(self.parts) or sum(sizes) != fused.shape[1 + self.dim]:
+            raise ValueError(
+                f"{self.fused}: sizes {list(sizes)} do not cut dim {self.dim} ({fused.shape[1 + self.dim]}) "
+                f"of each expert into {self.parts}"
+            )
+        return [
+            tuple(p.clone(memory_format=torch.contiguous_format) for p in expert.split(list(sizes), self.dim))
+            for expert in fused
+        ]
+
 
 #: the LLM module's tied pair (``lm_head`` shares ``embed_tokens``' weight when embeddings are tied)
 TIED_LM_HEAD = {"lm_head.weight": "language_model.embed_tokens.weight"}
