@@ -182,8 +182,8 @@ def write_tiny_full_checkpoint(
     processor files, the full model's ``config.json`` and its random weights (transformers' init under
     ``seed``; the caller's RNG untouched) saved by ``save_pretrained`` in ``max_shard_size`` shards
     plus the index, the experts fused (``save_original_format=False``, as transformers 5 holds them;
-    the export rebuilds a full model over this layout only, while the loader also reads the release's
-    one tensor per expert: ``dhp.models.tiny.write_per_expert_copy``)."""
+    the release's one tensor per expert, which the loader and the export read as well, is
+    ``dhp.models.tiny.write_per_expert_copy`` of this directory)."""
     # reason: transformers' model code costs seconds to import; only a test writing a full model needs it
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
