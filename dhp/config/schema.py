@@ -370,6 +370,10 @@ class DataConfig:
     # audio (records with "audios", for a model with an audio encoder): one audio longer than this many
     # seconds is a bad sample (never cut); decoded to mono at the feature extractor's rate
     max_audio_seconds: float = 300.0
+    # each video's own audio track is used too (the omni models' interleaved layout), for records and
+    # dataset_info.json entries that do not say: the run-wide default, as LLaMA-Factory's and ms-swift's
+    # training argument of that name
+    use_audio_in_video: bool = False
     lengths: DataLengths = field(default_factory=DataLengths)  # measured by the CLI (above)
     eval: EvalDataConfig = field(default_factory=EvalDataConfig)
     # how conversations become text: ``checkpoint`` (model.path's own template, from

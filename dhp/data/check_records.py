@@ -46,7 +46,12 @@ def check_records(
     total = good = 0
     ignored: dict[str, list[str]] = {}
     for entry in data.datasets:
-        ds = open_dataset(entry, allow_outside_root=data.allow_outside_root, restrict_to=restrict)
+        ds = open_dataset(
+            entry,
+            allow_outside_root=data.allow_outside_root,
+            restrict_to=restrict,
+            audio_in_video=data.use_audio_in_video,
+        )
         for i in range(len(ds)):
             total += 1
             try:

@@ -69,14 +69,15 @@ def resolve_info(entry) -> DatasetEntry:
     )
 
 
-def use_audio_in_video(entry) -> bool:
-    """The ``use_audio_in_video`` of ``entry``'s ``dataset_info.json`` entry (False without ``info``
-    or the key); ConfigError when it is not a JSON boolean."""
+def use_audio_in_video(entry, *, default: bool = False) -> bool:
+    """The ``use_audio_in_video`` of ``entry``'s ``dataset_info.json`` entry (``default``, the run's
+    ``data.use_audio_in_video``, without ``info`` or the key); ConfigError when it is not a JSON
+    boolean."""
     plain = plain_entry(entry)
     if not plain.info:
-        return False
+        return default
     path, spec = _spec(plain)
-    value = spec.get(USE_AUDIO_IN_VIDEO, False)
+    value = spec.get(USE_AUDIO_IN_VIDEO, default)
     if not isinstance(value, bool):
         raise _issue(
             plain,

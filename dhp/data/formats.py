@@ -54,14 +54,19 @@ def detect_format(entry: DatasetEntry) -> str:
 
 
 def open_dataset(
-    entry: DatasetEntry, *, allow_outside_root: bool, restrict_to: tuple[Path, ...] = ()
+    entry: DatasetEntry,
+    *,
+    allow_outside_root: bool,
+    restrict_to: tuple[Path, ...] = (),
+    audio_in_video: bool = False,
 ) -> Dataset:
     """The reader of ``entry`` (DataError when its files are missing or unreadable). An entry with
     ``info`` is first read from that ``dataset_info.json`` (:mod:`dhp.data.dataset_info`), including
     its dataset-level ``use_audio_in_video``, carried onto each record by the JSON and parquet readers
-    (WebDataset members cannot be videos, so there it has nothing to apply to)."""
+    (WebDataset members cannot be videos, so there it has nothing to apply to); ``audio_in_video``:
+    the run's ``data.use_audio_in_video``, the default of entries and records that do not say."""
 
-    audio_in_video = use_audio_in_video(entry)
+    audio_in_video = use_audio_in_video(entry, default=audio_in_video)
     entry = resolve_info(entry)
     if entry.format not in FORMATS:
         raise ConfigError(

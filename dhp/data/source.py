@@ -154,7 +154,12 @@ def build_source(
         Path(os.path.realpath(resolve_path(r, key="data.restrict_media_to"))) for r in data.restrict_media_to
     )
     datasets = [
-        open_dataset(entry, allow_outside_root=data.allow_outside_root, restrict_to=restrict)
+        open_dataset(
+            entry,
+            allow_outside_root=data.allow_outside_root,
+            restrict_to=restrict,
+            audio_in_video=data.use_audio_in_video,
+        )
         for entry in data.datasets
     ]
     processor = SampleProcessor(

@@ -10,6 +10,7 @@ test below says which recipe covers which.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -34,6 +35,7 @@ def _smoke_key(recipe: str) -> str:
     return json.dumps(cfg, sort_keys=True, default=str)
 
 
+@functools.cache
 def _representatives() -> dict[str, list[str]]:
     """First recipe of each distinct smoke run -> the recipes that shrink to the same run."""
     seen: dict[str, str] = {}
@@ -46,18 +48,35 @@ def _representatives() -> dict[str, list[str]]:
     return covers
 
 
-COVERS = _representatives()
+def _selected(config: pytest.Config) -> bool:
+    """Whether ``-m`` keeps this module's tests (marked integration and slow). The representatives
+    cost one Hydra composition per recipe (~7 s), spent at collection only when the smoke runs can
+    be selected: ``make test-fast`` deselects them."""
+    expr = config.getoption("markexpr")
+    if not expr:
+        return True
+    try:  # pytest's own -m evaluator; on a pytest without it, compute (the safe side)
+        from _pytest.mark.expression import Expression
+
+        return Expression.compile(expr).evaluate(lambda name, **_: name in {"integration", "slow"})
+    except Exception:
+        return True
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "recipe" in metafunc.fixturenames:
+        reps = sorted(_representatives()) if _selected(metafunc.config) else ["tiny_vlm"]
+        metafunc.parametrize("recipe", reps)
 
 
 def test_recipes_are_found_and_each_is_covered_by_one_smoke_run():
     assert "tiny_vlm" in RECIPES and len(RECIPES) >= 2
-    covered = sorted([*SFT, *(r for rs in COVERS.values() for r in rs)])
+    covered = sorted([*SFT, *(r for rs in _representatives().values() for r in rs)])
     assert covered == RECIPES and SFT
     for recipe in SFT:  # each still shrinks to a valid smoke run without weights or data
         assert load_config(recipe, [], smoke=True).data.kind == "synthetic"
 
 
-@pytest.mark.parametrize("recipe", sorted(COVERS))
 def test_recipe_smoke_trains_two_steps(ray_local, tmp_path, recipe):
     cfg = load_config(recipe, [f"train.output_dir={tmp_path}"], smoke=True)
     result = train(cfg)

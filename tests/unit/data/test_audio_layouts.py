@@ -207,6 +207,21 @@ def test_use_audio_in_video_per_record_and_per_dataset(tmp_path):
     with pytest.raises(ConfigError, match="use_audio_in_video"):
         open_dataset(DatasetEntry(name="wrong", info=str(info)), allow_outside_root=False)
 
+    # the run's data.use_audio_in_video: the default of an entry without the key and of a plain file;
+    # an entry's and a record's own value still win
+    def run(entry: DatasetEntry) -> list[bool]:
+        ds = open_dataset(entry, allow_outside_root=False, audio_in_video=True)
+        return [ds.record(i).use_audio_in_video for i in range(3)]
+
+    assert run(DatasetEntry(name="plain", info=str(info))) == [True, True, False]
+    assert run(DatasetEntry(name="file", path=str(tmp_path / "videos.json"), tags=TAGS)) == [
+        True,
+        True,
+        False,
+    ]
+    entries = {"silent": {"file_name": "videos.json", "tags": TAGS, "use_audio_in_video": False}}
+    assert run(DatasetEntry(name="silent", info=str(_write_info(tmp_path, entries)))) == [True, False, False]
+
 
 def test_parquet_audio_column_paths_and_embedded_bytes(tmp_path):
     write_sine(tmp_path / "a.wav")
