@@ -163,6 +163,18 @@ def test_omni_disaggregated_audio1_vision_sp2_llm_tp2(ray_local) -> None:
     )
 
 
+def test_qwen3_omni_disaggregated_audio1_vision_sp2_llm_ep2(ray_local) -> None:
+    # three disjoint groups on 5 ranks: audio on 1, vision SP=2 on 2, the MoE LLM dp=2 x ep=2 on 2
+    _passed(
+        "tiny_qwen3_omni",
+        1,
+        "placement=disaggregated",
+        "cluster.gpus_per_node=6",
+        "modules.audio.gpus=1",
+        "modules.audio.parallel.sp=1",
+    )
+
+
 def test_qwen3_omni_audio_and_vision_share_gpus_apart_from_the_llm(ray_local) -> None:
     # a mixed placement: audio and vision share 2 ranks, the LLM has 2 of its own
     _passed("tiny_qwen3_omni", 1, "placement=audio+vision/llm")
