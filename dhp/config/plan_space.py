@@ -19,6 +19,7 @@ search candidate), never as a config node: the rule checks the layout the runtim
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -515,13 +516,20 @@ def placement_problems(
                 f"{problem} (cluster.device={device}, placement={placement})",
                 "use handoff=auto",
             )
-    reps = [r for r in replicas.values() if r > 0]
-    if len(reps) == 2:
+    reps = {m: r for m, r in replicas.items() if r > 0}
+    # N:M routing: each producer's replicas and the consumer's divide one another (without a
+    # consumer, every pair of modules)
+    if consumer in reps:
+        pairs = [(p, consumer) for p in reps if p != consumer]
+    else:
+        pairs = list(itertools.combinations(reps, 2))
+    for a, b in pairs:
         out.check(
-            max(reps) % min(reps) == 0,
-            f"modules.{next(iter(replicas))}.parallel",
-            dict(replicas),
-            "data-parallel replicas (dp*fsdp) of one module must divide the other's for N:M routing",
+            max(reps[a], reps[b]) % min(reps[a], reps[b]) == 0,
+            f"modules.{a}.parallel",
+            {a: reps[a], b: reps[b]},
+            f"data-parallel replicas (dp*fsdp) of {a} ({reps[a]}) and {b} ({reps[b]}) must divide one "
+            "another for N:M routing (one replica serves a whole number of the other's)",
             "make one replica count a multiple of the other",
         )
     return out.items

@@ -259,9 +259,13 @@ def compile_plan(config: DictConfig, cluster: DictConfig | None = None, *, estim
                 worst_case_total=worst,
             )
         )
-    # Route names no producer: the plan routes its one producer's rows (none with several or none)
-    one = graph.producers[0] if len(graph.producers) == 1 else None
-    routes = routing(layouts[one], layouts[graph.consumer]) if one and graph.consumer in layouts else []
+    # each producer's N:M routing into the consumer (the rows of every consumer replica)
+    routes = [
+        r
+        for p in graph.producers
+        if p in layouts and graph.consumer in layouts
+        for r in routing(layouts[p], layouts[graph.consumer], name=p)
+    ]
     plan = Plan(
         name=config.name,
         placement=config.placement,

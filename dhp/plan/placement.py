@@ -116,7 +116,7 @@ def placement_groups(
     return specs, where
 
 
-def routing(producer: ParallelLayout, consumer: ParallelLayout) -> list[Route]:
+def routing(producer: ParallelLayout, consumer: ParallelLayout, *, name: str = "") -> list[Route]:
     """N:M routing: which producer (encoder) ranks produce the rows of each consumer (loss module) replica.
 
     Replica ``j`` of the consumer (ranks ``j*R_c .. (j+1)*R_c - 1``) takes its samples' rows from
@@ -124,7 +124,7 @@ def routing(producer: ParallelLayout, consumer: ParallelLayout) -> list[Route]:
     serves C/P consumer replicas in turn), or from producer replicas ``j*(P/C) .. (j+1)*(P/C) - 1``
     when it has more (each encodes a share of the micro-batch). Inside a producer replica the SP
     ranks each hold a slice of the tokens; every TP rank of the consumer replica needs all of them.
-    (``Route``'s field names are the runtime's: its consumer replica and ranks, its producer's.)
+    ``name``: the producer's, carried on each route.
     """
     p_reps, c_reps = producer.num_replicas, consumer.num_replicas
     routes = []
@@ -136,5 +136,5 @@ def routing(producer: ParallelLayout, consumer: ParallelLayout) -> list[Route]:
             p_ids = tuple(range(j * k, (j + 1) * k))
         p_ranks = tuple(r for i in p_ids for r in producer.replica_ranks(i))
         c_ranks = tuple(consumer.replica_ranks(j))
-        routes.append(Route(j, c_ranks, p_ids, p_ranks))
+        routes.append(Route(name, j, c_ranks, p_ids, p_ranks))
     return routes

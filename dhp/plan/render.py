@@ -131,9 +131,9 @@ def placement_table(plan: Plan) -> Table:
             str(i), str(pg.node), pg.strategy, str(len(pg.bundles)), bundle, _ranges(list(pg.global_gpus))
         )
     if plan.routing:
-        table.caption = "routing (LLM replica <- encoder ranks): " + "; ".join(
-            f"replica {r.llm_replica} (ranks {_ranges(list(r.llm_ranks))}) <- encoder ranks "
-            f"{_ranges(list(r.vision_ranks))}"
+        table.caption = "routing (consumer replica <- producer ranks): " + "; ".join(
+            f"replica {r.consumer_replica} (ranks {_ranges(list(r.consumer_ranks))}) <- {r.producer} ranks "
+            f"{_ranges(list(r.producer_ranks))}"
             for r in plan.routing
         )
     return table

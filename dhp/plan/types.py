@@ -156,12 +156,14 @@ class PlacementGroupSpec:
 
 @dataclass(frozen=True)
 class Route:
-    """Which encoder ranks feed one LLM data-parallel replica (every LLM rank of it needs them)."""
+    """Which ranks of ``producer`` feed one data-parallel replica of the consumer (the module with the
+    loss; every consumer rank of the replica needs them)."""
 
-    llm_replica: int
-    llm_ranks: tuple[int, ...]
-    vision_replicas: tuple[int, ...]
-    vision_ranks: tuple[int, ...]
+    producer: str
+    consumer_replica: int
+    consumer_ranks: tuple[int, ...]
+    producer_replicas: tuple[int, ...]
+    producer_ranks: tuple[int, ...]
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

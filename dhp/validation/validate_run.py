@@ -116,6 +116,7 @@ def validate_run(cfg: DictConfig, issues: Issues) -> None:
                 handoff=cfg.handoff,
                 device=cfg.cluster.device,
                 total_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
+                consumer=consumer,
             )
         )
         if consumer in reps:

@@ -60,11 +60,6 @@ VOCABULARY = {
 
 #: (path under dhp/, identifier) -> why it may name a module
 ALLOWED_IDENTIFIERS: dict[tuple[str, str], str] = {
-    **{
-        ("plan/types.py", f): "Route's fields, read by the runtime"
-        for f in ("llm_replica", "llm_ranks", "vision_replicas", "vision_ranks")
-    },
-    **{("plan/render.py", f): "Route's fields" for f in ("llm_replica", "llm_ranks", "vision_ranks")},
     ("plan/render.py", "vision"): "the workload document's key (the step's patches)",
     ("plan/schedule.py", "vision_tokens_per_s"): "the estimate's JSON key (CLI, metrics, tests read it)",
     ("plan/estimate.py", "vision_tokens_per_s"): "the estimate's JSON key",
@@ -75,10 +70,6 @@ ALLOWED_IDENTIFIERS: dict[tuple[str, str], str] = {
     ("data/source.py", "vision"): "the keyword of video_spec / SyntheticSource for model.vision",
     ("data/synthetic.py", "vision"): "SyntheticSource's keyword for model.vision, passed by source.py",
     ("data/video.py", "vision"): "video_spec's keyword for model.vision, passed by source.py",
-    **{
-        ("runtime/loop/driver_start.py", f): "the plan's Route fields"
-        for f in ("llm_replica", "vision_replicas")
-    },
     ("config/schema.py", "vision"): "ModelConfig's section model.vision, defined here",
     ("config/schema.py", "llm"): "ModelConfig's section model.llm, defined here",
     ("models/checks.py", "check_vision_inputs"): "the image-input check the shared vision encoders call",

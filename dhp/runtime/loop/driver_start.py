@@ -14,7 +14,6 @@ from dhp.config.schema import RunConfig
 from dhp.errors import RuntimeFailure
 from dhp.models import get_family
 from dhp.plan import Plan
-from dhp.plan.placement import routing
 from dhp.runtime.actors.actor_group import ActorGroup, init_groups
 from dhp.runtime.actors.spec import WorkerSpec, without_degrees
 from dhp.runtime.handoff.bridge import BridgeLayout
@@ -39,13 +38,12 @@ class TrainerStart:
             for link in links_of(self.family.handoffs_for(self.hf_config))
             if link.producer in specs and link.consumer == self.consumer_name
         )
-        # per producer, the replica(s) serving each consumer replica: the plan's N:M routing rule
-        # (``dhp.plan.placement.routing``) on that producer's layout and the consumer's
-        consumer = specs[self.consumer_name].layout
+        # per producer, the replica(s) serving each consumer replica: the plan's routes of it
         self.serving = {
             link.producer: [
-                r.vision_replicas
-                for r in sorted(routing(specs[link.producer].layout, consumer), key=lambda r: r.llm_replica)
+                r.producer_replicas
+                for r in sorted(plan.routing, key=lambda r: r.consumer_replica)
+                if r.producer == link.producer
             ]
             for link in self.links
         }

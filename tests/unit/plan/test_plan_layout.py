@@ -52,7 +52,7 @@ def test_collocated_headline() -> None:
     assert all(b == {"GPU": 1.0, "CPU": 8.0} for b in pg.bundles)  # 4 CPUs per rank, 2 ranks per GPU
     assert [d.groups for d in plan.devices] == [("vision", "llm")] * 8
     (route,) = plan.routing
-    assert route.llm_ranks == tuple(range(8)) and route.vision_ranks == tuple(range(8))
+    assert route.consumer_ranks == tuple(range(8)) and route.producer_ranks == tuple(range(8))
 
 
 def test_disaggregated_unequal_gpu_counts() -> None:
@@ -79,7 +79,7 @@ def test_disaggregated_unequal_gpu_counts() -> None:
     assert len(plan.placement_groups[0].bundles) == 8
     assert all(b == {"GPU": 1.0, "CPU": 4.0} for b in plan.placement_groups[0].bundles)
     # one encoder replica (2 SP ranks) feeds all three LLM replicas (N:M = 2:6)
-    assert [(r.llm_ranks, r.vision_ranks) for r in plan.routing] == [
+    assert [(r.consumer_ranks, r.producer_ranks) for r in plan.routing] == [
         ((0, 1), (0, 1)),
         ((2, 3), (0, 1)),
         ((4, 5), (0, 1)),
@@ -96,7 +96,7 @@ def test_four_nodes() -> None:
     assert {(r.placement_group, r.bundle_index) for r in llm.ranks} == {
         (p, b) for p in range(4) for b in range(8)
     }
-    assert [(r.llm_ranks, r.vision_ranks) for r in plan.routing] == [
+    assert [(r.consumer_ranks, r.producer_ranks) for r in plan.routing] == [
         (tuple(range(8 * n, 8 * n + 8)), tuple(range(8 * n, 8 * n + 8))) for n in range(4)
     ]
 
@@ -129,8 +129,8 @@ def test_routing_more_encoder_replicas_than_llm() -> None:
     vision = ParallelLayout.from_config({"dp": 4, "fsdp": 1, "sp": 2, "tp": 1})
     llm = ParallelLayout.from_config({"dp": 2, "fsdp": 1, "sp": 1, "tp": 4})
     routes = routing(vision, llm)
-    assert [r.vision_replicas for r in routes] == [(0, 1), (2, 3)]
-    assert routes[1].vision_ranks == (4, 5, 6, 7) and routes[1].llm_ranks == (4, 5, 6, 7)
+    assert [r.producer_replicas for r in routes] == [(0, 1), (2, 3)]
+    assert routes[1].producer_ranks == (4, 5, 6, 7) and routes[1].consumer_ranks == (4, 5, 6, 7)
 
 
 def test_cpu_cluster_bundles_are_fractional_cpus() -> None:

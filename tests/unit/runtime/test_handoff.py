@@ -24,7 +24,7 @@ def _serving(vision_replicas: int, llm_replicas: int) -> list[tuple[int, ...]]:
     routes = routing(
         ParallelLayout.from_config(deg(vision_replicas)), ParallelLayout.from_config(deg(llm_replicas))
     )
-    return [r.vision_replicas for r in routes]
+    return [r.producer_replicas for r in routes]
 
 
 def route(*, pixel_values, image_grid_thw, vision_replicas, sp_size, pad_empty=False):
@@ -107,9 +107,9 @@ def test_each_llm_replica_reads_every_row_once_from_tp_rank_0_of_its_units(visio
             rows += [x for w in r.units[u].routes if w.endpoint == j for x in w.dst.tolist()]
         assert sorted(rows) == list(range(r.consumer_rows[j])), f"replica {j}"
         # the runtime routes by the planner's routing: exactly its encoder ranks for this replica
-        plan_ranks = set(planned[j].vision_ranks)
+        plan_ranks = set(planned[j].producer_ranks)
         assert {s for s in senders if s is not None} <= plan_ranks
-        assert {v_layout.replica_of(s) for s in senders if s is not None} == set(planned[j].vision_replicas)
+        assert {v_layout.replica_of(s) for s in senders if s is not None} == set(planned[j].producer_replicas)
 
 
 def test_unit_count_mismatch_is_a_routing_error():
