@@ -76,6 +76,7 @@ def _coefficients(cfg):
     return coefficients(cfg.cluster)
 
 
+@pytest.mark.slow  # the profile cache's refit: seconds of fitting, no step math
 def test_runs_refine_the_cache_and_the_plan_names_them(on) -> None:
     cfg = machine_profile(load_config("tiny_vlm", []))
     first = compile_plan(cfg).estimate["step_time_s"]
@@ -96,6 +97,7 @@ def test_a_run_on_other_numbers_is_not_recorded(on) -> None:
     assert record_run(run, cfg) is None
 
 
+@pytest.mark.slow  # the profile cache's refit: seconds of fitting, no step math
 def test_a_cached_run_this_version_cannot_read_is_left_out_of_the_fit(on) -> None:
     cfg = machine_profile(load_config("tiny_vlm", []))
     old, _ = _run_measured_at(on, cfg, 3.0, "old")

@@ -87,6 +87,7 @@ def test_prior_decides_what_the_runs_cannot_tell_apart() -> None:
     assert 1.0 < fit(obs, prior, prior_weight=0.5)["matmul"] / TRUE["matmul"] < 1.15
 
 
+@pytest.mark.slow  # a calibration's profile file end to end; the fit's rules stay in the fast tier
 def test_calibrate_writes_a_profile_that_cluster_names(tmp_path) -> None:
     runs = [
         _fake_run(tmp_path, "a", []),
