@@ -302,7 +302,7 @@ def _run_world(rank: int, world: int, family_name: str, combos: list) -> None:
         _one_step(family, hf, name, d, ac, refs)
 
 
-#: the fast tier trains Qwen2.5-VL's space; the other families' spaces run in the full suite
+#: the family whose whole product (every ZeRO-1 / AC variant of each mesh) trains
 FAST_FAMILY = "qwen2_5_vl"
 
 
@@ -362,20 +362,23 @@ def _part(space: dict, part: str) -> dict:
 
 
 def _cases(family: str) -> list:
-    if family == FAST_FAMILY:  # the fast tier's meshes; the full suite also trains their other variants
-        return [pytest.param(family, "distinct", id=f"{family}-fast"),
+    """Every case runs in the full suite (25 s on 2 cores for Qwen2.5-VL's meshes alone): the fast tier
+    holds each strategy's own parity test and their compositions (tests/parity/test_*_parallel.py,
+    test_vision_sp.py, test_deltanet_tp.py, test_ep_runtime.py, ...)."""
+    if family == FAST_FAMILY:  # its meshes, then their other variants
+        return [pytest.param(family, "distinct", id=f"{family}-meshes", marks=pytest.mark.slow),
                 pytest.param(family, "rest", id=f"{family}-rest", marks=pytest.mark.slow)]  # fmt: skip
     return [pytest.param(family, "distinct", id=family, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("family", "part"), [c for f in sorted(RECIPES) for c in _cases(f)])
 def test_every_emitted_module_plan_trains_one_exact_step(family: str, part: str) -> None:
-    """Every mesh of the space trains one exact step. The fast tier: one layout per distinct mesh of
-    Qwen2.5-VL's space (``_part(..., "distinct")``: each axis and each composition of axes the search
-    emits on 1..4 ranks, with and without SP inside TP, ZeRO-1 on each where emitted, every AC mode
-    meeting every feature); the full suite adds that space's other ZeRO-1 / AC variants (``-rest``),
-    so one family's whole product still trains, and the other families' distinct meshes (their
-    modules differ, not the optimizer or the AC wrapping that the variants vary)."""
+    """Every mesh of the space trains one exact step: one layout per distinct mesh of each family's
+    space (``_part(..., "distinct")``: each axis and each composition of axes the search emits on
+    1..4 ranks, with and without SP inside TP, ZeRO-1 on each where emitted, every AC mode meeting
+    every feature), and Qwen2.5-VL's other ZeRO-1 / AC variants (``-rest``), so one family's whole
+    product trains (the other families' modules differ, not the optimizer or the AC wrapping that
+    the variants vary)."""
     space = _space(RECIPES[family])
     assert sum(len(c) for c in space.values()) >= 35, space  # the space is not trivially small
     assert any(d.cp > 1 for c in space.values() for name, d, _ in c if name == "llm")  # CP is searched

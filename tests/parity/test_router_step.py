@@ -42,6 +42,8 @@ LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 #: family -> the tiny MoE config's keyword
 FAMILIES = {"qwen3_vl_moe": {}, "qwen3_5": {"moe": True}}
+#: the family each test runs in the fast tier (one each, so both families stay there); the full suite runs both
+FAST = {"one_rank": "qwen3_vl_moe", "two_ranks": "qwen3_5"}
 #: the step's 4 samples: (images as (grid_h, grid_w) in patches, text tokens before them)
 SAMPLES = [([(8, 6)], 5), ([(4, 10), (6, 6)], 9), ([], 25), ([(10, 8)], 3)]
 KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
@@ -146,7 +148,10 @@ def assert_matches(family, loss, grads, ref_loss, ref_grads, tag: str) -> None:
     assert any(f.endswith("mlp.gate.weight") for _, f in errors)  # the routers are among those compared
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize(
+    "name",
+    [FAST["one_rank"], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f != FAST["one_rank"])],
+)
 def test_one_rank_every_micro_batch_cut_is_hf_on_the_step(name):
     family, hf_config, ref, modules = build(name)
     parts = samples(hf_config)
@@ -189,7 +194,13 @@ def _ranks(rank: int, world: int, name: str, per_micro_batch: int) -> None:
     assert_matches(family, loss, grads, ref_loss, ref_grads, f"{name} dp={world} x {len(mbs)} micro-batches")
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        FAST["two_ranks"],
+        *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f != FAST["two_ranks"]),
+    ],
+)
 def test_two_ranks_two_micro_batches_each_is_hf_on_the_step(name):
     spawn(_ranks, 2, name, 1)
 
