@@ -30,4 +30,12 @@ def segments(mask_row: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
-__all__ = ["AUDIO", "IMAGE", "TEXT", "VIDEO", "is_packed", "segments"]
+__all__ = ["AUDIO", "IMAGE", "TEXT", "VIDEO", "interleaved_videos", "is_packed", "segments"]
+
+
+def interleaved_videos(mm_token_type_ids: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: the sample holds a video interleaved with its audio track (a video token next to
+    an audio token; a standalone audio sits between its start and end tokens, which are text)."""
+    left, right = mm_token_type_ids[:, :-1], mm_token_type_ids[:, 1:]
+    touch = ((left == VIDEO) & (right == AUDIO)) | ((left == AUDIO) & (right == VIDEO))
+    return touch.any(dim=1)

@@ -33,10 +33,10 @@ from dhp.models.family import HandOff, ModuleParallelPlan, ProducerShard
 from dhp.models.family_base import FamilyBase
 from dhp.models.qwen2_5_omni.arch import audio_axes, omni_llm_axes
 from dhp.models.qwen2_5_omni.audio import audio_token_counts, shard_audio
-from dhp.models.qwen2_5_omni.interleave import interleaved_ids, interleaved_videos
+from dhp.models.qwen2_5_omni.interleave import interleaved_ids
 from dhp.models.qwen2_5_vision.sp import shard_vision_batch
 from dhp.models.qwen2_5_vision.tp import vision_parallel_plan
-from dhp.ops.packed import VIDEO
+from dhp.ops.packed import VIDEO, interleaved_videos
 from dhp.parallel.llm_tp import decoder_tp_plan
 
 #: ``SpecialTokens`` field -> the token's text in Qwen2.5-Omni's tokenizer

@@ -8,10 +8,6 @@ video tokens, then its audio tokens. Pure: lists of ints, no tensors are built b
 
 from __future__ import annotations
 
-import torch
-
-from dhp.ops.packed import AUDIO, VIDEO
-
 
 def chunk_sizes(positions: list[float], per_chunk: int) -> list[int]:
     """The sizes of the runs of ``positions`` (non-decreasing) that fall in ``[j * per_chunk, (j + 1) *
@@ -54,11 +50,3 @@ def interleaved_ids(
         if j < len(audio):
             out += [audio_id] * audio[j]
     return [*out, end_id]
-
-
-def interleaved_videos(mm_token_type_ids: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` bool: the sample holds a video interleaved with its audio track (a video token next to
-    an audio token; a standalone audio sits between its start and end tokens, which are text)."""
-    left, right = mm_token_type_ids[:, :-1], mm_token_type_ids[:, 1:]
-    touch = ((left == VIDEO) & (right == AUDIO)) | ((left == AUDIO) & (right == VIDEO))
-    return touch.any(dim=1)

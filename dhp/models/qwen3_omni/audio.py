@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dhp.errors import ConfigError, ConfigIssue, DataError
-from dhp.ops.packed import AUDIO, VIDEO
 
 #: output rows of one full chunk in transformers' ``_get_feat_extract_output_lengths`` (hard-coded)
 HF_ROWS_PER_CHUNK = 13
@@ -87,14 +86,6 @@ def audio_rows(frames: torch.Tensor, *, n_window: int) -> torch.Tensor:
 def audio_token_counts(audio_lens: torch.Tensor, *, n_window: int) -> list[int]:
     """LLM tokens per audio of ``audio_lens`` mel frames (:func:`audio_rows`)."""
     return [int(n) for n in audio_rows(audio_lens.reshape(-1), n_window=n_window).tolist()]
-
-
-def interleaved_videos(mm_token_type_ids: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` bool: the sample holds a video interleaved with its audio track (a video token next to
-    an audio token: a standalone audio sits between its start and end tokens, which are text)."""
-    left, right = mm_token_type_ids[:, :-1], mm_token_type_ids[:, 1:]
-    touch = ((left == VIDEO) & (right == AUDIO)) | ((left == AUDIO) & (right == VIDEO))
-    return touch.any(dim=1)
 
 
 def window_frames(*, n_window: int, n_window_infer: int) -> int:

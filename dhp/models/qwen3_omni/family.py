@@ -41,13 +41,12 @@ from dhp.models.qwen3_omni.arch import ARCH, AUDIO_EMBEDS, MERGERS, audio_axes
 from dhp.models.qwen3_omni.audio import (
     audio_token_counts,
     check_audio_geometry,
-    interleaved_videos,
     shard_audio,
 )
 from dhp.models.qwen3_vision.config import vision_config_kwargs
 from dhp.models.qwen3_vision.sp import shard_images
 from dhp.models.qwen3_vision.tp import vision_parallel_plan
-from dhp.ops.packed import VIDEO
+from dhp.ops.packed import VIDEO, interleaved_videos
 from dhp.parallel.module_plan import ModuleParallelPlan
 
 #: ``SpecialTokens`` field -> the token's text in Qwen3-Omni's tokenizer
